@@ -1,0 +1,117 @@
+"""The uniform interface of a curvature block (one module's block in one shape).
+
+A block holds the *statistics* of the curvature ``C`` (EMA'd over steps), and after
+:meth:`Block.decompose` a damped decomposition of ``scale·C + damping·I``:
+
+* :meth:`solve` — ``(scale·C + damping·I)⁻¹ v`` (precondition a gradient),
+* :meth:`sample` — a draw from ``N(0, (scale·C + damping·I)⁻¹)``,
+* :meth:`mvp` — ``C v``,
+* :meth:`dense` — ``C`` as a ``[P, P]`` matrix in flat parameter order.
+
+Vectors are passed as lists of parameter-shaped tensors (the covered parameters of the
+module, in ``named_parameters`` order).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .layout import Layout
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics and decompositions run in float32 or wider, whatever the model dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Block(ABC):
+    """One module's curvature in one shape. Subclasses: FullBlock, DiagBlock, KFACBlock."""
+
+    approx: str = ""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.decomposition: Optional[Dict[str, Any]] = None
+
+    # ---- statistics ------------------------------------------------------------------
+    @abstractmethod
+    def tensors(self) -> List[Tensor]:
+        """The raw statistics (for EMA, all-reduce, checkpointing)."""
+
+    @abstractmethod
+    def symmetric(self) -> List[bool]:
+        """For each of :meth:`tensors`: is it a symmetric matrix (upper triangle suffices)."""
+
+    def set_tensors(self, tensors: Sequence[Tensor]) -> None:
+        for dst, src in zip(self.tensors(), tensors):
+            dst.copy_(src)
+
+    def ema_(self, new: "Block", decay: float) -> None:
+        """``self ← decay·self + (1 − decay)·new`` (statistics only)."""
+        for dst, src in zip(self.tensors(), new.tensors()):
+            dst.mul_(decay).add_(src.to(dst.dtype), alpha=1.0 - decay)
+
+    def is_finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in self.tensors())
+
+    @abstractmethod
+    def dense(self) -> Tensor:
+        """``C`` as ``[P, P]`` in flat parameter order."""
+
+    # ---- decomposition and use -----------------------------------------------------------
+    @abstractmethod
+    def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
+                  dtype: Optional[torch.dtype] = None) -> None:
+        """Decompose ``scale·C + damping·I`` (eigendecomposition) for :meth:`solve`/:meth:`sample`."""
+
+    @abstractmethod
+    def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        """``(scale·C + damping·I)⁻¹ v`` for ``v`` given as parameter-shaped tensors."""
+
+    @abstractmethod
+    def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+        """One draw from ``N(0, (scale·C + damping·I)⁻¹)``, parameter-shaped."""
+
+    @abstractmethod
+    def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        """``C v`` for ``v`` given as parameter-shaped tensors."""
+
+    def _require_decomposition(self) -> Dict[str, Any]:
+        if self.decomposition is None:
+            raise RuntimeError(f"block {self.layout.name!r}: call decompose() before solve()/sample()")
+        return self.decomposition
+
+    # ---- checkpointing ---------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"approx": self.approx, "tensors": [t.clone() for t in self.tensors()],
+                "decomposition": None if self.decomposition is None else
+                {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in self.decomposition.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("approx") != self.approx:
+            raise ValueError(f"block {self.layout.name!r}: checkpoint holds a {state.get('approx')!r} block, "
+                             f"expected {self.approx!r}")
+        mine = self.tensors()
+        theirs = state["tensors"]
+        if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+            raise ValueError(f"block {self.layout.name!r}: checkpoint statistics have shapes "
+                             f"{[tuple(b.shape) for b in theirs]}, expected {[tuple(a.shape) for a in mine]}")
+        for a, b in zip(mine, theirs):
+            a.copy_(b)
+        dec = state.get("decomposition")
+        self.decomposition = None if dec is None else dict(dec)
+
+
+def check_positive(evals: Tensor, what: str) -> None:
+    """Raise LinalgError when a damped spectrum is not strictly positive or not finite."""
+    from ..linalg import LinalgError
+
+    if not bool(torch.isfinite(evals).all()):
+        raise LinalgError(f"{what}: non-finite eigenvalues")
+    low = float(evals.min()) if evals.numel() else 1.0
+    if low <= 0:
+        raise LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}); "
+                          "increase damping")

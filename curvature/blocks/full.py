@@ -1,0 +1,59 @@
+"""Full block: the exact ``[P, P]`` curvature of one module's covered parameters."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..linalg import get_backend
+from .base import Block, check_positive, compute_dtype
+from .layout import Layout
+
+
+class FullBlock(Block):
+    """``C`` stored densely, ``[P, P]``; decomposed by a symmetric eigendecomposition."""
+
+    approx = "full"
+
+    def __init__(self, layout: Layout, matrix: Tensor) -> None:
+        super().__init__(layout)
+        self.matrix = matrix.to(compute_dtype(matrix.dtype))
+
+    @classmethod
+    def from_per_example(cls, layout: Layout, grads: Tensor, n: int) -> "FullBlock":
+        """``grads [K, N, P]`` -> ``(1/N) Σ_{k,n} g gᵀ``."""
+        g = grads.reshape(-1, grads.shape[-1]).to(compute_dtype(grads.dtype))
+        return cls(layout, g.t() @ g / n)
+
+    def tensors(self) -> List[Tensor]:
+        return [self.matrix]
+
+    def symmetric(self) -> List[bool]:
+        return [True]
+
+    def dense(self) -> Tensor:
+        return self.matrix
+
+    def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
+                  dtype: Optional[torch.dtype] = None) -> None:
+        evals, evecs = get_backend(backend).eigh(self.matrix, dtype=dtype)
+        denom = scale * evals + damping
+        check_positive(denom, f"full block {self.layout.name!r}")
+        self.decomposition = {"evecs": evecs, "denom": denom}
+
+    def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        d = self._require_decomposition()
+        v = self.layout.flatten(vecs).to(d["evecs"].dtype)
+        out = d["evecs"] @ ((d["evecs"].t() @ v) / d["denom"])
+        return [t.to(x.dtype) for t, x in zip(self.layout.unflatten(out), vecs)]
+
+    def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+        d = self._require_decomposition()
+        q = d["evecs"]
+        z = torch.randn(q.shape[0], generator=generator, dtype=q.dtype, device=q.device)
+        return self.layout.unflatten(q @ (z / d["denom"].sqrt()))
+
+    def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        v = self.layout.flatten(vecs).to(self.matrix.dtype)
+        return [t.to(x.dtype) for t, x in zip(self.layout.unflatten(self.matrix @ v), vecs)]

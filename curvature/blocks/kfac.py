@@ -1,0 +1,150 @@
+"""K-FAC block: ``C ≈ L ⊗ R`` over the row-major ``vec`` of the module's parameter matrix.
+
+For Linear/Conv2d ``L = G`` (output side, ``[d_out, d_out]``) and ``R = A`` (input side, with
+a trailing bias entry when the bias is covered); for Embedding ``L = A`` (a diagonal factor
+stored as ``[V]``) and ``R = G``. ``.A`` and ``.G`` name the factors whatever their side.
+
+Decompositions of ``scale·L⊗R + damping·I``:
+
+* ``method="eigen"`` (exact damping): with ``L = Q_L Λ_L Q_Lᵀ``, ``R = Q_R Λ_R Q_Rᵀ``,
+  ``(scale·L⊗R + λI)⁻¹ vec(V) = vec(Q_L [(Q_Lᵀ V Q_R) ⊘ (scale·λ_L λ_Rᵀ + λ)] Q_Rᵀ)``.
+* ``method="inverse"`` (factored Tikhonov, kfac_pytorch's INVERSE): ``(L + λI)⁻¹ V (R + λI)⁻¹``;
+  an approximation of the damped inverse, used by the KAISA-compatible preconditioner.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..linalg import get_backend
+from .base import Block, check_positive, compute_dtype
+from .layout import Layout
+
+
+def _dense_factor(f: Tensor) -> Tensor:
+    return torch.diag(f) if f.dim() == 1 else f
+
+
+class KFACBlock(Block):
+    """Kronecker-factored block; factors are ``[n, n]`` matrices or ``[n]`` diagonals."""
+
+    approx = "kfac"
+
+    def __init__(self, layout: Layout, left: Tensor, right: Tensor) -> None:
+        super().__init__(layout)
+        self.left = left.to(compute_dtype(left.dtype))
+        self.right = right.to(compute_dtype(right.dtype))
+
+    # ---- names --------------------------------------------------------------------------
+    @property
+    def A(self) -> Tensor:  # noqa: N802 (the field's conventional name)
+        """Input-side factor."""
+        return self.left if self.layout.family.kfac_names()[0] == "A" else self.right
+
+    @property
+    def G(self) -> Tensor:  # noqa: N802
+        """Output-gradient-side factor."""
+        return self.left if self.layout.family.kfac_names()[0] == "G" else self.right
+
+    # ---- statistics -----------------------------------------------------------------------
+    def tensors(self) -> List[Tensor]:
+        return [self.left, self.right]
+
+    def symmetric(self) -> List[bool]:
+        return [self.left.dim() == 2, self.right.dim() == 2]
+
+    def dense(self) -> Tensor:
+        k = torch.kron(_dense_factor(self.left), _dense_factor(self.right))
+        perm = self.layout.matrix_perm().to(k.device)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return k[inv][:, inv]
+
+    # ---- matrices <-> parameter lists ---------------------------------------------------------
+    def _to_matrix(self, vecs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        m = self.layout.family.to_matrix(self.layout.module, list(vecs), self.layout.param_names)
+        return m.to(dtype)
+
+    def _from_matrix(self, m: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+        parts = self.layout.family.from_matrix(self.layout.module, m, self.layout.param_names)
+        return [p.to(x.dtype).contiguous() for p, x in zip(parts, like)]
+
+    # ---- decomposition -------------------------------------------------------------------------
+    def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
+                  dtype: Optional[torch.dtype] = None, method: str = "eigen") -> None:
+        if method == "eigen":
+            (el, ql), (er, qr) = (self._eig(f, backend, dtype) for f in (self.left, self.right))
+            denom = scale * torch.outer(el, er.to(el.dtype)) + damping
+            check_positive(denom, f"K-FAC block {self.layout.name!r}")
+            self.decomposition = {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
+        elif method == "inverse":
+            lb = get_backend(backend)
+            inv = []
+            for f in (self.left, self.right):
+                f = f.to(dtype) if dtype is not None else f
+                if f.dim() == 1:
+                    d = scale * f + damping
+                    check_positive(d, f"K-FAC factor of {self.layout.name!r}")
+                    inv.append(1.0 / d)
+                else:
+                    inv.append(lb.damped_inv(scale * f, damping, dtype=dtype))
+                scale = 1.0  # the scale multiplies the Kronecker product once
+            self.decomposition = {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
+        else:
+            raise ValueError(f"method={method!r} is not supported; expected 'eigen' or 'inverse'")
+
+    @staticmethod
+    def _eig(f: Tensor, backend: Optional[str], dtype: Optional[torch.dtype]) -> Tuple[Tensor, Optional[Tensor]]:
+        if f.dim() == 1:
+            return (f.to(dtype) if dtype is not None else f), None
+        evals, evecs = get_backend(backend).eigh(f, dtype=dtype)
+        return evals.clamp_min(0.0), evecs
+
+    # ---- use -------------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_left(q: Optional[Tensor], m: Tensor, transpose: bool) -> Tensor:
+        if q is None:
+            return m
+        return (q.t() if transpose else q) @ m
+
+    @staticmethod
+    def _apply_right(m: Tensor, q: Optional[Tensor], transpose: bool) -> Tensor:
+        if q is None:
+            return m
+        return m @ (q.t() if transpose else q)
+
+    @staticmethod
+    def _mul_factor_left(f: Tensor, m: Tensor) -> Tensor:
+        return f.unsqueeze(1) * m if f.dim() == 1 else f @ m
+
+    @staticmethod
+    def _mul_factor_right(m: Tensor, f: Tensor) -> Tensor:
+        return m * f.unsqueeze(0) if f.dim() == 1 else m @ f
+
+    def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        d = self._require_decomposition()
+        if d["method"] == "eigen":
+            ql, qr = d["ql"], d["qr"]
+            m = self._to_matrix(vecs, d["denom"].dtype)
+            rot = self._apply_right(self._apply_left(ql, m, True), qr, False)
+            out = self._apply_right(self._apply_left(ql, rot / d["denom"], False), qr, True)
+        else:
+            m = self._to_matrix(vecs, d["linv"].dtype)
+            out = self._mul_factor_right(self._mul_factor_left(d["linv"], m), d["rinv"])
+        return self._from_matrix(out, vecs)
+
+    def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+        d = self._require_decomposition()
+        if d["method"] != "eigen":
+            raise NotImplementedError("sampling needs method='eigen' (the inverse method is not an exact precision)")
+        denom = d["denom"]
+        z = torch.randn(denom.shape, generator=generator, dtype=denom.dtype, device=denom.device)
+        m = self._apply_right(self._apply_left(d["ql"], z / denom.sqrt(), False), d["qr"], True)
+        like = [torch.empty(s, dtype=denom.dtype) for s in self.layout.shapes]
+        return self._from_matrix(m, like)
+
+    def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        m = self._to_matrix(vecs, self.left.dtype)
+        return self._from_matrix(self._mul_factor_right(self._mul_factor_left(self.left, m), self.right), vecs)

@@ -1,0 +1,60 @@
+"""Where a block's parameters live: the module, its family, the covered parameter names/shapes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..modules.base import LayerFamily
+
+
+@dataclass
+class Layout:
+    """The covered parameters of one module, in ``named_parameters`` order.
+
+    ``flatten`` / ``unflatten`` convert between a list of parameter-shaped tensors and the
+    flat ``[P]`` vector ordered like ``torch.cat([p.flatten() for p in params])``.
+    """
+
+    name: str
+    module: nn.Module
+    family: LayerFamily
+    param_names: Tuple[str, ...]
+    shapes: Tuple[torch.Size, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            mods = dict(self.module.named_parameters(recurse=False))
+            self.shapes = tuple(mods[n].shape for n in self.param_names)
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        mods = dict(self.module.named_parameters(recurse=False))
+        return [mods[n] for n in self.param_names]
+
+    @property
+    def numel(self) -> int:
+        return int(sum(math.prod(s) for s in self.shapes))
+
+    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        """List of parameter-shaped tensors -> ``[P]``."""
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def unflatten(self, flat: Tensor) -> List[Tensor]:
+        """``[P]`` -> list of parameter-shaped tensors."""
+        out, i = [], 0
+        for s in self.shapes:
+            k = int(math.prod(s))
+            out.append(flat[i:i + k].reshape(s))
+            i += k
+        return out
+
+    def matrix_perm(self) -> Tensor:
+        """``perm[j]`` = flat parameter index of entry ``j`` of row-major ``vec(M)`` (K-FAC layout)."""
+        idx = torch.arange(self.numel, dtype=torch.float64)
+        parts = self.unflatten(idx)
+        m = self.family.to_matrix(self.module, parts, self.param_names)
+        return m.reshape(-1).round().long()

@@ -1,0 +1,88 @@
+"""Capture: forward hooks that record what the curvature needs while the model runs.
+
+For every covered module the hook records its inputs (detached) and its output tensor
+(kept in the graph, so gradients w.r.t. it can be taken). The module's output is replaced
+by a clone so that an in-place op right after the layer (``nn.ReLU(inplace=True)``) cannot
+overwrite the recorded tensor. Optionally, tensor hooks also record the gradient w.r.t.
+the output during the user's own ``backward()`` (empirical-Fisher / kfac_pytorch style).
+
+Models are ordinary ``nn.Module``s: functional activations, residual additions, pooling,
+flatten and so on need nothing special.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class ModuleRecord:
+    """What one forward recorded for one module."""
+
+    inputs: Tuple[Tensor, ...]
+    output: Tensor
+    backward_grads: List[Tensor] = field(default_factory=list)
+
+
+class Capture:
+    """Context manager recording ``ModuleRecord``s for ``modules`` during one forward.
+
+    Args:
+        modules: module name -> module to record.
+        root: the model; when ``on_output`` is given it is called with the model's output
+            right after the model's forward returns (before any user ``backward``).
+        on_output: callback ``f(output)``.
+        record_backward: also record ``∂loss/∂output`` of each module during the user's backward.
+    """
+
+    def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
+                 on_output: Optional[Callable[[Tensor], None]] = None,
+                 record_backward: bool = False) -> None:
+        self.modules = modules
+        self.root = root
+        self.on_output = on_output
+        self.record_backward = record_backward
+        self.records: Dict[str, ModuleRecord] = {}
+        self.outputs: List[Tensor] = []
+        self._handles: List[RemovableHandle] = []
+
+    def __enter__(self) -> "Capture":
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_hook(self._make_hook(name)))
+        if self.root is not None and self.on_output is not None:
+            self._handles.append(self.root.register_forward_hook(self._root_hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _make_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
+            if not torch.is_grad_enabled():
+                return None
+            if name in self.records:
+                raise ValueError(
+                    f"module {name!r} ({type(module).__name__}) was called more than once in one forward; "
+                    "modules reused within a forward (shared layers) are not supported")
+            if not isinstance(output, Tensor):
+                raise TypeError(f"module {name!r} returned {type(output).__name__}, expected a Tensor")
+            rec = ModuleRecord(inputs=tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs),
+                               output=output)
+            self.records[name] = rec
+            if self.record_backward and output.requires_grad:
+                output.register_hook(lambda g, rec=rec: rec.backward_grads.append(g.detach()))
+            return output.clone() if output.requires_grad else None
+        return hook
+
+    def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.outputs.append(output)
+        assert self.on_output is not None
+        self.on_output(output)

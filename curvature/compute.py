@@ -1,0 +1,45 @@
+"""One-shot curvature of a batch: ``curvature.compute(model, inputs, targets, ...)``."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .engine import CurvatureEngine
+from .result import Curvature
+from .selection import ApproxSpec, SkipSpec
+
+
+def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets: Tensor, *,
+            loss: str = "cross_entropy", kind: str = "fisher", approx: ApproxSpec = "full",
+            mc_samples: int = 1, generator: Optional[torch.Generator] = None,
+            skip_modules: SkipSpec = None) -> Curvature:
+    """Curvature of the mean loss ``(1/N) Σ_n ℓ_n`` of ``model`` on one batch.
+
+    Args:
+        model: an ``nn.Module`` mapping ``inputs`` to outputs ``[N, C]`` (logits) or ``[N, ...]``.
+        inputs: a tensor ``[N, ...]`` or a tuple of tensors passed as ``model(*inputs)``.
+        targets: ``[N]`` class indices (cross_entropy) or the output's shape (mse).
+        loss: ``"cross_entropy"`` or ``"mse"`` (½‖y − f‖²).
+        kind: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
+        approx: ``"full" | "diag" | "kfac"`` or a dict (see :mod:`curvature.selection`).
+        mc_samples: sampled labels per example for ``fisher_mc``.
+        generator: ``torch.Generator`` for the label sampling.
+        skip_modules: module names (regex) or types to leave uncovered.
+
+    Returns:
+        :class:`Curvature` with ``.blocks`` and ``.dense()``.
+    """
+    engine = CurvatureEngine(model, kind=kind, approx=approx, loss=loss, mc_samples=mc_samples,
+                             skip_modules=skip_modules)
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not all(isinstance(x, Tensor) for x in args):
+        raise TypeError("inputs must be a Tensor or a tuple of Tensors")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    with torch.enable_grad(), engine.capture() as cap:
+        outputs = model(*args)
+    blocks = engine.estimate(cap, outputs, targets, generator)
+    return Curvature(blocks=blocks, layouts=engine.layouts, kind=engine.kind.value,
+                     approx={n: a.value for n, a in engine.approx.items()})

@@ -1,0 +1,153 @@
+"""The curvature engine: capture → estimate, shared by every public face.
+
+:class:`CurvatureEngine` knows which modules are covered and in which shape; it records a
+forward (:meth:`capture`) and turns the record into one fresh block per module
+(:meth:`estimate`). It holds no running state: EMAs, decompositions and communication
+belong to whoever uses the blocks (see :class:`curvature.running.RunningCurvature`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import likelihoods
+from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
+from .blocks.base import compute_dtype
+from .capture import Capture, ModuleRecord
+from .hessian import hessian_blocks
+from .modules.base import flat_per_example
+from .options import Approx, Kind, LossType, parse
+from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
+
+logger = logging.getLogger(__name__)
+
+#: per-example gradients are materialized at most this many examples at a time (diag/full)
+_EXAMPLE_CHUNK = 64
+
+
+class CurvatureEngine:
+    """Capture and estimation of ``kind`` curvature in per-module shapes.
+
+    Args:
+        model: any ``nn.Module``; covered modules are found by :func:`select_layouts`.
+        kind: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
+        approx: a shape name or a dict (see :mod:`curvature.selection`).
+        loss: ``"cross_entropy" | "mse"``.
+        mc_samples: labels sampled per example for ``fisher_mc`` (>= 1).
+        skip_modules: module names (regex) or types to leave uncovered.
+    """
+
+    def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
+                 loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None) -> None:
+        self.kind = parse(Kind, kind, "kind")
+        self.loss = parse(LossType, loss, "loss")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples={mc_samples!r} is invalid; expected an int >= 1")
+        self.mc_samples = mc_samples
+        self.model = model
+        self.layouts, self.approx = select_layouts(model, approx, skip_modules)
+        if self.kind is Kind.HESSIAN:
+            bad = [n for n, a in self.approx.items() if a is Approx.KFAC]
+            if bad:
+                raise NotImplementedError(
+                    f"K-FAC of the Hessian is not implemented (modules {bad}); use approx='full' or 'diag' "
+                    "with kind='hessian', or a Fisher kind with K-FAC")
+
+    @property
+    def params(self) -> list:
+        """Covered parameters in ``named_parameters`` order."""
+        return covered_parameters(self.layouts)
+
+    def capture(self, on_output: Optional[Callable[[Tensor], None]] = None,
+                record_backward: bool = False) -> Capture:
+        """A context manager recording the next forward of the model."""
+        return Capture({n: lay.module for n, lay in self.layouts.items()}, root=self.model,
+                       on_output=on_output, record_backward=record_backward)
+
+    # ---- estimation -------------------------------------------------------------------
+    def estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,
+                 generator: Optional[torch.Generator] = None) -> Dict[str, Block]:
+        """Fresh blocks of the curvature of the mean loss over the recorded batch.
+
+        ``outputs``: the model output recorded by ``capture`` (still in the graph);
+        ``targets``: needed for ``empirical_fisher`` and ``hessian``.
+        """
+        likelihoods.check_outputs_targets(self.loss, outputs, targets)
+        if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
+            raise ValueError(f"kind={self.kind.value!r} needs the targets")
+        missing = [n for n in self.layouts if n not in capture.records]
+        if missing:
+            raise ValueError(f"covered modules {missing} were not called in the forward pass; "
+                             "exclude them with skip_modules or freeze their parameters")
+        if self.kind is Kind.HESSIAN:
+            loss = likelihoods.mean_nll(self.loss, outputs, targets)
+            return hessian_blocks(loss, self.layouts, self.approx)
+        vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
+                                               self.mc_samples, generator)
+        grads = self.output_grads(capture, outputs, vectors)
+        return self.blocks_from_grads(capture.records, grads, outputs.shape[0])
+
+    def estimate_from_backward(self, capture: Capture, batch_size: Optional[int] = None,
+                               loss_scale: Optional[float] = None) -> Dict[str, Block]:
+        """Empirical-Fisher-type blocks from the gradients recorded during the user's backward.
+
+        The recorded gradient of a mean-reduced loss is ``∇ℓ_n / N``; it is multiplied by
+        ``loss_scale`` (default ``N``) to recover per-example gradients.
+        """
+        grads = {}
+        for name, rec in capture.records.items():
+            if not rec.backward_grads:
+                raise RuntimeError(f"no gradient was recorded for module {name!r}; call backward() inside the closure")
+            n = rec.output.shape[0]
+            s = float(loss_scale if loss_scale is not None else n)
+            grads[name] = (sum(rec.backward_grads) * s).unsqueeze(0)
+        n = batch_size if batch_size is not None else next(iter(capture.records.values())).output.shape[0]
+        return self.blocks_from_grads(capture.records, grads, n)
+
+    def output_grads(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Dict[str, Tensor]:
+        """``{module: [K, N, *out]}``: gradients of ``<outputs, v_k>`` w.r.t. each module output."""
+        names = list(self.layouts)
+        outs = [capture.records[n].output for n in names]
+        per_k = []
+        for k in range(vectors.shape[0]):
+            g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
+                                    retain_graph=True, allow_unused=True)
+            per_k.append([gi if gi is not None else torch.zeros_like(o) for gi, o in zip(g, outs)])
+        return {n: torch.stack([per_k[k][i] for k in range(len(per_k))]) for i, n in enumerate(names)}
+
+    def blocks_from_grads(self, records: Dict[str, ModuleRecord], grads: Dict[str, Tensor],
+                          batch_size: int) -> Dict[str, Block]:
+        """Per-module blocks from recorded inputs and output gradients ``[K, N, *out]``."""
+        blocks: Dict[str, Block] = {}
+        for name, lay in self.layouts.items():
+            rec = records[name]
+            fam, mod = lay.family, lay.module
+            g = fam.normal_output_grad(mod, grads[name].detach())
+            a = fam.normal_input(mod, rec.inputs, rec.output)
+            dt = compute_dtype(g.dtype if g.dtype.is_floating_point else torch.float32)
+            g = g.to(dt)
+            if a.dtype.is_floating_point:
+                a = a.to(dt)
+            shape = self.approx[name]
+            if shape is Approx.KFAC:
+                left, right = fam.kfac_factors(mod, a, g, lay.param_names)
+                blocks[name] = KFACBlock(lay, left, right)
+            else:
+                blocks[name] = self._per_example_block(lay, shape, a, g, batch_size)
+        return blocks
+
+    @staticmethod
+    def _per_example_block(lay: Layout, shape: Approx, a: Tensor, g: Tensor, n: int) -> Block:
+        total: Optional[Tensor] = None
+        for s in range(0, a.shape[0], _EXAMPLE_CHUNK):
+            pe = lay.family.per_example_grads(lay.module, a[s:s + _EXAMPLE_CHUNK],
+                                              g[:, s:s + _EXAMPLE_CHUNK], lay.param_names)
+            flat = flat_per_example(pe, lay.param_names).reshape(-1, lay.numel)
+            part = flat.pow(2).sum(0) if shape is Approx.DIAG else flat.t() @ flat
+            total = part if total is None else total + part
+        assert total is not None
+        total = total / n
+        return DiagBlock(lay, total) if shape is Approx.DIAG else FullBlock(lay, total)

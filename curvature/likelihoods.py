@@ -1,0 +1,127 @@
+"""Likelihoods: per-example NLL, label sampling, and the square root of the output Hessian.
+
+Conventions (all per example ``n``; the loss of a batch is the MEAN over examples):
+
+* categorical (``cross_entropy``): ``ℓ_n = -log softmax(f_n)[y_n]``, outputs ``f`` of shape
+  ``[N, C]`` (logits), targets ``[N]`` integer class indices.
+* Gaussian with unit variance (``mse``): ``ℓ_n = ½‖y_n − f_n‖²``, outputs ``[N, D]`` (or
+  ``[N]``), targets of the same shape.
+
+Every quantity the engine needs from a likelihood is a set of *output-space vectors*
+``v[k, n]`` (shape ``[K, N, *out]``) such that the curvature of interest is
+``(1/N) Σ_n Σ_k (J_nᵀ v_kn)(J_nᵀ v_kn)ᵀ`` with ``J_n = ∂f_n/∂θ``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .options import LossType
+
+
+def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Tensor]) -> None:
+    """Validate the shapes of ``outputs`` and ``targets``; ValueError naming the mismatch."""
+    if not isinstance(outputs, Tensor):
+        raise TypeError(f"the model output must be a Tensor, got {type(outputs).__name__}")
+    if loss is LossType.CROSS_ENTROPY:
+        if outputs.dim() != 2:
+            raise ValueError(
+                f"loss='cross_entropy' expects model outputs (logits) of shape [N, C], got {tuple(outputs.shape)}")
+        if targets is None:
+            return
+        if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"loss='cross_entropy' expects integer class targets, got dtype {targets.dtype}")
+        if targets.shape != outputs.shape[:1]:
+            raise ValueError(
+                f"loss='cross_entropy' expects targets of shape [N]={tuple(outputs.shape[:1])}, got {tuple(targets.shape)}")
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= outputs.shape[1]):
+            raise ValueError(
+                f"targets must be class indices in [0, {outputs.shape[1]}), got range "
+                f"[{int(targets.min())}, {int(targets.max())}]")
+    else:
+        if outputs.dim() < 1:
+            raise ValueError(f"loss='mse' expects outputs of shape [N, ...], got a scalar")
+        if targets is not None and targets.shape != outputs.shape:
+            raise ValueError(
+                f"loss='mse' expects targets of the output's shape {tuple(outputs.shape)}, got {tuple(targets.shape)}")
+
+
+def per_example_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
+    """Per-example negative log-likelihood, shape ``[N]``."""
+    if loss is LossType.CROSS_ENTROPY:
+        return F.cross_entropy(outputs, targets.long(), reduction="none")
+    diff = (outputs - targets).reshape(outputs.shape[0], -1)
+    return 0.5 * diff.pow(2).sum(dim=1)
+
+
+def mean_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
+    """Mean negative log-likelihood over the batch (a scalar): the loss ``L`` whose curvature we take."""
+    return per_example_nll(loss, outputs, targets).mean()
+
+
+def nll_grad(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
+    """``∇_f ℓ_n`` for every example, shape of ``outputs`` (no autograd involved)."""
+    f = outputs.detach()
+    if loss is LossType.CROSS_ENTROPY:
+        return torch.softmax(f, dim=1) - F.one_hot(targets.long(), f.shape[1]).to(f.dtype)
+    return f - targets.to(f.dtype)
+
+
+def sample_targets(loss: LossType, outputs: Tensor, num_samples: int,
+                   generator: Optional[torch.Generator] = None) -> Tensor:
+    """Draw ``num_samples`` labels per example from the model's predictive ``p(y | f_n)``.
+
+    Returns ``[S, N]`` class indices (categorical) or ``[S, *outputs.shape]`` (Gaussian).
+    """
+    f = outputs.detach()
+    if loss is LossType.CROSS_ENTROPY:
+        probs = torch.softmax(f.to(torch.float64 if f.dtype == torch.float64 else torch.float32), dim=1)
+        draws = torch.multinomial(probs, num_samples, replacement=True, generator=generator)  # [N, S]
+        return draws.t().contiguous()
+    noise = torch.randn((num_samples,) + tuple(f.shape), generator=generator, dtype=f.dtype, device=f.device)
+    return f.unsqueeze(0) + noise
+
+
+def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:
+    """Columns ``S[k, n]`` with ``Σ_k S[k,n] S[k,n]ᵀ = ∂²ℓ_n/∂f_n²``; shape ``[K, N, *out]``.
+
+    Categorical: ``H = diag(p) − p pᵀ = M Mᵀ`` with ``M = diag(√p) − p √pᵀ`` (K = C).
+    Gaussian: ``H = I`` (K = number of output entries per example).
+    """
+    f = outputs.detach()
+    if loss is LossType.CROSS_ENTROPY:
+        p = torch.softmax(f, dim=1)  # [N, C]
+        s = p.sqrt()
+        m = torch.diag_embed(s) - p.unsqueeze(2) * s.unsqueeze(1)  # [N, C(row: output), C(col: k)]
+        return m.permute(2, 0, 1).contiguous()
+    n = f.shape[0]
+    d = f[0].numel() if n else int(math.prod(f.shape[1:]))
+    eye = torch.eye(d, dtype=f.dtype, device=f.device)  # [K=d, d]
+    return eye.unsqueeze(1).expand(d, n, d).reshape((d,) + tuple(f.shape)).contiguous()
+
+
+def backprop_vectors(loss: LossType, kind: "Kind", outputs: Tensor, targets: Optional[Tensor],
+                     mc_samples: int = 1, generator: Optional[torch.Generator] = None) -> Tensor:
+    """The output-space vectors ``v[k, n]`` (shape ``[K, N, *out]``) for a Fisher-type kind.
+
+    * ``fisher``: the square root of the output Hessian (exact Fisher = GGN).
+    * ``fisher_mc``: ``∇_f ℓ(f_n, ỹ_s) / √S`` for ``S = mc_samples`` labels ``ỹ`` sampled from the model.
+    * ``empirical_fisher``: ``∇_f ℓ(f_n, y_n)`` with the given targets (K = 1).
+    """
+    from .options import Kind
+
+    if kind is Kind.FISHER:
+        return sqrt_output_hessian(loss, outputs)
+    if kind is Kind.FISHER_MC:
+        ys = sample_targets(loss, outputs, mc_samples, generator)
+        scale = 1.0 / math.sqrt(mc_samples)
+        return torch.stack([nll_grad(loss, outputs, y) * scale for y in ys])
+    if kind is Kind.EMPIRICAL_FISHER:
+        if targets is None:
+            raise ValueError("kind='empirical_fisher' needs the true targets")
+        return nll_grad(loss, outputs, targets).unsqueeze(0)
+    raise ValueError(f"kind={kind.value!r} is not a Fisher-type kind")

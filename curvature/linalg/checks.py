@@ -1,0 +1,124 @@
+"""Input validation and the compute-dtype policy shared by every backend.
+
+All functions here are pure and operate on torch tensors; they run before a backend
+sees the data, so every backend validates and casts identically.
+
+Dtype policy: decompositions run in ``max(float32, input dtype)`` — float16 and
+bfloat16 inputs are computed in float32, float32 stays float32, float64 stays
+float64 — unless the caller passes ``dtype`` explicitly (float32 or float64 only).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .errors import LinalgError
+
+__all__ = [
+    "COMPUTE_DTYPES",
+    "resolve_compute_dtype",
+    "check_finite",
+    "check_square",
+    "check_nonnegative_scalar",
+    "prepare_symmetric",
+]
+
+#: Dtypes a decomposition may run in.
+COMPUTE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+
+
+def resolve_compute_dtype(
+    input_dtypes: Sequence[torch.dtype], requested: Optional[torch.dtype], op: str
+) -> torch.dtype:
+    """Return the dtype ``op`` computes in.
+
+    Args:
+        input_dtypes: dtypes of the tensor arguments (all must be real floating).
+        requested: explicit compute dtype, or ``None`` for ``max(float32, inputs)``.
+        op: operation name, for error messages.
+
+    Raises:
+        ValueError: an input is not a real floating dtype, or ``requested`` is not
+            float32/float64.
+    """
+    for dt in input_dtypes:
+        if not dt.is_floating_point:
+            raise ValueError(
+                f"{op}: expected a real floating-point tensor "
+                f"(float16, bfloat16, float32 or float64), got dtype {dt}"
+            )
+    if requested is not None:
+        if requested not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"{op}: dtype must be one of {COMPUTE_DTYPES} or None, got {requested!r}"
+            )
+        return requested
+    return torch.float64 if torch.float64 in input_dtypes else torch.float32
+
+
+def check_finite(t: Tensor, op: str, what: str, backend: str) -> None:
+    """Raise :class:`LinalgError` if ``t`` holds NaN or Inf (synchronizes on GPU)."""
+    if not bool(torch.isfinite(t).all()):
+        n_bad = int((~torch.isfinite(t)).sum())
+        raise LinalgError(
+            f"{op} ({backend} backend): {what} of shape {tuple(t.shape)} and dtype "
+            f"{t.dtype} contains {n_bad} non-finite value(s) (NaN or Inf)"
+        )
+
+
+def check_square(a: Tensor, op: str, what: str = "input") -> int:
+    """Check ``a`` is ``[..., n, n]`` and return ``n``.
+
+    Raises:
+        ValueError: ``a`` has fewer than 2 dims or its last two differ.
+    """
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(
+            f"{op}: {what} must be a (batch of) square matrices [..., n, n], "
+            f"got shape {tuple(a.shape)}"
+        )
+    return a.shape[-1]
+
+
+def check_nonnegative_scalar(value: float, name: str, op: str) -> float:
+    """Return ``value`` as a float after checking it is finite and ``>= 0``.
+
+    Raises:
+        ValueError: ``value`` is not a real number, is negative, NaN or infinite.
+    """
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{op}: {name} must be a real number, got {value!r}") from exc
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"{op}: {name} must be finite and >= 0, got {value!r}")
+    return x
+
+
+def prepare_symmetric(
+    a: Tensor, dtype: Optional[torch.dtype], op: str, backend: str
+) -> Tensor:
+    """Validate ``a`` and return ``(a + aᵀ) / 2`` in the compute dtype.
+
+    Args:
+        a: ``[..., n, n]`` real matrix (or batch of matrices), any device.
+        dtype: explicit compute dtype or ``None`` (see module docstring).
+        op: operation name, for error messages.
+        backend: backend name, for error messages.
+
+    Returns:
+        ``[..., n, n]`` symmetric tensor on ``a.device`` in the compute dtype,
+        detached from autograd (the backends are not differentiable).
+
+    Raises:
+        ValueError: wrong shape or dtype.
+        LinalgError: ``a`` holds NaN or Inf.
+    """
+    check_square(a, op)
+    compute = resolve_compute_dtype([a.dtype], dtype, op)
+    a = a.detach().to(compute)
+    check_finite(a, op, "input", backend)
+    return (a + a.mT) * 0.5

@@ -1,0 +1,27 @@
+"""Per-layer-family math. Adding a layer = adding one small file and one registry entry."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import nn
+
+from .base import LayerFamily
+from .conv import Conv2dFamily
+from .embedding import EmbeddingFamily
+from .linear import LinearFamily
+from .norm import BatchNormFamily, LayerNormFamily
+
+FAMILIES: Tuple[LayerFamily, ...] = (
+    LinearFamily(), Conv2dFamily(), BatchNormFamily(), LayerNormFamily(), EmbeddingFamily(),
+)
+
+
+def family_of(module: nn.Module) -> Optional[LayerFamily]:
+    """The family handling ``module``'s exact type, or None."""
+    for fam in FAMILIES:
+        if isinstance(module, fam.module_types):
+            return fam
+    return None
+
+
+__all__ = ["LayerFamily", "FAMILIES", "family_of"]

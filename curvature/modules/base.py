@@ -1,0 +1,98 @@
+"""The contract every layer family implements, in one normal form.
+
+Each supported layer is converted to
+
+* ``a``: the layer's *input features* in normal form ``[N, T, d_in]`` (``T`` = weight-sharing
+  positions: 1 for a plain Linear, ``H_out·W_out`` unfolded patches for Conv2d, spatial
+  positions for BatchNorm2d, leading dims for LayerNorm). For BatchNorm/LayerNorm it is the
+  normalized input ``x̂``; for Embedding the token indices ``[N, T]``.
+* ``g``: gradients w.r.t. the layer's output in normal form ``[K, N, T, d_out]`` (``K``
+  backpropagated vectors per example, see :mod:`curvature.likelihoods`).
+
+From ``(a, g)`` a family produces per-example gradients of its covered parameters and,
+where meaningful, Kronecker factors. The blocks never know which layer they came from.
+
+Parameter matrix (for K-FAC): every K-FAC-capable family lays its covered parameters out
+as one matrix ``M`` of shape ``[rows, cols]`` and the K-FAC block is ``L ⊗ R`` over
+row-major ``vec(M)``, ``L`` of size ``rows`` and ``R`` of size ``cols``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+class LayerFamily:
+    """Base class: the math of one layer family. Subclasses are stateless."""
+
+    #: the ``nn.Module`` types this family covers
+    module_types: Tuple[type, ...] = ()
+    #: whether a K-FAC factorization is defined for this family
+    supports_kfac: bool = False
+
+    # ---- parameters -------------------------------------------------------------------
+    def covered_params(self, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+        """Direct parameters that require grad, in ``named_parameters`` order."""
+        return [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+    # ---- normal form ------------------------------------------------------------------
+    def validate(self, module: nn.Module) -> None:
+        """Raise ValueError for a configuration of the layer that is not supported."""
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        """``a`` in normal form (see module docstring). Detached."""
+        raise NotImplementedError
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        """``g`` of shape ``[K, N, *output.shape[1:]]`` -> ``[K, N, T, d_out]``."""
+        raise NotImplementedError
+
+    # ---- per-example gradients -----------------------------------------------------------
+    def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
+                          names: Sequence[str]) -> Dict[str, Tensor]:
+        """Per-example gradients ``{name: [K, N, *param.shape]}`` for the covered ``names``."""
+        raise NotImplementedError
+
+    # ---- K-FAC ----------------------------------------------------------------------------
+    def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
+                     names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        """``(L, R)`` Kronecker factors of the block over row-major ``vec(M)``.
+
+        A factor is a symmetric ``[n, n]`` matrix or a 1-D ``[n]`` tensor for a diagonal factor.
+        """
+        raise NotImplementedError(f"K-FAC is not defined for {type(module).__name__}")
+
+    def kfac_names(self) -> Tuple[str, str]:
+        """Which of ``(L, R)`` is the input-side factor ``A`` and which the output-side ``G``."""
+        return ("G", "A")
+
+    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+        """Pack per-parameter tensors (param shapes, covered order) into ``M [rows, cols]``."""
+        raise NotImplementedError
+
+    def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
+        """Inverse of :meth:`to_matrix`."""
+        raise NotImplementedError
+
+
+def flat_per_example(grads: Dict[str, Tensor], names: Sequence[str]) -> Tensor:
+    """``{name: [K, N, *shape]}`` -> ``[K, N, P]`` concatenated in ``names`` order."""
+    parts = [grads[n].reshape(grads[n].shape[0], grads[n].shape[1], -1) for n in names]
+    return torch.cat(parts, dim=2)
+
+
+def sum_outer(x: Tensor) -> Tensor:
+    """``Σ_i x_i x_iᵀ`` for ``x`` of shape ``[..., d]`` (all leading dims summed): ``[d, d]``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2.t() @ x2
+
+
+def ones_column(a: Tensor) -> Tensor:
+    """Append a column of ones on the last dim: ``[..., d] -> [..., d + 1]`` (bias as an input)."""
+    return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
+
+
+def maybe_none(x: Optional[Tensor]) -> bool:
+    return x is None

@@ -1,0 +1,68 @@
+"""nn.Embedding: a Linear layer on one-hot inputs.
+
+Normal form: ``a = indices [N, T]`` (long), ``g [K, N, T, D]``. Per-example gradient of the
+weight ``[V, D]``: ``Σ_t e_{i_t} g_tᵀ`` (rows at ``padding_idx`` stay zero).
+
+K-FAC (Kronecker order ``A ⊗ G`` over row-major ``vec(W)``, W of shape ``[V, D]``):
+``A = diag((1/(N·T)) Σ_{n,t} e_{i_nt})`` — a *diagonal* factor stored as a 1-D ``[V]`` tensor
+(one-hot inputs are orthogonal) — and ``G = (1/N) Σ_{k,n,t} g gᵀ`` ``[D, D]``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import LayerFamily, sum_outer
+
+
+class EmbeddingFamily(LayerFamily):
+    module_types = (nn.Embedding,)
+    supports_kfac = True
+
+    def validate(self, module: nn.Module) -> None:
+        if module.sparse:
+            raise ValueError("Embedding(sparse=True) is not supported; use sparse=False")
+        if module.max_norm is not None:
+            raise ValueError("Embedding(max_norm=...) renormalizes weights in forward and is not supported")
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        idx = inputs[0].detach()
+        return idx.reshape(idx.shape[0], -1) if idx.dim() > 0 else idx.reshape(1, 1)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+
+    def _one_hot(self, module: nn.Module, a: Tensor, dtype: torch.dtype) -> Tensor:
+        oh = F.one_hot(a.long(), module.num_embeddings).to(dtype)  # [N, T, V]
+        if module.padding_idx is not None:
+            oh[..., module.padding_idx] = 0
+        return oh
+
+    def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
+                          names: Sequence[str]) -> Dict[str, Tensor]:
+        oh = self._one_hot(module, a, g.dtype)
+        return {"weight": torch.einsum("ntv,kntd->knvd", oh, g)}
+
+    def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
+                     names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        if "weight" not in names:
+            raise ValueError("K-FAC for Embedding needs a trainable weight")
+        n, t = a.shape[0], a.shape[1]
+        oh = self._one_hot(module, a, g.dtype)
+        big_a = oh.reshape(-1, oh.shape[-1]).sum(dim=0) / (n * t)
+        if module.padding_idx is not None:
+            g = g * (a != module.padding_idx).to(g.dtype).unsqueeze(0).unsqueeze(-1)
+        big_g = sum_outer(g) / n
+        return big_a, big_g
+
+    def kfac_names(self) -> Tuple[str, str]:
+        return ("A", "G")
+
+    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+        return tensors[0].reshape(module.weight.shape)
+
+    def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
+        return [matrix.reshape(module.weight.shape)]

@@ -1,0 +1,88 @@
+"""nn.Linear (and the unfolded-patch form of nn.Conv2d shares these helpers).
+
+Normal form: ``a [N, T, d_in]`` (T = all leading dims between batch and features, 1 for
+plain batches), ``g [K, N, T, d_out]``.
+
+K-FAC (Kronecker order ``G ⊗ A`` over row-major ``vec([W | b])``, bias as an extra input of
+constant 1, appended as the last column of the parameter matrix):
+
+* ``A = (1/(N·T)) Σ_{n,t} ã_nt ã_ntᵀ`` with ``ã = [a, 1]`` when the bias is covered;
+* ``G = (1/N) Σ_{k,n,t} g_knt g_kntᵀ``.
+
+For one example and ``T = 1`` this is exactly the full block (see tests). For ``T > 1``
+it is the KFC "expand" approximation (Grosse & Martens 2016).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import LayerFamily, ones_column, sum_outer
+
+
+class WeightMatrixFamily(LayerFamily):
+    """Shared math of a layer ``y_t = W a_t + b`` applied at ``T`` positions."""
+
+    supports_kfac = True
+
+    def weight_matrix_shape(self, module: nn.Module) -> Tuple[int, int]:
+        w = module.weight
+        return w.shape[0], int(w[0].numel())
+
+    def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
+                          names: Sequence[str]) -> Dict[str, Tensor]:
+        out: Dict[str, Tensor] = {}
+        if "weight" in names:
+            gw = torch.einsum("kntd,ntj->kndj", g, a.to(g.dtype))
+            out["weight"] = gw.reshape(gw.shape[:2] + tuple(module.weight.shape))
+        if "bias" in names:
+            out["bias"] = g.sum(dim=2)
+        return out
+
+    def _check_kfac_names(self, module: nn.Module, names: Sequence[str]) -> None:
+        if "weight" not in names:
+            raise ValueError(
+                f"K-FAC for {type(module).__name__} needs its weight to be trainable; "
+                "use approx='diag' or 'full' for a layer with a frozen weight")
+
+    def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
+                     names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        self._check_kfac_names(module, names)
+        n, t = a.shape[0], a.shape[1]
+        a = a.to(g.dtype)
+        if "bias" in names:
+            a = ones_column(a)
+        big_a = sum_outer(a) / (n * t)
+        big_g = sum_outer(g) / n
+        return big_g, big_a
+
+    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+        rows, cols = self.weight_matrix_shape(module)
+        by_name = dict(zip(names, tensors))
+        m = by_name["weight"].reshape(rows, cols)
+        if "bias" in by_name:
+            m = torch.cat([m, by_name["bias"].reshape(rows, 1)], dim=1)
+        return m
+
+    def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
+        rows, cols = self.weight_matrix_shape(module)
+        res: List[Tensor] = []
+        for name in names:
+            if name == "weight":
+                res.append(matrix[:, :cols].reshape(module.weight.shape))
+            else:
+                res.append(matrix[:, cols].reshape(module.bias.shape))
+        return res
+
+
+class LinearFamily(WeightMatrixFamily):
+    module_types = (nn.Linear,)
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        x = inputs[0].detach()
+        return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, 1, -1)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])

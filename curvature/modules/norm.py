@@ -1,0 +1,83 @@
+"""BatchNorm1d/2d and LayerNorm: elementwise affine parameters on a normalized input.
+
+Normal form: ``a = x̂ [N, T, C]`` (the normalized input before the affine map), ``g [K, N, T, C]``.
+Per-example gradients: ``∂ℓ/∂γ = Σ_t g_t ⊙ x̂_t``, ``∂ℓ/∂β = Σ_t g_t``.
+
+BatchNorm in training mode: the batch statistics are treated as constants (the usual
+convention of K-FAC/Fisher libraries), so the block is that of the affine map applied to
+the observed ``x̂``; in eval mode the running statistics are used and this is exact.
+Shapes: ``full`` and ``diag`` (no K-FAC).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import LayerFamily
+
+
+class _AffineNormFamily(LayerFamily):
+    supports_kfac = False
+
+    def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
+                          names: Sequence[str]) -> Dict[str, Tensor]:
+        out: Dict[str, Tensor] = {}
+        shape = self.param_shape(module)
+        if "weight" in names:
+            out["weight"] = (g * a.to(g.dtype).unsqueeze(0)).sum(dim=2).reshape(g.shape[:2] + shape)
+        if "bias" in names:
+            out["bias"] = g.sum(dim=2).reshape(g.shape[:2] + shape)
+        return out
+
+    def param_shape(self, module: nn.Module) -> Tuple[int, ...]:
+        return tuple(module.weight.shape)
+
+
+class BatchNormFamily(_AffineNormFamily):
+    module_types = (nn.BatchNorm1d, nn.BatchNorm2d)
+
+    def validate(self, module: nn.Module) -> None:
+        if not module.affine:
+            raise ValueError("BatchNorm without affine parameters has nothing to cover")
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        x = inputs[0].detach()
+        c = x.shape[1]
+        xt = x.reshape(x.shape[0], c, -1).transpose(1, 2)  # [N, T, C]
+        use_batch = module.training or module.running_mean is None
+        if use_batch:
+            flat = xt.reshape(-1, c)
+            mean = flat.mean(dim=0)
+            var = flat.var(dim=0, unbiased=False)
+        else:
+            mean, var = module.running_mean.to(x.dtype), module.running_var.to(x.dtype)
+        return (xt - mean) / torch.sqrt(var + module.eps)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        k, n, c = g.shape[0], g.shape[1], g.shape[2]
+        return g.reshape(k, n, c, -1).transpose(2, 3)
+
+
+class LayerNormFamily(_AffineNormFamily):
+    module_types = (nn.LayerNorm,)
+
+    def validate(self, module: nn.Module) -> None:
+        if not module.elementwise_affine:
+            raise ValueError("LayerNorm without elementwise_affine has nothing to cover")
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        x = inputs[0].detach()
+        nd = len(module.normalized_shape)
+        d = int(math.prod(module.normalized_shape))
+        dims = tuple(range(x.dim() - nd, x.dim()))
+        mean = x.mean(dim=dims, keepdim=True)
+        var = x.var(dim=dims, unbiased=False, keepdim=True)
+        xhat = (x - mean) / torch.sqrt(var + module.eps)
+        return xhat.reshape(x.shape[0], -1, d)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        d = int(math.prod(module.normalized_shape))
+        return g.reshape(g.shape[0], g.shape[1], -1, d)

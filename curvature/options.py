@@ -1,0 +1,54 @@
+"""The option vocabularies of the curvature engine: kinds, shapes (approximations), likelihoods.
+
+Strings are accepted at the public surface and converted here, once, into enums, so that
+the rest of the engine never compares magic strings.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Type, TypeVar
+
+E = TypeVar("E", bound=Enum)
+
+
+class Kind(str, Enum):
+    """Which curvature matrix.
+
+    * ``FISHER``: the exact Fisher of the model's predictive, which for the supported
+      likelihoods equals the generalized Gauss-Newton (GGN) ``(1/N) Σ_n J_nᵀ H_n J_n``.
+    * ``FISHER_MC``: Monte-Carlo Fisher, labels sampled from the model's predictive.
+    * ``EMPIRICAL_FISHER``: ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` with the given (true) labels.
+    * ``HESSIAN``: the exact Hessian of the mean loss.
+    """
+
+    FISHER = "fisher"
+    FISHER_MC = "fisher_mc"
+    EMPIRICAL_FISHER = "empirical_fisher"
+    HESSIAN = "hessian"
+
+
+class Approx(str, Enum):
+    """Which approximation (shape) of a module's curvature block."""
+
+    FULL = "full"
+    DIAG = "diag"
+    KFAC = "kfac"
+
+
+class LossType(str, Enum):
+    """The likelihood: categorical on logits, or unit-variance Gaussian."""
+
+    CROSS_ENTROPY = "cross_entropy"
+    MSE = "mse"
+
+
+def parse(enum_type: Type[E], value: object, what: str) -> E:
+    """Convert a string (or enum member) into ``enum_type``; ValueError naming the choices."""
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str):
+        for member in enum_type:
+            if member.value == value:
+                return member
+    choices = ", ".join(repr(m.value) for m in enum_type)
+    raise ValueError(f"{what}={value!r} is not supported; expected one of {choices}")

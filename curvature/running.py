@@ -1,0 +1,60 @@
+"""Running (EMA) curvature over steps: the state every optimizer face keeps.
+
+``RunningCurvature`` owns one block per covered module; :meth:`update` folds a batch's
+fresh blocks in with ``C ← decay·C + (1 − decay)·C_batch`` (the first update copies),
+:meth:`decompose` prepares ``(scale·C + damping·I)`` for :meth:`solve` / :meth:`sample`.
+Communication (averaging statistics over ranks, placement of decompositions) is done by
+the caller through :meth:`tensors`; the engine imports no distributed code.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .blocks import Block
+
+
+class RunningCurvature:
+    """EMA of per-module curvature blocks. Empty until the first :meth:`update`."""
+
+    def __init__(self) -> None:
+        self.blocks: Dict[str, Block] = {}
+        self.num_updates = 0
+
+    def update(self, fresh: Dict[str, Block], decay: float) -> None:
+        """Fold ``fresh`` blocks into the running estimate (the first call copies them)."""
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay={decay!r} must be in [0, 1)")
+        for name, blk in fresh.items():
+            if name not in self.blocks or self.num_updates == 0:
+                self.blocks[name] = blk
+            else:
+                self.blocks[name].ema_(blk, decay)
+        self.num_updates += 1
+
+    def is_finite(self) -> bool:
+        return all(b.is_finite() for b in self.blocks.values())
+
+    def tensors(self) -> List[Tensor]:
+        """All statistics, in module order (for all-reduce and checkpointing)."""
+        return [t for b in self.blocks.values() for t in b.tensors()]
+
+    def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
+                  dtype: Optional[torch.dtype] = None, names: Optional[Sequence[str]] = None) -> None:
+        for name in (names if names is not None else self.blocks):
+            self.blocks[name].decompose(damping, scale=scale, backend=backend, dtype=dtype)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"num_updates": self.num_updates, "blocks": {n: b.state_dict() for n, b in self.blocks.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any], fresh_like: Dict[str, Block]) -> None:
+        """Load ``state``; ``fresh_like`` gives blocks of the right type and layout to fill."""
+        blocks = state.get("blocks", {})
+        if set(blocks) != set(fresh_like):
+            raise ValueError(f"checkpoint covers modules {sorted(blocks)}, this model covers {sorted(fresh_like)}")
+        for name, blk in fresh_like.items():
+            blk.load_state_dict(blocks[name])
+        self.blocks = dict(fresh_like)
+        self.num_updates = int(state.get("num_updates", 0))

@@ -1,0 +1,104 @@
+"""Which modules are covered, and in which shape.
+
+``approx`` is a shape name applied to every covered module, or a dict whose keys are
+``nn.Module`` types, class names (``"BatchNorm2d"``) or regular expressions searched in
+the module name (``"features\\.0"``), checked in insertion order; modules matched by no key
+get their family's default (K-FAC for Linear/Conv2d/Embedding, diag for norm layers).
+A plain ``"kfac"`` applies to the families where K-FAC is defined; norm layers then use
+``"diag"`` (logged once).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+from .blocks import Layout
+from .modules import family_of
+from .options import Approx, parse
+
+logger = logging.getLogger(__name__)
+
+ApproxSpec = Union[str, Approx, Mapping[Union[str, type], Union[str, Approx]]]
+SkipSpec = Optional[Sequence[Union[str, type]]]
+
+
+def _matches(key: Union[str, type], name: str, module: nn.Module) -> bool:
+    if isinstance(key, type):
+        return isinstance(module, key)
+    if not isinstance(key, str):
+        raise TypeError(f"selector keys must be module types or strings, got {key!r}")
+    return type(module).__name__ == key or re.search(key, name) is not None
+
+
+def _default_approx(module: nn.Module) -> Approx:
+    fam = family_of(module)
+    return Approx.KFAC if fam is not None and fam.supports_kfac else Approx.DIAG
+
+
+def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None
+                   ) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
+    """Covered modules (``named_modules`` order) with their layouts and shapes.
+
+    Raises ValueError for a module holding trainable parameters of an unsupported type
+    (unless skipped), for parameters shared between modules, and for a model with no
+    supported layer.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    skip = list(skip_modules or [])
+    if isinstance(approx, Mapping):
+        rules = [(k, parse(Approx, v, f"approx[{k!r}]")) for k, v in approx.items()]
+        default: Optional[Approx] = None
+    else:
+        rules, default = [], parse(Approx, approx, "approx")
+    layouts: Dict[str, Layout] = {}
+    shapes: Dict[str, Approx] = {}
+    owner: Dict[int, str] = {}
+    fallback_logged = False
+    for name, module in model.named_modules():
+        direct = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not direct:
+            continue
+        if any(_matches(k, name, module) for k in skip):
+            continue
+        fam = family_of(module)
+        if fam is None:
+            raise ValueError(
+                f"module {name!r} of type {type(module).__name__} has trainable parameters "
+                f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
+                "BatchNorm1d/2d, LayerNorm, Embedding. Exclude it with skip_modules=[...] "
+                "(by name regex or type) or freeze its parameters")
+        fam.validate(module)
+        for _, p in direct:
+            if id(p) in owner:
+                raise ValueError(f"parameter shared between modules {owner[id(p)]!r} and {name!r} is not supported")
+            owner[id(p)] = name
+        shape = next((v for k, v in rules if _matches(k, name, module)), None)
+        if shape is None:
+            shape = default if default is not None else _default_approx(module)
+            if shape is Approx.KFAC and not fam.supports_kfac:
+                if not fallback_logged:
+                    logger.info("approx='kfac' is not defined for %s; using 'diag' for norm layers", type(module).__name__)
+                    fallback_logged = True
+                shape = Approx.DIAG
+        elif shape is Approx.KFAC and not fam.supports_kfac:
+            raise ValueError(f"approx='kfac' was asked for module {name!r} but K-FAC is not defined for "
+                             f"{type(module).__name__}; use 'full' or 'diag'")
+        layouts[name] = Layout(name, module, fam, tuple(n for n, _ in direct))
+        shapes[name] = shape
+    if not layouts:
+        raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
+                         "LayerNorm, Embedding) and trainable parameters")
+    return layouts, shapes
+
+
+def covered_parameters(layouts: Mapping[str, Layout]) -> List[nn.Parameter]:
+    """Covered parameters in ``named_parameters`` order."""
+    return [p for lay in layouts.values() for p in lay.params]
+
+
+def iter_blocks_in_order(layouts: Mapping[str, Layout]) -> Iterable[str]:
+    return iter(layouts)

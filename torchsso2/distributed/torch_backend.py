@@ -1,0 +1,100 @@
+"""Communicator over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Failure behaviour: every collective runs under a process-group timeout. The world group's
+timeout is the one given to ``torch.distributed.init_process_group`` (or, when
+:func:`~torchsso2.distributed.get_communicator` initializes it from a ``torchrun``
+environment, its ``timeout`` argument); groups made by :meth:`TorchCommunicator.new_group`
+get the communicator's ``timeout``. A peer that dies closes its connections and the others
+raise at once; a peer that hangs makes the others raise when the timeout expires. Either
+way no rank waits forever. (With NCCL, set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the
+default in recent PyTorch, so that a timed-out collective aborts the process.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torchsso2.distributed.communicator import BucketedCommunicator
+
+logger = logging.getLogger(__name__)
+
+
+def torchrun_world_size(env: dict[str, str] | None = None) -> int:
+    """World size announced by a ``torchrun``-style environment, or 0 if there is none.
+
+    Looks for ``WORLD_SIZE``, ``RANK`` and ``MASTER_ADDR`` (what ``torchrun`` and
+    ``torch.distributed.launch`` export for the ``env://`` init method).
+    """
+    env = dict(os.environ) if env is None else env
+    if not all(key in env for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR")):
+        return 0
+    try:
+        return int(env["WORLD_SIZE"])
+    except ValueError:
+        return 0
+
+
+def init_from_env(timeout: float) -> None:
+    """Initialize the default process group from a ``torchrun`` environment.
+
+    Uses NCCL when CUDA is available, gloo otherwise, and ``timeout`` seconds.
+    """
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    logger.info("initializing torch.distributed (%s, env://, timeout %.0f s)", backend, timeout)
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout))
+
+
+class TorchCommunicator(BucketedCommunicator):
+    """:class:`~torchsso2.distributed.Communicator` over an initialized ``torch.distributed``.
+
+    Args:
+        timeout: seconds; the timeout of the groups made by :meth:`new_group`. The world
+            group keeps the timeout it was initialized with.
+
+    Buffers stay on the tensors' device: CPU tensors need gloo (or MPI), CUDA tensors NCCL
+    (or gloo). Means are computed as a sum divided by the world size, which every backend
+    supports.
+    """
+
+    def __init__(self, timeout: float = 300.0) -> None:
+        if not dist.is_available():
+            raise RuntimeError("torch.distributed is not available in this build of PyTorch")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
+                "first, or launch with torchrun and use get_communicator('torch')"
+            )
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        super().__init__(rank=dist.get_rank(), world_size=dist.get_world_size())
+        self.timeout = float(timeout)
+        self.backend_name = str(dist.get_backend())
+
+    def barrier(self) -> None:
+        """``torch.distributed.barrier`` over the world."""
+        dist.barrier()
+
+    def _allreduce_sum_(self, buffer: Tensor) -> int:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        return buffer.numel() * buffer.element_size()
+
+    def _broadcast_(self, buffer: Tensor, src: int, members: tuple[int, ...], handle: Any) -> int:
+        dist.broadcast(buffer, src=src, group=handle)
+        return buffer.numel() * buffer.element_size()
+
+    def _make_group_handle(self, ranks: tuple[int, ...]) -> Any:
+        group = dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=self.timeout))
+        return group if self.rank in ranks else None
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, "
+            f"backend={self.backend_name!r})"
+        )
