@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Literal, Optional, Union
+from typing import Callable, Literal, Union
 
 from .base import Backend
 from .cupy_backend import cupy_backend

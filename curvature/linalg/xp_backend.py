@@ -134,7 +134,7 @@ class XpBackend(Backend):
     def _inv(self, a: Tensor) -> Tensor:
         def fn(x: Array) -> Tensor:
             factor_inv = self.xp.linalg.inv(self._xp_cholesky("inv", a, x))  # L⁻¹
-            out = factor_inv @ self._mT(factor_inv)  # a⁻¹ = L⁻ᵀ L⁻¹
+            out = self._mT(factor_inv) @ factor_inv  # a⁻¹ = L⁻ᵀ L⁻¹
             out = (out + self._mT(out)) * 0.5
             self._check_finite("inv", a, out)
             return self._bridge.to_torch(out, a.device)

@@ -166,6 +166,7 @@ class BucketedCommunicator(ABC):
         self._rank = rank
         self._world_size = world_size
         self._bytes_sent = 0
+        self._num_collectives = 0
 
     # -- the protocol -------------------------------------------------------------------
     @property
@@ -183,9 +184,15 @@ class BucketedCommunicator(ABC):
         """Payload bytes this rank contributed to collectives (see module docstring)."""
         return self._bytes_sent
 
+    @property
+    def num_collectives(self) -> int:
+        """Running count of collectives this rank ran (one per bucket; not in the protocol)."""
+        return self._num_collectives
+
     def reset_counters(self) -> None:
-        """Set :attr:`bytes_sent` back to zero."""
+        """Set :attr:`bytes_sent` and :attr:`num_collectives` back to zero."""
         self._bytes_sent = 0
+        self._num_collectives = 0
 
     def allreduce(
         self,
@@ -207,6 +214,7 @@ class BucketedCommunicator(ABC):
         for bucket in plan_buckets(tensors, cap_bytes, symmetric):
             buffer = flatten_bucket(tensors, bucket, symmetric)
             self._bytes_sent += self._allreduce_sum_(buffer)
+            self._num_collectives += 1
             if reduce_op is ReduceOp.MEAN:
                 buffer.div_(self._world_size)
             unflatten_bucket_(buffer, tensors, bucket, symmetric)
@@ -238,6 +246,7 @@ class BucketedCommunicator(ABC):
             else:
                 buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             sent = self._broadcast_(buffer, src, members, handle)
+            self._num_collectives += 1
             if self._rank == src:
                 self._bytes_sent += sent
             else:

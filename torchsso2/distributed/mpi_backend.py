@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ MPI_SIZE_ENV_VARS: tuple[str, ...] = (
 
 INSTALL_HINT = "install the MPI extra: `pip install torchsso2[mpi]` (or `pip install mpich mpi4py`)"
 
-_ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+_ExceptHook = Callable[[type[BaseException], BaseException, Optional[TracebackType]], Any]  # runtime alias: 3.9-safe
 
 
 def mpi_launch_size(env: dict[str, str] | None = None) -> int:

@@ -1,0 +1,171 @@
+"""Tiny test models (a few hundred parameters at most) and their batches.
+
+Every model maps its input to ``[N, 3]`` outputs (logits for cross-entropy, means for mse).
+:data:`MODELS` maps a name to a ``(build, batch)`` pair: ``build()`` returns a float64
+model in eval mode (seeded), ``batch(n, loss)`` returns ``(inputs, targets)``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+OUT = 3
+
+
+class MLP(nn.Module):
+    """Linear → nn.ReLU → Linear → functional tanh → Linear (bias everywhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 6)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(6, 4)
+        self.fc3 = nn.Linear(4, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc3(torch.tanh(self.fc2(self.act(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    """Conv2d (padding, bias) → ReLU → Conv2d (stride 2, dilation 2, padding, no bias) → max-pool → flatten → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 2, kernel_size=3, padding=1)                      # [2, 5, 5]
+        self.conv2 = nn.Conv2d(2, 3, kernel_size=2, stride=2, dilation=2, padding=1, bias=False)  # [3, 3, 3]
+        self.pool = nn.MaxPool2d(2, stride=1)                                       # [3, 2, 2]
+        self.fc = nn.Linear(12, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.pool(self.conv2(F.relu(self.conv1(x))))
+        return self.fc(torch.flatten(h, 1))
+
+
+class NormMLP(nn.Module):
+    """Linear → BatchNorm1d → tanh → LayerNorm → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 5)
+        self.bn = nn.BatchNorm1d(5)
+        self.ln = nn.LayerNorm(5)
+        self.fc2 = nn.Linear(5, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.ln(torch.tanh(self.bn(self.fc1(x)))))
+
+
+class NormCNN(nn.Module):
+    """Conv2d → BatchNorm2d → ReLU → LayerNorm over [C, H, W] (multi-dim normalized_shape) → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, kernel_size=2)   # [2, 2, 2]
+        self.bn = nn.BatchNorm2d(2)
+        self.ln = nn.LayerNorm([2, 2, 2])
+        self.fc = nn.Linear(8, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln(F.relu(self.bn(self.conv(x))))
+        return self.fc(h.flatten(1))
+
+
+class EmbeddingModel(nn.Module):
+    """Embedding (padding_idx=0) of tokens ``[N, T]`` → mean over T → Linear."""
+
+    VOCAB = 7
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(self.VOCAB, 4, padding_idx=0)
+        self.fc = nn.Linear(4, OUT)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.fc(self.emb(tokens).mean(dim=1))
+
+
+class Residual(nn.Module):
+    """Linear → x + tanh(Linear(x)) → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.inner = nn.Linear(4, 4)
+        self.out = nn.Linear(4, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        h = h + torch.tanh(self.inner(h))
+        return self.out(h)
+
+
+class InplaceDropout(nn.Module):
+    """Linear → nn.ReLU(inplace=True) → Dropout (eval mode) → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.relu = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(6, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.drop(self.relu(self.fc1(x))))
+
+
+def _randomize_norm_stats(model: nn.Module) -> nn.Module:
+    """Non-trivial running statistics and affine parameters, so eval-mode BN is not the identity."""
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _targets(n: int, loss: str, gen: torch.Generator) -> Tensor:
+    if loss == "cross_entropy":
+        return torch.randint(0, OUT, (n,), generator=gen)
+    return torch.randn(n, OUT, generator=gen, dtype=torch.float64)
+
+
+def _dense_batch(*shape: int) -> Callable[[int, str], Tuple[Tensor, Tensor]]:
+    def batch(n: int, loss: str, seed: int = 0) -> Tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(1000 + seed)
+        x = torch.randn((n,) + shape, generator=gen, dtype=torch.float64)
+        return x, _targets(n, loss, gen)
+    return batch
+
+
+def _token_batch(t: int) -> Callable[[int, str], Tuple[Tensor, Tensor]]:
+    def batch(n: int, loss: str, seed: int = 0) -> Tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(2000 + seed)
+        x = torch.randint(0, EmbeddingModel.VOCAB, (n, t), generator=gen)
+        x[0, 0] = 0  # at least one padding token
+        return x, _targets(n, loss, gen)
+    return batch
+
+
+def _builder(cls: type) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return _randomize_norm_stats(cls()).double().eval()
+    return build
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Tuple[Tensor, Tensor]]]] = {
+    "mlp": (_builder(MLP), _dense_batch(5)),
+    "cnn": (_builder(CNN), _dense_batch(2, 5, 5)),
+    "norm_mlp": (_builder(NormMLP), _dense_batch(4)),
+    "norm_cnn": (_builder(NormCNN), _dense_batch(2, 3, 3)),
+    "embedding": (_builder(EmbeddingModel), _token_batch(3)),
+    "residual": (_builder(Residual), _dense_batch(4)),
+    "inplace_dropout": (_builder(InplaceDropout), _dense_batch(4)),
+}

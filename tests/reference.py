@@ -1,0 +1,360 @@
+"""Brute-force reference curvature, built only from ``torch.func`` / ``torch.autograd`` in float64.
+
+Nothing here imports :mod:`curvature`. The reference works with the flat vector ``θ`` of the
+*covered* parameters (parameters of Linear / Conv2d / BatchNorm1d/2d / LayerNorm / Embedding
+modules that require grad, in ``model.named_parameters()`` order) and computes:
+
+* ``J [N, O, P]``: per-example Jacobians of the flattened outputs w.r.t. ``θ`` (one ``jacrev``
+  of the batch output; examples are independent in eval mode);
+* an *output metric* ``M_n [O, O]`` per example and kind — ``fisher``: ``∂²ℓ_n/∂f_n²``
+  (``torch.func.hessian`` of the per-example loss in the output), ``empirical_fisher``:
+  ``∇ℓ_n ∇ℓ_nᵀ``, ``fisher_mc``: ``(1/S) Σ_s ∇ℓ(f_n, ỹ_sn) ∇ℓ(f_n, ỹ_sn)ᵀ`` for given labels;
+* the curvature ``(1/N) Σ_n J_nᵀ M_n J_n``, or for ``hessian`` ``torch.func.hessian`` of the mean loss;
+* block-diagonal (by module) and diagonal masks of those.
+
+K-FAC factors are built independently of the module's parameter gradients: ``A`` from the
+module inputs (Linear: the input; Conv2d: patches cut out by explicit slicing; Embedding:
+token counts) and ``G`` from the Jacobian of the outputs w.r.t. a zero *probe* added to the
+module output by a forward hook, ``G = (1/N) Σ_{n,t} J_ntᵀ M_n J_nt``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, hessian, jacrev
+
+SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding)
+KFAC_TYPES = (nn.Linear, nn.Conv2d, nn.Embedding)
+
+
+# ---- losses (per example) ------------------------------------------------------------------
+def nll(loss: str, f: Tensor, y: Tensor) -> Tensor:
+    """Per-example NLL of one output ``f [O]`` (cross_entropy: logits, y a class; mse: ½‖y − f‖²)."""
+    if loss == "cross_entropy":
+        return -torch.log_softmax(f, dim=0)[y]
+    return 0.5 * ((y - f) ** 2).sum()
+
+
+def sample_labels(loss: str, outputs: Tensor, samples: int, seed: int) -> Tensor:
+    """The labels the engine draws with ``torch.Generator().manual_seed(seed)``: ``[S, N(, O)]``."""
+    gen = torch.Generator().manual_seed(seed)
+    f = outputs.detach()
+    if loss == "cross_entropy":
+        return torch.multinomial(torch.softmax(f, dim=1), samples, replacement=True, generator=gen).t()
+    return f.unsqueeze(0) + torch.randn((samples,) + tuple(f.shape), generator=gen, dtype=f.dtype)
+
+
+# ---- covered parameters ------------------------------------------------------------------------
+@dataclass
+class ModuleSlice:
+    name: str
+    module: nn.Module
+    start: int
+    stop: int
+    param_names: Tuple[str, ...]  # local names ("weight", "bias")
+
+
+def covered(model: nn.Module, skip: Sequence[Union[str, type]] = ()) -> Tuple[List[str], List[ModuleSlice]]:
+    """Covered parameter names (``named_parameters`` order) and the index range of each module."""
+    modules = dict(model.named_modules())
+    names: List[str] = []
+    slices: List[ModuleSlice] = []
+    offset = 0
+    for full, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        mod_name, _, local = full.rpartition(".")
+        mod = modules[mod_name]
+        if not isinstance(mod, SUPPORTED):
+            continue
+        if any((isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and re.search(s, mod_name) is not None) for s in skip):
+            continue
+        names.append(full)
+        if slices and slices[-1].name == mod_name:
+            s = slices[-1]
+            s.stop += p.numel()
+            s.param_names = s.param_names + (local,)
+        else:
+            slices.append(ModuleSlice(mod_name, mod, offset, offset + p.numel(), (local,)))
+        offset += p.numel()
+    return names, slices
+
+
+def block_mask(slices: Sequence[ModuleSlice], p: int) -> Tensor:
+    m = torch.zeros(p, p, dtype=torch.bool)
+    for s in slices:
+        m[s.start:s.stop, s.start:s.stop] = True
+    return m
+
+
+# ---- the reference --------------------------------------------------------------------------------
+class Reference:
+    """Dense reference curvatures of one model on one batch (float64)."""
+
+    def __init__(self, model: nn.Module, inputs: Tensor, targets: Tensor, loss: str,
+                 skip: Sequence[Union[str, type]] = ()) -> None:
+        self.model, self.inputs, self.targets, self.loss = model, inputs, targets, loss
+        self.names, self.slices = covered(model, skip)
+        params = dict(model.named_parameters())
+        self.shapes = [params[n].shape for n in self.names]
+        self.theta = torch.cat([params[n].detach().reshape(-1) for n in self.names]).double()
+        self.P = self.theta.numel()
+        with torch.no_grad():
+            self.outputs = model(inputs).double()
+        self.N = self.outputs.shape[0]
+        self.O = self.outputs[0].numel()
+        self._J: Optional[Tensor] = None
+        self._probe: Dict[str, Tensor] = {}
+        self._dense: Dict[str, Tensor] = {}   # per kind (labels-free kinds only)
+        self._metric: Dict[str, Tensor] = {}
+
+    # -- functional forward --------------------------------------------------------------------
+    def _unflatten(self, theta: Tensor) -> Dict[str, Tensor]:
+        out, i = {}, 0
+        for n, s in zip(self.names, self.shapes):
+            k = math.prod(s)
+            out[n] = theta[i:i + k].reshape(s)
+            i += k
+        return out
+
+    def forward(self, theta: Tensor) -> Tensor:
+        return functional_call(self.model, self._unflatten(theta), (self.inputs,))
+
+    @property
+    def J(self) -> Tensor:
+        """``[N, O, P]`` per-example Jacobians of the flattened output."""
+        if self._J is None:
+            jac = jacrev(self.forward)(self.theta)  # [N, *out, P]
+            self._J = jac.reshape(self.N, self.O, self.P)
+        return self._J
+
+    # -- output metrics M_n ---------------------------------------------------------------------
+    def _loss_grad(self, f: Tensor, y: Tensor) -> Tensor:
+        return torch.func.grad(lambda ff: nll(self.loss, ff, y))(f)
+
+    def output_metric(self, kind: str, labels: Optional[Tensor] = None) -> Tensor:
+        """``M [N, O, O]`` with curvature ``(1/N) Σ_n J_nᵀ M_n J_n`` (cached per kind and labels)."""
+        if labels is not None:
+            return self._output_metric(kind, labels)
+        if kind not in self._metric:
+            self._metric[kind] = self._output_metric(kind, labels)
+        return self._metric[kind]
+
+    def _output_metric(self, kind: str, labels: Optional[Tensor]) -> Tensor:
+        f = self.outputs.reshape(self.N, self.O)
+        ms = []
+        for n in range(self.N):
+            if kind == "fisher":
+                y = self.targets[n].reshape(-1) if self.loss == "mse" else self.targets[n]
+                ms.append(hessian(lambda ff: nll(self.loss, ff, y))(f[n]))
+            elif kind == "empirical_fisher":
+                y = self.targets[n].reshape(-1) if self.loss == "mse" else self.targets[n]
+                g = self._loss_grad(f[n], y)
+                ms.append(torch.outer(g, g))
+            elif kind == "fisher_mc":
+                assert labels is not None
+                acc = torch.zeros(self.O, self.O, dtype=torch.float64)
+                for s in range(labels.shape[0]):
+                    y = labels[s, n].reshape(-1) if self.loss == "mse" else labels[s, n]
+                    g = self._loss_grad(f[n], y)
+                    acc += torch.outer(g, g)
+                ms.append(acc / labels.shape[0])
+            else:
+                raise ValueError(kind)
+        return torch.stack(ms)
+
+    # -- dense curvatures --------------------------------------------------------------------------
+    def dense(self, kind: str, labels: Optional[Tensor] = None) -> Tensor:
+        """The full ``[P, P]`` curvature of the mean loss (all cross-module entries included)."""
+        if labels is not None:
+            return self._dense_uncached(kind, labels)
+        if kind not in self._dense:
+            self._dense[kind] = self._dense_uncached(kind, labels)
+        return self._dense[kind]
+
+    def _dense_uncached(self, kind: str, labels: Optional[Tensor]) -> Tensor:
+        if kind == "hessian":
+            def mean_loss(theta: Tensor) -> Tensor:
+                f = self.forward(theta).reshape(self.N, self.O)
+                total = 0.0
+                for n in range(self.N):
+                    y = self.targets[n].reshape(-1) if self.loss == "mse" else self.targets[n]
+                    total = total + nll(self.loss, f[n], y)
+                return total / self.N
+            # reverse-over-reverse on purpose: torch.func.hessian (forward-over-reverse) is wrong
+            # for F.embedding with padding_idx in torch 2.13 (its jvp ignores the padding row)
+            return jacrev(jacrev(mean_loss))(self.theta)
+        m = self.output_metric(kind, labels)
+        return torch.einsum("nop,noq,nqr->pr", self.J, m, self.J) / self.N
+
+    def block_diag(self, mat: Tensor) -> Tensor:
+        return torch.where(block_mask(self.slices, self.P), mat, torch.zeros_like(mat))
+
+    def shaped(self, kind: str, approx: Union[str, Dict[str, str]], labels: Optional[Tensor] = None) -> Tensor:
+        """Block-diagonal reference in ``approx`` per module (a shape name or ``{module name: shape}``)."""
+        full = self.dense(kind, labels)
+        out = torch.zeros_like(full)
+        for s in self.slices:
+            shape = approx if isinstance(approx, str) else approx[s.name]
+            if shape == "kfac" and not isinstance(s.module, KFAC_TYPES):
+                shape = "diag"  # the documented fallback for norm layers
+            sl = slice(s.start, s.stop)
+            if shape == "full":
+                out[sl, sl] = full[sl, sl]
+            elif shape == "diag":
+                out[sl, sl] = torch.diag(torch.diagonal(full[sl, sl]))
+            elif shape == "kfac":
+                out[sl, sl] = self.kfac(s.name, kind, labels)[2]
+            else:
+                raise ValueError(shape)
+        return out
+
+    # -- K-FAC ----------------------------------------------------------------------------------------
+    def _slice(self, name: str) -> ModuleSlice:
+        return next(s for s in self.slices if s.name == name)
+
+    def module_input(self, name: str) -> Tensor:
+        """The module's input in this batch, recorded by a forward hook."""
+        mod = self._slice(name).module
+        rec: List[Tensor] = []
+        h = mod.register_forward_hook(lambda m, i, o: rec.append(i[0].detach()))
+        try:
+            with torch.no_grad():
+                self.model(self.inputs)
+        finally:
+            h.remove()
+        return rec[0]
+
+    def probe_jacobian(self, name: str) -> Tensor:
+        """``[N, O, *module_output.shape[1:]]``: ∂f_n/∂z_n through a zero probe added to the output ``z``."""
+        if name not in self._probe:
+            mod = self._slice(name).module
+            with torch.no_grad():
+                shape = []
+                h = mod.register_forward_hook(lambda m, i, o: shape.append(o.shape))
+                self.model(self.inputs)
+                h.remove()
+
+            def f(probe: Tensor) -> Tensor:
+                hk = mod.register_forward_hook(lambda m, i, o: o + probe)
+                try:
+                    return self.model(self.inputs).reshape(self.N, self.O)
+                finally:
+                    hk.remove()
+
+            jac = jacrev(f)(torch.zeros(shape[0], dtype=torch.float64))  # [N, O, N, *out]
+            idx = torch.arange(self.N)
+            self._probe[name] = jac[idx, :, idx]  # [N, O, *out]
+        return self._probe[name]
+
+    def kfac(self, name: str, kind: str, labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(A, G, dense)`` of module ``name``; ``dense`` in flat parameter order."""
+        s = self._slice(name)
+        mod = s.module
+        x = self.module_input(name)
+        jp = self.probe_jacobian(name)
+        m = self.output_metric(kind, labels)
+        has_bias = "bias" in s.param_names
+        if isinstance(mod, nn.Embedding):
+            tok = x.reshape(self.N, -1)
+            t = tok.shape[1]
+            jt = jp.reshape(self.N, self.O, t, -1)  # [N, O, T, D]
+            counts = torch.zeros(mod.num_embeddings, dtype=torch.float64)
+            d = mod.embedding_dim
+            big_g = torch.zeros(d, d, dtype=torch.float64)
+            for n in range(self.N):
+                for tt in range(t):
+                    if mod.padding_idx is not None and int(tok[n, tt]) == mod.padding_idx:
+                        continue
+                    counts[int(tok[n, tt])] += 1
+                    big_g += jt[n, :, tt].t() @ m[n] @ jt[n, :, tt]
+            big_a = counts / (self.N * t)
+            big_g = big_g / self.N
+            return big_a, big_g, torch.kron(torch.diag(big_a), big_g)
+        if isinstance(mod, nn.Linear):
+            assert x.dim() == 2, "reference handles [N, d_in] Linear inputs"
+            patches = x.unsqueeze(1)  # [N, T=1, d_in]
+            jt = jp.reshape(self.N, self.O, 1, -1)
+        elif isinstance(mod, nn.Conv2d):
+            patches = conv_patches(x, mod)  # [N, T, C·kh·kw]
+            c_out = mod.out_channels
+            jt = jp.reshape(self.N, self.O, c_out, -1).transpose(2, 3)  # [N, O, T, C_out]
+        else:
+            raise ValueError(f"no K-FAC for {type(mod).__name__}")
+        t = patches.shape[1]
+        if has_bias:
+            patches = torch.cat([patches, torch.ones(patches.shape[:2] + (1,), dtype=patches.dtype)], dim=2)
+        flat = patches.reshape(-1, patches.shape[-1])
+        big_a = flat.t() @ flat / (self.N * t)
+        d_out = jt.shape[-1]
+        big_g = torch.zeros(d_out, d_out, dtype=torch.float64)
+        for n in range(self.N):
+            for tt in range(t):
+                big_g += jt[n, :, tt].t() @ m[n] @ jt[n, :, tt]
+        big_g = big_g / self.N
+        # row-major vec([W.reshape(out, -1) | b]) -> flat parameter index
+        rows = mod.weight.shape[0]
+        cols = mod.weight[0].numel()
+        idx = torch.arange(rows * cols).reshape(rows, cols)
+        if has_bias:
+            idx = torch.cat([idx, (rows * cols + torch.arange(rows)).unsqueeze(1)], dim=1)
+        idx = idx.reshape(-1)
+        k = torch.kron(big_g, big_a)
+        dense = torch.zeros_like(k)
+        dense[idx.unsqueeze(1), idx.unsqueeze(0)] = k
+        return big_a, big_g, dense
+
+
+def conv_patches(x: Tensor, conv: nn.Conv2d) -> Tensor:
+    """``[N, T, C·kh·kw]`` patches (channel-major) by explicit zero padding and slicing (no unfold)."""
+    n, c, h, w = x.shape
+    kh, kw = conv.kernel_size
+    sh, sw = conv.stride
+    ph, pw = conv.padding
+    dh, dw = conv.dilation
+    xp = torch.zeros(n, c, h + 2 * ph, w + 2 * pw, dtype=x.dtype)
+    xp[:, :, ph:ph + h, pw:pw + w] = x
+    h_out = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    w_out = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    cols = []
+    for i in range(h_out):
+        for j in range(w_out):
+            patch = xp[:, :, i * sh: i * sh + dh * (kh - 1) + 1: dh, j * sw: j * sw + dw * (kw - 1) + 1: dw]
+            assert patch.shape[2:] == (kh, kw)
+            cols.append(patch.reshape(n, -1))
+    return torch.stack(cols, dim=1)
+
+
+def freeze_batchnorm(model: nn.Module, inputs: Tensor) -> nn.Module:
+    """A copy of a train-mode ``model`` in eval mode whose BatchNorm layers use this batch's statistics.
+
+    The statistics (mean, biased variance over the batch and spatial dims) are measured by a
+    training-mode forward of another copy; in the returned model they are constants.
+    """
+    probe = copy.deepcopy(model).train()
+    stats: Dict[str, Tuple[Tensor, Tensor]] = {}
+    hooks = []
+    for name, m in probe.named_modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            def hook(mod: nn.Module, inp: Tuple[Tensor, ...], out: Tensor, name: str = name) -> None:
+                x = inp[0].detach()
+                dims = [0] + list(range(2, x.dim()))
+                stats[name] = (x.mean(dim=dims), x.var(dim=dims, unbiased=False))
+            hooks.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        probe(inputs)
+    for h in hooks:
+        h.remove()
+    frozen = copy.deepcopy(model).eval()
+    for name, m in frozen.named_modules():
+        if name in stats:
+            with torch.no_grad():
+                m.running_mean.copy_(stats[name][0])
+                m.running_var.copy_(stats[name][1])
+    return frozen

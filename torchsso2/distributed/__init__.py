@@ -1,0 +1,40 @@
+"""Distributed layer shared by all optimizer faces.
+
+* :class:`Communicator` — the protocol the optimizers call (``allreduce``, ``broadcast``,
+  ``new_group``, ``barrier``, ``bytes_sent``); :func:`get_communicator` returns one of
+  :class:`LocalCommunicator`, :class:`TorchCommunicator`, :class:`MPICommunicator`.
+* :class:`WorkAssignment` — KAISA placement of inverse work and gradient workers.
+
+``mpi4py`` is imported only when an MPI communicator is made. See ``docs/distributed.md``.
+"""
+
+from torchsso2.distributed.assignment import (
+    AssignmentStrategy,
+    DistributedStrategy,
+    WorkAssignment,
+    compute_cost,
+    memory_cost,
+)
+from torchsso2.distributed.communicator import BucketedCommunicator, Communicator, Group, ReduceOp
+from torchsso2.distributed.local import LocalCommunicator
+from torchsso2.distributed.mpi_backend import MPICommunicator, install_abort_on_exception
+from torchsso2.distributed.select import Backend, get_communicator
+from torchsso2.distributed.torch_backend import TorchCommunicator
+
+__all__ = [
+    "AssignmentStrategy",
+    "Backend",
+    "BucketedCommunicator",
+    "Communicator",
+    "DistributedStrategy",
+    "Group",
+    "LocalCommunicator",
+    "MPICommunicator",
+    "ReduceOp",
+    "TorchCommunicator",
+    "WorkAssignment",
+    "compute_cost",
+    "get_communicator",
+    "install_abort_on_exception",
+    "memory_cost",
+]

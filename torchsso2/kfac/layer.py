@@ -1,0 +1,245 @@
+"""One registered layer's K-FAC state: factor batches, running factors, decompositions.
+
+The parameter matrix is the engine's (:meth:`~curvature.modules.base.LayerFamily.to_matrix`):
+``M = [W.reshape(d_out, -1) | b] [d_out, d_in(+1)]`` — kfac_pytorch's ``get_grad()`` layout —
+and the K-FAC block is ``G ⊗ A`` over row-major ``vec(M)``.
+
+Decompositions (kfac_pytorch's ``KFACEigenLayer`` / ``KFACInverseLayer``):
+
+* eigen: ``A = Q_A diag(λ_A) Q_Aᵀ``, ``G = Q_G diag(λ_G) Q_Gᵀ`` (``λ`` clamped at 0). With
+  ``prediv`` (``compute_eigenvalue_outer_product``) the G worker also stores
+  ``D = 1 / (λ_G λ_Aᵀ + damping)`` with the damping of the inverse step; otherwise damping is
+  read at preconditioning time.
+* inverse: ``(A + damping·I)⁻¹``, ``(G + damping·I)⁻¹``.
+
+Decompositions run in ``float64`` if the factor or ``inv_dtype`` is ``float64``, else in
+``float32`` (kfac_pytorch: always ``float32``), and are stored in ``inv_dtype``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from curvature.linalg import Backend
+from curvature.modules.base import LayerFamily
+
+from .enums import ComputeMethod
+from .factors import kfac_pytorch_factors
+
+logger = logging.getLogger(__name__)
+
+FACTORS: Tuple[str, str] = ("A", "G")
+
+
+def _nbytes(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class KFACLayer:
+    """K-FAC state of one ``nn.Linear`` / ``nn.Conv2d``.
+
+    Args:
+        name: the module's name in ``model.named_modules()``.
+        module: the layer.
+        family: its engine family.
+        method: eigen or inverse.
+        prediv: precompute ``1 / (λ_G λ_Aᵀ + damping)`` (eigen only).
+        factor_dtype: dtype of the factors (``None``: the training dtype).
+        inv_dtype: dtype of the stored decompositions.
+        backend: linear-algebra backend of the decompositions.
+    """
+
+    def __init__(self, name: str, module: nn.Module, family: LayerFamily, method: ComputeMethod,
+                 prediv: bool, factor_dtype: Optional[torch.dtype], inv_dtype: torch.dtype,
+                 backend: Backend) -> None:
+        self.name = name
+        self.module = module
+        self.family = family
+        self.method = method
+        self.prediv = prediv and method is ComputeMethod.EIGEN
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.backend = backend
+        self.param_names: Tuple[str, ...] = tuple(n for n, _ in family.covered_params(module))
+        rows, cols = family.weight_matrix_shape(module)  # type: ignore[attr-defined]
+        self.sizes: Dict[str, int] = {"A": cols + int("bias" in self.param_names), "G": rows}
+        # factor batches of the current step (sum over micro-batches and their count)
+        self.a_batch: Optional[Tensor] = None
+        self.g_batch: Optional[Tensor] = None
+        self.batch_count = 0
+        # running averages
+        self.a_factor: Optional[Tensor] = None
+        self.g_factor: Optional[Tensor] = None
+        # decompositions: name -> tensor (qa, da, qg, dg, dgda / a_inv, g_inv)
+        self.inv: Dict[str, Tensor] = {}
+        #: whether decompositions exist on the layer's grad workers (same on every rank)
+        self.inv_ready = False
+
+    def __repr__(self) -> str:
+        return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A={self.sizes['A']}, G={self.sizes['G']})"
+
+    # ---- parameters -------------------------------------------------------------------
+    @property
+    def params(self) -> List[nn.Parameter]:
+        own = dict(self.module.named_parameters(recurse=False))
+        return [own[n] for n in self.param_names]
+
+    def has_grad(self) -> bool:
+        return all(p.grad is not None for p in self.params)
+
+    def grad_matrix(self) -> Tensor:
+        """The gradient as the parameter matrix ``[d_out, d_in(+1)]``."""
+        return self.family.to_matrix(self.module, [p.grad for p in self.params], self.param_names)
+
+    def set_grad(self, matrix: Tensor, scale: Optional[float] = None) -> None:
+        """Write ``scale · matrix`` into the parameters' ``.grad`` (in place)."""
+        if scale is not None:
+            matrix = matrix * scale
+        parts = self.family.from_matrix(self.module, matrix, self.param_names)
+        for p, part in zip(self.params, parts):
+            assert p.grad is not None
+            p.grad.copy_(part.reshape(p.grad.shape))
+
+    # ---- factors ------------------------------------------------------------------------
+    def accumulate(self, inputs: Tuple[Tensor, ...], grad_output: Tensor,
+                   grad_scale: Optional[float] = None) -> bool:
+        """Add one forward/backward pair's ``(A, G)`` to the batch; False if non-finite (skipped)."""
+        a, g = kfac_pytorch_factors(self.family, self.module, inputs, grad_output, self.param_names,
+                                    self.factor_dtype, grad_scale)
+        if not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(a).all())):
+            logger.warning("K-FAC layer %r: non-finite factor contribution skipped (AMP overflow?)", self.name)
+            return False
+        self.a_batch = a if self.a_batch is None else self.a_batch + a
+        self.g_batch = g if self.g_batch is None else self.g_batch + g
+        self.batch_count += 1
+        return True
+
+    def update_factors(self, decay: float) -> bool:
+        """Fold the batch into the running factors: ``F ← decay·F + (1 − decay)·mean(batch)``.
+
+        A factor starts as the identity (kfac_pytorch). Returns whether there was a batch.
+        """
+        if self.a_batch is None or self.g_batch is None:
+            return False
+        a_new, g_new = self.a_batch, self.g_batch
+        if self.batch_count > 1:
+            a_new, g_new = a_new / self.batch_count, g_new / self.batch_count
+        self.a_factor = self._ema(self.a_factor, a_new, decay)
+        self.g_factor = self._ema(self.g_factor, g_new, decay)
+        self.reset_batch()
+        return True
+
+    @staticmethod
+    def _ema(old: Optional[Tensor], new: Tensor, decay: float) -> Tensor:
+        if old is None:
+            old = torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
+        return decay * old + (1.0 - decay) * new
+
+    def reset_batch(self) -> None:
+        self.a_batch = self.g_batch = None
+        self.batch_count = 0
+
+    def factors(self) -> List[Tensor]:
+        assert self.a_factor is not None and self.g_factor is not None
+        return [self.a_factor, self.g_factor]
+
+    def has_factors(self) -> bool:
+        return self.a_factor is not None and self.g_factor is not None
+
+    # ---- decompositions -------------------------------------------------------------------
+    def _compute_dtype(self, factor: Tensor) -> torch.dtype:
+        return torch.float64 if torch.float64 in (factor.dtype, self.inv_dtype) else torch.float32
+
+    def compute(self, factor: str, damping: float) -> None:
+        """Decompose factor ``"A"`` or ``"G"`` (on its inverse worker)."""
+        f = self.a_factor if factor == "A" else self.g_factor
+        if f is None:
+            raise RuntimeError(f"K-FAC layer {self.name!r}: factor {factor} has not been computed yet")
+        key = factor.lower()
+        dtype = self._compute_dtype(f)
+        if self.method is ComputeMethod.INVERSE:
+            self.inv[f"{key}_inv"] = self.backend.damped_inv(f, damping, dtype=dtype).to(self.inv_dtype)
+            return
+        evals, evecs = self.backend.eigh(f, dtype=dtype)
+        self.inv[f"q{key}"] = evecs.to(self.inv_dtype)
+        self.inv[f"d{key}"] = evals.clamp(min=0.0).to(self.inv_dtype)
+        if self.prediv and factor == "G":
+            if "da" not in self.inv:
+                raise RuntimeError(f"K-FAC layer {self.name!r}: compute_eigenvalue_outer_product needs A "
+                                   "decomposed on the same rank first (colocate_factors=True)")
+            dg, da = self.inv.pop("dg"), self.inv.pop("da")
+            self.inv["dgda"] = 1.0 / (torch.outer(dg, da) + damping)
+
+    def inverse_tensors(self, factor: str) -> List[Tensor]:
+        """What factor ``"A"``/``"G"``'s worker broadcasts; empty buffers allocated on receivers."""
+        n_a, n_g = self.sizes["A"], self.sizes["G"]
+        if self.method is ComputeMethod.INVERSE:
+            specs = {"a_inv": (n_a, n_a)} if factor == "A" else {"g_inv": (n_g, n_g)}
+        elif factor == "A":
+            specs = {"qa": (n_a, n_a)} if self.prediv else {"qa": (n_a, n_a), "da": (n_a,)}
+        else:
+            specs = {"qg": (n_g, n_g), "dgda": (n_g, n_a)} if self.prediv else {"qg": (n_g, n_g), "dg": (n_g,)}
+        device = self.params[0].device
+        for key, shape in specs.items():
+            t = self.inv.get(key)
+            if t is None or tuple(t.shape) != shape:
+                self.inv[key] = torch.empty(shape, dtype=self.inv_dtype, device=device)
+        return [self.inv[key] for key in specs]
+
+    # ---- preconditioning ----------------------------------------------------------------------
+    def precondition(self, grad: Tensor, damping: float) -> Tensor:
+        """The preconditioned gradient matrix (``grad``'s dtype) from the decompositions."""
+        try:
+            if self.method is ComputeMethod.INVERSE:
+                a_inv, g_inv = self.inv["a_inv"], self.inv["g_inv"]
+                return (g_inv @ grad.to(a_inv.dtype) @ a_inv).to(grad.dtype)
+            qa, qg = self.inv["qa"], self.inv["qg"]
+            if self.prediv:
+                v = qg.t() @ grad.to(qa.dtype) @ qa
+                return (qg @ (v * self.inv["dgda"]) @ qa.t()).to(grad.dtype)
+            out = self.backend.kron_eigen_solve(self.inv["dg"], qg, self.inv["da"], qa,
+                                                grad.to(qa.dtype), damping)
+            return out.to(grad.dtype)
+        except KeyError as exc:
+            raise RuntimeError(f"K-FAC layer {self.name!r}: decomposition {exc} missing on this rank") from None
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def memory_usage(self) -> Dict[str, int]:
+        """Bytes held by this layer on this rank (kfac_pytorch's keys)."""
+        a_keys = ("qa", "da", "a_inv")
+        g_keys = ("qg", "dg", "dgda", "g_inv")
+        return {
+            "a_factors": _nbytes(self.a_factor),
+            "g_factors": _nbytes(self.g_factor),
+            "a_batch": _nbytes(self.a_batch),
+            "g_batch": _nbytes(self.g_batch),
+            "a_inverses": sum(_nbytes(self.inv.get(k)) for k in a_keys),
+            "g_inverses": sum(_nbytes(self.inv.get(k)) for k in g_keys),
+        }
+
+    def state_dict(self) -> Dict[str, Optional[Tensor]]:
+        return {"A": self.a_factor, "G": self.g_factor}
+
+    def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+        if "A" not in state or "G" not in state:
+            raise KeyError(f"K-FAC layer {self.name!r}: state must have keys 'A' and 'G', got {sorted(state)}")
+        device = self.params[0].device
+        for key, expected in (("A", self.sizes["A"]), ("G", self.sizes["G"])):
+            t = state[key]
+            if t is not None and tuple(t.shape) != (expected, expected):
+                raise ValueError(f"K-FAC layer {self.name!r}: factor {key} has shape {tuple(t.shape)}, "
+                                 f"expected {(expected, expected)}")
+        self.a_factor = None if state["A"] is None else state["A"].to(device).clone()
+        self.g_factor = None if state["G"] is None else state["G"].to(device).clone()
+
+
+def grad_scale_of(grad_scaler: object) -> Optional[float]:
+    """The current loss scale of a ``GradScaler`` (``get_scale()``) or a callable, or None."""
+    if grad_scaler is None:
+        return None
+    get = getattr(grad_scaler, "get_scale", None)
+    return float(get() if callable(get) else grad_scaler())  # type: ignore[operator]
+

@@ -1,0 +1,55 @@
+"""Which modules the preconditioner handles: kfac_pytorch's ``register_modules`` rule.
+
+A module is registered when it is a leaf of ``model.named_modules()``, an ``nn.Linear`` or
+``nn.Conv2d`` (subclasses included), all its parameters require grad, and no ``skip_layers``
+pattern matches (``re.search``) its name or its class name. Every other module is ignored.
+"""
+from __future__ import annotations
+
+import re
+from typing import List, Sequence, Tuple
+
+from torch import nn
+
+from curvature.modules import family_of
+from curvature.modules.base import LayerFamily
+
+__all__ = ["SUPPORTED_TYPES", "find_layers"]
+
+SUPPORTED_TYPES: Tuple[type, ...] = (nn.Linear, nn.Conv2d)
+
+
+def _compile(patterns: Sequence[str]) -> List["re.Pattern[str]"]:
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+        raise TypeError(f"skip_layers must be a list of regex strings, got {type(patterns).__name__} {patterns!r}")
+    out = []
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"skip_layers entries must be regex strings, got {type(p).__name__} {p!r}")
+        try:
+            out.append(re.compile(p))
+        except re.error as exc:
+            raise ValueError(f"skip_layers pattern {p!r} is not a valid regex: {exc}") from None
+    return out
+
+
+def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str, nn.Module, LayerFamily]]:
+    """``(name, module, family)`` of every registered module, in ``named_modules`` order."""
+    regexes = _compile(skip_layers)
+    found = []
+    for name, module in model.named_modules():
+        if any(True for _ in module.children()) or not isinstance(module, SUPPORTED_TYPES):
+            continue
+        if any(r.search(name) or r.search(type(module).__name__) for r in regexes):
+            continue
+        if not all(p.requires_grad for p in module.parameters()):
+            continue
+        family = family_of(module)
+        if family is None:  # pragma: no cover - Linear/Conv2d always have one
+            continue
+        try:
+            family.validate(module)
+        except ValueError as exc:
+            raise ValueError(f"module {name!r}: {exc}; K-FAC cannot handle it, add it to skip_layers") from None
+        found.append((name, module, family))
+    return found

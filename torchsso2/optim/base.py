@@ -1,0 +1,176 @@
+"""Machinery shared by the natural-gradient and the VI optimizer (one engine, several faces).
+
+:class:`CurvatureOptimizer` is a ``torch.optim.Optimizer`` that owns
+
+* a :class:`curvature.CurvatureEngine` (capture + estimation),
+* a :class:`curvature.RunningCurvature` (EMA of the blocks and their decompositions),
+* a seeded ``torch.Generator`` for label/weight sampling (saved in ``state_dict``),
+* a :class:`torchsso2.distributed.Communicator` averaging gradients and curvature over ranks,
+* the non-finite policy (``on_nonfinite="skip" | "raise"``).
+
+Subclasses implement ``step`` by composing the small functions of :mod:`torchsso2.optim.steps`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from curvature import CurvatureEngine, RunningCurvature
+from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
+from curvature.linalg import LinalgError
+from curvature.options import Kind
+
+from ..distributed import get_communicator
+from .validation import check_choice, check_int, check_number, unpack_closure_result
+
+logger = logging.getLogger(__name__)
+
+Closure = Callable[[], Tuple[Tensor, Tensor]]
+_BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised under ``on_nonfinite="raise"`` when a gradient, a curvature statistic or a decomposition is not finite."""
+
+
+class CurvatureOptimizer(torch.optim.Optimizer):
+    """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
+
+    def __init__(self, model: nn.Module, params: Optional[Iterable[Any]], defaults: Dict[str, Any], *,
+                 curvature: str, approx: Any, loss: str, mc_samples: int, skip_modules: Any,
+                 ema_decay: float, curv_update_interval: int, inv_update_interval: int,
+                 on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
+                 decomposition_dtype: Optional[torch.dtype]) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.engine = CurvatureEngine(model, kind=curvature, approx=approx, loss=loss, mc_samples=mc_samples,
+                                      skip_modules=skip_modules)
+        self.ema_decay = check_number("ema_decay", ema_decay, low=0.0, high=1.0, high_open=True)
+        self.curv_update_interval = check_int("curv_update_interval", curv_update_interval)
+        self.inv_update_interval = check_int("inv_update_interval", inv_update_interval)
+        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
+        self.linalg = linalg
+        if decomposition_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"decomposition_dtype={decomposition_dtype!r}; expected None, torch.float32 or torch.float64")
+        self.decomposition_dtype = decomposition_dtype
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
+        self.running = RunningCurvature()
+        self.generator = torch.Generator()
+        self.generator.manual_seed(int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
+        self.comm = communicator if not isinstance(communicator, (str, type(None))) else \
+            get_communicator(communicator or "auto")
+        self.num_steps = 0
+        self.num_skipped = 0
+        self._decomposed = False
+        self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
+
+    # ---- capture + estimate -------------------------------------------------------------
+    def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool
+                     ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
+        """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
+        if closure is None or not callable(closure):
+            raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
+        if not estimate:
+            with torch.enable_grad():
+                loss, output = unpack_closure_result(closure())
+            return loss, output, None
+        engine = self.engine
+        fresh: Dict[str, Dict[str, Block]] = {}
+        from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
+
+        def on_output(out: Tensor) -> None:
+            if not from_backward and "blocks" not in fresh:
+                fresh["blocks"] = engine.estimate(cap, out, targets, self.generator)
+
+        with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
+            loss, output = unpack_closure_result(closure())
+        if from_backward:
+            fresh["blocks"] = engine.estimate_from_backward(cap)
+        if "blocks" not in fresh:
+            raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
+        return loss, output, fresh["blocks"]
+
+    # ---- gradients -------------------------------------------------------------------------
+    def _params_with_grad(self) -> List[nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]]) -> None:
+        if self.comm.world_size <= 1:
+            return
+        if self._average_gradients and grads:
+            self.comm.allreduce(grads, op="mean")
+        if blocks:
+            sym = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if s]
+            rest = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if not s]
+            if sym:
+                self.comm.allreduce(sym, op="mean", symmetric=True)
+            if rest:
+                self.comm.allreduce(rest, op="mean")
+
+    def _nonfinite(self, what: str) -> None:
+        """Apply the non-finite policy: raise, or log and count a skipped step."""
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(f"non-finite {what} at step {self.num_steps}; the optimizer state is unchanged")
+        self.num_skipped += 1
+        logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
+
+    def _decompose(self, damping: float, scale: float = 1.0) -> bool:
+        """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
+        try:
+            self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype)
+        except LinalgError as err:
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
+            self.num_skipped += 1
+            logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, err)
+            return False
+        self._decomposed = True
+        return True
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        sd["torchsso2"] = {
+            "curvature": self.running.state_dict(),
+            "generator": self.generator.get_state(),
+            "num_steps": self.num_steps,
+            "num_skipped": self.num_skipped,
+            "decomposed": self._decomposed,
+            "covered": {n: list(lay.param_names) for n, lay in self.engine.layouts.items()},
+            "extra": self._extra_state(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        extra = sd.pop("torchsso2", None)
+        if extra is None:
+            raise ValueError("state_dict has no 'torchsso2' entry: it was not saved by this optimizer")
+        covered = {n: list(lay.param_names) for n, lay in self.engine.layouts.items()}
+        if extra["covered"] != covered:
+            raise ValueError(f"checkpoint is for a model covering {extra['covered']}, this model covers {covered}")
+        super().load_state_dict(sd)
+        cstate = extra["curvature"]
+        like = {}
+        for name, bstate in cstate["blocks"].items():
+            lay = self.engine.layouts[name]
+            cls = _BLOCK_TYPES[bstate["approx"]]
+            like[name] = cls(lay, *[t.clone() for t in bstate["tensors"]])
+        self.running.load_state_dict(cstate, like)
+        self.generator.set_state(extra["generator"])
+        self.num_steps = int(extra["num_steps"])
+        self.num_skipped = int(extra["num_skipped"])
+        self._decomposed = bool(extra["decomposed"])
+        self._load_extra_state(extra["extra"])
+
+    def _extra_state(self) -> Dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: Dict[str, Any]) -> None:
+        pass

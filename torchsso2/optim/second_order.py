@@ -1,0 +1,179 @@
+"""SecondOrderOptimizer: natural-gradient training over any curvature kind and shape.
+
+Update, per step (each a small function of :mod:`torchsso2.optim.steps`)::
+
+    d  = g + weight_decay·θ                       # g: gradient of the mean loss (averaged over ranks)
+    Δ  = (C + damping·I)⁻¹ d                      # per curvature block; uncovered params: Δ = d
+    Δ ← ν·Δ,  ν = min(1, sqrt(kl_clip / (lr² Σ Δᵀd)))   # only when kl_clip is set
+    buf = momentum·buf + Δ;   θ ← θ − lr·buf
+
+``C`` is the chosen curvature (EMA over steps with ``ema_decay``), re-estimated every
+``curv_update_interval`` steps and re-decomposed every ``inv_update_interval`` steps.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .base import Closure, CurvatureOptimizer
+from .damping import LMDamping
+from .steps import add_weight_decay, all_finite, kl_clip_factor, momentum_, precondition
+from .validation import check_int, check_number
+
+logger = logging.getLogger(__name__)
+
+#: per-module-type shapes used when ``approx`` is not given (PyTorch-SSO's choice)
+DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv2d: "kfac", nn.Embedding: "kfac",
+                  nn.BatchNorm1d: "diag", nn.BatchNorm2d: "diag", nn.LayerNorm: "diag"}
+
+
+class SecondOrderOptimizer(CurvatureOptimizer):
+    """Natural-gradient (second-order) optimizer; a real ``torch.optim.Optimizer``.
+
+    Args:
+        model: the model whose curvature is estimated (any ``nn.Module``).
+        lr, momentum, weight_decay: as in SGD (per param group).
+        curvature: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
+        approx: ``"kfac" | "diag" | "full"`` or a dict module type / class name / name regex -> shape.
+            ``None`` uses :data:`DEFAULT_APPROX` (K-FAC for Linear/Conv2d/Embedding, diag for norm layers).
+        damping: Tikhonov damping λ added to the curvature.
+        ema_decay: in [0, 1): ``C ← ema_decay·C + (1 − ema_decay)·C_batch``.
+        curv_update_interval, inv_update_interval: steps between curvature estimates / decompositions.
+        loss: ``"cross_entropy"`` or ``"mse"``: the likelihood of the model's output.
+        mc_samples: sampled labels per example for ``fisher_mc``.
+        kl_clip: if set, kfac_pytorch-style KL clipping of the preconditioned update.
+        adaptive_damping: Levenberg–Marquardt rule every ``damping_adaptation_interval`` steps
+            (needs a closure that can be called again; the extra call re-evaluates the loss).
+        on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
+            before it, logged and counted in ``num_skipped``) or ``"raise"`` (NonFiniteError).
+        skip_modules: module names (regex) or types left to plain SGD.
+        params: optional torch.optim-style param groups (default: all trainable params of model).
+        linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).
+        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator.
+        seed: seed of the sampling generator (saved in state_dict).
+
+    ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
+    calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
+    ``curvature="hessian"`` and makes ``"empirical_fisher"`` exact for any loss reduction.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, *,
+                 curvature: str = "fisher_mc", approx: Any = "kfac", damping: float = 1e-3,
+                 ema_decay: float = 0.95, curv_update_interval: int = 1, inv_update_interval: int = 1,
+                 loss: str = "cross_entropy", mc_samples: int = 1, kl_clip: Optional[float] = None,
+                 adaptive_damping: bool = False, damping_adaptation_interval: int = 5,
+                 damping_adaptation_decay: float = 0.95, min_damping: float = 1e-8,
+                 on_nonfinite: str = "skip", skip_modules: Any = None,
+                 params: Optional[Iterable[Any]] = None, linalg: Optional[str] = None,
+                 communicator: Any = "auto", seed: Optional[int] = None,
+                 decomposition_dtype: Optional[torch.dtype] = None) -> None:
+        check_number("lr", lr, low=0.0)
+        check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        check_number("weight_decay", weight_decay, low=0.0)
+        self.damping = check_number("damping", damping, low=0.0)
+        self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
+        if not isinstance(adaptive_damping, bool):
+            raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
+        self.lm: Optional[LMDamping] = None
+        if adaptive_damping:
+            if self.damping <= 0:
+                raise ValueError("adaptive_damping needs an initial damping > 0")
+            self.lm = LMDamping(self.damping, check_number("damping_adaptation_decay", damping_adaptation_decay,
+                                                            low=0.0, high=1.0, low_open=True, high_open=True),
+                                min_damping=check_number("min_damping", min_damping, low=0.0))
+        self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        super().__init__(model, params, defaults, curvature=curvature,
+                         approx=DEFAULT_APPROX if approx is None else approx, loss=loss,
+                         mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
+                         curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
+                         on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
+                         decomposition_dtype=decomposition_dtype)
+
+    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        """One natural-gradient step; returns the closure's ``(loss, output)``."""
+        estimate = self.num_steps % self.curv_update_interval == 0
+        loss, output, fresh = self._run_closure(closure, targets, estimate)
+        params = self._params_with_grad()
+        grads = [p.grad for p in params]
+        self._average_over_ranks(grads, fresh)
+        if not all_finite(grads) or (fresh is not None and not all(b.is_finite() for b in fresh.values())):
+            self._nonfinite("gradient or curvature")
+            self.num_steps += 1
+            return loss, output
+        if fresh is not None:
+            self.running.update(fresh, self.ema_decay)
+        if not self.running.blocks:
+            raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
+        if (self.num_steps % self.inv_update_interval == 0 or not self._decomposed) and not self._decompose(self.damping):
+            if not self._decomposed:
+                self.num_steps += 1
+                return loss, output
+        old = [p.detach().clone() for p in params] if self._adapt_now() else None
+        self._apply_update(params)
+        if old is not None:
+            self._adapt_damping(closure, loss, params, grads, old)
+        self.num_steps += 1
+        return loss, output
+
+    @torch.no_grad()
+    def _apply_update(self, params: List[nn.Parameter]) -> None:
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        decayed = {id(p): d for p, d in zip(params, [
+            add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params])}
+        covered = {n: b for n, b in self.running.blocks.items()
+                   if all(id(q) in decayed for q in b.layout.params)}
+        direction = precondition(covered, decayed)
+        updates = [direction[id(p)] for p in params]
+        if self.kl_clip is not None:
+            nu = kl_clip_factor(updates, [decayed[id(p)] for p in params], self.param_groups[0]["lr"], self.kl_clip)
+            updates = [u * nu for u in updates]
+        for p, u in zip(params, updates):
+            group = group_of[id(p)]
+            state = self.state[p]
+            buf = [state.get("momentum_buffer")]
+            (step_dir,) = momentum_(buf, [u], group["momentum"])
+            if group["momentum"] != 0.0:
+                state["momentum_buffer"] = buf[0]
+            p.add_(step_dir, alpha=-group["lr"])
+
+    # ---- adaptive damping -----------------------------------------------------------------------
+    def _adapt_now(self) -> bool:
+        return self.lm is not None and (self.num_steps + 1) % self.damping_adaptation_interval == 0
+
+    def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
+                       grads: List[Tensor], old: List[Tensor]) -> None:
+        assert self.lm is not None
+        with torch.no_grad():
+            deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
+            g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
+            quad = 0.0
+            seen = set()
+            for blk in self.running.blocks.values():
+                ps = blk.layout.params
+                if not all(id(q) in deltas for q in ps):
+                    continue
+                cv = blk.mvp([deltas[id(q)] for q in ps])
+                quad += sum(float((c * deltas[id(q)]).sum()) for c, q in zip(cv, ps))
+                seen.update(id(q) for q in ps)
+            lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
+            sq = sum(float(d.pow(2).sum()) for d in deltas.values())
+            predicted = lin + 0.5 * (quad + self.damping * sq)
+        with torch.enable_grad():
+            new_loss, _ = closure()
+        actual = float(new_loss) - float(loss)
+        self.damping = self.lm.update(actual, predicted)
+        self._decomposed = False  # re-decompose with the new damping at the next step
+        logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
+
+    def _extra_state(self) -> Dict[str, Any]:
+        return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy()}
+
+    def _load_extra_state(self, state: Dict[str, Any]) -> None:
+        self.damping = float(state["damping"])
+        if self.lm is not None and state.get("lm") is not None:
+            for k, v in state["lm"].items():
+                setattr(self.lm, k, v)

@@ -1,0 +1,62 @@
+"""The small pure steps that an optimizer ``step()`` composes (optax-style).
+
+Each function maps lists of parameter-shaped tensors to new lists; none mutates its inputs
+except where the name ends in ``_``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from curvature.blocks import Block
+
+
+def add_weight_decay(grads: Sequence[Tensor], params: Sequence[Tensor], weight_decay: float) -> List[Tensor]:
+    """``g + weight_decay·θ``."""
+    if weight_decay == 0.0:
+        return list(grads)
+    return [g + weight_decay * p.detach() for g, p in zip(grads, params)]
+
+
+def precondition(blocks: Dict[str, Block], grads: Dict[int, Tensor]) -> Dict[int, Tensor]:
+    """Replace the gradient of every covered parameter by ``(scale·C + damping·I)⁻¹ g`` (per block).
+
+    ``grads`` maps ``id(param)`` to its gradient; parameters not in any block pass through.
+    """
+    out = dict(grads)
+    for blk in blocks.values():
+        params = blk.layout.params
+        solved = blk.solve([grads[id(p)] for p in params])
+        for p, s in zip(params, solved):
+            out[id(p)] = s
+    return out
+
+
+def kl_clip_factor(updates: Sequence[Tensor], grads: Sequence[Tensor], lr: float, kl_clip: float) -> float:
+    """kfac_pytorch's KL clip: ``ν = min(1, sqrt(kl_clip / (lr² · Σ uᵀg)))`` (1 when ``Σ uᵀg <= 0``)."""
+    vg = sum(float((u * g).sum()) for u, g in zip(updates, grads))
+    if vg <= 0 or lr == 0:
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / (lr * lr * vg)))
+
+
+def momentum_(buffers: List[Optional[Tensor]], updates: Sequence[Tensor], momentum: float) -> List[Tensor]:
+    """``buf ← momentum·buf + u`` (buffers created on first use); returns the buffers."""
+    res = []
+    for i, u in enumerate(updates):
+        if momentum == 0.0:
+            res.append(u)
+            continue
+        if buffers[i] is None:
+            buffers[i] = u.detach().clone()
+        else:
+            buffers[i].mul_(momentum).add_(u)
+        res.append(buffers[i])
+    return res
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)

@@ -1,0 +1,222 @@
+"""VIOptimizer: natural-gradient variational inference (VOGN, noisy K-FAC, full covariance).
+
+Posterior ``q(θ) = N(μ, P⁻¹)`` over the covered parameters, blockwise per module, with
+
+    P = N·C + τ·δ·I + damping·I      (N = dataset_size, C = curvature EMA, δ = prior precision, τ = kl_weighting)
+
+and the mean ``μ`` = the model's weights. One ``step(closure)``:
+
+1. draw ``num_mc_samples`` weight samples ``θ_s = μ + ε_s``, ``ε_s ~ N(0, P⁻¹)``;
+2. run the closure at each sample (forward + backward) and average gradients ``ḡ`` and curvature;
+3. restore ``μ``; fold the curvature into the EMA and decompose ``P``;
+4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − lr·P⁻¹ m`` (VOGN; ``diag`` = VOGN,
+   ``kfac`` = noisy K-FAC, ``full`` = full covariance per module).
+
+Parameters not covered by a block keep a point estimate: they get ``μ ← μ − lr·m/N`` with the
+same momentum (i.e. SGD on the mean loss plus the prior term), and are not sampled.
+Fixed point (lr = 1, exact Fisher, Bayesian linear regression): ``P = XᵀX + δI`` and
+``μ = (XᵀX + δI)⁻¹ Xᵀy``, the closed-form posterior (tested).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from curvature.options import LossType
+
+from .base import Closure, CurvatureOptimizer
+from .steps import all_finite, precondition
+from .validation import check_int, check_number
+
+
+class VIOptimizer(CurvatureOptimizer):
+    """Bayesian deep learning by natural-gradient VI; a real ``torch.optim.Optimizer``.
+
+    Args:
+        model: the network; its weights are the posterior mean.
+        dataset_size: N, the number of training examples (>= 1).
+        lr: step size of the mean (and of nothing else: the precision is an EMA).
+        curvature: kind of curvature (default ``"fisher_mc"``); ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
+        prior_precision / prior_variance: isotropic Gaussian prior (give at most one).
+        init_precision: precision of the isotropic Gaussian sampled at the first step, before any
+            curvature is known (default: no noise at the first step).
+        num_mc_samples: weight samples per step (the closure runs once per sample).
+        kl_weighting: τ, tempering of the KL term (τ < 1: "cold" posterior).
+        momentum, ema_decay, damping: see the module docstring.
+        loss: ``"cross_entropy"`` or ``"mse"``.
+        seed: seed of the sampling generator (saved in state_dict).
+    """
+
+    def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
+                 curvature: str = "fisher_mc", approx: Any = "diag", prior_precision: Optional[float] = None,
+                 prior_variance: Optional[float] = None, init_precision: Optional[float] = None,
+                 num_mc_samples: int = 1, kl_weighting: float = 1.0, momentum: float = 0.9,
+                 ema_decay: float = 0.999, damping: float = 0.0, loss: str = "cross_entropy",
+                 mc_samples: int = 1, curv_update_interval: int = 1, inv_update_interval: int = 1,
+                 on_nonfinite: str = "skip", skip_modules: Any = None, params: Any = None,
+                 linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
+                 decomposition_dtype: Optional[torch.dtype] = None) -> None:
+        self.dataset_size = check_int("dataset_size", dataset_size, low=1)
+        check_number("lr", lr, low=0.0)
+        if prior_precision is not None and prior_variance is not None:
+            raise ValueError("give prior_precision or prior_variance, not both "
+                             f"(got prior_precision={prior_precision!r}, prior_variance={prior_variance!r})")
+        if prior_variance is not None:
+            self.prior_precision = 1.0 / check_number("prior_variance", prior_variance, low=0.0, low_open=True)
+        else:
+            self.prior_precision = check_number("prior_precision", 1.0 if prior_precision is None else prior_precision,
+                                                low=0.0)
+        self.init_precision = None if init_precision is None else \
+            check_number("init_precision", init_precision, low=0.0, low_open=True)
+        self.num_mc_samples = check_int("num_mc_samples", num_mc_samples)
+        self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0)
+        self.damping = check_number("damping", damping, low=0.0)
+        check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        defaults = dict(lr=lr, momentum=momentum)
+        super().__init__(model, params, defaults, curvature=curvature, approx=approx, loss=loss,
+                         mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
+                         curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
+                         on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
+                         decomposition_dtype=decomposition_dtype)
+        if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
+            raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
+                             "is positive definite")
+
+    # ---- the posterior ---------------------------------------------------------------------
+    @property
+    def precision_shift(self) -> float:
+        """``τ·δ + damping``: what is added to ``N·C`` on the diagonal."""
+        return self.kl_weighting * self.prior_precision + self.damping
+
+    def _covered(self) -> List[nn.Parameter]:
+        return self.engine.params
+
+    def _draw_noise(self, generator: torch.Generator) -> Optional[Dict[int, Tensor]]:
+        """``ε ~ N(0, P⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
+        if self._decomposed:
+            noise: Dict[int, Tensor] = {}
+            for blk in self.running.blocks.values():
+                for p, e in zip(blk.layout.params, blk.sample(generator)):
+                    noise[id(p)] = e.to(p.dtype)
+            return noise
+        if self.init_precision is not None:
+            std = self.init_precision ** -0.5
+            return {id(p): torch.randn(p.shape, generator=generator, dtype=p.dtype) * std for p in self._covered()}
+        return None
+
+    @contextlib.contextmanager
+    def sampled_params(self, generator: Optional[torch.Generator] = None) -> Iterator[None]:
+        """Temporarily replace the covered weights by one posterior sample (restored on exit)."""
+        gen = generator if generator is not None else self.generator
+        noise = self._draw_noise(gen)
+        covered = self._covered()
+        means = [p.detach().clone() for p in covered]
+        try:
+            if noise is not None:
+                with torch.no_grad():
+                    for p in covered:
+                        p.add_(noise[id(p)])
+            yield
+        finally:
+            with torch.no_grad():
+                for p, m in zip(covered, means):
+                    p.copy_(m)
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse)."""
+        check_int("num_samples", num_samples)
+        outs = []
+        for _ in range(num_samples):
+            with self.sampled_params(generator):
+                out = self.model(x)
+            outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
+        return torch.stack(outs).mean(0)
+
+    def posterior_precision(self) -> Tensor:
+        """Dense ``[P, P]`` block-diagonal precision ``N·C + τδ + damping`` over the covered params."""
+        if not self.running.blocks:
+            raise RuntimeError("no curvature estimate yet: call step() first")
+        mats = [blk.dense() * self.dataset_size for blk in self.running.blocks.values()]
+        dense = torch.block_diag(*mats)
+        return dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
+        estimate = self.num_steps % self.curv_update_interval == 0
+        trainable = [p for g in self.param_groups for p in g["params"]]
+        grad_sum: Dict[int, Tensor] = {}
+        fresh_all = []
+        losses = []
+        output = None
+        for _ in range(self.num_mc_samples):
+            with self.sampled_params():
+                loss, output, fresh = self._run_closure(closure, targets, estimate)
+            losses.append(loss.detach())
+            if fresh is not None:
+                fresh_all.append(fresh)
+            for p in trainable:
+                if p.grad is not None:
+                    g = p.grad.detach()
+                    grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
+        params = [p for p in trainable if id(p) in grad_sum]
+        grads = [grad_sum[id(p)] / self.num_mc_samples for p in params]
+        fresh = self._average_blocks(fresh_all)
+        self._average_over_ranks(grads, fresh)
+        mean_loss = torch.stack(losses).mean()
+        if not all_finite(grads) or (fresh is not None and not all(b.is_finite() for b in fresh.values())):
+            self._nonfinite("gradient or curvature")
+            self.num_steps += 1
+            return mean_loss, output
+        if fresh is not None:
+            self.running.update(fresh, self.ema_decay)
+        if self.num_steps % self.inv_update_interval == 0 or not self._decomposed:
+            if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
+                self.num_steps += 1
+                return mean_loss, output
+        self._update_mean(params, grads)
+        self.num_steps += 1
+        return mean_loss, output
+
+    @staticmethod
+    def _average_blocks(fresh_all: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if not fresh_all:
+            return None
+        first = fresh_all[0]
+        for other in fresh_all[1:]:
+            for name, blk in first.items():
+                for a, b in zip(blk.tensors(), other[name].tensors()):
+                    a.add_(b)
+        if len(fresh_all) > 1:
+            for blk in first.values():
+                for t in blk.tensors():
+                    t.div_(len(fresh_all))
+        return first
+
+    @torch.no_grad()
+    def _update_mean(self, params: List[nn.Parameter], grads: List[Tensor]) -> None:
+        n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        raw = {id(p): n * g + tau_delta * p.detach() for p, g in zip(params, grads)}
+        bufs: Dict[int, Tensor] = {}
+        for p in params:
+            mom = group_of[id(p)]["momentum"]
+            state = self.state[p]
+            if mom != 0.0:
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = raw[id(p)].clone()
+                else:
+                    state["momentum_buffer"].mul_(mom).add_(raw[id(p)])
+                bufs[id(p)] = state["momentum_buffer"]
+            else:
+                bufs[id(p)] = raw[id(p)]
+        covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
+        direction = precondition(covered, bufs)
+        in_block = {id(q) for b in covered.values() for q in b.layout.params}
+        for p in params:
+            d = direction[id(p)] if id(p) in in_block else bufs[id(p)] / n
+            p.add_(d.to(p.dtype), alpha=-group_of[id(p)]["lr"])
