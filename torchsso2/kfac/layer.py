@@ -161,10 +161,12 @@ class KFACLayer:
         key = factor.lower()
         dtype = self._compute_dtype(f)
         if self.method is ComputeMethod.INVERSE:
-            self.inv[f"{key}_inv"] = self.backend.damped_inv(f, damping, dtype=dtype).to(self.inv_dtype)
+            self.inv[f"{key}_inv"] = self.backend.damped_inv(f, damping, dtype=dtype).to(self.inv_dtype).contiguous()
             return
         evals, evecs = self.backend.eigh(f, dtype=dtype)
-        self.inv[f"q{key}"] = evecs.to(self.inv_dtype)
+        # contiguous (eigh returns column-major Q): the ranks that receive Q by broadcast hold
+        # it row-major, and the same layout everywhere makes every rank's matmuls bit-identical
+        self.inv[f"q{key}"] = evecs.to(self.inv_dtype).contiguous()
         self.inv[f"d{key}"] = evals.clamp(min=0.0).to(self.inv_dtype)
         if self.prediv and factor == "G":
             if "da" not in self.inv:
