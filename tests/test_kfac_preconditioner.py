@@ -14,7 +14,7 @@ import copy
 import io
 import math
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -446,10 +446,13 @@ def test_factor_and_inverse_dtypes():
     layer = pre.layers["fc1"]
     assert layer.a_factor.dtype == torch.float64 and layer.inv["a_inv"].dtype == torch.float64
     assert model.fc1.weight.grad.dtype == torch.float32
-    pre16 = KFACPreconditioner(build("mlp", dtype=torch.float32), inv_dtype=torch.float16,
-                               compute_eigenvalue_outer_product=False)
-    m = next(iter(pre16.layers.values())).module
-    assert m is not None
+    # half-precision storage of the decompositions (computed in float32, kept in bfloat16)
+    model = build("mlp", dtype=torch.float32)
+    pre = KFACPreconditioner(model, inv_dtype=torch.bfloat16)
+    loss_fn(model, *batch("mlp", 4, 0, dtype=torch.float32)).backward()
+    pre.step()
+    assert pre.layers["fc1"].inv["qa"].dtype == torch.bfloat16
+    assert model.fc1.weight.grad.dtype == torch.float32 and torch.isfinite(model.fc1.weight.grad).all()
 
 
 @pytest.mark.parametrize("backend", ["numpy"])
@@ -594,3 +597,36 @@ def test_matches_kfac_pytorch(kind, method, prediv, in_hook, micro, record_prope
     print(f"kfac_pytorch vs torchsso2 [{kind} {method} prediv={prediv} in_hook={in_hook} micro={micro}]: "
           f"max relative difference {worst:.2e}")
     assert worst < 1e-4
+
+
+def test_module_called_twice_per_forward_contributes_both_calls():
+    """A shared layer: one (A, G) pair per call, averaged (kfac_pytorch counts each call)."""
+    lin = nn.Linear(3, 3).to(DT)
+    pre = KFACPreconditioner(lin, update_factors_in_hook=False)
+    x = torch.randn(4, 3, dtype=DT)
+    h = lin(x)
+    h.retain_grad()
+    out = lin(torch.tanh(h))
+    out.retain_grad()
+    out.pow(2).mean().backward()
+    layer = pre.layers[""]
+    assert layer.batch_count == 2
+    rows = [torch.cat([v, torch.ones(4, 1, dtype=DT)], 1) for v in (x, torch.tanh(h).detach())]
+    assert torch.allclose(layer.a_batch, sum(r.t() @ r / 4 for r in rows))
+    assert torch.allclose(layer.g_batch, (h.grad.t() @ h.grad + out.grad.t() @ out.grad) / 4)
+    pre.step()
+    assert torch.isfinite(lin.weight.grad).all()
+
+
+def test_torch_amp_grad_scaler_object():
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    model = build("mlp", dtype=torch.float32)
+    pre = KFACPreconditioner(model, grad_scaler=scaler)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch("mlp", 4, 0, dtype=torch.float32)
+    scaler.scale(loss_fn(model, x, y)).backward()
+    scaler.unscale_(opt)
+    pre.step()
+    scaler.step(opt)
+    scaler.update()
+    assert pre.steps == 1 and torch.isfinite(model.fc1.weight).all()

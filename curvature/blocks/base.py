@@ -55,7 +55,7 @@ class Block(ABC):
             dst.mul_(decay).add_(src.to(dst.dtype), alpha=1.0 - decay)
 
     def is_finite(self) -> bool:
-        return all(bool(torch.isfinite(t).all()) for t in self.tensors())
+        return all_finite(self.tensors())
 
     @abstractmethod
     def dense(self) -> Tensor:
@@ -103,6 +103,19 @@ class Block(ABC):
             a.copy_(b)
         dec = state.get("decomposition")
         self.decomposition = None if dec is None else dict(dec)
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """True when every element of every tensor is finite.
+
+    One fused reduction: the sum of |t| over a tensor is non-finite iff some element is
+    (or the sum overflows float range, which we also treat as a fault).
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    sums = torch.stack([t.detach().abs().sum().to(torch.float64) for t in tensors])
+    return bool(torch.isfinite(sums).all())
 
 
 def check_positive(evals: Tensor, what: str) -> None:

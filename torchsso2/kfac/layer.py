@@ -106,10 +106,14 @@ class KFACLayer:
     # ---- factors ------------------------------------------------------------------------
     def accumulate(self, inputs: Tuple[Tensor, ...], grad_output: Tensor,
                    grad_scale: Optional[float] = None) -> bool:
-        """Add one forward/backward pair's ``(A, G)`` to the batch; False if non-finite (skipped)."""
+        """Add one forward/backward pair's ``(A, G)`` to the batch.
+
+        With a ``grad_scale`` (AMP) a non-finite contribution (an overflowing backward) is
+        skipped and False returned; without one no check is made (no device sync).
+        """
         a, g = kfac_pytorch_factors(self.family, self.module, inputs, grad_output, self.param_names,
                                     self.factor_dtype, grad_scale)
-        if not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(a).all())):
+        if grad_scale is not None and not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(a).all())):
             logger.warning("K-FAC layer %r: non-finite factor contribution skipped (AMP overflow?)", self.name)
             return False
         self.a_batch = a if self.a_batch is None else self.a_batch + a

@@ -24,6 +24,7 @@ from curvature.linalg import LinalgError
 from curvature.options import Kind
 
 from ..distributed import get_communicator
+from .steps import all_finite
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
 
         def on_output(out: Tensor) -> None:
-            if not from_backward and "blocks" not in fresh:
+            if "blocks" in fresh:
+                return
+            if not bool(torch.isfinite(out.detach()).all()):
+                fresh["blocks"] = {}  # marked non-finite: the step applies the non-finite policy
+                return
+            if not from_backward:
                 fresh["blocks"] = engine.estimate(cap, out, targets, self.generator)
 
         with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
             loss, output = unpack_closure_result(closure())
-        if from_backward:
+        if from_backward and "blocks" not in fresh:
             fresh["blocks"] = engine.estimate_from_backward(cap)
         if "blocks" not in fresh:
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
@@ -112,6 +118,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 self.comm.allreduce(sym, op="mean", symmetric=True)
             if rest:
                 self.comm.allreduce(rest, op="mean")
+
+    @staticmethod
+    def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
+        """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output)."""
+        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            return False
+        if not all_finite(grads):
+            return False
+        if fresh is not None and (not fresh or not all(b.is_finite() for b in fresh.values())):
+            return False
+        return True
 
     def _nonfinite(self, what: str) -> None:
         """Apply the non-finite policy: raise, or log and count a skipped step."""

@@ -100,8 +100,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         params = self._params_with_grad()
         grads = [p.grad for p in params]
         self._average_over_ranks(grads, fresh)
-        if not all_finite(grads) or (fresh is not None and not all(b.is_finite() for b in fresh.values())):
-            self._nonfinite("gradient or curvature")
+        if not self._batch_is_finite(loss, grads, fresh):
+            self._nonfinite("loss, gradient or curvature")
             self.num_steps += 1
             return loss, output
         if fresh is not None:
@@ -113,14 +113,18 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self.num_steps += 1
                 return loss, output
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
-        self._apply_update(params)
+        if not self._apply_update(params):
+            self._nonfinite("preconditioned update")
+            self.num_steps += 1
+            return loss, output
         if old is not None:
             self._adapt_damping(closure, loss, params, grads, old)
         self.num_steps += 1
         return loss, output
 
     @torch.no_grad()
-    def _apply_update(self, params: List[nn.Parameter]) -> None:
+    def _apply_update(self, params: List[nn.Parameter]) -> bool:
+        """Apply the update; False (nothing changed) when the preconditioned update is not finite."""
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         decayed = {id(p): d for p, d in zip(params, [
             add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params])}
@@ -131,6 +135,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if self.kl_clip is not None:
             nu = kl_clip_factor(updates, [decayed[id(p)] for p in params], self.param_groups[0]["lr"], self.kl_clip)
             updates = [u * nu for u in updates]
+        if not all_finite(updates):
+            return False
         for p, u in zip(params, updates):
             group = group_of[id(p)]
             state = self.state[p]
@@ -139,6 +145,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if group["momentum"] != 0.0:
                 state["momentum_buffer"] = buf[0]
             p.add_(step_dir, alpha=-group["lr"])
+        return True
 
     # ---- adaptive damping -----------------------------------------------------------------------
     def _adapt_now(self) -> bool:

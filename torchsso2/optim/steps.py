@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from curvature.blocks import Block
+from curvature.blocks.base import all_finite as curvature_all_finite
 
 
 def add_weight_decay(grads: Sequence[Tensor], params: Sequence[Tensor], weight_decay: float) -> List[Tensor]:
@@ -59,4 +60,5 @@ def momentum_(buffers: List[Optional[Tensor]], updates: Sequence[Tensor], moment
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """True when every element of every tensor is finite (one reduction + one sync)."""
+    return curvature_all_finite(tensors)

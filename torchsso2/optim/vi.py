@@ -168,8 +168,8 @@ class VIOptimizer(CurvatureOptimizer):
         fresh = self._average_blocks(fresh_all)
         self._average_over_ranks(grads, fresh)
         mean_loss = torch.stack(losses).mean()
-        if not all_finite(grads) or (fresh is not None and not all(b.is_finite() for b in fresh.values())):
-            self._nonfinite("gradient or curvature")
+        if not self._batch_is_finite(mean_loss, grads, fresh):
+            self._nonfinite("loss, gradient or curvature")
             self.num_steps += 1
             return mean_loss, output
         if fresh is not None:

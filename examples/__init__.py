@@ -1,0 +1,1 @@
+"""Runnable examples of torchsso2 (see each script's --help)."""

@@ -1,0 +1,245 @@
+"""Shared pieces of the examples (and of the benchmarks that train on digits).
+
+* :func:`load_digits_data` — scikit-learn's 8×8 handwritten digits (bundled with
+  scikit-learn, so it works offline), a fixed stratified train/test split, pixels scaled
+  to ``[0, 1]``;
+* :class:`MLP` and :class:`DigitsCNN` — the two small models of the examples;
+* :func:`make_optimizer` — ``sgd | adam | sso-kfac | sso-diag | sso-full`` with the
+  defaults the examples use;
+* :func:`train_epoch` / :func:`predict_probs` — one pass over the training set with a
+  closure that works for every optimizer, and softmax predictions on a tensor.
+
+Nothing here is part of the library API; it only keeps the example scripts short.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # imported from a script run as ``python examples/x.py``
+    _ROOT = str(Path(__file__).resolve().parents[1])
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+import torch
+from torch import Tensor, nn
+
+from torchsso2 import SecondOrderOptimizer
+
+#: the optimizers every example understands
+OPTIMIZERS: Tuple[str, ...] = ("sgd", "adam", "sso-kfac", "sso-diag", "sso-full")
+
+#: default learning rate per optimizer (tuned on the digits MLP, see docs/benchmarks.md)
+DEFAULT_LR: Dict[str, float] = {
+    "sgd": 0.1,        # with momentum 0.9
+    "adam": 3e-3,
+    "sso-kfac": 0.03,  # natural-gradient step, momentum 0.9
+    "sso-diag": 0.003,
+    "sso-full": 0.03,
+}
+
+#: SecondOrderOptimizer settings per shape used by the examples
+SSO_SETTINGS: Dict[str, Dict[str, object]] = {
+    "sso-kfac": dict(approx="kfac", damping=1e-2, curv_update_interval=1, inv_update_interval=10),
+    "sso-diag": dict(approx="diag", damping=1e-3, curv_update_interval=1, inv_update_interval=1),
+    # a full [P, P] block per layer: the first MLP layer has in·hidden + hidden parameters, so
+    # its eigendecomposition is O(P³); decompose rarely (and keep the hidden layer small)
+    "sso-full": dict(approx="full", damping=1e-2, curv_update_interval=5, inv_update_interval=50),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Digits:
+    """The digits data as tensors: ``x_*`` float32 ``[N, 1, 8, 8]`` in ``[0, 1]``, ``y_*`` long ``[N]``."""
+
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+
+    @property
+    def num_classes(self) -> int:
+        return 10
+
+
+def load_digits_data(test_size: float = 0.25, split_seed: int = 0) -> Digits:
+    """scikit-learn's digits (1797 images, 8×8, 10 classes); fixed stratified split (1347 / 450 by default)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    ds = load_digits()
+    x = torch.tensor(ds.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N, 1, 8, 8]
+    y = torch.tensor(ds.target, dtype=torch.long)
+    idx = torch.arange(len(y)).numpy()
+    tr, te = train_test_split(idx, test_size=test_size, random_state=split_seed, stratify=ds.target)
+    tr, te = torch.as_tensor(tr), torch.as_tensor(te)
+    return Digits(x[tr], y[tr], x[te], y[te])
+
+
+def batches(n: int, batch_size: int, generator: torch.Generator, drop_last: bool = True) -> Iterator[Tensor]:
+    """Shuffled index batches over ``range(n)`` (the last partial batch is dropped by default)."""
+    perm = torch.randperm(n, generator=generator)
+    stop = n - n % batch_size if drop_last and n >= batch_size else n
+    for i in range(0, stop, batch_size):
+        yield perm[i:i + batch_size]
+
+
+# --------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """``in -> hidden -> ... -> out`` with ReLU; flattens its input first."""
+
+    def __init__(self, in_features: int = 64, hidden: Sequence[int] = (64,), out_features: int = 10) -> None:
+        super().__init__()
+        sizes = [in_features, *hidden]
+        layers = []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        layers.append(nn.Linear(sizes[-1], out_features))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x.flatten(1))
+
+
+class DigitsCNN(nn.Module):
+    """A small conv net for ``[N, 1, 8, 8]`` digits: conv3×3(16) - conv3×3(32) - maxpool - linear."""
+
+    def __init__(self, channels: Tuple[int, int] = (16, 32), num_classes: int = 10) -> None:
+        super().__init__()
+        c1, c2 = channels
+        self.features = nn.Sequential(
+            nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+        )
+        self.classifier = nn.Linear(c2 * 4 * 4, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x).flatten(1))
+
+
+def make_model(name: str, hidden: Sequence[int] = (64,)) -> nn.Module:
+    """``"mlp"`` (64 -> hidden -> 10) or ``"cnn"`` (:class:`DigitsCNN`)."""
+    if name == "mlp":
+        return MLP(64, hidden, 10)
+    if name == "cnn":
+        return DigitsCNN()
+    raise ValueError(f"model={name!r}; expected 'mlp' or 'cnn'")
+
+
+# --------------------------------------------------------------------------------------------
+# optimizers
+# --------------------------------------------------------------------------------------------
+def make_optimizer(name: str, model: nn.Module, lr: Optional[float] = None, seed: int = 0,
+                   **overrides: object) -> torch.optim.Optimizer:
+    """Build ``sgd`` (momentum 0.9), ``adam`` or a :class:`SecondOrderOptimizer` of one shape.
+
+    ``overrides`` replace entries of :data:`SSO_SETTINGS` (e.g. ``inv_update_interval=100``).
+    """
+    lr = DEFAULT_LR[name] if lr is None else lr
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    if name in SSO_SETTINGS:
+        kw = dict(SSO_SETTINGS[name])
+        kw.update(overrides)
+        return SecondOrderOptimizer(model, lr=lr, momentum=0.9, curvature="fisher_mc", seed=seed, **kw)
+    raise ValueError(f"optimizer={name!r}; expected one of {', '.join(OPTIMIZERS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# training and evaluation
+# --------------------------------------------------------------------------------------------
+def make_closure(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor
+                 ) -> Callable[[], Tuple[Tensor, Tensor]]:
+    """zero_grad / forward / cross-entropy / backward; returns ``(loss, output)`` as torchsso2 expects."""
+    loss_fn = nn.CrossEntropyLoss()
+
+    def closure() -> Tuple[Tensor, Tensor]:
+        opt.zero_grad()
+        out = model(x)
+        loss = loss_fn(out, y)
+        loss.backward()
+        return loss, out
+
+    return closure
+
+
+def optimizer_step(opt: torch.optim.Optimizer, closure: Callable[[], Tuple[Tensor, Tensor]]) -> Tensor:
+    """One step of any optimizer with a ``(loss, output)`` closure; returns the loss."""
+    if isinstance(opt, (torch.optim.SGD, torch.optim.Adam)) or not hasattr(opt, "engine"):
+        loss, _ = closure()
+        opt.step()
+        return loss
+    loss, _ = opt.step(closure)
+    return loss
+
+
+def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, batch_size: int,
+                generator: torch.Generator, progress: Optional[object] = None) -> float:
+    """One shuffled pass over ``(x, y)``; returns the mean training loss. ``progress``: a tqdm bar to advance."""
+    model.train()
+    total, count = 0.0, 0
+    for idx in batches(len(y), batch_size, generator):
+        loss = optimizer_step(opt, make_closure(opt, model, x[idx], y[idx]))
+        total += float(loss.detach()) * len(idx)
+        count += len(idx)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def predict_probs(model: nn.Module, x: Tensor, batch_size: int = 1024) -> Tensor:
+    """``softmax(model(x))`` in eval mode, ``[N, C]``."""
+    model.eval()
+    return torch.cat([torch.softmax(model(x[i:i + batch_size]), dim=-1) for i in range(0, len(x), batch_size)])
+
+
+def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """Test accuracy of the arg-max prediction, in ``[0, 1]``."""
+    return float((predict_probs(model, x).argmax(1) == y).float().mean())
+
+
+# --------------------------------------------------------------------------------------------
+# CLI bits
+# --------------------------------------------------------------------------------------------
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """``--seed``, ``--threads``, ``--no-progress``."""
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init, batch order and sampling (default 0)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads (default 1: the models are tiny, more threads only add overhead)")
+    p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bars")
+
+
+def setup_run(args: argparse.Namespace) -> torch.Generator:
+    """Apply ``--threads`` and ``--seed``; return the batch-order generator."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    return torch.Generator().manual_seed(args.seed)
+
+
+def progress_bar(total: int, desc: str, disable: bool):
+    """A tqdm bar (written to stderr); a no-op stand-in when tqdm is missing."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the [examples] extra
+        class _Null:
+            def update(self, n: int = 1) -> None: ...
+            def set_postfix(self, *a: object, **k: object) -> None: ...
+            def set_description(self, *a: object, **k: object) -> None: ...
+            def write(self, s: str) -> None: print(s)
+            def close(self) -> None: ...
+        return _Null()
+    return tqdm(total=total, desc=desc, disable=disable, leave=False, dynamic_ncols=True)

@@ -1,0 +1,280 @@
+"""Errors name the bad value and what was expected; unsupported configurations are refused."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+from models import MODELS
+from reference import Reference
+
+
+@pytest.fixture
+def mlp():
+    build, batch = MODELS["mlp"]
+    model = build()
+    x, y = batch(4, "cross_entropy")
+    return model, x, y
+
+
+def _compute(model, x, y, **kw):
+    return curvature.compute(model, x, y, **kw)
+
+
+# ---- option vocabularies ---------------------------------------------------------------------------
+@pytest.mark.parametrize("arg,value,choices", [
+    ("kind", "fischer", ["fisher", "fisher_mc", "empirical_fisher", "hessian"]),
+    ("approx", "kron", ["full", "diag", "kfac"]),
+    ("loss", "nll", ["cross_entropy", "mse"]),
+    ("kind", 3, ["fisher", "hessian"]),
+])
+def test_unknown_option_names_value_and_choices(mlp, arg, value, choices) -> None:
+    model, x, y = mlp
+    with pytest.raises(ValueError) as info:
+        _compute(model, x, y, **{arg: value})
+    msg = str(info.value)
+    assert repr(value) in msg and arg in msg, msg
+    for c in choices:
+        assert repr(c) in msg, (c, msg)
+
+
+def test_unknown_approx_in_dict(mlp) -> None:
+    model, x, y = mlp
+    with pytest.raises(ValueError, match=r"'blockdiag'.*'full'"):
+        _compute(model, x, y, approx={nn.Linear: "blockdiag"})
+    with pytest.raises(TypeError):
+        _compute(model, x, y, approx={3: "full"})
+
+
+@pytest.mark.parametrize("mc", [0, -1, 1.5, True, "2", None])
+def test_mc_samples_must_be_positive_int(mlp, mc) -> None:
+    model, x, y = mlp
+    with pytest.raises(ValueError, match="mc_samples"):
+        _compute(model, x, y, kind="fisher_mc", mc_samples=mc)
+
+
+def test_generator_type_checked(mlp) -> None:
+    model, x, y = mlp
+    with pytest.raises(TypeError, match="generator"):
+        _compute(model, x, y, kind="fisher_mc", generator=0)
+
+
+# ---- targets and outputs -----------------------------------------------------------------------------
+@pytest.mark.parametrize("bad,pattern", [
+    (lambda y: y.double(), "integer"),                        # float class labels
+    (lambda y: y.unsqueeze(1), r"shape \[N\]"),                # [N, 1]
+    (lambda y: y[:-1], r"shape \[N\]"),                        # wrong N
+    (lambda y: torch.full_like(y, 3), r"\[0, 3\)"),            # class == C
+    (lambda y: torch.full_like(y, -1), r"\[0, 3\)"),           # negative class
+])
+@pytest.mark.parametrize("kind", ["fisher", "empirical_fisher", "hessian"])
+def test_cross_entropy_target_errors(mlp, bad, pattern, kind) -> None:
+    model, x, y = mlp
+    with pytest.raises(ValueError, match=pattern):
+        _compute(model, x, bad(y), kind=kind)
+
+
+@pytest.mark.parametrize("kind", ["fisher", "empirical_fisher"])
+def test_mse_target_shape(mlp, kind) -> None:
+    model, x, _ = mlp
+    with pytest.raises(ValueError, match=r"output's shape \(4, 3\)"):
+        _compute(model, x, torch.zeros(4, 2, dtype=torch.float64), loss="mse", kind=kind)
+    with pytest.raises(ValueError, match="mse"):
+        _compute(model, x, torch.zeros(4, dtype=torch.float64), loss="mse", kind=kind)
+
+
+def test_targets_needed(mlp) -> None:
+    model, x, _ = mlp
+    for kind in ("empirical_fisher", "hessian"):
+        with pytest.raises(ValueError, match=kind):
+            _compute(model, x, None, kind=kind)
+    # the Fisher kinds do not need labels
+    c = _compute(model, x, None, kind="fisher", approx="diag")
+    ref = Reference(model, x, torch.zeros(4, dtype=torch.long), "cross_entropy")
+    torch.testing.assert_close(c.dense(), ref.shaped("fisher", "diag"), rtol=0, atol=1e-10)
+
+
+def test_cross_entropy_needs_2d_logits() -> None:
+    model = nn.Sequential(nn.Linear(3, 6), nn.Unflatten(1, (2, 3))).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        _compute(model, x, torch.zeros(4, dtype=torch.long))
+
+
+def test_inputs_type_checked(mlp) -> None:
+    model, x, y = mlp
+    with pytest.raises(TypeError, match="inputs"):
+        _compute(model, [x], y)
+    with pytest.raises(TypeError, match="nn.Module|Module"):
+        _compute(lambda t: t, x, y)
+
+
+# ---- unsupported modules, skip_modules -----------------------------------------------------------------
+class WithPReLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 5)
+        self.act = nn.PReLU(5)
+        self.fc2 = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _prelu_case():
+    torch.manual_seed(0)
+    model = WithPReLU().double()
+    with torch.no_grad():
+        model.act.weight.fill_(0.3)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    return model, x, y
+
+
+def test_unsupported_module_with_parameters_named() -> None:
+    model, x, y = _prelu_case()
+    with pytest.raises(ValueError) as info:
+        _compute(model, x, y)
+    msg = str(info.value)
+    assert "'act'" in msg and "PReLU" in msg and "skip_modules" in msg, msg
+
+
+@pytest.mark.parametrize("skip", [["act"], [r"^ac"], [nn.PReLU]], ids=["name", "regex", "type"])
+@pytest.mark.parametrize("approx", ["full", "kfac"])
+def test_skip_modules_excludes(skip, approx) -> None:
+    model, x, y = _prelu_case()
+    c = _compute(model, x, y, kind="fisher", approx=approx, skip_modules=skip)
+    assert list(c.blocks) == ["fc1", "fc2"]
+    assert all(p is not model.act.weight for p in c.params)
+    ref = Reference(model, x, y, "cross_entropy")  # the reference covers supported types only
+    torch.testing.assert_close(c.dense(), ref.shaped("fisher", approx), rtol=0, atol=1e-10)
+
+
+def test_skip_supported_module_by_regex_and_type() -> None:
+    build, batch = MODELS["norm_mlp"]
+    model = build()
+    x, y = batch(4, "cross_entropy")
+    c = _compute(model, x, y, approx="full", skip_modules=[r"fc\d", nn.LayerNorm])
+    assert list(c.blocks) == ["bn"]
+    ref = Reference(model, x, y, "cross_entropy", skip=[r"fc\d", nn.LayerNorm])
+    torch.testing.assert_close(c.dense(), ref.shaped("fisher", "full"), rtol=0, atol=1e-10)
+
+
+def test_frozen_parameters_are_not_covered() -> None:
+    build, batch = MODELS["mlp"]
+    model = build()
+    model.fc2.bias.requires_grad_(False)
+    model.fc1.requires_grad_(False)
+    x, y = batch(4, "cross_entropy")
+    c = _compute(model, x, y, approx="full")
+    assert list(c.blocks) == ["fc2", "fc3"]
+    assert [p.shape for p in c.params] == [model.fc2.weight.shape, model.fc3.weight.shape, model.fc3.bias.shape]
+    ref = Reference(model, x, y, "cross_entropy")
+    torch.testing.assert_close(c.dense(), ref.shaped("fisher", "full"), rtol=0, atol=1e-10)
+    # K-FAC needs the weight; with a frozen bias it is K-FAC without the ones column
+    ck = _compute(model, x, y, approx="kfac")
+    assert ck.blocks["fc2"].A.shape == (6, 6)
+    torch.testing.assert_close(ck.dense(), ref.shaped("fisher", "kfac"), rtol=0, atol=1e-10)
+
+
+def test_kfac_with_frozen_weight_raises() -> None:
+    build, batch = MODELS["mlp"]
+    model = build()
+    model.fc2.weight.requires_grad_(False)
+    x, y = batch(4, "cross_entropy")
+    with pytest.raises(ValueError, match="weight"):
+        _compute(model, x, y, approx="kfac")
+
+
+def test_shared_parameters_refused() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight  # tied weights in two modules
+    model = nn.Sequential(a, nn.Tanh(), b).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="shared"):
+        _compute(model, x, torch.zeros(4, dtype=torch.long))
+
+
+def test_module_called_twice_refused() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(torch.tanh(self.fc(x)))
+
+    model = Twice().double()
+    with pytest.raises(ValueError, match="more than once"):
+        _compute(model, torch.randn(4, 3, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+
+
+def test_covered_module_not_called_refused() -> None:
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.spare = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = Unused().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="spare"):
+        _compute(model, x, torch.zeros(4, dtype=torch.long))
+    c = _compute(model, x, torch.zeros(4, dtype=torch.long), skip_modules=["spare"])
+    assert list(c.blocks) == ["fc"]
+
+
+def test_no_supported_layer() -> None:
+    with pytest.raises(ValueError, match="no module with curvature support"):
+        _compute(nn.Sequential(nn.Tanh()), torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    model, x, y = _prelu_case()
+    with pytest.raises(ValueError, match="no module with curvature support"):
+        _compute(model, x, y, skip_modules=[nn.Linear, nn.PReLU])
+
+
+@pytest.mark.parametrize("key", [nn.BatchNorm1d, "BatchNorm1d", "bn", nn.LayerNorm])
+def test_kfac_requested_for_norm_layer_by_dict(key) -> None:
+    build, batch = MODELS["norm_mlp"]
+    model = build()
+    x, y = batch(4, "cross_entropy")
+    with pytest.raises(ValueError) as info:
+        _compute(model, x, y, approx={key: "kfac"})
+    msg = str(info.value)
+    assert "kfac" in msg and re.search("BatchNorm1d|LayerNorm", msg), msg
+
+
+@pytest.mark.parametrize("approx", ["kfac", {nn.Linear: "kfac"}, {"fc3": "kfac", nn.Linear: "diag"}])
+def test_hessian_kfac_not_implemented(mlp, approx) -> None:
+    model, x, y = mlp
+    with pytest.raises(NotImplementedError, match="K-FAC of the Hessian"):
+        _compute(model, x, y, kind="hessian", approx=approx)
+
+
+@pytest.mark.parametrize("conv,pattern", [
+    (lambda: nn.Conv2d(2, 4, 3, groups=2), "groups=2"),
+    (lambda: nn.Conv2d(2, 4, 3, padding="same"), "padding='same'"),
+    (lambda: nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
+])
+def test_unsupported_conv_configurations(conv, pattern) -> None:
+    model = nn.Sequential(conv(), nn.Flatten(), nn.LazyLinear(3)).double()
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    model(x)  # materialize the lazy layer
+    with pytest.raises(ValueError, match=re.escape(pattern)):
+        _compute(model, x, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda: nn.Embedding(5, 3, sparse=True), "sparse"),
+    (lambda: nn.Embedding(5, 3, max_norm=1.0), "max_norm"),
+])
+def test_unsupported_embedding_configurations(make, pattern) -> None:
+    model = nn.Sequential(make(), nn.Flatten(), nn.Linear(6, 3)).double()
+    with pytest.raises(ValueError, match=pattern):
+        _compute(model, torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, dtype=torch.long))
