@@ -37,6 +37,29 @@ class NonFiniteError(FloatingPointError):
     """Raised under ``on_nonfinite="raise"`` when a gradient, a curvature statistic or a decomposition is not finite."""
 
 
+class _MicroBatchAccumulator:
+    """Batch-size-weighted average of the fresh blocks of several forwards in one closure."""
+
+    def __init__(self) -> None:
+        self.blocks: Optional[Dict[str, Block]] = None
+        self.count = 0
+        self.nonfinite = False
+
+    def add(self, blocks: Dict[str, Block], n: int) -> None:
+        if self.blocks is None:
+            self.blocks, self.count = blocks, n
+            return
+        total = self.count + n
+        for name, blk in self.blocks.items():
+            for mine, new in zip(blk.tensors(), blocks[name].tensors()):
+                mine.mul_(self.count / total).add_(new, alpha=n / total)
+        self.count = total
+
+    def result(self) -> Dict[str, Block]:
+        assert self.blocks is not None
+        return self.blocks
+
+
 class CurvatureOptimizer(torch.optim.Optimizer):
     """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
 
@@ -44,7 +67,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  curvature: str, approx: Any, loss: str, mc_samples: int, skip_modules: Any,
                  ema_decay: float, curv_update_interval: int, inv_update_interval: int,
                  on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
-                 decomposition_dtype: Optional[torch.dtype]) -> None:
+                 decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -55,6 +78,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.inv_update_interval = check_int("inv_update_interval", inv_update_interval)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
         self.linalg = linalg
+        if grad_scaler is not None and not all(hasattr(grad_scaler, a) for a in ("unscale_", "get_scale")):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
+        self.num_amp_skipped = 0
         if decomposition_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(f"decomposition_dtype={decomposition_dtype!r}; expected None, torch.float32 or torch.float64")
         self.decomposition_dtype = decomposition_dtype
@@ -82,25 +109,36 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 loss, output = unpack_closure_result(closure())
             return loss, output, None
         engine = self.engine
-        fresh: Dict[str, Dict[str, Block]] = {}
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
+        acc = _MicroBatchAccumulator()
 
         def on_output(out: Tensor) -> None:
-            if "blocks" in fresh:
+            # called after every forward of the model inside the closure: a closure may run
+            # several micro-batches (gradient accumulation); their curvature is averaged
+            # weighted by batch size, so K micro-batches of B equal one batch of K·B.
+            if from_backward:
                 return
             if not bool(torch.isfinite(out.detach()).all()):
-                fresh["blocks"] = {}  # marked non-finite: the step applies the non-finite policy
-                return
-            if not from_backward:
-                fresh["blocks"] = engine.estimate(cap, out, targets, self.generator)
+                acc.nonfinite = True
+            else:
+                acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])
+            cap.records.clear()
 
         with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
             loss, output = unpack_closure_result(closure())
-        if from_backward and "blocks" not in fresh:
-            fresh["blocks"] = engine.estimate_from_backward(cap)
-        if "blocks" not in fresh:
+        if from_backward:
+            if len(cap.outputs) > 1:
+                raise ValueError("curvature='empirical_fisher' without targets supports one forward per closure; "
+                                 "pass targets=... to step() for gradient accumulation")
+            if cap.outputs:
+                n = cap.outputs[0].shape[0]
+                scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+                acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
+        if acc.nonfinite:
+            return loss, output, {}  # {} marks a non-finite batch: the step applies the policy
+        if acc.blocks is None:
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
-        return loss, output, fresh["blocks"]
+        return loss, output, acc.result()
 
     # ---- gradients -------------------------------------------------------------------------
     def _params_with_grad(self) -> List[nn.Parameter]:
@@ -118,6 +156,19 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 self.comm.allreduce(sym, op="mean", symmetric=True)
             if rest:
                 self.comm.allreduce(rest, op="mean")
+
+    def _unscale_grads(self) -> bool:
+        """With a ``grad_scaler``: unscale ``p.grad`` in place (``scaler.unscale_``) and return False
+        when a gradient overflowed — the step is then skipped, as GradScaler expects (not a fault).
+        The user calls ``scaler.update()`` after ``step`` as usual (not ``scaler.step``)."""
+        if self.grad_scaler is None:
+            return True
+        self.grad_scaler.unscale_(self)
+        if all_finite([p.grad for p in self._params_with_grad()]):
+            return True
+        self.num_amp_skipped += 1
+        logger.debug("step %d skipped by the grad scaler (inf/NaN gradients)", self.num_steps)
+        return False
 
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:

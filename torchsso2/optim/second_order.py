@@ -54,6 +54,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator.
         seed: seed of the sampling generator (saved in state_dict).
+        grad_scaler: a ``torch.amp.GradScaler``; the closure calls ``scaler.scale(loss).backward()``,
+            ``step`` unscales (skipping the step on overflow) and the user calls ``scaler.update()``.
+        decomposition_dtype: ``torch.float64`` to decompose ill-conditioned curvature in double.
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -69,7 +72,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  on_nonfinite: str = "skip", skip_modules: Any = None,
                  params: Optional[Iterable[Any]] = None, linalg: Optional[str] = None,
                  communicator: Any = "auto", seed: Optional[int] = None,
-                 decomposition_dtype: Optional[torch.dtype] = None) -> None:
+                 decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None) -> None:
         check_number("lr", lr, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
@@ -91,12 +94,15 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
-                         decomposition_dtype=decomposition_dtype)
+                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler)
 
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
         loss, output, fresh = self._run_closure(closure, targets, estimate)
+        if not self._unscale_grads():
+            self.num_steps += 1
+            return loss, output
         params = self._params_with_grad()
         grads = [p.grad for p in params]
         self._average_over_ranks(grads, fresh)

@@ -58,7 +58,7 @@ class VIOptimizer(CurvatureOptimizer):
                  mc_samples: int = 1, curv_update_interval: int = 1, inv_update_interval: int = 1,
                  on_nonfinite: str = "skip", skip_modules: Any = None, params: Any = None,
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
-                 decomposition_dtype: Optional[torch.dtype] = None) -> None:
+                 decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None) -> None:
         self.dataset_size = check_int("dataset_size", dataset_size, low=1)
         check_number("lr", lr, low=0.0)
         if prior_precision is not None and prior_variance is not None:
@@ -80,7 +80,7 @@ class VIOptimizer(CurvatureOptimizer):
                          mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
-                         decomposition_dtype=decomposition_dtype)
+                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler)
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -164,7 +164,12 @@ class VIOptimizer(CurvatureOptimizer):
                     g = p.grad.detach()
                     grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
         params = [p for p in trainable if id(p) in grad_sum]
-        grads = [grad_sum[id(p)] / self.num_mc_samples for p in params]
+        for p in params:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
+            p.grad = grad_sum[id(p)] / self.num_mc_samples
+        if not self._unscale_grads():
+            self.num_steps += 1
+            return torch.stack(losses).mean(), output
+        grads = [p.grad for p in params]
         fresh = self._average_blocks(fresh_all)
         self._average_over_ranks(grads, fresh)
         mean_loss = torch.stack(losses).mean()
