@@ -8,6 +8,7 @@ the caller through :meth:`tensors`; the engine imports no distributed code.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -29,7 +30,11 @@ class RunningCurvature:
             raise ValueError(f"decay={decay!r} must be in [0, 1)")
         for name, blk in fresh.items():
             if name not in self.blocks or self.num_updates == 0:
-                self.blocks[name] = blk
+                # copy the statistics: later in-place EMA updates must not alter the caller's block
+                own = copy.copy(blk)
+                own.__dict__.update({k: v.clone() for k, v in vars(blk).items() if isinstance(v, Tensor)})
+                own.decomposition = None if blk.decomposition is None else dict(blk.decomposition)
+                self.blocks[name] = own
             else:
                 self.blocks[name].ema_(blk, decay)
         self.num_updates += 1

@@ -87,6 +87,18 @@ class EmbeddingModel(nn.Module):
         return self.fc(self.emb(tokens).mean(dim=1))
 
 
+class SeqLinear(nn.Module):
+    """Linear applied to a sequence ``[N, T, d]`` (T weight-sharing positions) → tanh → mean over T → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Linear(3, 4)
+        self.head = nn.Linear(4, OUT, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.tok(x)).mean(dim=1))
+
+
 class Residual(nn.Module):
     """Linear → x + tanh(Linear(x)) → Linear."""
 
@@ -167,5 +179,6 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Tuple[Tensor, Ten
     "norm_cnn": (_builder(NormCNN), _dense_batch(2, 3, 3)),
     "embedding": (_builder(EmbeddingModel), _token_batch(3)),
     "residual": (_builder(Residual), _dense_batch(4)),
+    "seq_linear": (_builder(SeqLinear), _dense_batch(2, 3)),
     "inplace_dropout": (_builder(InplaceDropout), _dense_batch(4)),
 }

@@ -278,9 +278,8 @@ class Reference:
             big_g = big_g / self.N
             return big_a, big_g, torch.kron(torch.diag(big_a), big_g)
         if isinstance(mod, nn.Linear):
-            assert x.dim() == 2, "reference handles [N, d_in] Linear inputs"
-            patches = x.unsqueeze(1)  # [N, T=1, d_in]
-            jt = jp.reshape(self.N, self.O, 1, -1)
+            patches = x.reshape(self.N, -1, x.shape[-1])  # [N, T, d_in]: T = leading dims (1 for [N, d_in])
+            jt = jp.reshape(self.N, self.O, patches.shape[1], -1)
         elif isinstance(mod, nn.Conv2d):
             patches = conv_patches(x, mod)  # [N, T, C·kh·kw]
             c_out = mod.out_channels

@@ -200,6 +200,9 @@ def test_ema_update(approx: str) -> None:
         want = decay * (decay * a + (1 - decay) * b) + (1 - decay) * c
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     assert running.num_updates == 3
+    # the running estimate owns its statistics: the caller's first block is left untouched
+    for got, want in zip(b1.tensors(), t1):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="decay"):
         running.update({"fc2": b2}, 1.0)
 

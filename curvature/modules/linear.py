@@ -9,6 +9,8 @@ constant 1, appended as the last column of the parameter matrix):
 * ``A = (1/(N·T)) Σ_{n,t} ã_nt ã_ntᵀ`` with ``ã = [a, 1]`` when the bias is covered;
 * ``G = (1/N) Σ_{k,n,t} g_knt g_kntᵀ``.
 
+A layer whose weight is frozen but whose bias trains has ``M = b`` (one column) and ``A = [[1]]``.
+
 For one example and ``T = 1`` this is exactly the full block (see tests). For ``T > 1``
 it is the KFC "expand" approximation (Grosse & Martens 2016).
 """
@@ -41,16 +43,11 @@ class WeightMatrixFamily(LayerFamily):
             out["bias"] = g.sum(dim=2)
         return out
 
-    def _check_kfac_names(self, module: nn.Module, names: Sequence[str]) -> None:
-        if "weight" not in names:
-            raise ValueError(
-                f"K-FAC for {type(module).__name__} needs its weight to be trainable; "
-                "use approx='diag' or 'full' for a layer with a frozen weight")
-
     def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
                      names: Sequence[str]) -> Tuple[Tensor, Tensor]:
-        self._check_kfac_names(module, names)
         n, t = a.shape[0], a.shape[1]
+        if "weight" not in names:  # frozen weight, trainable bias: the input is the constant 1
+            return sum_outer(g) / n, g.new_ones(1, 1)
         a = a.to(g.dtype)
         if "bias" in names:
             a = ones_column(a)
@@ -61,6 +58,8 @@ class WeightMatrixFamily(LayerFamily):
     def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
         rows, cols = self.weight_matrix_shape(module)
         by_name = dict(zip(names, tensors))
+        if "weight" not in by_name:
+            return by_name["bias"].reshape(rows, 1)
         m = by_name["weight"].reshape(rows, cols)
         if "bias" in by_name:
             m = torch.cat([m, by_name["bias"].reshape(rows, 1)], dim=1)
@@ -73,7 +72,8 @@ class WeightMatrixFamily(LayerFamily):
             if name == "weight":
                 res.append(matrix[:, :cols].reshape(module.weight.shape))
             else:
-                res.append(matrix[:, cols].reshape(module.bias.shape))
+                col = cols if "weight" in names else 0
+                res.append(matrix[:, col].reshape(module.bias.shape))
         return res
 
 

@@ -20,10 +20,12 @@ from torch import Tensor, nn
 
 from curvature import CurvatureEngine, RunningCurvature
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
-from curvature.linalg import LinalgError
+from curvature.linalg import LinalgError, get_backend
 from curvature.options import Kind
 
 from ..distributed import get_communicator
+from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
+from .placement import Placement  # [issue #7: distributed]
 from .steps import all_finite
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
@@ -67,7 +69,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  curvature: str, approx: Any, loss: str, mc_samples: int, skip_modules: Any,
                  ema_decay: float, curv_update_interval: int, inv_update_interval: int,
                  on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
-                 decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None) -> None:
+                 decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None,
+                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -77,6 +80,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.curv_update_interval = check_int("curv_update_interval", curv_update_interval)
         self.inv_update_interval = check_int("inv_update_interval", inv_update_interval)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
+        get_backend(linalg)  # validates the name (and cupy's availability) now, not at the first decomposition
         self.linalg = linalg
         if grad_scaler is not None and not all(hasattr(grad_scaler, a) for a in ("unscale_", "get_scale")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
@@ -89,10 +93,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         self.running = RunningCurvature()
-        self.generator = torch.Generator()
-        self.generator.manual_seed(int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
         self.comm = communicator if not isinstance(communicator, (str, type(None))) else \
             get_communicator(communicator or "auto")
+        # [issue #7: distributed] KAISA placement of the decompositions (torchsso2/optim/placement.py);
+        # all ranks start from rank 0's weights and seed; label sampling is decorrelated per rank
+        # (rank 0 keeps `seed`, so one process is unchanged).
+        self.placement = Placement(self.comm, grad_worker_fraction, assignment_strategy)
+        self.seed = agree_on_start(self.comm, model,
+                                   int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
+        self.generator = torch.Generator()
+        self.generator.manual_seed(rank_seed(self.seed, self.comm.rank))
+        # [end issue #7]
         self.num_steps = 0
         self.num_skipped = 0
         self._decomposed = False
@@ -144,11 +155,27 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def _params_with_grad(self) -> List[nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
-    def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]]) -> None:
+    def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]],
+                            loss: Optional[Tensor] = None) -> bool:
+        """Mean of gradients and fresh curvature over all ranks, in place.
+
+        Returns False on every rank when some rank's loss was not finite or its batch was
+        marked non-finite (``blocks == {}``); the block all-reduce is then skipped everywhere,
+        so all ranks take the same branch of the non-finite policy. (Non-finite gradients
+        and statistics need no flag: the mean spreads them to every rank.)
+        """
         if self.comm.world_size <= 1:
-            return
+            return True
+        bad = (blocks is not None and not blocks) or \
+            (isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()))
+        dev = grads[0].device if grads else next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        flag = torch.tensor([1.0 if bad else 0.0], dtype=grads[0].dtype if grads else torch.float64, device=dev)
         if self._average_gradients and grads:
-            self.comm.allreduce(grads, op="mean")
+            self.comm.allreduce(list(grads) + [flag], op="mean")  # the flag rides in the gradients' bucket
+        else:
+            self.comm.allreduce([flag], op="mean")
+        if float(flag.item()) > 0:
+            return False
         if blocks:
             sym = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if s]
             rest = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if not s]
@@ -156,6 +183,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 self.comm.allreduce(sym, op="mean", symmetric=True)
             if rest:
                 self.comm.allreduce(rest, op="mean")
+        return True
 
     def _unscale_grads(self) -> bool:
         """With a ``grad_scaler``: unscale ``p.grad`` in place (``scaler.unscale_``) and return False
@@ -190,6 +218,19 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
+        if self.placement.active:  # [issue #7] each rank decomposes its share of blocks, then broadcasts
+            error = self.placement.decompose(
+                self.running.blocks, lambda blk: blk.decompose(damping, scale=scale, backend=self.linalg,
+                                                               dtype=self.decomposition_dtype),
+                dtype=self.decomposition_dtype)
+            if error is not None:
+                if self.on_nonfinite == "raise":
+                    raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
+                self.num_skipped += 1
+                logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, error)
+                return False
+            self._decomposed = True
+            return True
         try:
             self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype)
         except LinalgError as err:
@@ -201,6 +242,20 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self._decomposed = True
         return True
 
+    # ---- distributed helpers [issue #7] --------------------------------------------------------
+    def _precondition(self, blocks: Dict[str, Block], grads: Dict[int, Tensor]) -> Dict[int, Tensor]:
+        """``(scale·C + damping·I)⁻¹ g`` per block, solved by the block's grad workers (see placement)."""
+        return self.placement.precondition(blocks, grads)
+
+    def _mean_over_ranks(self, value: float) -> float:
+        """Mean of a Python float over all ranks (the value itself with one rank)."""
+        if self.comm.world_size <= 1:
+            return value
+        dev = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        box = torch.tensor([value], dtype=torch.float64, device=dev)
+        self.comm.allreduce([box], op="mean")
+        return float(box.item())
+
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
@@ -210,6 +265,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
             "decomposed": self._decomposed,
+            "seed": self.seed,
             "covered": {n: list(lay.param_names) for n, lay in self.engine.layouts.items()},
             "extra": self._extra_state(),
         }
@@ -235,6 +291,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.num_steps = int(extra["num_steps"])
         self.num_skipped = int(extra["num_skipped"])
         self._decomposed = bool(extra["decomposed"])
+        self.seed = int(extra.get("seed", self.seed))
+        if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
+            self._decomposed = False
         self._load_extra_state(extra["extra"])
 
     def _extra_state(self) -> Dict[str, Any]:

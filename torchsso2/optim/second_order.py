@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
-from .steps import add_weight_decay, all_finite, kl_clip_factor, momentum_, precondition
+from .steps import add_weight_decay, all_finite, kl_clip_factor, momentum_
 from .validation import check_int, check_number
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         grad_scaler: a ``torch.amp.GradScaler``; the closure calls ``scaler.scale(loss).backward()``,
             ``step`` unscales (skipping the step on overflow) and the user calls ``scaler.update()``.
         decomposition_dtype: ``torch.float64`` to decompose ill-conditioned curvature in double.
+        grad_worker_fraction: KAISA placement over ranks (``docs/scaling.md``): a float in (0, 1],
+            a ``DistributedStrategy`` or ``"comm_opt"`` (default: every rank holds every
+            decomposition) / ``"mem_opt"`` (one rank per block decomposes and preconditions, then
+            broadcasts the preconditioned gradient) / ``"hybrid_opt"``.
+        assignment_strategy: ``"compute"`` (balance ``n³``, default) or ``"memory"`` (``n²``).
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -72,7 +77,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  on_nonfinite: str = "skip", skip_modules: Any = None,
                  params: Optional[Iterable[Any]] = None, linalg: Optional[str] = None,
                  communicator: Any = "auto", seed: Optional[int] = None,
-                 decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None) -> None:
+                 decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
+                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute") -> None:
         check_number("lr", lr, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
@@ -94,7 +100,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
-                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler)
+                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
+                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy)
 
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
@@ -105,8 +112,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             return loss, output
         params = self._params_with_grad()
         grads = [p.grad for p in params]
-        self._average_over_ranks(grads, fresh)
-        if not self._batch_is_finite(loss, grads, fresh):
+        agreed = self._average_over_ranks(grads, fresh, loss)
+        if not agreed or not self._batch_is_finite(loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature")
             self.num_steps += 1
             return loss, output
@@ -136,7 +143,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params])}
         covered = {n: b for n, b in self.running.blocks.items()
                    if all(id(q) in decayed for q in b.layout.params)}
-        direction = precondition(covered, decayed)
+        direction = self._precondition(covered, decayed)
         updates = [direction[id(p)] for p in params]
         if self.kl_clip is not None:
             nu = kl_clip_factor(updates, [decayed[id(p)] for p in params], self.param_groups[0]["lr"], self.kl_clip)
@@ -177,7 +184,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             predicted = lin + 0.5 * (quad + self.damping * sq)
         with torch.enable_grad():
             new_loss, _ = closure()
-        actual = float(new_loss) - float(loss)
+        actual = self._mean_over_ranks(float(new_loss) - float(loss))  # [issue #7] same on every rank
         self.damping = self.lm.update(actual, predicted)
         self._decomposed = False  # re-decompose with the new damping at the next step
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)

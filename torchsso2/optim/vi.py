@@ -16,6 +16,13 @@ Parameters not covered by a block keep a point estimate: they get ``μ ← μ �
 same momentum (i.e. SGD on the mean loss plus the prior term), and are not sampled.
 Fixed point (lr = 1, exact Fisher, Bayesian linear regression): ``P = XᵀX + δI`` and
 ``μ = (XᵀX + δI)⁻¹ Xᵀy``, the closed-form posterior (tested).
+
+Weight noise of step ``t``, global MC sample ``s``, block number ``b`` comes from a generator
+seeded with ``hash(seed, t, s, b)`` (:mod:`torchsso2.optim.grid`): reproducible from the seed,
+independent of the label sampling, and the same on every rank that draws sample ``s``. Under
+``mc_parallel = R`` the ranks form a data × sample grid; sample group ``k`` draws samples
+``k·m … k·m + m − 1`` (``m = num_mc_samples``), so ``R`` groups equal one process with
+``num_mc_samples = R·m`` (``docs/scaling.md``).
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ from torch import Tensor, nn
 from curvature.options import LossType
 
 from .base import Closure, CurvatureOptimizer
-from .steps import all_finite, precondition
+from .grid import SampleGrid, noise_generator
+from .steps import all_finite
 from .validation import check_int, check_number
 
 
@@ -48,6 +56,12 @@ class VIOptimizer(CurvatureOptimizer):
         momentum, ema_decay, damping: see the module docstring.
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
+        grad_worker_fraction, assignment_strategy: KAISA placement of the decompositions over ranks,
+            as in :class:`SecondOrderOptimizer`. With a fraction < 1 the grad workers also draw
+            the weight noise and broadcast it (and :meth:`predict` needs ``"comm_opt"``).
+        mc_parallel: number of sample groups R; the world of W ranks is a grid of W/R data ranks
+            × R sample groups (shard the data with ``num_replicas=opt.data_parallel_size,
+            rank=opt.data_parallel_rank``). Default 1: pure data parallelism.
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
@@ -58,7 +72,9 @@ class VIOptimizer(CurvatureOptimizer):
                  mc_samples: int = 1, curv_update_interval: int = 1, inv_update_interval: int = 1,
                  on_nonfinite: str = "skip", skip_modules: Any = None, params: Any = None,
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
-                 decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None) -> None:
+                 decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
+                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
+                 mc_parallel: int = 1) -> None:
         self.dataset_size = check_int("dataset_size", dataset_size, low=1)
         check_number("lr", lr, low=0.0)
         if prior_precision is not None and prior_variance is not None:
@@ -80,7 +96,9 @@ class VIOptimizer(CurvatureOptimizer):
                          mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
-                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler)
+                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
+                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy)
+        self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -94,11 +112,77 @@ class VIOptimizer(CurvatureOptimizer):
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
 
+    # ---- the data × sample grid [issue #7] ------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data shards ``W / mc_parallel`` (the sampler's ``num_replicas``)."""
+        return self.grid.data_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which data shard this rank reads (the sampler's ``rank``)."""
+        return self.grid.data_rank(self.comm.rank)
+
+    @property
+    def sample_group(self) -> int:
+        """Which MC sample group this rank belongs to."""
+        return self.grid.sample_group(self.comm.rank)
+
+    def _step_noise(self) -> List[Optional[Dict[int, Tensor]]]:
+        """The noise of this rank's ``num_mc_samples`` weight samples at this step (None: no noise yet).
+
+        Sample ``s`` of block ``b`` uses ``noise_generator(seed, step, s, b)``; with fewer grad
+        workers than ranks, each block's grad worker draws the samples its receivers need and
+        broadcasts them (:meth:`Placement.share`).
+        """
+        m = self.num_mc_samples
+        mine = self.grid.samples(self.comm.rank, m)
+        if not self._decomposed and self.init_precision is None:
+            return [None] * m
+        number = {name: b for b, name in enumerate(self.engine.layouts)}
+        step = self.num_steps
+        noise: List[Dict[int, Tensor]] = [{} for _ in range(m)]
+        if not self._decomposed:  # isotropic init noise: needs no decomposition, drawn locally
+            std = float(self.init_precision) ** -0.5
+            for name, lay in self.engine.layouts.items():
+                for j, s in enumerate(mine):
+                    gen = noise_generator(self.seed, step, s, number[name])
+                    for p in lay.params:
+                        noise[j][id(p)] = torch.randn(p.shape, generator=gen, dtype=p.dtype) * std
+            return noise
+        order: Dict[str, List[int]] = {}
+
+        def needed(name: str, receivers: Tuple[int, ...]) -> List[int]:
+            order[name] = sorted({s for r in receivers for s in self.grid.samples(r, m)})
+            return order[name]
+
+        def draw(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
+            dev = blk.tensors()[0].device
+            draws = [blk.sample(noise_generator(self.seed, step, s, number[name], device=dev))
+                     for s in needed(name, receivers)]
+            return [torch.stack([d[i] for d in draws]).to(p.dtype) for i, p in enumerate(blk.layout.params)]
+
+        def like(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
+            k = len(needed(name, receivers))
+            return [p.new_empty((k,) + tuple(p.shape)) for p in blk.layout.params]
+
+        shared = self.placement.share(self.running.blocks, draw, like)
+        for name, stacked in shared.items():
+            for j, s in enumerate(mine):
+                row = order[name].index(s)
+                for p, t in zip(self.running.blocks[name].layout.params, stacked):
+                    noise[j][id(p)] = t[row]
+        return noise
+
     def _draw_noise(self, generator: torch.Generator) -> Optional[Dict[int, Tensor]]:
         """``ε ~ N(0, P⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
         if self._decomposed:
             noise: Dict[int, Tensor] = {}
-            for blk in self.running.blocks.values():
+            for name, blk in self.running.blocks.items():
+                if blk.decomposition is None and self.placement.active:  # [issue #7]
+                    raise RuntimeError(f"rank {self.comm.rank} holds no decomposition of block {name!r} "
+                                       "(grad_worker_fraction < 1 keeps it on its grad workers); "
+                                       "sample with grad_worker_fraction='comm_opt'")
                 for p, e in zip(blk.layout.params, blk.sample(generator)):
                     noise[id(p)] = e.to(p.dtype)
             return noise
@@ -111,7 +195,12 @@ class VIOptimizer(CurvatureOptimizer):
     def sampled_params(self, generator: Optional[torch.Generator] = None) -> Iterator[None]:
         """Temporarily replace the covered weights by one posterior sample (restored on exit)."""
         gen = generator if generator is not None else self.generator
-        noise = self._draw_noise(gen)
+        with self._perturbed(self._draw_noise(gen)):
+            yield
+
+    @contextlib.contextmanager
+    def _perturbed(self, noise: Optional[Dict[int, Tensor]]) -> Iterator[None]:
+        """Temporarily add ``noise`` (``id(param) -> tensor``) to the covered weights (restored on exit)."""
         covered = self._covered()
         means = [p.detach().clone() for p in covered]
         try:
@@ -153,8 +242,8 @@ class VIOptimizer(CurvatureOptimizer):
         fresh_all = []
         losses = []
         output = None
-        for _ in range(self.num_mc_samples):
-            with self.sampled_params():
+        for noise in self._step_noise():
+            with self._perturbed(noise):
                 loss, output, fresh = self._run_closure(closure, targets, estimate)
             losses.append(loss.detach())
             if fresh is not None:
@@ -171,9 +260,9 @@ class VIOptimizer(CurvatureOptimizer):
             return torch.stack(losses).mean(), output
         grads = [p.grad for p in params]
         fresh = self._average_blocks(fresh_all)
-        self._average_over_ranks(grads, fresh)
         mean_loss = torch.stack(losses).mean()
-        if not self._batch_is_finite(mean_loss, grads, fresh):
+        agreed = self._average_over_ranks(grads, fresh, mean_loss)
+        if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature")
             self.num_steps += 1
             return mean_loss, output
@@ -220,7 +309,7 @@ class VIOptimizer(CurvatureOptimizer):
             else:
                 bufs[id(p)] = raw[id(p)]
         covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
-        direction = precondition(covered, bufs)
+        direction = self._precondition(covered, bufs)
         in_block = {id(q) for b in covered.values() for q in b.layout.params}
         for p in params:
             d = direction[id(p)] if id(p) in in_block else bufs[id(p)] / n
