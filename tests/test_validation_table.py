@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import curvature
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from torchsso2.kfac import KFACPreconditioner
 
 TABLE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "validation.md"
 
@@ -19,7 +20,7 @@ def _rows() -> List[Tuple[str, str, str, str, str]]:
     rows = []
     for line in TABLE.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0] in ("SecondOrderOptimizer", "VIOptimizer", "compute"):
+        if len(cells) == 5 and cells[0] in ("SecondOrderOptimizer", "VIOptimizer", "KFACPreconditioner", "compute"):
             rows.append(tuple(cells))
     return rows
 
@@ -28,7 +29,7 @@ ROWS = _rows()
 
 
 def test_table_is_not_empty():
-    assert len(ROWS) >= 30
+    assert len(ROWS) >= 50
 
 
 def _model() -> nn.Module:
@@ -51,7 +52,8 @@ def test_row(face, arg, value, error, text):
                 kwargs[arg] = bad
             curvature.compute(_model(), x, targets, **kwargs)
         else:
-            cls = SecondOrderOptimizer if face == "SecondOrderOptimizer" else VIOptimizer
+            cls = {"SecondOrderOptimizer": SecondOrderOptimizer, "VIOptimizer": VIOptimizer,
+                   "KFACPreconditioner": KFACPreconditioner}[face]
             kwargs = {"dataset_size": 10} if cls is VIOptimizer else {}
             if arg == "model":
                 model = bad
