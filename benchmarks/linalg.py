@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,9 +29,9 @@ from typing import Any, Callable, Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common import machine_info, time_call  # noqa: E402,F401  (shared helpers, re-exported)
 from curvature.linalg import BACKEND_NAMES, Backend, get_backend  # noqa: E402
 
 logger = logging.getLogger("benchmarks.linalg")
@@ -82,37 +81,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def machine_info() -> dict[str, Any]:
-    """CPU model, core count, library versions and the GPU name (if any)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-    try:
-        import cupy
-
-        info["cupy"] = cupy.__version__
-    except Exception:  # not installed or broken: recorded as absent
-        info["cupy"] = None
-    return info
-
-
 def make_spd(n: int, batch: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
     """Well-conditioned SPD test matrices ``[batch, n, n]`` (or ``[n, n]`` when batch == 0)."""
     gen = torch.Generator().manual_seed(seed)
@@ -120,25 +88,6 @@ def make_spd(n: int, batch: int, dtype: torch.dtype, device: torch.device, seed:
     x = torch.randn(*shape, generator=gen, dtype=torch.float64) / n**0.5
     a = x @ x.mT + torch.eye(n, dtype=torch.float64)
     return a.to(dtype=dtype, device=device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
-    """Seconds per call of ``fn`` (one warm-up call first), synchronizing CUDA."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _device_for(name: str, requested: str) -> torch.device:

@@ -417,7 +417,8 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             mask = torch.block_diag(*[torch.ones(s, s) for s in sizes])
 
             def cl_full() -> Tensor:
-                kw = {"block_sizes": sizes} if blocked else {}
+                # curvlinops' block_sizes count parameter tensors, not entries
+                kw = {"block_sizes": [len(lay.params) for lay in c.layouts.values()]} if blocked else {}
                 op = cls(model, nn.CrossEntropyLoss(), list(model.parameters()), [(x, y)],
                          check_deterministic=False, num_data=n, **kw)
                 return _dense(op, n_params)

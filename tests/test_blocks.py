@@ -178,6 +178,17 @@ def test_kfac_inverse_method(case) -> None:
     # and it is not the exactly damped inverse (a different, documented approximation)
     exact = torch.linalg.solve(damped(block, 1.0, lam), flat(v))
     assert (flat(out) - exact).abs().max() > 1e-6
+    # with a scale, the scale multiplies the Kronecker product once: (s·L + λI)⁻¹ V (R + λI)⁻¹
+    block.decompose(lam, scale=SCALE, method="inverse")
+    expected = torch.linalg.inv(SCALE * left + lam * eye(left.shape[0])) @ vm @ torch.linalg.inv(right + lam * eye(right.shape[0]))
+    out = block.solve(v)
+    if isinstance(mod, nn.Embedding):
+        got = out[0]
+    else:
+        got = out[0].reshape(out[0].shape[0], -1)
+        if len(out) == 2:
+            got = torch.cat([got, out[1].unsqueeze(1)], 1)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
 
 
 # ---- running estimates (EMA) and checkpoints --------------------------------------------------------

@@ -200,7 +200,7 @@ def test_natural_gradient_beats_sgd_on_logistic_regression():
 
     With the exact Fisher (= Hessian for the canonical link), damping = weight decay and lr = 1,
     the natural-gradient step is Newton's method on the regularized objective. The optimum
-    ``F*`` is found independently by a hand-written Newton iteration with ``torch.func.hessian``.
+    ``F*`` is found independently by a hand-written Newton iteration (analytic softmax Hessian).
     We count iterations until ``F(θ) − F* <= 1e-5`` and compare with full-batch SGD at the best
     learning rate of a grid (with and without momentum), all measured here.
     """

@@ -7,7 +7,8 @@ Faces over one curvature engine (:mod:`curvature`):
 * :class:`torchsso2.kfac.KFACPreconditioner` — drop-in for kfac_pytorch (KAISA).
 """
 from . import metrics
+from .kfac import KFACPreconditioner
 from .optim import NonFiniteError, SecondOrderOptimizer, VIOptimizer
 
-__all__ = ["SecondOrderOptimizer", "VIOptimizer", "NonFiniteError", "metrics"]
+__all__ = ["SecondOrderOptimizer", "VIOptimizer", "KFACPreconditioner", "NonFiniteError", "metrics"]
 __version__ = "0.1.0"

@@ -267,9 +267,13 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             "decomposed": self._decomposed,
             "seed": self.seed,
             "covered": {n: list(lay.param_names) for n, lay in self.engine.layouts.items()},
+            "param_shapes": self._param_shapes(),
             "extra": self._extra_state(),
         }
         return sd
+
+    def _param_shapes(self) -> List[List[int]]:
+        return [list(p.shape) for g in self.param_groups for p in g["params"]]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         sd = dict(state_dict)
@@ -279,6 +283,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         covered = {n: list(lay.param_names) for n, lay in self.engine.layouts.items()}
         if extra["covered"] != covered:
             raise ValueError(f"checkpoint is for a model covering {extra['covered']}, this model covers {covered}")
+        # validate everything before changing anything: a refused checkpoint leaves the optimizer as it was
+        shapes = self._param_shapes()
+        if extra.get("param_shapes", shapes) != shapes:
+            raise ValueError(f"checkpoint is for parameters of shapes {extra['param_shapes']}, "
+                             f"this optimizer's parameters have shapes {shapes}")
+        for name, bstate in extra["curvature"]["blocks"].items():
+            want = self.engine.approx[name].value if name in self.engine.approx else None
+            if bstate["approx"] != want:
+                raise ValueError(f"checkpoint holds a {bstate['approx']!r} block for module {name!r}, "
+                                 f"this optimizer uses {want!r}")
         super().load_state_dict(sd)
         cstate = extra["curvature"]
         like = {}

@@ -192,6 +192,8 @@ class Placement:
                         b.decomposition = old[n]
                     return f"block {name!r}: {err}"
             return None
+        if not blocks:  # nothing covered: nothing to place (every rank sees the same empty set)
+            return None
         wa = self.assign(blocks)
         rank = self.comm.rank
         old = {n: b.decomposition for n, b in blocks.items()}
@@ -222,6 +224,10 @@ class Placement:
             like = decomposition_like(blk, dtype)
             if rank == src:
                 assert blk.decomposition is not None
+                # the receivers get contiguous tensors: give the source the same memory layout, so
+                # that every rank runs the same BLAS kernels and the replicas stay bit-identical
+                blk.decomposition = {k: v.contiguous() if isinstance(v, Tensor) else v
+                                     for k, v in blk.decomposition.items()}
                 _check_like(name, blk.decomposition, like)
             else:
                 blk.decomposition = like
@@ -239,7 +245,7 @@ class Placement:
         and broadcasts, and the other members receive into ``like(name, block, ranks)``.
         """
         rank = self.comm.rank
-        if not self.active or not self.assign(blocks).broadcast_gradients():
+        if not self.active or not blocks or not self.assign(blocks).broadcast_gradients():
             return {name: compute(name, blk, (rank,)) for name, blk in blocks.items()}
         wa = self.assign(blocks)
         out: Dict[str, List[Tensor]] = {}

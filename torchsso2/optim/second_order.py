@@ -4,7 +4,7 @@ Update, per step (each a small function of :mod:`torchsso2.optim.steps`)::
 
     d  = g + weight_decay·θ                       # g: gradient of the mean loss (averaged over ranks)
     Δ  = (C + damping·I)⁻¹ d                      # per curvature block; uncovered params: Δ = d
-    Δ ← ν·Δ,  ν = min(1, sqrt(kl_clip / (lr² Σ Δᵀd)))   # only when kl_clip is set
+    Δ ← ν·Δ,  ν = min(1, sqrt(kl_clip / Σ lr² Δᵀd))     # only when kl_clip is set (lr per group)
     buf = momentum·buf + Δ;   θ ← θ − lr·buf
 
 ``C`` is the chosen curvature (EMA over steps with ``ema_decay``), re-estimated every
@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 #: per-module-type shapes used when ``approx`` is not given (PyTorch-SSO's choice)
 DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv2d: "kfac", nn.Embedding: "kfac",
                   nn.BatchNorm1d: "diag", nn.BatchNorm2d: "diag", nn.LayerNorm: "diag"}
+
+
+def _as_float(value: Any) -> float:
+    """A loss as a Python float (detached first: no autograd warning for a loss that requires grad)."""
+    return float(value.detach()) if isinstance(value, Tensor) else float(value)
 
 
 class SecondOrderOptimizer(CurvatureOptimizer):
@@ -146,7 +151,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         direction = self._precondition(covered, decayed)
         updates = [direction[id(p)] for p in params]
         if self.kl_clip is not None:
-            nu = kl_clip_factor(updates, [decayed[id(p)] for p in params], self.param_groups[0]["lr"], self.kl_clip)
+            nu = kl_clip_factor(updates, [decayed[id(p)] for p in params],
+                                [group_of[id(p)]["lr"] for p in params], self.kl_clip)
             updates = [u * nu for u in updates]
         if not all_finite(updates):
             return False
@@ -184,7 +190,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             predicted = lin + 0.5 * (quad + self.damping * sq)
         with torch.enable_grad():
             new_loss, _ = closure()
-        actual = self._mean_over_ranks(float(new_loss) - float(loss))  # [issue #7] same on every rank
+        actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         self.damping = self.lm.update(actual, predicted)
         self._decomposed = False  # re-decompose with the new damping at the next step
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)

@@ -6,7 +6,7 @@ except where the name ends in ``_``.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -36,12 +36,18 @@ def precondition(blocks: Dict[str, Block], grads: Dict[int, Tensor]) -> Dict[int
     return out
 
 
-def kl_clip_factor(updates: Sequence[Tensor], grads: Sequence[Tensor], lr: float, kl_clip: float) -> float:
-    """kfac_pytorch's KL clip: ``ν = min(1, sqrt(kl_clip / (lr² · Σ uᵀg)))`` (1 when ``Σ uᵀg <= 0``)."""
-    vg = sum(float((u * g).sum()) for u, g in zip(updates, grads))
-    if vg <= 0 or lr == 0:
+def kl_clip_factor(updates: Sequence[Tensor], grads: Sequence[Tensor], lr: Union[float, Sequence[float]],
+                   kl_clip: float) -> float:
+    """kfac_pytorch's KL clip: ``ν = min(1, sqrt(kl_clip / Σ_p lr_p² u_pᵀg_p))`` (1 when the sum is <= 0).
+
+    With one learning rate this is ``min(1, sqrt(kl_clip / (lr² Σ uᵀg)))``; ``lr`` may also be
+    one value per tensor (param groups with different learning rates).
+    """
+    lrs = [float(lr)] * len(updates) if isinstance(lr, (int, float)) else [float(x) for x in lr]
+    vg = sum(r * r * float((u * g).sum()) for r, u, g in zip(lrs, updates, grads))
+    if vg <= 0:
         return 1.0
-    return min(1.0, math.sqrt(kl_clip / (lr * lr * vg)))
+    return min(1.0, math.sqrt(kl_clip / vg))
 
 
 def momentum_(buffers: List[Optional[Tensor]], updates: Sequence[Tensor], momentum: float) -> List[Tensor]:

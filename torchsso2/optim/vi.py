@@ -280,6 +280,8 @@ class VIOptimizer(CurvatureOptimizer):
     def _average_blocks(fresh_all: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if not fresh_all:
             return None
+        if any(not f for f in fresh_all):
+            return {}  # some sample's output was not finite ({} marks it): the step applies the non-finite policy
         first = fresh_all[0]
         for other in fresh_all[1:]:
             for name, blk in first.items():

@@ -1,0 +1,128 @@
+"""Helpers shared by the benchmark scripts: timing, machine info, JSON and Markdown tables.
+
+Every benchmark reports min and median over repeats (the min is the more robust number on a
+shared machine), records the machine and the load average next to its numbers, and writes
+one JSON report ``{"machine": ..., "config": ..., ...}``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy
+import torch
+
+__all__ = ["machine_info", "time_call", "summarize", "load_average", "write_json", "markdown_table",
+           "fmt_ratio", "try_import"]
+
+
+def machine_info() -> Dict[str, Any]:
+    """CPU model, core count, library versions and the GPU name (if any)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: Dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+    except Exception:  # not installed or broken: recorded as absent
+        info["cupy"] = None
+    return info
+
+
+def load_average() -> Optional[List[float]]:
+    """``os.getloadavg()`` (1, 5, 15 min) where available: how busy the shared machine was."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _sync(device: Optional[torch.device]) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: Optional[torch.device] = None, repeats: int = 5,
+              warmup: int = 1) -> List[float]:
+    """Seconds per call of ``fn`` over ``repeats`` timed calls after ``warmup`` untimed ones (CUDA synchronized)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summarize(times: Sequence[float]) -> Dict[str, Any]:
+    """``{"min_s", "median_s", "times_s"}`` of a list of timings."""
+    return {"min_s": min(times), "median_s": statistics.median(times), "times_s": list(times)}
+
+
+def write_json(path: Path, report: Dict[str, Any]) -> None:
+    """Write ``report`` as indented JSON (creating the parent directory)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=_json_default) + "\n", encoding="utf-8")
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (torch.Tensor, numpy.ndarray)):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (numpy.floating, numpy.integer)):
+        return obj.item()
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Optional[str] = None) -> str:
+    """A Markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: first left, rest right)."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    sep = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "|".join(sep) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join("" if v is None else str(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def fmt_ratio(x: Optional[float], digits: int = 2) -> str:
+    """``1.23x`` (or an empty cell for None)."""
+    return "" if x is None else f"{x:.{digits}f}x"
+
+
+def try_import(name: str) -> tuple[Optional[Any], Optional[str]]:
+    """``(module, None)`` or ``(None, why)`` — for optional comparisons (kfac_pytorch, ivon)."""
+    import importlib
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name), None
+    except Exception as exc:  # ImportError, or a broken install
+        return None, f"{type(exc).__name__}: {exc}"
