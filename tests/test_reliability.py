@@ -162,7 +162,10 @@ def test_nonfinite_output_is_skipped_not_crashing():
 def test_autocast_bfloat16_keeps_statistics_in_float32(face, approx):
     x, y = _data(32, dtype=torch.float32)
     model = _mlp(torch.float32)
-    opt = _make(face, model, approx=approx)
+    # VI: damping 100 keeps the posterior (and so the trajectory) well-conditioned; without it the
+    # weakly-curved directions have unit variance and the comparison below measures chaos, not bf16
+    extra = {"damping": 100.0} if face == "vi" else {}
+    opt = _make(face, model, approx=approx, **extra)
 
     def closure():
         opt.zero_grad()
@@ -172,14 +175,16 @@ def test_autocast_bfloat16_keeps_statistics_in_float32(face, approx):
         loss.backward()
         return loss, out
 
-    def mean_loss():
-        with torch.no_grad():
-            return float(F.cross_entropy(model(x), y))
-
-    start = mean_loss()
+    ref_model = _mlp(torch.float32)
+    ref = _make(face, ref_model, approx=approx, **extra)
     for _ in range(5):
         opt.step(closure)
-    assert mean_loss() < start  # evaluated at the mean: VI's sampled losses are noisy
+        ref.step(_closure(ref, ref_model, x, y))
+    # bf16 forward/backward (8-bit mantissa, rel. error ~4e-3 per op) keeps the trajectory
+    # within a few percent of the float32 one; a wrong cast or a dropped step would not be
+    moved = (_flat(ref_model) - _flat(_mlp(torch.float32))).norm()
+    assert moved > 1e-3
+    assert (_flat(model) - _flat(ref_model)).norm() < 0.1 * moved
     for blk in opt.running.blocks.values():
         assert all(t.dtype == torch.float32 for t in blk.tensors())
     assert opt.num_skipped == 0

@@ -52,7 +52,9 @@ class FullBlock(Block):
         d = self._require_decomposition()
         q = d["evecs"]
         z = torch.randn(q.shape[0], generator=generator, dtype=q.dtype, device=q.device)
-        return self.layout.unflatten(q @ (z / d["denom"].sqrt()))
+        # the symmetric square root Q D^-1/2 Qᵀ z: the draw depends on the matrix only, not on
+        # the (non-unique) eigenvector basis, so every process draws the same sample
+        return self.layout.unflatten(q @ ((q.t() @ z) / d["denom"].sqrt()))
 
     def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         v = self.layout.flatten(vecs).to(self.matrix.dtype)

@@ -141,7 +141,9 @@ class KFACBlock(Block):
             raise NotImplementedError("sampling needs method='eigen' (the inverse method is not an exact precision)")
         denom = d["denom"]
         z = torch.randn(denom.shape, generator=generator, dtype=denom.dtype, device=denom.device)
-        m = self._apply_right(self._apply_left(d["ql"], z / denom.sqrt(), False), d["qr"], True)
+        # symmetric square root (basis-independent draws): Q_L [(Q_Lᵀ Z Q_R) ⊘ √denom] Q_Rᵀ
+        rot = self._apply_right(self._apply_left(d["ql"], z, True), d["qr"], False)
+        m = self._apply_right(self._apply_left(d["ql"], rot / denom.sqrt(), False), d["qr"], True)
         like = [torch.empty(s, dtype=denom.dtype) for s in self.layout.shapes]
         return self._from_matrix(m, like)
 

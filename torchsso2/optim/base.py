@@ -192,7 +192,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if self.grad_scaler is None:
             return True
         self.grad_scaler.unscale_(self)
-        if all_finite([p.grad for p in self._params_with_grad()]):
+        overflow = torch.tensor([0.0 if all_finite([p.grad for p in self._params_with_grad()]) else 1.0])
+        if self.comm.world_size > 1:  # every rank must skip together, or the replicas drift apart
+            self.comm.allreduce([overflow], op="sum")
+        if float(overflow) == 0.0:
             return True
         self.num_amp_skipped += 1
         logger.debug("step %d skipped by the grad scaler (inf/NaN gradients)", self.num_steps)
