@@ -250,7 +250,7 @@ class Reference:
 
             jac = jacrev(f)(torch.zeros(shape[0], dtype=torch.float64))  # [N, O, N, *out]
             idx = torch.arange(self.N)
-            self._probe[name] = jac[idx, :, idx]  # [N, O, *out]
+            self._probe[name] = jac[idx, :, idx].detach()  # [N, O, *out] (the real params require grad)
         return self._probe[name]
 
     def kfac(self, name: str, kind: str, labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
@@ -287,6 +287,9 @@ class Reference:
         else:
             raise ValueError(f"no K-FAC for {type(mod).__name__}")
         t = patches.shape[1]
+        has_weight = "weight" in s.param_names
+        if not has_weight:  # frozen weight, trainable bias: the only input is the constant 1
+            patches = patches[:, :, :0]
         if has_bias:
             patches = torch.cat([patches, torch.ones(patches.shape[:2] + (1,), dtype=patches.dtype)], dim=2)
         flat = patches.reshape(-1, patches.shape[-1])
@@ -299,7 +302,7 @@ class Reference:
         big_g = big_g / self.N
         # row-major vec([W.reshape(out, -1) | b]) -> flat parameter index
         rows = mod.weight.shape[0]
-        cols = mod.weight[0].numel()
+        cols = mod.weight[0].numel() if has_weight else 0
         idx = torch.arange(rows * cols).reshape(rows, cols)
         if has_bias:
             idx = torch.cat([idx, (rows * cols + torch.arange(rows)).unsqueeze(1)], dim=1)

@@ -180,13 +180,25 @@ def test_frozen_parameters_are_not_covered() -> None:
     torch.testing.assert_close(ck.dense(), ref.shaped("fisher", "kfac"), rtol=0, atol=1e-10)
 
 
-def test_kfac_with_frozen_weight_raises() -> None:
-    build, batch = MODELS["mlp"]
+@pytest.mark.parametrize("model_name,module", [("mlp", "fc2"), ("cnn", "conv1")])
+def test_kfac_with_frozen_weight_covers_the_bias(model_name: str, module: str) -> None:
+    """Frozen weight, trainable bias: K-FAC is G ⊗ [[1]] over the bias (exact for Linear, T = 1)."""
+    build, batch = MODELS[model_name]
     model = build()
-    model.fc2.weight.requires_grad_(False)
+    getattr(model, module).weight.requires_grad_(False)
     x, y = batch(4, "cross_entropy")
-    with pytest.raises(ValueError, match="weight"):
-        _compute(model, x, y, approx="kfac")
+    c = _compute(model, x, y, approx="kfac")
+    blk = c.blocks[module]
+    assert blk.layout.param_names == ("bias",)
+    torch.testing.assert_close(blk.A, torch.ones(1, 1, dtype=torch.float64))
+    ref = Reference(model, x, y, "cross_entropy")
+    torch.testing.assert_close(c.dense(), ref.shaped("fisher", "kfac"), rtol=0, atol=1e-10)
+    s = next(s for s in ref.slices if s.name == module)
+    full = ref.dense("fisher")[s.start:s.stop, s.start:s.stop]
+    if isinstance(getattr(model, module), nn.Linear):
+        torch.testing.assert_close(blk.dense(), full, rtol=0, atol=1e-10)
+    else:  # weight sharing over positions: only the expand approximation
+        assert (blk.dense() - full).abs().max() > 1e-6
 
 
 def test_shared_parameters_refused() -> None:
