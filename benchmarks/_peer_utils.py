@@ -1,32 +1,26 @@
-"""Helpers shared by the peer benchmarks (``peers_curvature``, ``peers_training``, ``memory``,
-``width_scaling``) and the runner: optional peer imports, timing, agreement metrics, the JSON
-report envelope and Markdown tables.
+"""Peer-specific helpers for the peer benchmarks (``peers_curvature``, ``peers_training``,
+``memory``, ``width_scaling``) and the runner: optional peer imports (with a switch that tests
+use to exercise the skip paths), adaptive timing, agreement metrics and the JSON envelope.
 
-Timing and machine info come from :mod:`benchmarks.common` when it exists (the shared
-benchmark helpers); until then they fall back to :mod:`benchmarks.linalg`, which has the same
-``machine_info()`` / ``time_call()``. Nothing here is duplicated from those modules.
+Timing, machine info, JSON writing and Markdown tables are :mod:`benchmarks.common`'s; this
+module only adds what is specific to comparing with other libraries.
 """
 from __future__ import annotations
 
 import importlib
-import json
+import math
 import os
-import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 if __package__ in (None, ""):  # pragma: no cover - imported as a script helper
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-try:  # the shared helpers, once benchmarks/common.py lands
-    from benchmarks.common import machine_info as _machine_info  # type: ignore[attr-defined]
-except Exception:  # noqa: BLE001 - absent or not yet complete: use linalg's identical helper
-    from benchmarks.linalg import machine_info as _machine_info
-
-from benchmarks.linalg import time_call as _time_call  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import markdown_table, write_json  # noqa: E402,F401  (re-exported)
 
 #: peer name -> (import name, pip name)
 PEERS: Dict[str, tuple] = {
@@ -79,18 +73,35 @@ def peer_versions() -> Dict[str, Optional[str]]:
 
 
 def machine_info() -> Dict[str, Any]:
-    """Machine description (CPU, cores, torch, GPU) plus the load average and peer versions."""
-    info = dict(_machine_info())
-    info["load_average"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    """:func:`benchmarks.common.machine_info` plus the load average and the peer versions."""
+    info = dict(common.machine_info())
+    info["load_average"] = common.load_average()
     info["peers"] = peer_versions()
     return info
 
 
-def time_call(fn: Callable[[], object], repeats: int, device: Optional[torch.device] = None) -> Dict[str, Any]:
-    """``{"times_s", "min_s", "median_s"}`` of ``fn`` over ``repeats`` calls after one warm-up."""
-    dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    times = _time_call(fn, dev, repeats)
-    return {"times_s": times, "min_s": min(times), "median_s": statistics.median(times)}
+def time_adaptive(fn: Callable[[], Any], budget_s: float = 1.0, min_repeats: int = 3,
+                  max_repeats: int = 30) -> Tuple[Any, Dict[str, Any]]:
+    """Time ``fn``: one warm-up call (whose result is returned), then as many timed calls as fit
+    in ``budget_s`` (clamped to ``[min_repeats, max_repeats]``); ``common.summarize`` of them.
+
+    Fast calls get many repeats so the min is meaningful on a shared, noisy machine; calls that
+    take seconds get ``min_repeats``.
+    """
+    import time
+
+    box: List[Any] = [None]
+
+    def call() -> None:
+        box[0] = fn()
+
+    t0 = time.perf_counter()
+    call()
+    first = max(time.perf_counter() - t0, 1e-6)
+    repeats = int(min(max_repeats, max(min_repeats, math.floor(budget_s / first))))
+    dev = torch.device("cuda") if torch.cuda.is_available() else None
+    times = common.time_call(call, dev, repeats=repeats, warmup=0)
+    return box[0], common.summarize(times)
 
 
 def max_rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -110,23 +121,11 @@ def report(name: str, config: Dict[str, Any], results: List[Dict[str, Any]],
             "results": results, "skipped": skipped, **extra}
 
 
-def write_json(path: Optional[Path], data: Dict[str, Any]) -> None:
-    """Write ``data`` as indented JSON to ``path`` (parents created); no-op for None."""
-    if path is None:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    print(f"\nwrote {path}")
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Optional[str] = None) -> str:
-    """A Markdown table; ``align`` is one char per column (``l``/``r``), default left."""
-    align = align or "l" * len(headers)
-    sep = ["---:" if a == "r" else "---" for a in align]
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
+def save(path: Optional[Path], data: Dict[str, Any]) -> None:
+    """:func:`benchmarks.common.write_json` when ``path`` is given, and say so."""
+    if path is not None:
+        common.write_json(Path(path), data)
+        print(f"\nwrote {path}")
 
 
 def fmt(x: Optional[float], spec: str = ".3g") -> str:

@@ -5,7 +5,7 @@ Examples::
 
     python -m benchmarks.peers_curvature --quick
     python -m benchmarks.peers_curvature --full --json benchmarks/results/peers_curvature.json
-    python -m benchmarks.peers_curvature --models mlp-m cnn-s --repeats 7
+    python -m benchmarks.peers_curvature --models mlp-m cnn-s --budget 2
 
 Quantities (``curvature.compute(model, x, y, loss="cross_entropy", kind=..., approx=...)``,
 curvature of the MEAN loss) and how each peer's output is mapped onto our convention:
@@ -35,7 +35,8 @@ curvature of the MEAN loss) and how each peer's output is mapped onto our conven
   blocks, densified by multiplying with the identity.
 
 Time ratio = peer time / torchsso2 time for the same quantity (> 1: torchsso2 is faster),
-from the min and the median over ``--repeats`` calls after one warm-up. Everything runs
+from the min and the median over the timed calls (one warm-up, then as many calls as fit
+in ``--budget`` seconds, 3 to 30; dense P×P computations: one timed call). Everything runs
 in float32. curvlinops operators are built with ``check_deterministic=False`` (its default
 check runs extra passes) and built inside the timed call (they compute lazily).
 """
@@ -79,14 +80,16 @@ def _cnn(c_in: int, hw: int, ch: int, c: int = 10) -> nn.Module:
 
 #: name -> (builder, input shape without batch)
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
+    "mlp-xs": (lambda: _mlp(64, 16), (64,)),
     "mlp-s": (lambda: _mlp(64, 32), (64,)),
     "mlp-m": (lambda: _mlp(64, 256), (64,)),
     "mlp-l": (lambda: _mlp(784, 1024), (784,)),
+    "cnn-xs": (lambda: _cnn(1, 8, 4), (1, 8, 8)),
     "cnn-s": (lambda: _cnn(1, 8, 8), (1, 8, 8)),
     "cnn-m": (lambda: _cnn(3, 16, 16), (3, 16, 16)),
 }
-QUICK_MODELS = ("mlp-s", "cnn-s")
-FULL_MODELS = tuple(MODELS)
+QUICK_MODELS = ("mlp-xs", "cnn-xs")
+FULL_MODELS = ("mlp-s", "mlp-m", "mlp-l", "cnn-s", "cnn-m")
 QUANTITIES = ("diag_ggn", "diag_ggn_mc", "ef_diag", "kfac_exact", "kfac_mc", "kfac_ef",
               "full_ggn", "full_hessian")
 
@@ -96,19 +99,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 description="Compare curvature values and timings with BackPACK, "
                                 "curvlinops and laplace-torch.")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help=f"models {' '.join(QUICK_MODELS)}, 3 repeats")
-    mode.add_argument("--full", action="store_true", help=f"models {' '.join(FULL_MODELS)}, 7 repeats")
+    mode.add_argument("--quick", action="store_true", help=f"models {' '.join(QUICK_MODELS)}, batch 32, short timing budget")
+    mode.add_argument("--full", action="store_true", help=f"models {' '.join(FULL_MODELS)}, batch 128 (the default)")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None)
     p.add_argument("--quantities", nargs="+", choices=QUANTITIES, default=list(QUANTITIES))
     p.add_argument("--batch", type=int, default=None, help="batch size N (default 128; --quick 64)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls after one warm-up")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timed calls per measurement after one warm-up (3 to 30 calls; "
+                   "default 1.0, --quick 0.3); dense P×P computations get one timed call")
+    p.add_argument("--dense-max-params", type=int, default=None,
+                   help="largest model (parameters) for the dense comparisons (default 4000; --quick 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     a.models = a.models or list(QUICK_MODELS if a.quick else FULL_MODELS)
-    a.batch = a.batch or (64 if a.quick else 128)
-    a.repeats = a.repeats or (3 if a.quick else 7)
+    a.batch = a.batch or (32 if a.quick else 128)
+    a.budget = a.budget if a.budget is not None else (0.3 if a.quick else 1.0)
+    a.dense_max_params = a.dense_max_params or (2000 if a.quick else DENSE_MAX_PARAMS)
     return a
 
 
@@ -201,14 +209,11 @@ def _row(quantity: str, model_name: str, n_params: int, batch: int, peer: str, m
     return r
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> Tuple[Any, Dict[str, Any]]:
-    box: List[Any] = [None]
-
-    def call() -> None:
-        box[0] = fn()
-
-    t = pu.time_call(call, repeats, torch.device("cpu"))
-    return box[0], t
+def _timed(fn: Callable[[], Any], budget_s: float, dense: bool = False) -> Tuple[Any, Dict[str, Any]]:
+    """(result, timing); ``dense`` calls take seconds: one warm-up plus one timed call."""
+    if dense:
+        return pu.time_adaptive(fn, budget_s=0.0, min_repeats=1, max_repeats=1)
+    return pu.time_adaptive(fn, budget_s=budget_s, min_repeats=3, max_repeats=30)
 
 
 def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) -> List[Row]:
@@ -222,13 +227,13 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
     n_params = sum(p.numel() for p in model.parameters())
     layers = _layers(model)
     positions = _positions(model, x)
-    small = n_params <= DENSE_MAX_PARAMS
+    small = n_params <= args.dense_max_params
     bp, cl, la = pu.peer("backpack"), pu.peer("curvlinops"), pu.peer("laplace")
     for pname, mod in (("backpack", bp), ("curvlinops", cl), ("laplace", la)):
         if mod is None:
             skipped[pname] = pu.skip_message(pname)
     rows: List[Row] = []
-    rep = args.repeats
+    rep = args.budget
     q = set(args.quantities)
     mb = lossf = None
     if bp is not None:
@@ -260,7 +265,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                     op = cl.GGNLinearOperator(model, nn.CrossEntropyLoss(), list(model.parameters()), [(x, y)],
                                               check_deterministic=False, num_data=n)
                     return _dense(op, n_params).diagonal()
-                v, t = _timed(cl_diag, max(1, rep // 2))
+                v, t = _timed(cl_diag, rep, dense=True)
                 add("diag_ggn", "curvlinops", "GGNLinearOperator @ I (diagonal)", ours_t, t,
                     max_rel_diff=pu.max_rel_diff(exact_diag, v))
                 ran = True
@@ -326,7 +331,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             full_conv: Dict[str, Tensor] = {}
             for l in layers:
                 m = dict(model.named_modules())[l]
-                if isinstance(m, nn.Conv2d) and sum(p.numel() for p in m.parameters()) <= DENSE_MAX_PARAMS:
+                if isinstance(m, nn.Conv2d) and sum(p.numel() for p in m.parameters()) <= args.dense_max_params:
                     fc = curvature.compute(model, x, y, kind="fisher", approx={f"^{re.escape(l)}$": "full"},
                                           skip_modules=[f"^{re.escape(k)}$" for k in layers if k != l])
                     full_conv[l] = fc.blocks[l].matrix
@@ -347,9 +352,8 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                     if l in full_conv:
                         mat = full_conv[l]
                         cout = gb_bp.shape[0]
-                        # bias entries are the last in each row of the [C_out, C_in·k·k + 1] matrix
-                        cols = blk.A.shape[0]
-                        idx = torch.arange(cout) * cols + cols - 1
+                        # the full block is ordered like cat([weight.flatten(), bias]): bias last
+                        idx = torch.arange(mat.shape[0] - cout, mat.shape[0])
                         conv_g.append(pu.max_rel_diff(mat[idx][:, idx], g_bp))
             d = max(lin) if lin else None
             add("kfac_exact", "backpack", "KFLR (Linear layers)", ours_t, t, max_rel_diff=d,
@@ -407,7 +411,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                                    ("full_hessian", "hessian", "HessianLinearOperator")):
         if quantity not in q or not small:
             continue
-        c, ours_t = _timed(lambda: _ours(model, x, y, kind, "full"), rep)
+        c, ours_t = _timed(lambda: _ours(model, x, y, kind, "full"), rep, dense=True)
         dense = c.dense()
         if cl is not None:
             sizes = _block_sizes(c)
@@ -422,7 +426,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 op = cls(model, nn.CrossEntropyLoss(), list(model.parameters()), [(x, y)],
                          check_deterministic=False, num_data=n, **kw)
                 return _dense(op, n_params)
-            v, t = _timed(cl_full, max(1, rep // 2))
+            v, t = _timed(cl_full, rep, dense=True)
             method = f"{opname}(block_sizes) @ I" if blocked else f"{opname} @ I, off-block part masked"
             add(quantity, "curvlinops", method, ours_t, t, max_rel_diff=pu.max_rel_diff(dense, v * mask),
                 note=None if blocked else "curvlinops computes the whole P×P matrix (no block support)")
@@ -444,7 +448,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for name in it:
             rows += compare_model(name, args, skipped)
     disagree = [r for r in rows if r.get("agree") is False]
-    return pu.report("peers_curvature", {"models": args.models, "batch": args.batch, "repeats": args.repeats,
+    return pu.report("peers_curvature", {"models": args.models, "batch": args.batch, "budget_s": args.budget,
+                                         "dense_max_params": args.dense_max_params,
                                          "quantities": args.quantities, "dtype": "float32",
                                          "agree_tol": AGREE_TOL, "seed": args.seed},
                      rows, skipped, disagreements=len(disagree))
@@ -477,7 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     rep = run(args)
     print(format_table(rep))
-    pu.write_json(args.json, rep)
+    pu.save(args.json, rep)
     return 0
 
 
