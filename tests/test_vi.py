@@ -179,22 +179,25 @@ def test_prior_variance_and_kl_weighting_enter_the_precision_as_tau_delta():
     x, y = linreg_data(n=200, d=3)
     xtx = x.t() @ x
     eye = torch.eye(3, dtype=torch.float64)
+    # posterior precision of the KL-weighted ELBO: (XᵀX + τδ + damping)/τ
     for kw, expected_shift in [(dict(prior_precision=20.0, kl_weighting=0.1), 2.0),
                                (dict(prior_variance=0.05, kl_weighting=1.0), 20.0),
                                (dict(prior_precision=20.0, kl_weighting=0.1, damping=3.0), 5.0)]:
+        tau = kw["kl_weighting"]
         torch.manual_seed(0)
         model = nn.Linear(3, 1, bias=False).double()
         opt = VIOptimizer(model, dataset_size=200, lr=0.1, curvature="fisher", approx="full", loss="mse",
                           momentum=0.0, **kw)
         opt.step(make_closure(opt, model, x, y, loss="mse"))
-        assert torch.allclose(opt.posterior_precision(), xtx + expected_shift * eye, rtol=0, atol=1e-8), kw
+        assert torch.allclose(opt.posterior_precision(), (xtx + expected_shift * eye) / tau, rtol=0, atol=1e-7), kw
 
 
 # ---- 8. predictive and sampling --------------------------------------------------------------------------------
-def _trained_mlp(approx: str = "kfac", steps: int = 2, dataset_size: int = 50, seed: int = 0):
+def _trained_mlp(approx: str = "kfac", steps: int = 2, dataset_size: int = 50, seed: int = 0,
+                 kl_weighting: float = 1.0):
     model, (x, y) = tiny_mlp(), batch(n=16)
     opt = VIOptimizer(model, dataset_size=dataset_size, lr=0.02, curvature="fisher", approx=approx,
-                      prior_precision=1.0, seed=seed)
+                      prior_precision=1.0, seed=seed, kl_weighting=kl_weighting)
     closure = make_closure(opt, model, x, y)
     for _ in range(steps):
         opt.step(closure)
@@ -247,16 +250,16 @@ def test_sampled_params_restores_the_mean_exactly():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("approx", ["full", "diag", "kfac"])
-def test_sample_moments_match_the_posterior(approx):
+@pytest.mark.parametrize("approx,tau", [("full", 1.0), ("diag", 1.0), ("kfac", 1.0), ("kfac", 0.25)])
+def test_sample_moments_match_the_posterior(approx, tau):
     """S = 2000 draws of θ = μ + ε: sample mean ≈ μ and sample covariance ≈ posterior_precision()⁻¹.
 
     For Gaussian draws the sample covariance entry (i, j) has standard deviation
     sqrt((Σ_ii Σ_jj + Σ_ij²)/S) and the sample mean sqrt(Σ_ii/S); we allow 5 of them (for the
     43 + 43² entries a 5σ band is exceeded with probability < 1e-3 even jointly)."""
-    model, opt, x, y = _trained_mlp(approx)
+    model, opt, x, y = _trained_mlp(approx, kl_weighting=tau)
     mu = param_vec(model)
-    sigma = torch.linalg.inv(opt.posterior_precision())
+    sigma = torch.linalg.inv(opt.posterior_precision())  # τ·(N·C + τδ)⁻¹ for the KL-weighted ELBO
     s = 2000
     gen = torch.Generator().manual_seed(11)
     draws = []

@@ -1,20 +1,24 @@
 """VIOptimizer: natural-gradient variational inference (VOGN, noisy K-FAC, full covariance).
 
-Posterior ``q(θ) = N(μ, P⁻¹)`` over the covered parameters, blockwise per module, with
+Posterior ``q(θ) = N(μ, Σ)`` over the covered parameters, blockwise per module, the fixed point
+of the KL-weighted ELBO ``E_q[Σ_n ℓ_n] + τ·KL(q ‖ N(0, δ⁻¹I))``:
 
-    P = N·C + τ·δ·I + damping·I      (N = dataset_size, C = curvature EMA, δ = prior precision, τ = kl_weighting)
+    Λ = N·C + τ·δ·I + damping·I,   Σ = τ·Λ⁻¹      (N = dataset_size, C = curvature EMA, δ = prior precision, τ = kl_weighting)
+
+so ``posterior_precision() = Λ/τ``; ``τ = 1`` is the Bayesian posterior, ``τ < 1`` a cold
+(narrower) posterior, ``τ > 1`` a wider one.
 
 and the mean ``μ`` = the model's weights. One ``step(closure)``:
 
-1. draw ``num_mc_samples`` weight samples ``θ_s = μ + ε_s``, ``ε_s ~ N(0, P⁻¹)``;
+1. draw ``num_mc_samples`` weight samples ``θ_s = μ + ε_s``, ``ε_s ~ N(0, τ·Λ⁻¹)``;
 2. run the closure at each sample (forward + backward) and average gradients ``ḡ`` and curvature;
-3. restore ``μ``; fold the curvature into the EMA and decompose ``P``;
-4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − lr·P⁻¹ m`` (VOGN; ``diag`` = VOGN,
+3. restore ``μ``; fold the curvature into the EMA and decompose ``Λ``;
+4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − lr·Λ⁻¹ m`` (VOGN; ``diag`` = VOGN,
    ``kfac`` = noisy K-FAC, ``full`` = full covariance per module).
 
 Parameters not covered by a block keep a point estimate: they get ``μ ← μ − lr·m/N`` with the
 same momentum (i.e. SGD on the mean loss plus the prior term), and are not sampled.
-Fixed point (lr = 1, exact Fisher, Bayesian linear regression): ``P = XᵀX + δI`` and
+Fixed point (lr = 1, τ = 1, exact Fisher, Bayesian linear regression): ``Λ = XᵀX + δI`` and
 ``μ = (XᵀX + δI)⁻¹ Xᵀy``, the closed-form posterior (tested).
 
 Weight noise of step ``t``, global MC sample ``s``, block number ``b`` comes from a generator
@@ -52,7 +56,8 @@ class VIOptimizer(CurvatureOptimizer):
         init_precision: precision of the isotropic Gaussian sampled at the first step, before any
             curvature is known (default: no noise at the first step).
         num_mc_samples: weight samples per step (the closure runs once per sample).
-        kl_weighting: τ, tempering of the KL term (τ < 1: "cold" posterior).
+        kl_weighting: τ > 0, weight of the KL term; the posterior covariance is τ·(N·C + τδ + damping)⁻¹
+            (τ < 1: a cold, narrower posterior).
         momentum, ema_decay, damping: see the module docstring.
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
@@ -88,7 +93,7 @@ class VIOptimizer(CurvatureOptimizer):
         self.init_precision = None if init_precision is None else \
             check_number("init_precision", init_precision, low=0.0, low_open=True)
         self.num_mc_samples = check_int("num_mc_samples", num_mc_samples)
-        self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0)
+        self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0, low_open=True)
         self.damping = check_number("damping", damping, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         defaults = dict(lr=lr, momentum=momentum)
@@ -108,6 +113,11 @@ class VIOptimizer(CurvatureOptimizer):
     def precision_shift(self) -> float:
         """``τ·δ + damping``: what is added to ``N·C`` on the diagonal."""
         return self.kl_weighting * self.prior_precision + self.damping
+
+    @property
+    def _noise_scale(self) -> float:
+        """``√τ``: draws from ``N(0, Λ⁻¹)`` are scaled to the posterior covariance ``τ·Λ⁻¹``."""
+        return self.kl_weighting ** 0.5
 
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
@@ -158,7 +168,8 @@ class VIOptimizer(CurvatureOptimizer):
 
         def draw(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
             dev = blk.tensors()[0].device
-            draws = [blk.sample(noise_generator(self.seed, step, s, number[name], device=dev))
+            draws = [[e * self._noise_scale for e in blk.sample(noise_generator(self.seed, step, s, number[name],
+                                                                                   device=dev))]
                      for s in needed(name, receivers)]
             return [torch.stack([d[i] for d in draws]).to(p.dtype) for i, p in enumerate(blk.layout.params)]
 
@@ -184,7 +195,7 @@ class VIOptimizer(CurvatureOptimizer):
                                        "(grad_worker_fraction < 1 keeps it on its grad workers); "
                                        "sample with grad_worker_fraction='comm_opt'")
                 for p, e in zip(blk.layout.params, blk.sample(generator)):
-                    noise[id(p)] = e.to(p.dtype)
+                    noise[id(p)] = (e * self._noise_scale).to(p.dtype)
             return noise
         if self.init_precision is not None:
             std = self.init_precision ** -0.5
@@ -226,12 +237,12 @@ class VIOptimizer(CurvatureOptimizer):
         return torch.stack(outs).mean(0)
 
     def posterior_precision(self) -> Tensor:
-        """Dense ``[P, P]`` block-diagonal precision ``N·C + τδ + damping`` over the covered params."""
+        """Dense ``[P, P]`` block-diagonal posterior precision ``(N·C + τδ + damping)/τ`` over the covered params."""
         if not self.running.blocks:
             raise RuntimeError("no curvature estimate yet: call step() first")
         mats = [blk.dense() * self.dataset_size for blk in self.running.blocks.values()]
         dense = torch.block_diag(*mats)
-        return dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)
+        return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)) / self.kl_weighting
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
