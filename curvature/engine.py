@@ -141,6 +141,10 @@ class CurvatureEngine:
 
     @staticmethod
     def _per_example_block(lay: Layout, shape: Approx, a: Tensor, g: Tensor, n: int) -> Block:
+        if shape is Approx.DIAG:
+            fast = lay.family.diag_sum(lay.module, a, g, lay.param_names)
+            if fast is not None:
+                return DiagBlock(lay, fast / n)
         total: Optional[Tensor] = None
         for s in range(0, a.shape[0], _EXAMPLE_CHUNK):
             pe = lay.family.per_example_grads(lay.module, a[s:s + _EXAMPLE_CHUNK],

@@ -55,6 +55,11 @@ class LayerFamily:
         """Per-example gradients ``{name: [K, N, *param.shape]}`` for the covered ``names``."""
         raise NotImplementedError
 
+    def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
+        """``Σ_{k,n} (per-example gradient)²`` as ``[P]`` without materializing per-example
+        gradients, or None when this family/shape needs them (the engine then falls back)."""
+        return None
+
     # ---- K-FAC ----------------------------------------------------------------------------
     def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
                      names: Sequence[str]) -> Tuple[Tensor, Tensor]:

@@ -16,7 +16,7 @@ it is the KFC "expand" approximation (Grosse & Martens 2016).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,20 @@ class WeightMatrixFamily(LayerFamily):
         if "bias" in names:
             out["bias"] = g.sum(dim=2)
         return out
+
+    def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
+        """With one position per example (``T = 1``) the per-example weight gradient is the outer
+        product ``g aᵀ``, so ``Σ (g aᵀ)² = (g²)ᵀ(a²)``: ``O(K·N·d_in·d_out)`` with no per-example tensor."""
+        if a.shape[1] != 1:
+            return None
+        g2 = g[:, :, 0].pow(2)  # [K, N, d_out]
+        parts = []
+        for name in names:
+            if name == "weight":
+                parts.append(torch.einsum("knd,nj->dj", g2, a[:, 0].to(g.dtype).pow(2)).reshape(-1))
+            else:
+                parts.append(g2.sum(dim=(0, 1)))
+        return torch.cat(parts)
 
     def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
                      names: Sequence[str]) -> Tuple[Tensor, Tensor]:
