@@ -116,7 +116,7 @@ def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Option
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
-            return float(loss)
+            return float(loss.detach())
         return step
     if name == "ivon":
         ivon = pu.peer("ivon")
@@ -131,7 +131,7 @@ def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Option
                 loss = loss_fn(model(x), y)
                 loss.backward()
             opt.step()
-            return float(loss)
+            return float(loss.detach())
         return step
     if name.startswith("sso-") or name.startswith("vi-"):
         from torchsso2 import SecondOrderOptimizer, VIOptimizer
@@ -144,7 +144,7 @@ def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Option
 
         def step(x: Tensor, y: Tensor) -> float:
             loss, _ = opt.step(_closure(opt, model, x, y))
-            return float(loss)
+            return float(loss.detach())
         return step
     if name in ("kaisa", "kfac_pytorch"):
         lr, momentum = s.pop("lr"), s.pop("momentum")
@@ -166,7 +166,7 @@ def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Option
             loss.backward()
             pre.step()
             sgd.step()
-            return float(loss)
+            return float(loss.detach())
         return step
     raise ValueError(f"optimizer={name!r}; expected one of {', '.join(OPTIMIZERS)}")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from examples.common import (DEFAULT_LR, Digits, add_common_args, fit, load_digits_data,  # noqa: E402
+from examples.common import (process_rank, world_size, DEFAULT_LR, Digits, add_common_args, fit, load_digits_data,  # noqa: E402
                              make_model, make_optimizer, num_batches, predict_probs, progress_bar, setup_run)
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
@@ -114,6 +115,17 @@ def predictive(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, num_samp
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
+    if world_size() > 1:
+        dropped = [m for m in args.methods if not m.startswith("vi-")]
+        args.methods = [m for m in args.methods if m.startswith("vi-")]
+        if not args.methods:
+            raise SystemExit("under mpiexec/torchrun only the vi-* methods run data-parallel")
+        if dropped and process_rank() == 0:
+            print(f"data-parallel run: skipping the single-process baselines {dropped}", flush=True)
+    if process_rank() != 0:  # only rank 0 reports and writes files
+        args.no_progress = True
+        sys.stdout = open(os.devnull, "w")
+        args.out_dir = Path(os.devnull).parent / "tmp" / f"bayesian_digits_rank{process_rank()}"
     data = load_digits_data()
     ood = ood_sets(data.x_test, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)

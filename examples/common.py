@@ -196,12 +196,50 @@ def optimizer_step(opt: torch.optim.Optimizer, closure: Callable[[], Tuple[Tenso
     return loss
 
 
+def data_shard(opt: torch.optim.Optimizer) -> Tuple[int, int]:
+    """``(num_shards, shard)`` this process reads: ``(1, 0)`` single-process; under ``mpiexec`` /
+    ``torchrun`` the torchsso2 optimizer's data-parallel size and rank (VI's sample groups read
+    the same shard)."""
+    comm = getattr(opt, "comm", None)
+    if comm is None or comm.world_size <= 1:
+        return 1, 0
+    return (getattr(opt, "data_parallel_size", comm.world_size), getattr(opt, "data_parallel_rank", comm.rank))
+
+
+def process_rank() -> int:
+    """This process's rank under ``torchrun`` or ``mpiexec`` (0 when launched alone), from the launcher's env."""
+    import os
+
+    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def world_size() -> int:
+    """Number of processes launched by ``torchrun`` / ``mpiexec`` (1 when launched alone)."""
+    import os
+
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
+
+
 def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, batch_size: int,
                 generator: torch.Generator, progress: Optional[object] = None) -> float:
-    """One shuffled pass over ``(x, y)``; returns the mean training loss. ``progress``: a tqdm bar to advance."""
+    """One shuffled pass over ``(x, y)``; returns the mean training loss. ``progress``: a tqdm bar to advance.
+
+    Data-parallel runs: every process draws the same shuffled global batch (same generator) and
+    keeps its contiguous shard of it, so W processes on W shards equal one process on the batch.
+    """
     model.train()
     total, count = 0.0, 0
+    shards, shard = data_shard(opt)
+    if batch_size % shards:
+        raise SystemExit(f"--batch-size {batch_size} must be divisible by the {shards} data-parallel processes")
     for idx in batches(len(y), batch_size, generator):
+        idx = idx.chunk(shards)[shard]
         loss = optimizer_step(opt, make_closure(opt, model, x[idx], y[idx]))
         total += float(loss.detach()) * len(idx)
         count += len(idx)

@@ -9,6 +9,8 @@ Examples::
     python examples/train_digits.py --optimizer sgd
     python examples/train_digits.py --optimizer sso-diag --model cnn --epochs 5
     python examples/train_digits.py --optimizer sso-full         # MLP 64-16-10: full blocks stay small
+    mpiexec -n 2 python examples/train_digits.py                 # data-parallel over MPI
+    torchrun --nproc_per_node=2 examples/train_digits.py         # data-parallel over torch.distributed
 
 The torchsso2 part is three lines: build the optimizer, write a closure that returns
 ``(loss, output)``, call ``opt.step(closure)``::
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from examples.common import (DEFAULT_HIDDEN, DEFAULT_LR, MLP_HIDDEN, OPTIMIZERS, SSO_SETTINGS,  # noqa: E402
                              EpochRecord, add_common_args, fit, load_digits_data, make_model,
-                             make_optimizer, num_batches, progress_bar, setup_run)
+                             make_optimizer, num_batches, process_rank, progress_bar, setup_run, world_size)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -78,6 +81,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def train(args: argparse.Namespace) -> Dict[str, Any]:
     """Run the training described by ``args``; returns a JSON-ready summary."""
+    if world_size() > 1 and not args.optimizer.startswith("sso-"):
+        raise SystemExit(f"--optimizer {args.optimizer} is single-process here; launch sso-* optimizers "
+                         "with mpiexec/torchrun (they average gradients and curvature over ranks)")
+    if process_rank() != 0:  # only rank 0 reports
+        args.no_progress = True
+        sys.stdout = open(os.devnull, "w")
     gen = setup_run(args)
     data = load_digits_data()
     hidden = tuple(args.hidden) if args.hidden else DEFAULT_HIDDEN.get(args.optimizer, MLP_HIDDEN)
