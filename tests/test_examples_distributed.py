@@ -52,7 +52,7 @@ def test_train_digits_data_parallel(launcher, tmp_path):
     # only rank 0 reports
     assert out.count("final test accuracy") == 1
     # the same global batches, averaged gradients/curvature: the same model up to MC-label noise
-    assert abs(_final_accuracy(out) - single) <= 2.0
+    assert abs(_final_accuracy(out) - single) <= 3.0
     assert json.loads((tmp_path / "r.json").read_text())["final_test_accuracy"] > 0.8
 
 
