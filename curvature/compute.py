@@ -1,7 +1,7 @@
 """One-shot curvature of a batch: ``curvature.compute(model, inputs, targets, ...)``."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn

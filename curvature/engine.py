@@ -8,7 +8,7 @@ belong to whoever uses the blocks (see :class:`curvature.running.RunningCurvatur
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor, nn

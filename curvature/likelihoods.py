@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .options import LossType
+from .options import Kind, LossType
 
 
 def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Tensor]) -> None:
@@ -44,7 +44,7 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
                 f"[{int(targets.min())}, {int(targets.max())}]")
     else:
         if outputs.dim() < 1:
-            raise ValueError(f"loss='mse' expects outputs of shape [N, ...], got a scalar")
+            raise ValueError("loss='mse' expects outputs of shape [N, ...], got a scalar")
         if targets is not None and targets.shape != outputs.shape:
             raise ValueError(
                 f"loss='mse' expects targets of the output's shape {tuple(outputs.shape)}, got {tuple(targets.shape)}")
@@ -104,7 +104,7 @@ def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:
     return eye.unsqueeze(1).expand(d, n, d).reshape((d,) + tuple(f.shape)).contiguous()
 
 
-def backprop_vectors(loss: LossType, kind: "Kind", outputs: Tensor, targets: Optional[Tensor],
+def backprop_vectors(loss: LossType, kind: Kind, outputs: Tensor, targets: Optional[Tensor],
                      mc_samples: int = 1, generator: Optional[torch.Generator] = None) -> Tensor:
     """The output-space vectors ``v[k, n]`` (shape ``[K, N, *out]``) for a Fisher-type kind.
 
@@ -112,8 +112,6 @@ def backprop_vectors(loss: LossType, kind: "Kind", outputs: Tensor, targets: Opt
     * ``fisher_mc``: ``∇_f ℓ(f_n, ỹ_s) / √S`` for ``S = mc_samples`` labels ``ỹ`` sampled from the model.
     * ``empirical_fisher``: ``∇_f ℓ(f_n, y_n)`` with the given targets (K = 1).
     """
-    from .options import Kind
-
     if kind is Kind.FISHER:
         return sqrt_output_hessian(loss, outputs)
     if kind is Kind.FISHER_MC:

@@ -131,7 +131,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     result = train(args)
-    if args.json is not None:
+    if args.json is not None and process_rank() == 0:  # one writer under mpiexec/torchrun
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")

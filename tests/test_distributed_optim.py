@@ -18,7 +18,6 @@ and ``mpiexec -n 2`` (skipped when mpi4py or mpiexec is missing). Checks:
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from torchsso2.distributed import LocalCommunicator  # noqa: E402
 from torchsso2.distributed.assignment import grad_worker_count  # noqa: E402
 from torchsso2.optim.grid import SampleGrid  # noqa: E402
 from torchsso2.optim.placement import parse_grad_worker_fraction  # noqa: E402
+from dist_utils import mpiexec_path
 
 DEADLINE_S = 150.0
 FAIL_BOUND_S = 45.0  # the surviving rank must have failed within this (gloo timeout: 30 s)
@@ -70,9 +70,7 @@ def _spawn(world_size: int, out_dir: Path) -> Dict[str, Any]:
                 failure=torch.load(out_dir / "fail_rank0.pt"))
 
 
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
+_mpiexec = mpiexec_path
 
 
 @pytest.fixture(scope="module")

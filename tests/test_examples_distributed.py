@@ -5,20 +5,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import mpiexec_path
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("sklearn", reason="the examples need scikit-learn")
 
 
 def _mpiexec() -> str:
-    found = shutil.which("mpiexec") or str(Path(sys.executable).with_name("mpiexec"))
-    if not Path(found).exists():
+    found = mpiexec_path()
+    if found is None:
         pytest.skip("mpiexec not found (pip install mpich)")
     pytest.importorskip("mpi4py")
     return found

@@ -13,7 +13,6 @@ bucketing, spread factors, cadence) on 2 ranks, and four configurations on 4 ran
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import kfac_dist_common as common  # noqa: E402
 import kfac_torch_worker  # noqa: E402
+from dist_utils import mpiexec_path
 
 DEADLINE_S = 150.0
 # float64 everywhere; the only differences come from the order of the factor sums
@@ -55,9 +55,7 @@ def _spawn(world_size: int, out_dir: Path) -> List[Dict[str, Any]]:
     return [torch.load(out_dir / f"torch_rank{r}.pt") for r in range(world_size)]
 
 
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
+_mpiexec = mpiexec_path
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Union
 
-import torch
 from torch import Tensor
 
 from curvature.blocks import Block

@@ -40,7 +40,6 @@ from curvature.options import LossType
 
 from .base import Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
-from .steps import all_finite
 from .validation import check_int, check_number
 
 
