@@ -11,6 +11,21 @@ from .result import Curvature
 from .selection import ApproxSpec, SkipSpec
 
 
+def _check_inputs_match_model(model: nn.Module, args: Tuple[Tensor, ...]) -> None:
+    """Floating inputs must be on the model's device and (outside autocast) in its dtype."""
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is None:
+        return
+    for i, x in enumerate(args):
+        if x.device != param.device:
+            raise ValueError(f"inputs[{i}] is on {x.device} but the model's parameters are on {param.device}; "
+                             "move them to the same device")
+        if (x.is_floating_point() and x.dtype != param.dtype
+                and not torch.is_autocast_enabled(param.device.type)):
+            raise ValueError(f"inputs[{i}] has dtype {x.dtype} but the model's parameters are {param.dtype}; "
+                             f"cast the inputs (x.to({param.dtype})) or run under torch.autocast")
+
+
 def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets: Tensor, *,
             loss: str = "cross_entropy", kind: str = "fisher", approx: ApproxSpec = "full",
             mc_samples: int = 1, generator: Optional[torch.Generator] = None,
@@ -36,6 +51,7 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if not all(isinstance(x, Tensor) for x in args):
         raise TypeError("inputs must be a Tensor or a tuple of Tensors")
+    _check_inputs_match_model(model, args)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     with torch.enable_grad(), engine.capture() as cap:

@@ -226,3 +226,26 @@ def test_grad_scaler_unscales_and_skips_on_overflow(face):
 def test_grad_scaler_type_is_checked():
     with pytest.raises(TypeError, match="GradScaler"):
         SecondOrderOptimizer(_mlp(), grad_scaler=object())
+
+
+def test_kfac_preconditioner_under_autocast_bfloat16():
+    """The drop-in under torch.autocast(bfloat16): factors in float32 (or wider), a finite
+    preconditioned gradient within bf16 error of the float32 one."""
+    from torchsso2.kfac import KFACPreconditioner
+
+    x, y = _data(32, dtype=torch.float32)
+    grads = []
+    for amp in (False, True):
+        model = _mlp(torch.float32)
+        pre = KFACPreconditioner(model, damping=1e-2, kl_clip=None)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        pre.step()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        layers = pre.layers.values() if isinstance(pre.layers, dict) else pre.layers
+        for layer in layers:
+            assert layer.a_factor.dtype in (torch.float32, torch.float64)
+            assert layer.g_factor.dtype in (torch.float32, torch.float64)
+    assert torch.isfinite(grads[1]).all()
+    assert (grads[1] - grads[0]).norm() < 0.05 * grads[0].norm()

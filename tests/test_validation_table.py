@@ -45,12 +45,14 @@ def test_row(face, arg, value, error, text):
     with pytest.raises(exc) as info:
         if face == "compute":
             kwargs = {"kind": "fisher", "approx": "full"}
-            targets = y
+            targets, inputs = y, x
             if arg == "targets":
                 targets = bad
+            elif arg == "inputs":
+                inputs = bad
             else:
                 kwargs[arg] = bad
-            curvature.compute(_model(), x, targets, **kwargs)
+            curvature.compute(_model(), inputs, targets, **kwargs)
         else:
             cls = {"SecondOrderOptimizer": SecondOrderOptimizer, "VIOptimizer": VIOptimizer,
                    "KFACPreconditioner": KFACPreconditioner}[face]

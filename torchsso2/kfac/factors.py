@@ -57,7 +57,9 @@ def kfac_pytorch_factors(family: LayerFamily, module: nn.Module, inputs: Tuple[T
         inputs: the module's forward inputs (``inputs[0]`` is the layer input).
         grad_output: ``∂loss/∂output``, shape of the module output ``[N, ...]``.
         names: covered parameter names (``("weight",)`` or ``("weight", "bias")``).
-        factor_dtype: dtype of the factor computation (``None``: the tensors' own dtype).
+        factor_dtype: dtype of the factor computation (``None``: the tensors' own dtype, but at
+            least float32 — under ``torch.autocast`` with bfloat16/float16 activations the
+            factors are still accumulated in float32; kfac_pytorch would keep them in half).
         grad_scale: AMP loss scale; ``grad_output`` is divided by it first.
 
     Returns:
@@ -65,8 +67,10 @@ def kfac_pytorch_factors(family: LayerFamily, module: nn.Module, inputs: Tuple[T
         gradient's dtype).
     """
     x = inputs[0]
+    if factor_dtype is None and grad_output.dtype in (torch.float16, torch.bfloat16):
+        factor_dtype = torch.float32
     if factor_dtype is not None:
-        x = x.to(factor_dtype)
+        x = x.to(factor_dtype) if x.is_floating_point() else x
         grad_output = grad_output.to(factor_dtype)
     if grad_scale is not None:
         grad_output = grad_output / grad_scale
