@@ -95,3 +95,222 @@ def cifar_resnet(num_classes: int = 10, width: int = 16, depths: Sequence[int] =
 
 def imagenet_resnet(num_classes: int = 1000, width: int = 64, depths: Sequence[int] = (2, 2, 2, 2)) -> ResNet:
     return ResNet(depths, width, num_classes, "imagenet")
+
+
+# --------------------------------------------------------------------------------------------
+# training driver shared by examples/cifar10_resnet.py and examples/imagenet_resnet.py
+# --------------------------------------------------------------------------------------------
+import argparse  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Optional, Tuple  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset  # noqa: E402
+
+STRATEGIES = {"comm-opt": "COMM_OPT", "mem-opt": "MEM_OPT", "hybrid-opt": "HYBRID_OPT"}
+
+
+def grad_worker_fraction(text: str):
+    """``comm-opt | mem-opt | hybrid-opt`` -> :class:`DistributedStrategy`, else a float in [0, 1]."""
+    from torchsso2.kfac import DistributedStrategy
+
+    key = text.strip().lower().replace("_", "-")
+    if key in STRATEGIES:
+        return DistributedStrategy[STRATEGIES[key]]
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comm-opt, mem-opt, hybrid-opt or a float in [0, 1], got {text!r}")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"grad worker fraction must be in [0, 1], got {value}")
+    return value
+
+
+def build_parser(description: str, image_size: int, num_classes: int, width: int, batch_size: int,
+                 lr: float) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--synthetic", action="store_true", help="random tensors of the dataset's shape (no download)")
+    data.add_argument("--data-dir", type=str, help="directory of the real dataset")
+    p.add_argument("--image-size", type=int, default=image_size, help="synthetic image side (pixels)")
+    p.add_argument("--num-classes", type=int, default=num_classes, help="number of classes (synthetic data)")
+    p.add_argument("--synthetic-samples", type=int, default=0,
+                   help="synthetic training samples (0: steps-per-epoch × batch-size × world size, or 1024)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--steps-per-epoch", type=int, default=0, help="cap on steps per epoch (0: a full pass)")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="per-process batch size")
+    p.add_argument("--width", type=int, default=width, help="channels of the first ResNet stage")
+    p.add_argument("--depths", type=str, default="2,2,2,2", help="blocks per stage (2,2,2,2 = ResNet-18)")
+    p.add_argument("--lr", type=float, default=lr, help="SGD learning rate (also the K-FAC KL-clip lr)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--no-kfac", action="store_true", help="plain SGD, no K-FAC preconditioner")
+    p.add_argument("--kfac-factor-update-steps", type=int, default=10)
+    p.add_argument("--kfac-inv-update-steps", type=int, default=100)
+    p.add_argument("--kfac-damping", type=float, default=0.003)
+    p.add_argument("--kfac-factor-decay", type=float, default=0.95)
+    p.add_argument("--kfac-kl-clip", type=float, default=0.001)
+    p.add_argument("--kfac-grad-worker-fraction", type=grad_worker_fraction, default="comm-opt",
+                   help="comm-opt, mem-opt, hybrid-opt or a float in [0, 1] (0: 1/world size)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave the default)")
+    p.add_argument("--cpu", action="store_true", help="do not use CUDA even if available")
+    return p
+
+
+class Dist:
+    """How this process was launched: ``mode`` is ``local``, ``torch`` (torchrun) or ``mpi`` (mpiexec)."""
+
+    def __init__(self, cpu: bool) -> None:
+        from torchsso2.distributed import get_communicator
+
+        use_cuda = torch.cuda.is_available() and not cpu
+        self.mode = "local"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            import torch.distributed as dist
+
+            if use_cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if use_cuda else "gloo")
+            self.mode = "torch"
+            self.comm = get_communicator("torch")
+        else:
+            self.comm = get_communicator("auto")  # MPI under mpiexec -n >1, else a no-op local one
+            if self.comm.world_size > 1:
+                self.mode = "mpi"
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        if use_cuda:
+            local = int(os.environ.get("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", self.rank)))
+            self.device = torch.device("cuda", local % torch.cuda.device_count())
+        else:
+            self.device = torch.device("cpu")
+
+    def print(self, *args: object) -> None:
+        if self.rank == 0:
+            print(*args, flush=True)
+
+    def sum(self, values: Tuple[float, ...]) -> Tuple[float, ...]:
+        t = torch.tensor(values, dtype=torch.float64)
+        self.comm.allreduce([t], op="sum")
+        return tuple(t.tolist())
+
+    def close(self) -> None:
+        if self.mode == "torch":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def synthetic_datasets(n_train: int, n_test: int, image_size: int, num_classes: int, seed: int
+                       ) -> Tuple[Dataset, Dataset]:
+    """Gaussian images plus a per-class pattern (so the task is learnable); identical on every rank."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    patterns = torch.randn(num_classes, 3, image_size, image_size, generator=g)
+
+    def make(n: int) -> TensorDataset:
+        y = torch.randint(num_classes, (n,), generator=g)
+        x = torch.randn(n, 3, image_size, image_size, generator=g) + 0.5 * patterns[y]
+        return TensorDataset(x, y)
+
+    return make(n_train), make(n_test)
+
+
+def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Dataset, Dataset, int]]) -> None:
+    """Train ``ResNet(stem)`` with SGD (+ K-FAC) for ``args.epochs`` epochs, printing from rank 0."""
+    from torchsso2.kfac import KFACPreconditioner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = Dist(args.cpu)
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    world, rank = env.world_size, env.rank
+
+    if args.synthetic:
+        n_train = args.synthetic_samples or (args.steps_per_epoch * args.batch_size * world if args.steps_per_epoch
+                                             else 1024)
+        n_test = max(2 * args.batch_size * world, 64)
+        train_set, test_set = synthetic_datasets(n_train, n_test, args.image_size, args.num_classes, args.seed)
+        num_classes = args.num_classes
+    else:
+        try:
+            train_set, test_set, num_classes = load_real(args.data_dir)
+        except (RuntimeError, FileNotFoundError) as exc:
+            raise SystemExit(f"error: {exc}")
+
+    depths = tuple(int(d) for d in args.depths.split(","))
+    model = ResNet(depths, args.width, num_classes, stem).to(env.device)
+    if env.mode == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    preconditioner: Optional[KFACPreconditioner] = None
+    if not args.no_kfac:
+        preconditioner = KFACPreconditioner(
+            model, factor_update_steps=args.kfac_factor_update_steps, inv_update_steps=args.kfac_inv_update_steps,
+            damping=args.kfac_damping, factor_decay=args.kfac_factor_decay, kl_clip=args.kfac_kl_clip,
+            lr=args.lr, grad_worker_fraction=args.kfac_grad_worker_fraction, communicator=env.comm)
+
+    train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
+                                       drop_last=True)
+    test_sampler = DistributedSampler(test_set, num_replicas=world, rank=rank, shuffle=False, drop_last=False)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler, drop_last=True,
+                              num_workers=args.workers)
+    test_loader = DataLoader(test_set, batch_size=args.batch_size, sampler=test_sampler, num_workers=args.workers)
+    if len(train_loader) == 0:
+        raise SystemExit(f"error: {len(train_set)} training samples are fewer than one batch of "
+                         f"{args.batch_size} per process × {world} processes")
+    loss_fn = torch.nn.CrossEntropyLoss()
+    kfac = "off" if preconditioner is None else f"on ({preconditioner.distributed_strategy.name})"
+    env.print(f"ResNet-{stem} width={args.width} depths={depths} classes={num_classes} | "
+              f"{world} process(es) [{env.mode}] on {env.device} | batch {args.batch_size}/process | K-FAC {kfac}")
+
+    test_acc = 0.0
+    for epoch in range(1, args.epochs + 1):
+        train_sampler.set_epoch(epoch)
+        model.train()
+        step_times, loss_sum, correct, count = [], 0.0, 0.0, 0.0
+        for step, (x, y) in enumerate(train_loader):
+            if args.steps_per_epoch and step >= args.steps_per_epoch:
+                break
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+            if env.mode == "mpi":  # no DDP: average the gradients ourselves
+                env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
+            if preconditioner is not None:
+                preconditioner.step()
+            optimizer.step()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            step_times.append(time.perf_counter() - start)
+            loss_sum += float(loss.detach()) * len(y)
+            correct += float((out.argmax(1) == y).sum())
+            count += len(y)
+        loss_sum, correct, count = env.sum((loss_sum, correct, count))
+
+        model.eval()
+        t_loss, t_correct, t_count = 0.0, 0.0, 0.0
+        with torch.no_grad():
+            for x, y in test_loader:
+                x, y = x.to(env.device), y.to(env.device)
+                out = model(x)
+                t_loss += float(loss_fn(out, y)) * len(y)
+                t_correct += float((out.argmax(1) == y).sum())
+                t_count += len(y)
+        t_loss, t_correct, t_count = env.sum((t_loss, t_correct, t_count))
+        test_acc = 100.0 * t_correct / max(t_count, 1)
+        env.print(f"epoch {epoch}/{args.epochs}: train loss {loss_sum / max(count, 1):.4f} "
+                  f"acc {100.0 * correct / max(count, 1):.2f}% | test loss {t_loss / max(t_count, 1):.4f} "
+                  f"acc {test_acc:.2f}% | step time median {statistics.median(step_times) * 1e3:.1f} ms "
+                  f"min {min(step_times) * 1e3:.1f} ms ({len(step_times)} steps)")
+    env.print(f"final test accuracy: {test_acc:.2f}%")
+    env.close()

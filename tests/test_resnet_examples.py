@@ -1,0 +1,88 @@
+"""CPU smoke runs of the ResNet K-FAC examples: one process each, and 2 ranks under torchrun and mpiexec."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_utils import mpiexec_path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--synthetic", "--image-size", "16", "--num-classes", "4", "--width", "4", "--epochs", "1",
+         "--steps-per-epoch", "2", "--batch-size", "8"]
+SCRIPTS = ["examples/cifar10_resnet.py", "examples/imagenet_resnet.py"]
+
+
+def _launch(prefix, script, *args, timeout=120.0) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([*prefix, str(ROOT / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{prefix} {script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _check(out: str, world: int) -> None:
+    lines = out.strip().splitlines()
+    assert lines and lines[-1].startswith("final test accuracy:"), out
+    assert out.count("final test accuracy") == 1, out  # only rank 0 prints
+    assert out.count("epoch 1/1:") == 1 and "step time" in out, out
+    assert f"{world} process(es)" in out, out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_single_process(script):
+    _check(_launch([sys.executable], script, *SMALL), world=1)
+
+
+def test_no_kfac_and_help():
+    out = _launch([sys.executable], SCRIPTS[0], *SMALL, "--no-kfac")
+    _check(out, world=1)
+    assert "K-FAC off" in out
+    assert "--kfac-grad-worker-fraction" in _launch([sys.executable], SCRIPTS[1], "--help")
+
+
+def test_imagenet_data_dir_needs_torchvision(tmp_path):
+    try:
+        import torchvision  # noqa: F401
+        pytest.skip("torchvision is installed: the ImageFolder loader is used")
+    except ImportError:
+        pass
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / SCRIPTS[1]), "--data-dir", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "torchvision" in proc.stderr
+
+
+def test_cifar_pickle_loader(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for name in ("data_batch_1", "data_batch_2", "test_batch"):
+        with open(tmp_path / name, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (32, 3072), dtype=np.uint8),
+                         b"labels": rng.integers(0, 10, 32).tolist()}, f)
+    out = _launch([sys.executable], SCRIPTS[0], "--data-dir", str(tmp_path), "--width", "4", "--epochs", "1",
+                  "--steps-per-epoch", "2", "--batch-size", "8")
+    _check(out, world=1)
+    assert "classes=10" in out
+
+
+def test_torchrun_two_ranks():
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = _launch(prefix, SCRIPTS[0], *SMALL, "--kfac-grad-worker-fraction", "mem-opt")
+    _check(out, world=2)
+    assert "[torch]" in out and "MEM_OPT" in out
+
+
+def test_mpiexec_two_ranks():
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    pytest.importorskip("mpi4py")
+    out = _launch([mpiexec, "-n", "2", sys.executable], SCRIPTS[1], *SMALL, "--kfac-grad-worker-fraction", "comm-opt")
+    _check(out, world=2)
+    assert "[mpi]" in out and "COMM_OPT" in out
