@@ -249,3 +249,17 @@ def test_kfac_preconditioner_under_autocast_bfloat16():
             assert layer.g_factor.dtype in (torch.float32, torch.float64)
     assert torch.isfinite(grads[1]).all()
     assert (grads[1] - grads[0]).norm() < 0.05 * grads[0].norm()
+
+
+def test_a_streak_of_skipped_steps_is_reported_as_an_error(caplog):
+    x, y = _data(16, dtype=torch.float32)
+    model = _mlp(torch.float32)
+    opt = SecondOrderOptimizer(model, lr=0.1, curvature="fisher", approx="diag", damping=1e-2)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with caplog.at_level("WARNING", logger="torchsso2.optim.base"):
+        for _ in range(10):
+            opt.step(_closure(opt, model, bad, y))
+    assert opt.num_skipped == 10
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "10 consecutive steps" in errors[0].getMessage()

@@ -217,7 +217,14 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if self.on_nonfinite == "raise":
             raise NonFiniteError(f"non-finite {what} at step {self.num_steps}; the optimizer state is unchanged")
         self.num_skipped += 1
+        run = getattr(self, "_skip_run", (None, 0))
+        streak = run[1] + 1 if run[0] == self.num_steps - 1 else 1
+        self._skip_run = (self.num_steps, streak)
         logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
+        if streak in (10, 100, 1000):
+            logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
+                         "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
+                         "VIOptimizer), lower lr, or restore a checkpoint.", streak)
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
