@@ -12,6 +12,7 @@ default in recent PyTorch, so that a timed-out collective aborts the process.)
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from datetime import timedelta
@@ -49,6 +50,17 @@ def init_from_env(timeout: float) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     logger.info("initializing torch.distributed (%s, env://, timeout %.0f s)", backend, timeout)
     dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    # we created the group, so we also tear it down: a gloo group still alive at interpreter
+    # shutdown can abort the process ("terminate called without an active exception")
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            logger.debug("destroy_process_group at exit failed", exc_info=True)
 
 
 class TorchCommunicator(BucketedCommunicator):
