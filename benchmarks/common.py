@@ -78,6 +78,29 @@ def time_call(fn: Callable[[], object], device: Optional[torch.device] = None, r
     return times
 
 
+def time_training_steps(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, window: int,
+                        repeats: int, step: Optional[Callable[[Any, Callable[[], Any]], Any]] = None
+                        ) -> List[float]:
+    """Mean seconds per training step over ``window`` consecutive steps, ``repeats`` times (3 warm-up steps).
+
+    A step is ``step(opt, closure)`` with the examples' cross-entropy closure; the default
+    (:func:`examples.common.optimizer_step`) calls ``opt.step(closure)`` for torchsso2
+    optimizers and ``closure(); opt.step()`` for the others.
+    """
+    from examples.common import make_closure, optimizer_step
+
+    closure = make_closure(opt, model, x, y)
+    one_step = step if step is not None else optimizer_step
+
+    def run_window() -> None:
+        for _ in range(window):
+            one_step(opt, closure)
+
+    for _ in range(3):
+        one_step(opt, closure)
+    return [t / window for t in time_call(run_window, None, repeats, warmup=0)]
+
+
 def summarize(times: Sequence[float]) -> Dict[str, Any]:
     """``{"min_s", "median_s", "times_s"}`` of a list of timings."""
     return {"min_s": min(times), "median_s": statistics.median(times), "times_s": list(times)}

@@ -22,7 +22,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 

@@ -92,18 +92,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 Stepper = Callable[[Tensor, Tensor], float]
 
 
-def _closure(opt: Any, model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], Any]:
-    loss_fn = nn.CrossEntropyLoss()
-
-    def closure() -> Any:
-        opt.zero_grad()
-        out = model(x)
-        loss = loss_fn(out, y)
-        loss.backward()
-        return loss, out
-    return closure
-
-
 def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Optional[Stepper]:
     """A step function for optimizer ``name``, or None when its peer library is missing."""
     s = dict(SETTINGS[name])
@@ -134,6 +122,7 @@ def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Option
             return float(loss.detach())
         return step
     if name.startswith("sso-") or name.startswith("vi-"):
+        from examples.common import make_closure
         from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
         if name.startswith("sso-"):
@@ -143,7 +132,7 @@ def make_stepper(name: str, model: nn.Module, n_train: int, seed: int) -> Option
             opt = VIOptimizer(model, dataset_size=round(n_train * scale), curvature="fisher_mc", seed=seed, **s)
 
         def step(x: Tensor, y: Tensor) -> float:
-            loss, _ = opt.step(_closure(opt, model, x, y))
+            loss, _ = opt.step(make_closure(opt, model, x, y))
             return float(loss.detach())
         return step
     if name in ("kaisa", "kfac_pytorch"):

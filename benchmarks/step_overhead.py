@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import (fmt_ratio, load_average, machine_info, markdown_table, summarize,  # noqa: E402
-                               time_call, try_import, write_json)
+                               time_training_steps, try_import, write_json)
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
 logger = logging.getLogger("benchmarks.step_overhead")
@@ -201,36 +201,6 @@ def build_optimizer(spec: OptSpec, model: nn.Module, kfac_mod: Any, lr: float = 
                                 curv_update_interval=spec.curv, inv_update_interval=spec.inv, seed=0)
 
 
-def time_steps(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, window: int, repeats: int
-               ) -> List[float]:
-    """Mean seconds per training step over ``window`` consecutive steps, ``repeats`` times (3 warm-up steps)."""
-    loss_fn = nn.CrossEntropyLoss()
-
-    def closure() -> Tuple[torch.Tensor, torch.Tensor]:
-        opt.zero_grad()
-        out = model(x)
-        loss = loss_fn(out, y)
-        loss.backward()
-        return loss, out
-
-    native = isinstance(opt, SecondOrderOptimizer)
-
-    def one_step() -> None:
-        if native:
-            opt.step(closure)
-        else:
-            closure()
-            opt.step()
-
-    def run_window() -> None:
-        for _ in range(window):
-            one_step()
-
-    for _ in range(3):
-        one_step()
-    return [t / window for t in time_call(run_window, None, repeats, warmup=0)]
-
-
 def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str]) -> Tuple[List[Dict[str, Any]], Dict[str, str]]:
     rows: List[Dict[str, Any]] = []
     skipped: Dict[str, str] = {}
@@ -265,7 +235,7 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
                     opt = build_optimizer(spec, model, kfac_mod)
                 window = spec.window if args.mode != "quick" else min(spec.window, 100)
                 logger.info("timing %s (window %d steps x %d)", key, window, args.repeats)
-                times = time_steps(model, opt, x, y, window, args.repeats)
+                times = time_training_steps(model, opt, x, y, window, args.repeats)
                 nskip = getattr(opt, "num_skipped", 0)
                 s = summarize(times)
                 if spec.name in ("sgd", "adam"):

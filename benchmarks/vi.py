@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import (fmt_ratio, load_average, machine_info, markdown_table, summarize,  # noqa: E402
-                               time_call, try_import, write_json)
+                               time_training_steps, try_import, write_json)
 from benchmarks.step_overhead import mlp  # noqa: E402
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
@@ -66,36 +66,11 @@ def _timing_specs(ivon_mod: Any) -> List[Tuple[str, int, Any]]:
     return specs
 
 
-def time_vi_steps(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, window: int, repeats: int
-                  ) -> List[float]:
-    """Mean seconds per training step over ``window`` steps, ``repeats`` times, after 3 warm-up steps."""
-    loss_fn = nn.CrossEntropyLoss()
-
-    def closure() -> Tuple[torch.Tensor, torch.Tensor]:
-        opt.zero_grad()
-        out = model(x)
-        loss = loss_fn(out, y)
-        loss.backward()
-        return loss, out
-
-    def one_step() -> None:
-        if isinstance(opt, VIOptimizer):
-            opt.step(closure)
-        elif type(opt).__name__ == "IVON":
-            with opt.sampled_params(train=True):
-                closure()
-            opt.step()
-        else:
-            closure()
-            opt.step()
-
-    def run_window() -> None:
-        for _ in range(window):
-            one_step()
-
-    for _ in range(3):
-        one_step()
-    return [t / window for t in time_call(run_window, None, repeats, warmup=0)]
+def _ivon_step(opt: Any, closure: Any) -> None:
+    """IVON evaluates the loss at sampled weights, then steps."""
+    with opt.sampled_params(train=True):
+        closure()
+    opt.step()
 
 
 def run_timing(args: argparse.Namespace, ivon_mod: Any) -> List[Dict[str, Any]]:
@@ -114,7 +89,8 @@ def run_timing(args: argparse.Namespace, ivon_mod: Any) -> List[Dict[str, Any]]:
                 model = build()
                 opt = make(model)
                 window = min(window, 20) if args.quick else window
-                s = summarize(time_vi_steps(model, opt, x, y, window, args.repeats))
+                s = summarize(time_training_steps(model, opt, x, y, window, args.repeats,
+                                                  step=_ivon_step if name == "ivon" else None))
                 if name in ("sgd", "adam"):
                     base[name] = (s["min_s"], s["median_s"])
                 row = {"model": mname, "batch": batch, "optimizer": name, "window_steps": window, **s,
