@@ -14,6 +14,7 @@ from torchsso2.distributed.assignment import (
     WorkAssignment,
     compute_cost,
     memory_cost,
+    parse_enum,
 )
 from torchsso2.distributed.communicator import BucketedCommunicator, Communicator, Group, ReduceOp
 from torchsso2.distributed.local import LocalCommunicator
@@ -37,4 +38,5 @@ __all__ = [
     "get_communicator",
     "install_abort_on_exception",
     "memory_cost",
+    "parse_enum",
 ]

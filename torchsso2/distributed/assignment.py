@@ -32,6 +32,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from enum import Enum
+from typing import Type, TypeVar, Union
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_enum(value: Union[E, str], enum: Type[E], arg: str) -> E:
+    """``value`` as a member of ``enum``; a string is a case-insensitive member name.
+
+    Raises:
+        ValueError: unknown name (the message names the value and the choices).
+        TypeError: neither a member nor a string.
+    """
+    if isinstance(value, enum):
+        return value
+    choices = ", ".join(m.name for m in enum)
+    if isinstance(value, str):
+        try:
+            return enum[value.strip().upper()]
+        except KeyError:
+            raise ValueError(f"{arg}={value!r} is not valid; expected one of {choices} "
+                             f"(an {enum.__name__} or its name)") from None
+    raise TypeError(f"{arg} must be an {enum.__name__} or a string, got {type(value).__name__} {value!r}")
 
 
 class AssignmentStrategy(Enum):

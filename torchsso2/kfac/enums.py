@@ -8,9 +8,7 @@ member names: ``"eigen"``, ``"compute"``, ...).
 from __future__ import annotations
 
 from enum import Enum
-from typing import Type, TypeVar, Union
-
-from torchsso2.distributed import AssignmentStrategy, DistributedStrategy
+from torchsso2.distributed import AssignmentStrategy, DistributedStrategy, parse_enum
 
 __all__ = ["AssignmentStrategy", "ComputeMethod", "DistributedStrategy", "parse_enum"]
 
@@ -25,25 +23,3 @@ class ComputeMethod(Enum):
 
     EIGEN = 1
     INVERSE = 2
-
-
-E = TypeVar("E", bound=Enum)
-
-
-def parse_enum(value: Union[E, str], enum: Type[E], arg: str) -> E:
-    """``value`` as a member of ``enum``; a string is a case-insensitive member name.
-
-    Raises:
-        ValueError: unknown name (the message names the value and the choices).
-        TypeError: neither a member nor a string.
-    """
-    if isinstance(value, enum):
-        return value
-    choices = ", ".join(m.name for m in enum)
-    if isinstance(value, str):
-        try:
-            return enum[value.strip().upper()]
-        except KeyError:
-            raise ValueError(f"{arg}={value!r} is not valid; expected one of {choices} "
-                             f"(an {enum.__name__} or its name)") from None
-    raise TypeError(f"{arg} must be an {enum.__name__} or a string, got {type(value).__name__} {value!r}")

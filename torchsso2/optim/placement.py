@@ -36,7 +36,7 @@ from torch import Tensor
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.linalg import LinalgError
 
-from ..distributed import AssignmentStrategy, DistributedStrategy, Group, WorkAssignment
+from ..distributed import AssignmentStrategy, DistributedStrategy, Group, WorkAssignment, parse_enum
 from ..distributed.assignment import grad_worker_count
 from .steps import precondition as local_precondition
 
@@ -46,27 +46,15 @@ Compute = Callable[[str, Block, Ranks], List[Tensor]]
 #: like(name, block, receivers) -> empty tensors of the same shapes/dtypes as compute's
 Like = Callable[[str, Block, Ranks], List[Tensor]]
 
-_STRATEGIES = {"compute": AssignmentStrategy.COMPUTE, "memory": AssignmentStrategy.MEMORY}
-_FRACTIONS = {"comm_opt": DistributedStrategy.COMM_OPT, "mem_opt": DistributedStrategy.MEM_OPT,
-              "hybrid_opt": DistributedStrategy.HYBRID_OPT}
-
-
 def parse_assignment_strategy(value: Union[str, AssignmentStrategy]) -> AssignmentStrategy:
     """``AssignmentStrategy`` or ``"compute"`` / ``"memory"`` (case-insensitive)."""
-    if isinstance(value, AssignmentStrategy):
-        return value
-    if isinstance(value, str) and value.lower() in _STRATEGIES:
-        return _STRATEGIES[value.lower()]
-    raise ValueError(f"assignment_strategy={value!r}; expected AssignmentStrategy.COMPUTE / MEMORY "
-                     "or 'compute' / 'memory'")
+    return parse_enum(value, AssignmentStrategy, "assignment_strategy")
 
 
 def parse_grad_worker_fraction(value: Union[float, str, DistributedStrategy]) -> Union[float, DistributedStrategy]:
     """A float in ``(0, 1]``, a ``DistributedStrategy`` or ``"comm_opt" | "mem_opt" | "hybrid_opt"``."""
-    if isinstance(value, DistributedStrategy):
-        return value
-    if isinstance(value, str) and value.lower() in _FRACTIONS:
-        return _FRACTIONS[value.lower()]
+    if isinstance(value, (DistributedStrategy, str)):
+        return parse_enum(value, DistributedStrategy, "grad_worker_fraction")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"grad_worker_fraction={value!r}; expected a float in (0, 1], a DistributedStrategy "
                          "or one of 'comm_opt', 'mem_opt', 'hybrid_opt'")
