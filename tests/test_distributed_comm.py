@@ -7,8 +7,6 @@ it with the same computation done locally on every rank's inputs.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -39,11 +37,11 @@ from torchsso2.distributed.mpi_backend import mpi_launch_size
 from torchsso2.distributed.torch_backend import torchrun_world_size
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(SCRIPTS))
 
 import comm_checks as cc  # noqa: E402
 import torch_worker  # noqa: E402
+from dist_utils import mpi_env, mpiexec_path  # noqa: E402
 
 JOB_DEADLINE_S = 120.0
 
@@ -91,27 +89,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _mpiexec() -> str | None:
-    """mpiexec next to this python (``pip install mpich`` puts it there), else on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    return shutil.which("mpiexec")
-
-
 def _mpi_missing_reason() -> str | None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
         return "mpi4py is not installed (pip install torchsso2[mpi] or pip install mpich mpi4py)"
-    if _mpiexec() is None:
+    if mpiexec_path() is None:
         return "mpiexec not found next to python or on PATH (pip install mpich)"
     return None
 
 
 def _run_mpi(world_size: int, mode: str, out_dir: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [_mpiexec(), "-n", str(world_size), sys.executable, str(SCRIPTS / "mpi_worker.py"), mode, str(out_dir)]
+    env = mpi_env()
+    cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, str(SCRIPTS / "mpi_worker.py"), mode, str(out_dir)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 

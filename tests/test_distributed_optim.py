@@ -17,7 +17,6 @@ and ``mpiexec -n 2`` (skipped when mpi4py or mpiexec is missing). Checks:
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -29,7 +28,6 @@ import pytest
 import torch
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(SCRIPTS))
 
 import optim_common as common  # noqa: E402
@@ -39,7 +37,7 @@ from torchsso2.distributed import LocalCommunicator  # noqa: E402
 from torchsso2.distributed.assignment import grad_worker_count  # noqa: E402
 from torchsso2.optim.grid import SampleGrid  # noqa: E402
 from torchsso2.optim.placement import parse_grad_worker_fraction  # noqa: E402
-from dist_utils import mpiexec_path
+from dist_utils import mpi_env, require_mpiexec, run_gloo_ranks  # noqa: E402
 
 DEADLINE_S = 150.0
 FAIL_BOUND_S = 45.0  # the surviving rank must have failed within this (gloo timeout: 30 s)
@@ -47,21 +45,7 @@ RTOL = 1e-9  # float64; the only differences come from the order of the sums
 
 
 def _spawn(world_size: int, out_dir: Path) -> Dict[str, Any]:
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "optim_torch_worker"])
-    init = out_dir / "init"
-    procs = [ctx.Process(target=optim_torch_worker.main, args=(r, world_size, str(init), str(out_dir)), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    codes = run_gloo_ranks(optim_torch_worker, world_size, out_dir, DEADLINE_S)
     # rank 1 dies by the injected exception (exit code 1) after saving its results
     expected = [0] * world_size
     expected[1] = 1
@@ -70,7 +54,6 @@ def _spawn(world_size: int, out_dir: Path) -> Dict[str, Any]:
                 failure=torch.load(out_dir / "fail_rank0.pt"))
 
 
-_mpiexec = mpiexec_path
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +68,10 @@ def torch4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mpi2(tmp_path_factory):
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        pytest.skip("mpi4py is not installed (pip install mpich mpi4py)")
-    if _mpiexec() is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
+    mpiexec = require_mpiexec()
     out = tmp_path_factory.mktemp("optim_mpi2")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [_mpiexec(), "-n", "2", sys.executable, str(SCRIPTS / "optim_mpi_worker.py"), str(out), "fail"]
+    env = mpi_env()
+    cmd = [mpiexec, "-n", "2", sys.executable, str(SCRIPTS / "optim_mpi_worker.py"), str(out), "fail"]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     elapsed = time.monotonic() - start

@@ -10,18 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import mpiexec_path
+from dist_utils import require_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("sklearn", reason="the examples need scikit-learn")
 
 
-def _mpiexec() -> str:
-    found = mpiexec_path()
-    if found is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
-    pytest.importorskip("mpi4py")
-    return found
 
 
 def _launch(prefix, script, *args, timeout=180.0):
@@ -39,7 +33,7 @@ def _final_accuracy(out: str) -> float:
 
 
 LAUNCHERS = {
-    "mpiexec": lambda: [_mpiexec(), "-n", "2", sys.executable],
+    "mpiexec": lambda: [require_mpiexec(), "-n", "2", sys.executable],
     "torchrun": lambda: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
 }
 

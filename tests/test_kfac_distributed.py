@@ -12,10 +12,8 @@ bucketing, spread factors, cadence) on 2 ranks, and four configurations on 4 ran
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -23,12 +21,11 @@ import pytest
 import torch
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(SCRIPTS))
 
 import kfac_dist_common as common  # noqa: E402
 import kfac_torch_worker  # noqa: E402
-from dist_utils import mpiexec_path
+from dist_utils import mpi_env, require_mpiexec, run_gloo_ranks  # noqa: E402
 
 DEADLINE_S = 150.0
 # float64 everywhere; the only differences come from the order of the factor sums
@@ -36,26 +33,11 @@ RTOL = 1e-9
 
 
 def _spawn(world_size: int, out_dir: Path) -> List[Dict[str, Any]]:
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "kfac_torch_worker"])
-    init = out_dir / "init"
-    procs = [ctx.Process(target=kfac_torch_worker.main, args=(r, world_size, str(init), str(out_dir)), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    codes = run_gloo_ranks(kfac_torch_worker, world_size, out_dir, DEADLINE_S)
     assert codes == [0] * world_size, f"gloo ranks exited with {codes} (None: killed after {DEADLINE_S} s)"
     return [torch.load(out_dir / f"torch_rank{r}.pt") for r in range(world_size)]
 
 
-_mpiexec = mpiexec_path
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +52,10 @@ def torch4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mpi2(tmp_path_factory):
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        pytest.skip("mpi4py is not installed (pip install mpich mpi4py)")
-    if _mpiexec() is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
+    mpiexec = require_mpiexec()
     out = tmp_path_factory.mktemp("kfac_mpi2")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [_mpiexec(), "-n", "2", sys.executable, str(SCRIPTS / "kfac_mpi_worker.py"), str(out)]
+    env = mpi_env()
+    cmd = [mpiexec, "-n", "2", sys.executable, str(SCRIPTS / "kfac_mpi_worker.py"), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return [torch.load(out / f"mpi_rank{r}.pt") for r in range(2)]

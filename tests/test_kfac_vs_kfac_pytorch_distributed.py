@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_utils import run_gloo_ranks
 
 pytest.importorskip("kfac.preconditioner", reason="kfac_pytorch is not installed (opt-in comparison)")
 
@@ -20,17 +20,7 @@ def _spawn(world_size: int, out_dir: Path) -> list:
     sys.path.insert(0, str(SCRIPTS))
     import kfac_vs_kfacpt_worker as worker
 
-    ctx = mp.get_context("spawn")
-    init = out_dir / "init"
-    procs = [ctx.Process(target=worker.main, args=(r, world_size, str(init), str(out_dir))) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    codes = run_gloo_ranks(worker, world_size, out_dir, 240.0)
     assert codes == [0] * world_size, f"ranks exited with {codes}"
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import mpiexec_path
+from dist_utils import require_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--synthetic", "--image-size", "16", "--num-classes", "4", "--width", "4", "--epochs", "1",
@@ -79,10 +79,7 @@ def test_torchrun_two_ranks():
 
 
 def test_mpiexec_two_ranks():
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
-    pytest.importorskip("mpi4py")
+    mpiexec = require_mpiexec()
     out = _launch([mpiexec, "-n", "2", sys.executable], SCRIPTS[1], *SMALL, "--kfac-grad-worker-fraction", "comm-opt")
     _check(out, world=2)
     assert "[mpi]" in out and "COMM_OPT" in out
