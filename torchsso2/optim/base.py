@@ -39,8 +39,10 @@ class NonFiniteError(FloatingPointError):
     """Raised under ``on_nonfinite="raise"`` when a gradient, a curvature statistic or a decomposition is not finite."""
 
 
-class _MicroBatchAccumulator:
-    """Batch-size-weighted average of the fresh blocks of several forwards in one closure."""
+class BlockAverage:
+    """Weighted average of fresh blocks: the micro-batches of one closure (weights = batch sizes)
+    or the MC weight samples of one VI step (equal weights). ``nonfinite`` marks a batch whose
+    output was not finite; :meth:`result` then returns ``{}`` (the step applies the policy)."""
 
     def __init__(self) -> None:
         self.blocks: Optional[Dict[str, Block]] = None
@@ -58,6 +60,8 @@ class _MicroBatchAccumulator:
         self.count = total
 
     def result(self) -> Dict[str, Block]:
+        if self.nonfinite:
+            return {}
         assert self.blocks is not None
         return self.blocks
 
@@ -106,6 +110,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # [end issue #7]
         self.num_steps = 0
         self.num_skipped = 0
+        self._skip_run: Tuple[int, int] = (-2, 0)  # (step of the last skip, consecutive skips up to it)
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -121,7 +126,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             return loss, output, None
         engine = self.engine
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
-        acc = _MicroBatchAccumulator()
+        acc = BlockAverage()
 
         def on_output(out: Tensor) -> None:
             # called after every forward of the model inside the closure: a closure may run
@@ -145,9 +150,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 n = cap.outputs[0].shape[0]
                 scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
                 acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
-        if acc.nonfinite:
-            return loss, output, {}  # {} marks a non-finite batch: the step applies the policy
-        if acc.blocks is None:
+        if acc.blocks is None and not acc.nonfinite:
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
         return loss, output, acc.result()
 
@@ -217,8 +220,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if self.on_nonfinite == "raise":
             raise NonFiniteError(f"non-finite {what} at step {self.num_steps}; the optimizer state is unchanged")
         self.num_skipped += 1
-        run = getattr(self, "_skip_run", (None, 0))
-        streak = run[1] + 1 if run[0] == self.num_steps - 1 else 1
+        last, streak = self._skip_run
+        streak = streak + 1 if last == self.num_steps - 1 else 1
         self._skip_run = (self.num_steps, streak)
         logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
         if streak in (10, 100, 1000):

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from curvature.options import LossType
 
-from .base import Closure, CurvatureOptimizer
+from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
 from .validation import check_int, check_number
 
@@ -249,15 +249,17 @@ class VIOptimizer(CurvatureOptimizer):
         estimate = self.num_steps % self.curv_update_interval == 0
         trainable = [p for g in self.param_groups for p in g["params"]]
         grad_sum: Dict[int, Tensor] = {}
-        fresh_all = []
+        curvature = BlockAverage() if estimate else None
         losses = []
         output = None
         for noise in self._step_noise():
             with self._perturbed(noise):
                 loss, output, fresh = self._run_closure(closure, targets, estimate)
             losses.append(loss.detach())
-            if fresh is not None:
-                fresh_all.append(fresh)
+            if curvature is not None:  # {} marks a sample whose output was not finite
+                curvature.nonfinite |= not fresh
+                if fresh:
+                    curvature.add(fresh, 1)
             for p in trainable:
                 if p.grad is not None:
                     g = p.grad.detach()
@@ -269,7 +271,7 @@ class VIOptimizer(CurvatureOptimizer):
             self.num_steps += 1
             return torch.stack(losses).mean(), output
         grads = [p.grad for p in params]
-        fresh = self._average_blocks(fresh_all)
+        fresh = curvature.result() if curvature is not None else None
         mean_loss = torch.stack(losses).mean()
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
@@ -285,23 +287,6 @@ class VIOptimizer(CurvatureOptimizer):
         self._update_mean(params, grads)
         self.num_steps += 1
         return mean_loss, output
-
-    @staticmethod
-    def _average_blocks(fresh_all: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        if not fresh_all:
-            return None
-        if any(not f for f in fresh_all):
-            return {}  # some sample's output was not finite ({} marks it): the step applies the non-finite policy
-        first = fresh_all[0]
-        for other in fresh_all[1:]:
-            for name, blk in first.items():
-                for a, b in zip(blk.tensors(), other[name].tensors()):
-                    a.add_(b)
-        if len(fresh_all) > 1:
-            for blk in first.values():
-                for t in blk.tensors():
-                    t.div_(len(fresh_all))
-        return first
 
     @torch.no_grad()
     def _update_mean(self, params: List[nn.Parameter], grads: List[Tensor]) -> None:
