@@ -20,13 +20,13 @@ from torch import Tensor, nn
 
 from curvature import CurvatureEngine, RunningCurvature
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
+from curvature.blocks.base import all_finite
 from curvature.linalg import LinalgError, get_backend
 from curvature.options import Kind
 
 from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
-from .steps import all_finite
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from curvature.blocks.base import all_finite
+
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
-from .steps import add_weight_decay, all_finite, kl_clip_factor, momentum_
+from .steps import add_weight_decay, kl_clip_factor, momentum_
 from .validation import check_int, check_number
 
 logger = logging.getLogger(__name__)
@@ -144,8 +146,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _apply_update(self, params: List[nn.Parameter]) -> bool:
         """Apply the update; False (nothing changed) when the preconditioned update is not finite."""
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        decayed = {id(p): d for p, d in zip(params, [
-            add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params])}
+        decayed = {id(p): add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params}
         covered = {n: b for n, b in self.running.blocks.items()
                    if all(id(q) in decayed for q in b.layout.params)}
         direction = self._precondition(covered, decayed)
@@ -158,12 +159,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             return False
         for p, u in zip(params, updates):
             group = group_of[id(p)]
-            state = self.state[p]
-            buf = [state.get("momentum_buffer")]
-            (step_dir,) = momentum_(buf, [u], group["momentum"])
-            if group["momentum"] != 0.0:
-                state["momentum_buffer"] = buf[0]
-            p.add_(step_dir, alpha=-group["lr"])
+            p.add_(momentum_(self.state[p], u, group["momentum"]), alpha=-group["lr"])
         return True
 
     # ---- adaptive damping -----------------------------------------------------------------------
@@ -177,14 +173,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
             g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
             quad = 0.0
-            seen = set()
             for blk in self.running.blocks.values():
                 ps = blk.layout.params
                 if not all(id(q) in deltas for q in ps):
                     continue
                 cv = blk.mvp([deltas[id(q)] for q in ps])
                 quad += sum(float((c * deltas[id(q)]).sum()) for c, q in zip(cv, ps))
-                seen.update(id(q) for q in ps)
             lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
             sq = sum(float(d.pow(2).sum()) for d in deltas.values())
             predicted = lin + 0.5 * (quad + self.damping * sq)

@@ -6,12 +6,11 @@ except where the name ends in ``_``.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 from torch import Tensor
 
 from curvature.blocks import Block
-from curvature.blocks.base import all_finite as curvature_all_finite
 
 
 def add_weight_decay(grads: Sequence[Tensor], params: Sequence[Tensor], weight_decay: float) -> List[Tensor]:
@@ -49,21 +48,14 @@ def kl_clip_factor(updates: Sequence[Tensor], grads: Sequence[Tensor], lr: Union
     return min(1.0, math.sqrt(kl_clip / vg))
 
 
-def momentum_(buffers: List[Optional[Tensor]], updates: Sequence[Tensor], momentum: float) -> List[Tensor]:
-    """``buf ← momentum·buf + u`` (buffers created on first use); returns the buffers."""
-    res = []
-    for i, u in enumerate(updates):
-        if momentum == 0.0:
-            res.append(u)
-            continue
-        if buffers[i] is None:
-            buffers[i] = u.detach().clone()
-        else:
-            buffers[i].mul_(momentum).add_(u)
-        res.append(buffers[i])
-    return res
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """True when every element of every tensor is finite (one reduction + one sync)."""
-    return curvature_all_finite(tensors)
+def momentum_(state: Dict[str, Any], update: Tensor, momentum: float) -> Tensor:
+    """``buf ← momentum·buf + u`` in ``state["momentum_buffer"]`` (a copy of ``u`` on first use);
+    returns the buffer, or ``u`` itself when ``momentum`` is 0 (no buffer is kept)."""
+    if momentum == 0.0:
+        return update
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = update.detach().clone()
+    else:
+        buf.mul_(momentum).add_(update)
+    return buf

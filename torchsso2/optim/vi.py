@@ -40,6 +40,7 @@ from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
+from .steps import momentum_
 from .validation import check_int, check_number
 
 
@@ -293,18 +294,7 @@ class VIOptimizer(CurvatureOptimizer):
         n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         raw = {id(p): n * g + tau_delta * p.detach() for p, g in zip(params, grads)}
-        bufs: Dict[int, Tensor] = {}
-        for p in params:
-            mom = group_of[id(p)]["momentum"]
-            state = self.state[p]
-            if mom != 0.0:
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = raw[id(p)].clone()
-                else:
-                    state["momentum_buffer"].mul_(mom).add_(raw[id(p)])
-                bufs[id(p)] = state["momentum_buffer"]
-            else:
-                bufs[id(p)] = raw[id(p)]
+        bufs = {id(p): momentum_(self.state[p], raw[id(p)], group_of[id(p)]["momentum"]) for p in params}
         covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
         direction = self._precondition(covered, bufs)
         in_block = {id(q) for b in covered.values() for q in b.layout.params}
