@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
@@ -98,7 +98,3 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
 def covered_parameters(layouts: Mapping[str, Layout]) -> List[nn.Parameter]:
     """Covered parameters in ``named_parameters`` order."""
     return [p for lay in layouts.values() for p in lay.params]
-
-
-def iter_blocks_in_order(layouts: Mapping[str, Layout]) -> Iterable[str]:
-    return iter(layouts)

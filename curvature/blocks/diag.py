@@ -19,12 +19,6 @@ class DiagBlock(Block):
         super().__init__(layout)
         self.diagonal = diagonal.to(compute_dtype(diagonal.dtype))
 
-    @classmethod
-    def from_per_example(cls, layout: Layout, grads: Tensor, n: int) -> "DiagBlock":
-        """``grads [K, N, P]`` -> ``(1/N) Σ_{k,n} g²``."""
-        g = grads.to(compute_dtype(grads.dtype))
-        return cls(layout, g.pow(2).sum(dim=(0, 1)) / n)
-
     def tensors(self) -> List[Tensor]:
         return [self.diagonal]
 

@@ -20,12 +20,6 @@ class FullBlock(Block):
         super().__init__(layout)
         self.matrix = matrix.to(compute_dtype(matrix.dtype))
 
-    @classmethod
-    def from_per_example(cls, layout: Layout, grads: Tensor, n: int) -> "FullBlock":
-        """``grads [K, N, P]`` -> ``(1/N) Σ_{k,n} g gᵀ``."""
-        g = grads.reshape(-1, grads.shape[-1]).to(compute_dtype(grads.dtype))
-        return cls(layout, g.t() @ g / n)
-
     def tensors(self) -> List[Tensor]:
         return [self.matrix]
 

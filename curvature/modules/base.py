@@ -97,7 +97,3 @@ def sum_outer(x: Tensor) -> Tensor:
 def ones_column(a: Tensor) -> Tensor:
     """Append a column of ones on the last dim: ``[..., d] -> [..., d + 1]`` (bias as an input)."""
     return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
-
-
-def maybe_none(x: Optional[Tensor]) -> bool:
-    return x is None
