@@ -121,6 +121,20 @@ def report(name: str, config: Dict[str, Any], results: List[Dict[str, Any]],
             "results": results, "skipped": skipped, **extra}
 
 
+def with_skips(table: str, rep: Dict[str, Any]) -> str:
+    """``table`` followed by one ``skipped NAME: WHY`` paragraph per skipped peer/config of the report."""
+    for name, why in rep["skipped"].items():
+        table += f"\n\nskipped {name}: {why}"
+    return table
+
+
+def print_and_save(rep: Dict[str, Any], format_table: Callable[[Dict[str, Any]], str], path: Optional[Path]) -> int:
+    """The tail of every peer benchmark's ``main``: print the table, write the JSON; exit code 0."""
+    print(format_table(rep))
+    save(path, rep)
+    return 0
+
+
 def save(path: Optional[Path], data: Dict[str, Any]) -> None:
     """:func:`benchmarks.common.write_json` when ``path`` is given, and say so."""
     if path is not None:

@@ -201,9 +201,7 @@ def format_table(rep: Dict[str, Any]) -> str:
         rows.append(row)
     out = f"model {rep['config']['model']}, batch {rep['config']['batch']}, {rep['config']['steps']} steps, " \
           f"device {rep['config']['device']}\n\n" + pu.markdown_table(hdr, rows, "l" + "r" * (len(hdr) - 1))
-    for name, why in rep["skipped"].items():
-        out += f"\n\nskipped {name}: {why}"
-    return out
+    return pu.with_skips(out, rep)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -211,10 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    rep = run(args)
-    print(format_table(rep))
-    pu.save(args.json, rep)
-    return 0
+    return pu.print_and_save(run(args), format_table, args.json)
 
 
 if __name__ == "__main__":

@@ -470,20 +470,14 @@ def format_table(rep: Dict[str, Any]) -> str:
                      pu.fmt(1e3 * r["peer_min_s"], ".2f") if "peer_min_s" in r else "",
                      pu.fmt(r.get("ratio_min"), ".2f") if "ratio_min" in r else "",
                      pu.fmt(r.get("ratio_median"), ".2f") if "ratio_median" in r else ""])
-    out = pu.markdown_table(hdr, rows, "llrllllrrrr")
-    for name, why in rep["skipped"].items():
-        out += f"\n\nskipped {name}: {why}"
-    return out
+    return pu.with_skips(pu.markdown_table(hdr, rows, "llrllllrrrr"), rep)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    rep = run(args)
-    print(format_table(rep))
-    pu.save(args.json, rep)
-    return 0
+    return pu.print_and_save(run(args), format_table, args.json)
 
 
 if __name__ == "__main__":

@@ -249,20 +249,14 @@ def format_table(rep: Dict[str, Any]) -> str:
     rows = [[r["model"], r["optimizer"], f"{r['reached']}/{r['seeds']}", pu.fmt(r["median_time_to_target_s"], ".2f"),
              pu.fmt(r["median_epochs_to_target"], ".0f"), pu.fmt(r["median_best_accuracy"], ".3f"),
              pu.fmt(r["median_steps_per_s"], ".0f")] for r in rep["results"]]
-    out = pu.markdown_table(hdr, rows, "llrrrrr")
-    for name, why in rep["skipped"].items():
-        out += f"\n\nskipped {name}: {why}"
-    return out
+    return pu.with_skips(pu.markdown_table(hdr, rows, "llrrrrr"), rep)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    rep = run(args)
-    print(format_table(rep))
-    pu.save(args.json, rep)
-    return 0
+    return pu.print_and_save(run(args), format_table, args.json)
 
 
 if __name__ == "__main__":
