@@ -13,7 +13,9 @@ from __future__ import annotations
 import copy
 import io
 import math
+import sys
 import warnings
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
@@ -24,23 +26,13 @@ from torch import Tensor, nn
 from torchsso2.kfac import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACPreconditioner
 from torchsso2.distributed import LocalCommunicator
 
+sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
+from kfac_dist_common import ConvNet  # noqa: E402  (the same ConvNet the distributed tests train)
+
 DT = torch.float64
 
 
 # ---------------------------------------------------------------------------- models & data
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(2, 3, 3, padding=1)
-        self.conv2 = nn.Conv2d(3, 4, 3, stride=2, bias=False)
-        self.fc = nn.Linear(16, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = torch.relu(self.conv1(x))
-        x = torch.tanh(self.conv2(x))
-        return self.fc(x.flatten(1))
-
-
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
