@@ -78,6 +78,14 @@ def time_call(fn: Callable[[], object], device: Optional[torch.device] = None, r
     return times
 
 
+def machine_line(report: Dict[str, Any]) -> str:
+    """One line naming the machine and the load averages before/after a run (``report["machine"]``,
+    ``report["config"]["load_average_before" / "_after"]``)."""
+    m, c = report["machine"], report["config"]
+    return (f"machine: {m['cpu']} ({m['cores']} cores, torch threads {m['torch_threads']}), torch {m['torch']}; "
+            f"load average before/after: {c['load_average_before']} / {c['load_average_after']}")
+
+
 def time_training_steps(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, window: int,
                         repeats: int, step: Optional[Callable[[Any, Callable[[], Any]], Any]] = None
                         ) -> List[float]:

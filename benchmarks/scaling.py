@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from examples.common import make_closure  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, markdown_table, write_json  # noqa: E402
@@ -112,12 +112,7 @@ def measure(comm: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
                 y_all = torch.randint(0, 10, (args.global_batch,), generator=gen)
                 x, y = x_all[rank * local:(rank + 1) * local], y_all[rank * local:(rank + 1) * local]
 
-                def closure():
-                    opt.zero_grad()
-                    out = model(x)
-                    loss = F.cross_entropy(out, y)
-                    loss.backward()
-                    return loss, out
+                closure = make_closure(opt, model, x, y)
 
                 times = []
                 for step in range(args.warmup + args.steps):

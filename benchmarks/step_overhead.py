@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import (fmt_ratio, load_average, machine_info, markdown_table, summarize,  # noqa: E402
+from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
                                time_training_steps, try_import, write_json)
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
@@ -332,10 +332,7 @@ def save_plot(conv: Dict[str, Any], path: Path, title: str) -> Path:
 # report
 # ------------------------------------------------------------------------------------------------
 def format_tables(report: Dict[str, Any]) -> str:
-    m = report["machine"]
-    out = [f"machine: {m['cpu']} ({m['cores']} cores, torch threads {m['torch_threads']}), torch {m['torch']}; "
-           f"load average before/after: {report['config']['load_average_before']} / "
-           f"{report['config']['load_average_after']}", ""]
+    out = [machine_line(report), ""]
     rows = []
     for r in report["timing"]:
         rows.append([r["model"], r["batch"], r["optimizer"], f"{1e3 * r['min_s']:.2f}", f"{1e3 * r['median_s']:.2f}",

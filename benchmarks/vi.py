@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import (fmt_ratio, load_average, machine_info, markdown_table, summarize,  # noqa: E402
+from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
                                time_training_steps, try_import, write_json)
 from benchmarks.step_overhead import mlp  # noqa: E402
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
@@ -165,10 +165,7 @@ def run_quality(args: argparse.Namespace, ivon_mod: Any) -> Dict[str, Any]:
 
 
 def format_tables(report: Dict[str, Any]) -> str:
-    m = report["machine"]
-    lines = [f"machine: {m['cpu']} ({m['cores']} cores, torch threads {m['torch_threads']}), torch {m['torch']}; "
-             f"load average before/after: {report['config']['load_average_before']} / "
-             f"{report['config']['load_average_after']}", ""]
+    lines = [machine_line(report), ""]
     if report["timing"]:
         lines.append("Step time (ms per training step; min / median over repeated windows; x Adam = min/min in the "
                      "same run; VI: 1 MC sample; 'c/i' = curvature / decomposition intervals, default 1/1)")
