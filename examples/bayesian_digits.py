@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from torchsso2.distributed import shutdown  # noqa: E402
 from examples.common import (process_rank, world_size, DEFAULT_LR, Digits, add_common_args, fit, load_digits_data,  # noqa: E402
                              make_model, make_optimizer, num_batches, predict_probs, progress_bar, setup_run)
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     run(parse_args(argv))
+    shutdown()  # under torchrun: every rank finishes before the process group goes
     return 0
 
 

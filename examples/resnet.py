@@ -199,10 +199,9 @@ class Dist:
         return tuple(t.tolist())
 
     def close(self) -> None:
-        if self.mode == "torch":
-            import torch.distributed as dist
+        from torchsso2.distributed import shutdown
 
-            dist.destroy_process_group()
+        shutdown()
 
 
 def synthetic_datasets(n_train: int, n_test: int, image_size: int, num_classes: int, seed: int

@@ -43,6 +43,7 @@ from typing import Any, Dict, Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchsso2.distributed import shutdown  # noqa: E402
 from examples.common import (DEFAULT_HIDDEN, DEFAULT_LR, MLP_HIDDEN, OPTIMIZERS, SSO_SETTINGS,  # noqa: E402
                              EpochRecord, add_common_args, fit, load_digits_data, make_model,
                              make_optimizer, num_batches, process_rank, progress_bar, setup_run, world_size)
@@ -135,6 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
+    shutdown()  # under torchrun: every rank finishes before the process group goes
     return 0
 
 

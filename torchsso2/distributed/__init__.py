@@ -20,7 +20,7 @@ from torchsso2.distributed.communicator import BucketedCommunicator, Communicato
 from torchsso2.distributed.local import LocalCommunicator
 from torchsso2.distributed.mpi_backend import MPICommunicator, install_abort_on_exception
 from torchsso2.distributed.select import Backend, get_communicator
-from torchsso2.distributed.torch_backend import TorchCommunicator
+from torchsso2.distributed.torch_backend import TorchCommunicator, shutdown
 
 __all__ = [
     "AssignmentStrategy",
@@ -38,5 +38,6 @@ __all__ = [
     "get_communicator",
     "install_abort_on_exception",
     "memory_cost",
+    "shutdown",
     "parse_enum",
 ]

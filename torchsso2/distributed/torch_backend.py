@@ -55,6 +55,19 @@ def init_from_env(timeout: float) -> None:
     atexit.register(_destroy_process_group)
 
 
+def shutdown() -> None:
+    """End a ``torch.distributed`` run normally: wait for every rank, then destroy the default group.
+
+    Call it at the end of a script run by ``torchrun``. Without the barrier a fast rank can tear
+    its gloo connections down while a slower one is still finishing its last collective, which
+    aborts the slower process at exit ("terminate called without an active exception"). A no-op
+    when torch.distributed is not initialized (single process, or MPI).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
