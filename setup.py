@@ -14,7 +14,8 @@ setup(
         "plot": ["matplotlib"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
         "test": ["pytest", "hypothesis", "scikit-learn", "tqdm", "matplotlib", "mpich", "mpi4py"],
+        # ASDL is published as `asdfghjkl` (imported as `asdl`); PyPI's `asdl` is an unrelated grammar parser
         "bench": ["scikit-learn", "tqdm", "matplotlib", "backpack-for-pytorch",
-                  "curvlinops-for-pytorch", "ivon-opt", "laplace-torch"],
+                  "curvlinops-for-pytorch", "ivon-opt", "laplace-torch", "asdfghjkl"],
     },
 )

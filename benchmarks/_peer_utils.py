@@ -29,6 +29,8 @@ PEERS: Dict[str, tuple] = {
     "laplace": ("laplace", "laplace-torch"),
     "ivon": ("ivon", "ivon-opt"),
     "kfac_pytorch": ("kfac.preconditioner", "git+https://github.com/gpauloski/kfac-pytorch"),
+    # ASDL's distribution is `asdfghjkl` (the PyPI package `asdl` is an unrelated grammar parser)
+    "asdl": ("asdl", "asdfghjkl"),
 }
 
 #: set by tests (``BENCH_DISABLE_PEERS=all`` or a comma list) to exercise the skip paths
@@ -62,7 +64,7 @@ def peer_versions() -> Dict[str, Optional[str]]:
     from importlib import metadata
 
     dists = {"backpack": "backpack-for-pytorch", "curvlinops": "curvlinops-for-pytorch",
-             "laplace": "laplace-torch", "ivon": "ivon-opt", "kfac_pytorch": "kfac-pytorch"}
+             "laplace": "laplace-torch", "ivon": "ivon-opt", "kfac_pytorch": "kfac-pytorch", "asdl": "asdfghjkl"}
     out: Dict[str, Optional[str]] = {}
     for name, dist in dists.items():
         try:

@@ -1,5 +1,5 @@
 """Curvature from torchsso2's engine vs the peers users would pick instead (BackPACK,
-curvlinops, laplace-torch), on the same model and batch: do the numbers agree, and who is faster?
+curvlinops, laplace-torch, ASDL), on the same model and batch: do the numbers agree, and who is faster?
 
 Examples::
 
@@ -34,6 +34,27 @@ curvature of the MEAN loss) and how each peer's output is mapped onto our conven
   ``GGNLinearOperator`` / ``HessianLinearOperator`` with ``block_sizes`` = our per-layer
   blocks, densified by multiplying with the identity.
 
+ASDL (``import asdl``; on PyPI as ``asdfghjkl`` — the PyPI package named ``asdl`` is an
+unrelated CPython grammar parser, and is treated as "not installed") computes every quantity
+above with ``asdl.get_fisher_maker(model, asdl.FisherConfig(fisher_type, fisher_shapes,
+loss_type="cross_entropy", data_size=N))``, ``setup_model_call`` / ``setup_loss_call`` and
+``forward_and_backward()``; results land on each module (``module.fisher.diag.weight/.bias``,
+``module.fisher.kron.A/.B``, ``module.fisher.data``). ASDL always backpropagates the SUM loss
+and multiplies its covariances by ``1/data_size``; with ``data_size=N`` that is exactly the
+mean-loss quantity, so nothing is rescaled. Per quantity: ``diag_ggn`` = ``FISHER_EXACT`` +
+``SHAPE_DIAG``; ``diag_ggn_mc`` / ``kfac_mc`` = ``FISHER_MC`` (1 sample; reported like the other
+MC rows, as each estimator's error to the exact value); ``ef_diag`` / ``kfac_ef`` =
+``FISHER_EMP``; ``kfac_exact`` = ``FISHER_EXACT`` + ``SHAPE_KRON``: ASDL's A has no bias
+row/column (its bias block is B alone, our ``G·A[-1,-1]`` with ``A[-1,-1] = 1``), so A is compared
+with our ``A[:-1, :-1]`` and B with our G directly (same normalisation, Conv2d included: A =
+(1/(N·T)) Σ ããᵀ, B = (1/N) Σ ggᵀ); the weight–bias cross terms of our A have no ASDL counterpart;
+``full_ggn`` = ``SHAPE_LAYER_WISE`` (per-layer blocks: compared with our blocks directly);
+``full_hessian`` = ``asdl.HessianMaker`` with ``SHAPE_LAYER_WISE`` (mean loss, one
+double-backward per parameter). Not comparable: ASDL's Conv2d ``SHAPE_DIAG`` switches, to
+save memory, to Σ_{n,t} g²a² (dropping the cross-position terms: not the exact diagonal) when
+``T·(c_out + c_in·k²) < c_out·c_in·k²``; such layers' weight entries are left out of the diagonal
+rows (the method column says which; none of the models here is in that regime).
+
 Time ratio = peer time / torchsso2 time for the same quantity (> 1: torchsso2 is faster),
 from the min and the median over the timed calls (one warm-up, then as many calls as fit
 in ``--budget`` seconds, 3 to 30; dense P×P computations: one timed call). Everything runs
@@ -55,6 +76,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import curvature  # noqa: E402
@@ -97,7 +119,7 @@ QUANTITIES = ("diag_ggn", "diag_ggn_mc", "ef_diag", "kfac_exact", "kfac_mc", "kf
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers_curvature",
                                 description="Compare curvature values and timings with BackPACK, "
-                                "curvlinops and laplace-torch.")
+                                "curvlinops, laplace-torch and ASDL.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"models {' '.join(QUICK_MODELS)}, batch 32, short timing budget")
     mode.add_argument("--full", action="store_true", help=f"models {' '.join(FULL_MODELS)}, batch 128 (the default)")
@@ -188,6 +210,80 @@ def _dense(op: Any, n: int) -> Tensor:
     return op @ torch.eye(n)
 
 
+def _asdl_peer() -> Optional[Any]:
+    """ASDL, or None when it is missing/disabled or ``import asdl`` finds PyPI's unrelated ``asdl`` parser."""
+    mod = pu.peer("asdl")
+    return mod if mod is not None and hasattr(mod, "get_fisher_maker") else None
+
+
+def _asdl_fisher(asdl: Any, model: nn.Module, x: Tensor, y: Tensor, fisher_type: str, shape: str,
+                 seed: Optional[int] = None) -> Dict[str, nn.Module]:
+    """One ASDL ``forward_and_backward`` (``data_size = N``: mean-loss normalisation); the named
+    modules of ``model``, which now carry the result in ``.fisher``."""
+    cfg = asdl.FisherConfig(fisher_type=fisher_type, fisher_shapes=[shape], loss_type=asdl.LOSS_CROSS_ENTROPY,
+                            data_size=x.shape[0], seed=seed, n_mc_samples=1)
+    maker = asdl.get_fisher_maker(model, cfg)
+    maker.setup_loss_call(F.cross_entropy, maker.setup_model_call(model, x), y)
+    maker.forward_and_backward()
+    return dict(model.named_modules())
+
+
+def _asdl_hessian(asdl: Any, model: nn.Module, x: Tensor, y: Tensor) -> Dict[str, nn.Module]:
+    """ASDL's per-layer Hessian blocks of the mean loss (in each module's ``.hessian``)."""
+    maker = asdl.HessianMaker(model, asdl.HessianConfig(hessian_shapes=[asdl.SHAPE_LAYER_WISE]))
+    maker.setup_loss_call(F.cross_entropy, maker.setup_model_call(model, x), y)
+    maker.forward_and_backward()
+    return dict(model.named_modules())
+
+
+def _asdl_flat_diag(mods: Dict[str, nn.Module], layers: Sequence[str]) -> Tensor:
+    """ASDL's diagonal in our order: per layer, weight then bias."""
+    return torch.cat([torch.cat([mods[l].fisher.diag.weight.flatten(), mods[l].fisher.diag.bias.flatten()])
+                      for l in layers])
+
+
+def _asdl_diag_keep(model: nn.Module, layers: Sequence[str], positions: Dict[str, int]) -> Tuple[Tensor, List[str]]:
+    """(mask over the flat diagonal, layers left out): the weight entries of the Conv2d layers for which
+    ASDL's ``SHAPE_DIAG`` takes its Σ_{n,t} g²a² shortcut (``T·(c_out + c_in·k²) < weight.numel()``)."""
+    mods = dict(model.named_modules())
+    keep, inexact = [], []
+    for l in layers:
+        w, b = mods[l].weight, mods[l].bias
+        shortcut = isinstance(mods[l], nn.Conv2d) and positions[l] * (w.shape[0] + w[0].numel()) < w.numel()
+        if shortcut:
+            inexact.append(l)
+        keep.append(torch.full((w.numel(),), not shortcut))
+        if b is not None:
+            keep.append(torch.ones(b.numel(), dtype=torch.bool))
+    return torch.cat(keep), inexact
+
+
+def _asdl_method(base: str, inexact: Sequence[str]) -> str:
+    return base + (f" (Conv2d weights of {', '.join(inexact)} left out: ASDL shortcut)" if inexact else "")
+
+
+def _asdl_kron(asdl: Any, model: nn.Module, x: Tensor, y: Tensor, fisher_type: str, layers: Sequence[str],
+               seed: Optional[int] = None) -> Dict[str, Tuple[Tensor, Tensor]]:
+    """ASDL's Kronecker factors ``{layer: (A, B)}`` (A without the bias row/column)."""
+    mods = _asdl_fisher(asdl, model, x, y, fisher_type, asdl.SHAPE_KRON, seed)
+    return {l: (mods[l].fisher.kron.A, mods[l].fisher.kron.B) for l in layers}
+
+
+def _asdl_kron_diff(c: curvature.Curvature, kron: Dict[str, Tuple[Tensor, Tensor]]) -> float:
+    """Max rel diff of ASDL's (A, B) vs our (A without its bias row/column, G), over layers."""
+    return max(max(pu.max_rel_diff(c.blocks[l].A[:-1, :-1], a), pu.max_rel_diff(c.blocks[l].G, b))
+               for l, (a, b) in kron.items())
+
+
+def _asdl_blocks(asdl: Any, model: nn.Module, x: Tensor, y: Tensor, kind: str, layers: Sequence[str]) -> Tensor:
+    """ASDL's per-layer blocks (exact GGN, or Hessian for ``kind="hessian"``) as one block-diagonal matrix."""
+    if kind == "hessian":
+        mods = _asdl_hessian(asdl, model, x, y)
+        return torch.block_diag(*[mods[l].hessian.data for l in layers])
+    mods = _asdl_fisher(asdl, model, x, y, asdl.FISHER_EXACT, asdl.SHAPE_LAYER_WISE)
+    return torch.block_diag(*[mods[l].fisher.data for l in layers])
+
+
 # ---------------------------------------------------------------------------------------------
 # the comparisons
 # ---------------------------------------------------------------------------------------------
@@ -228,10 +324,12 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
     layers = _layers(model)
     positions = _positions(model, x)
     small = n_params <= args.dense_max_params
-    bp, cl, la = pu.peer("backpack"), pu.peer("curvlinops"), pu.peer("laplace")
-    for pname, mod in (("backpack", bp), ("curvlinops", cl), ("laplace", la)):
+    bp, cl, la, asd = pu.peer("backpack"), pu.peer("curvlinops"), pu.peer("laplace"), _asdl_peer()
+    for pname, mod in (("backpack", bp), ("curvlinops", cl), ("laplace", la), ("asdl", asd)):
         if mod is None:
             skipped[pname] = pu.skip_message(pname)
+    ma = copy.deepcopy(model) if asd is not None else None  # ASDL stores its results on the modules
+    keep, inexact = _asdl_diag_keep(model, layers, positions)
     rows: List[Row] = []
     rep = args.budget
     q = set(args.quantities)
@@ -281,12 +379,20 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 v, t = _timed(la_diag, rep)
                 add("diag_ggn", "laplace", "BackPackGGN.diag / N", ours_t, t, max_rel_diff=pu.max_rel_diff(exact_diag, v))
                 ran = True
+            if asd is not None:
+                v, t = _timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_EXACT, asd.SHAPE_DIAG),
+                                                      layers), rep)
+                add("diag_ggn", "asdl", _asdl_method("FISHER_EXACT, SHAPE_DIAG", inexact), ours_t, t,
+                    max_rel_diff=pu.max_rel_diff(exact_diag[keep], v[keep]))
+                ran = True
             if not ran:
                 add("diag_ggn", "—", "(no peer importable)", ours_t, None)
     # ---- diagonal GGN, Monte Carlo ----
     if "diag_ggn_mc" in q:
         c, ours_t = _timed(lambda: _ours(model, x, y, "fisher_mc", "diag", args.seed), rep)
-        ours_err = _rel_fro(_flat_diag(c), exact_diag)
+        ours_mc = _flat_diag(c)
+        ours_err = _rel_fro(ours_mc, exact_diag)
+        ran = False
         if bp is not None:
             def bp_mc() -> Tensor:
                 _backpack_run(bp, mb, lossf, x, y, bp.extensions.DiagGGNMC(mc_samples=1))
@@ -294,7 +400,14 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             v, t = _timed(bp_mc, rep)
             add("diag_ggn_mc", "backpack", "DiagGGNMC(1)", ours_t, t, mc_err_ours=ours_err,
                 mc_err_peer=_rel_fro(v, exact_diag))
-        else:
+            ran = True
+        if asd is not None:
+            v, t = _timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_MC, asd.SHAPE_DIAG, args.seed),
+                                                  layers), rep)
+            add("diag_ggn_mc", "asdl", _asdl_method("FISHER_MC(1), SHAPE_DIAG", inexact), ours_t, t,
+                mc_err_ours=_rel_fro(ours_mc[keep], exact_diag[keep]), mc_err_peer=_rel_fro(v[keep], exact_diag[keep]))
+            ran = True
+        if not ran:
             add("diag_ggn_mc", "—", "(no peer importable)", ours_t, None, mc_err_ours=ours_err)
     # ---- empirical Fisher diagonal ----
     if "ef_diag" in q:
@@ -312,7 +425,12 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 return torch.cat([p.sum_grad_squared.flatten() for p in _bp_params(mb)]) * n
             v, t = _timed(bp_sgs, rep)
             add("ef_diag", "backpack", "SumGradSquared: N·sgs", ours_t, t, max_rel_diff=pu.max_rel_diff(ef, v))
-        else:
+        if asd is not None:
+            v, t = _timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_EMP, asd.SHAPE_DIAG), layers),
+                          rep)
+            add("ef_diag", "asdl", _asdl_method("FISHER_EMP, SHAPE_DIAG", inexact), ours_t, t,
+                max_rel_diff=pu.max_rel_diff(ef[keep], v[keep]))
+        if bp is None and asd is None:
             add("ef_diag", "—", "(no peer importable)", ours_t, None)
     # ---- K-FAC, exact GGN ----
     exact_k = None
@@ -366,6 +484,12 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                     note="BackPACK conv G is the exact bias GGN (position-summed g), checked against the "
                     "bias block of our approx='full' GGN; it is not K-FAC-expand G")
             ran = True
+        if asd is not None:
+            v, t = _timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_EXACT, layers), rep)
+            add("kfac_exact", "asdl", "FISHER_EXACT, SHAPE_KRON (A without bias)", ours_t, t,
+                max_rel_diff=_asdl_kron_diff(exact_k, v),
+                note="ASDL's A has no bias row/column (bias block = B): A vs our A[:-1, :-1], B vs our G")
+            ran = True
         if not ran:
             add("kfac_exact", "—", "(no peer importable)", ours_t, None)
     # ---- K-FAC, Monte Carlo ----
@@ -394,6 +518,11 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             add("kfac_mc", "curvlinops", "KFACLinearOperator mc (1 sample)", ours_t, t, mc_err_ours=ours_err,
                 mc_err_peer=err)
             ran = True
+        if asd is not None:
+            v, t = _timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_MC, layers, args.seed), rep)
+            err = max(_rel_fro(b, exact_k.blocks[l].G) for l, (_, b) in v.items())
+            add("kfac_mc", "asdl", "FISHER_MC(1), SHAPE_KRON", ours_t, t, mc_err_ours=ours_err, mc_err_peer=err)
+            ran = True
         if not ran:
             add("kfac_mc", "—", "(no peer importable)", ours_t, None, mc_err_ours=ours_err)
     # ---- K-FAC, empirical Fisher ----
@@ -404,7 +533,11 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             d = max(max(pu.max_rel_diff(c.blocks[l].A, op._input_covariances[l]),
                         pu.max_rel_diff(c.blocks[l].G, op._gradient_covariances[l])) for l in layers)
             add("kfac_ef", "curvlinops", "KFACLinearOperator empirical", ours_t, t, max_rel_diff=d)
-        else:
+        if asd is not None:
+            v, t = _timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_EMP, layers), rep)
+            add("kfac_ef", "asdl", "FISHER_EMP, SHAPE_KRON (A without bias)", ours_t, t,
+                max_rel_diff=_asdl_kron_diff(c, v))
+        if cl is None and asd is None:
             add("kfac_ef", "—", "(no peer importable)", ours_t, None)
     # ---- full blocks (small models) ----
     for quantity, kind, opname in (("full_ggn", "fisher", "GGNLinearOperator"),
@@ -430,7 +563,11 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             method = f"{opname}(block_sizes) @ I" if blocked else f"{opname} @ I, off-block part masked"
             add(quantity, "curvlinops", method, ours_t, t, max_rel_diff=pu.max_rel_diff(dense, v * mask),
                 note=None if blocked else "curvlinops computes the whole P×P matrix (no block support)")
-        else:
+        if asd is not None:
+            v, t = _timed(lambda kind=kind: _asdl_blocks(asd, ma, x, y, kind, layers), rep, dense=True)
+            method = "HessianMaker, SHAPE_LAYER_WISE" if kind == "hessian" else "FISHER_EXACT, SHAPE_LAYER_WISE"
+            add(quantity, "asdl", method, ours_t, t, max_rel_diff=pu.max_rel_diff(dense, v))
+        if cl is None and asd is None:
             add(quantity, "—", "(no peer importable)", ours_t, None)
     return rows
 

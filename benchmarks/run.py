@@ -1,13 +1,14 @@
-"""Run every benchmark in ``benchmarks/`` and regenerate the results page ``docs/results.md``.
+"""Run every benchmark in ``benchmarks/`` and regenerate ``docs/results.md`` and README's results section.
 
 Examples::
 
     python -m benchmarks.run --quick                       # smoke run of everything (minutes)
     python -m benchmarks.run --full                        # the numbers of docs/results.md (long)
     python -m benchmarks.run --full --only peers_curvature peers_training
-    python -m benchmarks.run --report-only                 # rebuild docs/results.md from the JSONs
+    python -m benchmarks.run --report-only                 # rebuild docs/results.md and README from the JSONs
+    python -m benchmarks.run --report-only --no-readme     # docs/results.md only
     python -m benchmarks.run --quick --results-dir /tmp/r --docs-dir /tmp/d \\
-        --extra "memory=--optimizers sgd sso-kfac"         # per-module extra arguments
+        --extra "memory=--optimizers sgd sso-kfac"         # per-module extra arguments (README untouched)
 
 A benchmark is any module ``benchmarks/<name>.py`` with a ``main(argv)`` (helpers such as
 ``common``, ``_peer_utils`` and this runner are not). Each is called in this process as
@@ -18,8 +19,17 @@ Peers that are not installed are skipped by the modules themselves, with a messa
 
 ``docs/results.md`` gets the machine (CPU, cores, torch, GPU, load average), each module's
 table (its ``format_table`` / ``format_tables`` applied to its JSON) and links to the plots.
-The page is self-contained Markdown, so its sections can be pasted into the README as they
-are; the runner never writes README.md.
+
+README.md (or ``--readme PATH``) gets a compact summary — step overhead vs SGD / Adam /
+kfac_pytorch with the FLOP floor, time to 97 % on digits, VI vs Adam / IVON, curvature
+agreement and speed vs the peers, data-parallel scaling — rendered from the same JSONs by
+:mod:`benchmarks._readme_summary`. Only the text between the lines ``<!-- results:begin -->``
+and ``<!-- results:end -->`` is replaced; everything outside them stays byte for byte, and a
+README without both markers is an error (ValueError naming the marker), raised before any
+benchmark runs. The README is written only when ``--readme`` is given or the results
+directory is the default ``benchmarks/results`` (a run into a scratch ``--results-dir``, such
+as the tests' ``--quick`` runs, never touches the repository's README); ``--no-readme``
+turns it off.
 """
 from __future__ import annotations
 
@@ -38,9 +48,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _peer_utils as pu  # noqa: E402
+from benchmarks import _readme_summary  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+DEFAULT_RESULTS = BENCH_DIR / "results"
+DEFAULT_README = ROOT / "README.md"
 NOT_BENCHMARKS = {"__init__", "common", "_peer_utils", "run"}
 #: run order (modules not listed run after these, alphabetically)
 ORDER = ("linalg", "step_overhead", "vi", "scaling", "peers_curvature", "peers_training", "memory", "width_scaling")
@@ -49,10 +62,11 @@ TITLES = {
     "step_overhead": "Step overhead vs SGD / Adam / kfac_pytorch",
     "vi": "Variational inference (VIOptimizer vs IVON)",
     "scaling": "Data-parallel scaling",
-    "peers_curvature": "Curvature vs BackPACK / curvlinops / laplace-torch (agreement and speed)",
+    "peers_curvature": "Curvature vs BackPACK / curvlinops / laplace-torch / ASDL (agreement and speed)",
     "peers_training": "Training on digits: time to 97 % test accuracy",
     "memory": "Peak memory per optimizer",
     "width_scaling": "Step time vs layer width (with the FLOP model)",
+    "kaisa": "KAISA strategies of KFACPreconditioner (time, memory, traffic)",
 }
 
 
@@ -68,6 +82,9 @@ NOTES = """## How to read the peer comparisons
   by N; curvlinops `KFACLinearOperator(fisher_type="type-2", kfac_approx="expand",
   separate_weight_and_bias=False)` with a mean loss has exactly torchsso2's factors
   (A = (1/(N·T)) Σ ããᵀ with the bias as A's last row/column, G = (1/N) Σ ggᵀ).
+  ASDL (`asdfghjkl` on PyPI) backpropagates the *sum* loss and scales by 1/`data_size`; with
+  `data_size=N` its quantities are mean-loss ones as they are. Its Kronecker A has no bias
+  row/column (the bias block is B alone), so it is compared with our A without the bias entry.
 - **BackPACK K-FAC for Conv2d** uses a different (documented) convention: its A sums over the
   T output positions (= T · our A) and its G is the exact bias GGN (gradients summed over
   positions before the outer product) rather than the K-FAC-expand G. The table checks both
@@ -107,15 +124,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="each module's --quick (smoke run)")
     mode.add_argument("--full", action="store_true", help="each module's full run (the default)")
-    mode.add_argument("--report-only", action="store_true", help="only rebuild results.md from existing JSONs")
+    mode.add_argument("--report-only", action="store_true",
+                      help="only rebuild results.md and the README block from existing JSONs")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these modules")
     p.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="do not run these modules")
-    p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
     p.add_argument("--docs-dir", type=Path, default=ROOT / "docs")
     p.add_argument("--extra", action="append", default=[], metavar="NAME=ARGS",
                    help="extra command-line arguments for one module (repeatable)")
     p.add_argument("--no-report", action="store_true", help="do not write results.md")
+    readme = p.add_mutually_exclusive_group()
+    readme.add_argument("--readme", type=Path, default=None, metavar="PATH",
+                        help="README whose results block (between the results:begin/end markers) is regenerated "
+                        "(default: README.md at the repository root, and only when --results-dir is the default)")
+    readme.add_argument("--no-readme", action="store_true", help="do not touch any README")
     return p.parse_args(argv)
+
+
+def readme_target(args: argparse.Namespace) -> Optional[Path]:
+    """The README to regenerate, or None: ``--readme`` if given; else the repository's README.md, but
+    only for the default results directory (a scratch ``--results-dir`` must not rewrite it)."""
+    if args.no_readme:
+        return None
+    if args.readme is not None:
+        return args.readme
+    if args.results_dir.resolve() == DEFAULT_RESULTS.resolve():
+        return DEFAULT_README
+    return None
 
 
 def module_argv(name: str, source: str, args: argparse.Namespace) -> List[str]:
@@ -243,6 +278,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"unknown benchmark(s): {', '.join(unknown)}; available: {', '.join(names)}", file=sys.stderr)
         return 2
     selected = [n for n in names if (args.only is None or n in args.only) and n not in args.skip]
+    readme = readme_target(args)
+    if readme is not None:
+        _readme_summary.check_markers(readme)  # fail now, not after hours of benchmarks
+    else:
+        why = "--no-readme" if args.no_readme else "scratch --results-dir; pass --readme PATH"
+        print(f"README not written ({why})")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     status: Dict[str, Dict[str, Any]] = {}
     if not args.report_only:
@@ -251,6 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{name:16s} {'ok' if st.get('ok') else 'FAILED'}  {st['wall_s']:.1f} s  {st.get('error', '')}")
     if not args.no_report:
         write_report(args, names, status)
+    if readme is not None:
+        print(f"wrote {_readme_summary.update_readme(readme, args.results_dir)} (results block)")
     return 0 if all(s.get("ok") for s in status.values()) else 1
 
 

@@ -19,12 +19,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,16 +48,45 @@ IVON_LR, IVON_HESS_INIT = 0.5, 0.5
 # ------------------------------------------------------------------------------------------------
 # step timing
 # ------------------------------------------------------------------------------------------------
-def _vi(model: nn.Module, approx: str, curv: int = 1, inv: int = 1) -> VIOptimizer:
+def _vi(model: nn.Module, approx: str, curv: int = 1, inv: int = 1, curvature: str = "fisher_mc") -> VIOptimizer:
     return VIOptimizer(model, dataset_size=10_000, lr=1e-4, approx=approx, prior_precision=10.0, ema_decay=0.99,
-                       num_mc_samples=1, curv_update_interval=curv, inv_update_interval=inv, seed=0)
+                       num_mc_samples=1, curv_update_interval=curv, inv_update_interval=inv, seed=0,
+                       curvature=curvature)
+
+
+class AdamWithWeightNoise(torch.optim.Adam):
+    """Adam that also does what every sampling VI method must do each step: draw ``ε ~ N(0, σ²)`` for
+    all P weights, evaluate the closure at ``θ + ε`` and restore ``θ``. Its time over Adam's is
+    the floor of a one-sample VI step on this machine (no curvature at all)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.noise_generator = torch.Generator().manual_seed(0)
+
+    @contextlib.contextmanager
+    def sampled_params(self, train: bool = True) -> Iterator[None]:
+        """``θ ← θ + ε`` for the body, then ``θ`` restored (IVON's interface, so one step function serves both)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        with torch.no_grad():
+            means = [p.detach().clone() for p in params]
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=self.noise_generator).mul_(1e-3))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, m in zip(params, means):
+                    p.copy_(m)
 
 
 def _timing_specs(ivon_mod: Any) -> List[Tuple[str, int, Any]]:
     specs: List[Tuple[str, int, Any]] = [
         ("sgd", 20, lambda m: torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)),
         ("adam", 20, lambda m: torch.optim.Adam(m.parameters(), lr=1e-4)),
+        ("adam+noise (floor)", 20, lambda m: AdamWithWeightNoise(m.parameters(), lr=1e-4)),
         ("vi-diag", 10, lambda m: _vi(m, "diag")),
+        ("vi-diag ef", 10, lambda m: _vi(m, "diag", curvature="empirical_fisher")),
+        ("vi-diag 10/10", 20, lambda m: _vi(m, "diag", 10, 10)),
         ("vi-diag 10/100", 100, lambda m: _vi(m, "diag", 10, 100)),
         ("vi-kfac", 10, lambda m: _vi(m, "kfac")),
         ("vi-kfac 10/100", 100, lambda m: _vi(m, "kfac", 10, 100)),
@@ -67,7 +97,7 @@ def _timing_specs(ivon_mod: Any) -> List[Tuple[str, int, Any]]:
 
 
 def _ivon_step(opt: Any, closure: Any) -> None:
-    """IVON evaluates the loss at sampled weights, then steps."""
+    """IVON (and the adam+noise floor) evaluate the loss at sampled weights, then step."""
     with opt.sampled_params(train=True):
         closure()
     opt.step()
@@ -76,7 +106,7 @@ def _ivon_step(opt: Any, closure: Any) -> None:
 def run_timing(args: argparse.Namespace, ivon_mod: Any) -> List[Dict[str, Any]]:
     models = [("digits-mlp", lambda: mlp([64, 64, 10]), (64,), (32, 128))]
     if not args.quick:
-        models.append(("mlp784", lambda: mlp([784, 512, 512, 10]), (784,), (128,)))
+        models.append(("mlp784", lambda: mlp([784, 512, 512, 10]), (784,), (128, 512)))
     rows: List[Dict[str, Any]] = []
     for mname, build, shape, batches in models:
         for batch in batches:
@@ -90,7 +120,8 @@ def run_timing(args: argparse.Namespace, ivon_mod: Any) -> List[Dict[str, Any]]:
                 opt = make(model)
                 window = min(window, 20) if args.quick else window
                 s = summarize(time_training_steps(model, opt, x, y, window, args.repeats,
-                                                  step=_ivon_step if name == "ivon" else None))
+                                                  step=_ivon_step if hasattr(opt, "sampled_params") and
+                                                  not isinstance(opt, VIOptimizer) else None))
                 if name in ("sgd", "adam"):
                     base[name] = (s["min_s"], s["median_s"])
                 row = {"model": mname, "batch": batch, "optimizer": name, "window_steps": window, **s,

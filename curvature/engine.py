@@ -8,7 +8,8 @@ belong to whoever uses the blocks (see :class:`curvature.running.RunningCurvatur
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Optional
+import warnings
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -111,12 +112,32 @@ class CurvatureEngine:
         """``{module: [K, N, *out]}``: gradients of ``<outputs, v_k>`` w.r.t. each module output."""
         names = list(self.layouts)
         outs = [capture.records[n].output for n in names]
+        if vectors.shape[0] > 1:
+            batched = self._batched_output_grads(outputs, outs, vectors)
+            if batched is not None:
+                return dict(zip(names, batched))
         per_k = []
         for k in range(vectors.shape[0]):
             g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
                                     retain_graph=True, allow_unused=True)
             per_k.append([gi if gi is not None else torch.zeros_like(o) for gi, o in zip(g, outs)])
         return {n: torch.stack([per_k[k][i] for k in range(len(per_k))]) for i, n in enumerate(names)}
+
+    @staticmethod
+    def _batched_output_grads(outputs: Tensor, outs: List[Tensor], vectors: Tensor) -> Optional[List[Tensor]]:
+        """All K backward passes as one vmapped backward (``is_grads_batched``), as BackPACK
+        backpropagates the K columns of √H together; None when some op of the graph has no
+        batching rule (the caller then loops over the K vectors)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # vmap's "falling back to a slow path" performance warnings
+                g = torch.autograd.grad(outputs, outs, grad_outputs=vectors.to(outputs.dtype), retain_graph=True,
+                                        allow_unused=True, is_grads_batched=True)
+        except RuntimeError as err:  # an op without a batching rule, or an in-place op under vmap
+            logger.debug("batched backward unavailable (%s); looping over %d vectors", err, vectors.shape[0])
+            return None
+        k = vectors.shape[0]
+        return [gi if gi is not None else o.new_zeros((k,) + tuple(o.shape)) for gi, o in zip(g, outs)]
 
     def blocks_from_grads(self, records: Dict[str, ModuleRecord], grads: Dict[str, Tensor],
                           batch_size: int) -> Dict[str, Block]:

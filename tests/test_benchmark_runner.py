@@ -2,8 +2,9 @@
 
 Runs ``benchmarks.run --quick`` on the peer benchmarks with tiny settings, in a temporary
 results/docs directory, with every peer disabled (``BENCH_DISABLE_PEERS=all``) so the
-skip paths run and the test never needs BackPACK, curvlinops, laplace-torch, IVON or
-kfac_pytorch installed.
+skip paths run and the test never needs BackPACK, curvlinops, laplace-torch, ASDL, IVON or
+kfac_pytorch installed. The README tests regenerate the results block of a scratch copy
+(``--readme`` in ``tmp_path``) from the repository's JSONs: they never write the real README.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_quick_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert isinstance(report["results"], list) and report["results"]
     skipped = json.loads((results / "peers_training.json").read_text(encoding="utf-8"))["skipped"]
     assert set(skipped) == {"ivon", "kfac_pytorch"}
-    assert "backpack" in json.loads((results / "peers_curvature.json").read_text(encoding="utf-8"))["skipped"]
+    assert {"backpack", "asdl"} <= set(json.loads((results / "peers_curvature.json").read_text(encoding="utf-8"))["skipped"])
     page = (docs / "results.md").read_text(encoding="utf-8")
     assert "# Benchmark results" in page and "|" in page
     assert (docs / "width_scaling.png").exists() or "matplotlib" not in page
@@ -55,3 +56,50 @@ def test_report_only_and_bad_module(tmp_path: Path) -> None:
     assert bench_run.main(["--only", "no_such_benchmark", "--results-dir", str(tmp_path)]) == 2
     assert bench_run.main(["--report-only", "--results-dir", str(tmp_path), "--docs-dir", str(tmp_path)]) == 0
     assert (tmp_path / "results.md").exists()
+
+
+README_WITH_MARKERS = (
+    "# title\n\nintro paragraph, kept as it is  \n\n## Results\n\n"
+    f"{bench_run._readme_summary.BEGIN}\nhand-pasted table, replaced\n{bench_run._readme_summary.END}\n\n"
+    "## Known gaps\n\n* stays\n"
+)
+
+
+def test_report_only_regenerates_readme_block(tmp_path: Path) -> None:
+    """--report-only rewrites only the text between the markers of the README it is given."""
+    readme = tmp_path / "README.md"
+    readme.write_text(README_WITH_MARKERS, encoding="utf-8")
+    before, after = README_WITH_MARKERS.split(bench_run._readme_summary.BEGIN)[0], \
+        README_WITH_MARKERS.split(bench_run._readme_summary.END)[1]
+    # the repository's JSONs (read only), a scratch docs dir and the scratch README
+    assert bench_run.main(["--report-only", "--docs-dir", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text(encoding="utf-8")
+    begin, end = bench_run._readme_summary.BEGIN, bench_run._readme_summary.END
+    assert text.startswith(before + begin) and text.endswith(end + after)  # outside: byte-identical
+    block = text[len(before) + len(begin):len(text) - len(end + after)]
+    assert "hand-pasted table, replaced" not in block
+    assert "docs/results.md" in block and "|---" in block
+    # regenerating again is a fixed point
+    assert bench_run.main(["--report-only", "--docs-dir", str(tmp_path), "--readme", str(readme)]) == 0
+    assert readme.read_text(encoding="utf-8") == text
+
+
+def test_readme_without_markers_is_an_error(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers here\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="results:begin"):
+        bench_run.main(["--report-only", "--docs-dir", str(tmp_path), "--readme", str(readme)])
+    readme.write_text(f"# half\n{bench_run._readme_summary.BEGIN}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="results:end"):
+        bench_run.main(["--report-only", "--docs-dir", str(tmp_path), "--readme", str(readme)])
+    assert readme.read_text(encoding="utf-8") == f"# half\n{bench_run._readme_summary.BEGIN}\n"
+
+
+def test_scratch_results_dir_leaves_readme_alone(tmp_path: Path) -> None:
+    args = bench_run.parse_args(["--quick", "--results-dir", str(tmp_path)])
+    assert bench_run.readme_target(args) is None
+    assert bench_run.readme_target(bench_run.parse_args(["--report-only"])) == bench_run.DEFAULT_README
+    assert bench_run.readme_target(bench_run.parse_args(["--report-only", "--no-readme"])) is None
+    explicit = tmp_path / "R.md"
+    assert bench_run.readme_target(bench_run.parse_args(["--quick", "--results-dir", str(tmp_path),
+                                                         "--readme", str(explicit)])) == explicit

@@ -303,3 +303,33 @@ def test_low_precision_model_statistics_in_float32(dtype: torch.dtype, kind: str
     v = [torch.randn(s, dtype=dtype) for s in blk.layout.shapes]
     out = blk.solve(v)
     assert all(o.dtype == dtype for o in out)
+
+
+def test_all_finite_fast_path_and_exact_fallback() -> None:
+    """The fused check (one sum per tensor) must agree with the element-wise definition."""
+    from curvature.blocks.base import all_finite
+
+    ok = [torch.ones(3, 4), torch.zeros(5)]
+    assert all_finite(ok) and all_finite([]) and all_finite([torch.empty(0)])
+    big = torch.full((4,), 3e38)  # finite elements whose float32 sum overflows: still finite
+    assert float(big.sum()) == math.inf and all_finite([big])
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.ones(6)
+        t[3] = bad
+        assert not all_finite(ok + [t])
+    cancel = torch.tensor([math.inf, -math.inf])  # sums to NaN
+    assert not all_finite([cancel])
+
+
+def test_diag_reciprocals_follow_the_decomposition() -> None:
+    """solve/sample cache 1/denom; a new decomposition or an in-place change of denom must refresh it."""
+    blk, _ = make_block("mlp", "fc2", "empirical_fisher", "diag")
+    v = [torch.ones(s, dtype=torch.float64) for s in blk.layout.shapes]
+    blk.decompose(DAMPING)
+    first = blk.layout.flatten(blk.solve(v))
+    blk.decompose(10 * DAMPING)
+    second = blk.layout.flatten(blk.solve(v))
+    torch.testing.assert_close(second, 1.0 / (blk.diagonal + 10 * DAMPING))
+    assert not torch.allclose(first, second)
+    blk.decomposition["denom"].mul_(2.0)
+    torch.testing.assert_close(blk.layout.flatten(blk.solve(v)), 0.5 / (blk.diagonal + 10 * DAMPING))

@@ -13,6 +13,7 @@ module, in ``named_parameters`` order).
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -108,23 +109,27 @@ class Block(ABC):
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """True when every element of every tensor is finite.
 
-    One fused reduction: the sum of |t| over a tensor is non-finite iff some element is
-    (or the sum overflows float range, which we also treat as a fault).
+    Fast path: one sum per tensor (an inf or NaN element makes the sum inf or NaN, and the sum
+    is one pass without temporaries); only when some sum is not finite — a bad element, or a
+    sum of large finite values overflowing — is each tensor checked element by element.
     """
-    tensors = [t for t in tensors if t.numel()]
+    tensors = [t.detach() for t in tensors if t.numel()]
     if not tensors:
         return True
-    sums = torch.stack([t.detach().abs().sum().to(torch.float64) for t in tensors])
-    return bool(torch.isfinite(sums).all())
+    if bool(torch.isfinite(torch.stack([t.sum().to(torch.float64) for t in tensors])).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def check_positive(evals: Tensor, what: str) -> None:
     """Raise LinalgError when a damped spectrum is not strictly positive or not finite."""
     from ..linalg import LinalgError
 
-    if not bool(torch.isfinite(evals).all()):
+    if not evals.numel():
+        return
+    if not math.isfinite(float(evals.sum())) and not bool(torch.isfinite(evals).all()):  # exact check only on doubt
         raise LinalgError(f"{what}: non-finite eigenvalues")
-    low = float(evals.min()) if evals.numel() else 1.0
+    low = float(evals.min())
     if low <= 0:
         raise LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}); "
                           "increase damping")

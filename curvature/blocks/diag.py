@@ -1,7 +1,7 @@
 """Diagonal block: the exact diagonal ``[P]`` of one module's curvature block."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,6 +18,7 @@ class DiagBlock(Block):
     def __init__(self, layout: Layout, diagonal: Tensor) -> None:
         super().__init__(layout)
         self.diagonal = diagonal.to(compute_dtype(diagonal.dtype))
+        self._cache: Optional[Tuple[Tensor, int, Tensor, Tensor]] = None  # (denom, its _version, 1/denom, 1/√denom)
 
     def tensors(self) -> List[Tensor]:
         return [self.diagonal]
@@ -35,16 +36,24 @@ class DiagBlock(Block):
         check_positive(denom, f"diag block {self.layout.name!r}")
         self.decomposition = {"denom": denom}
 
+    def _reciprocals(self) -> Tuple[Tensor, Tensor]:
+        """``(1/denom, 1/√denom)`` of the current decomposition, computed once per decomposition
+        (``solve`` and ``sample`` then cost one multiply; a VI step calls both every step)."""
+        denom = self._require_decomposition()["denom"]
+        cached = self._cache
+        if cached is None or cached[0] is not denom or cached[1] != denom._version:  # in-place writes bump _version
+            inv = denom.reciprocal()
+            cached = self._cache = (denom, denom._version, inv, inv.sqrt())
+        return cached[2], cached[3]
+
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
-        d = self._require_decomposition()
-        v = self.layout.flatten(vecs).to(d["denom"].dtype)
-        return [t.to(x.dtype) for t, x in zip(self.layout.unflatten(v / d["denom"]), vecs)]
+        inv, _ = self._reciprocals()
+        return [(x.to(inv.dtype) * d).to(x.dtype) for x, d in zip(vecs, self.layout.unflatten(inv))]
 
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
-        d = self._require_decomposition()
-        denom = d["denom"]
-        z = torch.randn(denom.shape, generator=generator, dtype=denom.dtype, device=denom.device)
-        return self.layout.unflatten(z / denom.sqrt())
+        _, inv_sqrt = self._reciprocals()
+        z = torch.randn(inv_sqrt.shape, generator=generator, dtype=inv_sqrt.dtype, device=inv_sqrt.device)
+        return self.layout.unflatten(z.mul_(inv_sqrt))
 
     def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         v = self.layout.flatten(vecs).to(self.diagonal.dtype)

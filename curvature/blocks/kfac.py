@@ -135,6 +135,18 @@ class KFACBlock(Block):
             out = self._mul_factor_right(self._mul_factor_left(d["linv"], m), d["rinv"])
         return self._from_matrix(out, vecs)
 
+    def solve_low_rank(self, g: Tensor, a: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+        """:meth:`solve` of a gradient given as ``gᵀa`` (``g [R, n_L]``, ``a [R, n_R]``): the
+        rotation into the eigenbasis is ``(g Q_L)ᵀ (a Q_R)`` (cheaper when ``R`` is small).
+        Needs ``method="eigen"`` and two dense factors; ``like`` gives the output dtypes."""
+        d = self._require_decomposition()
+        if d["method"] != "eigen" or d["ql"] is None or d["qr"] is None:
+            raise ValueError("solve_low_rank needs an eigen decomposition with two dense factors")
+        ql, qr, denom = d["ql"], d["qr"], d["denom"]
+        rot = (g.to(ql.dtype) @ ql).t() @ (a.to(qr.dtype) @ qr)
+        out = ql @ (rot / denom) @ qr.t()
+        return self._from_matrix(out, like)
+
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
         d = self._require_decomposition()
         if d["method"] != "eigen":

@@ -32,8 +32,7 @@ class Layout:
 
     @property
     def params(self) -> List[nn.Parameter]:
-        mods = dict(self.module.named_parameters(recurse=False))
-        return [mods[n] for n in self.param_names]
+        return [getattr(self.module, n) for n in self.param_names]  # looked up each time: a swapped Parameter is seen
 
     @property
     def numel(self) -> int:

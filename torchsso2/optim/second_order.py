@@ -12,6 +12,7 @@ Update, per step (each a small function of :mod:`torchsso2.optim.steps`)::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -22,6 +23,7 @@ from curvature.blocks.base import all_finite
 
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
+from .lowrank import LowRankSolver
 from .steps import add_weight_decay, kl_clip_factor, momentum_
 from .validation import check_int, check_number
 
@@ -69,6 +71,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             decomposition) / ``"mem_opt"`` (one rank per block decomposes and preconditions, then
             broadcasts the preconditioned gradient) / ``"hybrid_opt"``.
         assignment_strategy: ``"compute"`` (balance ``n³``, default) or ``"memory"`` (``n²``).
+        low_rank_solve: with one process and no grad scaler, precondition Linear K-FAC blocks
+            from the low-rank form ``gᵀã`` of their gradient when that needs fewer FLOPs
+            (small batch, wide layer; same result up to rounding, guarded by a probe of
+            ``p.grad``; see :mod:`torchsso2.optim.lowrank`). Weight-decayed groups take the dense path.
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -85,8 +91,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  params: Optional[Iterable[Any]] = None, linalg: Optional[str] = None,
                  communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
-                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute") -> None:
+                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
+                 low_rank_solve: bool = True) -> None:
         check_number("lr", lr, low=0.0)
+        if not isinstance(low_rank_solve, bool):
+            raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
         self.damping = check_number("damping", damping, low=0.0)
@@ -109,11 +118,19 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy)
+        # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
+        # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
+        self.low_rank: Optional[LowRankSolver] = None
+        if low_rank_solve and self.comm.world_size == 1 and grad_scaler is None:
+            kfac = {n: lay.module for n, lay in self.engine.layouts.items() if self.engine.approx[n].value == "kfac"}
+            if kfac:
+                self.low_rank = LowRankSolver(kfac, seed=self.seed)
 
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
-        loss, output, fresh = self._run_closure(closure, targets, estimate)
+        with self.low_rank.recorder if self.low_rank is not None else contextlib.nullcontext():
+            loss, output, fresh = self._run_closure(closure, targets, estimate)
         if not self._unscale_grads():
             self.num_steps += 1
             return loss, output
@@ -149,7 +166,14 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         decayed = {id(p): add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params}
         covered = {n: b for n, b in self.running.blocks.items()
                    if all(id(q) in decayed for q in b.layout.params)}
+        solved: Dict[int, Tensor] = {}
+        if self.low_rank is not None:
+            plain = {n: b for n, b in covered.items()
+                     if all(group_of[id(q)]["weight_decay"] == 0 for q in b.layout.params)}
+            for name, vals in self.low_rank.solve(plain, decayed).items():
+                solved.update({id(q): v for q, v in zip(covered.pop(name).layout.params, vals)})
         direction = self._precondition(covered, decayed)
+        direction.update(solved)
         updates = [direction[id(p)] for p in params]
         if self.kl_clip is not None:
             nu = kl_clip_factor(updates, [decayed[id(p)] for p in params],

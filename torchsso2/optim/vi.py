@@ -168,9 +168,10 @@ class VIOptimizer(CurvatureOptimizer):
 
         def draw(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
             dev = blk.tensors()[0].device
-            draws = [[e * self._noise_scale for e in blk.sample(noise_generator(self.seed, step, s, number[name],
-                                                                                   device=dev))]
+            draws = [self._scaled(blk.sample(noise_generator(self.seed, step, s, number[name], device=dev)))
                      for s in needed(name, receivers)]
+            if len(draws) == 1:  # the common case: no copy into a stack
+                return [d.unsqueeze(0).to(p.dtype) for d, p in zip(draws[0], blk.layout.params)]
             return [torch.stack([d[i] for d in draws]).to(p.dtype) for i, p in enumerate(blk.layout.params)]
 
         def like(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
@@ -185,6 +186,13 @@ class VIOptimizer(CurvatureOptimizer):
                     noise[j][id(p)] = t[row]
         return noise
 
+    def _scaled(self, draw: List[Tensor]) -> List[Tensor]:
+        """A fresh draw from ``N(0, Λ⁻¹)`` scaled in place to the posterior covariance ``τ·Λ⁻¹``."""
+        if self.kl_weighting != 1.0:
+            for e in draw:
+                e.mul_(self._noise_scale)
+        return draw
+
     def _draw_noise(self, generator: torch.Generator) -> Optional[Dict[int, Tensor]]:
         """``ε ~ N(0, P⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
         if self._decomposed:
@@ -194,8 +202,8 @@ class VIOptimizer(CurvatureOptimizer):
                     raise RuntimeError(f"rank {self.comm.rank} holds no decomposition of block {name!r} "
                                        "(grad_worker_fraction < 1 keeps it on its grad workers); "
                                        "sample with grad_worker_fraction='comm_opt'")
-                for p, e in zip(blk.layout.params, blk.sample(generator)):
-                    noise[id(p)] = (e * self._noise_scale).to(p.dtype)
+                for p, e in zip(blk.layout.params, self._scaled(blk.sample(generator))):
+                    noise[id(p)] = e.to(p.dtype)
             return noise
         if self.init_precision is not None:
             std = self.init_precision ** -0.5
@@ -213,12 +221,13 @@ class VIOptimizer(CurvatureOptimizer):
     def _perturbed(self, noise: Optional[Dict[int, Tensor]]) -> Iterator[None]:
         """Temporarily add ``noise`` (``id(param) -> tensor``) to the covered weights (restored on exit)."""
         covered = self._covered()
+        if noise is None:
+            yield
+            return
         means = [p.detach().clone() for p in covered]
         try:
-            if noise is not None:
-                with torch.no_grad():
-                    for p in covered:
-                        p.add_(noise[id(p)])
+            with torch.no_grad():
+                torch._foreach_add_([p.detach() for p in covered], [noise[id(p)] for p in covered])
             yield
         finally:
             with torch.no_grad():
@@ -261,13 +270,18 @@ class VIOptimizer(CurvatureOptimizer):
                 curvature.nonfinite |= not fresh
                 if fresh:
                     curvature.add(fresh, 1)
+            if self.num_mc_samples == 1:  # the gradient stays in p.grad as the closure left it
+                break
             for p in trainable:
                 if p.grad is not None:
                     g = p.grad.detach()
                     grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
-        params = [p for p in trainable if id(p) in grad_sum]
-        for p in params:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
-            p.grad = grad_sum[id(p)] / self.num_mc_samples
+        if self.num_mc_samples == 1:
+            params = [p for p in trainable if p.grad is not None]
+        else:
+            params = [p for p in trainable if id(p) in grad_sum]
+            for p in params:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
+                p.grad = grad_sum[id(p)] / self.num_mc_samples
         if not self._unscale_grads():
             self.num_steps += 1
             return torch.stack(losses).mean(), output
@@ -293,7 +307,8 @@ class VIOptimizer(CurvatureOptimizer):
     def _update_mean(self, params: List[nn.Parameter], grads: List[Tensor]) -> None:
         n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        raw = {id(p): n * g + tau_delta * p.detach() for p, g in zip(params, grads)}
+        raw = {id(p): torch.add(p.detach(), g, alpha=n / tau_delta).mul_(tau_delta) if tau_delta else n * g
+               for p, g in zip(params, grads)}  # N·g + τδ·μ with one temporary
         bufs = {id(p): momentum_(self.state[p], raw[id(p)], group_of[id(p)]["momentum"]) for p in params}
         covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
         direction = self._precondition(covered, bufs)

@@ -1,0 +1,98 @@
+"""Low-rank preconditioning of Linear K-FAC blocks (torchsso2/optim/lowrank.py): same steps as the
+dense path, really taken where it pays, and refused whenever p.grad is not the user's gᵀã."""
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer
+from torchsso2.optim.lowrank import low_rank_pays
+
+
+class MeanOverPositions(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+def wide_model(bias: bool = True, seq: bool = False) -> nn.Module:
+    """Wide Linear layers (20 -> 30 -> 25) and a narrow head; on ``[N, T, 20]`` inputs with ``seq``."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(20, 30, bias=bias), nn.ReLU(inplace=True), nn.Linear(30, 25, bias=bias),
+              nn.Tanh(), nn.Linear(25, 3)] + ([MeanOverPositions()] if seq else [])
+    return nn.Sequential(*layers).double()
+
+
+def train(model: nn.Module, steps: int = 6, batch: int = 3, tamper: Callable[[nn.Module], None] = lambda m: None,
+          seq: bool = False, **kw) -> Tuple[SecondOrderOptimizer, nn.Module]:
+    opt = SecondOrderOptimizer(model, lr=0.1, momentum=0.9, damping=0.1, curv_update_interval=2,
+                               inv_update_interval=2, seed=0, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(batch, 2, 20, generator=gen, dtype=torch.float64) if seq else \
+            torch.randn(batch, 20, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (batch,), generator=gen)
+
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            loss = nn.functional.cross_entropy(out, y)
+            loss.backward()
+            tamper(model)
+            return loss, out
+        opt.step(closure)
+    return opt, model
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("seq", [False, True], ids=["batch", "sequence"])
+def test_low_rank_equals_dense(bias: bool, seq: bool) -> None:
+    fast, m1 = train(wide_model(bias, seq), seq=seq)
+    dense, m2 = train(wide_model(bias, seq), seq=seq, low_rank_solve=False)
+    assert dense.low_rank is None
+    assert fast.low_rank.num_low_rank >= 2 * 6, "both wide layers must take the low-rank path every step"
+    assert fast.low_rank.num_rejected == 0
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_changed_after_backward_takes_the_dense_path() -> None:
+    def clip(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+    fast, m1 = train(wide_model(), tamper=clip)
+    dense, m2 = train(wide_model(), tamper=clip, low_rank_solve=False)
+    assert fast.low_rank.num_low_rank == 0 and fast.low_rank.num_rejected >= 2 * 6
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_weight_decay_and_narrow_layers_take_the_dense_path() -> None:
+    opt, _ = train(wide_model(), weight_decay=1e-3)
+    assert opt.low_rank.num_low_rank == 0
+    opt, _ = train(wide_model(), batch=64)  # R = 64 rows: dense rotation is cheaper
+    assert opt.low_rank.num_low_rank == 0
+    assert low_rank_pays(3, 30, 21) and not low_rank_pays(64, 30, 21)
+
+
+def test_gradient_accumulation_takes_the_dense_path() -> None:
+    model = wide_model()
+    opt = SecondOrderOptimizer(model, lr=0.1, damping=0.1, seed=0)
+    x, y = torch.randn(6, 20, dtype=torch.float64), torch.randint(0, 3, (6,))
+
+    def closure():
+        opt.zero_grad()
+        for xs, ys in ((x[:3], y[:3]), (x[3:], y[3:])):
+            out = model(xs)
+            nn.functional.cross_entropy(out, ys).div(2).backward()
+        return torch.tensor(0.0), out
+    for _ in range(3):
+        opt.step(closure)
+    assert opt.low_rank.num_low_rank == 0
+
+
+def test_low_rank_solve_type_error() -> None:
+    with pytest.raises(TypeError, match="low_rank_solve"):
+        SecondOrderOptimizer(wide_model(), low_rank_solve="yes")
