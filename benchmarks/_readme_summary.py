@@ -208,7 +208,10 @@ def _step_overhead(sources: Sequence[Source]) -> List[str]:
         out += ["", f"`—`: sso-diag {why}; re-run `benchmarks/step_overhead.py` for these models."]
     out += ["", "The extra cost of a second-order step hardly shrinks with the batch, so K-FAC's relative "
             "overhead falls as the batch grows; the floor counts `6BTmn` for SGD, `4mn(m+n)` for eigen-basis preconditioning, "
-            "`2BT(m²+n²)` per factor update and `9(m³+n³)` per decomposition (docs/benchmarks.md).", ""]
+            "`2BT(m²+n²)` per factor update and `9(m³+n³)` per decomposition (docs/benchmarks.md). For Linear layers "
+            "whose batch is small against their width, torchsso2 rotates the gradient into the eigenbasis from its "
+            "low-rank form `gᵀa` (`torchsso2/optim/lowrank.py`), fewer FLOPs than the floor counts, so measured / floor "
+            "can fall below 1 there; kfac_pytorch has no such path.", ""]
     return out
 
 
@@ -286,7 +289,8 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
     out: List[str] = []
     chosen = _freshest_rows(sources, "timing")
     rows, used, stale = [], {}, set()
-    cols = ("vi-diag", "vi-diag 10/100", "vi-kfac", "vi-kfac 10/100", "ivon")
+    cols = ("adam+noise (floor)", "vi-diag", "vi-diag ef", "vi-diag 10/10", "vi-diag 10/100", "vi-kfac",
+            "vi-kfac 10/100", "ivon")
     for key in _model_order(chosen):
         src = chosen[key]
         by_opt = {r["optimizer"]: r for r in src[1]["timing"] if (r["model"], r["batch"]) == key}
@@ -295,13 +299,19 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
             why = stale_reason(c, src[2]) if c in by_opt else None
             if why:
                 stale.add(why)
-            cells.append("—" if why or c not in by_opt else _x(by_opt[c]["ratio_adam_min"]))
+            cells.append("—" if why else "" if c not in by_opt else _x(by_opt[c]["ratio_adam_min"]))
         rows.append([MODEL_NAMES.get(key[0], key[0]), key[1], *cells])
         used.setdefault(src[0], (src, []))[1].append(f"{key[0]} B={key[1]}")
+    present = [i for i, c in enumerate(cols) if any(r[2 + i] for r in rows)]  # drop columns no source measured
+    cols = tuple(cols[i] for i in present)
+    rows = [r[:2] + [r[2 + i] for i in present] for r in rows]
     if rows:
         out += ["**VI step time vs Adam** (× an Adam step, min over repeats; 1 MC sample; `10/100` = curvature every "
-                "10 steps, decomposition every 100)", "",
-                markdown_table(["model", "batch", *("IVON" if c == "ivon" else c for c in cols)], rows, "lrrrrrr"),
+                "10 steps, decomposition every 100; `ef` = empirical Fisher from the user's backward, VOGN's "
+                "per-example squared gradients; `adam+noise` = Adam that also draws and adds weight noise each "
+                "step, the floor of any one-sample VI step)", "",
+                markdown_table(["model", "batch", *("IVON" if c == "ivon" else c for c in cols)], rows,
+                               "lr" + "r" * len(cols)),
                 "", _source_note(used)]
         for why in sorted(stale):
             out += ["", f"`—`: {why}."]
