@@ -13,7 +13,7 @@ Decompositions of ``scale·L⊗R + damping·I``:
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -128,8 +128,7 @@ class KFACBlock(Block):
         if d["method"] == "eigen":
             ql, qr = d["ql"], d["qr"]
             m = self._to_matrix(vecs, d["denom"].dtype)
-            rot = self._apply_right(self._apply_left(ql, m, True), qr, False)
-            out = self._apply_right(self._apply_left(ql, rot / d["denom"], False), qr, True)
+            out = self._from_eigenbasis(self._apply_right(self._apply_left(ql, m, True), qr, False), d)
         else:
             m = self._to_matrix(vecs, d["linv"].dtype)
             out = self._mul_factor_right(self._mul_factor_left(d["linv"], m), d["rinv"])
@@ -142,10 +141,13 @@ class KFACBlock(Block):
         d = self._require_decomposition()
         if d["method"] != "eigen" or d["ql"] is None or d["qr"] is None:
             raise ValueError("solve_low_rank needs an eigen decomposition with two dense factors")
-        ql, qr, denom = d["ql"], d["qr"], d["denom"]
+        ql, qr = d["ql"], d["qr"]
         rot = (g.to(ql.dtype) @ ql).t() @ (a.to(qr.dtype) @ qr)
-        out = ql @ (rot / denom) @ qr.t()
-        return self._from_matrix(out, like)
+        return self._from_matrix(self._from_eigenbasis(rot, d), like)
+
+    def _from_eigenbasis(self, rot: Tensor, d: Dict[str, Any]) -> Tensor:
+        """``Q_L (rot ⊘ denom) Q_Rᵀ``: the second half of the eigen-basis solve."""
+        return self._apply_right(self._apply_left(d["ql"], rot / d["denom"], False), d["qr"], True)
 
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
         d = self._require_decomposition()
