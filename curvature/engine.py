@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,17 @@ logger = logging.getLogger(__name__)
 
 #: per-example gradients are materialized at most this many examples at a time (diag/full)
 _EXAMPLE_CHUNK = 64
+
+
+def prefers_batched_backward(model: nn.Module) -> bool:
+    """Whether the K backward passes of the exact Fisher should run as one vmapped backward.
+
+    vmap batches Linear/elementwise backwards into wider matmuls (MLP 64-256-256-10, N=128, K=9:
+    1.8 ms vs 2.7 ms for the loop), but its rule for ``convolution_backward`` runs one
+    convolution per vector and then copies the results together, so on convolutional models
+    the plain loop is faster (CNN 3-16-32 on 16×16, N=128: 52 ms batched vs 30 ms looped).
+    """
+    return not any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
 class CurvatureEngine:
@@ -50,6 +61,8 @@ class CurvatureEngine:
         self.mc_samples = mc_samples
         self.model = model
         self.layouts, self.approx = select_layouts(model, approx, skip_modules)
+        #: backpropagate the K vectors in one vmapped backward (see :func:`prefers_batched_backward`)
+        self.batched_backward = prefers_batched_backward(model)
         if self.kind is Kind.HESSIAN:
             bad = [n for n, a in self.approx.items() if a is Approx.KFAC]
             if bad:
@@ -88,8 +101,8 @@ class CurvatureEngine:
             return hessian_blocks(loss, self.layouts, self.approx)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
-        grads = self.output_grads(capture, outputs, vectors)
-        return self.blocks_from_grads(capture.records, grads, outputs.shape[0])
+        chunks = self.output_grad_chunks(capture, outputs, vectors)
+        return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
 
     def estimate_from_backward(self, capture: Capture, batch_size: Optional[int] = None,
                                loss_scale: Optional[float] = None) -> Dict[str, Block]:
@@ -110,18 +123,24 @@ class CurvatureEngine:
 
     def output_grads(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Dict[str, Tensor]:
         """``{module: [K, N, *out]}``: gradients of ``<outputs, v_k>`` w.r.t. each module output."""
+        chunks = list(self.output_grad_chunks(capture, outputs, vectors))
+        return {n: torch.cat([c[n] for c in chunks]) for n in self.layouts}
+
+    def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
+        """The output gradients of :meth:`output_grads` in chunks ``{module: [k, N, *out]}`` over
+        the ``K`` vectors: all at once from one vmapped backward when :attr:`batched_backward`
+        (and vmap can batch the graph), else one backward (and one chunk) per vector."""
         names = list(self.layouts)
         outs = [capture.records[n].output for n in names]
-        if vectors.shape[0] > 1:
+        if vectors.shape[0] > 1 and self.batched_backward:
             batched = self._batched_output_grads(outputs, outs, vectors)
             if batched is not None:
-                return dict(zip(names, batched))
-        per_k = []
+                yield dict(zip(names, batched))
+                return
         for k in range(vectors.shape[0]):
             g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
                                     retain_graph=True, allow_unused=True)
-            per_k.append([gi if gi is not None else torch.zeros_like(o) for gi, o in zip(g, outs)])
-        return {n: torch.stack([per_k[k][i] for k in range(len(per_k))]) for i, n in enumerate(names)}
+            yield {n: (gi if gi is not None else torch.zeros_like(o)).unsqueeze(0) for n, gi, o in zip(names, g, outs)}
 
     @staticmethod
     def _batched_output_grads(outputs: Tensor, outs: List[Tensor], vectors: Tensor) -> Optional[List[Tensor]]:
@@ -142,30 +161,61 @@ class CurvatureEngine:
     def blocks_from_grads(self, records: Dict[str, ModuleRecord], grads: Dict[str, Tensor],
                           batch_size: int) -> Dict[str, Block]:
         """Per-module blocks from recorded inputs and output gradients ``[K, N, *out]``."""
+        return self.blocks_from_grad_chunks(records, [grads], batch_size)
+
+    def blocks_from_grad_chunks(self, records: Dict[str, ModuleRecord], chunks: Iterable[Dict[str, Tensor]],
+                                batch_size: int) -> Dict[str, Block]:
+        """Per-module blocks from output gradients that arrive in chunks ``{module: [k, N, *out]}``
+        of the ``K`` backpropagated vectors.
+
+        Every Fisher-type block is a sum over the K vectors (``G`` of K-FAC, the diagonal, the
+        full block), so each chunk adds its part and is dropped: the ``[K, N, *out]`` gradients
+        of all modules never exist at once (no stacking copy, K× less memory). Layer inputs in
+        normal form and K-FAC's input-side factor are computed once, from the first chunk.
+        """
+        inputs: Dict[str, Tensor] = {}
+        sums: Dict[str, List[Tensor]] = {}
+        for grads in chunks:
+            for name, lay in self.layouts.items():
+                fam, mod = lay.family, lay.module
+                g = fam.normal_output_grad(mod, grads[name].detach())
+                dt = compute_dtype(g.dtype if g.dtype.is_floating_point else torch.float32)
+                g = g.to(dt)
+                if name not in inputs:
+                    rec = records[name]
+                    a = fam.normal_input(mod, rec.inputs, rec.output)
+                    inputs[name] = a.to(dt) if a.dtype.is_floating_point else a
+                a = inputs[name]
+                shape = self.approx[name]
+                if shape is Approx.KFAC:
+                    if name not in sums:
+                        sums[name] = list(fam.kfac_factors(mod, a, g, lay.param_names))
+                    else:
+                        sums[name][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, a, g, lay.param_names)
+                else:
+                    part = self._per_example_sum(lay, shape, a, g)
+                    if name in sums:
+                        sums[name][0] += part
+                    else:
+                        sums[name] = [part]
         blocks: Dict[str, Block] = {}
         for name, lay in self.layouts.items():
-            rec = records[name]
-            fam, mod = lay.family, lay.module
-            g = fam.normal_output_grad(mod, grads[name].detach())
-            a = fam.normal_input(mod, rec.inputs, rec.output)
-            dt = compute_dtype(g.dtype if g.dtype.is_floating_point else torch.float32)
-            g = g.to(dt)
-            if a.dtype.is_floating_point:
-                a = a.to(dt)
             shape = self.approx[name]
             if shape is Approx.KFAC:
-                left, right = fam.kfac_factors(mod, a, g, lay.param_names)
-                blocks[name] = KFACBlock(lay, left, right)
+                blocks[name] = KFACBlock(lay, *sums[name])
+            elif shape is Approx.DIAG:
+                blocks[name] = DiagBlock(lay, sums[name][0] / batch_size)
             else:
-                blocks[name] = self._per_example_block(lay, shape, a, g, batch_size)
+                blocks[name] = FullBlock(lay, sums[name][0] / batch_size)
         return blocks
 
     @staticmethod
-    def _per_example_block(lay: Layout, shape: Approx, a: Tensor, g: Tensor, n: int) -> Block:
+    def _per_example_sum(lay: Layout, shape: Approx, a: Tensor, g: Tensor) -> Tensor:
+        """``Σ_{k,n}`` of the squared (diag, ``[P]``) or outer (full, ``[P, P]``) per-example gradients."""
         if shape is Approx.DIAG:
             fast = lay.family.diag_sum(lay.module, a, g, lay.param_names)
             if fast is not None:
-                return DiagBlock(lay, fast / n)
+                return fast
         total: Optional[Tensor] = None
         for s in range(0, a.shape[0], _EXAMPLE_CHUNK):
             pe = lay.family.per_example_grads(lay.module, a[s:s + _EXAMPLE_CHUNK],
@@ -174,5 +224,4 @@ class CurvatureEngine:
             part = flat.pow(2).sum(0) if shape is Approx.DIAG else flat.t() @ flat
             total = part if total is None else total + part
         assert total is not None
-        total = total / n
-        return DiagBlock(lay, total) if shape is Approx.DIAG else FullBlock(lay, total)
+        return total

@@ -89,14 +89,30 @@ def sample_targets(loss: LossType, outputs: Tensor, num_samples: int,
 def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:
     """Columns ``S[k, n]`` with ``Σ_k S[k,n] S[k,n]ᵀ = ∂²ℓ_n/∂f_n²``; shape ``[K, N, *out]``.
 
-    Categorical: ``H = diag(p) − p pᵀ = M Mᵀ`` with ``M = diag(√p) − p √pᵀ`` (K = C).
+    Categorical: ``H = diag(p) − p pᵀ`` has rank ``C − 1`` (``H 1 = 0``), and so does its factor
+    (``K = C − 1``, one fewer backward pass than the symmetric root ``diag(√p) − p √pᵀ``):
+    with ``s = √p`` (a unit vector), ``H = diag(s) (I − s sᵀ) diag(s)``; the Householder
+    reflection ``R = I − v vᵀ / (1 + s_C)``, ``v = s + e_C``, maps ``s`` to ``−e_C``, so its
+    first ``C − 1`` columns ``Q`` are an orthonormal basis of ``s⊥`` and ``M = diag(s) Q``:
+
+        ``M[i, k] = s_k δ_ik − (p_i + s_C δ_iC) s_k / (1 + s_C)``,  ``k < C − 1``.
+
+    ``1 + s_C ≥ 1``, so no cancellation for any ``p``. ``C = 1`` gives one zero column.
     Gaussian: ``H = I`` (K = number of output entries per example).
     """
     f = outputs.detach()
     if loss is LossType.CROSS_ENTROPY:
+        c = f.shape[1]
         p = torch.softmax(f, dim=1)  # [N, C]
+        if c == 1:
+            return torch.zeros_like(p).unsqueeze(0)
         s = p.sqrt()
-        m = torch.diag_embed(s) - p.unsqueeze(2) * s.unsqueeze(1)  # [N, C(row: output), C(col: k)]
+        s_last = s[:, -1:]  # [N, 1]
+        u = p.clone()
+        u[:, -1:] += s_last  # s ∘ v = p + s_C e_C
+        sk = s[:, :-1]  # [N, C-1]
+        m = (u / (1.0 + s_last)).unsqueeze(2) * (-sk).unsqueeze(1)  # [N, C(row), C-1(col k)]
+        m[:, :-1, :] += torch.diag_embed(sk)
         return m.permute(2, 0, 1).contiguous()
     n = f.shape[0]
     d = f[0].numel() if n else int(math.prod(f.shape[1:]))

@@ -1,11 +1,13 @@
-"""The exact Fisher backpropagates the K columns of √H in one vmapped backward; the fallback
-(one backward per column) must give the same blocks, and the batched path must really run."""
+"""The exact Fisher backpropagates the K columns of √H in one vmapped backward (models without
+convolutions; those loop, which is faster there); the loop (one backward per column) must give the
+same blocks, and the batched path must really run when it is chosen or forced."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import curvature
+from curvature import engine as engine_module
 from curvature.engine import CurvatureEngine
 from models import MODELS
 
@@ -24,10 +26,28 @@ def test_batched_backward_equals_loop(model_name: str, approx: str, monkeypatch:
         return out
 
     monkeypatch.setattr(CurvatureEngine, "_batched_output_grads", staticmethod(spy))
+    monkeypatch.setattr(engine_module, "prefers_batched_backward", lambda model: True)
     batched = curvature.compute(build(), x, y, kind="fisher", approx=approx)
-    assert calls, "the exact Fisher (K = 3 classes) must try the batched backward"
+    assert calls, "the exact Fisher (K = C - 1 = 2 columns for 3 classes) must try the batched backward"
     assert all(calls), f"{model_name}: the batched backward fell back to the loop"
     monkeypatch.setattr(CurvatureEngine, "_batched_output_grads", staticmethod(lambda *a: None))
     looped = curvature.compute(build(), x, y, kind="fisher", approx=approx)
     for name, blk in batched.blocks.items():
         torch.testing.assert_close(blk.dense(), looped.blocks[name].dense(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_batched_backward_chosen_unless_convolutions(model_name: str) -> None:
+    build, _ = MODELS[model_name]
+    model = build()
+    has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    assert CurvatureEngine(model, kind="fisher", approx="diag").batched_backward is (not has_conv)
+
+
+def test_conv_model_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    build, batch = MODELS["cnn"]
+    x, y = batch(4, "cross_entropy", seed=1)
+    calls = []
+    monkeypatch.setattr(CurvatureEngine, "_batched_output_grads", staticmethod(lambda *a: calls.append(1)))
+    curvature.compute(build(), x, y, kind="fisher", approx="diag")
+    assert not calls

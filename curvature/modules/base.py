@@ -69,6 +69,12 @@ class LayerFamily:
         """
         raise NotImplementedError(f"K-FAC is not defined for {type(module).__name__}")
 
+    def kfac_output_factor(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tensor:
+        """The output-side factor ``G`` alone. It is a sum over the ``K`` backpropagated vectors,
+        so the factors of chunks of ``g [k, N, T, d_out]`` add up to the factor of all of them."""
+        left, right = self.kfac_factors(module, a, g, names)
+        return left if self.kfac_names()[0] == "G" else right
+
     def kfac_names(self) -> Tuple[str, str]:
         """Which of ``(L, R)`` is the input-side factor ``A`` and which the output-side ``G``."""
         return ("G", "A")

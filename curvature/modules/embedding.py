@@ -53,10 +53,12 @@ class EmbeddingFamily(LayerFamily):
         n, t = a.shape[0], a.shape[1]
         oh = self._one_hot(module, a, g.dtype)
         big_a = oh.reshape(-1, oh.shape[-1]).sum(dim=0) / (n * t)
+        return big_a, self.kfac_output_factor(module, a, g, names)
+
+    def kfac_output_factor(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tensor:
         if module.padding_idx is not None:
             g = g * (a != module.padding_idx).to(g.dtype).unsqueeze(0).unsqueeze(-1)
-        big_g = sum_outer(g) / n
-        return big_a, big_g
+        return sum_outer(g) / a.shape[0]
 
     def kfac_names(self) -> Tuple[str, str]:
         return ("A", "G")

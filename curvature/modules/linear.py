@@ -24,6 +24,24 @@ from torch import Tensor, nn
 from .base import LayerFamily, ones_column, sum_outer
 
 
+#: largest per-example-gradient batch ``[n, d_out, d_in]`` formed at once by ``diag_sum`` (elements)
+DIAG_CHUNK_ELEMENTS = 1 << 22
+
+
+def _sum_sq_per_example_products(g: Tensor, a: Tensor) -> Tensor:
+    """``Σ_{k,n} (g[k, n]ᵀ a[n])²`` for ``g [K, N, T, d_out]``, ``a [N, T, d_in]``: ``[d_out, d_in]``."""
+    k_count, n, _, d_out = g.shape
+    d_in = a.shape[2]
+    step = max(1, DIAG_CHUNK_ELEMENTS // max(1, d_out * d_in))
+    total = g.new_zeros(d_out, d_in)
+    for k in range(k_count):
+        gk = g[k].transpose(1, 2)  # [N, d_out, T]
+        for s in range(0, n, step):
+            pe = torch.bmm(gk[s:s + step], a[s:s + step])  # [n, d_out, d_in]
+            total += pe.pow_(2).sum(dim=0)
+    return total
+
+
 class WeightMatrixFamily(LayerFamily):
     """Shared math of a layer ``y_t = W a_t + b`` applied at ``T`` positions."""
 
@@ -44,30 +62,40 @@ class WeightMatrixFamily(LayerFamily):
         return out
 
     def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
-        """With one position per example (``T = 1``) the per-example weight gradient is the outer
-        product ``g aᵀ``, so ``Σ (g aᵀ)² = (g²)ᵀ(a²)``: ``O(K·N·d_in·d_out)`` with no per-example tensor."""
-        if a.shape[1] != 1:
-            return None
-        g2 = g[:, :, 0].pow(2)  # [K, N, d_out]
+        """``Σ_{k,n} (per-example gradient)²`` as ``[P]`` (weight then bias, row-major).
+
+        ``T = 1``: the per-example weight gradient is the outer product ``g aᵀ``, so
+        ``Σ (g aᵀ)² = (g²)ᵀ(a²)``: ``O(K·N·d_in·d_out)`` with no per-example tensor.
+        ``T > 1``: one ``[n, d_out, d_in]`` batch of per-example gradients ``g_kn a_nᵀ`` at a time
+        (one ``bmm`` per backpropagated vector ``k`` and chunk of examples, bounded to
+        :data:`DIAG_CHUNK_ELEMENTS` elements), squared and summed at once: no ``[K, N, P]`` tensor,
+        no permuted copy of ``g`` or ``a``.
+        """
         parts = []
-        for name in names:
-            if name == "weight":
-                parts.append(torch.einsum("knd,nj->dj", g2, a[:, 0].to(g.dtype).pow(2)).reshape(-1))
+        if "weight" in names:
+            if a.shape[1] == 1:
+                g2 = g[:, :, 0].pow(2)  # [K, N, d_out]
+                w = torch.einsum("knd,nj->dj", g2, a[:, 0].to(g.dtype).pow(2))
             else:
-                parts.append(g2.sum(dim=(0, 1)))
+                w = _sum_sq_per_example_products(g, a.to(g.dtype))
+            parts.append(w.reshape(-1))
+        if "bias" in names:
+            parts.append(g.sum(dim=2).pow(2).sum(dim=(0, 1)))
         return torch.cat(parts)
 
     def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
                      names: Sequence[str]) -> Tuple[Tensor, Tensor]:
         n, t = a.shape[0], a.shape[1]
+        big_g = self.kfac_output_factor(module, a, g, names)
         if "weight" not in names:  # frozen weight, trainable bias: the input is the constant 1
-            return sum_outer(g) / n, g.new_ones(1, 1)
+            return big_g, g.new_ones(1, 1)
         a = a.to(g.dtype)
         if "bias" in names:
             a = ones_column(a)
-        big_a = sum_outer(a) / (n * t)
-        big_g = sum_outer(g) / n
-        return big_g, big_a
+        return big_g, sum_outer(a) / (n * t)
+
+    def kfac_output_factor(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tensor:
+        return sum_outer(g) / a.shape[0]
 
     def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
         rows, cols = self.weight_matrix_shape(module)
