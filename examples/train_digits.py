@@ -16,7 +16,7 @@ The torchsso2 part is three lines: build the optimizer, write a closure that ret
 ``(loss, output)``, call ``opt.step(closure)``::
 
     opt = SecondOrderOptimizer(model, lr=0.01, momentum=0.9, curvature="fisher_mc", approx="kfac",
-                               damping=0.1, inv_update_interval=10)
+                               damping=0.1, curv_update_interval=10, inv_update_interval=10)
     def closure():
         opt.zero_grad()
         out = model(x)

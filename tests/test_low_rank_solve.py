@@ -9,7 +9,16 @@ import torch
 from torch import nn
 
 from torchsso2 import SecondOrderOptimizer
+from torchsso2.optim import lowrank
 from torchsso2.optim.lowrank import low_rank_pays
+
+
+@pytest.fixture(autouse=True)
+def tiny_layers_count(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The models here are tiny (float64 exactness); let them take the low-rank path by FLOPs
+    alone, except in the test of the size threshold itself."""
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(lowrank, "MIN_DENSE_WORK", 0)
 
 
 class MeanOverPositions(nn.Module):
@@ -75,6 +84,17 @@ def test_weight_decay_and_narrow_layers_take_the_dense_path() -> None:
     opt, _ = train(wide_model(), batch=64)  # R = 64 rows: dense rotation is cheaper
     assert opt.low_rank.num_low_rank == 0
     assert low_rank_pays(3, 30, 21) and not low_rank_pays(64, 30, 21)
+
+
+def test_size_threshold_leaves_small_models_unhooked() -> None:
+    """Below MIN_DENSE_WORK the hooks and probe cost more than the FLOPs saved: no recorder at all."""
+    opt, _ = train(wide_model())
+    assert opt.low_rank is None
+    assert not low_rank_pays(3, 30, 21)
+    wide = nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 3))
+    opt = SecondOrderOptimizer(wide, lr=0.1, damping=0.1)
+    assert list(opt.low_rank.recorder.modules) == ["0"]  # 300·201·501 multiply-adds; the 3-wide head is not
+    assert low_rank_pays(8, 300, 201) and not low_rank_pays(8, 3, 301)
 
 
 def test_gradient_accumulation_takes_the_dense_path() -> None:

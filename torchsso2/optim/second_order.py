@@ -123,8 +123,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self.low_rank: Optional[LowRankSolver] = None
         if low_rank_solve and self.comm.world_size == 1 and grad_scaler is None:
             kfac = {n: lay.module for n, lay in self.engine.layouts.items() if self.engine.approx[n].value == "kfac"}
-            if kfac:
-                self.low_rank = LowRankSolver(kfac, seed=self.seed)
+            solver = LowRankSolver(kfac, seed=self.seed)
+            if solver.recorder.modules:  # some Linear layer is wide enough for the low-rank path to pay
+                self.low_rank = solver
 
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
