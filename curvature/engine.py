@@ -175,25 +175,31 @@ class CurvatureEngine:
         """
         inputs: Dict[str, Tensor] = {}
         sums: Dict[str, List[Tensor]] = {}
+
+        def normal_input(name: str, dt: torch.dtype) -> Tensor:
+            if name not in inputs:
+                lay, rec = self.layouts[name], records[name]
+                a = lay.family.normal_input(lay.module, rec.inputs, rec.output)
+                inputs[name] = a.to(dt) if a.dtype.is_floating_point else a
+            return inputs[name]
+
         for grads in chunks:
             for name, lay in self.layouts.items():
                 fam, mod = lay.family, lay.module
                 g = fam.normal_output_grad(mod, grads[name].detach())
                 dt = compute_dtype(g.dtype if g.dtype.is_floating_point else torch.float32)
                 g = g.to(dt)
-                if name not in inputs:
-                    rec = records[name]
-                    a = fam.normal_input(mod, rec.inputs, rec.output)
-                    inputs[name] = a.to(dt) if a.dtype.is_floating_point else a
-                a = inputs[name]
                 shape = self.approx[name]
                 if shape is Approx.KFAC:
                     if name not in sums:
-                        sums[name] = list(fam.kfac_factors(mod, a, g, lay.param_names))
+                        rec = records[name]
+                        sums[name] = list(fam.kfac_factors_from_inputs(mod, rec.inputs, rec.output, g,
+                                                                       lay.param_names))
                     else:
+                        a = normal_input(name, dt) if fam.output_factor_needs_input else None
                         sums[name][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, a, g, lay.param_names)
                 else:
-                    part = self._per_example_sum(lay, shape, a, g)
+                    part = self._per_example_sum(lay, shape, normal_input(name, dt), g)
                     if name in sums:
                         sums[name][0] += part
                     else:

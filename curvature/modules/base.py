@@ -69,9 +69,20 @@ class LayerFamily:
         """
         raise NotImplementedError(f"K-FAC is not defined for {type(module).__name__}")
 
-    def kfac_output_factor(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tensor:
+    #: whether :meth:`kfac_output_factor` reads ``a`` (Embedding's padding mask); when False the
+    #: engine passes None and never builds the normal-form input for it
+    output_factor_needs_input: bool = True
+
+    def kfac_factors_from_inputs(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Optional[Tensor],
+                                 g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        """:meth:`kfac_factors` from the recorded forward (``inputs``: the module's inputs), for
+        families with a cheaper route than the normal form (Conv2d: no unfolded patches)."""
+        return self.kfac_factors(module, self.normal_input(module, inputs, output), g, names)
+
+    def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         """The output-side factor ``G`` alone. It is a sum over the ``K`` backpropagated vectors,
-        so the factors of chunks of ``g [k, N, T, d_out]`` add up to the factor of all of them."""
+        so the factors of chunks of ``g [k, N, T, d_out]`` add up to the factor of all of them.
+        ``a`` is the normal-form input, or None when :attr:`output_factor_needs_input` is False."""
         left, right = self.kfac_factors(module, a, g, names)
         return left if self.kfac_names()[0] == "G" else right
 

@@ -9,7 +9,7 @@ K-FAC (Kronecker order ``A ⊗ G`` over row-major ``vec(W)``, W of shape ``[V, D
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Optional, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +55,11 @@ class EmbeddingFamily(LayerFamily):
         big_a = oh.reshape(-1, oh.shape[-1]).sum(dim=0) / (n * t)
         return big_a, self.kfac_output_factor(module, a, g, names)
 
-    def kfac_output_factor(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tensor:
+    def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         if module.padding_idx is not None:
+            assert a is not None, "Embedding's G needs the token indices (padding mask)"
             g = g * (a != module.padding_idx).to(g.dtype).unsqueeze(0).unsqueeze(-1)
-        return sum_outer(g) / a.shape[0]
+        return sum_outer(g) / g.shape[1]
 
     def kfac_names(self) -> Tuple[str, str]:
         return ("A", "G")

@@ -94,8 +94,10 @@ class WeightMatrixFamily(LayerFamily):
             a = ones_column(a)
         return big_g, sum_outer(a) / (n * t)
 
-    def kfac_output_factor(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tensor:
-        return sum_outer(g) / a.shape[0]
+    output_factor_needs_input = False
+
+    def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
+        return sum_outer(g) / g.shape[1]
 
     def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
         rows, cols = self.weight_matrix_shape(module)

@@ -74,12 +74,12 @@ def kfac_pytorch_factors(family: LayerFamily, module: nn.Module, inputs: Tuple[T
         grad_output = grad_output.to(factor_dtype)
     if grad_scale is not None:
         grad_output = grad_output / grad_scale
-    # the families ignore ``output`` for Linear/Conv2d (they only read the input)
-    a = family.normal_input(module, (x,) + tuple(inputs[1:]), None)  # type: ignore[arg-type]
+    # the families ignore ``output`` for Linear/Conv2d (they only read the input); a stride-1
+    # Conv2d's A comes from offset correlations (curvature/modules/conv_factor.py), not patches
     g = family.normal_output_grad(module, grad_output.unsqueeze(0))
-    left, right = family.kfac_factors(module, a, g, names)
+    left, right = family.kfac_factors_from_inputs(module, (x,) + tuple(inputs[1:]), None, g, names)
     by_name = dict(zip(family.kfac_names(), (left, right)))
-    s_a, s_g = kfac_pytorch_scales(module, a.shape[1])
+    s_a, s_g = kfac_pytorch_scales(module, g.shape[2])
     big_a, big_g = by_name["A"], by_name["G"]
     if s_a != 1.0:
         big_a = big_a * s_a
