@@ -87,9 +87,9 @@ def machine_line(report: Dict[str, Any]) -> str:
 
 
 def time_training_steps(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, window: int,
-                        repeats: int, step: Optional[Callable[[Any, Callable[[], Any]], Any]] = None
-                        ) -> List[float]:
-    """Mean seconds per training step over ``window`` consecutive steps, ``repeats`` times (3 warm-up steps).
+                        repeats: int, step: Optional[Callable[[Any, Callable[[], Any]], Any]] = None,
+                        warmup: int = 3) -> List[float]:
+    """Mean seconds per training step over ``window`` consecutive steps, ``repeats`` times (``warmup`` steps first).
 
     A step is ``step(opt, closure)`` with the examples' cross-entropy closure; the default
     (:func:`examples.common.optimizer_step`) calls ``opt.step(closure)`` for torchsso2
@@ -104,7 +104,7 @@ def time_training_steps(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: to
         for _ in range(window):
             one_step(opt, closure)
 
-    for _ in range(3):
+    for _ in range(warmup):
         one_step(opt, closure)
     return [t / window for t in time_call(run_window, None, repeats, warmup=0)]
 

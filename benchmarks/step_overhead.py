@@ -215,7 +215,9 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, *mspec.input_shape, generator=gen)
             y = torch.randint(0, 10, (batch,), generator=gen)
-            base: Dict[str, float] = {}
+            # build every optimizer first, then time them round-robin (one window each per round):
+            # slow drifts of the machine (this 2-core box swings ±10% over minutes) hit all alike
+            runs: List[Tuple[OptSpec, nn.Module, Any, int]] = []
             for spec in specs:
                 key = f"{mspec.name} B={batch} {spec.name}"
                 if spec.name.startswith("kfac_pytorch") and kfac_mod is None:
@@ -234,10 +236,18 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
                     warnings.simplefilter("ignore")
                     opt = build_optimizer(spec, model, kfac_mod)
                 window = spec.window if args.mode != "quick" else min(spec.window, 100)
-                logger.info("timing %s (window %d steps x %d)", key, window, args.repeats)
-                times = time_training_steps(model, opt, x, y, window, args.repeats)
+                runs.append((spec, model, opt, window))
+            times: Dict[str, List[float]] = {spec.name: [] for spec, *_ in runs}
+            for r in range(args.repeats):
+                for spec, model, opt, window in runs:
+                    logger.info("timing %s B=%d %s (window %d steps, round %d/%d)", mspec.name, batch, spec.name,
+                                window, r + 1, args.repeats)
+                    times[spec.name] += time_training_steps(model, opt, x, y, window, 1, warmup=3 if r == 0 else 0)
+            base: Dict[str, float] = {}
+            for spec, model, opt, window in runs:
+                key = f"{mspec.name} B={batch} {spec.name}"
                 nskip = getattr(opt, "num_skipped", 0)
-                s = summarize(times)
+                s = summarize(times[spec.name])
                 if spec.name in ("sgd", "adam"):
                     base[spec.name] = s["min_s"]
                     base[spec.name + "_median"] = s["median_s"]
@@ -256,6 +266,7 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
                     logger.warning("%s: %d non-finite steps were skipped; its time is not representative", key, nskip)
                 rows.append(row)
                 print(f"  {key:45s} {1e3 * s['min_s']:9.2f} ms  ({fmt_ratio(row['ratio_sgd_min'])} SGD)", flush=True)
+            del runs
     return rows, skipped
 
 
