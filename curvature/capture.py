@@ -37,16 +37,24 @@ class Capture:
             right after the model's forward returns (before any user ``backward``).
         on_output: callback ``f(output)``.
         record_backward: also record ``∂loss/∂output`` of each module during the user's backward.
+        on_reuse: a module called more than once in one forward: ``"raise"`` (ValueError: the
+            curvature of shared layers is not supported) or ``"count"`` (keep the first record and
+            count the calls in :attr:`calls`, for users that only need to detect it).
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
                  on_output: Optional[Callable[[Tensor], None]] = None,
-                 record_backward: bool = False) -> None:
+                 record_backward: bool = False, on_reuse: str = "raise") -> None:
+        if on_reuse not in ("raise", "count"):
+            raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
         self.root = root
         self.on_output = on_output
         self.record_backward = record_backward
+        self.on_reuse = on_reuse
         self.records: Dict[str, ModuleRecord] = {}
+        #: forward calls per module while recording (grad mode on)
+        self.calls: Dict[str, int] = {}
         self.outputs: List[Tensor] = []
         self._handles: List[RemovableHandle] = []
 
@@ -66,7 +74,10 @@ class Capture:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
             if not torch.is_grad_enabled():
                 return None
+            self.calls[name] = self.calls.get(name, 0) + 1
             if name in self.records:
+                if self.on_reuse == "count":
+                    return None
                 raise ValueError(
                     f"module {name!r} ({type(module).__name__}) was called more than once in one forward; "
                     "modules reused within a forward (shared layers) are not supported")

@@ -333,3 +333,28 @@ def test_diag_reciprocals_follow_the_decomposition() -> None:
     assert not torch.allclose(first, second)
     blk.decomposition["denom"].mul_(2.0)
     torch.testing.assert_close(blk.layout.flatten(blk.solve(v)), 0.5 / (blk.diagonal + 10 * DAMPING))
+
+
+def test_kfac_eigen_solve_padding_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Factor sizes >= PAD_MIN are zero-padded to a multiple of PAD_MULTIPLE inside the eigen solve
+    (faster BLAS); the result must equal the unpadded solve, and follow a changed decomposition."""
+    from curvature.blocks import kfac as kfac_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(299, 260), nn.Tanh(), nn.Linear(260, 3)).double()
+    x, y = torch.randn(8, 299, dtype=torch.float64), torch.randint(0, 3, (8,))
+    blk = curvature.compute(model, x, y, kind="fisher", approx="kfac").blocks["0"]
+    blk.decompose(DAMPING)
+    v = [torch.randn(s, dtype=torch.float64) for s in blk.layout.shapes]
+    padded = blk.solve(v)
+    pad = blk._padded(blk.decomposition)
+    assert pad["denom"].shape == (264, 304) and pad["ql"].shape == (264, 264)
+    monkeypatch.setattr(kfac_module, "PAD_MIN", 10 ** 9)
+    assert blk._padded(blk.decomposition) is blk.decomposition
+    plain = blk.solve(v)
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    monkeypatch.setattr(kfac_module, "PAD_MIN", 256)
+    blk.decomposition["denom"].mul_(2.0)
+    for a, b in zip(blk.solve(v), plain):
+        torch.testing.assert_close(a, 0.5 * b, rtol=1e-12, atol=1e-14)

@@ -225,6 +225,21 @@ def test_module_called_twice_refused() -> None:
         _compute(model, torch.randn(4, 3, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
 
 
+def test_capture_count_mode_counts_reuse_and_keeps_first_record() -> None:
+    from curvature.capture import Capture
+
+    fc = nn.Linear(3, 3)
+    x1, x2 = torch.randn(2, 3), torch.randn(2, 3)
+    with Capture({"fc": fc}, record_backward=True, on_reuse="count") as cap:
+        fc(fc(x1)).sum().backward()
+        fc(x2)
+    assert cap.calls == {"fc": 3}
+    assert torch.equal(cap.records["fc"].inputs[0], x1)
+    assert len(cap.records["fc"].backward_grads) == 1
+    with pytest.raises(ValueError, match="on_reuse='ignore'"):
+        Capture({"fc": fc}, on_reuse="ignore")
+
+
 def test_covered_module_not_called_refused() -> None:
     class Unused(nn.Module):
         def __init__(self) -> None:

@@ -93,7 +93,7 @@ def test_size_threshold_leaves_small_models_unhooked() -> None:
     assert not low_rank_pays(3, 30, 21)
     wide = nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 3))
     opt = SecondOrderOptimizer(wide, lr=0.1, damping=0.1)
-    assert list(opt.low_rank.recorder.modules) == ["0"]  # 300·201·501 multiply-adds; the 3-wide head is not
+    assert list(opt.low_rank.modules) == ["0"]  # 300·201·501 multiply-adds; the 3-wide head is not
     assert low_rank_pays(8, 300, 201) and not low_rank_pays(8, 3, 301)
 
 

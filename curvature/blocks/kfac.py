@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..linalg import get_backend
@@ -23,8 +24,27 @@ from .base import Block, check_positive, compute_dtype
 from .layout import Layout
 
 
+#: eigen-basis solves zero-pad factor sizes ``>= PAD_MIN`` to a multiple of ``PAD_MULTIPLE``: on
+#: CPU BLAS ``[512, 785] @ [785, 785]`` runs 4% and ``[512, 512]ᵀ @ [512, 785]`` 15% slower than the
+#: padded ``792`` versions; the zero rows/columns add exact zeros, so the result is the same
+PAD_MIN = 256
+PAD_MULTIPLE = 8
+
+
 def _dense_factor(f: Tensor) -> Tensor:
     return torch.diag(f) if f.dim() == 1 else f
+
+
+def _padded_size(k: int) -> int:
+    return k if k < PAD_MIN or k % PAD_MULTIPLE == 0 else k + PAD_MULTIPLE - k % PAD_MULTIPLE
+
+
+def _pad_square(q: Optional[Tensor], size: int) -> Optional[Tensor]:
+    if q is None or q.shape[0] == size:
+        return q
+    out = q.new_zeros(size, size)
+    out[:q.shape[0], :q.shape[1]] = q
+    return out
 
 
 class KFACBlock(Block):
@@ -36,6 +56,7 @@ class KFACBlock(Block):
         super().__init__(layout)
         self.left = left.to(compute_dtype(left.dtype))
         self.right = right.to(compute_dtype(right.dtype))
+        self._pad_cache: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None
 
     # ---- names --------------------------------------------------------------------------
     @property
@@ -126,13 +147,37 @@ class KFACBlock(Block):
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         d = self._require_decomposition()
         if d["method"] == "eigen":
-            ql, qr = d["ql"], d["qr"]
             m = self._to_matrix(vecs, d["denom"].dtype)
-            out = self._from_eigenbasis(self._apply_right(self._apply_left(ql, m, True), qr, False), d)
+            rows, cols = m.shape
+            p = self._padded(d)
+            if p["denom"].shape != m.shape:
+                m = F.pad(m, (0, p["denom"].shape[1] - cols, 0, p["denom"].shape[0] - rows))
+            rot = self._apply_right(self._apply_left(p["ql"], m, True), p["qr"], False)
+            out = self._from_eigenbasis(rot, p)[:rows, :cols]
         else:
             m = self._to_matrix(vecs, d["linv"].dtype)
             out = self._mul_factor_right(self._mul_factor_left(d["linv"], m), d["rinv"])
         return self._from_matrix(out, vecs)
+
+    def _padded(self, d: Dict[str, Any]) -> Dict[str, Any]:
+        """``d`` with ``Q_L``, ``Q_R`` zero-padded and ``denom`` one-padded to BLAS-friendly sizes
+        (:data:`PAD_MIN`, :data:`PAD_MULTIPLE`); ``d`` itself when no size changes. Cached per
+        decomposition (refreshed when the decomposition or its ``denom`` changes)."""
+        ql, qr, denom = d["ql"], d["qr"], d["denom"]
+        rows = _padded_size(denom.shape[0]) if ql is not None else denom.shape[0]
+        cols = _padded_size(denom.shape[1]) if qr is not None else denom.shape[1]
+        if (rows, cols) == tuple(denom.shape):
+            return d
+        cached = getattr(self, "_pad_cache", None)
+        fresh = cached is not None and cached[0][0] is ql and cached[0][1] is qr and cached[0][2] is denom \
+            and cached[0][3] == denom._version
+        if not fresh:
+            dp = denom.new_ones(rows, cols)
+            dp[:denom.shape[0], :denom.shape[1]] = denom
+            cached = ((ql, qr, denom, denom._version),
+                      {"ql": _pad_square(ql, rows), "qr": _pad_square(qr, cols), "denom": dp})
+            self._pad_cache = cached
+        return cached[1]
 
     def solve_low_rank(self, g: Tensor, a: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
         """:meth:`solve` of a gradient given as ``gᵀa`` (``g [R, n_L]``, ``a [R, n_R]``): the

@@ -13,7 +13,7 @@ Safety: ``p.grad`` is what the optimizer must precondition, and a closure may ch
 vector ``r``, ``∇ r`` must equal ``gᵀ(ã r)`` to a relative ``PROBE_RTOL``; otherwise (or when
 the hooks saw no single clean backward) the block takes the dense path. A residual that is
 orthogonal to ``r`` or below ``PROBE_RTOL`` of the gradient would go unnoticed; the probe is
-redrawn every step from the recorder's own generator, so the optimizer's sampling stream is
+redrawn every step from the solver's own generator, so the optimizer's sampling stream is
 untouched.
 """
 from __future__ import annotations
@@ -23,9 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
-
 from curvature.blocks import KFACBlock
+from curvature.capture import Capture
 from curvature.modules.linear import LinearFamily
 
 logger = logging.getLogger(__name__)
@@ -51,70 +50,53 @@ def worth_recording(module: nn.Linear) -> bool:
     return n * m * (n + m) >= MIN_DENSE_WORK
 
 
-class GradientRecorder:
-    """Forward hooks recording each eligible Linear's input and, through a tensor hook on its
-    output, the output gradient of the user's ``backward()`` (one forward per closure). The
-    module's output is replaced by a clone (``[R, n]``, cheap next to the layer's matmul)."""
+def recorder(modules: Dict[str, nn.Module]) -> Capture:
+    """A capture of each module's input and, through a tensor hook on its output, of the output
+    gradient of the user's ``backward()``; repeated calls (accumulation) are counted, not refused."""
+    return Capture(modules, record_backward=True, on_reuse="count")
 
-    def __init__(self, modules: Dict[str, nn.Module]) -> None:
-        self.modules = modules
-        self.inputs: Dict[str, List[Tensor]] = {}
-        self.grads: Dict[str, List[Tensor]] = {}
-        self._handles: List[RemovableHandle] = []
 
-    def __enter__(self) -> "GradientRecorder":
-        self.inputs.clear()
-        self.grads.clear()
-        for name, module in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._hook(name)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _hook(self, name: str):
-        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
-            if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
-                return None
-            self.inputs.setdefault(name, []).append(inputs[0].detach())
-            output.register_hook(lambda g: self.grads.setdefault(name, []).append(g.detach()))
-            # the model continues with a clone: an in-place op after the layer (ReLU(inplace=True))
-            # then leaves the hooked tensor alone (its hook would otherwise never fire)
-            return output.clone()
-        return hook
-
-    def factors(self, name: str) -> Optional[Tuple[Tensor, Tensor]]:
-        """``(g [R, n], a [R, m])`` of the module's single forward/backward, or None."""
-        ins, gs = self.inputs.get(name, []), self.grads.get(name, [])
-        if len(ins) != 1 or not gs:  # several forwards (accumulation) or no backward
-            return None
-        # the last backward through the output is the user's (a curvature backward of the
-        # optimizer runs at the end of the forward, before it); the probe checks it anyway
-        a, g = ins[0], gs[-1]
-        if a.shape[:-1] != g.shape[:-1]:
-            return None
-        return g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
+def recorded_factors(capture: Capture, name: str) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(g [R, n], a [R, m])`` of the module's single forward/backward, or None."""
+    rec = capture.records.get(name)
+    if rec is None or capture.calls.get(name) != 1 or not rec.backward_grads:  # accumulation, or no backward
+        return None
+    # the last backward through the output is the user's (a curvature backward of the optimizer
+    # runs at the end of the forward, before it); the probe checks it anyway
+    a, g = rec.inputs[0], rec.backward_grads[-1]
+    if not isinstance(a, Tensor) or a.shape[:-1] != g.shape[:-1]:
+        return None
+    return g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
 
 
 class LowRankSolver:
-    """Preconditions the eligible Linear K-FAC blocks of one step from a :class:`GradientRecorder`."""
+    """Preconditions the eligible Linear K-FAC blocks of one step from the capture of
+    :meth:`record` (a :class:`~curvature.capture.Capture` with ``record_backward=True,
+    on_reuse="count"``)."""
 
     def __init__(self, blocks_modules: Dict[str, nn.Module], seed: int = 0) -> None:
-        self.recorder = GradientRecorder({n: m for n, m in blocks_modules.items()
-                                          if isinstance(m, nn.Linear) and worth_recording(m)})
+        #: the Linear layers wide enough to be worth recording
+        self.modules = {n: m for n, m in blocks_modules.items() if isinstance(m, nn.Linear) and worth_recording(m)}
+        self.capture: Optional[Capture] = None
         self.generator = torch.Generator().manual_seed(seed)
         self.num_low_rank = 0   # blocks solved on the low-rank path
         self.num_rejected = 0   # blocks whose probe failed (gradient changed after backward)
 
+    def record(self) -> Capture:
+        """The capture to run the step's closure in (kept for :meth:`solve`)."""
+        self.capture = recorder(self.modules)
+        return self.capture
+
     def solve(self, blocks: Dict[str, "KFACBlock"], grads: Dict[int, Tensor]) -> Dict[str, List[Tensor]]:
         """``{block name: preconditioned gradients}`` for the blocks that took the low-rank path."""
         out: Dict[str, List[Tensor]] = {}
+        capture, self.capture = self.capture, None
+        if capture is None:
+            return out
         for name, blk in blocks.items():
             if not self._eligible(blk):
                 continue
-            rec = self.recorder.factors(name)
+            rec = recorded_factors(capture, name)
             if rec is None:
                 continue
             g, a = rec

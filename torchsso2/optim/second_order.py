@@ -124,13 +124,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if low_rank_solve and self.comm.world_size == 1 and grad_scaler is None:
             kfac = {n: lay.module for n, lay in self.engine.layouts.items() if self.engine.approx[n].value == "kfac"}
             solver = LowRankSolver(kfac, seed=self.seed)
-            if solver.recorder.modules:  # some Linear layer is wide enough for the low-rank path to pay
+            if solver.modules:  # some Linear layer is wide enough for the low-rank path to pay
                 self.low_rank = solver
 
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
-        with self.low_rank.recorder if self.low_rank is not None else contextlib.nullcontext():
+        with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext():
             loss, output, fresh = self._run_closure(closure, targets, estimate)
         if not self._unscale_grads():
             self.num_steps += 1

@@ -224,15 +224,19 @@ class VIOptimizer(CurvatureOptimizer):
         if noise is None:
             yield
             return
-        means = [p.detach().clone() for p in covered]
+        # the parameters point at fresh tensors μ + ε while the closure runs and get their own
+        # tensors back afterwards: one pass over the weights instead of clone + add + copy back,
+        # and the mean is restored bit for bit (it is never written)
+        means = [p.data for p in covered]
+        with torch.no_grad():
+            sampled = torch._foreach_add(means, [noise[id(p)] for p in covered])
         try:
-            with torch.no_grad():
-                torch._foreach_add_([p.detach() for p in covered], [noise[id(p)] for p in covered])
+            for p, w in zip(covered, sampled):
+                p.data = w
             yield
         finally:
-            with torch.no_grad():
-                for p, m in zip(covered, means):
-                    p.copy_(m)
+            for p, m in zip(covered, means):
+                p.data = m
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
