@@ -210,9 +210,9 @@ class CurvatureEngine:
             if shape is Approx.KFAC:
                 blocks[name] = KFACBlock(lay, *sums[name])
             elif shape is Approx.DIAG:
-                blocks[name] = DiagBlock(lay, sums[name][0] / batch_size)
+                blocks[name] = DiagBlock(lay, sums[name][0].div_(batch_size))  # the sums are ours: in place
             else:
-                blocks[name] = FullBlock(lay, sums[name][0] / batch_size)
+                blocks[name] = FullBlock(lay, sums[name][0].div_(batch_size))
         return blocks
 
     @staticmethod

@@ -46,7 +46,8 @@ def test_cost_rule() -> None:
     assert offset_factor_pays(nn.Conv2d(64, 64, 3, padding=1), (32, 32))
     assert not offset_factor_pays(nn.Conv2d(64, 64, 1), (32, 32))          # 1×1: nothing to share
     assert not offset_factor_pays(nn.Conv2d(64, 64, 3, stride=2, padding=1), (32, 32))  # stride 2
-    assert not offset_factor_pays(nn.Conv2d(4, 4, 3, padding="same"), (8, 8))
+    assert not offset_factor_pays(nn.Conv2d(4, 4, 3, padding="same"), (16, 16))
+    assert not offset_factor_pays(nn.Conv2d(8, 8, 3, padding=1), (8, 8))  # small image: overhead wins
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -56,8 +57,8 @@ def test_engine_kfac_conv_uses_offsets_and_matches_unfolded(bias: bool, monkeypa
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=bias), nn.ReLU(), nn.Conv2d(4, 5, 3, padding=1),
-                          nn.ReLU(), nn.Flatten(), nn.Linear(5 * 8 * 8, 3)).double()
-    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 3, (4,))
+                          nn.ReLU(), nn.Flatten(), nn.Linear(5 * 16 * 16, 3)).double()
+    x, y = torch.randn(4, 3, 16, 16, dtype=torch.float64), torch.randint(0, 3, (4,))
     calls = []
     original = conv_factor.conv_input_factor
 

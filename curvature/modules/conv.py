@@ -48,7 +48,7 @@ class Conv2dFamily(WeightMatrixFamily):
             return super().kfac_factors_from_inputs(module, inputs, output, g, names)
         big_a = conv_factor.conv_input_factor(x.to(g.dtype), module.kernel_size, module.dilation, module.padding,
                                               bias="bias" in names)
-        return self.kfac_output_factor(module, None, g, names), big_a / (x.shape[0] * g.shape[2])
+        return self.kfac_output_factor(module, None, g, names), big_a.div_(x.shape[0] * g.shape[2])
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
         k, n, c = g.shape[0], g.shape[1], g.shape[2]

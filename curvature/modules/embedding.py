@@ -59,7 +59,7 @@ class EmbeddingFamily(LayerFamily):
         if module.padding_idx is not None:
             assert a is not None, "Embedding's G needs the token indices (padding mask)"
             g = g * (a != module.padding_idx).to(g.dtype).unsqueeze(0).unsqueeze(-1)
-        return sum_outer(g) / g.shape[1]
+        return sum_outer(g, 1.0 / g.shape[1])
 
     def kfac_names(self) -> Tuple[str, str]:
         return ("A", "G")

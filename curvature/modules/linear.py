@@ -92,12 +92,12 @@ class WeightMatrixFamily(LayerFamily):
         a = a.to(g.dtype)
         if "bias" in names:
             a = ones_column(a)
-        return big_g, sum_outer(a) / (n * t)
+        return big_g, sum_outer(a, 1.0 / (n * t))
 
     output_factor_needs_input = False
 
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
-        return sum_outer(g) / g.shape[1]
+        return sum_outer(g, 1.0 / g.shape[1])
 
     def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
         rows, cols = self.weight_matrix_shape(module)
