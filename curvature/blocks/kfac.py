@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..linalg import get_backend
@@ -147,11 +146,14 @@ class KFACBlock(Block):
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         d = self._require_decomposition()
         if d["method"] == "eigen":
-            m = self._to_matrix(vecs, d["denom"].dtype)
-            rows, cols = m.shape
+            rows, cols = d["denom"].shape
             p = self._padded(d)
-            if p["denom"].shape != m.shape:
-                m = F.pad(m, (0, p["denom"].shape[1] - cols, 0, p["denom"].shape[0] - rows))
+            if p is d:
+                m = self._to_matrix(vecs, d["denom"].dtype)
+            else:  # straight into the block's zero-padded buffer (kept: no fresh pages every step)
+                m = p["buffer"]
+                self.layout.family.to_matrix_into(self.layout.module, list(vecs), self.layout.param_names,
+                                                  m[:rows, :cols])
             rot = self._apply_right(self._apply_left(p["ql"], m, True), p["qr"], False)
             out = self._from_eigenbasis(rot, p)[:rows, :cols]
         else:
@@ -175,7 +177,8 @@ class KFACBlock(Block):
             dp = denom.new_ones(rows, cols)
             dp[:denom.shape[0], :denom.shape[1]] = denom
             cached = ((ql, qr, denom, denom._version),
-                      {"ql": _pad_square(ql, rows), "qr": _pad_square(qr, cols), "denom": dp})
+                      {"ql": _pad_square(ql, rows), "qr": _pad_square(qr, cols), "denom": dp,
+                       "buffer": denom.new_zeros(rows, cols)})
             self._pad_cache = cached
         return cached[1]
 
@@ -192,7 +195,9 @@ class KFACBlock(Block):
 
     def _from_eigenbasis(self, rot: Tensor, d: Dict[str, Any]) -> Tensor:
         """``Q_L (rot ⊘ denom) Q_Rᵀ``: the second half of the eigen-basis solve."""
-        return self._apply_right(self._apply_left(d["ql"], rot / d["denom"], False), d["qr"], True)
+        # rot is a fresh matmul result when some side rotates (then divide in place, no new pages)
+        rot = rot.div_(d["denom"]) if d["ql"] is not None or d["qr"] is not None else rot / d["denom"]
+        return self._apply_right(self._apply_left(d["ql"], rot, False), d["qr"], True)
 
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
         d = self._require_decomposition()

@@ -94,6 +94,10 @@ class LayerFamily:
         """Pack per-parameter tensors (param shapes, covered order) into ``M [rows, cols]``."""
         raise NotImplementedError
 
+    def to_matrix_into(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
+        """:meth:`to_matrix` written into ``out [rows, cols]`` (e.g. a view of a padded buffer)."""
+        out.copy_(self.to_matrix(module, tensors, names))
+
     def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
         """Inverse of :meth:`to_matrix`."""
         raise NotImplementedError

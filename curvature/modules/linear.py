@@ -109,6 +109,16 @@ class WeightMatrixFamily(LayerFamily):
             m = torch.cat([m, by_name["bias"].reshape(rows, 1)], dim=1)
         return m
 
+    def to_matrix_into(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
+        rows, cols = self.weight_matrix_shape(module)
+        by_name = dict(zip(names, tensors))
+        if "weight" not in by_name:
+            out.copy_(by_name["bias"].reshape(rows, 1))
+            return
+        out[:, :cols].copy_(by_name["weight"].reshape(rows, cols))
+        if "bias" in by_name:
+            out[:, cols].copy_(by_name["bias"].reshape(rows))
+
     def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
         rows, cols = self.weight_matrix_shape(module)
         res: List[Tensor] = []
