@@ -132,9 +132,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dense-max-params", type=int, default=None,
                    help="largest model (parameters) for the dense comparisons (default 4000; --quick 2000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write the JSON report here (default benchmarks/results/peers_curvature.json when all "
+                   "default models and quantities run; none with --quick, --models or --quantities)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
+    if a.json is None and not a.quick and not a.models and a.quantities == list(QUANTITIES):
+        a.json = Path(__file__).resolve().parent / "results" / "peers_curvature.json"
     a.models = a.models or list(QUICK_MODELS if a.quick else FULL_MODELS)
     a.batch = a.batch or (32 if a.quick else 128)
     a.budget = a.budget if a.budget is not None else (0.3 if a.quick else 1.0)

@@ -77,9 +77,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=None, help="max epochs per run")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--target", type=float, default=TARGET, help="test accuracy to reach")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write the JSON report here (default benchmarks/results/peers_training.json with --full, "
+                   "the run README's table needs; none otherwise)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
+    if a.json is None and a.full and not a.models and a.optimizers == list(OPTIMIZERS):
+        a.json = Path(__file__).resolve().parent / "results" / "peers_training.json"
     a.models = a.models or (["mlp", "cnn"] if a.full else ["mlp"])
     a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.epochs = a.epochs or (2 if a.quick else 40)

@@ -103,3 +103,15 @@ def test_scratch_results_dir_leaves_readme_alone(tmp_path: Path) -> None:
     explicit = tmp_path / "R.md"
     assert bench_run.readme_target(bench_run.parse_args(["--quick", "--results-dir", str(tmp_path),
                                                          "--readme", str(explicit)])) == explicit
+
+
+def test_peer_benchmarks_default_json_only_for_the_readme_runs() -> None:
+    """A full default run saves where README's block reads it; partial or quick runs never overwrite it."""
+    from benchmarks import peers_curvature, peers_training
+
+    assert peers_curvature.parse_args([]).json.name == "peers_curvature.json"
+    for argv in (["--quick"], ["--models", "cnn-s"], ["--quantities", "diag_ggn"]):
+        assert peers_curvature.parse_args(argv).json is None
+    assert peers_training.parse_args(["--full"]).json.name == "peers_training.json"
+    for argv in ([], ["--quick"], ["--full", "--models", "mlp"], ["--full", "--optimizers", "sgd"]):
+        assert peers_training.parse_args(argv).json is None
