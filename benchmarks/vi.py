@@ -37,6 +37,7 @@ from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_li
                                time_training_steps, try_import, write_json)
 from benchmarks.step_overhead import mlp  # noqa: E402
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
+from torchsso2.optim.vi import shifted_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "vi.json"
@@ -67,17 +68,9 @@ class AdamWithWeightNoise(torch.optim.Adam):
     def sampled_params(self, train: bool = True) -> Iterator[None]:
         """``θ ← θ + ε`` for the body, then ``θ`` restored (IVON's interface, so one step function serves both)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        means = [p.data for p in params]
-        with torch.no_grad():  # the cheapest way: one draw, one scale, one add; θ itself untouched
-            noise = [torch.randn(p.shape, generator=self.noise_generator).mul_(1e-3) for p in params]
-            sampled = torch._foreach_add(means, noise)
-        try:
-            for p, w in zip(params, sampled):
-                p.data = w
+        noise = [torch.randn(p.shape, generator=self.noise_generator).mul_(1e-3) for p in params]
+        with shifted_params(params, noise):  # the same mechanism as VIOptimizer's
             yield
-        finally:
-            for p, m in zip(params, means):
-                p.data = m
 
 
 def _timing_specs(ivon_mod: Any) -> List[Tuple[str, int, Any]]:

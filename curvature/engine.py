@@ -121,14 +121,9 @@ class CurvatureEngine:
         n = batch_size if batch_size is not None else next(iter(capture.records.values())).output.shape[0]
         return self.blocks_from_grads(capture.records, grads, n)
 
-    def output_grads(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Dict[str, Tensor]:
-        """``{module: [K, N, *out]}``: gradients of ``<outputs, v_k>`` w.r.t. each module output."""
-        chunks = list(self.output_grad_chunks(capture, outputs, vectors))
-        return {n: torch.cat([c[n] for c in chunks]) for n in self.layouts}
-
     def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
-        """The output gradients of :meth:`output_grads` in chunks ``{module: [k, N, *out]}`` over
-        the ``K`` vectors: all at once from one vmapped backward when :attr:`batched_backward`
+        """Gradients of ``<outputs, v_k>`` w.r.t. each module output, in chunks ``{module: [k, N, *out]}``
+        over the ``K`` vectors: all at once from one vmapped backward when :attr:`batched_backward`
         (and vmap can batch the graph), else one backward (and one chunk) per vector."""
         names = list(self.layouts)
         outs = [capture.records[n].output for n in names]

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import pytest
 import torch
@@ -38,26 +38,34 @@ def mpi_env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 
-def run_gloo_ranks(worker: ModuleType, world_size: int, out_dir: Path, deadline_s: float) -> List[Optional[int]]:
-    """Run ``worker.main(rank, world_size, init_file, out_dir)`` on ``world_size`` processes.
+def start_ranks(target: Callable[..., None], world_size: int, args: tuple, preload: Sequence[str],
+                deadline_s: float, wait_ranks: Optional[Sequence[int]] = None) -> List[Optional[int]]:
+    """Run ``target(rank, *args)`` on ``world_size`` processes; return their exit codes (None: killed).
 
-    Processes come from a forkserver that preloads torch and ``worker`` (cheap start-up); all
-    must finish within ``deadline_s`` in total, the rest are killed. Returns the exit codes
-    (None: killed).
+    The processes come from a forkserver that preloads torch and ``preload`` (a fresh
+    interpreter, so no OpenMP state is forked; a job starts in about a second). Waits up to
+    ``deadline_s`` in total for the ranks in ``wait_ranks`` (default: all), then kills whatever
+    still runs. Unlike ``torch.multiprocessing.spawn`` one failing rank does not kill the others,
+    so failure tests can observe how they end.
     """
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", worker.__name__])
-    init = out_dir / "init"
-    procs = [ctx.Process(target=worker.main, args=(r, world_size, str(init), str(out_dir)), daemon=True)
-             for r in range(world_size)]
+    ctx.set_forkserver_preload(["torch", *preload])
+    procs = [ctx.Process(target=target, args=(rank, *args), daemon=True) for rank in range(world_size)]
     for p in procs:
         p.start()
     end = time.monotonic() + deadline_s
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
+    for rank in range(world_size) if wait_ranks is None else wait_ranks:
+        procs[rank].join(max(0.0, end - time.monotonic()))
     codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join(5)
     return codes
+
+
+def run_gloo_ranks(worker: ModuleType, world_size: int, out_dir: Path, deadline_s: float) -> List[Optional[int]]:
+    """Run ``worker.main(rank, world_size, init_file, out_dir)`` on ``world_size`` processes
+    (:func:`start_ranks`, preloading ``worker``); all must finish within ``deadline_s``."""
+    return start_ranks(worker.main, world_size, (world_size, str(out_dir / "init"), str(out_dir)),
+                       [worker.__name__], deadline_s)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import comm_checks as cc  # noqa: E402
 import torch_worker  # noqa: E402
-from dist_utils import mpi_env, mpiexec_path  # noqa: E402
+from dist_utils import mpi_env, mpiexec_path, start_ranks  # noqa: E402
 
 JOB_DEADLINE_S = 120.0
 
@@ -56,31 +56,9 @@ def _spawn(
     deadline_s: float = JOB_DEADLINE_S,
     wait_ranks: list[int] | None = None,
 ) -> list[int | None]:
-    """Start ``world_size`` processes running ``target(rank, *args)``; return their exit codes.
-
-    Waits up to ``deadline_s`` for the ranks in ``wait_ranks`` (default: all), then kills
-    whatever is still running (exit code ``None`` means it was still running).
-
-    Unlike ``torch.multiprocessing.spawn`` this does not kill the survivors when one rank
-    fails, so the failure tests can observe how the others end. The processes come from a
-    fork server that has imported torch once (a fresh interpreter, so no OpenMP or CUDA
-    state is forked), which makes a job start in about a second instead of one torch import
-    per rank.
-    """
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch_worker"])
-    procs = [ctx.Process(target=target, args=(rank, *args), daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline_s
-    for rank in range(world_size) if wait_ranks is None else wait_ranks:
-        procs[rank].join(max(0.0, end - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    return codes
+    """Start ``world_size`` processes running ``target(rank, *args)``; return their exit codes
+    (:func:`dist_utils.start_ranks`, preloading ``torch_worker``; None: still running, killed)."""
+    return start_ranks(target, world_size, args, ["torch_worker"], deadline_s, wait_ranks)
 
 
 def _free_port() -> int:

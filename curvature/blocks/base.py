@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -104,6 +104,25 @@ class Block(ABC):
             a.copy_(b)
         dec = state.get("decomposition")
         self.decomposition = None if dec is None else dict(dec)
+
+
+class DerivedCache:
+    """Tensors derived from some source tensors (a block's decomposition), rebuilt only when a
+    source is replaced or written in place (in-place writes bump ``_version``). The sources are
+    held, so an identity check cannot be fooled by a reused ``id``."""
+
+    def __init__(self) -> None:
+        self._sources: Tuple[Optional[Tensor], ...] = ()
+        self._versions: Tuple[Optional[int], ...] = ()
+        self._value: Any = None
+
+    def get(self, sources: Sequence[Optional[Tensor]], build: Callable[[], Any]) -> Any:
+        versions = tuple(None if t is None else t._version for t in sources)
+        same = len(sources) == len(self._sources) and all(a is b for a, b in zip(sources, self._sources))
+        if self._value is None or not same or versions != self._versions:
+            self._value = build()
+            self._sources, self._versions = tuple(sources), versions
+        return self._value
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .base import Block, check_positive, compute_dtype
+from .base import Block, DerivedCache, check_positive, compute_dtype
 from .layout import Layout
 
 
@@ -18,7 +18,7 @@ class DiagBlock(Block):
     def __init__(self, layout: Layout, diagonal: Tensor) -> None:
         super().__init__(layout)
         self.diagonal = diagonal.to(compute_dtype(diagonal.dtype))
-        self._cache: Optional[Tuple[Tensor, int, Tensor, Tensor]] = None  # (denom, its _version, 1/denom, 1/√denom)
+        self._reciprocal_cache = DerivedCache()  # (1/denom, 1/√denom) of the current decomposition
 
     def tensors(self) -> List[Tensor]:
         return [self.diagonal]
@@ -40,11 +40,11 @@ class DiagBlock(Block):
         """``(1/denom, 1/√denom)`` of the current decomposition, computed once per decomposition
         (``solve`` and ``sample`` then cost one multiply; a VI step calls both every step)."""
         denom = self._require_decomposition()["denom"]
-        cached = self._cache
-        if cached is None or cached[0] is not denom or cached[1] != denom._version:  # in-place writes bump _version
+
+        def build() -> Tuple[Tensor, Tensor]:
             inv = denom.reciprocal()
-            cached = self._cache = (denom, denom._version, inv, inv.sqrt())
-        return cached[2], cached[3]
+            return inv, inv.sqrt()
+        return self._reciprocal_cache.get([denom], build)
 
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         inv, _ = self._reciprocals()

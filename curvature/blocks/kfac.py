@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import get_backend
-from .base import Block, check_positive, compute_dtype
+from .base import Block, DerivedCache, check_positive, compute_dtype
 from .layout import Layout
 
 
@@ -55,7 +55,7 @@ class KFACBlock(Block):
         super().__init__(layout)
         self.left = left.to(compute_dtype(left.dtype))
         self.right = right.to(compute_dtype(right.dtype))
-        self._pad_cache: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None
+        self._pad_cache = DerivedCache()  # the padded decomposition of :meth:`_padded`
 
     # ---- names --------------------------------------------------------------------------
     @property
@@ -164,23 +164,19 @@ class KFACBlock(Block):
     def _padded(self, d: Dict[str, Any]) -> Dict[str, Any]:
         """``d`` with ``Q_L``, ``Q_R`` zero-padded and ``denom`` one-padded to BLAS-friendly sizes
         (:data:`PAD_MIN`, :data:`PAD_MULTIPLE`); ``d`` itself when no size changes. Cached per
-        decomposition (refreshed when the decomposition or its ``denom`` changes)."""
+        decomposition (refreshed when any of its tensors is replaced or written in place)."""
         ql, qr, denom = d["ql"], d["qr"], d["denom"]
         rows = _padded_size(denom.shape[0]) if ql is not None else denom.shape[0]
         cols = _padded_size(denom.shape[1]) if qr is not None else denom.shape[1]
         if (rows, cols) == tuple(denom.shape):
             return d
-        cached = getattr(self, "_pad_cache", None)
-        fresh = cached is not None and cached[0][0] is ql and cached[0][1] is qr and cached[0][2] is denom \
-            and cached[0][3] == denom._version
-        if not fresh:
+
+        def build() -> Dict[str, Any]:
             dp = denom.new_ones(rows, cols)
             dp[:denom.shape[0], :denom.shape[1]] = denom
-            cached = ((ql, qr, denom, denom._version),
-                      {"ql": _pad_square(ql, rows), "qr": _pad_square(qr, cols), "denom": dp,
-                       "buffer": denom.new_zeros(rows, cols)})
-            self._pad_cache = cached
-        return cached[1]
+            return {"ql": _pad_square(ql, rows), "qr": _pad_square(qr, cols), "denom": dp,
+                    "buffer": denom.new_zeros(rows, cols)}
+        return self._pad_cache.get([ql, qr, denom], build)
 
     def solve_low_rank(self, g: Tensor, a: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
         """:meth:`solve` of a gradient given as ``gᵀa`` (``g [R, n_L]``, ``a [R, n_R]``): the

@@ -9,7 +9,7 @@ K-FAC (Kronecker order ``A ⊗ G`` over row-major ``vec(W)``, W of shape ``[V, D
 """
 from __future__ import annotations
 
-from typing import Optional, Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F

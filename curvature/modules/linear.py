@@ -104,20 +104,20 @@ class WeightMatrixFamily(LayerFamily):
         by_name = dict(zip(names, tensors))
         if "weight" not in by_name:
             return by_name["bias"].reshape(rows, 1)
-        m = by_name["weight"].reshape(rows, cols)
-        if "bias" in by_name:
-            m = torch.cat([m, by_name["bias"].reshape(rows, 1)], dim=1)
-        return m
+        if "bias" not in by_name:
+            return by_name["weight"].reshape(rows, cols)
+        out = by_name["weight"].new_empty(rows, cols + 1)
+        self.to_matrix_into(module, tensors, names, out)
+        return out
 
     def to_matrix_into(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
+        """``[W | b]`` (bias as the last column) written into ``out``; the one place of this layout."""
         rows, cols = self.weight_matrix_shape(module)
         by_name = dict(zip(names, tensors))
-        if "weight" not in by_name:
-            out.copy_(by_name["bias"].reshape(rows, 1))
-            return
-        out[:, :cols].copy_(by_name["weight"].reshape(rows, cols))
+        if "weight" in by_name:
+            out[:, :cols].copy_(by_name["weight"].reshape(rows, cols))
         if "bias" in by_name:
-            out[:, cols].copy_(by_name["bias"].reshape(rows))
+            out[:, -1].copy_(by_name["bias"].reshape(rows))
 
     def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
         rows, cols = self.weight_matrix_shape(module)

@@ -31,7 +31,7 @@ independent of the label sampling, and the same on every rank that draws sample 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,26 @@ from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
 from .steps import momentum_
 from .validation import check_int, check_number
+
+
+@contextlib.contextmanager
+def shifted_params(params: Sequence[nn.Parameter], shifts: Sequence[Tensor]) -> Iterator[None]:
+    """The body sees ``θ + shift`` in every parameter (shapes as the parameters); ``θ`` is back after.
+
+    The parameters point at fresh tensors ``θ + shift`` and get their own tensors back
+    afterwards: one pass over the weights instead of clone + add + copy back, and ``θ`` is
+    restored bit for bit (it is never written).
+    """
+    means = [p.data for p in params]
+    with torch.no_grad():
+        sampled = torch._foreach_add(means, list(shifts))
+    try:
+        for p, w in zip(params, sampled):
+            p.data = w
+        yield
+    finally:
+        for p, m in zip(params, means):
+            p.data = m
 
 
 class VIOptimizer(CurvatureOptimizer):
@@ -224,19 +244,8 @@ class VIOptimizer(CurvatureOptimizer):
         if noise is None:
             yield
             return
-        # the parameters point at fresh tensors μ + ε while the closure runs and get their own
-        # tensors back afterwards: one pass over the weights instead of clone + add + copy back,
-        # and the mean is restored bit for bit (it is never written)
-        means = [p.data for p in covered]
-        with torch.no_grad():
-            sampled = torch._foreach_add(means, [noise[id(p)] for p in covered])
-        try:
-            for p, w in zip(covered, sampled):
-                p.data = w
+        with shifted_params(covered, [noise[id(p)] for p in covered]):
             yield
-        finally:
-            for p, m in zip(covered, means):
-                p.data = m
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
