@@ -89,7 +89,7 @@ class KFACBlock(Block):
 
     def _from_matrix(self, m: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
         parts = self.layout.family.from_matrix(self.layout.module, m, self.layout.param_names)
-        return [p.to(x.dtype).contiguous() for p, x in zip(parts, like)]
+        return [(p if p.dtype == x.dtype else p.to(x.dtype)).contiguous() for p, x in zip(parts, like)]
 
     # ---- decomposition -------------------------------------------------------------------------
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
@@ -124,16 +124,18 @@ class KFACBlock(Block):
 
     # ---- use -------------------------------------------------------------------------------------
     @staticmethod
-    def _apply_left(q: Optional[Tensor], m: Tensor, transpose: bool) -> Tensor:
-        if q is None:
-            return m
-        return (q.t() if transpose else q) @ m
+    def _rotate_in(ql: Optional[Tensor], m: Tensor, qr: Optional[Tensor]) -> Tensor:
+        """``Q_Lᵀ m Q_R`` (a side without eigenbasis, i.e. a diagonal factor, is the identity)."""
+        if ql is not None:
+            m = torch.mm(ql.t(), m)
+        return m if qr is None else torch.mm(m, qr)
 
     @staticmethod
-    def _apply_right(m: Tensor, q: Optional[Tensor], transpose: bool) -> Tensor:
-        if q is None:
-            return m
-        return m @ (q.t() if transpose else q)
+    def _rotate_out(ql: Optional[Tensor], m: Tensor, qr: Optional[Tensor]) -> Tensor:
+        """``Q_L m Q_Rᵀ``."""
+        if ql is not None:
+            m = torch.mm(ql, m)
+        return m if qr is None else torch.mm(m, qr.t())
 
     @staticmethod
     def _mul_factor_left(f: Tensor, m: Tensor) -> Tensor:
@@ -154,7 +156,7 @@ class KFACBlock(Block):
                 m = p["buffer"]
                 self.layout.family.to_matrix_into(self.layout.module, list(vecs), self.layout.param_names,
                                                   m[:rows, :cols])
-            rot = self._apply_right(self._apply_left(p["ql"], m, True), p["qr"], False)
+            rot = self._rotate_in(p["ql"], m, p["qr"])
             out = self._from_eigenbasis(rot, p)[:rows, :cols]
         else:
             m = self._to_matrix(vecs, d["linv"].dtype)
@@ -193,7 +195,7 @@ class KFACBlock(Block):
         """``Q_L (rot ⊘ denom) Q_Rᵀ``: the second half of the eigen-basis solve."""
         # rot is a fresh matmul result when some side rotates (then divide in place, no new pages)
         rot = rot.div_(d["denom"]) if d["ql"] is not None or d["qr"] is not None else rot / d["denom"]
-        return self._apply_right(self._apply_left(d["ql"], rot, False), d["qr"], True)
+        return self._rotate_out(d["ql"], rot, d["qr"])
 
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
         d = self._require_decomposition()
@@ -202,8 +204,8 @@ class KFACBlock(Block):
         denom = d["denom"]
         z = torch.randn(denom.shape, generator=generator, dtype=denom.dtype, device=denom.device)
         # symmetric square root (basis-independent draws): Q_L [(Q_Lᵀ Z Q_R) ⊘ √denom] Q_Rᵀ
-        rot = self._apply_right(self._apply_left(d["ql"], z, True), d["qr"], False)
-        m = self._apply_right(self._apply_left(d["ql"], rot / denom.sqrt(), False), d["qr"], True)
+        rot = self._rotate_in(d["ql"], z, d["qr"])
+        m = self._rotate_out(d["ql"], rot / denom.sqrt(), d["qr"])
         like = [torch.empty(s, dtype=denom.dtype) for s in self.layout.shapes]
         return self._from_matrix(m, like)
 

@@ -49,7 +49,8 @@ class WeightMatrixFamily(LayerFamily):
 
     def weight_matrix_shape(self, module: nn.Module) -> Tuple[int, int]:
         w = module.weight
-        return w.shape[0], int(w[0].numel())
+        rows = w.shape[0]
+        return rows, (w.numel() // rows if rows else 0)  # no w[0] view: this runs on every solve
 
     def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
                           names: Sequence[str]) -> Dict[str, Tensor]:
@@ -99,35 +100,32 @@ class WeightMatrixFamily(LayerFamily):
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         return sum_outer(g, 1.0 / g.shape[1])
 
-    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+    def _column_blocks(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> List[Tensor]:
+        """The column blocks of ``M = [W | b]`` in order (bias as the last column): the one place of this layout."""
         rows, cols = self.weight_matrix_shape(module)
         by_name = dict(zip(names, tensors))
-        if "weight" not in by_name:
-            return by_name["bias"].reshape(rows, 1)
-        if "bias" not in by_name:
-            return by_name["weight"].reshape(rows, cols)
-        out = by_name["weight"].new_empty(rows, cols + 1)
-        self.to_matrix_into(module, tensors, names, out)
-        return out
+        return [by_name[n].reshape(rows, cols if n == "weight" else 1) for n in ("weight", "bias") if n in by_name]
+
+    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+        blocks = self._column_blocks(module, tensors, names)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
     def to_matrix_into(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
-        """``[W | b]`` (bias as the last column) written into ``out``; the one place of this layout."""
-        rows, cols = self.weight_matrix_shape(module)
-        by_name = dict(zip(names, tensors))
-        if "weight" in by_name:
-            out[:, :cols].copy_(by_name["weight"].reshape(rows, cols))
-        if "bias" in by_name:
-            out[:, -1].copy_(by_name["bias"].reshape(rows))
+        start = 0
+        for blk in self._column_blocks(module, tensors, names):
+            out[:, start:start + blk.shape[1]].copy_(blk)
+            start += blk.shape[1]
 
     def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
+        """Views of ``matrix`` (no copies: the weight's columns are contiguous within a row)."""
         rows, cols = self.weight_matrix_shape(module)
         res: List[Tensor] = []
         for name in names:
             if name == "weight":
-                res.append(matrix[:, :cols].reshape(module.weight.shape))
+                w = matrix[:, :cols]
+                res.append(w.view(module.weight.shape) if w.stride(-1) == 1 else w.reshape(module.weight.shape))
             else:
-                col = cols if "weight" in names else 0
-                res.append(matrix[:, col].reshape(module.bias.shape))
+                res.append(matrix[:, cols if "weight" in names else 0])
         return res
 
 

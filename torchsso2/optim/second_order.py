@@ -24,7 +24,7 @@ from curvature.blocks.base import all_finite
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
 from .lowrank import LowRankSolver
-from .steps import add_weight_decay, kl_clip_factor, momentum_
+from .steps import add_weight_decay, kl_clip_factor, momentum_step_
 from .validation import check_int, check_number
 
 logger = logging.getLogger(__name__)
@@ -182,9 +182,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             updates = [u * nu for u in updates]
         if not all_finite(updates):
             return False
-        for p, u in zip(params, updates):
-            group = group_of[id(p)]
-            p.add_(momentum_(self.state[p], u, group["momentum"]), alpha=-group["lr"])
+        groups = [group_of[id(p)] for p in params]
+        momentum_step_(params, updates, [self.state[p] for p in params], [g["lr"] for g in groups],
+                       [g["momentum"] for g in groups])
         return True
 
     # ---- adaptive damping -----------------------------------------------------------------------
