@@ -40,11 +40,14 @@ class Capture:
         on_reuse: a module called more than once in one forward: ``"raise"`` (ValueError: the
             curvature of shared layers is not supported) or ``"count"`` (keep the first record and
             count the calls in :attr:`calls`, for users that only need to detect it).
+        select: optional ``f(name, module, inputs) -> bool``; a call it rejects is counted in
+            :attr:`calls` but not recorded (no clone of the output, no gradient hook).
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
                  on_output: Optional[Callable[[Tensor], None]] = None,
-                 record_backward: bool = False, on_reuse: str = "raise") -> None:
+                 record_backward: bool = False, on_reuse: str = "raise",
+                 select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None) -> None:
         if on_reuse not in ("raise", "count"):
             raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
@@ -52,6 +55,7 @@ class Capture:
         self.on_output = on_output
         self.record_backward = record_backward
         self.on_reuse = on_reuse
+        self.select = select
         self.records: Dict[str, ModuleRecord] = {}
         #: forward calls per module while recording (grad mode on)
         self.calls: Dict[str, int] = {}
@@ -75,6 +79,8 @@ class Capture:
             if not torch.is_grad_enabled():
                 return None
             self.calls[name] = self.calls.get(name, 0) + 1
+            if self.select is not None and not self.select(name, module, inputs):
+                return None
             if name in self.records:
                 if self.on_reuse == "count":
                     return None

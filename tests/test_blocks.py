@@ -335,25 +335,37 @@ def test_diag_reciprocals_follow_the_decomposition() -> None:
     torch.testing.assert_close(blk.layout.flatten(blk.solve(v)), 0.5 / (blk.diagonal + 10 * DAMPING))
 
 
-def test_kfac_eigen_solve_padding_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", ["both sides", "rows only", "diagonal left factor"])
+def test_kfac_eigen_solve_padding_is_exact(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Factor sizes >= PAD_MIN are zero-padded to a multiple of PAD_MULTIPLE inside the eigen solve
-    (faster BLAS); the result must equal the unpadded solve, and follow a changed decomposition."""
+    (faster BLAS); the result must equal the unpadded solve, and follow a changed decomposition.
+    Cases: both factors padded; only the output side (Linear 10 -> 260); an Embedding, whose
+    left factor is diagonal (no eigenbasis) and whose right one is padded."""
     from curvature.blocks import kfac as kfac_module
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(299, 260), nn.Tanh(), nn.Linear(260, 3)).double()
-    x, y = torch.randn(8, 299, dtype=torch.float64), torch.randint(0, 3, (8,))
+    if case == "diagonal left factor":
+        model = nn.Sequential(nn.Embedding(20, 260), nn.Flatten(), nn.Linear(2 * 260, 3)).double()
+        x, y = torch.randint(0, 20, (8, 2)), torch.randint(0, 3, (8,))
+        want_shape = (20, 264)
+    else:
+        d_in = 299 if case == "both sides" else 10
+        model = nn.Sequential(nn.Linear(d_in, 260), nn.Tanh(), nn.Linear(260, 3)).double()
+        x, y = torch.randn(8, d_in, dtype=torch.float64), torch.randint(0, 3, (8,))
+        want_shape = (264, 304) if case == "both sides" else (264, 11)
     blk = curvature.compute(model, x, y, kind="fisher", approx="kfac").blocks["0"]
     blk.decompose(DAMPING)
     v = [torch.randn(s, dtype=torch.float64) for s in blk.layout.shapes]
     padded = blk.solve(v)
+    again = blk.solve([2.0 * t for t in v])  # a second solve must not write into the first's result
     pad = blk._padded(blk.decomposition)
-    assert pad["denom"].shape == (264, 304) and pad["ql"].shape == (264, 264)
+    assert pad["denom"].shape == want_shape
     monkeypatch.setattr(kfac_module, "PAD_MIN", 10 ** 9)
     assert blk._padded(blk.decomposition) is blk.decomposition
     plain = blk.solve(v)
-    for a, b in zip(padded, plain):
+    for a, b, c in zip(padded, plain, again):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(c, 2.0 * b, rtol=1e-12, atol=1e-14)
     monkeypatch.setattr(kfac_module, "PAD_MIN", 256)
     blk.decomposition["denom"].mul_(2.0)
     for a, b in zip(blk.solve(v), plain):
