@@ -312,7 +312,40 @@ def run_convergence(args: argparse.Namespace) -> Dict[str, Any]:
             if name not in best or rank < best[name]["_rank"]:
                 best[name] = {**run, "_rank": rank}
     out["best"] = {k: {kk: vv for kk, vv in v.items() if kk != "_rank"} for k, v in best.items()}
+    retime_best(out["best"], data, args.repeats, args.target)
     return out
+
+
+def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target: float) -> None:
+    """Re-run each optimizer's best configuration up to the target ``repeats`` more times,
+    round-robin over the optimizers (the grid ran them one after another, so a slow minute of
+    the machine hit one optimizer only), and report the minimum wall time to the target.
+
+    The runs are seeded as in the grid, so they take the same steps and reach the target at the
+    same epoch; only the wall time differs. All times are kept in ``wall_to_target_runs_s``."""
+    from examples.common import fit, make_model, make_optimizer
+
+    for run in best.values():
+        run["wall_to_target_runs_s"] = [run["wall_to_target_s"]] if run["epochs_to_target"] else []
+    for _ in range(repeats):
+        for name, run in best.items():
+            if not run["epochs_to_target"]:
+                continue
+            torch.manual_seed(0)
+            gen = torch.Generator().manual_seed(0)
+            model = make_model("mlp", tuple(run["hidden"]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = make_optimizer(name, model, run["lr"], seed=0)
+            hist = fit(model, opt, data, run["epochs_to_target"], 32, gen, stop_at_accuracy=target)
+            if hist[-1].test_accuracy >= target and hist[-1].epoch == run["epochs_to_target"]:
+                run["wall_to_target_runs_s"].append(hist[-1].wall_s)
+            else:  # not expected (seeded runs repeat); keep the grid's number and say so
+                logger.warning("%s lr=%g: re-run reached %.4f at epoch %d (grid: epoch %d)", name, run["lr"],
+                               hist[-1].test_accuracy, hist[-1].epoch, run["epochs_to_target"])
+        for run in best.values():
+            if run["wall_to_target_runs_s"]:
+                run["wall_to_target_s"] = min(run["wall_to_target_runs_s"])
 
 
 def save_plot(conv: Dict[str, Any], path: Path, title: str) -> Path:
@@ -363,7 +396,8 @@ def format_tables(report: Dict[str, Any]) -> str:
     if conv:
         out.append("")
         out.append(f"Digits (MLP 64-64-10, sso-full 64-16-10; batch 32; max {conv['max_epochs']} epochs): epochs and "
-                   f"training wall time to {100 * conv['target']:.0f}% test accuracy, best lr of the grid")
+                   f"training wall time to {100 * conv['target']:.0f}% test accuracy, best lr of the grid "
+                   "(wall time: min over the grid run and round-robin re-runs of the best lr)")
         crow = []
         for name, r in conv["best"].items():
             grid = [x["lr"] for x in conv["runs"] if x["optimizer"] == name]
