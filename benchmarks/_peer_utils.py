@@ -106,6 +106,35 @@ def time_adaptive(fn: Callable[[], Any], budget_s: float = 1.0, min_repeats: int
     return box[0], common.summarize(times)
 
 
+def time_interleaved(ours: Callable[[], Any], peer: Callable[[], Any], budget_s: float = 1.0, min_repeats: int = 3,
+                     max_repeats: int = 30) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """Time ``ours`` and ``peer`` alternately (ours–peer, then peer–ours, ...) after one warm-up
+    call each; returns ``(peer's result, summary of ours, summary of the peer)``.
+
+    Timing one after the other let a slow minute of the shared machine hit one side only (the
+    same model's numbers moved 50% between runs); alternating calls share every drift.
+    """
+    import time
+
+    box: List[Any] = [None]
+
+    def call_peer() -> None:
+        box[0] = peer()
+
+    t0 = time.perf_counter()
+    ours()
+    call_peer()
+    first = max(time.perf_counter() - t0, 1e-6)
+    repeats = int(min(max_repeats, max(min_repeats, math.floor(budget_s / first))))
+    dev = torch.device("cuda") if torch.cuda.is_available() else None
+    times: Dict[str, List[float]] = {"ours": [], "peer": []}
+    for r in range(repeats):
+        order = (("ours", ours), ("peer", call_peer)) if r % 2 == 0 else (("peer", call_peer), ("ours", ours))
+        for key, fn in order:
+            times[key] += common.time_call(fn, dev, repeats=1, warmup=0)
+    return box[0], common.summarize(times["ours"]), common.summarize(times["peer"])
+
+
 def max_rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """``max|ours − ref| / max|ref|`` (elementwise max-norm, relative to the reference)."""
     ours = ours.detach().double().flatten()

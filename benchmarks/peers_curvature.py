@@ -296,6 +296,8 @@ Row = Dict[str, Any]
 
 def _row(quantity: str, model_name: str, n_params: int, batch: int, peer: str, method: str,
          ours_t: Dict[str, Any], peer_t: Optional[Dict[str, Any]], **kw: Any) -> Row:
+    if peer_t is not None and "ours" in peer_t:  # timed interleaved with the peer: compare those
+        ours_t = peer_t["ours"]
     r: Row = {"quantity": quantity, "model": model_name, "params": n_params, "batch": batch,
               "peer": peer, "method": method, "ours_min_s": ours_t["min_s"],
               "ours_median_s": ours_t["median_s"]}
@@ -342,6 +344,22 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
         mb = bp.extend(copy.deepcopy(model))
         lossf = bp.extend(nn.CrossEntropyLoss())
     common = dict(model_name=name, n_params=n_params, batch=n)
+    current: Dict[str, Callable[[], Any]] = {}
+
+    def ours_timed(fn: Callable[[], Any], dense: bool = False) -> Tuple[Any, Dict[str, Any]]:
+        """Our computation of a quantity (result and a first timing); the peers of the quantity
+        are then timed interleaved with it (:func:`peer_timed`)."""
+        current["ours"] = fn
+        return _timed(fn, rep, dense)
+
+    def peer_timed(fn: Callable[[], Any], dense: bool = False) -> Tuple[Any, Dict[str, Any]]:
+        """A peer's result and timing; non-dense peers alternate call by call with ours, and the
+        ratio of that row uses the interleaved timing of ours (``peer_t["ours"]``)."""
+        if dense:
+            return _timed(fn, rep, dense=True)
+        v, ours_pair, t = pu.time_interleaved(current["ours"], fn, budget_s=rep)
+        t["ours"] = ours_pair
+        return v, t
 
     def add(quantity: str, peer: str, method: str, ours_t: Dict[str, Any], peer_t: Optional[Dict[str, Any]],
             **kw: Any) -> None:
@@ -351,7 +369,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
     exact_diag = None
     # ---- diagonal GGN (exact) ----
     if q & {"diag_ggn", "diag_ggn_mc"}:
-        c, ours_t = _timed(lambda: _ours(model, x, y, "fisher", "diag"), rep)
+        c, ours_t = ours_timed(lambda: _ours(model, x, y, "fisher", "diag"))
         exact_diag = _flat_diag(c)
         if "diag_ggn" in q:
             ran = False
@@ -359,7 +377,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 def bp_diag() -> Tensor:
                     _backpack_run(bp, mb, lossf, x, y, bp.extensions.DiagGGNExact())
                     return torch.cat([p.diag_ggn_exact.flatten() for p in _bp_params(mb)])
-                v, t = _timed(bp_diag, rep)
+                v, t = peer_timed(bp_diag)
                 add("diag_ggn", "backpack", "DiagGGNExact", ours_t, t, max_rel_diff=pu.max_rel_diff(exact_diag, v))
                 ran = True
             if cl is not None and small:
@@ -367,7 +385,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                     op = cl.GGNLinearOperator(model, nn.CrossEntropyLoss(), list(model.parameters()), [(x, y)],
                                               check_deterministic=False, num_data=n)
                     return _dense(op, n_params).diagonal()
-                v, t = _timed(cl_diag, rep, dense=True)
+                v, t = peer_timed(cl_diag, dense=True)
                 add("diag_ggn", "curvlinops", "GGNLinearOperator @ I (diagonal)", ours_t, t,
                     max_rel_diff=pu.max_rel_diff(exact_diag, v))
                 ran = True
@@ -380,12 +398,12 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 def la_diag() -> Tensor:
                     _, h = backend.diag(x, y)
                     return h / n  # laplace-torch: curvature of the SUM loss
-                v, t = _timed(la_diag, rep)
+                v, t = peer_timed(la_diag)
                 add("diag_ggn", "laplace", "BackPackGGN.diag / N", ours_t, t, max_rel_diff=pu.max_rel_diff(exact_diag, v))
                 ran = True
             if asd is not None:
-                v, t = _timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_EXACT, asd.SHAPE_DIAG),
-                                                      layers), rep)
+                v, t = peer_timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_EXACT, asd.SHAPE_DIAG),
+                                                      layers))
                 add("diag_ggn", "asdl", _asdl_method("FISHER_EXACT, SHAPE_DIAG", inexact), ours_t, t,
                     max_rel_diff=pu.max_rel_diff(exact_diag[keep], v[keep]))
                 ran = True
@@ -393,7 +411,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 add("diag_ggn", "—", "(no peer importable)", ours_t, None)
     # ---- diagonal GGN, Monte Carlo ----
     if "diag_ggn_mc" in q:
-        c, ours_t = _timed(lambda: _ours(model, x, y, "fisher_mc", "diag", args.seed), rep)
+        c, ours_t = ours_timed(lambda: _ours(model, x, y, "fisher_mc", "diag", args.seed))
         ours_mc = _flat_diag(c)
         ours_err = _rel_fro(ours_mc, exact_diag)
         ran = False
@@ -401,13 +419,13 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             def bp_mc() -> Tensor:
                 _backpack_run(bp, mb, lossf, x, y, bp.extensions.DiagGGNMC(mc_samples=1))
                 return torch.cat([p.diag_ggn_mc.flatten() for p in _bp_params(mb)])
-            v, t = _timed(bp_mc, rep)
+            v, t = peer_timed(bp_mc)
             add("diag_ggn_mc", "backpack", "DiagGGNMC(1)", ours_t, t, mc_err_ours=ours_err,
                 mc_err_peer=_rel_fro(v, exact_diag))
             ran = True
         if asd is not None:
-            v, t = _timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_MC, asd.SHAPE_DIAG, args.seed),
-                                                  layers), rep)
+            v, t = peer_timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_MC, asd.SHAPE_DIAG, args.seed),
+                                                  layers))
             add("diag_ggn_mc", "asdl", _asdl_method("FISHER_MC(1), SHAPE_DIAG", inexact), ours_t, t,
                 mc_err_ours=_rel_fro(ours_mc[keep], exact_diag[keep]), mc_err_peer=_rel_fro(v[keep], exact_diag[keep]))
             ran = True
@@ -415,23 +433,22 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             add("diag_ggn_mc", "—", "(no peer importable)", ours_t, None, mc_err_ours=ours_err)
     # ---- empirical Fisher diagonal ----
     if "ef_diag" in q:
-        c, ours_t = _timed(lambda: _ours(model, x, y, "empirical_fisher", "diag"), rep)
+        c, ours_t = ours_timed(lambda: _ours(model, x, y, "empirical_fisher", "diag"))
         ef = _flat_diag(c)
         if bp is not None:
             def bp_bg() -> Tensor:
                 _backpack_run(bp, mb, lossf, x, y, bp.extensions.BatchGrad())
                 return torch.cat([(p.grad_batch ** 2).sum(0).flatten() for p in _bp_params(mb)]) * n
-            v, t = _timed(bp_bg, rep)
+            v, t = peer_timed(bp_bg)
             add("ef_diag", "backpack", "BatchGrad: N·Σ grad_batch²", ours_t, t, max_rel_diff=pu.max_rel_diff(ef, v))
 
             def bp_sgs() -> Tensor:
                 _backpack_run(bp, mb, lossf, x, y, bp.extensions.SumGradSquared())
                 return torch.cat([p.sum_grad_squared.flatten() for p in _bp_params(mb)]) * n
-            v, t = _timed(bp_sgs, rep)
+            v, t = peer_timed(bp_sgs)
             add("ef_diag", "backpack", "SumGradSquared: N·sgs", ours_t, t, max_rel_diff=pu.max_rel_diff(ef, v))
         if asd is not None:
-            v, t = _timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_EMP, asd.SHAPE_DIAG), layers),
-                          rep)
+            v, t = peer_timed(lambda: _asdl_flat_diag(_asdl_fisher(asd, ma, x, y, asd.FISHER_EMP, asd.SHAPE_DIAG), layers))
             add("ef_diag", "asdl", _asdl_method("FISHER_EMP, SHAPE_DIAG", inexact), ours_t, t,
                 max_rel_diff=pu.max_rel_diff(ef[keep], v[keep]))
         if bp is None and asd is None:
@@ -439,11 +456,11 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
     # ---- K-FAC, exact GGN ----
     exact_k = None
     if q & {"kfac_exact", "kfac_mc"}:
-        exact_k, ours_t = _timed(lambda: _ours(model, x, y, "fisher", "kfac"), rep)
+        exact_k, ours_t = ours_timed(lambda: _ours(model, x, y, "fisher", "kfac"))
     if "kfac_exact" in q:
         ran = False
         if cl is not None:
-            op, t = _timed(lambda: _curvlinops_kfac(cl, model, x, y, "type-2"), rep)
+            op, t = peer_timed(lambda: _curvlinops_kfac(cl, model, x, y, "type-2"))
             d = max(max(pu.max_rel_diff(exact_k.blocks[l].A, op._input_covariances[l]),
                         pu.max_rel_diff(exact_k.blocks[l].G, op._gradient_covariances[l])) for l in layers)
             add("kfac_exact", "curvlinops", "KFACLinearOperator type-2 expand", ours_t, t, max_rel_diff=d,
@@ -461,7 +478,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 _backpack_run(bp, mb, lossf, x, y, bp.extensions.KFLR())
                 mods = dict(mb.named_modules())
                 return {l: (*mods[l].weight.kflr, mods[l].bias.kflr[0]) for l in layers}
-            v, t = _timed(bp_kflr, rep)
+            v, t = peer_timed(bp_kflr)
             lin, conv_a, conv_g = [], [], []
             for l in layers:
                 g_bp, a_bp, gb_bp = v[l]
@@ -489,7 +506,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                     "bias block of our approx='full' GGN; it is not K-FAC-expand G")
             ran = True
         if asd is not None:
-            v, t = _timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_EXACT, layers), rep)
+            v, t = peer_timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_EXACT, layers))
             add("kfac_exact", "asdl", "FISHER_EXACT, SHAPE_KRON (A without bias)", ours_t, t,
                 max_rel_diff=_asdl_kron_diff(exact_k, v),
                 note="ASDL's A has no bias row/column (bias block = B): A vs our A[:-1, :-1], B vs our G")
@@ -498,7 +515,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             add("kfac_exact", "—", "(no peer importable)", ours_t, None)
     # ---- K-FAC, Monte Carlo ----
     if "kfac_mc" in q:
-        c, ours_t = _timed(lambda: _ours(model, x, y, "fisher_mc", "kfac", args.seed), rep)
+        c, ours_t = ours_timed(lambda: _ours(model, x, y, "fisher_mc", "kfac", args.seed))
         ours_err = max(_rel_fro(c.blocks[l].G, exact_k.blocks[l].G) for l in layers)
         ran = False
         if bp is not None:
@@ -506,7 +523,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 _backpack_run(bp, mb, lossf, x, y, bp.extensions.KFAC(mc_samples=1))
                 mods = dict(mb.named_modules())
                 return {l: mods[l].weight.kfac[0] for l in layers}
-            v, t = _timed(bp_kfac, rep)
+            v, t = peer_timed(bp_kfac)
             lin = [l for l in layers if positions[l] == 1]
             # BackPACK's G: compare through the trace ratio fixed by its (deterministic) A
             errs = []
@@ -517,13 +534,13 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 mc_err_peer=max(errs) if errs else None, note="MC error measured on Linear layers for BackPACK")
             ran = True
         if cl is not None:
-            op, t = _timed(lambda: _curvlinops_kfac(cl, model, x, y, "mc"), rep)
+            op, t = peer_timed(lambda: _curvlinops_kfac(cl, model, x, y, "mc"))
             err = max(_rel_fro(op._gradient_covariances[l], exact_k.blocks[l].G) for l in layers)
             add("kfac_mc", "curvlinops", "KFACLinearOperator mc (1 sample)", ours_t, t, mc_err_ours=ours_err,
                 mc_err_peer=err)
             ran = True
         if asd is not None:
-            v, t = _timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_MC, layers, args.seed), rep)
+            v, t = peer_timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_MC, layers, args.seed))
             err = max(_rel_fro(b, exact_k.blocks[l].G) for l, (_, b) in v.items())
             add("kfac_mc", "asdl", "FISHER_MC(1), SHAPE_KRON", ours_t, t, mc_err_ours=ours_err, mc_err_peer=err)
             ran = True
@@ -531,14 +548,14 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
             add("kfac_mc", "—", "(no peer importable)", ours_t, None, mc_err_ours=ours_err)
     # ---- K-FAC, empirical Fisher ----
     if "kfac_ef" in q:
-        c, ours_t = _timed(lambda: _ours(model, x, y, "empirical_fisher", "kfac"), rep)
+        c, ours_t = ours_timed(lambda: _ours(model, x, y, "empirical_fisher", "kfac"))
         if cl is not None:
-            op, t = _timed(lambda: _curvlinops_kfac(cl, model, x, y, "empirical"), rep)
+            op, t = peer_timed(lambda: _curvlinops_kfac(cl, model, x, y, "empirical"))
             d = max(max(pu.max_rel_diff(c.blocks[l].A, op._input_covariances[l]),
                         pu.max_rel_diff(c.blocks[l].G, op._gradient_covariances[l])) for l in layers)
             add("kfac_ef", "curvlinops", "KFACLinearOperator empirical", ours_t, t, max_rel_diff=d)
         if asd is not None:
-            v, t = _timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_EMP, layers), rep)
+            v, t = peer_timed(lambda: _asdl_kron(asd, ma, x, y, asd.FISHER_EMP, layers))
             add("kfac_ef", "asdl", "FISHER_EMP, SHAPE_KRON (A without bias)", ours_t, t,
                 max_rel_diff=_asdl_kron_diff(c, v))
         if cl is None and asd is None:
@@ -548,7 +565,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                                    ("full_hessian", "hessian", "HessianLinearOperator")):
         if quantity not in q or not small:
             continue
-        c, ours_t = _timed(lambda: _ours(model, x, y, kind, "full"), rep, dense=True)
+        c, ours_t = ours_timed(lambda: _ours(model, x, y, kind, "full"), dense=True)
         dense = c.dense()
         if cl is not None:
             sizes = _block_sizes(c)
@@ -563,12 +580,12 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
                 op = cls(model, nn.CrossEntropyLoss(), list(model.parameters()), [(x, y)],
                          check_deterministic=False, num_data=n, **kw)
                 return _dense(op, n_params)
-            v, t = _timed(cl_full, rep, dense=True)
+            v, t = peer_timed(cl_full, dense=True)
             method = f"{opname}(block_sizes) @ I" if blocked else f"{opname} @ I, off-block part masked"
             add(quantity, "curvlinops", method, ours_t, t, max_rel_diff=pu.max_rel_diff(dense, v * mask),
                 note=None if blocked else "curvlinops computes the whole P×P matrix (no block support)")
         if asd is not None:
-            v, t = _timed(lambda kind=kind: _asdl_blocks(asd, ma, x, y, kind, layers), rep, dense=True)
+            v, t = peer_timed(lambda kind=kind: _asdl_blocks(asd, ma, x, y, kind, layers), dense=True)
             method = "HessianMaker, SHAPE_LAYER_WISE" if kind == "hessian" else "FISHER_EXACT, SHAPE_LAYER_WISE"
             add(quantity, "asdl", method, ours_t, t, max_rel_diff=pu.max_rel_diff(dense, v))
         if cl is None and asd is None:
