@@ -57,7 +57,9 @@ rows (the method column says which; none of the models here is in that regime).
 
 Time ratio = peer time / torchsso2 time for the same quantity (> 1: torchsso2 is faster),
 from the min and the median over the timed calls (one warm-up, then as many calls as fit
-in ``--budget`` seconds, 3 to 30; dense P×P computations: one timed call). Everything runs
+in ``--budget`` seconds, 3 to 30; dense P×P computations: one timed call). Ours and the peer
+are called alternately (ours–peer, peer–ours, ...), so a slow spell of a shared machine hits
+both sides of a ratio; the "ours" column of a row is its own interleaved timing. Everything runs
 in float32. curvlinops operators are built with ``check_deterministic=False`` (its default
 check runs extra passes) and built inside the timed call (they compute lazily).
 """
