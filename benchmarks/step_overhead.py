@@ -283,22 +283,31 @@ def lr_grid(mode: str) -> Dict[str, List[float]]:
     return grid
 
 
+def seeded_fit(name: str, lr: float, hidden: Sequence[int], data: Any, epochs: int,
+               stop_at_accuracy: Optional[float] = None) -> Tuple[Any, List[Any]]:
+    """``(optimizer, history)`` of one digits run at batch 32, seeded identically every time
+    (model init, batch order, sampling), so repeated runs take the same steps."""
+    from examples.common import fit, make_model, make_optimizer
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = make_model("mlp", tuple(hidden))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = make_optimizer(name, model, lr, seed=0)
+    return opt, fit(model, opt, data, epochs, 32, gen, stop_at_accuracy=stop_at_accuracy)
+
+
 def run_convergence(args: argparse.Namespace) -> Dict[str, Any]:
-    from examples.common import DEFAULT_HIDDEN, MLP_HIDDEN, fit, load_digits_data, make_model, make_optimizer
+    from examples.common import DEFAULT_HIDDEN, MLP_HIDDEN, load_digits_data
 
     data = load_digits_data()
     out: Dict[str, Any] = {"target": args.target, "max_epochs": args.epochs, "batch_size": 32, "runs": []}
     best: Dict[str, Dict[str, Any]] = {}
     for name, lrs in lr_grid(args.mode).items():
         for lr in lrs:
-            torch.manual_seed(0)
-            gen = torch.Generator().manual_seed(0)
             hidden = DEFAULT_HIDDEN.get(name, MLP_HIDDEN)
-            model = make_model("mlp", hidden)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                opt = make_optimizer(name, model, lr, seed=0)
-            hist = fit(model, opt, data, args.epochs, 32, gen)
+            opt, hist = seeded_fit(name, lr, hidden, data, args.epochs)
             hit = next((r for r in hist if r.test_accuracy >= args.target), None)
             run = {"optimizer": name, "lr": lr, "hidden": list(hidden),
                    "epochs_to_target": hit.epoch if hit else None, "wall_to_target_s": hit.wall_s if hit else None,
@@ -323,29 +332,21 @@ def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target
 
     The runs are seeded as in the grid, so they take the same steps and reach the target at the
     same epoch; only the wall time differs. All times are kept in ``wall_to_target_runs_s``."""
-    from examples.common import fit, make_model, make_optimizer
-
     for run in best.values():
         run["wall_to_target_runs_s"] = [run["wall_to_target_s"]] if run["epochs_to_target"] else []
     for _ in range(repeats):
         for name, run in best.items():
             if not run["epochs_to_target"]:
                 continue
-            torch.manual_seed(0)
-            gen = torch.Generator().manual_seed(0)
-            model = make_model("mlp", tuple(run["hidden"]))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                opt = make_optimizer(name, model, run["lr"], seed=0)
-            hist = fit(model, opt, data, run["epochs_to_target"], 32, gen, stop_at_accuracy=target)
+            _, hist = seeded_fit(name, run["lr"], run["hidden"], data, run["epochs_to_target"], target)
             if hist[-1].test_accuracy >= target and hist[-1].epoch == run["epochs_to_target"]:
                 run["wall_to_target_runs_s"].append(hist[-1].wall_s)
             else:  # not expected (seeded runs repeat); keep the grid's number and say so
                 logger.warning("%s lr=%g: re-run reached %.4f at epoch %d (grid: epoch %d)", name, run["lr"],
                                hist[-1].test_accuracy, hist[-1].epoch, run["epochs_to_target"])
-        for run in best.values():
-            if run["wall_to_target_runs_s"]:
-                run["wall_to_target_s"] = min(run["wall_to_target_runs_s"])
+    for run in best.values():
+        if run["wall_to_target_runs_s"]:
+            run["wall_to_target_s"] = min(run["wall_to_target_runs_s"])
 
 
 def save_plot(conv: Dict[str, Any], path: Path, title: str) -> Path:

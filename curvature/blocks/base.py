@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..linalg.checks import all_finite  # noqa: F401  (re-exported: blocks and optimizers use it)
 from .layout import Layout
 
 
@@ -123,25 +124,6 @@ class DerivedCache:
             self._value = build()
             self._sources, self._versions = tuple(sources), versions
         return self._value
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """True when every element of every tensor is finite.
-
-    Fast path: one sum per tensor (an inf or NaN element makes the sum inf or NaN, and the sum
-    is one pass without temporaries); only when some sum is not finite — a bad element, or a
-    sum of large finite values overflowing — is each tensor checked element by element.
-    """
-    tensors = [t.detach() for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    if all(t.device.type == "cpu" for t in tensors):
-        # CPU: Python floats (no stack, no dtype casts; ~20 µs for 4 tensors vs ~130 µs)
-        if math.isfinite(sum(float(t.sum()) for t in tensors)):
-            return True
-    elif bool(torch.isfinite(torch.stack([t.sum().to(torch.float64) for t in tensors])).all()):
-        return True  # accelerators: one host sync for all tensors
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def check_positive(evals: Tensor, what: str) -> None:

@@ -13,7 +13,6 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -38,13 +37,6 @@ _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
 
 class NonFiniteError(FloatingPointError):
     """Raised under ``on_nonfinite="raise"`` when a gradient, a curvature statistic or a decomposition is not finite."""
-
-
-def _finite_loss(loss: Tensor) -> bool:
-    """Whether every element of the loss is finite (a scalar on CPU: one float conversion)."""
-    if loss.numel() == 1 and loss.device.type == "cpu":
-        return math.isfinite(float(loss.detach()))
-    return bool(torch.isfinite(loss.detach()).all())
 
 
 class BlockAverage:
@@ -178,7 +170,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if self.comm.world_size <= 1:
             return True
         bad = (blocks is not None and not blocks) or \
-            (isinstance(loss, Tensor) and not _finite_loss(loss))
+            (isinstance(loss, Tensor) and not all_finite([loss]))
         dev = grads[0].device if grads else next((p.device for p in self.model.parameters()), torch.device("cpu"))
         flag = torch.tensor([1.0 if bad else 0.0], dtype=grads[0].dtype if grads else torch.float64, device=dev)
         if self._average_gradients and grads:
@@ -215,7 +207,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
         """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output)."""
-        if isinstance(loss, Tensor) and not _finite_loss(loss):
+        if isinstance(loss, Tensor) and not all_finite([loss]):  # apart: it may live on another device
             return False
         if not all_finite(grads):
             return False

@@ -74,11 +74,9 @@ def momentum_step_(params: Sequence[Tensor], updates: Sequence[Tensor], states: 
     scaled: Dict[float, Tuple[List[Tensor], List[Tensor]]] = {}
     steps: Dict[float, Tuple[List[Tensor], List[Tensor]]] = {}
     for p, u, state, lr, mom in zip(params, updates, states, lrs, momentums):
-        buf = state.get("momentum_buffer") if mom != 0.0 else None
-        if mom == 0.0:
-            direction = u
-        elif buf is None:
-            direction = state["momentum_buffer"] = u.detach().clone()
+        buf = state.get("momentum_buffer")
+        if mom == 0.0 or buf is None:  # no buffer kept, or its first use: momentum_ itself
+            direction = momentum_(state, u, mom)
         else:
             bufs, news = scaled.setdefault(mom, ([], []))
             bufs.append(buf)
