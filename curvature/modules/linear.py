@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .base import LayerFamily, ones_column, sum_outer
+from .base import LayerFamily, sum_outer, sum_outer_with_ones
 
 
 #: largest per-example-gradient batch ``[n, d_out, d_in]`` formed at once by ``diag_sum`` (elements)
@@ -91,9 +91,7 @@ class WeightMatrixFamily(LayerFamily):
         if "weight" not in names:  # frozen weight, trainable bias: the input is the constant 1
             return big_g, g.new_ones(1, 1)
         a = a.to(g.dtype)
-        if "bias" in names:
-            a = ones_column(a)
-        return big_g, sum_outer(a, 1.0 / (n * t))
+        return big_g, (sum_outer_with_ones if "bias" in names else sum_outer)(a, 1.0 / (n * t))
 
     output_factor_needs_input = False
 
