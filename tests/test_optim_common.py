@@ -274,10 +274,14 @@ def _nan_grad(model: nn.Module) -> Callable[[], None]:
 
 @pytest.mark.parametrize("face", ["second_order", "vi"])
 @pytest.mark.parametrize("where", ["gradient", "input"])
-def test_nonfinite_step_is_skipped_and_changes_nothing(face, where):
+@pytest.mark.parametrize("warm", [3, 5])
+def test_nonfinite_step_is_skipped_and_changes_nothing(face, where, warm):
+    """Curvature every 2 steps, decompositions every 3: the bad step (index ``warm``) decomposes
+    (3) or neither estimates nor decomposes (5; SecondOrderOptimizer then leaves the gradient to
+    the finite check of the preconditioned update)."""
     model, (x, y) = tiny_mlp(), batch()
     opt = _resume_opt(face, "kfac", model, seed=0)
-    for s in range(3):
+    for s in range(warm):
         xb, yb = batch(seed=s)
         opt.step(make_closure(opt, model, xb, yb))
     before_state = copy.deepcopy(opt.state_dict())

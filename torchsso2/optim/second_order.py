@@ -138,7 +138,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         params = self._params_with_grad()
         grads = [p.grad for p in params]
         agreed = self._average_over_ranks(grads, fresh, loss)
-        if not agreed or not self._batch_is_finite(loss, grads, fresh):
+        decompose = self.num_steps % self.inv_update_interval == 0 or not self._decomposed
+        # the gradients are checked here only when the curvature state would change before the
+        # update (an EMA update or a decomposition); otherwise the finite check of the update
+        # below catches them (a non-finite gradient makes its preconditioned update non-finite)
+        checked = grads if fresh is not None or decompose else []
+        if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature")
             self.num_steps += 1
             return loss, output
@@ -146,7 +151,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self.running.update(fresh, self.ema_decay)
         if not self.running.blocks:
             raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
-        if (self.num_steps % self.inv_update_interval == 0 or not self._decomposed) and not self._decompose(self.damping):
+        if decompose and not self._decompose(self.damping):
             if not self._decomposed:
                 self.num_steps += 1
                 return loss, output
