@@ -88,6 +88,11 @@ def test_kfac_flop_floor_matches_hand_count() -> None:
     assert f["factors"] == 2 * 5 * 3 * (16 + 4)
     assert f["decompositions"] == 9 * (64 + 8)
     assert f["floor"] == pytest.approx(1 + (96 + 600 + 648) / 720)
+    # as autograd runs SGD: the first layer's input gets no gradient (4·B·T·m·n there, 6 elsewhere)
+    two = [{"m": 4, "n": 2, "T": 3}, {"m": 2, "n": 3, "T": 1}]
+    g = kfac_flops(two, batch=5, curv_interval=1, inv_interval=1, eigen=False, first_input_grad=False)
+    assert g["sgd"] == 4 * 5 * 3 * 4 * 2 + 6 * 5 * 1 * 2 * 3
+    assert g["floor"] > kfac_flops(two, batch=5, curv_interval=1, inv_interval=1, eigen=False)["floor"]
 
 
 def test_vi_benchmark_quick(tmp_path: Path) -> None:
