@@ -51,9 +51,11 @@ class EmbeddingFamily(LayerFamily):
         if "weight" not in names:
             raise ValueError("K-FAC for Embedding needs a trainable weight")
         n, t = a.shape[0], a.shape[1]
-        oh = self._one_hot(module, a, g.dtype)
-        big_a = oh.reshape(-1, oh.shape[-1]).sum(dim=0) / (n * t)
-        return big_a, self.kfac_output_factor(module, a, g, names)
+        # token counts, not a [N, T, V] one-hot (V = 30k and N·T = 4096 would be 0.5 GB of floats)
+        counts = torch.bincount(a.reshape(-1).long(), minlength=module.num_embeddings).to(g.dtype)
+        if module.padding_idx is not None:
+            counts[module.padding_idx] = 0
+        return counts.div_(n * t), self.kfac_output_factor(module, a, g, names)
 
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         if module.padding_idx is not None:
