@@ -346,7 +346,23 @@ def _range(values: Sequence[float]) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
-def _peers_curvature(sources: Sequence[Source]) -> List[str]:
+def _peer_ratio_extremes(rep: Dict[str, Any]) -> Optional[Tuple[float, str]]:
+    """The lowest peer÷ours time ratio of a peers_curvature report and where, over BackPACK,
+    curvlinops and laplace-torch (the peers of the issue's speed goal), or None."""
+    rs = [r for r in rep["results"] if r.get("ratio_min") is not None
+          and r["peer"] in ("backpack", "curvlinops", "laplace")]
+    if not rs:
+        return None
+    worst = min(rs, key=lambda r: r["ratio_min"])
+    return worst["ratio_min"], f"{worst['quantity']} on {worst['model']} vs {worst['peer']}"
+
+
+def _threads(rep: Dict[str, Any]) -> str:
+    n = rep.get("config", {}).get("threads") or rep.get("machine", {}).get("torch_threads")
+    return f"{n} torch thread{'s' if n != 1 else ''}" if n else "torch's default threads"
+
+
+def _peers_curvature(sources: Sequence[Source], one_thread: Sequence[Source] = ()) -> List[str]:
     if not sources:
         return []
     path, rep, t = sources[0]
@@ -369,8 +385,8 @@ def _peers_curvature(sources: Sequence[Source]) -> List[str]:
         models = list(dict.fromkeys(r["model"] for r in rs))
         rows.append([quantity, peer, agree, _range(ratios) if ratios else "", ", ".join(models)])
     cfg = rep["config"]
-    out = [f"**Curvature vs the peers** (`benchmarks/peers_curvature.py`, {cfg['dtype']}, batch {cfg['batch']}; "
-           f"`{path.name}`, {_date(t)}, {_load((path, rep, t))}): worst max relative difference over models "
+    out = [f"**Curvature vs the peers** (`benchmarks/peers_curvature.py`, {cfg['dtype']}, batch {cfg['batch']}, "
+           f"{_threads(rep)}; `{path.name}`, {_date(t)}, {_load((path, rep, t))}): worst max relative difference over models "
            "(Monte-Carlo rows: median relative error to the exact value, ours / peer) and peer time ÷ torchsso2 "
            "time (> 1: torchsso2 faster; min over repeats, range over models)", "",
            markdown_table(["quantity", "peer", "max rel diff", "peer time / ours", "models"], rows, "llrrl"), "",
@@ -378,6 +394,15 @@ def _peers_curvature(sources: Sequence[Source]) -> List[str]:
            "loss, bias placement, BackPACK's Conv2d K-FAC) in docs/results.md."]
     if rep.get("skipped"):
         out += ["", f"Peers not measured in this file: {', '.join(rep['skipped'])}."]
+    lines = []
+    for src in (sources[0], *one_thread[:1]):
+        ext = _peer_ratio_extremes(src[1])
+        if ext is not None:
+            lines.append(f"{_threads(src[1])} (`{src[0].name}`, {_date(src[2])}): lowest BackPACK/curvlinops/laplace "
+                         f"ratio {ext[0]:.2f} ({ext[1]})")
+    if len(lines) > 1:
+        out += ["", "The ratios depend on the thread count (BackPACK's few large batched ops gain more from a second "
+                "thread than our many smaller ones on the small CNNs): " + "; ".join(lines) + "."]
     return out + [""]
 
 
@@ -417,10 +442,11 @@ def render(results_dir: Path) -> str:
     step = load_sources(results_dir, "step_overhead*.json")
     vi = load_sources(results_dir, "vi*.json")
     pc = load_sources(results_dir, "peers_curvature.json")
+    pc1 = load_sources(results_dir, "peers_curvature_1thread.json")
     pt = load_sources(results_dir, "peers_training.json")
     sc = load_sources(results_dir, "scaling.json")
     body = (_step_overhead(step) + _time_to_accuracy(step) + _peers_training(pt) + _vi(vi, pc + pt)
-            + _peers_curvature(pc) + _scaling(sc))
+            + _peers_curvature(pc, pc1) + _scaling(sc))
     if not body:
         body = [f"_No benchmark results in `{results_dir.name}/` yet: run `python -m benchmarks.run`._", ""]
     head = _machine_line({"step time": step, "VI": vi, "scaling": sc, "the peer comparisons": pc + pt})

@@ -134,12 +134,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dense-max-params", type=int, default=None,
                    help="largest model (parameters) for the dense comparisons (default 4000; --quick 2000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for the run (default: torch's choice, one per core); the "
+                   "ratios depend on it: BackPACK's few large batched ops gain more from a second thread "
+                   "than our many smaller ones on the small CNNs (docs/benchmarks.md)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="write the JSON report here (default benchmarks/results/peers_curvature.json when all "
-                   "default models and quantities run; none with --quick, --models or --quantities)")
+                   "default models and quantities run with the default threads; none with --quick, --models, "
+                   "--quantities or --threads)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
-    if a.json is None and not a.quick and not a.models and a.quantities == list(QUANTITIES):
+    if a.threads is not None and a.threads < 1:
+        p.error(f"--threads {a.threads}: expected an int >= 1")
+    if a.json is None and not a.quick and not a.models and a.quantities == list(QUANTITIES) and a.threads is None:
         a.json = Path(__file__).resolve().parent / "results" / "peers_curvature.json"
     a.models = a.models or list(QUICK_MODELS if a.quick else FULL_MODELS)
     a.batch = a.batch or (32 if a.quick else 128)
@@ -611,7 +618,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return pu.report("peers_curvature", {"models": args.models, "batch": args.batch, "budget_s": args.budget,
                                          "dense_max_params": args.dense_max_params,
                                          "quantities": args.quantities, "dtype": "float32",
-                                         "agree_tol": AGREE_TOL, "seed": args.seed},
+                                         "agree_tol": AGREE_TOL, "seed": args.seed,
+                                         "threads": torch.get_num_threads()},
                      rows, skipped, disagreements=len(disagree))
 
 
@@ -637,6 +645,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     return pu.print_and_save(run(args), format_table, args.json)
 
 

@@ -110,8 +110,34 @@ def test_peer_benchmarks_default_json_only_for_the_readme_runs() -> None:
     from benchmarks import peers_curvature, peers_training
 
     assert peers_curvature.parse_args([]).json.name == "peers_curvature.json"
-    for argv in (["--quick"], ["--models", "cnn-s"], ["--quantities", "diag_ggn"]):
+    for argv in (["--quick"], ["--models", "cnn-s"], ["--quantities", "diag_ggn"], ["--threads", "1"]):
         assert peers_curvature.parse_args(argv).json is None
+    with pytest.raises(SystemExit):
+        peers_curvature.parse_args(["--threads", "0"])
     assert peers_training.parse_args(["--full"]).json.name == "peers_training.json"
     for argv in ([], ["--quick"], ["--full", "--models", "mlp"], ["--full", "--optimizers", "sgd"]):
         assert peers_training.parse_args(argv).json is None
+
+
+def test_peers_block_names_threads_and_the_one_thread_run(tmp_path: Path) -> None:
+    """The README's peer paragraph says how many threads its run used and, when a 1-thread run
+    exists, the lowest peer/ours ratio of each (computed from the rows, not copied)."""
+    summary = bench_run._readme_summary
+
+    def report(threads: int, ratios: list) -> dict:
+        rows = [{"quantity": "diag_ggn", "model": f"m{i}", "peer": peer, "method": "x", "ratio_min": r,
+                 "max_rel_diff": 1e-7, "agree": True}
+                for i, (peer, r) in enumerate(ratios)]
+        return {"benchmark": "peers_curvature", "machine": {"torch_threads": threads},
+                "config": {"dtype": "float32", "batch": 8, "agree_tol": 1e-4, "threads": threads},
+                "results": rows, "skipped": {}, "disagreements": 0}
+
+    two = report(2, [("backpack", 0.8), ("curvlinops", 1.5), ("asdl", 0.5)])
+    one = report(1, [("backpack", 1.2), ("laplace", 1.1)])
+    (tmp_path / "peers_curvature.json").write_text(json.dumps(two), encoding="utf-8")
+    text = summary.render(tmp_path)
+    assert "2 torch threads" in text and "1 torch thread " not in text
+    (tmp_path / "peers_curvature_1thread.json").write_text(json.dumps(one), encoding="utf-8")
+    text = " ".join(summary.render(tmp_path).split())
+    assert "ratio 0.80 (diag_ggn on m0 vs backpack)" in text  # asdl is not a peer of the speed goal
+    assert "1 torch thread (`peers_curvature_1thread.json`" in text and "ratio 1.10 (diag_ggn on m1 vs laplace)" in text
