@@ -203,7 +203,10 @@ class KFACBlock(Block):
             raise NotImplementedError("sampling needs method='eigen' (the inverse method is not an exact precision)")
         denom = d["denom"]
         z = torch.randn(denom.shape, generator=generator, dtype=denom.dtype, device=denom.device)
-        # symmetric square root (basis-independent draws): Q_L [(Q_Lᵀ Z Q_R) ⊘ √denom] Q_Rᵀ
+        # symmetric square root (basis-independent draws): Q_L [(Q_Lᵀ Z Q_R) ⊘ √denom] Q_Rᵀ. The one-sided
+        # Q_L (Z ⊘ √denom) Q_Rᵀ has the same distribution and two matmuls fewer, but its draws depend on
+        # the eigenbasis, which is arbitrary inside a repeated eigenvalue (every rank-deficient factor);
+        # two backends then draw different samples from one seed (tests/test_linalg_faces.py caught it)
         rot = self._rotate_in(d["ql"], z, d["qr"])
         m = self._rotate_out(d["ql"], rot / denom.sqrt(), d["qr"])
         like = [torch.empty(s, dtype=denom.dtype) for s in self.layout.shapes]
