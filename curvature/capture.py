@@ -8,6 +8,11 @@ the output during the user's own ``backward()`` (empirical-Fisher / kfac_pytorch
 
 Models are ordinary ``nn.Module``s: functional activations, residual additions, pooling,
 flatten and so on need nothing special.
+
+With ``freeze_batch_stats`` every BatchNorm under ``root`` that normalizes with batch statistics
+gets a routing node after its output (:mod:`curvature.frozen_norm`): backward passes run inside
+``capture.frozen.on()`` see the Jacobian with the batch statistics frozen; every other backward
+(the user's) is unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
 
 
 @dataclass
@@ -42,12 +49,15 @@ class Capture:
             count the calls in :attr:`calls`, for users that only need to detect it).
         select: optional ``f(name, module, inputs) -> bool``; a call it rejects is counted in
             :attr:`calls` but not recorded (no clone of the output, no gradient hook).
+        freeze_batch_stats: route the outputs of BatchNorms that use batch statistics (needs
+            ``root``); backward passes inside ``frozen.on()`` treat those statistics as constants.
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
                  on_output: Optional[Callable[[Tensor], None]] = None,
                  record_backward: bool = False, on_reuse: str = "raise",
-                 select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None) -> None:
+                 select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None,
+                 freeze_batch_stats: bool = False) -> None:
         if on_reuse not in ("raise", "count"):
             raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
@@ -61,8 +71,16 @@ class Capture:
         self.calls: Dict[str, int] = {}
         self.outputs: List[Tensor] = []
         self._handles: List[RemovableHandle] = []
+        self.freeze_batch_stats = freeze_batch_stats
+        #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
+        self.frozen = FrozenMode()
 
     def __enter__(self) -> "Capture":
+        if self.freeze_batch_stats and self.root is not None:
+            # registered before the recording hooks: a covered BatchNorm records the routed output
+            for module in self.root.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    self._handles.append(module.register_forward_hook(self._route_hook))
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
         if self.root is not None and self.on_output is not None:
@@ -96,6 +114,12 @@ class Capture:
                 output.register_hook(lambda g, rec=rec: rec.backward_grads.append(g.detach()))
             return output.clone() if output.requires_grad else None
         return hook
+
+    def _route_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
+        if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad \
+                or not uses_batch_statistics(module):
+            return None
+        return route_output(module, inputs[0], output, self.frozen)
 
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
         if not torch.is_grad_enabled():

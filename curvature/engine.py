@@ -79,7 +79,7 @@ class CurvatureEngine:
                 record_backward: bool = False) -> Capture:
         """A context manager recording the next forward of the model."""
         return Capture({n: lay.module for n, lay in self.layouts.items()}, root=self.model,
-                       on_output=on_output, record_backward=record_backward)
+                       on_output=on_output, record_backward=record_backward, freeze_batch_stats=True)
 
     # ---- estimation -------------------------------------------------------------------
     def estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,
@@ -128,13 +128,15 @@ class CurvatureEngine:
         names = list(self.layouts)
         outs = [capture.records[n].output for n in names]
         if vectors.shape[0] > 1 and self.batched_backward:
-            batched = self._batched_output_grads(outputs, outs, vectors)
+            with capture.frozen.on():  # BatchNorm batch statistics as constants (curvature.frozen_norm)
+                batched = self._batched_output_grads(outputs, outs, vectors)
             if batched is not None:
                 yield dict(zip(names, batched))
                 return
         for k in range(vectors.shape[0]):
-            g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
-                                    retain_graph=True, allow_unused=True)
+            with capture.frozen.on():
+                g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
+                                        retain_graph=True, allow_unused=True)
             yield {n: (gi if gi is not None else torch.zeros_like(o)).unsqueeze(0) for n, gi, o in zip(names, g, outs)}
 
     @staticmethod

@@ -1,0 +1,87 @@
+"""BatchNorm with batch statistics, seen by the curvature's backward passes as frozen.
+
+A BatchNorm that normalizes with the statistics of the current batch (training mode, or no
+running statistics) couples the examples: ``∂out_n/∂x_m ≠ 0`` for ``m ≠ n`` through the batch
+mean and variance. The convention of K-FAC / Fisher libraries (and of
+:mod:`curvature.modules.norm`) treats those statistics as constants, so per-example
+quantities stay per-example. The user's own ``backward`` must still see the true gradient.
+
+:func:`route_output` puts one node after such a BatchNorm's output. In normal mode it passes
+the gradient to the BatchNorm's own graph (the true gradient, batch-statistics terms
+included); while its :class:`FrozenMode` is active — only around the engine's backward passes
+of the curvature — it sends ``g · γ/√(σ²_B + ε)`` straight to the BatchNorm's input: the
+Jacobian with the batch statistics frozen. Layers *upstream* of the BatchNorm then get the
+blocks of the frozen-statistics model (``tests/test_curvature_reference.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+class FrozenMode:
+    """Whether the routing nodes of one capture send gradients the frozen way (off by default).
+
+    One per :class:`curvature.capture.Capture`, read by its nodes during backward (from any
+    thread: autograd may run a device's backward on its own worker thread)."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        """Frozen routing for the backward passes run inside the block."""
+        prev, self.active = self.active, True
+        try:
+            yield
+        finally:
+            self.active = prev
+
+
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """A BatchNorm that normalizes with the current batch's statistics in this call."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+        (module.training or module.running_mean is None or module.running_var is None)
+
+
+def frozen_input_scale(module: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tensor:
+    """``γ / √(σ²_B + ε)`` per channel (``1/√(σ²_B + ε)`` without affine), shaped to broadcast
+    against ``x [N, C, ...]``: the BatchNorm's Jacobian with its batch statistics frozen. Detached."""
+    x = x.detach()
+    dims = [d for d in range(x.dim()) if d != 1]
+    var = x.var(dim=dims, unbiased=False)  # the biased batch variance the forward normalizes with
+    scale = torch.rsqrt(var + module.eps)
+    if module.affine and module.weight is not None:
+        scale = scale * module.weight.detach()
+    return scale.reshape((1, -1) + (1,) * (x.dim() - 2)).to(x.dtype)
+
+
+class _Route(torch.autograd.Function):
+    """``out`` unchanged forward; backward to ``out`` (normal) or to ``x`` through ``scale`` (frozen)."""
+
+    generate_vmap_rule = True  # the exact Fisher backpropagates its K vectors under vmap
+
+    @staticmethod
+    def forward(x: Tensor, out: Tensor, scale: Tensor, mode: FrozenMode) -> Tensor:  # type: ignore[override]
+        return out.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tensor) -> None:
+        _, _, scale, mode = inputs
+        ctx.save_for_backward(scale)
+        ctx.mode = mode
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
+        (scale,) = ctx.saved_tensors
+        if ctx.mode.active:
+            return (g * scale if ctx.needs_input_grad[0] else None), None, None, None
+        return None, g, None, None
+
+
+def route_output(module: nn.Module, x: Tensor, out: Tensor, mode: FrozenMode) -> Tensor:
+    """``out`` behind a routing node (a fresh tensor equal to ``out``), see the module docstring."""
+    return _Route.apply(x, out, frozen_input_scale(module, x), mode)
