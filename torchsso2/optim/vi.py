@@ -40,7 +40,7 @@ from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
-from .steps import momentum_
+from .steps import add_scaled_, momentum_buffers_
 from .validation import check_int, check_number
 
 
@@ -180,6 +180,14 @@ class VIOptimizer(CurvatureOptimizer):
                     for p in lay.params:
                         noise[j][id(p)] = torch.randn(p.shape, generator=gen, dtype=p.dtype) * std
             return noise
+        if not self.placement.active:  # one process: each block draws its samples here (no sharing)
+            for name, blk in self.running.blocks.items():
+                dev = blk.tensors()[0].device
+                for j, s in enumerate(mine):
+                    draw = self._scaled(blk.sample(noise_generator(self.seed, step, s, number[name], device=dev)))
+                    for p, e in zip(blk.layout.params, draw):
+                        noise[j][id(p)] = e.to(p.dtype)
+            return noise
         order: Dict[str, List[int]] = {}
 
         def needed(name: str, receivers: Tuple[int, ...]) -> List[int]:
@@ -295,12 +303,12 @@ class VIOptimizer(CurvatureOptimizer):
             params = [p for p in trainable if id(p) in grad_sum]
             for p in params:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples
+        mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not self._unscale_grads():
             self.num_steps += 1
-            return torch.stack(losses).mean(), output
+            return mean_loss, output
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
-        mean_loss = torch.stack(losses).mean()
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature")
@@ -320,12 +328,17 @@ class VIOptimizer(CurvatureOptimizer):
     def _update_mean(self, params: List[nn.Parameter], grads: List[Tensor]) -> None:
         n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        raw = {id(p): torch.add(p.detach(), g, alpha=n / tau_delta).mul_(tau_delta) if tau_delta else n * g
-               for p, g in zip(params, grads)}  # N·g + τδ·μ with one temporary
-        bufs = {id(p): momentum_(self.state[p], raw[id(p)], group_of[id(p)]["momentum"]) for p in params}
+        means = [p.detach() for p in params]
+        if tau_delta:  # N·g + τδ·μ, one temporary per tensor
+            raw = torch._foreach_add(means, list(grads), alpha=n / tau_delta)
+            torch._foreach_mul_(raw, tau_delta)
+        else:
+            raw = torch._foreach_mul(list(grads), n)
+        groups = [group_of[id(p)] for p in params]
+        bufs = dict(zip((id(p) for p in params),
+                        momentum_buffers_(raw, [self.state[p] for p in params], [g["momentum"] for g in groups])))
         covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
         direction = self._precondition(covered, bufs)
         in_block = {id(q) for b in covered.values() for q in b.layout.params}
-        for p in params:
-            d = direction[id(p)] if id(p) in in_block else bufs[id(p)] / n
-            p.add_(d.to(p.dtype), alpha=-group_of[id(p)]["lr"])
+        steps = [(direction[id(p)] if id(p) in in_block else bufs[id(p)] / n).to(p.dtype) for p in params]
+        add_scaled_(means, steps, [g["lr"] for g in groups])
