@@ -42,9 +42,13 @@ class FrozenMode:
 
 
 def uses_batch_statistics(module: nn.Module) -> bool:
-    """A BatchNorm that normalizes with the current batch's statistics in this call."""
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and \
-        (module.training or module.running_mean is None or module.running_var is None)
+    """A BatchNorm that normalizes with the current batch's statistics in this call.
+
+    ``nn.SyncBatchNorm`` is left out: across processes it normalizes with the statistics of
+    the global batch, which :func:`frozen_input_scale` (this process's batch) would not match;
+    layers before it keep the batch-coupled blocks."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm) \
+        and (module.training or module.running_mean is None or module.running_var is None)
 
 
 def frozen_input_scale(module: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tensor:

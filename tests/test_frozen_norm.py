@@ -68,6 +68,7 @@ def test_only_batchnorms_with_batch_statistics_are_routed():
     assert not uses_batch_statistics(model[1])
     no_stats = nn.BatchNorm1d(4, track_running_stats=False).eval()
     assert uses_batch_statistics(no_stats)  # normalizes with the batch even in eval mode
+    assert not uses_batch_statistics(nn.SyncBatchNorm(4).train())  # global statistics: not routed
     x, _ = _batch()
     for train in (True, False):
         model.train(train)
