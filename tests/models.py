@@ -73,6 +73,24 @@ class NormCNN(nn.Module):
         return self.fc(h.flatten(1))
 
 
+class ResBNCNN(nn.Module):
+    """A residual block with BatchNorm: conv1 → BN → ReLU → conv2 (padding 1) + conv1's output
+    (skip) → BN → Linear. Upstream of each BatchNorm the gradient takes the skip path too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 2, kernel_size=2)   # [2, 2, 2]
+        self.bn1 = nn.BatchNorm2d(2)
+        self.conv2 = nn.Conv2d(2, 2, kernel_size=3, padding=1)
+        self.bn2 = nn.BatchNorm2d(2)
+        self.fc = nn.Linear(8, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(x)
+        r = self.conv2(F.relu(self.bn1(h))) + h
+        return self.fc(self.bn2(r).flatten(1))
+
+
 class EmbeddingModel(nn.Module):
     """Embedding (padding_idx=0) of tokens ``[N, T]`` → mean over T → Linear."""
 

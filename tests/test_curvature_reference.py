@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import curvature
-from models import MODELS, NormCNN, NormMLP, _randomize_norm_stats
+from models import MODELS, NormCNN, NormMLP, ResBNCNN, _randomize_norm_stats
 from reference import KFAC_TYPES, Reference, freeze_batchnorm, sample_labels
 
 ATOL = 1e-8
@@ -202,6 +202,9 @@ TRAIN_MODELS = {
     # (class, input shape, modules at or after the first BatchNorm, modules before it)
     "norm_mlp": (NormMLP, (4,), ["bn", "ln", "fc2"], ["fc1"]),
     "norm_cnn": (NormCNN, (2, 3, 3), ["bn", "ln", "fc"], ["conv"]),
+    # residual: conv2 sits between two BatchNorms, conv1 feeds both bn1 and the skip ("after" =
+    # downstream of every BatchNorm: there even the Hessian needs no frozen statistics)
+    "res_bn_cnn": (ResBNCNN, (2, 3, 3), ["bn2", "fc"], ["conv1", "bn1", "conv2"]),
 }
 
 
@@ -235,14 +238,15 @@ def test_batchnorm_train_mode_frozen_statistics(name: str, loss: str, kind: str,
 @pytest.mark.parametrize("name", list(TRAIN_MODELS))
 def test_batchnorm_train_and_eval_differ(name: str) -> None:
     """Train mode really uses the batch statistics: eval mode (running statistics) gives another block."""
-    model, x, y, ref, _, _ = _train_case(name, "cross_entropy")
-    train = curvature.compute(model, x, y, kind="fisher", approx="full").blocks["bn"].dense()
+    model, x, y, ref, after, _ = _train_case(name, "cross_entropy")
+    bn = after[0]
+    train = curvature.compute(model, x, y, kind="fisher", approx="full").blocks[bn].dense()
     model.eval()
     try:
-        ev = curvature.compute(model, x, y, kind="fisher", approx="full").blocks["bn"].dense()
+        ev = curvature.compute(model, x, y, kind="fisher", approx="full").blocks[bn].dense()
     finally:
         model.train()
-    s = next(s for s in ref.slices if s.name == "bn")
+    s = next(s for s in ref.slices if s.name == bn)
     assert_close(train, ref.dense("fisher")[s.start:s.stop, s.start:s.stop])
     assert (train - ev).abs().max() > 1e-3
 
