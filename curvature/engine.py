@@ -77,9 +77,13 @@ class CurvatureEngine:
 
     def capture(self, on_output: Optional[Callable[[Tensor], None]] = None,
                 record_backward: bool = False) -> Capture:
-        """A context manager recording the next forward of the model."""
+        """A context manager recording the next forward of the model.
+
+        BatchNorms are routed (:mod:`curvature.frozen_norm`) only when the engine will run its own
+        backward passes on the record: not for blocks from the user's backward, nor for the Hessian."""
+        own_backward = not record_backward and self.kind is not Kind.HESSIAN
         return Capture({n: lay.module for n, lay in self.layouts.items()}, root=self.model,
-                       on_output=on_output, record_backward=record_backward, freeze_batch_stats=True)
+                       on_output=on_output, record_backward=record_backward, freeze_batch_stats=own_backward)
 
     # ---- estimation -------------------------------------------------------------------
     def estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,

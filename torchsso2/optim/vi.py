@@ -180,12 +180,16 @@ class VIOptimizer(CurvatureOptimizer):
                     for p in lay.params:
                         noise[j][id(p)] = torch.randn(p.shape, generator=gen, dtype=p.dtype) * std
             return noise
+
+        def one(name: str, blk: Any, s: int) -> List[Tensor]:
+            """Global sample ``s`` of block ``name``, scaled to the posterior covariance."""
+            dev = blk.tensors()[0].device
+            return self._scaled(blk.sample(noise_generator(self.seed, step, s, number[name], device=dev)))
+
         if not self.placement.active:  # one process: each block draws its samples here (no sharing)
             for name, blk in self.running.blocks.items():
-                dev = blk.tensors()[0].device
                 for j, s in enumerate(mine):
-                    draw = self._scaled(blk.sample(noise_generator(self.seed, step, s, number[name], device=dev)))
-                    for p, e in zip(blk.layout.params, draw):
+                    for p, e in zip(blk.layout.params, one(name, blk, s)):
                         noise[j][id(p)] = e.to(p.dtype)
             return noise
         order: Dict[str, List[int]] = {}
@@ -195,9 +199,7 @@ class VIOptimizer(CurvatureOptimizer):
             return order[name]
 
         def draw(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
-            dev = blk.tensors()[0].device
-            draws = [self._scaled(blk.sample(noise_generator(self.seed, step, s, number[name], device=dev)))
-                     for s in needed(name, receivers)]
+            draws = [one(name, blk, s) for s in needed(name, receivers)]
             if len(draws) == 1:  # the common case: no copy into a stack
                 return [d.unsqueeze(0).to(p.dtype) for d, p in zip(draws[0], blk.layout.params)]
             return [torch.stack([d[i] for d in draws]).to(p.dtype) for i, p in enumerate(blk.layout.params)]
