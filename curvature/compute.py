@@ -41,7 +41,8 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
         approx: ``"full" | "diag" | "kfac"`` or a dict (see :mod:`curvature.selection`).
         mc_samples: sampled labels per example for ``fisher_mc``.
         generator: ``torch.Generator`` for the label sampling.
-        skip_modules: module names (regex) or types to leave uncovered.
+        skip_modules: module names (regex), class names or types to leave uncovered, each with
+            its submodules.
 
     Returns:
         :class:`Curvature` with ``.blocks`` and ``.dense()``.

@@ -49,7 +49,8 @@ class CurvatureEngine:
         approx: a shape name or a dict (see :mod:`curvature.selection`).
         loss: ``"cross_entropy" | "mse"``.
         mc_samples: labels sampled per example for ``fisher_mc`` (>= 1).
-        skip_modules: module names (regex) or types to leave uncovered.
+        skip_modules: module names (regex), class names or types to leave uncovered, each with
+            its submodules.
     """
 
     def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
@@ -99,7 +100,9 @@ class CurvatureEngine:
         missing = [n for n in self.layouts if n not in capture.records]
         if missing:
             raise ValueError(f"covered modules {missing} were not called in the forward pass; "
-                             "exclude them with skip_modules or freeze their parameters")
+                             "exclude them with skip_modules or freeze their parameters (if a parent module "
+                             "computes with their parameters itself, as nn.MultiheadAttention does with "
+                             "out_proj, skip the parent: its submodules are skipped with it)")
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             return hessian_blocks(loss, self.layouts, self.approx)

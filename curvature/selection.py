@@ -42,6 +42,11 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                    ) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
     """Covered modules (``named_modules`` order) with their layouts and shapes.
 
+    A module matched by ``skip_modules`` is left out with all its submodules: a parent may
+    compute with its children's parameters itself (``nn.MultiheadAttention`` uses
+    ``out_proj``'s weight without calling ``out_proj``), so ``skip_modules=[nn.MultiheadAttention]``
+    leaves the whole attention to the optimizer's plain update.
+
     Raises ValueError for a module holding trainable parameters of an unsupported type
     (unless skipped), for parameters shared between modules, and for a model with no
     supported layer.
@@ -58,11 +63,15 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     shapes: Dict[str, Approx] = {}
     owner: Dict[int, str] = {}
     fallback_logged = False
+    skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
     for name, module in model.named_modules():
-        direct = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if not direct:
+        if any(name.startswith(f"{s}.") or not s for s in skipped):
             continue
         if any(_matches(k, name, module) for k in skip):
+            skipped.append(name)
+            continue
+        direct = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not direct:
             continue
         fam = family_of(module)
         if fam is None:

@@ -73,7 +73,11 @@ def covered(model: nn.Module, skip: Sequence[Union[str, type]] = ()) -> Tuple[Li
         mod = modules[mod_name]
         if not isinstance(mod, SUPPORTED):
             continue
-        if any((isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and re.search(s, mod_name) is not None) for s in skip):
+        # a skipped module is skipped with its submodules: check it and every ancestor
+        parts = mod_name.split(".") if mod_name else []
+        lineage = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+        if any((isinstance(s, type) and isinstance(modules[a], s)) or (isinstance(s, str) and re.search(s, a) is not None)
+               for s in skip for a in lineage):
             continue
         names.append(full)
         if slices and slices[-1].name == mod_name:

@@ -305,3 +305,52 @@ def test_unsupported_embedding_configurations(make, pattern) -> None:
     model = nn.Sequential(make(), nn.Flatten(), nn.Linear(6, 3)).double()
     with pytest.raises(ValueError, match=pattern):
         _compute(model, torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, dtype=torch.long))
+
+
+# ---- skipping a module skips its submodules (nn.MultiheadAttention uses out_proj's weight itself) ----
+class AttentionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(3, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(h.mean(1))
+
+
+def _attention_case():
+    torch.manual_seed(0)
+    model = AttentionNet().double()
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    return model, x, y
+
+
+def test_unsupported_parent_named_and_out_proj_hint() -> None:
+    """MultiheadAttention is unsupported (named in the error). With its own parameters frozen,
+    out_proj is covered but never called (the parent uses its weight directly): that error says
+    to skip the parent."""
+    model, x, y = _attention_case()
+    with pytest.raises(ValueError, match=r"'attn'.*MultiheadAttention.*skip_modules"):
+        _compute(model, x, y)
+    for p in model.attn.parameters(recurse=False):
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"attn\.out_proj.*not called.*skip the parent"):
+        _compute(model, x, y)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap fallback for attention's backward
+@pytest.mark.parametrize("skip", [[nn.MultiheadAttention], ["MultiheadAttention"], [r"^attn$"]],
+                         ids=["type", "class-name", "anchored-regex"])
+@pytest.mark.parametrize("approx", ["full", "kfac"])
+def test_skip_parent_skips_submodules(skip, approx) -> None:
+    model, x, y = _attention_case()
+    c = _compute(model, x, y, kind="fisher", approx=approx, skip_modules=skip)
+    assert list(c.blocks) == ["emb", "head"]
+    assert not any(p is q for p in c.params for q in model.attn.parameters())
+    ref_skip = [nn.MultiheadAttention] if skip == ["MultiheadAttention"] else skip
+    ref = Reference(model, x, y, "cross_entropy", skip=ref_skip)
+    torch.testing.assert_close(c.dense(), ref.shaped("fisher", approx), rtol=0, atol=1e-10)

@@ -58,7 +58,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             (needs a closure that can be called again; the extra call re-evaluates the loss).
         on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
             before it, logged and counted in ``num_skipped``) or ``"raise"`` (NonFiniteError).
-        skip_modules: module names (regex) or types left to plain SGD.
+        skip_modules: module names (regex), class names or types left to plain SGD, each with its
+            submodules.
         params: optional torch.optim-style param groups (default: all trainable params of model).
         linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator.

@@ -81,6 +81,9 @@ class VIOptimizer(CurvatureOptimizer):
         momentum, ema_decay, damping: see the module docstring.
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
+        skip_modules: module names (regex), class names or types, each with its submodules, left
+            out of the posterior: point estimates with the mean's update ``μ ← μ − lr·(N·g + τδ·μ)/N``,
+            never sampled.
         grad_worker_fraction, assignment_strategy: KAISA placement of the decompositions over ranks,
             as in :class:`SecondOrderOptimizer`. With a fraction < 1 the grad workers also draw
             the weight noise and broadcast it (and :meth:`predict` needs ``"comm_opt"``).
