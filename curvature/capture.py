@@ -17,7 +17,7 @@ gets a routing node after its output (:mod:`curvature.frozen_norm`): backward pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +57,8 @@ class Capture:
                  on_output: Optional[Callable[[Tensor], None]] = None,
                  record_backward: bool = False, on_reuse: str = "raise",
                  select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None,
-                 freeze_batch_stats: bool = False) -> None:
+                 freeze_batch_stats: bool = False,
+                 select_output: Optional[Callable[[Any], Tensor]] = None) -> None:
         if on_reuse not in ("raise", "count"):
             raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
@@ -72,6 +73,7 @@ class Capture:
         self.outputs: List[Tensor] = []
         self._handles: List[RemovableHandle] = []
         self.freeze_batch_stats = freeze_batch_stats
+        self.select_output = select_output
         #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
         self.frozen = FrozenMode()
 
@@ -124,6 +126,8 @@ class Capture:
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
         if not torch.is_grad_enabled():
             return
+        if self.select_output is not None:
+            output = self.select_output(output)
         self.outputs.append(output)
         assert self.on_output is not None
         self.on_output(output)

@@ -1,7 +1,7 @@
 """One-shot curvature of a batch: ``curvature.compute(model, inputs, targets, ...)``."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,8 @@ def _check_inputs_match_model(model: nn.Module, args: Tuple[Tensor, ...]) -> Non
 def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets: Tensor, *,
             loss: str = "cross_entropy", kind: str = "fisher", approx: ApproxSpec = "full",
             mc_samples: int = 1, generator: Optional[torch.Generator] = None,
-            skip_modules: SkipSpec = None) -> Curvature:
+            skip_modules: SkipSpec = None, output_selector: Optional[Callable[[Any], Tensor]] = None
+            ) -> Curvature:
     """Curvature of the mean loss ``(1/N) Σ_n ℓ_n`` of ``model`` on one batch.
 
     Args:
@@ -43,12 +44,14 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
         generator: ``torch.Generator`` for the label sampling.
         skip_modules: module names (regex), class names or types to leave uncovered, each with
             its submodules.
+        output_selector: maps the model's output to the tensor the loss is computed from, for
+            models that return a tuple, dict or output object (e.g. ``lambda out: out[0]``).
 
     Returns:
         :class:`Curvature` with ``.blocks`` and ``.dense()``.
     """
     engine = CurvatureEngine(model, kind=kind, approx=approx, loss=loss, mc_samples=mc_samples,
-                             skip_modules=skip_modules)
+                             skip_modules=skip_modules, output_selector=output_selector)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if not all(isinstance(x, Tensor) for x in args):
         raise TypeError("inputs must be a Tensor or a tuple of Tensors")
@@ -56,7 +59,7 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     with torch.enable_grad(), engine.capture() as cap:
-        outputs = model(*args)
+        outputs = engine.select_output(model(*args))
     blocks = engine.estimate(cap, outputs, targets, generator)
     return Curvature(blocks=blocks, layouts=engine.layouts, kind=engine.kind.value,
                      approx={n: a.value for n, a in engine.approx.items()})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -51,11 +51,17 @@ class CurvatureEngine:
         mc_samples: labels sampled per example for ``fisher_mc`` (>= 1).
         skip_modules: module names (regex), class names or types to leave uncovered, each with
             its submodules.
+        output_selector: maps the model's forward output to the tensor the loss is computed
+            from (for models that return a tuple, dict or output object); default: the output.
     """
 
     def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
-                 loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None) -> None:
+                 loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None,
+                 output_selector: Optional[Callable[[Any], Tensor]] = None) -> None:
         self.kind = parse(Kind, kind, "kind")
+        if output_selector is not None and not callable(output_selector):
+            raise TypeError(f"output_selector must be a callable (model output -> Tensor), got {output_selector!r}")
+        self.output_selector = output_selector
         self.loss = parse(LossType, loss, "loss")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples={mc_samples!r} is invalid; expected an int >= 1")
@@ -76,6 +82,18 @@ class CurvatureEngine:
         """Covered parameters in ``named_parameters`` order."""
         return covered_parameters(self.layouts)
 
+    def select_output(self, output: Any) -> Tensor:
+        """The tensor the loss is computed from: ``output_selector(output)``, or ``output``
+        itself; a TypeError names ``output_selector`` when that is not a Tensor."""
+        out = output if self.output_selector is None else self.output_selector(output)
+        if not isinstance(out, Tensor):
+            how = "output_selector returned" if self.output_selector is not None else "the model returned"
+            raise TypeError(f"{how} {type(out).__name__}, expected the Tensor the loss is computed from "
+                            "(logits [N, C] or the regression output); for a model that returns a tuple, dict "
+                            "or output object pass output_selector=..., e.g. lambda out: out[0] or "
+                            "lambda out: out['logits']")
+        return out
+
     def capture(self, on_output: Optional[Callable[[Tensor], None]] = None,
                 record_backward: bool = False) -> Capture:
         """A context manager recording the next forward of the model.
@@ -84,7 +102,8 @@ class CurvatureEngine:
         backward passes on the record: not for blocks from the user's backward, nor for the Hessian."""
         own_backward = not record_backward and self.kind is not Kind.HESSIAN
         return Capture({n: lay.module for n, lay in self.layouts.items()}, root=self.model,
-                       on_output=on_output, record_backward=record_backward, freeze_batch_stats=own_backward)
+                       on_output=on_output, record_backward=record_backward, freeze_batch_stats=own_backward,
+                       select_output=self.select_output)
 
     # ---- estimation -------------------------------------------------------------------
     def estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,

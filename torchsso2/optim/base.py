@@ -74,12 +74,13 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  ema_decay: float, curv_update_interval: int, inv_update_interval: int,
                  on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
                  decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None,
-                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute") -> None:
+                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
+                 output_selector: Any = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.engine = CurvatureEngine(model, kind=curvature, approx=approx, loss=loss, mc_samples=mc_samples,
-                                      skip_modules=skip_modules)
+                                      skip_modules=skip_modules, output_selector=output_selector)
         self.ema_decay = check_number("ema_decay", ema_decay, low=0.0, high=1.0, high_open=True)
         self.curv_update_interval = check_int("curv_update_interval", curv_update_interval)
         self.inv_update_interval = check_int("inv_update_interval", inv_update_interval)

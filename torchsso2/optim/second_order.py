@@ -76,6 +76,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             from the low-rank form ``gᵀã`` of their gradient when that needs fewer FLOPs
             (small batch, wide layer; same result up to rounding, guarded by a probe of
             ``p.grad``; see :mod:`torchsso2.optim.lowrank`). Weight-decayed groups take the dense path.
+        output_selector: for a model whose forward returns a tuple, dict or output object: a
+            callable giving the tensor the loss is computed from (``lambda out: out[0]``,
+            ``lambda out: out["logits"]``); the curvature is taken there. Default: the output.
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -93,7 +96,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 low_rank_solve: bool = True) -> None:
+                 low_rank_solve: bool = True, output_selector: Any = None) -> None:
         check_number("lr", lr, low=0.0)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
@@ -118,7 +121,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
-                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy)
+                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
+                         output_selector=output_selector)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
         self.low_rank: Optional[LowRankSolver] = None

@@ -90,6 +90,7 @@ class VIOptimizer(CurvatureOptimizer):
         mc_parallel: number of sample groups R; the world of W ranks is a grid of W/R data ranks
             × R sample groups (shard the data with ``num_replicas=opt.data_parallel_size,
             rank=opt.data_parallel_rank``). Default 1: pure data parallelism.
+        output_selector: as in :class:`SecondOrderOptimizer` (also used by :meth:`predict`).
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
@@ -102,7 +103,7 @@ class VIOptimizer(CurvatureOptimizer):
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 mc_parallel: int = 1) -> None:
+                 mc_parallel: int = 1, output_selector: Any = None) -> None:
         self.dataset_size = check_int("dataset_size", dataset_size, low=1)
         check_number("lr", lr, low=0.0)
         if prior_precision is not None and prior_variance is not None:
@@ -125,7 +126,8 @@ class VIOptimizer(CurvatureOptimizer):
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
-                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy)
+                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
+                         output_selector=output_selector)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
@@ -267,7 +269,7 @@ class VIOptimizer(CurvatureOptimizer):
         outs = []
         for _ in range(num_samples):
             with self.sampled_params(generator):
-                out = self.model(x)
+                out = self.engine.select_output(self.model(x))
             outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
         return torch.stack(outs).mean(0)
 
