@@ -71,35 +71,32 @@ def _closure(opt: Any, model: nn.Module, x: Tensor, y: Tensor, select: Callable[
     return closure
 
 
-@pytest.mark.parametrize("wrapper, select", CASES, ids=["tuple", "dict"])
-@pytest.mark.parametrize("curv", ["fisher_mc", "empirical_fisher"])
-def test_second_order_steps_match(wrapper, select, curv) -> None:
+def _train_both(opt_cls: type, wrapper: type, select: Callable[[Any], Tensor], **kw: Any):
+    """Three steps of ``opt_cls`` on the plain model and on ``wrapper`` around a copy of it (with
+    ``output_selector=select``); asserts the weights stay bit-identical, returns both optimizers."""
     x, y = _data()
     plain = _plain()
     wrapped = wrapper(copy.deepcopy(plain))
-    kw = dict(lr=0.1, curvature=curv, approx="kfac", damping=1e-2, seed=0)
-    a = SecondOrderOptimizer(plain, **kw)
-    b = SecondOrderOptimizer(wrapped, output_selector=select, **kw)
+    a, b = opt_cls(plain, **kw), opt_cls(wrapped, output_selector=select, **kw)
     for _ in range(3):
         a.step(_closure(a, plain, x, y, lambda o: o))
         b.step(_closure(b, wrapped, x, y, select))
     for p, q in zip(plain.parameters(), wrapped.parameters()):
         assert torch.equal(p, q)
+    return a, b
+
+
+@pytest.mark.parametrize("wrapper, select", CASES, ids=["tuple", "dict"])
+@pytest.mark.parametrize("curv", ["fisher_mc", "empirical_fisher"])
+def test_second_order_steps_match(wrapper, select, curv) -> None:
+    _train_both(SecondOrderOptimizer, wrapper, select, lr=0.1, curvature=curv, approx="kfac", damping=1e-2, seed=0)
 
 
 @pytest.mark.parametrize("wrapper, select", CASES, ids=["tuple", "dict"])
 def test_vi_steps_and_predict_match(wrapper, select) -> None:
-    x, y = _data()
-    plain = _plain()
-    wrapped = wrapper(copy.deepcopy(plain))
-    kw = dict(dataset_size=50, lr=0.05, approx="diag", prior_precision=1.0, seed=0)
-    a = VIOptimizer(plain, **kw)
-    b = VIOptimizer(wrapped, output_selector=select, **kw)
-    for _ in range(3):
-        a.step(_closure(a, plain, x, y, lambda o: o))
-        b.step(_closure(b, wrapped, x, y, select))
-    for p, q in zip(plain.parameters(), wrapped.parameters()):
-        assert torch.equal(p, q)
+    a, b = _train_both(VIOptimizer, wrapper, select, dataset_size=50, lr=0.05, approx="diag",
+                       prior_precision=1.0, seed=0)
+    x, _ = _data()
     pa = a.predict(x, num_samples=4, generator=torch.Generator().manual_seed(5))
     pb = b.predict(x, num_samples=4, generator=torch.Generator().manual_seed(5))
     assert torch.equal(pa, pb)
