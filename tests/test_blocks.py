@@ -319,6 +319,10 @@ def test_all_finite_fast_path_and_exact_fallback() -> None:
         assert not all_finite(ok + [t])
     cancel = torch.tensor([math.inf, -math.inf])  # sums to NaN
     assert not all_finite([cancel])
+    # one-element tensors (a loss) are read without a sum: scalar and [1], alone and beside others
+    assert all_finite([torch.tensor(2.5)]) and all_finite(ok + [torch.tensor([2.5], requires_grad=True)])
+    for bad in (math.nan, math.inf, -math.inf):
+        assert not all_finite([torch.tensor(bad)]) and not all_finite(ok + [torch.tensor([bad])])
 
 
 def test_diag_reciprocals_follow_the_decomposition() -> None:
