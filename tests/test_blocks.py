@@ -362,10 +362,12 @@ def test_kfac_eigen_solve_padding_is_exact(monkeypatch: pytest.MonkeyPatch, case
     v = [torch.randn(s, dtype=torch.float64) for s in blk.layout.shapes]
     padded = blk.solve(v)
     again = blk.solve([2.0 * t for t in v])  # a second solve must not write into the first's result
-    pad = blk._padded(blk.decomposition)
-    assert pad["denom"].shape == want_shape
+    pad = blk._solve_plan(blk.decomposition)
+    assert pad["denom"].shape == want_shape and pad["buffer"] is not None
     monkeypatch.setattr(kfac_module, "PAD_MIN", 10 ** 9)
-    assert blk._padded(blk.decomposition) is blk.decomposition
+    blk.decompose(DAMPING)  # a new decomposition: a new plan, now unpadded
+    plan = blk._solve_plan(blk.decomposition)
+    assert plan["buffer"] is None and plan["denom"] is blk.decomposition["denom"]
     plain = blk.solve(v)
     for a, b, c in zip(padded, plain, again):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
@@ -374,3 +376,44 @@ def test_kfac_eigen_solve_padding_is_exact(monkeypatch: pytest.MonkeyPatch, case
     blk.decomposition["denom"].mul_(2.0)
     for a, b in zip(blk.solve(v), plain):
         torch.testing.assert_close(a, 0.5 * b, rtol=1e-12, atol=1e-14)
+
+
+def _split_solve_case(case: str):
+    """A K-FAC block whose parameter matrix is split into per-parameter column ranges."""
+    torch.manual_seed(0)
+    if case.startswith("conv"):
+        model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 4))
+        x = torch.randn(5, 2, 4, 4)
+    else:
+        model = nn.Sequential(nn.Linear(6, 5, bias=case != "linear no bias"), nn.Tanh(), nn.Linear(5, 4))
+        x = torch.randn(5, 6)
+        if case == "bias only":
+            model[0].weight.requires_grad_(False)
+    model = model.double()
+    c = curvature.compute(model, x.double(), torch.randint(0, 4, (5,)), kind="fisher", approx="kfac")
+    return c.blocks["0"]
+
+
+@pytest.mark.parametrize("case", ["linear", "linear no bias", "bias only", "conv with bias"])
+def test_kfac_solve_by_parameter_columns(case: str) -> None:
+    """The eigen solve writes each parameter from its own last matmul, ``(Q_L X) Q_R[cols]ᵀ``,
+    instead of slicing one ``[rows, cols]`` result: it must equal the dense solve and the
+    sliced path, give contiguous parameter-shaped tensors, and cast back to the input dtype."""
+    blk = _split_solve_case(case)
+    blk.decompose(DAMPING, scale=SCALE)
+    plan = blk._solve_plan(blk.decomposition)
+    assert plan["qr_parts"] is not None and len(plan["qr_parts"]) == len(blk.layout.shapes)
+    v = rand_like_params(blk, torch.Generator().manual_seed(0))
+    out = blk.solve(v)
+    assert [o.shape for o in out] == [t.shape for t in v] and all(o.is_contiguous() for o in out)
+    torch.testing.assert_close(flat(out), torch.linalg.solve(damped(blk), flat(v)), rtol=1e-9, atol=1e-10)
+    plan["qr_parts"] = None  # the sliced path (families without a column split take it)
+    sliced = blk.solve(v)
+    for a, b in zip(out, sliced):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    plan["qr_parts"] = [plan["qr"][s:e].t() for s, e in plan["spans"]]
+    half = blk.solve([t.to(torch.bfloat16) for t in v])  # the solve runs in the block's dtype
+    assert all(h.dtype == torch.bfloat16 for h in half)
+    want = blk.solve([t.to(torch.bfloat16).double() for t in v])
+    for h, w in zip(half, want):
+        torch.testing.assert_close(h, w.to(torch.bfloat16))

@@ -279,9 +279,10 @@ def test_mpi_abort_on_exception(tmp_path: Path) -> None:
         proc = _run_mpi(2, "raise", tmp_path, timeout_s=60.0)
     except subprocess.TimeoutExpired:
         pytest.fail("mpiexec hung although install_abort_on_exception() was installed")
-    assert proc.returncode != 0
-    assert "rank 1 fails on purpose" in proc.stderr + proc.stdout
-    assert time.monotonic() - start < 60.0
+    said = f"rc={proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
+    assert proc.returncode != 0, said
+    assert "rank 1 fails on purpose" in proc.stderr + proc.stdout, said
+    assert time.monotonic() - start < 60.0, said
 
 
 # ---------------------------------------------------------------------------------------

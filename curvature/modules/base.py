@@ -102,6 +102,12 @@ class LayerFamily:
         """Inverse of :meth:`to_matrix`."""
         raise NotImplementedError
 
+    def matrix_columns(self, module: nn.Module, names: Sequence[str]) -> Optional[List[Tuple[int, int]]]:
+        """``[(start, stop), ...]``: the columns of ``M`` that hold each covered parameter (in
+        ``names`` order), each parameter being ``M[:, start:stop]`` reshaped; None when ``M`` is
+        not such a column split (then only :meth:`to_matrix` / :meth:`from_matrix` apply)."""
+        return None
+
 
 def flat_per_example(grads: Dict[str, Tensor], names: Sequence[str]) -> Tensor:
     """``{name: [K, N, *shape]}`` -> ``[K, N, P]`` concatenated in ``names`` order."""

@@ -127,6 +127,12 @@ class WeightMatrixFamily(LayerFamily):
         return res
 
 
+    def matrix_columns(self, module: nn.Module, names: Sequence[str]) -> Optional[List[Tuple[int, int]]]:
+        _, cols = self.weight_matrix_shape(module)
+        span = {"weight": (0, cols), "bias": (cols, cols + 1) if "weight" in names else (0, 1)}
+        return [span[n] for n in names]
+
+
 class LinearFamily(WeightMatrixFamily):
     module_types = (nn.Linear,)
 
