@@ -82,7 +82,8 @@ def update_readme(path: Path, results_dir: Path) -> Path:
 # sources
 # ------------------------------------------------------------------------------------------------
 def measured_at(path: Path) -> float:
-    """When ``path`` was measured, as far as can be told: its mtime if git sees it modified or
+    """When ``path`` was measured, for a report without a ``measured_at_unix`` stamp
+    (:func:`benchmarks.common.write_json` writes one), as far as can be told: its mtime if git sees it modified or
     untracked (or git is unavailable), else the time of the last commit that touched it (a
     checkout resets mtimes)."""
     def git(*args: str) -> str:
@@ -103,7 +104,9 @@ def load_sources(results_dir: Path, pattern: str) -> List[Source]:
     out: List[Source] = []
     for path in sorted(Path(results_dir).glob(pattern)):
         try:
-            out.append((path, json.loads(path.read_text(encoding="utf-8")), measured_at(path)))
+            report = json.loads(path.read_text(encoding="utf-8"))
+            stamp = report.get("measured_at_unix") if isinstance(report, dict) else None
+            out.append((path, report, float(stamp) if stamp is not None else measured_at(path)))
         except (OSError, ValueError):
             continue
     return sorted(out, key=lambda s: -s[2])

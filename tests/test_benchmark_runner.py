@@ -141,3 +141,24 @@ def test_peers_block_names_threads_and_the_one_thread_run(tmp_path: Path) -> Non
     text = " ".join(summary.render(tmp_path).split())
     assert "ratio 0.80 (diag_ggn on m0 vs backpack)" in text  # asdl is not a peer of the speed goal
     assert "1 torch thread (`peers_curvature_1thread.json`" in text and "ratio 1.10 (diag_ggn on m1 vs laplace)" in text
+
+
+def test_reports_are_dated_by_their_stamp(tmp_path: Path) -> None:
+    """write_json stamps the report with the time it was written; the README's sources take that
+    stamp over file times and commits (a commit or checkout must not re-date a measurement)."""
+    import os
+    import time
+
+    from benchmarks._readme_summary import load_sources
+    from benchmarks.common import write_json
+
+    before = time.time()
+    write_json(tmp_path / "new.json", {"x": 1})
+    stamped = json.loads((tmp_path / "new.json").read_text())
+    assert before <= stamped["measured_at_unix"] <= time.time() and stamped["x"] == 1
+    write_json(tmp_path / "old.json", {"measured_at_unix": 1000.0, "x": 2})  # a given stamp is kept
+    (tmp_path / "plain.json").write_text(json.dumps({"x": 3}))  # no stamp: the file time
+    os.utime(tmp_path / "plain.json", (5000.0, 5000.0))
+    sources = {p.name: t for p, _, t in load_sources(tmp_path, "*.json")}
+    assert sources["old.json"] == 1000.0 and sources["plain.json"] == 5000.0
+    assert sources["new.json"] == stamped["measured_at_unix"]
