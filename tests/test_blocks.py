@@ -417,3 +417,13 @@ def test_kfac_solve_by_parameter_columns(case: str) -> None:
     want = blk.solve([t.to(torch.bfloat16).double() for t in v])
     for h, w in zip(half, want):
         torch.testing.assert_close(h, w.to(torch.bfloat16))
+
+
+def test_layout_params_follow_a_swapped_parameter() -> None:
+    """``Layout.params`` is looked up on every use (from the module's parameter dict), so a
+    Parameter replaced after the optimizer was built is the one preconditioned and updated."""
+    blk = _split_solve_case("linear")
+    module = blk.layout.module
+    assert blk.layout.params[0] is module.weight and blk.layout.params[1] is module.bias
+    module.weight = nn.Parameter(module.weight.detach().clone())
+    assert blk.layout.params[0] is module.weight
