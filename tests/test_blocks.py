@@ -305,9 +305,15 @@ def test_low_precision_model_statistics_in_float32(dtype: torch.dtype, kind: str
     assert all(o.dtype == dtype for o in out)
 
 
-def test_all_finite_fast_path_and_exact_fallback() -> None:
-    """The fused check (one sum per tensor) must agree with the element-wise definition."""
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_all_finite_fast_path_and_exact_fallback(path: str) -> None:
+    """The fused check (one sum per tensor) must agree with the element-wise definition; the
+    accelerator path (sums stacked on one device, one host sync) runs here on CPU tensors."""
     from curvature.blocks.base import all_finite
+    from curvature.linalg.checks import _all_finite_on_device
+
+    if path == "accelerator":
+        all_finite = _all_finite_on_device  # noqa: F811 (the same contract, the other path)
 
     ok = [torch.ones(3, 4), torch.zeros(5)]
     assert all_finite(ok) and all_finite([]) and all_finite([torch.empty(0)])

@@ -175,7 +175,7 @@ class KFACBlock(Block):
         if p["qr_parts"] is None:
             return self._from_matrix(self._from_eigenbasis(rot, p)[:rows, :cols], vecs)
         # each parameter straight from its own last matmul, (Q_L (rot ⊘ denom)) Q_R[cols]ᵀ: no copies
-        # out of a [rows, cols] result (digits MLP: 116 -> 68 µs a solve; docs/architecture.md)
+        # out of a [rows, cols] result (digits MLP: 116 -> 82 µs a solve; docs/architecture.md)
         left = rot.div_(p["denom"])
         if p["ql"] is not None:
             left = torch.mm(p["ql"], left)[:rows]

@@ -68,7 +68,7 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     sum of large finite values overflowing — is each tensor checked element by element.
     """
     total = 0.0
-    for t in tensors:  # a plain loop: this runs twice a step (4 tensors: 11 µs, was 18)
+    for t in tensors:  # a plain loop: this runs twice a step (4 tensors: 15 µs, was 18)
         if t.device.type != "cpu":
             return _all_finite_on_device(tensors)
         # CPU: Python floats (no stack, no dtype casts); a one-element tensor (the loss, checked
@@ -86,9 +86,13 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
 
 
 def _all_finite_on_device(tensors: Sequence[Tensor]) -> bool:
-    """:func:`all_finite` for accelerator tensors: one host sync for all of them."""
+    """:func:`all_finite` for accelerator tensors: one host sync for all of them (the sums are
+    gathered on the first tensor's device, so a list spanning devices works too)."""
     tensors = [t.detach() for t in tensors if t.numel()]
-    if bool(torch.isfinite(torch.stack([t.sum().to(torch.float64) for t in tensors])).all()):
+    if not tensors:
+        return True
+    dev = tensors[0].device
+    if bool(torch.isfinite(torch.stack([t.sum().to(dev, torch.float64) for t in tensors])).all()):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
