@@ -236,12 +236,12 @@ def _time_to_accuracy(sources: Sequence[Source]) -> List[str]:
         return []
     conv = src[1]["convergence"]
     best = conv["best"]
-    seeds = conv.get("seeds", [0])
+    seeds = conv["seeds"]
 
     def per_seed(r: Dict[str, Any]) -> str:
-        return " ".join(str(e) if e else "–" for e in r.get("epochs_per_seed", [r["epochs_to_target"]]))
+        return " ".join(str(e) if e else "–" for e in r["epochs_per_seed"])
 
-    rows = [[_optimizer_label(name, r), f"{r.get('reached', int(bool(r['epochs_to_target'])))}/{len(seeds)}",
+    rows = [[_optimizer_label(name, r), f"{r['reached']}/{len(seeds)}",
              per_seed(r), f"{r['epochs_to_target']:g}" if r["epochs_to_target"] else f"not in {conv['max_epochs']}",
              "—" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.3f}"] for name, r in best.items()]
     how = (f"median over seeds {', '.join(map(str, seeds))}; " if len(seeds) > 1 else "")

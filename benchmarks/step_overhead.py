@@ -359,13 +359,14 @@ def run_convergence(args: argparse.Namespace) -> Dict[str, Any]:
                   f"{'-' if run['wall_to_target_s'] is None else format(run['wall_to_target_s'], '.3f')} s", flush=True)
             rank = (-run["reached"], run["wall_to_target_s"] or math.inf, -run["final_accuracy"])
             if name not in best or rank < best[name]["_rank"]:
-                best[name] = {**run, "_rank": rank, "_per_seed": per_seed}
-    retime_best(best, data, args.repeats, args.target)
+                best[name] = {**run, "_rank": rank}
+    retime_best(best, data, args.repeats, args.target, args.seeds)
     out["best"] = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in best.items()}
     return out
 
 
-def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target: float) -> None:
+def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target: float,
+                seeds: Sequence[int]) -> None:
     """Re-run each optimizer's best configuration up to the target ``repeats`` more times per
     seed, round-robin over the optimizers (the grid ran them one after another, so a slow minute
     of the machine hit one optimizer only); each seed's wall time is the minimum over its runs,
@@ -374,12 +375,11 @@ def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target
     The runs are seeded as in the grid, so they take the same steps and reach the target at the
     same epoch; only the wall time differs. All times are kept in ``wall_to_target_runs_s``."""
     for run in best.values():
-        run["wall_to_target_runs_s"] = [[r["wall_to_target_s"]] if r["epochs_to_target"] else []
-                                        for r in run["_per_seed"]]
+        run["wall_to_target_runs_s"] = [[w] if w is not None else [] for w in run["wall_per_seed_s"]]
     for _ in range(repeats):
-        for i, seed in enumerate(next(iter(best.values()))["seeds"] if best else []):
+        for i, seed in enumerate(seeds):
             for name, run in best.items():
-                want = run["_per_seed"][i]["epochs_to_target"]
+                want = run["epochs_per_seed"][i]
                 if not want:
                     continue
                 _, hist = seeded_fit(name, run["lr"], run["hidden"], data, want, target, seed=seed)
@@ -444,19 +444,17 @@ def format_tables(report: Dict[str, Any]) -> str:
     conv = report.get("convergence")
     if conv:
         out.append("")
-        seeds = conv.get("seeds", [0])
         out.append(f"Digits (MLP 64-64-10, sso-full 64-16-10; batch 32; max {conv['max_epochs']} epochs; seeds "
-                   f"{' '.join(map(str, seeds))}): epochs and training wall time to {100 * conv['target']:.0f}% test "
+                   f"{' '.join(map(str, conv['seeds']))}): epochs and training wall time to {100 * conv['target']:.0f}% test "
                    "accuracy, median over the seeds (a seed that misses counts as infinite), best lr of the grid "
                    "(most seeds reaching the target, then least median wall time; each seed's wall time is the min "
                    "over the grid run and round-robin re-runs)")
         crow = []
         for name, r in conv["best"].items():
             grid = [x["lr"] for x in conv["runs"] if x["optimizer"] == name]
-            per_seed = r.get("epochs_per_seed", [r["epochs_to_target"]])
             crow.append([name, f"{r['lr']:g}", " ".join(f"{g:g}" for g in grid),
-                         f"{r.get('reached', int(bool(r['epochs_to_target'])))}/{len(per_seed)}",
-                         " ".join(str(e) if e else "-" for e in per_seed),
+                         f"{r['reached']}/{len(r['seeds'])}",
+                         " ".join(str(e) if e else "-" for e in r["epochs_per_seed"]),
                          f"{r['epochs_to_target']:g}" if r["epochs_to_target"] else f"not in {conv['max_epochs']}",
                          "" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.3f}",
                          f"{100 * r['best_accuracy']:.2f}%", f"{100 * r['final_accuracy']:.2f}%"])

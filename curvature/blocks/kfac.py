@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import get_backend
+from ..modules.base import pack_columns
 from .base import Block, DerivedCache, check_positive, compute_dtype
 from .layout import Layout
 
@@ -90,14 +91,12 @@ class KFACBlock(Block):
     # ---- matrices <-> parameter lists ---------------------------------------------------------
     def _to_matrix(self, vecs: Sequence[Tensor], dtype: torch.dtype,
                    spans: Optional[Sequence[Tuple[int, int]]] = None) -> Tensor:
-        """The parameter matrix ``M`` of ``vecs``; ``spans`` (the family's column split, when
-        known) skips the family's generic packing."""
+        """The parameter matrix ``M`` of ``vecs``; with ``spans`` (the family's column split,
+        cached in the solve plan) packed directly, as the family's ``to_matrix`` would."""
         if spans is None:
             m = self.layout.family.to_matrix(self.layout.module, list(vecs), self.layout.param_names)
         else:
-            rows = vecs[0].shape[0]
-            parts = [v.reshape(rows, stop - start) for v, (start, stop) in zip(vecs, spans)]
-            m = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+            m = pack_columns(vecs, spans, vecs[0].shape[0])
         return m if m.dtype == dtype else m.to(dtype)
 
     def _from_matrix(self, m: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
@@ -188,8 +187,9 @@ class KFACBlock(Block):
         * ``ql``, ``qr``, ``denom``: zero-padded (``denom`` one-padded) to BLAS-friendly sizes
           (:data:`PAD_MIN`, :data:`PAD_MULTIPLE`), with a ``buffer`` for the padded input; or
           ``d``'s own tensors and ``buffer=None`` when no size changes;
-        * ``spans``: the family's column split of the parameter matrix, and ``qr_parts``: the
-          matching row slices of ``Q_R``, transposed (views), when there is one and ``Q_R``."""
+        * ``spans``: the family's column split of the parameter matrix (or None), and
+          ``qr_parts``: the matching row slices of ``Q_R``, transposed (views), when there is
+          such a split and ``Q_R``."""
         ql, qr, denom = d["ql"], d["qr"], d["denom"]
 
         def build() -> Dict[str, Any]:

@@ -109,6 +109,14 @@ class LayerFamily:
         return None
 
 
+def pack_columns(tensors: Sequence[Tensor], spans: Sequence[Tuple[int, int]], rows: int) -> Tensor:
+    """``M [rows, cols]`` from tensors that are its column ranges ``spans`` (as given by
+    :meth:`LayerFamily.matrix_columns`), each reshaped to ``[rows, stop − start]``."""
+    blocks = sorted(zip(spans, tensors), key=lambda sb: sb[0][0])  # column order
+    parts = [t.reshape(rows, stop - start) for (start, stop), t in blocks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def flat_per_example(grads: Dict[str, Tensor], names: Sequence[str]) -> Tensor:
     """``{name: [K, N, *shape]}`` -> ``[K, N, P]`` concatenated in ``names`` order."""
     parts = [grads[n].reshape(grads[n].shape[0], grads[n].shape[1], -1) for n in names]

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .base import LayerFamily, sum_outer, sum_outer_with_ones
+from .base import LayerFamily, pack_columns, sum_outer, sum_outer_with_ones
 
 
 #: largest per-example-gradient batch ``[n, d_out, d_in]`` formed at once by ``diag_sum`` (elements)
@@ -98,39 +98,31 @@ class WeightMatrixFamily(LayerFamily):
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         return sum_outer(g, 1.0 / g.shape[1])
 
-    def _column_blocks(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> List[Tensor]:
-        """The column blocks of ``M = [W | b]`` in order (bias as the last column): the one place of this layout."""
-        rows, cols = self.weight_matrix_shape(module)
-        by_name = dict(zip(names, tensors))
-        return [by_name[n].reshape(rows, cols if n == "weight" else 1) for n in ("weight", "bias") if n in by_name]
-
-    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
-        blocks = self._column_blocks(module, tensors, names)
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-
-    def to_matrix_into(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
-        start = 0
-        for blk in self._column_blocks(module, tensors, names):
-            out[:, start:start + blk.shape[1]].copy_(blk)
-            start += blk.shape[1]
-
-    def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
-        """Views of ``matrix`` (no copies: the weight's columns are contiguous within a row)."""
-        rows, cols = self.weight_matrix_shape(module)
-        res: List[Tensor] = []
-        for name in names:
-            if name == "weight":
-                w = matrix[:, :cols]
-                res.append(w.view(module.weight.shape) if w.stride(-1) == 1 else w.reshape(module.weight.shape))
-            else:
-                res.append(matrix[:, cols if "weight" in names else 0])
-        return res
-
-
     def matrix_columns(self, module: nn.Module, names: Sequence[str]) -> Optional[List[Tuple[int, int]]]:
+        """The one place of the layout ``M = [W | b]``: the weight's columns, then the bias as the
+        last column (the only one when the weight is frozen)."""
         _, cols = self.weight_matrix_shape(module)
         span = {"weight": (0, cols), "bias": (cols, cols + 1) if "weight" in names else (0, 1)}
         return [span[n] for n in names]
+
+    def to_matrix(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+        return pack_columns(tensors, self.matrix_columns(module, names), self.weight_matrix_shape(module)[0])
+
+    def to_matrix_into(self, module: nn.Module, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
+        rows, _ = self.weight_matrix_shape(module)
+        for t, (start, stop) in zip(tensors, self.matrix_columns(module, names)):
+            out[:, start:stop].copy_(t.reshape(rows, stop - start))
+
+    def from_matrix(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
+        """Views of ``matrix`` (no copies: the weight's columns are contiguous within a row)."""
+        res: List[Tensor] = []
+        for name, (start, stop) in zip(names, self.matrix_columns(module, names)):
+            if name == "weight":
+                w = matrix[:, start:stop]
+                res.append(w.view(module.weight.shape) if w.stride(-1) == 1 else w.reshape(module.weight.shape))
+            else:
+                res.append(matrix[:, start])
+        return res
 
 
 class LinearFamily(WeightMatrixFamily):
