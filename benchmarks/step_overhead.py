@@ -476,7 +476,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.97, help="test accuracy target (default 0.97)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                    help="digits seeds (model init, batch order, sampling); medians over them are reported "
-                   "(default 0 1 2 3 4; quick 0; full 0..6)")
+                   "(default 0..9; quick 0; full 0..11)")
     p.add_argument("--models", nargs="+", default=None, metavar="NAME",
                    help="time only these models (default: all; mlp784 cnn32 digits-mlp digits-mlp16, "
                    "quick: mlp cnn digits-mlp)")
@@ -497,7 +497,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.epochs is None:
         args.epochs = {"quick": 2, "default": 20, "full": 30}[args.mode]
     if args.seeds is None:
-        args.seeds = {"quick": [0], "default": list(range(5)), "full": list(range(7))}[args.mode]
+        args.seeds = {"quick": [0], "default": list(range(10)), "full": list(range(12))}[args.mode]
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must be distinct, got {args.seeds}")
     if not args.quick:

@@ -178,7 +178,7 @@ class KFACBlock(Block):
         left = rot.div_(p["denom"])
         if p["ql"] is not None:
             left = torch.mm(p["ql"], left)[:rows]
-        return [_like(torch.mm(left, q).view(x.shape), x) for q, x in zip(p["qr_parts"], vecs)]
+        return [_like(torch.mm(left, q).view_as(x), x) for q, x in zip(p["qr_parts"], vecs)]
 
     def _solve_plan(self, d: Dict[str, Any]) -> Dict[str, Any]:
         """What :meth:`solve` needs of an eigen decomposition ``d``, cached per decomposition
