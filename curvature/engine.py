@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -125,7 +125,7 @@ class CurvatureEngine:
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             return hessian_blocks(loss, self.layouts, self.approx)
-        self.check_examples_align(capture.records, outputs.shape[0], tuple(outputs.shape))
+        self.check_examples_align(capture.records, outputs)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
         chunks = self.output_grad_chunks(capture, outputs, vectors)
@@ -139,7 +139,7 @@ class CurvatureEngine:
         ``loss_scale`` (default ``N``) to recover per-example gradients.
         """
         if capture.outputs:
-            self.check_examples_align(capture.records, capture.outputs[0].shape[0], tuple(capture.outputs[0].shape))
+            self.check_examples_align(capture.records, capture.outputs[0])
         grads = {}
         for name, rec in capture.records.items():
             if not rec.backward_grads:
@@ -150,7 +150,7 @@ class CurvatureEngine:
         n = batch_size if batch_size is not None else next(iter(capture.records.values())).output.shape[0]
         return self.blocks_from_grads(capture.records, grads, n)
 
-    def check_examples_align(self, records: Dict[str, ModuleRecord], rows: int, shape: Tuple[int, ...]) -> None:
+    def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> None:
         """ValueError when the exact or empirical Fisher would mix loss rows: both are sums over
         examples of per-example products, taken at each covered module's batch dimension, so
         each module example must hold exactly one row of the loss. A sequence model whose
@@ -160,11 +160,12 @@ class CurvatureEngine:
         expectation (independent zero-mean sampled gradients), so it is allowed."""
         if self.kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
             return
+        rows = outputs.shape[0]
         bad = {n: r.output.shape[0] for n, r in records.items() if r.output.dim() and r.output.shape[0] != rows}
         if bad:
             raise ValueError(
                 f"kind={self.kind.value!r} sums per-example terms, but the loss has {rows} rows (output shape "
-                f"{shape}) while covered modules see batches of {bad}: one module example holds several "
+                f"{tuple(outputs.shape)}) while covered modules see batches of {bad}: one module example holds several "
                 "loss rows (e.g. [N, T, C] sequence logits reshaped to [N*T, C]) and their per-example "
                 "products would mix rows. Use kind='fisher_mc' (unbiased for such models), or skip those "
                 "modules with skip_modules")
