@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 #: per-example gradients are materialized at most this many examples at a time (diag/full)
 _EXAMPLE_CHUNK = 64
+#: looped backward passes are stacked into chunks of at most this many output-gradient elements
+#: (all covered modules together), so the blocks are built from a few wide products, not K narrow ones
+_GRAD_CHUNK_ELEMENTS = 1 << 23
 
 
 def prefers_batched_backward(model: nn.Module) -> bool:
@@ -173,7 +176,8 @@ class CurvatureEngine:
     def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
         """Gradients of ``<outputs, v_k>`` w.r.t. each module output, in chunks ``{module: [k, N, *out]}``
         over the ``K`` vectors: all at once from one vmapped backward when :attr:`batched_backward`
-        (and vmap can batch the graph), else one backward (and one chunk) per vector."""
+        (and vmap can batch the graph), else one backward per vector, stacked into chunks of at most
+        :data:`_GRAD_CHUNK_ELEMENTS` elements (all of them for small models)."""
         names = list(self.layouts)
         outs = [capture.records[n].output for n in names]
         if vectors.shape[0] > 1 and self.batched_backward:
@@ -182,11 +186,17 @@ class CurvatureEngine:
             if batched is not None:
                 yield dict(zip(names, batched))
                 return
+        per_vector = sum(o.numel() for o in outs)
+        group = max(1, min(vectors.shape[0], _GRAD_CHUNK_ELEMENTS // max(1, per_vector)))
+        pending: List[List[Tensor]] = []
         for k in range(vectors.shape[0]):
             with capture.frozen.on():
                 g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
                                         retain_graph=True, allow_unused=True)
-            yield {n: (gi if gi is not None else torch.zeros_like(o)).unsqueeze(0) for n, gi, o in zip(names, g, outs)}
+            pending.append([gi if gi is not None else torch.zeros_like(o) for gi, o in zip(g, outs)])
+            if len(pending) == group or k == vectors.shape[0] - 1:
+                yield {n: torch.stack([p[i] for p in pending]) for i, n in enumerate(names)}
+                pending = []
 
     @staticmethod
     def _batched_output_grads(outputs: Tensor, outs: List[Tensor], vectors: Tensor) -> Optional[List[Tensor]]:

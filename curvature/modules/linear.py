@@ -24,22 +24,31 @@ from torch import Tensor, nn
 from .base import LayerFamily, pack_columns, sum_outer, sum_outer_with_ones
 
 
-#: largest per-example-gradient batch ``[n, d_out, d_in]`` formed at once by ``diag_sum`` (elements)
+#: largest per-example-gradient batch ``[n, d_in, K·d_out]`` formed at once by ``diag_sum`` (elements)
 DIAG_CHUNK_ELEMENTS = 1 << 22
 
 
 def _sum_sq_per_example_products(g: Tensor, a: Tensor) -> Tensor:
-    """``Σ_{k,n} (g[k, n]ᵀ a[n])²`` for ``g [K, N, T, d_out]``, ``a [N, T, d_in]``: ``[d_out, d_in]``."""
-    k_count, n, _, d_out = g.shape
+    """``Σ_{k,n} (g[k, n]ᵀ a[n])²`` for ``g [K, N, T, d_out]``, ``a [N, T, d_in]``: ``[d_out, d_in]``.
+
+    The ``K`` vectors of one example share its input, so they are one product
+    ``a[n]ᵀ [g[0, n] … g[K-1, n]]`` (``[d_in, T] @ [T, K·d_out]``), batched over a chunk of examples
+    and bounded to :data:`DIAG_CHUNK_ELEMENTS`. The small ``d_in`` of early conv layers goes first:
+    MKL's batched GEMM is 3–5× faster that way for ``d_in = 9`` (2 threads: ``[128, 9, 64] @ [128,
+    64, 72]`` 0.19 ms vs 0.55–1.1 ms for the other operand orders and layouts), and one product for
+    all ``K`` instead of one per vector saves ``K − 1`` rounds of small-op dispatch.
+    """
+    k_count, n, t, d_out = g.shape
     d_in = a.shape[2]
-    step = max(1, DIAG_CHUNK_ELEMENTS // max(1, d_out * d_in))
-    total = g.new_zeros(d_out, d_in)
-    for k in range(k_count):
-        gk = g[k].transpose(1, 2)  # [N, d_out, T]
-        for s in range(0, n, step):
-            pe = torch.bmm(gk[s:s + step], a[s:s + step])  # [n, d_out, d_in]
-            total += pe.pow_(2).sum(dim=0)
-    return total
+    # [N, T, K·d_out] view of the [N, K·d_out, T] copy (g is usually a transposed [K, N, d_out, T])
+    gk = g.permute(1, 0, 3, 2).reshape(n, k_count * d_out, t).transpose(1, 2)
+    at = a.transpose(1, 2)  # [N, d_in, T]
+    step = max(1, DIAG_CHUNK_ELEMENTS // max(1, k_count * d_out * d_in))
+    total = g.new_zeros(d_in, k_count * d_out)
+    for s in range(0, n, step):
+        pe = torch.bmm(at[s:s + step], gk[s:s + step])  # [n, d_in, K·d_out]
+        total += pe.pow_(2).sum(dim=0)
+    return total.view(d_in, k_count, d_out).sum(dim=1).t()
 
 
 class WeightMatrixFamily(LayerFamily):
@@ -67,10 +76,9 @@ class WeightMatrixFamily(LayerFamily):
 
         ``T = 1``: the per-example weight gradient is the outer product ``g aᵀ``, so
         ``Σ (g aᵀ)² = (g²)ᵀ(a²)``: ``O(K·N·d_in·d_out)`` with no per-example tensor.
-        ``T > 1``: one ``[n, d_out, d_in]`` batch of per-example gradients ``g_kn a_nᵀ`` at a time
-        (one ``bmm`` per backpropagated vector ``k`` and chunk of examples, bounded to
-        :data:`DIAG_CHUNK_ELEMENTS` elements), squared and summed at once: no ``[K, N, P]`` tensor,
-        no permuted copy of ``g`` or ``a``.
+        ``T > 1``: the per-example gradients ``g_kn a_nᵀ`` of all ``K`` vectors for one chunk of
+        examples at a time (one ``bmm``, bounded to :data:`DIAG_CHUNK_ELEMENTS` elements), squared
+        and summed at once: no ``[K, N, P]`` tensor.
         """
         parts = []
         if "weight" in names:
