@@ -13,7 +13,8 @@ from curvature.linalg import LinalgError
 from curvature.linalg.checks import check_finite
 from curvature.modules.conv import Conv2dFamily
 from curvature.modules.linear import LinearFamily
-from torchsso2.optim.steps import momentum_step_
+from curvature.blocks import DiagBlock, Layout
+from torchsso2.optim.steps import momentum_step_, scale_
 
 
 def test_momentum_step_equals_torch_sgd_per_group():
@@ -65,3 +66,51 @@ def test_weight_matrix_layout_round_trips_from_a_strided_matrix(module):
         back = fam.from_matrix(module, source, names)
         assert all(torch.equal(b, t) for b, t in zip(back, tensors))
         assert [b.shape for b in back] == [t.shape for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_scale_equals_the_scalar_foreach_bit_for_bit(dtype: torch.dtype) -> None:
+    """``scale_`` passes the factor as a 0-dim tensor on CPU float32/float64 (faster); the numbers
+    must be those of ``torch._foreach_mul_`` with the Python scalar, for every dtype."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(7, 5, generator=g).to(dtype), torch.randn(3, generator=g).to(dtype)]
+    want = [t.clone() for t in ts]
+    torch._foreach_mul_(want, 0.9)
+    scale_(ts, 0.9)
+    for a, b in zip(ts, want):
+        assert a.dtype == dtype and torch.equal(a, b)
+
+
+def _layout() -> Layout:
+    return Layout("lin", nn.Linear(4, 3), LinearFamily(), ("weight", "bias"))
+
+
+def test_unflatten_views_match_slices_for_offsets_and_strides() -> None:
+    """The ``as_strided`` fast path (contiguous flat, also at a storage offset) and the slicing
+    fallback (strided flat) give the parameter-shaped pieces of ``cat([W.flatten(), b])``."""
+    lay = _layout()
+    base = torch.arange(40, dtype=torch.float64)
+    for flat in (base[:15], base[5:20], base[::2][:15]):  # offset 0, offset 5, stride 2
+        w, b = lay.unflatten(flat)
+        assert w.shape == (3, 4) and b.shape == (3,)
+        assert torch.equal(w.reshape(-1), flat[:12]) and torch.equal(b, flat[12:])
+        if flat.stride(0) == 1:
+            assert w.data_ptr() == flat.data_ptr()  # views, not copies
+    back = lay.flatten(lay.unflatten(base[5:20]))
+    assert torch.equal(back, base[5:20])
+
+
+@pytest.mark.parametrize("vec_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_diag_solve_divides_by_the_damped_diagonal(vec_dtype: torch.dtype) -> None:
+    """``DiagBlock.solve`` (one foreach multiply when dtypes match, casts otherwise) returns
+    ``g / (scale·d + damping)`` in the gradient's dtype."""
+    lay = _layout()
+    d = torch.rand(15, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
+    blk = DiagBlock(lay, d)
+    blk.decompose(damping=0.1, scale=2.0)
+    g = [torch.randn(3, 4).to(vec_dtype), torch.randn(3).to(vec_dtype)]
+    out = blk.solve(g)
+    want = lay.unflatten(torch.cat([t.double().reshape(-1) for t in g]) / (2.0 * d + 0.1))
+    for o, w in zip(out, want):
+        assert o.dtype == vec_dtype
+        torch.testing.assert_close(o.double(), w, rtol=1e-2 if vec_dtype == torch.bfloat16 else 1e-6, atol=0)

@@ -36,19 +36,23 @@ class DiagBlock(Block):
         check_positive(denom, f"diag block {self.layout.name!r}")
         self.decomposition = {"denom": denom}
 
-    def _reciprocals(self) -> Tuple[Tensor, Tensor]:
-        """``(1/denom, 1/√denom)`` of the current decomposition, computed once per decomposition
-        (``solve`` and ``sample`` then cost one multiply; a VI step calls both every step)."""
+    def _reciprocals(self) -> Tuple[List[Tensor], Tensor]:
+        """``1/denom`` as per-parameter views and ``1/√denom`` flat, of the current decomposition,
+        computed once per decomposition (``solve`` and ``sample`` then cost one multiply each; a VI
+        step calls both every step)."""
         denom = self._require_decomposition()["denom"]
 
-        def build() -> Tuple[Tensor, Tensor]:
+        def build() -> Tuple[List[Tensor], Tensor]:
             inv = denom.reciprocal()
-            return inv, inv.sqrt()
+            return self.layout.unflatten(inv), inv.sqrt()
         return self._reciprocal_cache.get([denom], build)
 
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         inv, _ = self._reciprocals()
-        return [(x.to(inv.dtype) * d).to(x.dtype) for x, d in zip(vecs, self.layout.unflatten(inv))]
+        vecs = list(vecs)
+        if all(x.dtype == d.dtype for x, d in zip(vecs, inv)):  # one foreach multiply (no casts)
+            return torch._foreach_mul(vecs, inv)
+        return [(x.to(d.dtype) * d).to(x.dtype) for x, d in zip(vecs, inv)]
 
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
         _, inv_sqrt = self._reciprocals()

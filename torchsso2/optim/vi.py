@@ -40,7 +40,7 @@ from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
-from .steps import add_scaled_, momentum_buffers_
+from .steps import add_scaled_, momentum_buffers_, scale_
 from .validation import check_int, check_number
 
 
@@ -195,7 +195,7 @@ class VIOptimizer(CurvatureOptimizer):
             for name, blk in self.running.blocks.items():
                 for j, s in enumerate(mine):
                     for p, e in zip(blk.layout.params, one(name, blk, s)):
-                        noise[j][id(p)] = e.to(p.dtype)
+                        noise[j][id(p)] = e if e.dtype == p.dtype else e.to(p.dtype)
             return noise
         order: Dict[str, List[int]] = {}
 
@@ -338,7 +338,7 @@ class VIOptimizer(CurvatureOptimizer):
         means = [p.detach() for p in params]
         if tau_delta:  # N·g + τδ·μ, one temporary per tensor
             raw = torch._foreach_add(means, list(grads), alpha=n / tau_delta)
-            torch._foreach_mul_(raw, tau_delta)
+            scale_(raw, tau_delta)
         else:
             raw = torch._foreach_mul(list(grads), n)
         groups = [group_of[id(p)] for p in params]
@@ -347,5 +347,6 @@ class VIOptimizer(CurvatureOptimizer):
         covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
         direction = self._precondition(covered, bufs)
         in_block = {id(q) for b in covered.values() for q in b.layout.params}
-        steps = [(direction[id(p)] if id(p) in in_block else bufs[id(p)] / n).to(p.dtype) for p in params]
+        steps = [direction[id(p)] if id(p) in in_block else bufs[id(p)] / n for p in params]
+        steps = [d if d.dtype == p.dtype else d.to(p.dtype) for d, p in zip(steps, params)]
         add_scaled_(means, steps, [g["lr"] for g in groups])
