@@ -14,7 +14,7 @@ from curvature.linalg.checks import check_finite
 from curvature.modules.conv import Conv2dFamily
 from curvature.modules.linear import LinearFamily
 from curvature.blocks import DiagBlock, Layout
-from torchsso2.optim.steps import momentum_step_, scale_
+from torchsso2.optim.steps import momentum_step_
 
 
 def test_momentum_step_equals_torch_sgd_per_group():
@@ -66,19 +66,6 @@ def test_weight_matrix_layout_round_trips_from_a_strided_matrix(module):
         back = fam.from_matrix(module, source, names)
         assert all(torch.equal(b, t) for b, t in zip(back, tensors))
         assert [b.shape for b in back] == [t.shape for t in tensors]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_scale_equals_the_scalar_foreach_bit_for_bit(dtype: torch.dtype) -> None:
-    """``scale_`` passes the factor as a 0-dim tensor on CPU float32/float64 (faster); the numbers
-    must be those of ``torch._foreach_mul_`` with the Python scalar, for every dtype."""
-    g = torch.Generator().manual_seed(0)
-    ts = [torch.randn(7, 5, generator=g).to(dtype), torch.randn(3, generator=g).to(dtype)]
-    want = [t.clone() for t in ts]
-    torch._foreach_mul_(want, 0.9)
-    scale_(ts, 0.9)
-    for a, b in zip(ts, want):
-        assert a.dtype == dtype and torch.equal(a, b)
 
 
 def _layout() -> Layout:

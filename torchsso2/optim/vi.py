@@ -40,7 +40,7 @@ from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import SampleGrid, noise_generator
-from .steps import add_scaled_, momentum_buffers_, scale_
+from .steps import add_scaled_, momentum_buffers_
 from .validation import check_int, check_number
 
 
@@ -338,7 +338,7 @@ class VIOptimizer(CurvatureOptimizer):
         means = [p.detach() for p in params]
         if tau_delta:  # N·g + τδ·μ, one temporary per tensor
             raw = torch._foreach_add(means, list(grads), alpha=n / tau_delta)
-            scale_(raw, tau_delta)
+            torch._foreach_mul_(raw, tau_delta)
         else:
             raw = torch._foreach_mul(list(grads), n)
         groups = [group_of[id(p)] for p in params]
