@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .blocks import Block
+from .blocks.base import DerivedCache
 
 
 class RunningCurvature:
@@ -33,6 +34,8 @@ class RunningCurvature:
                 # copy the statistics: later in-place EMA updates must not alter the caller's block
                 own = copy.copy(blk)
                 own.__dict__.update({k: v.clone() for k, v in vars(blk).items() if isinstance(v, Tensor)})
+                # and caches of their own (a shallow copy would share the fresh block's cache object)
+                own.__dict__.update({k: DerivedCache() for k, v in vars(blk).items() if isinstance(v, DerivedCache)})
                 own.decomposition = None if blk.decomposition is None else dict(blk.decomposition)
                 self.blocks[name] = own
             else:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import curvature
+from curvature.blocks.base import DerivedCache
 from models import MODELS
 from reference import Reference
 
@@ -214,6 +215,12 @@ def test_ema_update(approx: str) -> None:
     # the running estimate owns its statistics: the caller's first block is left untouched
     for got, want in zip(b1.tensors(), t1):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # ... and its derived-tensor caches (a shared cache object would tie the two blocks together)
+    own = running.blocks["fc2"]
+    caches = [k for k, v in vars(b1).items() if isinstance(v, DerivedCache)]
+    assert caches or approx == "full"
+    for k in caches:
+        assert getattr(own, k) is not getattr(b1, k)
     with pytest.raises(ValueError, match="decay"):
         running.update({"fc2": b2}, 1.0)
 
