@@ -75,16 +75,16 @@ class WeightMatrixFamily(LayerFamily):
         """``Σ_{k,n} (per-example gradient)²`` as ``[P]`` (weight then bias, row-major).
 
         ``T = 1``: the per-example weight gradient is the outer product ``g aᵀ``, so
-        ``Σ (g aᵀ)² = (g²)ᵀ(a²)``: ``O(K·N·d_in·d_out)`` with no per-example tensor.
+        ``Σ_{k,n} (g aᵀ)² = (Σ_k g²)ᵀ(a²)``: one ``[d_out, N] @ [N, d_in]`` product, no per-example tensor.
         ``T > 1``: the per-example gradients ``g_kn a_nᵀ`` of all ``K`` vectors for one chunk of
         examples at a time (one ``bmm``, bounded to :data:`DIAG_CHUNK_ELEMENTS` elements), squared
         and summed at once: no ``[K, N, P]`` tensor.
         """
         parts = []
         if "weight" in names:
-            if a.shape[1] == 1:
-                g2 = g[:, :, 0].pow(2)  # [K, N, d_out]
-                w = torch.einsum("knd,nj->dj", g2, a[:, 0].to(g.dtype).pow(2))
+            if a.shape[1] == 1:  # Σ_n (Σ_k g²) a²: the K vectors share a, so sum them first
+                g2 = g[0, :, 0].pow(2) if g.shape[0] == 1 else g[:, :, 0].pow(2).sum(dim=0)  # [N, d_out]
+                w = torch.mm(g2.t(), a[:, 0].to(g.dtype).pow(2))
             else:
                 w = _sum_sq_per_example_products(g, a.to(g.dtype))
             parts.append(w.reshape(-1))
