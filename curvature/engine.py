@@ -138,20 +138,22 @@ class CurvatureEngine:
                                loss_scale: Optional[float] = None) -> Dict[str, Block]:
         """Empirical-Fisher-type blocks from the gradients recorded during the user's backward.
 
-        The recorded gradient of a mean-reduced loss is ``∇ℓ_n / N``; it is multiplied by
-        ``loss_scale`` (default ``N``) to recover per-example gradients.
+        The recorded gradient of a loss averaged over ``R`` rows is ``Σ_r ∇ℓ_r / R``; it is
+        multiplied by ``loss_scale`` (default ``R``) to recover the gradient of the summed loss,
+        and the blocks are normalized by ``batch_size`` (default ``R``). ``R`` is the first dimension
+        of the recorded root output (of the first covered module's output when there is none).
         """
         if capture.outputs:
             self.check_examples_align(capture.records, capture.outputs[0])
+        rows = (capture.outputs[0].shape[0] if capture.outputs
+                else next(iter(capture.records.values())).output.shape[0])
+        s = float(loss_scale if loss_scale is not None else rows)
         grads = {}
         for name, rec in capture.records.items():
             if not rec.backward_grads:
                 raise RuntimeError(f"no gradient was recorded for module {name!r}; call backward() inside the closure")
-            n = rec.output.shape[0]
-            s = float(loss_scale if loss_scale is not None else n)
             grads[name] = (sum(rec.backward_grads) * s).unsqueeze(0)
-        n = batch_size if batch_size is not None else next(iter(capture.records.values())).output.shape[0]
-        return self.blocks_from_grads(capture.records, grads, n)
+        return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size)
 
     def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> None:
         """ValueError when the exact or empirical Fisher would mix loss rows: both are sums over
@@ -160,18 +162,22 @@ class CurvatureEngine:
         ``[N, T, C]`` logits are reshaped to ``[N·T, C]`` has N module examples of T rows each, and
         the product of a T-row sum is not the sum of the T per-row products (e.g. 2.4× off on the
         diagonal of a 3×6-token model). The Monte-Carlo Fisher has no such cross terms in
-        expectation (independent zero-mean sampled gradients), so it is allowed."""
+        expectation (independent zero-mean sampled gradients), so it is allowed. So are K-FAC
+        blocks: their ``G`` sums outer products of the output gradient at every position, which
+        for several loss rows per example is the K-FAC-expand convention (Eschenhagen et al.,
+        2023; curvlinops' ``KFACLinearOperator(kfac_approx="expand")``), normalized by the loss rows."""
         if self.kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
             return
         rows = outputs.shape[0]
-        bad = {n: r.output.shape[0] for n, r in records.items() if r.output.dim() and r.output.shape[0] != rows}
+        bad = {n: r.output.shape[0] for n, r in records.items()
+               if r.output.dim() and r.output.shape[0] != rows and self.approx.get(n) is not Approx.KFAC}
         if bad:
             raise ValueError(
                 f"kind={self.kind.value!r} sums per-example terms, but the loss has {rows} rows (output shape "
                 f"{tuple(outputs.shape)}) while covered modules see batches of {bad}: one module example holds several "
                 "loss rows (e.g. [N, T, C] sequence logits reshaped to [N*T, C]) and their per-example "
-                "products would mix rows. Use kind='fisher_mc' (unbiased for such models), or skip those "
-                "modules with skip_modules")
+                "products would mix rows. Use kind='fisher_mc' (unbiased for such models), approx='kfac' for "
+                "those modules (K-FAC expand), or skip them with skip_modules")
 
     def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
         """Gradients of ``<outputs, v_k>`` w.r.t. each module output, in chunks ``{module: [k, N, *out]}``
@@ -231,6 +237,7 @@ class CurvatureEngine:
         """
         inputs: Dict[str, Tensor] = {}
         sums: Dict[str, List[Tensor]] = {}
+        module_batch: Dict[str, int] = {}
 
         def normal_input(name: str, dt: torch.dtype) -> Tensor:
             if name not in inputs:
@@ -245,6 +252,7 @@ class CurvatureEngine:
                 g = fam.normal_output_grad(mod, grads[name].detach())
                 dt = compute_dtype(g.dtype if g.dtype.is_floating_point else torch.float32)
                 g = g.to(dt)
+                module_batch[name] = g.shape[1]
                 shape = self.approx[name]
                 if shape is Approx.KFAC:
                     if name not in sums:
@@ -264,7 +272,12 @@ class CurvatureEngine:
         for name, lay in self.layouts.items():
             shape = self.approx[name]
             if shape is Approx.KFAC:
-                blocks[name] = KFACBlock(lay, *sums[name])
+                factors = sums[name]
+                if module_batch[name] != batch_size:  # G is a sum over every position of the module,
+                    # divided by the loss rows (its families divide by their own batch, the same number
+                    # unless one module example holds several loss rows, as in [N·T, C] sequence logits)
+                    factors[lay.family.kfac_names().index("G")].mul_(module_batch[name] / batch_size)
+                blocks[name] = KFACBlock(lay, *factors)
             elif shape is Approx.DIAG:
                 blocks[name] = DiagBlock(lay, sums[name][0].div_(batch_size))  # the sums are ours: in place
             else:

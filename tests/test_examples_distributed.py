@@ -3,14 +3,12 @@ and reach the same test accuracy as one process (issue #7). Real processes, 2 ra
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import require_mpiexec
+from dist_utils import launch_example, require_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("sklearn", reason="the examples need scikit-learn")
@@ -18,12 +16,8 @@ pytest.importorskip("sklearn", reason="the examples need scikit-learn")
 
 
 
-def _launch(prefix, script, *args, timeout=180.0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([*prefix, str(ROOT / script), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{prefix} {script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+def _launch(prefix, script, *args, timeout=180.0) -> str:
+    return launch_example(prefix, script, *args, timeout=timeout)
 
 
 def _final_accuracy(out: str) -> float:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import require_mpiexec
+from dist_utils import launch_example, require_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--synthetic", "--image-size", "16", "--num-classes", "4", "--width", "4", "--epochs", "1",
@@ -16,11 +16,7 @@ SCRIPTS = ["examples/cifar10_resnet.py", "examples/imagenet_resnet.py"]
 
 
 def _launch(prefix, script, *args, timeout=120.0) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([*prefix, str(ROOT / script), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{prefix} {script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return launch_example(prefix, script, *args, timeout=timeout)
 
 
 def _check(out: str, world: int) -> None:

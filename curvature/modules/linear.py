@@ -7,7 +7,8 @@ K-FAC (Kronecker order ``G ⊗ A`` over row-major ``vec([W | b])``, bias as an e
 constant 1, appended as the last column of the parameter matrix):
 
 * ``A = (1/(N·T)) Σ_{n,t} ã_nt ã_ntᵀ`` with ``ã = [a, 1]`` when the bias is covered;
-* ``G = (1/N) Σ_{k,n,t} g_knt g_kntᵀ``.
+* ``G = (1/N) Σ_{k,n,t} g_knt g_kntᵀ`` (the engine rescales it to ``1/R`` for ``R`` loss rows when one
+  example holds several, see :meth:`curvature.engine.CurvatureEngine.blocks_from_grad_chunks`).
 
 A layer whose weight is frozen but whose bias trains has ``M = b`` (one column) and ``A = [[1]]``.
 

@@ -123,8 +123,9 @@ class MPICommunicator(BucketedCommunicator):
 def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
     """Make an uncaught exception abort the whole MPI job instead of hanging it.
 
-    Replaces ``sys.excepthook`` by one that reports the exception with the previous hook
-    (so the traceback is printed), flushes stdout/stderr, and calls ``comm.Abort(1)``
+    Replaces ``sys.excepthook`` by one that writes a one-line summary (rank, exception type and
+    message) to stderr, reports the exception with the previous hook (so the traceback is
+    printed), flushes stdout/stderr, and calls ``comm.Abort(1)``
     (``MPI_Abort``), which makes the launcher terminate every rank.
 
     Args:
@@ -141,9 +142,10 @@ def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
     previous: _ExceptHook = sys.excepthook
 
     def abort_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        try:
+        try:  # the one-line summary first: the launcher may drop the tail of an aborting rank's stderr
+            sys.stderr.write(f"[rank {target.Get_rank()}] uncaught {exc_type.__name__}: {exc}; calling MPI_Abort\n")
+            sys.stderr.flush()
             previous(exc_type, exc, tb)
-            sys.stderr.write(f"[rank {target.Get_rank()}] uncaught {exc_type.__name__}: calling MPI_Abort\n")
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

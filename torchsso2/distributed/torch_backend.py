@@ -13,6 +13,7 @@ default in recent PyTorch, so that a timed-out collective aborts the process.)
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 from datetime import timedelta
@@ -66,6 +67,9 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        # free finished work objects now, while the interpreter is whole: gloo aborts a process
+        # whose worker threads still hold them at finalization (pytorch/pytorch#179291)
+        gc.collect()
 
 
 def _destroy_process_group() -> None:
