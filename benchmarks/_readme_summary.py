@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from benchmarks.common import markdown_table
+from benchmarks.common import epochs_per_seed_text, markdown_table
 
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
@@ -238,11 +238,8 @@ def _time_to_accuracy(sources: Sequence[Source]) -> List[str]:
     best = conv["best"]
     seeds = conv["seeds"]
 
-    def per_seed(r: Dict[str, Any]) -> str:
-        return " ".join(str(e) if e else "–" for e in r["epochs_per_seed"])
-
     rows = [[_optimizer_label(name, r), f"{r['reached']}/{len(seeds)}",
-             per_seed(r), f"{r['epochs_to_target']:g}" if r["epochs_to_target"] else f"not in {conv['max_epochs']}",
+             epochs_per_seed_text(r, missed="–"), f"{r['epochs_to_target']:g}" if r["epochs_to_target"] else f"not in {conv['max_epochs']}",
              "—" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.3f}"] for name, r in best.items()]
     how = (f"median over seeds {', '.join(map(str, seeds))}; " if len(seeds) > 1 else "")
     out = [f"**Time to {100 * conv['target']:.0f}% test accuracy on digits** (MLP 64-64-10, batch "

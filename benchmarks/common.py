@@ -114,6 +114,12 @@ def summarize(times: Sequence[float]) -> Dict[str, Any]:
     return {"min_s": min(times), "median_s": statistics.median(times), "times_s": list(times)}
 
 
+def epochs_per_seed_text(run: Dict[str, Any], missed: str = "-") -> str:
+    """A time-to-accuracy run's epochs to the target per seed, space-separated (``missed`` for a
+    seed that did not reach it)."""
+    return " ".join(str(e) if e else missed for e in run["epochs_per_seed"])
+
+
 def write_json(path: Path, report: Dict[str, Any]) -> None:
     """Write ``report`` as indented JSON (creating the parent directory), stamped with the time
     it was written (``measured_at_unix``, unless the report has one): the README's dates come

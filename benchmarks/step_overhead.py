@@ -47,8 +47,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
-                               time_training_steps, try_import, write_json)
+from benchmarks.common import (epochs_per_seed_text, fmt_ratio, load_average, machine_info, machine_line,  # noqa: E402
+                               markdown_table, summarize, time_training_steps, try_import, write_json)
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
 logger = logging.getLogger("benchmarks.step_overhead")
@@ -354,7 +354,7 @@ def run_convergence(args: argparse.Namespace) -> Dict[str, Any]:
             run = _summarize_seeds({"optimizer": name, "lr": lr, "hidden": list(hidden)}, per_seed)
             out["runs"].append(run)
             print(f"  {name:9s} lr={lr:<7g} epochs to {100 * args.target:.0f}% per seed: "
-                  f"{' '.join(str(e) if e else '-' for e in run['epochs_per_seed'])}  "
+                  f"{epochs_per_seed_text(run)}  "
                   f"median {run['epochs_to_target'] or '-'} ep / "
                   f"{'-' if run['wall_to_target_s'] is None else format(run['wall_to_target_s'], '.3f')} s", flush=True)
             rank = (-run["reached"], run["wall_to_target_s"] or math.inf, -run["final_accuracy"])
@@ -454,7 +454,7 @@ def format_tables(report: Dict[str, Any]) -> str:
             grid = [x["lr"] for x in conv["runs"] if x["optimizer"] == name]
             crow.append([name, f"{r['lr']:g}", " ".join(f"{g:g}" for g in grid),
                          f"{r['reached']}/{len(r['seeds'])}",
-                         " ".join(str(e) if e else "-" for e in r["epochs_per_seed"]),
+                         epochs_per_seed_text(r),
                          f"{r['epochs_to_target']:g}" if r["epochs_to_target"] else f"not in {conv['max_epochs']}",
                          "" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.3f}",
                          f"{100 * r['best_accuracy']:.2f}%", f"{100 * r['final_accuracy']:.2f}%"])

@@ -24,6 +24,11 @@ from ..linalg.checks import all_finite  # noqa: F401  (re-exported: blocks and o
 from .layout import Layout
 
 
+def like_dtype(t: Tensor, x: Tensor) -> Tensor:
+    """``t`` in ``x``'s dtype (``t`` itself when they match: no ``.to`` call on hot paths)."""
+    return t if t.dtype == x.dtype else t.to(x.dtype)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics and decompositions run in float32 or wider, whatever the model dtype."""
     return torch.float64 if dtype == torch.float64 else torch.float32

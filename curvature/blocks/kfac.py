@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..linalg import get_backend
 from ..modules.base import pack_columns
-from .base import Block, DerivedCache, check_positive, compute_dtype
+from .base import Block, DerivedCache, check_positive, compute_dtype, like_dtype
 from .layout import Layout
 
 
@@ -37,11 +37,6 @@ def _dense_factor(f: Tensor) -> Tensor:
 
 def _padded_size(k: int) -> int:
     return k if k < PAD_MIN or k % PAD_MULTIPLE == 0 else k + PAD_MULTIPLE - k % PAD_MULTIPLE
-
-
-def _like(t: Tensor, x: Tensor) -> Tensor:
-    """``t`` in ``x``'s dtype."""
-    return t if t.dtype == x.dtype else t.to(x.dtype)
 
 
 def _pad_square(q: Optional[Tensor], size: int) -> Optional[Tensor]:
@@ -101,7 +96,7 @@ class KFACBlock(Block):
 
     def _from_matrix(self, m: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
         parts = self.layout.family.from_matrix(self.layout.module, m, self.layout.param_names)
-        return [_like(p, x).contiguous() for p, x in zip(parts, like)]
+        return [like_dtype(p, x).contiguous() for p, x in zip(parts, like)]
 
     # ---- decomposition -------------------------------------------------------------------------
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
@@ -178,7 +173,7 @@ class KFACBlock(Block):
         left = rot.div_(p["denom"])
         if p["ql"] is not None:
             left = torch.mm(p["ql"], left)[:rows]
-        return [_like(torch.mm(left, q).view_as(x), x) for q, x in zip(p["qr_parts"], vecs)]
+        return [like_dtype(torch.mm(left, q).view_as(x), x) for q, x in zip(p["qr_parts"], vecs)]
 
     def _solve_plan(self, d: Dict[str, Any]) -> Dict[str, Any]:
         """What :meth:`solve` needs of an eigen decomposition ``d``, cached per decomposition

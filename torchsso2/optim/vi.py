@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from curvature.blocks.base import like_dtype
 from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
@@ -195,7 +196,7 @@ class VIOptimizer(CurvatureOptimizer):
             for name, blk in self.running.blocks.items():
                 for j, s in enumerate(mine):
                     for p, e in zip(blk.layout.params, one(name, blk, s)):
-                        noise[j][id(p)] = e if e.dtype == p.dtype else e.to(p.dtype)
+                        noise[j][id(p)] = like_dtype(e, p)
             return noise
         order: Dict[str, List[int]] = {}
 
@@ -347,6 +348,5 @@ class VIOptimizer(CurvatureOptimizer):
         covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
         direction = self._precondition(covered, bufs)
         in_block = {id(q) for b in covered.values() for q in b.layout.params}
-        steps = [direction[id(p)] if id(p) in in_block else bufs[id(p)] / n for p in params]
-        steps = [d if d.dtype == p.dtype else d.to(p.dtype) for d, p in zip(steps, params)]
+        steps = [like_dtype(direction[id(p)] if id(p) in in_block else bufs[id(p)] / n, p) for p in params]
         add_scaled_(means, steps, [g["lr"] for g in groups])
