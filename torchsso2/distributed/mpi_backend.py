@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Optional
@@ -120,12 +121,17 @@ class MPICommunicator(BucketedCommunicator):
         return f"MPICommunicator(rank={self.rank}, world_size={self.world_size})"
 
 
+#: seconds an aborting rank waits after flushing its report, before ``MPI_Abort`` (crash path only)
+ABORT_GRACE_S = 0.5
+
+
 def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
     """Make an uncaught exception abort the whole MPI job instead of hanging it.
 
     Replaces ``sys.excepthook`` by one that writes a one-line summary (rank, exception type and
     message) to stderr, reports the exception with the previous hook (so the traceback is
-    printed), flushes stdout/stderr, and calls ``comm.Abort(1)``
+    printed), flushes stdout/stderr, waits :data:`ABORT_GRACE_S` for the launcher to forward
+    them, and calls ``comm.Abort(1)``
     (``MPI_Abort``), which makes the launcher terminate every rank.
 
     Args:
@@ -148,6 +154,10 @@ def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
             previous(exc_type, exc, tb)
             sys.stdout.flush()
             sys.stderr.flush()
+            # the launcher forwards our output from a pipe; MPI_Abort tears it down, and on a busy
+            # machine it dropped everything written (a CI run showed an aborted job with empty
+            # stdout and stderr): give it a moment to forward the report first
+            time.sleep(ABORT_GRACE_S)
         finally:
             target.Abort(1)
 
