@@ -167,11 +167,13 @@ class OptSpec:
     curv: int = 1
     inv: int = 1
     flop_model: bool = False  # has a K-FAC FLOP floor
+    eigen: bool = True        # K-FAC through eigenbases (kfac_method="eigen"); False: "inverse"
 
 
 OPT_SPECS = [
     OptSpec("sgd", 20), OptSpec("adam", 20),
     OptSpec("sso-kfac 10/100", 100, 10, 100, True),
+    OptSpec("sso-kfac-inv 10/100", 100, 10, 100, True, eigen=False),
     OptSpec("sso-kfac 1/1", 5, 1, 1, True),
     OptSpec("sso-diag", 10), OptSpec("sso-full 5/50", 50, 5, 50),
     OptSpec("kfac_pytorch 10/100", 100, 10, 100, True),
@@ -204,9 +206,13 @@ def build_optimizer(spec: OptSpec, model: nn.Module, kfac_mod: Any, lr: float = 
         return torch.optim.Adam(model.parameters(), lr=lr)
     if spec.name.startswith("kfac_pytorch"):
         return _KFACPytorchSGD(kfac_mod, model, spec.curv, spec.inv, lr)
-    approx = spec.name.split()[0].split("-", 1)[1]
-    return SecondOrderOptimizer(model, lr=lr, momentum=0.9, approx=approx, damping=1e-3, curvature="fisher_mc",
-                                curv_update_interval=spec.curv, inv_update_interval=spec.inv, seed=0)
+    approx = spec.name.split()[0].split("-")[1]
+    # factored damping λ on each factor bounds the preconditioner by 1/λ², exact damping by 1/λ: √1e-3
+    # keeps the two timed K-FAC rows equally damped (1e-3 on each factor let the CNN's updates explode)
+    damping = 1e-3 if spec.eigen else 1e-3 ** 0.5
+    return SecondOrderOptimizer(model, lr=lr, momentum=0.9, approx=approx, damping=damping, curvature="fisher_mc",
+                                curv_update_interval=spec.curv, inv_update_interval=spec.inv, seed=0,
+                                kfac_method="eigen" if spec.eigen else "inverse")
 
 
 def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str]) -> Tuple[List[Dict[str, Any]], Dict[str, str]]:
@@ -265,11 +271,13 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
                        "ratio_adam_min": s["min_s"] / base["adam"] if "adam" in base else None,
                        "skipped_steps": nskip}
                 if spec.flop_model:
-                    fl = kfac_flops(dims, batch, spec.curv, spec.inv, eigen=True)
+                    fl = kfac_flops(dims, batch, spec.curv, spec.inv, eigen=spec.eigen)
                     row["flops"] = fl
                     row["floor"] = fl["floor"]
+                    row["floor_form"] = "eigen" if spec.eigen else "inverse"  # "floor" is the floor of this form
+                    row["floor_eigen_form"] = kfac_flops(dims, batch, spec.curv, spec.inv, eigen=True)["floor"]
                     row["floor_inverse_form"] = kfac_flops(dims, batch, spec.curv, spec.inv, eigen=False)["floor"]
-                    row["floor_exact_sgd_count"] = kfac_flops(dims, batch, spec.curv, spec.inv,
+                    row["floor_exact_sgd_count"] = kfac_flops(dims, batch, spec.curv, spec.inv, eigen=spec.eigen,
                                                               first_input_grad=False)["floor"]
                     row["measured_over_floor"] = row["ratio_sgd_min"] / fl["floor"] if row["ratio_sgd_min"] else None
                 if nskip:
@@ -283,20 +291,31 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
 # ------------------------------------------------------------------------------------------------
 # time to accuracy on digits
 # ------------------------------------------------------------------------------------------------
-def lr_grid(mode: str) -> Dict[str, List[float]]:
+def config_grid(mode: str) -> Dict[str, List[Dict[str, float]]]:
+    """Per optimizer, the configurations tried: ``{"lr": ...}`` and, for SGD, ``"momentum"`` too
+    (SGD gets its momentum tuned: 0.8 reached 97% in 6 median epochs at lr 0.3, 0.9 in 8 at lr 0.1).
+    The SecondOrderOptimizer shapes keep the momentum and damping of ``examples.common.SSO_SETTINGS``."""
     from examples.common import DEFAULT_LR
 
     if mode == "quick":
-        return {k: [v] for k, v in DEFAULT_LR.items()}
-    grid = {"sgd": [0.03, 0.1, 0.3], "adam": [1e-3, 3e-3, 1e-2], "sso-kfac": [0.003, 0.01, 0.03],
-            "sso-diag": [3e-4, 1e-3, 3e-3], "sso-full": [0.003, 0.01, 0.03]}
+        return {k: [{"lr": v}] for k, v in DEFAULT_LR.items()}
+    lrs = {"sgd": [0.03, 0.1, 0.3], "adam": [1e-3, 3e-3, 1e-2], "sso-kfac": [0.02, 0.05, 0.1],
+           "sso-kfac-eigen": [0.002, 0.005, 0.01], "sso-diag": [3e-4, 1e-3, 3e-3], "sso-full": [0.003, 0.01, 0.03]}
+    grid = {name: [{"lr": lr} for lr in values] for name, values in lrs.items()}
+    grid["sgd"] = [{"lr": lr, "momentum": m} for m in (0.8, 0.9) for lr in lrs["sgd"]]
     return grid
 
 
-def seeded_fit(name: str, lr: float, hidden: Sequence[int], data: Any, epochs: int,
-               stop_at_accuracy: Optional[float] = None, seed: int = 0) -> Tuple[Any, List[Any]]:
-    """``(optimizer, history)`` of one digits run at batch 32, seeded identically every time
-    (model init, batch order, sampling), so repeated runs with one ``seed`` take the same steps."""
+def config_text(cfg: Dict[str, float]) -> str:
+    """``"lr=0.1 momentum=0.9"``."""
+    return " ".join(f"{k}={v:g}" for k, v in cfg.items())
+
+
+def seeded_fit(name: str, cfg: Dict[str, float], hidden: Sequence[int], data: Any, epochs: int,
+               stop_at_accuracy: Optional[float] = None, seed: int = 0, batch_size: int = 32) -> Tuple[Any, List[Any]]:
+    """``(optimizer, history)`` of one digits run, seeded identically every time (model init, batch
+    order, sampling), so repeated runs with one ``seed`` take the same steps. ``cfg``: ``lr`` and
+    optionally ``momentum``."""
     from examples.common import fit, make_model, make_optimizer
 
     torch.manual_seed(seed)
@@ -304,8 +323,8 @@ def seeded_fit(name: str, lr: float, hidden: Sequence[int], data: Any, epochs: i
     model = make_model("mlp", tuple(hidden))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = make_optimizer(name, model, lr, seed=seed)
-    return opt, fit(model, opt, data, epochs, 32, gen, stop_at_accuracy=stop_at_accuracy)
+        opt = make_optimizer(name, model, cfg["lr"], seed=seed, momentum=cfg.get("momentum"))
+    return opt, fit(model, opt, data, epochs, batch_size, gen, stop_at_accuracy=stop_at_accuracy)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -330,43 +349,51 @@ def _summarize_seeds(config: Dict[str, Any], per_seed: List[Dict[str, Any]]) -> 
             "history": per_seed[0]["history"]}  # the first seed's curve, for the plot
 
 
-def run_convergence(args: argparse.Namespace) -> Dict[str, Any]:
-    """Every optimizer × lr of the grid on every seed; the best lr of each optimizer is the one
-    whose runs reach the target on the most seeds, then in the least median wall time."""
+def run_convergence(args: argparse.Namespace, batch_size: int = 32) -> Dict[str, Any]:
+    """Every optimizer × configuration of the grid on every seed; the best configuration of each
+    optimizer is the one whose runs reach the target on the most seeds, then in the least median
+    wall time."""
     from examples.common import DEFAULT_HIDDEN, MLP_HIDDEN, load_digits_data
 
     data = load_digits_data()
-    out: Dict[str, Any] = {"target": args.target, "max_epochs": args.epochs, "batch_size": 32,
+    out: Dict[str, Any] = {"target": args.target, "max_epochs": args.epochs, "batch_size": batch_size,
                            "seeds": list(args.seeds), "runs": []}
     best: Dict[str, Dict[str, Any]] = {}
-    for name, lrs in lr_grid(args.mode).items():
+    for name, configs in config_grid(args.mode).items():
+        if args.optimizers and name not in args.optimizers:
+            continue
         hidden = DEFAULT_HIDDEN.get(name, MLP_HIDDEN)
-        for lr in lrs:
+        for cfg in configs:
             per_seed = []
             for seed in args.seeds:
-                opt, hist = seeded_fit(name, lr, hidden, data, args.epochs, seed=seed)
+                opt, hist = seeded_fit(name, cfg, hidden, data, args.epochs, seed=seed, batch_size=batch_size)
                 hit = next((r for r in hist if r.test_accuracy >= args.target), None)
                 per_seed.append({"seed": seed, "epochs_to_target": hit.epoch if hit else None,
                                  "wall_to_target_s": hit.wall_s if hit else None,
                                  "final_accuracy": hist[-1].test_accuracy,
                                  "best_accuracy": max(r.test_accuracy for r in hist),
                                  "skipped_steps": getattr(opt, "num_skipped", 0), "history": [vars(r) for r in hist]})
-            run = _summarize_seeds({"optimizer": name, "lr": lr, "hidden": list(hidden)}, per_seed)
+            run = _summarize_seeds({"optimizer": name, **cfg, "hidden": list(hidden)}, per_seed)
             out["runs"].append(run)
-            print(f"  {name:9s} lr={lr:<7g} epochs to {100 * args.target:.0f}% per seed: "
+            print(f"  B={batch_size} {name:14s} {config_text(cfg):22s} epochs to {100 * args.target:.0f}% per seed: "
                   f"{epochs_per_seed_text(run)}  "
                   f"median {run['epochs_to_target'] or '-'} ep / "
                   f"{'-' if run['wall_to_target_s'] is None else format(run['wall_to_target_s'], '.3f')} s", flush=True)
             rank = (-run["reached"], run["wall_to_target_s"] or math.inf, -run["final_accuracy"])
             if name not in best or rank < best[name]["_rank"]:
                 best[name] = {**run, "_rank": rank}
-    retime_best(best, data, args.repeats, args.target, args.seeds)
+    retime_best(best, data, args.repeats, args.target, args.seeds, batch_size)
     out["best"] = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in best.items()}
     return out
 
 
+def run_config(run: Dict[str, Any]) -> Dict[str, float]:
+    """The grid configuration (``lr``, optionally ``momentum``) a run of :func:`run_convergence` used."""
+    return {k: run[k] for k in ("lr", "momentum") if k in run}
+
+
 def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target: float,
-                seeds: Sequence[int]) -> None:
+                seeds: Sequence[int], batch_size: int = 32) -> None:
     """Re-run each optimizer's best configuration up to the target ``repeats`` more times per
     seed, round-robin over the optimizers (the grid ran them one after another, so a slow minute
     of the machine hit one optimizer only); each seed's wall time is the minimum over its runs,
@@ -382,12 +409,13 @@ def retime_best(best: Dict[str, Dict[str, Any]], data: Any, repeats: int, target
                 want = run["epochs_per_seed"][i]
                 if not want:
                     continue
-                _, hist = seeded_fit(name, run["lr"], run["hidden"], data, want, target, seed=seed)
+                _, hist = seeded_fit(name, run_config(run), run["hidden"], data, want, target, seed=seed,
+                                     batch_size=batch_size)
                 if hist[-1].test_accuracy >= target and hist[-1].epoch == want:
                     run["wall_to_target_runs_s"][i].append(hist[-1].wall_s)
                 else:  # not expected (seeded runs repeat); keep the grid's number and say so
-                    logger.warning("%s lr=%g seed %d: re-run reached %.4f at epoch %d (grid: epoch %d)", name,
-                                   run["lr"], seed, hist[-1].test_accuracy, hist[-1].epoch, want)
+                    logger.warning("%s %s seed %d: re-run reached %.4f at epoch %d (grid: epoch %d)", name,
+                                   config_text(run_config(run)), seed, hist[-1].test_accuracy, hist[-1].epoch, want)
     for run in best.values():
         run["wall_per_seed_s"] = [min(ts) if ts else None for ts in run["wall_to_target_runs_s"]]
         med = _median([w if w is not None else math.inf for w in run["wall_per_seed_s"]])
@@ -404,7 +432,7 @@ def save_plot(conv: Dict[str, Any], path: Path, title: str) -> Path:
     for name, run in conv["best"].items():
         t = [0.0] + [r["wall_s"] for r in run["history"]]
         a = [0.1] + [r["test_accuracy"] for r in run["history"]]
-        ax.plot(t, [100 * v for v in a], marker=".", label=f"{name} (lr {run['lr']:g})")
+        ax.plot(t, [100 * v for v in a], marker=".", label=f"{name} ({config_text(run_config(run))})")
     ax.axhline(100 * conv["target"], color="gray", linestyle="--", linewidth=1)
     ax.set_xlabel("training wall time (s, evaluation excluded)")
     ax.set_ylabel("test accuracy (%)")
@@ -427,15 +455,15 @@ def format_tables(report: Dict[str, Any]) -> str:
     for r in report["timing"]:
         rows.append([r["model"], r["batch"], r["optimizer"], f"{1e3 * r['min_s']:.2f}", f"{1e3 * r['median_s']:.2f}",
                      fmt_ratio(r["ratio_sgd_min"]), fmt_ratio(r["ratio_sgd_median"]), fmt_ratio(r["ratio_adam_min"]),
-                     fmt_ratio(r.get("floor")), fmt_ratio(r.get("floor_inverse_form")),
+                     fmt_ratio(r.get("floor_eigen_form", r.get("floor"))), fmt_ratio(r.get("floor_inverse_form")),
                      fmt_ratio(r.get("floor_exact_sgd_count")),
                      "" if r.get("measured_over_floor") is None else f"{r['measured_over_floor']:.2f}",
                      r["skipped_steps"] or ""])
     out.append("Step time (ms per training step, min / median over repeats of a full update cycle); "
                "x SGD = min/min (and median/median) vs SGD in the same run; floor = K-FAC FLOP floor "
-               "(eigen form, as used by torchsso2 and kfac_pytorch; inverse form for reference; 'exact SGD': "
-               "eigen form with SGD counted as autograd runs it, no input gradient for the first layer); "
-               "measured/floor uses the eigen-form floor")
+               "(eigen form, as used by torchsso2's default kfac_method and kfac_pytorch; inverse form, as used by "
+               "sso-kfac-inv (kfac_method='inverse'); 'exact SGD': the row's form with SGD counted as autograd "
+               "runs it, no input gradient for the first layer); measured/floor uses the row's own form")
     out.append(markdown_table(
         ["model", "B", "optimizer", "min ms", "median ms", "x SGD", "x SGD (med)", "x Adam", "floor (eig)",
          "floor (inv)", "floor (exact SGD)", "measured/floor", "skipped"], rows, "lrlrrrrrrrrrr"))
@@ -446,19 +474,19 @@ def format_tables(report: Dict[str, Any]) -> str:
         out.append("")
         out.append(f"Digits (MLP 64-64-10, sso-full 64-16-10; batch 32; max {conv['max_epochs']} epochs; seeds "
                    f"{' '.join(map(str, conv['seeds']))}): epochs and training wall time to {100 * conv['target']:.0f}% test "
-                   "accuracy, median over the seeds (a seed that misses counts as infinite), best lr of the grid "
-                   "(most seeds reaching the target, then least median wall time; each seed's wall time is the min "
-                   "over the grid run and round-robin re-runs)")
+                   "accuracy, median over the seeds (a seed that misses counts as infinite), best configuration "
+                   "of the grid (most seeds reaching the target, then least median wall time; each seed's wall time "
+                   "is the min over the grid run and round-robin re-runs)")
         crow = []
         for name, r in conv["best"].items():
-            grid = [x["lr"] for x in conv["runs"] if x["optimizer"] == name]
-            crow.append([name, f"{r['lr']:g}", " ".join(f"{g:g}" for g in grid),
+            grid = [config_text(run_config(x)) for x in conv["runs"] if x["optimizer"] == name]
+            crow.append([name, config_text(run_config(r)), ", ".join(grid),
                          f"{r['reached']}/{len(r['seeds'])}",
                          epochs_per_seed_text(r),
                          f"{r['epochs_to_target']:g}" if r["epochs_to_target"] else f"not in {conv['max_epochs']}",
                          "" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.3f}",
                          f"{100 * r['best_accuracy']:.2f}%", f"{100 * r['final_accuracy']:.2f}%"])
-        out.append(markdown_table(["optimizer", "best lr", "lr grid", "reached", "epochs per seed",
+        out.append(markdown_table(["optimizer", "best", "grid", "reached", "epochs per seed",
                                    "median epochs", "median wall s", "best acc (med)", "final acc (med)"],
                                   crow, "lllrlrrrr"))
     return "\n".join(out)
@@ -480,6 +508,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=None, metavar="NAME",
                    help="time only these models (default: all; mlp784 cnn32 digits-mlp digits-mlp16, "
                    "quick: mlp cnn digits-mlp)")
+    p.add_argument("--optimizers", nargs="+", default=None, metavar="NAME",
+                   help="digits part: only these optimizers (default: all; sgd adam sso-kfac sso-kfac-eigen "
+                   "sso-diag sso-full)")
     p.add_argument("--skip-timing", action="store_true", help="only the digits time-to-accuracy part")
     p.add_argument("--skip-convergence", action="store_true", help="only the step-time part")
     p.add_argument("--no-1-1", dest="include_1_1", action="store_false",

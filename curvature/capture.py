@@ -17,7 +17,7 @@ gets a routing node after its output (:mod:`curvature.frozen_norm`): backward pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,8 @@ class Capture:
             :attr:`calls` but not recorded (no clone of the output, no gradient hook).
         freeze_batch_stats: route the outputs of BatchNorms that use batch statistics (needs
             ``root``); backward passes inside ``frozen.on()`` treat those statistics as constants.
+        batch_norms: the BatchNorm modules under ``root`` (found there when not given; the engine
+            passes the list it made once).
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
@@ -58,7 +60,8 @@ class Capture:
                  record_backward: bool = False, on_reuse: str = "raise",
                  select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None,
                  freeze_batch_stats: bool = False,
-                 select_output: Optional[Callable[[Any], Tensor]] = None) -> None:
+                 select_output: Optional[Callable[[Any], Tensor]] = None,
+                 batch_norms: Optional[Sequence[nn.Module]] = None) -> None:
         if on_reuse not in ("raise", "count"):
             raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
@@ -73,6 +76,7 @@ class Capture:
         self.outputs: List[Tensor] = []
         self._handles: List[RemovableHandle] = []
         self.freeze_batch_stats = freeze_batch_stats
+        self.batch_norms = batch_norms
         self.select_output = select_output
         #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
         self.frozen = FrozenMode()
@@ -80,9 +84,9 @@ class Capture:
     def __enter__(self) -> "Capture":
         if self.freeze_batch_stats and self.root is not None:
             # registered before the recording hooks: a covered BatchNorm records the routed output
-            for module in self.root.modules():
-                if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                    self._handles.append(module.register_forward_hook(self._route_hook))
+            norms = self.batch_norms if self.batch_norms is not None else batch_norm_modules(self.root)
+            for module in norms:
+                self._handles.append(module.register_forward_hook(self._route_hook))
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
         if self.root is not None and self.on_output is not None:
@@ -131,3 +135,8 @@ class Capture:
         self.outputs.append(output)
         assert self.on_output is not None
         self.on_output(output)
+
+
+def batch_norm_modules(root: nn.Module) -> List[nn.Module]:
+    """The BatchNorm modules under ``root`` (the ones :class:`Capture` may route)."""
+    return [m for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from . import likelihoods
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .blocks.base import compute_dtype
-from .capture import Capture, ModuleRecord
+from .capture import Capture, ModuleRecord, batch_norm_modules
 from .hessian import hessian_blocks
 from .modules.base import flat_per_example
 from .options import Approx, Kind, LossType, parse
@@ -73,6 +73,9 @@ class CurvatureEngine:
         self.layouts, self.approx = select_layouts(model, approx, skip_modules)
         #: backpropagate the K vectors in one vmapped backward (see :func:`prefers_batched_backward`)
         self.batched_backward = prefers_batched_backward(model)
+        #: the BatchNorms a capture may route (found once, like the covered modules)
+        self.batch_norms = batch_norm_modules(model)
+        self._modules = {n: lay.module for n, lay in self.layouts.items()}
         if self.kind is Kind.HESSIAN:
             bad = [n for n, a in self.approx.items() if a is Approx.KFAC]
             if bad:
@@ -104,9 +107,9 @@ class CurvatureEngine:
         BatchNorms are routed (:mod:`curvature.frozen_norm`) only when the engine will run its own
         backward passes on the record: not for blocks from the user's backward, nor for the Hessian."""
         own_backward = not record_backward and self.kind is not Kind.HESSIAN
-        return Capture({n: lay.module for n, lay in self.layouts.items()}, root=self.model,
-                       on_output=on_output, record_backward=record_backward, freeze_batch_stats=own_backward,
-                       select_output=self.select_output)
+        return Capture(self._modules, root=self.model, on_output=on_output, record_backward=record_backward,
+                       freeze_batch_stats=own_backward and bool(self.batch_norms), select_output=self.select_output,
+                       batch_norms=self.batch_norms)
 
     # ---- estimation -------------------------------------------------------------------
     def estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,
@@ -192,6 +195,12 @@ class CurvatureEngine:
             if batched is not None:
                 yield dict(zip(names, batched))
                 return
+        if vectors.shape[0] == 1:  # one vector (fisher_mc with one sample, empirical Fisher): no stacking
+            with capture.frozen.on():
+                g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[0].to(outputs.dtype),
+                                        retain_graph=True, allow_unused=True)
+            yield {n: (gi if gi is not None else torch.zeros_like(o)).unsqueeze(0) for n, gi, o in zip(names, g, outs)}
+            return
         per_vector = sum(o.numel() for o in outs)
         group = max(1, min(vectors.shape[0], _GRAD_CHUNK_ELEMENTS // max(1, per_vector)))
         pending: List[List[Tensor]] = []

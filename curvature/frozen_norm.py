@@ -15,8 +15,7 @@ blocks of the frozen-statistics model (``tests/test_curvature_reference.py``).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -26,19 +25,25 @@ class FrozenMode:
     """Whether the routing nodes of one capture send gradients the frozen way (off by default).
 
     One per :class:`curvature.capture.Capture`, read by its nodes during backward (from any
-    thread: autograd may run a device's backward on its own worker thread)."""
+    thread: autograd may run a device's backward on its own worker thread). ``with mode.on():``
+    turns it on for the block (nestable; a plain class, not a generator context manager: it wraps
+    every backward pass of the engine)."""
 
     def __init__(self) -> None:
         self.active = False
+        self._outer: List[bool] = []
 
-    @contextlib.contextmanager
-    def on(self) -> Iterator[None]:
-        """Frozen routing for the backward passes run inside the block."""
-        prev, self.active = self.active, True
-        try:
-            yield
-        finally:
-            self.active = prev
+    def on(self) -> "FrozenMode":
+        """Frozen routing for the backward passes run inside the ``with`` block."""
+        return self
+
+    def __enter__(self) -> "FrozenMode":
+        self._outer.append(self.active)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = self._outer.pop()
 
 
 def uses_batch_statistics(module: nn.Module) -> bool:

@@ -131,6 +131,8 @@ def backprop_vectors(loss: LossType, kind: Kind, outputs: Tensor, targets: Optio
     if kind is Kind.FISHER:
         return sqrt_output_hessian(loss, outputs)
     if kind is Kind.FISHER_MC:
+        if loss is LossType.CROSS_ENTROPY:
+            return _categorical_mc_vectors(outputs, mc_samples, generator)
         ys = sample_targets(loss, outputs, mc_samples, generator)
         scale = 1.0 / math.sqrt(mc_samples)
         return torch.stack([nll_grad(loss, outputs, y) * scale for y in ys])
@@ -139,3 +141,16 @@ def backprop_vectors(loss: LossType, kind: Kind, outputs: Tensor, targets: Optio
             raise ValueError("kind='empirical_fisher' needs the true targets")
         return nll_grad(loss, outputs, targets).unsqueeze(0)
     raise ValueError(f"kind={kind.value!r} is not a Fisher-type kind")
+
+
+def _categorical_mc_vectors(outputs: Tensor, samples: int, generator: Optional[torch.Generator]) -> Tensor:
+    """``fisher_mc`` vectors of the categorical likelihood, ``[S, N, C]``: ``(softmax(f) − onehot(ỹ_s))/√S``
+    with ``ỹ_s`` drawn as :func:`sample_targets` draws them (same generator stream, same numbers as
+    :func:`nll_grad` at the drawn labels); the softmax is computed once for sampling and gradient."""
+    f = outputs.detach()
+    wide = f.dtype in (torch.float32, torch.float64)
+    p = torch.softmax(f if wide else f.to(torch.float32), dim=1)
+    draws = torch.multinomial(p, samples, replacement=True, generator=generator)  # [N, S]
+    probs = p if wide else torch.softmax(f, dim=1)
+    v = probs.unsqueeze(0) - F.one_hot(draws.t(), f.shape[1]).to(probs.dtype)
+    return v if samples == 1 else v.mul_(1.0 / math.sqrt(samples))

@@ -411,20 +411,27 @@ def _split_solve_case(case: str):
 def test_kfac_solve_by_parameter_columns(case: str) -> None:
     """The eigen solve writes each parameter from its own last matmul, ``(Q_L X) Q_R[cols]ᵀ``,
     instead of slicing one ``[rows, cols]`` result: it must equal the dense solve and the
-    sliced path, give contiguous parameter-shaped tensors, and cast back to the input dtype."""
+    sliced path, give contiguous parameter-shaped tensors, and cast back to the input dtype.
+    Three paths: the direct one (unpadded dense factors: one ``cat``, row-major bases, ``mv``
+    for a one-column bias), the per-parameter columns of the general one, and the sliced one."""
     blk = _split_solve_case(case)
     blk.decompose(DAMPING, scale=SCALE)
     plan = blk._solve_plan(blk.decomposition)
     assert plan["qr_parts"] is not None and len(plan["qr_parts"]) == len(blk.layout.shapes)
+    assert plan["direct"] is not None
     v = rand_like_params(blk, torch.Generator().manual_seed(0))
     out = blk.solve(v)
     assert [o.shape for o in out] == [t.shape for t in v] and all(o.is_contiguous() for o in out)
     torch.testing.assert_close(flat(out), torch.linalg.solve(damped(blk), flat(v)), rtol=1e-9, atol=1e-10)
+    direct, plan["direct"] = plan["direct"], None  # the general path, one product per parameter
+    by_columns = blk.solve(v)
     parts, plan["qr_parts"] = plan["qr_parts"], None  # the sliced path (families without a column split take it)
     sliced = blk.solve(v)
-    for a, b in zip(out, sliced):
+    for a, b, c in zip(out, by_columns, sliced):
+        assert b.is_contiguous()
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-    plan["qr_parts"] = parts
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-13)
+    plan["qr_parts"], plan["direct"] = parts, direct
     half = blk.solve([t.to(torch.bfloat16) for t in v])  # the solve runs in the block's dtype
     assert all(h.dtype == torch.bfloat16 for h in half)
     want = blk.solve([t.to(torch.bfloat16).double() for t in v])

@@ -63,6 +63,49 @@ def grad_vec_at(build, x, y):
     return grad_vec(build(), x, y)
 
 
+@pytest.mark.parametrize("model_name", ["mlp", "cnn", "embedding", "norm_mlp"])
+def test_one_step_equals_hand_update_inverse_method(model_name):
+    """``kfac_method="inverse"``: each K-FAC block is solved with the factored damping
+    ``(L + λI)⁻¹ ⊗ (R + λI)⁻¹`` (kfac_pytorch's INVERSE), other shapes exactly: the step equals
+    the dense solve with that operator, built here from damped copies of the reference factors."""
+    from curvature.blocks import KFACBlock
+
+    build, make_batch = MODELS[model_name]
+    model = build()
+    x, y = make_batch(7, "cross_entropy")
+    lr, lam = 0.3, 1e-1
+    c = reference_curvature(model, x, y, kind="fisher", approx="kfac")
+    damped = {}
+    for name, blk in c.blocks.items():
+        if isinstance(blk, KFACBlock):
+            damped[name] = KFACBlock(blk.layout, blk.left + lam * _eye_like(blk.left), blk.right + lam * _eye_like(blk.right))
+        else:
+            damped[name] = blk
+    shift = {n: 0.0 if isinstance(b, KFACBlock) else lam for n, b in c.blocks.items()}
+    op = full_operator(model, damped, c.params, 1.0, 0.0, uncovered_diag=1.0)
+    off = offsets(model)
+    for name, blk in c.blocks.items():  # + λI on the non-K-FAC blocks (exactly damped)
+        for p in blk.layout.params:
+            i = torch.arange(off[id(p)].start, off[id(p)].stop)
+            op[i, i] += shift[name]
+    delta = torch.linalg.solve(op, grad_vec(model, x, y))
+    theta0 = param_vec(model)
+    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
+                               kfac_method="inverse")
+    opt.step(make_closure(opt, model, x, y))
+    assert any(isinstance(b, KFACBlock) for b in c.blocks.values())
+    assert all(b.decomposition["method"] == "inverse" for b in opt.running.blocks.values() if isinstance(b, KFACBlock))
+    torch.testing.assert_close(param_vec(model), theta0 - lr * delta, rtol=1e-9, atol=1e-11)
+    # and it is not the exactly damped step
+    exact, _, _ = hand_update(build(), x, y, approx="kfac", damping=lam)
+    assert not torch.allclose(theta0 - lr * exact, param_vec(model), atol=1e-6)
+
+
+def _eye_like(f: Tensor) -> Tensor:
+    """``I`` for a matrix factor, ``1`` for a diagonal one (stored as a vector)."""
+    return torch.ones_like(f) if f.dim() == 1 else torch.eye(f.shape[0], dtype=f.dtype)
+
+
 @pytest.mark.parametrize("approx", ["full", "kfac"])
 def test_one_step_with_weight_decay(approx):
     model, (x, y) = tiny_mlp(), batch()
@@ -349,3 +392,24 @@ def test_digits_smoke_kfac():
     with torch.no_grad():
         acc = (model(xte).argmax(1) == yte).double().mean().item()
     assert acc > 0.85, acc
+
+
+def test_checkpoint_of_the_other_kfac_method_is_decomposed_again():
+    """A checkpoint holds decompositions; loaded into an optimizer with the other ``kfac_method``
+    they are redone at the next step (not used with the wrong damping until the next interval)."""
+    from curvature.blocks import KFACBlock
+
+    model, (x, y) = tiny_mlp(), batch()
+    kw = dict(lr=0.1, curvature="fisher", approx="kfac", damping=0.1, inv_update_interval=100)
+    eig = SecondOrderOptimizer(model, **kw)
+    for _ in range(2):
+        eig.step(make_closure(eig, model, x, y))
+    inv = SecondOrderOptimizer(model, kfac_method="inverse", **kw)
+    inv.load_state_dict(eig.state_dict())
+    assert not inv._decomposed
+    inv.step(make_closure(inv, model, x, y))
+    methods = {b.decomposition["method"] for b in inv.running.blocks.values() if isinstance(b, KFACBlock)}
+    assert methods == {"inverse"} and inv._decomposed
+    same = SecondOrderOptimizer(model, **kw)  # the same method: the saved decompositions are used as they are
+    same.load_state_dict(eig.state_dict())
+    assert same._decomposed

@@ -56,11 +56,6 @@ class Block(ABC):
         for dst, src in zip(self.tensors(), tensors):
             dst.copy_(src)
 
-    def ema_(self, new: "Block", decay: float) -> None:
-        """``self ← decay·self + (1 − decay)·new`` (statistics only)."""
-        for dst, src in zip(self.tensors(), new.tensors()):
-            dst.mul_(decay).add_(src.to(dst.dtype), alpha=1.0 - decay)
-
     def is_finite(self) -> bool:
         return all_finite(self.tensors())
 

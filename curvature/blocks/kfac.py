@@ -154,11 +154,13 @@ class KFACBlock(Block):
 
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         d = self._require_decomposition()
+        p = self._solve_plan(d)
+        if p["direct"] is not None:
+            return self._solve_direct(vecs, p["direct"])
         if d["method"] != "eigen":
             m = self._to_matrix(vecs, d["linv"].dtype)
             return self._from_matrix(self._mul_factor_right(self._mul_factor_left(d["linv"], m), d["rinv"]), vecs)
         rows, cols = d["denom"].shape
-        p = self._solve_plan(d)
         if p["buffer"] is None:
             m = self._to_matrix(vecs, p["denom"].dtype, p["spans"])
         else:  # straight into the block's zero-padded buffer (kept: no fresh pages every step)
@@ -175,16 +177,52 @@ class KFACBlock(Block):
             left = torch.mm(p["ql"], left)[:rows]
         return [like_dtype(torch.mm(left, q).view_as(x), x) for q, x in zip(p["qr_parts"], vecs)]
 
-    def _solve_plan(self, d: Dict[str, Any]) -> Dict[str, Any]:
-        """What :meth:`solve` needs of an eigen decomposition ``d``, cached per decomposition
-        (rebuilt when any of its tensors is replaced or written in place):
+    @staticmethod
+    def _solve_direct(vecs: Sequence[Tensor], direct: Tuple[Any, ...]) -> List[Tensor]:
+        """The solve of two dense, unpadded factors and a column split ``[W | b]``, in as few ops
+        as it takes (the common Linear/Conv2d case, run at every step): pack by one ``cat``; eigen:
+        ``Q_L ((Q_Lᵀ M Q_R) ⊘ denom)`` with row-major copies of the bases (``eigh`` returns
+        column-major ones: ``[64, 65] @ [65, 65]`` 12 → 9 µs); inverse: ``L⁻¹ M``; then each
+        parameter from its own last product with the right side (``mv`` for a one-column bias).
+        Digits MLP eigen solves: 50/25 → ~45/20 µs."""
+        left_op, rows, dt, order, columns = direct
+        if len(order) == 1:
+            v = vecs[0]
+            m = (v if v.dtype == dt else v.to(dt)).reshape(rows, -1)
+        else:
+            m = torch.cat([(vecs[i] if vecs[i].dtype == dt else vecs[i].to(dt)).reshape(rows, w) for i, w in order], 1)
+        left = left_op(m)
+        out = []
+        for q, x in zip(columns, vecs):
+            r = torch.mv(left, q) if q.dim() == 1 else torch.mm(left, q)
+            out.append(r.view_as(x) if r.dtype == x.dtype else r.view_as(x).to(x.dtype))
+        return out
 
+    def _solve_plan(self, d: Dict[str, Any]) -> Dict[str, Any]:
+        """What :meth:`solve` needs of a decomposition ``d``, cached per decomposition (rebuilt
+        when any of its tensors is replaced or written in place):
+
+        * ``direct``: for :meth:`_solve_direct` (two dense factors, a column split, no padding):
+          the left operation, the rows, the compute dtype, the parameters in column order with
+          their widths, and the right side's columns per parameter (a one-column span as a vector);
+          None otherwise. For an eigen decomposition also:
         * ``ql``, ``qr``, ``denom``: zero-padded (``denom`` one-padded) to BLAS-friendly sizes
           (:data:`PAD_MIN`, :data:`PAD_MULTIPLE`), with a ``buffer`` for the padded input; or
           ``d``'s own tensors and ``buffer=None`` when no size changes;
         * ``spans``: the family's column split of the parameter matrix (or None), and
           ``qr_parts``: the matching row slices of ``Q_R``, transposed (views), when there is
           such a split and ``Q_R``."""
+        if d["method"] != "eigen":
+            linv, rinv = d["linv"], d["rinv"]
+
+            def build_inverse() -> Dict[str, Any]:
+                spans = self.layout.family.matrix_columns(self.layout.module, self.layout.param_names)
+                if spans is None or linv.dim() != 2 or rinv.dim() != 2:
+                    return {"direct": None}
+                cols = rinv.t().contiguous()  # row j = column j of R⁻¹
+                return {"direct": (lambda m: torch.mm(linv, m), linv.shape[0], linv.dtype,
+                                   self._column_order(spans), self._right_columns(cols, spans))}
+            return self._plan_cache.get([linv, rinv], build_inverse)
         ql, qr, denom = d["ql"], d["qr"], d["denom"]
 
         def build() -> Dict[str, Any]:
@@ -200,8 +238,25 @@ class KFACBlock(Block):
             plan["spans"] = spans
             plan["qr_parts"] = None if spans is None or plan["qr"] is None else \
                 [plan["qr"][start:stop].t() for start, stop in spans]
+            plan["direct"] = None
+            if plan["buffer"] is None and plan["qr_parts"] is not None and ql is not None:
+                qlt, qlc, qrc = ql.t().contiguous(), ql.contiguous(), qr.contiguous()  # row-major bases
+                plan["direct"] = (lambda m: torch.mm(qlc, torch.mm(torch.mm(qlt, m), qrc).div_(denom)),
+                                  denom.shape[0], denom.dtype, self._column_order(spans),
+                                  self._right_columns(qrc, spans))
             return plan
         return self._plan_cache.get([ql, qr, denom], build)
+
+    @staticmethod
+    def _column_order(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+        """``(parameter index, width)`` in the column order of the parameter matrix."""
+        return sorted(((i, stop - start) for i, (start, stop) in enumerate(spans)), key=lambda iw: spans[iw[0]][0])
+
+    @staticmethod
+    def _right_columns(rows_of: Tensor, spans: Sequence[Tuple[int, int]]) -> List[Tensor]:
+        """Per parameter, the right factor's part its columns come from: rows ``start:stop`` of
+        ``rows_of``, transposed (a ``[k, w]`` view), or row ``start`` (a vector) for one column."""
+        return [rows_of[start] if stop - start == 1 else rows_of[start:stop].t() for start, stop in spans]
 
     def solve_low_rank(self, g: Tensor, a: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
         """:meth:`solve` of a gradient given as ``gᵀa`` (``g [R, n_L]``, ``a [R, n_R]``): the

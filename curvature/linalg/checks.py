@@ -60,15 +60,25 @@ def resolve_compute_dtype(
     return torch.float64 if torch.float64 in input_dtypes else torch.float32
 
 
+#: CPU lists of at least this many tensors and at most :data:`_CAT_CHECK_ELEMENTS` elements in all
+#: are summed as one concatenated vector (one sum kernel instead of one per tensor)
+_CAT_CHECK_TENSORS = 3
+_CAT_CHECK_ELEMENTS = 1 << 16
+
+
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """True when every element of every tensor is finite.
 
-    Fast path: one sum per tensor (an inf or NaN element makes the sum inf or NaN, and the sum
-    is one pass without temporaries); only when some sum is not finite — a bad element, or a
-    sum of large finite values overflowing — is each tensor checked element by element.
+    Fast path: one sum (an inf or NaN element makes the sum inf or NaN, and the sum is one pass
+    without temporaries) per tensor, or of all of them concatenated when they are small (a step
+    of a small model checks 4-9 tensors: 24 → 15 µs for 9); only when the sum is not finite — a
+    bad element, or a sum of large finite values overflowing — is each tensor checked element by
+    element.
     """
     total = 0.0
-    for t in tensors:  # a plain loop: this runs twice a step (4 tensors: 15 µs, was 18)
+    small: list = []
+    count = 0
+    for t in tensors:  # a plain loop: this runs twice a step
         if t.device.type != "cpu":
             return _all_finite_on_device(tensors)
         # CPU: Python floats (no stack, no dtype casts); a one-element tensor (the loss, checked
@@ -79,6 +89,12 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
         if n == 1:
             total += float(t)
         elif n:
+            small.append(t)
+            count += n
+    if len(small) >= _CAT_CHECK_TENSORS and count <= _CAT_CHECK_ELEMENTS:
+        total += float(torch.cat([t.reshape(-1) for t in small]).sum())
+    else:
+        for t in small:
             total += float(t.sum())
     if math.isfinite(total):
         return True

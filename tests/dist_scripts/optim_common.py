@@ -78,6 +78,7 @@ def configs(world_size: int) -> Dict[str, Dict[str, Any]]:
     out["so-kfac-lm-memory"] = dict(face="so", approx="kfac", adaptive_damping=True, damping_adaptation_interval=2,
                                     assignment_strategy="memory")
     out["so-diag-empirical"] = dict(face="so", approx="diag", curvature="empirical_fisher", grad_worker_fraction="mem_opt")
+    out["so-kfac-inverse-mem_opt"] = dict(face="so", approx="kfac", kfac_method="inverse", grad_worker_fraction="mem_opt")
     out["vi-kfac-2samples-mem_opt"] = dict(face="vi", approx="kfac", num_mc_samples=2, grad_worker_fraction="mem_opt")
     if world_size == 2:
         for approx in SHAPES:

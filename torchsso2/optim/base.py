@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature import CurvatureEngine, RunningCurvature
+from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite
 from curvature.linalg import LinalgError, get_backend
@@ -27,6 +28,7 @@ from curvature.options import Kind
 from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
+from .plan import PlanCache, ScalarCache
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         self.running = RunningCurvature()
+        #: how K-FAC blocks are decomposed: "eigen" (exact damping) or "inverse" (factored; SecondOrderOptimizer)
+        self.kfac_method = "eigen"
+        self._plans = PlanCache()      # per-step bookkeeping of the update (torchsso2/optim/plan.py)
+        self._scalars = ScalarCache()  # hyperparameters as cached 0-dim tensors for foreach ops
         self.comm = communicator if not isinstance(communicator, (str, type(None))) else \
             get_communicator(communicator or "auto")
         # [issue #7: distributed] KAISA placement of the decompositions (torchsso2/optim/placement.py);
@@ -207,14 +213,15 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
-        """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output)."""
-        if isinstance(loss, Tensor) and not all_finite([loss]):  # apart: it may live on another device
+        """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output).
+        One :func:`all_finite` over all of them (it gathers tensors of several devices itself)."""
+        if fresh is not None and not fresh:
             return False
-        if not all_finite(grads):
-            return False
-        if fresh is not None and (not fresh or not all(b.is_finite() for b in fresh.values())):
-            return False
-        return True
+        tensors = [loss] if isinstance(loss, Tensor) else []
+        tensors += grads
+        if fresh:
+            tensors += [t for b in fresh.values() for t in b.tensors()]
+        return all_finite(tensors)
 
     def _nonfinite(self, what: str) -> None:
         """Apply the non-finite policy: raise, or log and count a skipped step."""
@@ -234,9 +241,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
         if self.placement.active:  # [issue #7] each rank decomposes its share of blocks, then broadcasts
             error = self.placement.decompose(
-                self.running.blocks, lambda blk: blk.decompose(damping, scale=scale, backend=self.linalg,
-                                                               dtype=self.decomposition_dtype),
-                dtype=self.decomposition_dtype)
+                self.running.blocks, lambda blk: decompose_block(blk, damping, scale=scale, backend=self.linalg,
+                                                                 dtype=self.decomposition_dtype,
+                                                                 kfac_method=self.kfac_method),
+                dtype=self.decomposition_dtype, kfac_method=self.kfac_method)
             if error is not None:
                 if self.on_nonfinite == "raise":
                     raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
@@ -246,7 +254,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             self._decomposed = True
             return True
         try:
-            self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype)
+            self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype,
+                                   kfac_method=self.kfac_method)
         except LinalgError as err:
             if self.on_nonfinite == "raise":
                 raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
@@ -322,6 +331,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.seed = int(extra.get("seed", self.seed))
         if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
             self._decomposed = False
+        if any(isinstance(b, KFACBlock) and b.decomposition is not None
+               and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):
+            self._decomposed = False  # saved with the other kfac_method: decompose again at the next step
         self._load_extra_state(extra["extra"])
 
     def _extra_state(self) -> Dict[str, Any]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
@@ -50,6 +50,23 @@ def noise_generator(seed: int, step: int, sample: int, block: int, device: Any =
     gen = torch.Generator(device=device)
     gen.manual_seed(noise_seed(seed, step, sample, block))
     return gen
+
+
+class NoiseStreams:
+    """One generator per device, re-seeded for every (step, sample, block) draw: the same numbers as
+    :func:`noise_generator`'s fresh generator (``manual_seed`` resets the whole state), without
+    allocating a generator per block and step."""
+
+    def __init__(self) -> None:
+        self._generators: Dict[str, torch.Generator] = {}
+
+    def seeded(self, seed: int, device: Any = "cpu") -> torch.Generator:
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = self._generators[key] = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
 
 
 def rank_seed(seed: int, rank: int) -> int:

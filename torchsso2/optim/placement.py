@@ -67,11 +67,12 @@ def block_work(blk: Block, strategy: AssignmentStrategy) -> Dict[str, float]:
             for i, t in enumerate(blk.tensors())}
 
 
-def decomposition_like(blk: Block, dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+def decomposition_like(blk: Block, dtype: Optional[torch.dtype], kfac_method: str = "eigen") -> Dict[str, Any]:
     """Empty tensors shaped like what ``blk.decompose(..., dtype=dtype)`` produces (receive buffers).
 
-    Full: ``evecs [P, P]``, ``denom [P]``; diag: ``denom [P]``; K-FAC (eigen):
-    ``ql [n_L, n_L]`` (``None`` for a diagonal factor), ``qr``, ``denom [n_L, n_R]``.
+    Full: ``evecs [P, P]``, ``denom [P]``; diag: ``denom [P]``; K-FAC, ``kfac_method="eigen"``:
+    ``ql [n_L, n_L]`` (``None`` for a diagonal factor), ``qr``, ``denom [n_L, n_R]``; ``"inverse"``:
+    ``linv``, ``rinv`` (``[n, n]``, or ``[n]`` for a diagonal factor).
     """
     stats = blk.tensors()[0]
     kw = dict(dtype=dtype or stats.dtype, device=stats.device)
@@ -82,6 +83,9 @@ def decomposition_like(blk: Block, dtype: Optional[torch.dtype]) -> Dict[str, An
         return {"denom": torch.empty(blk.diagonal.shape[0], **kw)}
     if isinstance(blk, KFACBlock):
         nl, nr = blk.left.shape[0], blk.right.shape[0]
+        if kfac_method == "inverse":
+            return {"method": "inverse", "linv": torch.empty(blk.left.shape, **kw),
+                    "rinv": torch.empty(blk.right.shape, **kw)}
         return {"method": "eigen",
                 "ql": torch.empty(nl, nl, **kw) if blk.left.dim() == 2 else None,
                 "qr": torch.empty(nr, nr, **kw) if blk.right.dim() == 2 else None,
@@ -163,7 +167,7 @@ class Placement:
 
     # ---- decomposition ------------------------------------------------------------------------
     def decompose(self, blocks: Dict[str, Block], decompose: Callable[[Block], None],
-                  dtype: Optional[torch.dtype] = None) -> Optional[str]:
+                  dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen") -> Optional[str]:
         """Decompose every block on its inverse worker and broadcast it to its grad workers.
 
         ``decompose(block)`` runs the block's own damped decomposition. Returns ``None`` on
@@ -209,7 +213,7 @@ class Placement:
                 continue
             if not wa.broadcast_inverses():
                 continue
-            like = decomposition_like(blk, dtype)
+            like = decomposition_like(blk, dtype, kfac_method)
             if rank == src:
                 assert blk.decomposition is not None
                 # the receivers get contiguous tensors: give the source the same memory layout, so

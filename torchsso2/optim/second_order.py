@@ -4,6 +4,7 @@ Update, per step (each a small function of :mod:`torchsso2.optim.steps`)::
 
     d  = g + weight_decay·θ                       # g: gradient of the mean loss (averaged over ranks)
     Δ  = (C + damping·I)⁻¹ d                      # per curvature block; uncovered params: Δ = d
+                                                  # (kfac_method="inverse": (G + λI)⁻¹ ⊗ (A + λI)⁻¹ for K-FAC)
     Δ ← ν·Δ,  ν = min(1, sqrt(kl_clip / Σ lr² Δᵀd))     # only when kl_clip is set (lr per group)
     buf = momentum·buf + Δ;   θ ← θ − lr·buf
 
@@ -24,8 +25,9 @@ from curvature.blocks.base import all_finite
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
 from .lowrank import LowRankSolver
+from .plan import UpdatePlan, params_with_grad
 from .steps import add_weight_decay, kl_clip_factor, momentum_step_
-from .validation import check_int, check_number
+from .validation import check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +51,22 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         approx: ``"kfac" | "diag" | "full"`` or a dict module type / class name / name regex -> shape.
             ``None`` uses :data:`DEFAULT_APPROX` (K-FAC for Linear/Conv2d/Embedding, diag for norm layers).
         damping: Tikhonov damping λ added to the curvature.
+        kfac_method: how K-FAC blocks are damped and solved. ``"eigen"`` (default): exact damping,
+            ``(G⊗A + λI)⁻¹`` through the factors' eigenbases (four matmuls per layer and step).
+            ``"inverse"``: factored damping, ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹`` — kfac_pytorch's INVERSE
+            method: the damping enters each factor, which damps more strongly (roughly
+            ``λ(G⊗I + I⊗A) + λ²I`` is added instead of ``λI``), two matmuls per layer and step and
+            Cholesky inverses instead of eigendecompositions. Diagonal and full blocks are exact
+            either way. Pick λ for the method: the same number damps much more under ``"inverse"``.
         ema_decay: in [0, 1): ``C ← ema_decay·C + (1 − ema_decay)·C_batch``.
         curv_update_interval, inv_update_interval: steps between curvature estimates / decompositions.
         loss: ``"cross_entropy"`` or ``"mse"``: the likelihood of the model's output.
         mc_samples: sampled labels per example for ``fisher_mc``.
         kl_clip: if set, kfac_pytorch-style KL clipping of the preconditioned update.
         adaptive_damping: Levenberg–Marquardt rule every ``damping_adaptation_interval`` steps
-            (needs a closure that can be called again; the extra call re-evaluates the loss).
+            (needs a closure that can be called again; the extra call re-evaluates the loss). Its
+            quadratic model is ``C + λI`` with either ``kfac_method`` (Martens & Grosse 2015 also
+            adapt λ on that model while preconditioning with factored damping).
         on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
             before it, logged and counted in ``num_skipped``) or ``"raise"`` (NonFiniteError).
         skip_modules: module names (regex), class names or types left to plain SGD, each with its
@@ -75,7 +86,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         low_rank_solve: with one process and no grad scaler, precondition Linear K-FAC blocks
             from the low-rank form ``gᵀã`` of their gradient when that needs fewer FLOPs
             (small batch, wide layer; same result up to rounding, guarded by a probe of
-            ``p.grad``; see :mod:`torchsso2.optim.lowrank`). Weight-decayed groups take the dense path.
+            ``p.grad``; see :mod:`torchsso2.optim.lowrank`). Weight-decayed groups take the dense path,
+            and so does ``kfac_method="inverse"`` (its solve has no eigenbasis to rotate into).
         output_selector: for a model whose forward returns a tuple, dict or output object: a
             callable giving the tensor the loss is computed from (``lambda out: out[0]``,
             ``lambda out: out["logits"]``); the curvature is taken there. Default: the output.
@@ -87,6 +99,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def __init__(self, model: nn.Module, lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, *,
                  curvature: str = "fisher_mc", approx: Any = "kfac", damping: float = 1e-3,
+                 kfac_method: str = "eigen",
                  ema_decay: float = 0.95, curv_update_interval: int = 1, inv_update_interval: int = 1,
                  loss: str = "cross_entropy", mc_samples: int = 1, kl_clip: Optional[float] = None,
                  adaptive_damping: bool = False, damping_adaptation_interval: int = 5,
@@ -114,6 +127,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                                                             low=0.0, high=1.0, low_open=True, high_open=True),
                                 min_damping=check_number("min_damping", min_damping, low=0.0))
         self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval)
+        check_choice("kfac_method", kfac_method, ("eigen", "inverse"))
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
         super().__init__(model, params, defaults, curvature=curvature,
                          approx=DEFAULT_APPROX if approx is None else approx, loss=loss,
@@ -123,6 +137,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
                          output_selector=output_selector)
+        self.kfac_method = kfac_method
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
         self.low_rank: Optional[LowRankSolver] = None
@@ -140,7 +155,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not self._unscale_grads():
             self.num_steps += 1
             return loss, output
-        params = self._params_with_grad()
+        params, groups = params_with_grad(self.param_groups)
         grads = [p.grad for p in params]
         agreed = self._average_over_ranks(grads, fresh, loss)
         decompose = self.num_steps % self.inv_update_interval == 0 or not self._decomposed
@@ -161,7 +176,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self.num_steps += 1
                 return loss, output
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
-        if not self._apply_update(params):
+        if not self._apply_update(params, groups):
             self._nonfinite("preconditioned update")
             self.num_steps += 1
             return loss, output
@@ -171,31 +186,40 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         return loss, output
 
     @torch.no_grad()
-    def _apply_update(self, params: List[nn.Parameter]) -> bool:
-        """Apply the update; False (nothing changed) when the preconditioned update is not finite."""
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        decayed = {id(p): add_weight_decay([p.grad], [p], group_of[id(p)]["weight_decay"])[0] for p in params}
-        covered = {n: b for n, b in self.running.blocks.items()
-                   if all(id(q) in decayed for q in b.layout.params)}
-        solved: Dict[int, Tensor] = {}
-        if self.low_rank is not None:
-            plain = {n: b for n, b in covered.items()
-                     if all(group_of[id(q)]["weight_decay"] == 0 for q in b.layout.params)}
-            for name, vals in self.low_rank.solve(plain, decayed).items():
-                solved.update({id(q): v for q, v in zip(covered.pop(name).layout.params, vals)})
-        direction = self._precondition(covered, decayed)
-        direction.update(solved)
-        updates = [direction[id(p)] for p in params]
+    def _apply_update(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> bool:
+        """Apply the update to ``params`` (``groups``: the param group of each); False (nothing
+        changed) when the preconditioned update is not finite."""
+        plan = self._plans.get(params, groups, self.running.blocks)
+        wds = plan.values("weight_decay")
+        vecs = [p.grad for p in params]
+        if any(wds):
+            vecs = [add_weight_decay([v], [p], wd)[0] for v, p, wd in zip(vecs, params, wds)]
+        low_rank = self._low_rank_solve(plan, vecs, wds)
+        if self.placement.active:  # [issue #7] each block solved by its grad workers
+            covered = {blk.layout.name: blk for blk, _ in plan.blocks if blk.layout.name not in low_rank}
+            direction = self._precondition(covered, {id(p): v for p, v in zip(params, vecs)})
+            updates = [direction[id(p)] for p in params]
+        else:
+            updates = plan.precondition(vecs, skip=[blk for blk, _ in plan.blocks if blk.layout.name in low_rank])
+        for blk, pos in plan.blocks:
+            for i, v in zip(pos, low_rank.get(blk.layout.name, ())):
+                updates[i] = v
         if self.kl_clip is not None:
-            nu = kl_clip_factor(updates, [decayed[id(p)] for p in params],
-                                [group_of[id(p)]["lr"] for p in params], self.kl_clip)
+            nu = kl_clip_factor(updates, vecs, plan.values("lr"), self.kl_clip)
             updates = [u * nu for u in updates]
         if not all_finite(updates):
             return False
-        groups = [group_of[id(p)] for p in params]
-        momentum_step_(params, updates, [self.state[p] for p in params], [g["lr"] for g in groups],
-                       [g["momentum"] for g in groups])
+        momentum_step_(params, updates, [self.state[p] for p in params], plan.values("lr"),
+                       plan.values("momentum"), self._scalars)
         return True
+
+    def _low_rank_solve(self, plan: UpdatePlan, vecs: List[Tensor], wds: List[float]) -> Dict[str, List[Tensor]]:
+        """``{block name: preconditioned gradients}`` of the blocks that took the low-rank path
+        (:mod:`torchsso2.optim.lowrank`; weight-decayed blocks take the dense path)."""
+        if self.low_rank is None:
+            return {}
+        plain = {blk.layout.name: blk for blk, pos in plan.blocks if not any(wds[i] for i in pos)}
+        return self.low_rank.solve(plain, {id(p): v for p, v in zip(plan.params, vecs)})
 
     # ---- adaptive damping -----------------------------------------------------------------------
     def _adapt_now(self) -> bool:

@@ -40,8 +40,9 @@ from curvature.blocks.base import like_dtype
 from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
-from .grid import SampleGrid, noise_generator
-from .steps import add_scaled_, momentum_buffers_
+from .grid import NoiseStreams, SampleGrid, noise_generator, noise_seed
+from .plan import params_with_grad
+from .steps import add_scaled_, natural_momentum_
 from .validation import check_int, check_number
 
 
@@ -130,6 +131,8 @@ class VIOptimizer(CurvatureOptimizer):
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
                          output_selector=output_selector)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
+        self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per block and step
+        self._block_numbers = {name: b for b, name in enumerate(self.engine.layouts)}
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -175,7 +178,7 @@ class VIOptimizer(CurvatureOptimizer):
         mine = self.grid.samples(self.comm.rank, m)
         if not self._decomposed and self.init_precision is None:
             return [None] * m
-        number = {name: b for b, name in enumerate(self.engine.layouts)}
+        number = self._block_numbers
         step = self.num_steps
         noise: List[Dict[int, Tensor]] = [{} for _ in range(m)]
         if not self._decomposed:  # isotropic init noise: needs no decomposition, drawn locally
@@ -189,13 +192,15 @@ class VIOptimizer(CurvatureOptimizer):
 
         def one(name: str, blk: Any, s: int) -> List[Tensor]:
             """Global sample ``s`` of block ``name``, scaled to the posterior covariance."""
-            dev = blk.tensors()[0].device
-            return self._scaled(blk.sample(noise_generator(self.seed, step, s, number[name], device=dev)))
+            return self._scaled(blk.sample(self._noise_streams.seeded(noise_seed(self.seed, step, s, number[name]),
+                                                                      blk.tensors()[0].device)))
 
         if not self.placement.active:  # one process: each block draws its samples here (no sharing)
+            streams, seed = self._noise_streams, self.seed
             for name, blk in self.running.blocks.items():
+                b, dev, params = number[name], blk.tensors()[0].device, blk.layout.params
                 for j, s in enumerate(mine):
-                    for p, e in zip(blk.layout.params, one(name, blk, s)):
+                    for p, e in zip(params, self._scaled(blk.sample(streams.seeded(noise_seed(seed, step, s, b), dev)))):
                         noise[j][id(p)] = like_dtype(e, p)
             return noise
         order: Dict[str, List[int]] = {}
@@ -286,7 +291,7 @@ class VIOptimizer(CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         estimate = self.num_steps % self.curv_update_interval == 0
-        trainable = [p for g in self.param_groups for p in g["params"]]
+        trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
         grad_sum: Dict[int, Tensor] = {}
         curvature = BlockAverage() if estimate else None
         losses = []
@@ -305,12 +310,10 @@ class VIOptimizer(CurvatureOptimizer):
                 if p.grad is not None:
                     g = p.grad.detach()
                     grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
-        if self.num_mc_samples == 1:
-            params = [p for p in trainable if p.grad is not None]
-        else:
-            params = [p for p in trainable if id(p) in grad_sum]
-            for p in params:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
-                p.grad = grad_sum[id(p)] / self.num_mc_samples
+        if self.num_mc_samples > 1:
+            for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
+                p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
+        params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not self._unscale_grads():
             self.num_steps += 1
@@ -328,25 +331,23 @@ class VIOptimizer(CurvatureOptimizer):
             if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
                 self.num_steps += 1
                 return mean_loss, output
-        self._update_mean(params, grads)
+        self._update_mean(params, groups, grads)
         self.num_steps += 1
         return mean_loss, output
 
     @torch.no_grad()
-    def _update_mean(self, params: List[nn.Parameter], grads: List[Tensor]) -> None:
+    def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
+        """``m ← momentum·m + (N·g + τδ·μ)``; ``μ ← μ − lr·Λ⁻¹ m`` (covered), ``μ ← μ − lr·m/N`` (others)."""
         n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        plan = self._plans.get(params, groups, self.running.blocks)
         means = [p.detach() for p in params]
-        if tau_delta:  # N·g + τδ·μ, one temporary per tensor
-            raw = torch._foreach_add(means, list(grads), alpha=n / tau_delta)
-            torch._foreach_mul_(raw, tau_delta)
+        bufs = natural_momentum_([self.state[p] for p in params], grads, means, n, tau_delta,
+                                 plan.values("momentum"), self._scalars)
+        if self.placement.active:  # [issue #7] each block solved by its grad workers
+            covered = {blk.layout.name: blk for blk, _ in plan.blocks}
+            direction = self._precondition(covered, {id(p): b for p, b in zip(params, bufs)})
+            solved = [direction[id(p)] for p in params]
         else:
-            raw = torch._foreach_mul(list(grads), n)
-        groups = [group_of[id(p)] for p in params]
-        bufs = dict(zip((id(p) for p in params),
-                        momentum_buffers_(raw, [self.state[p] for p in params], [g["momentum"] for g in groups])))
-        covered = {nm: b for nm, b in self.running.blocks.items() if all(id(q) in bufs for q in b.layout.params)}
-        direction = self._precondition(covered, bufs)
-        in_block = {id(q) for b in covered.values() for q in b.layout.params}
-        steps = [like_dtype(direction[id(p)] if id(p) in in_block else bufs[id(p)] / n, p) for p in params]
-        add_scaled_(means, steps, [g["lr"] for g in groups])
+            solved = plan.precondition(bufs)
+        steps = [like_dtype(d if inside else b / n, p) for d, b, inside, p in zip(solved, bufs, plan.in_block, params)]
+        add_scaled_(means, steps, plan.values("lr"))

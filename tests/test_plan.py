@@ -1,0 +1,130 @@
+"""The cached per-step bookkeeping of the optimizers' updates (torchsso2/optim/plan.py) and the
+other step-overhead fast paths: the plan follows every change of parameters, groups and blocks;
+cached 0-dim hyperparameters give the same numbers as Python floats; the concatenated finiteness
+check agrees with the element-wise definition."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+from curvature.blocks.base import all_finite
+from torchsso2 import SecondOrderOptimizer
+from torchsso2.optim.plan import PlanCache, ScalarCache, build_plan, params_with_grad
+from torchsso2.optim.steps import momentum_step_
+
+
+def _model_and_blocks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    blocks = curvature.compute(model, x, y, kind="fisher", approx="kfac").blocks
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model, blocks
+
+
+def test_plan_maps_blocks_to_positions_and_groups() -> None:
+    model, blocks = _model_and_blocks()
+    groups = [dict(params=list(model[0].parameters()), lr=0.1), dict(params=list(model[2].parameters()), lr=0.2)]
+    params, owners = params_with_grad(groups)
+    plan = build_plan(params, owners, blocks)
+    assert [pos for _, pos in plan.blocks] == [[0, 1], [2, 3]]
+    assert plan.values("lr") == [0.1, 0.1, 0.2, 0.2] and plan.in_block == [True] * 4
+    # a parameter without a gradient drops out, and so does its block (its update is not taken)
+    model[2].bias.grad = None
+    params, owners = params_with_grad(groups)
+    plan = build_plan(params, owners, blocks)
+    assert len(params) == 3 and [pos for _, pos in plan.blocks] == [[0, 1]]
+    assert plan.in_block == [True, True, False]
+
+
+def test_plan_cache_follows_parameters_groups_and_blocks() -> None:
+    model, blocks = _model_and_blocks()
+    cache = PlanCache()
+    group = dict(params=list(model.parameters()), lr=0.1)
+    params, owners = params_with_grad([group])
+    first = cache.get(params, owners, blocks)
+    assert cache.get(params, owners, blocks) is first  # nothing changed: the same plan
+    # a new group object for the same parameters (add_param_group / a rebuilt optimizer)
+    other = dict(group)
+    assert cache.get(params, [other] * len(params), blocks) is not first
+    # new blocks (a checkpoint load replaces them)
+    again = cache.get(params, owners, blocks)
+    fresh = dict(blocks)
+    fresh["0"] = type(blocks["0"])(blocks["0"].layout, blocks["0"].left.clone(), blocks["0"].right.clone())
+    swapped = cache.get(params, owners, fresh)
+    assert swapped is not again and swapped.blocks[0][0] is fresh["0"]
+    # a Parameter swapped inside a covered module: the block's parameters change identity, and
+    # the old position no longer belongs to it (the block drops out: its parameters are not all given)
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+    swapped_param = cache.get(params, owners, fresh)
+    assert swapped_param is not swapped and [b for b, _ in swapped_param.blocks] == [fresh["2"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scalar_cache_momentum_is_bit_identical(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    shapes = [(3, 4), (4,), (2,)]
+    a = [torch.randn(s).to(dtype) for s in shapes]
+    b = [t.clone() for t in a]
+    sa, sb = [dict() for _ in shapes], [dict() for _ in shapes]
+    cache = ScalarCache()
+    for _ in range(3):
+        grads = [torch.randn(s).to(dtype) for s in shapes]
+        momentum_step_(a, grads, sa, [0.1] * 3, [0.9, 0.9, 0.5])
+        momentum_step_(b, grads, sb, [0.1] * 3, [0.9, 0.9, 0.5], cache)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    if dtype == torch.bfloat16:  # half precision keeps the Python float (the 0-dim factor rounds differently)
+        assert cache.get(0.9, a[0]) == 0.9
+    else:
+        t = cache.get(0.9, a[0])
+        assert isinstance(t, torch.Tensor) and t.dtype == dtype and cache.get(0.9, a[0]) is t
+
+
+def test_all_finite_concatenated_path_mixed_dtypes() -> None:
+    ok = [torch.ones(3, dtype=torch.float16), torch.ones(2, 2), torch.ones(4, dtype=torch.float64),
+          torch.tensor(1.0, requires_grad=True)]
+    assert all_finite(ok)
+    for i in range(3):
+        for bad in (math.nan, math.inf):
+            ts = [t.detach().clone() for t in ok]
+            ts[i].view(-1)[1] = bad
+            assert not all_finite(ts)
+    # finite values whose concatenated sum overflows float16/float32: still finite
+    big = [torch.full((3,), 6e4, dtype=torch.float16), torch.full((2,), 3e38), torch.ones(3)]
+    assert all_finite(big)
+    # more elements than the concatenated path takes: one sum per tensor, same answer
+    large = [torch.ones(1 << 15), torch.ones(1 << 15), torch.ones(5)]
+    assert all_finite(large)
+    large[2][0] = math.nan
+    assert not all_finite(large)
+
+
+def test_optimizer_update_follows_a_new_param_group() -> None:
+    """add_param_group after some steps: the cached plan is rebuilt (the new group's lr is used)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    extra = nn.Parameter(torch.zeros(2))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    opt = SecondOrderOptimizer(model, lr=0.1, curvature="fisher", approx="kfac", damping=0.1)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x) + extra
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+
+    opt.step(closure)
+    opt.add_param_group(dict(params=[extra], lr=0.5, momentum=0.0))
+    opt.step(closure)
+    before = extra.detach().clone()
+    opt.step(closure)
+    # extra is uncovered by any block: plain SGD with its own group's lr and no momentum
+    assert extra.grad is not None and float(extra.grad.abs().sum()) > 0
+    torch.testing.assert_close(extra.detach(), before - 0.5 * extra.grad, rtol=0, atol=1e-7)
