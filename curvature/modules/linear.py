@@ -81,14 +81,19 @@ class WeightMatrixFamily(LayerFamily):
         examples at a time (one ``bmm``, bounded to :data:`DIAG_CHUNK_ELEMENTS` elements), squared
         and summed at once: no ``[K, N, P]`` tensor.
         """
+        if a.shape[1] == 1:  # Σ_n (Σ_k g²) a²: the K vectors share a, so sum them first
+            g2 = g[0, :, 0].pow(2) if g.shape[0] == 1 else g[:, :, 0].pow(2).sum(dim=0)  # [N, d_out]
+            d_out, d_in = g2.shape[1], a.shape[-1]
+            nw = d_out * d_in if "weight" in names else 0
+            out = g2.new_empty(nw + (d_out if "bias" in names else 0))  # both parts written in place: no cat
+            if nw:
+                torch.mm(g2.t(), a[:, 0].to(g.dtype).pow(2), out=out[:nw].view(d_out, d_in))
+            if "bias" in names:  # the bias's per-example gradient is g itself: Σ_{k,n} g² = Σ_n g2
+                torch.sum(g2, dim=0, out=out[nw:])
+            return out
         parts = []
         if "weight" in names:
-            if a.shape[1] == 1:  # Σ_n (Σ_k g²) a²: the K vectors share a, so sum them first
-                g2 = g[0, :, 0].pow(2) if g.shape[0] == 1 else g[:, :, 0].pow(2).sum(dim=0)  # [N, d_out]
-                w = torch.mm(g2.t(), a[:, 0].to(g.dtype).pow(2))
-            else:
-                w = _sum_sq_per_example_products(g, a.to(g.dtype))
-            parts.append(w.reshape(-1))
+            parts.append(_sum_sq_per_example_products(g, a.to(g.dtype)).reshape(-1))
         if "bias" in names:
             parts.append(g.sum(dim=2).pow(2).sum(dim=(0, 1)))
         return torch.cat(parts)

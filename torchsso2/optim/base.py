@@ -141,7 +141,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             # weighted by batch size, so K micro-batches of B equal one batch of K·B.
             if from_backward:
                 return
-            if not bool(torch.isfinite(out.detach()).all()):
+            if not all_finite([out]):
                 acc.nonfinite = True
             else:
                 acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])

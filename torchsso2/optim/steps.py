@@ -124,6 +124,9 @@ def natural_momentum_(states: Sequence[Dict[str, Any]], grads: Sequence[Tensor],
 
 def add_scaled_(params: Sequence[Tensor], directions: Sequence[Tensor], lrs: Sequence[float]) -> None:
     """``θ ← θ − lr·d`` for every parameter, one ``torch._foreach_add_`` per learning rate."""
+    if lrs and lrs.count(lrs[0]) == len(lrs):  # one learning rate (the common case): no grouping
+        torch._foreach_add_(list(params), list(directions), alpha=-lrs[0])
+        return
     steps: Dict[float, Tuple[List[Tensor], List[Tensor]]] = {}
     for p, d, lr in zip(params, directions, lrs):
         ps, ds = steps.setdefault(lr, ([], []))

@@ -31,7 +31,7 @@ independent of the label sampling, and the same on every rank that draws sample 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -258,15 +258,12 @@ class VIOptimizer(CurvatureOptimizer):
         with self._perturbed(self._draw_noise(gen)):
             yield
 
-    @contextlib.contextmanager
-    def _perturbed(self, noise: Optional[Dict[int, Tensor]]) -> Iterator[None]:
+    def _perturbed(self, noise: Optional[Dict[int, Tensor]]) -> ContextManager[None]:
         """Temporarily add ``noise`` (``id(param) -> tensor``) to the covered weights (restored on exit)."""
-        covered = self._covered()
         if noise is None:
-            yield
-            return
-        with shifted_params(covered, [noise[id(p)] for p in covered]):
-            yield
+            return contextlib.nullcontext()
+        covered = self._covered()
+        return shifted_params(covered, [noise[id(p)] for p in covered])
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
