@@ -182,6 +182,7 @@ OPT_SPECS = [
     OptSpec("sso-kfac 1/1", 5, 1, 1, True),
     OptSpec("sso-diag", 10), OptSpec("sso-full 5/50", 50, 5, 50),
     OptSpec("kfac_pytorch 10/100", 100, 10, 100, True),
+    OptSpec("kfac_pytorch-inv 10/100", 100, 10, 100, True, eigen=False),
     OptSpec("kfac_pytorch 1/1", 5, 1, 1, True),
 ]
 TIMING_LR = 1e-4  # tiny: the timed steps refit one synthetic batch and must stay finite
@@ -190,9 +191,12 @@ TIMING_LR = 1e-4  # tiny: the timed steps refit one synthetic batch and must sta
 class _KFACPytorchSGD:
     """kfac_pytorch's KFACPreconditioner followed by SGD, behind the ``zero_grad`` / ``step`` surface."""
 
-    def __init__(self, kfac_mod: Any, model: nn.Module, curv: int, inv: int, lr: float) -> None:
+    def __init__(self, kfac_mod: Any, model: nn.Module, curv: int, inv: int, lr: float, eigen: bool = True) -> None:
+        # damping as for the matching torchsso2 row (factored damping: √1e-3 on each factor)
         self.pre = kfac_mod.preconditioner.KFACPreconditioner(
-            model, factor_update_steps=curv, inv_update_steps=inv, damping=1e-3, lr=lr, loglevel=logging.DEBUG)
+            model, factor_update_steps=curv, inv_update_steps=inv, damping=1e-3 if eigen else 1e-3 ** 0.5, lr=lr,
+            compute_method=kfac_mod.enums.ComputeMethod.EIGEN if eigen else kfac_mod.enums.ComputeMethod.INVERSE,
+            loglevel=logging.DEBUG)
         self.sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         self.param_groups = self.sgd.param_groups
 
@@ -210,7 +214,7 @@ def build_optimizer(spec: OptSpec, model: nn.Module, kfac_mod: Any, lr: float = 
     if spec.name == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr)
     if spec.name.startswith("kfac_pytorch"):
-        return _KFACPytorchSGD(kfac_mod, model, spec.curv, spec.inv, lr)
+        return _KFACPytorchSGD(kfac_mod, model, spec.curv, spec.inv, lr, eigen=spec.eigen)
     approx = spec.name.split()[0].split("-")[1]
     # factored damping λ on each factor bounds the preconditioner by 1/λ², exact damping by 1/λ: √1e-3
     # keeps the two timed K-FAC rows equally damped (1e-3 on each factor let the CNN's updates explode)
