@@ -48,6 +48,36 @@ def test_train_digits_runs(tmp_path: Path, optimizer: str, model: str) -> None:
     assert 0.0 <= result["final_test_accuracy"] <= 1.0
 
 
+def test_train_digits_kfac_method_and_momentum_flags(tmp_path: Path) -> None:
+    """--kfac-method / --momentum reach the optimizer (the history records the overrides)."""
+    out_json = tmp_path / "hist.json"
+    run_script("examples/train_digits.py", "--optimizer", "sso-kfac", "--kfac-method", "eigen", "--momentum", "0.5",
+               "--damping", "0.01", "--epochs", "1", "--no-progress", "--json", str(out_json))
+    result = json.loads(out_json.read_text())
+    assert result["overrides"] == {"damping": 0.01, "kfac_method": "eigen"}
+
+
+def test_make_optimizer_settings() -> None:
+    """The examples' K-FAC uses factored damping with its own momentum; SGD's and the shapes' momentum
+    can be overridden; Adam refuses one (it has none)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import torch
+
+        from examples.common import SSO_SETTINGS, make_model, make_optimizer
+    finally:
+        sys.path.remove(str(ROOT))
+    model = make_model("mlp")
+    kfac = make_optimizer("sso-kfac", model)
+    assert kfac.kfac_method == "inverse" and kfac.param_groups[0]["momentum"] == SSO_SETTINGS["sso-kfac"]["momentum"]
+    assert make_optimizer("sso-kfac-eigen", model).kfac_method == "eigen"
+    assert make_optimizer("sso-diag", model, momentum=0.5).param_groups[0]["momentum"] == 0.5
+    assert make_optimizer("sgd", model, 0.3, momentum=0.8).param_groups[0]["momentum"] == 0.8
+    with pytest.raises(ValueError, match="momentum"):
+        make_optimizer("adam", model, momentum=0.9)
+    assert isinstance(make_optimizer("adam", model), torch.optim.Adam)
+
+
 def test_bayesian_digits_runs(tmp_path: Path) -> None:
     out = run_script("examples/bayesian_digits.py", "--epochs", "1", "--mc-samples", "2", "--no-progress",
                      "--out-dir", str(tmp_path))
