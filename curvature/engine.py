@@ -195,12 +195,6 @@ class CurvatureEngine:
             if batched is not None:
                 yield dict(zip(names, batched))
                 return
-        if vectors.shape[0] == 1:  # one vector (fisher_mc with one sample, empirical Fisher): no stacking
-            with capture.frozen.on():
-                g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[0].to(outputs.dtype),
-                                        retain_graph=True, allow_unused=True)
-            yield {n: (gi if gi is not None else torch.zeros_like(o)).unsqueeze(0) for n, gi, o in zip(names, g, outs)}
-            return
         per_vector = sum(o.numel() for o in outs)
         group = max(1, min(vectors.shape[0], _GRAD_CHUNK_ELEMENTS // max(1, per_vector)))
         pending: List[List[Tensor]] = []
@@ -210,7 +204,9 @@ class CurvatureEngine:
                                         retain_graph=True, allow_unused=True)
             pending.append([gi if gi is not None else torch.zeros_like(o) for gi, o in zip(g, outs)])
             if len(pending) == group or k == vectors.shape[0] - 1:
-                yield {n: torch.stack([p[i] for p in pending]) for i, n in enumerate(names)}
+                # a chunk of one vector (fisher_mc with one sample, empirical Fisher) is a view, not a copy
+                yield {n: pending[0][i].unsqueeze(0) if len(pending) == 1 else torch.stack([p[i] for p in pending])
+                       for i, n in enumerate(names)}
                 pending = []
 
     @staticmethod

@@ -47,11 +47,6 @@ class DiagBlock(Block):
             return self.layout.unflatten(inv), inv.sqrt()
         return self._reciprocal_cache.get([denom], build)
 
-    def reciprocals(self) -> List[Tensor]:
-        """``1/denom`` of the current decomposition as parameter-shaped views (cached):
-        :meth:`solve` of ``v`` is ``[x * d for x, d in zip(v, reciprocals())]``."""
-        return self._reciprocals()[0]
-
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         inv, _ = self._reciprocals()
         vecs = list(vecs)

@@ -28,7 +28,7 @@ from curvature.options import Kind
 from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
-from .plan import PlanCache, ScalarCache
+from .plan import PlanCache, ScalarCache, params_with_grad
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -162,9 +162,6 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         return loss, output, acc.result()
 
     # ---- gradients -------------------------------------------------------------------------
-    def _params_with_grad(self) -> List[nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-
     def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]],
                             loss: Optional[Tensor] = None) -> bool:
         """Mean of gradients and fresh curvature over all ranks, in place.
@@ -202,7 +199,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if self.grad_scaler is None:
             return True
         self.grad_scaler.unscale_(self)
-        overflow = torch.tensor([0.0 if all_finite([p.grad for p in self._params_with_grad()]) else 1.0])
+        overflow = torch.tensor([0.0 if all_finite([p.grad for p in params_with_grad(self.param_groups)[0]]) else 1.0])
         if self.comm.world_size > 1:  # every rank must skip together, or the replicas drift apart
             self.comm.allreduce([overflow], op="sum")
         if float(overflow) == 0.0:

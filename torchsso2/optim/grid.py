@@ -45,17 +45,10 @@ def noise_seed(seed: int, step: int, sample: int, block: int) -> int:
     return mix_seed(seed, 0x5EED, step, sample, block)
 
 
-def noise_generator(seed: int, step: int, sample: int, block: int, device: Any = "cpu") -> torch.Generator:
-    """A fresh generator seeded with :func:`noise_seed`."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(noise_seed(seed, step, sample, block))
-    return gen
-
-
 class NoiseStreams:
-    """One generator per device, re-seeded for every (step, sample, block) draw: the same numbers as
-    :func:`noise_generator`'s fresh generator (``manual_seed`` resets the whole state), without
-    allocating a generator per block and step."""
+    """One generator per device, re-seeded with :func:`noise_seed` for every (step, sample, block)
+    draw: the same numbers as a fresh generator with that seed (``manual_seed`` resets the whole
+    state), without allocating a generator per block and step."""
 
     def __init__(self) -> None:
         self._generators: Dict[str, torch.Generator] = {}

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from curvature.blocks import Block, DiagBlock
+from curvature.blocks import Block
 
 Group = Dict[str, Any]
 
@@ -31,27 +31,13 @@ class UpdatePlan:
     blocks: List[Tuple[Block, List[int]]]
     in_block: List[bool]
 
-    def precondition(self, vecs: Sequence[Tensor], skip: Sequence[Block] = ()) -> List[Tensor]:
+    def precondition(self, vecs: Sequence[Tensor], solved: Optional[Dict[str, List[Tensor]]] = None) -> List[Tensor]:
         """``vecs`` with every block's entries replaced by ``block.solve`` of them (one process);
-        blocks in ``skip`` (already solved elsewhere) pass through. The diagonal blocks are solved
-        together: one ``torch._foreach_mul`` by their cached reciprocals (:meth:`DiagBlock.reciprocals`)
-        for all of them, not one per block."""
+        ``solved`` gives the result of blocks already solved elsewhere, by block name."""
         out = list(vecs)
-        diag_pos: List[int] = []
-        diag_inv: List[Tensor] = []
         for blk, pos in self.blocks:
-            if skip and any(blk is s for s in skip):
-                continue
-            if isinstance(blk, DiagBlock):
-                inv = blk.reciprocals()
-                if all(vecs[i].dtype == d.dtype for i, d in zip(pos, inv)):
-                    diag_pos += pos
-                    diag_inv += inv
-                    continue
-            for i, s in zip(pos, blk.solve([vecs[i] for i in pos])):
-                out[i] = s
-        if diag_pos:
-            for i, s in zip(diag_pos, torch._foreach_mul([vecs[i] for i in diag_pos], diag_inv)):
+            res = solved.get(blk.layout.name) if solved else None
+            for i, s in zip(pos, res if res is not None else blk.solve([vecs[i] for i in pos])):
                 out[i] = s
         return out
 

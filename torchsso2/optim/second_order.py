@@ -194,16 +194,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         vecs = [p.grad for p in params]
         if any(wds):
             vecs = [add_weight_decay([v], [p], wd)[0] for v, p, wd in zip(vecs, params, wds)]
-        low_rank = self._low_rank_solve(plan, vecs, wds)
-        if self.placement.active:  # [issue #7] each block solved by its grad workers
-            covered = {blk.layout.name: blk for blk, _ in plan.blocks if blk.layout.name not in low_rank}
-            direction = self._precondition(covered, {id(p): v for p, v in zip(params, vecs)})
+        if self.placement.active:  # [issue #7] each block solved by its grad workers (no low-rank path with ranks)
+            direction = self._precondition({blk.layout.name: blk for blk, _ in plan.blocks},
+                                           {id(p): v for p, v in zip(params, vecs)})
             updates = [direction[id(p)] for p in params]
         else:
-            updates = plan.precondition(vecs, skip=[blk for blk, _ in plan.blocks if blk.layout.name in low_rank])
-        for blk, pos in plan.blocks:
-            for i, v in zip(pos, low_rank.get(blk.layout.name, ())):
-                updates[i] = v
+            updates = plan.precondition(vecs, solved=self._low_rank_solve(plan, vecs, wds))
         if self.kl_clip is not None:
             nu = kl_clip_factor(updates, vecs, plan.values("lr"), self.kl_clip)
             updates = [u * nu for u in updates]

@@ -40,7 +40,7 @@ from curvature.blocks.base import like_dtype
 from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
-from .grid import NoiseStreams, SampleGrid, noise_generator, noise_seed
+from .grid import NoiseStreams, SampleGrid, noise_seed
 from .plan import params_with_grad
 from .steps import add_scaled_, natural_momentum_
 from .validation import check_int, check_number
@@ -170,7 +170,7 @@ class VIOptimizer(CurvatureOptimizer):
     def _step_noise(self) -> List[Optional[Dict[int, Tensor]]]:
         """The noise of this rank's ``num_mc_samples`` weight samples at this step (None: no noise yet).
 
-        Sample ``s`` of block ``b`` uses ``noise_generator(seed, step, s, b)``; with fewer grad
+        Sample ``s`` of block ``b`` uses a generator seeded with ``noise_seed(seed, step, s, b)``; with fewer grad
         workers than ranks, each block's grad worker draws the samples its receivers need and
         broadcasts them (:meth:`Placement.share`).
         """
@@ -185,7 +185,7 @@ class VIOptimizer(CurvatureOptimizer):
             std = float(self.init_precision) ** -0.5
             for name, lay in self.engine.layouts.items():
                 for j, s in enumerate(mine):
-                    gen = noise_generator(self.seed, step, s, number[name])
+                    gen = self._noise_streams.seeded(noise_seed(self.seed, step, s, number[name]))
                     for p in lay.params:
                         noise[j][id(p)] = torch.randn(p.shape, generator=gen, dtype=p.dtype) * std
             return noise
@@ -196,11 +196,9 @@ class VIOptimizer(CurvatureOptimizer):
                                                                       blk.tensors()[0].device)))
 
         if not self.placement.active:  # one process: each block draws its samples here (no sharing)
-            streams, seed = self._noise_streams, self.seed
             for name, blk in self.running.blocks.items():
-                b, dev, params = number[name], blk.tensors()[0].device, blk.layout.params
                 for j, s in enumerate(mine):
-                    for p, e in zip(params, self._scaled(blk.sample(streams.seeded(noise_seed(seed, step, s, b), dev)))):
+                    for p, e in zip(blk.layout.params, one(name, blk, s)):
                         noise[j][id(p)] = like_dtype(e, p)
             return noise
         order: Dict[str, List[int]] = {}
