@@ -141,6 +141,21 @@ def test_sample_covariance_and_reproducibility(case) -> None:
     assert [t.shape for t in a] == list(block.layout.shapes)
 
 
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=IDS)
+def test_sample_is_colour_of_one_standard_normal(case) -> None:
+    """``sample(generator)`` = ``colour(z)`` for ``z = randn(P)`` drawn from that generator in the
+    decomposition's dtype (the contract VIOptimizer relies on to slice one draw over all blocks);
+    colour is linear in z (a fixed matrix square root), so colour(2z) = 2·colour(z)."""
+    block, _ = make_block(*case)
+    block.decompose(DAMPING, scale=SCALE)
+    ref = next(v for v in block.decomposition.values() if isinstance(v, torch.Tensor))
+    z = torch.randn(block.layout.numel, generator=torch.Generator().manual_seed(9), dtype=ref.dtype)
+    drawn = block.sample(torch.Generator().manual_seed(9))
+    coloured = block.colour(z.clone())
+    assert all(torch.equal(a, b) for a, b in zip(drawn, coloured))
+    assert torch.allclose(flat(block.colour(2 * z)), 2 * flat(coloured), rtol=1e-12, atol=0)
+
+
 def test_sample_with_inverse_method_raises() -> None:
     block, _ = make_block("mlp", "fc2", "fisher", "kfac")
     block.decompose(DAMPING, method="inverse")
@@ -336,6 +351,31 @@ def test_all_finite_fast_path_and_exact_fallback(path: str) -> None:
     assert all_finite([torch.tensor(2.5)]) and all_finite(ok + [torch.tensor([2.5], requires_grad=True)])
     for bad in (math.nan, math.inf, -math.inf):
         assert not all_finite([torch.tensor(bad)]) and not all_finite(ok + [torch.tensor([bad])])
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_owned_all_finite_detects_and_leaves_values_bit_identical(requires_grad: bool) -> None:
+    """The fused AMP check agrees with the element-wise definition on mixed dtypes and strided
+    views, and leaves every value bit for bit as it was (it multiplies by 1 in place); a tensor
+    that requires grad sends the whole list to :func:`all_finite` (no in-place op on it)."""
+    from curvature.linalg.checks import owned_all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    ok = [torch.randn(5, 4, generator=gen), torch.randn(7, generator=gen, dtype=torch.float64),
+          torch.randn(6, 6, generator=gen)[:, ::2], torch.tensor(2.5), torch.randn(3, generator=gen).half()]
+    if requires_grad:
+        ok.append(torch.randn(3, generator=gen, requires_grad=True))
+    before = [t.detach().clone() for t in ok]
+    assert owned_all_finite(ok) and owned_all_finite([]) and owned_all_finite([torch.empty(0)])
+    assert all(torch.equal(a.detach(), b) for a, b in zip(ok, before))
+    assert owned_all_finite([torch.full((4,), 3e38)])  # finite, though its float32 sum overflows
+    for i in range(len(ok)):
+        for bad in (math.nan, math.inf, -math.inf):
+            ts = [t.detach().clone() for t in ok]
+            ts[i].view(-1)[-1] = bad
+            if requires_grad:
+                ts[-1].requires_grad_(True)
+            assert not owned_all_finite(ts), (i, bad)
 
 
 def test_diag_reciprocals_follow_the_decomposition() -> None:

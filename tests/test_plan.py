@@ -128,3 +128,66 @@ def test_optimizer_update_follows_a_new_param_group() -> None:
     # extra is uncovered by any block: plain SGD with its own group's lr and no momentum
     assert extra.grad is not None and float(extra.grad.abs().sum()) > 0
     torch.testing.assert_close(extra.detach(), before - 0.5 * extra.grad, rtol=0, atol=1e-7)
+
+
+def _mixed_blocks():
+    """A 3-layer model with a diagonal, a K-FAC and an uncovered layer (decomposed blocks), and
+    per-parameter vectors."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 2, (8,))
+    model.double()
+    blocks = curvature.compute(model, x, y, kind="fisher", approx={"0": "diag", "2": "kfac"},
+                               skip_modules=["4"]).blocks
+    for blk in blocks.values():
+        blk.decompose(0.1, scale=3.0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model, blocks
+
+
+@pytest.mark.parametrize("two_lrs", [False, True])
+def test_preconditioned_descent_equals_solve_then_add(two_lrs: bool) -> None:
+    """θ ← θ − lr·block_scale·C⁻¹v (blocks; the diagonal one fused into one addcmul) and
+    θ ← θ − lr·other_scale·v (uncovered), against the plain solves of each block."""
+    from torchsso2.optim.steps import preconditioned_descent_
+
+    model, blocks = _mixed_blocks()
+    params = list(model.parameters())
+    groups = [dict(lr=0.1)] * 4 + [dict(lr=0.3 if two_lrs else 0.1)] * 2
+    plan = build_plan(params, groups, blocks)
+    vecs = [torch.randn_like(p) for p in params]
+    expected = [p.detach().clone() for p in params]
+    for blk, pos in plan.blocks:
+        for i, s in zip(pos, blk.solve([vecs[i] for i in pos])):
+            expected[i] -= groups[i]["lr"] * 7.0 * s
+    for i in plan.others:
+        expected[i] -= groups[i]["lr"] * 0.5 * vecs[i]
+    assert plan.others == [4, 5]
+    with torch.no_grad():
+        preconditioned_descent_(plan, params, vecs, plan.values("lr"), 7.0, 0.5)
+    for p, e in zip(params, expected):
+        assert torch.allclose(p, e, rtol=1e-13, atol=1e-15)
+
+
+def test_natural_momentum_is_the_formula_and_leaves_gradients() -> None:
+    """m ← momentum·m + (g + prior·μ) through SGD's fused kernel for existing buffers; the first
+    use and momentum 0 out of place; gradients and means are not changed."""
+    from torchsso2.optim.steps import natural_momentum_
+
+    torch.manual_seed(2)
+    shapes = [(3, 4), (4,), (2,)]
+    means = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    states = [dict() for _ in shapes]
+    moms = [0.9, 0.5, 0.0]
+    ref = [None] * 3
+    for _ in range(3):
+        grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        g0, m0 = [g.clone() for g in grads], [m.clone() for m in means]
+        out = natural_momentum_(states, grads, means, 0.25, moms)
+        for i in range(3):
+            raw = grads[i] + 0.25 * means[i]
+            ref[i] = raw if moms[i] == 0.0 or ref[i] is None else moms[i] * ref[i] + raw
+            assert torch.allclose(out[i], ref[i], rtol=1e-14, atol=1e-15)
+        assert all(torch.equal(a, b) for a, b in zip(grads, g0)) and all(torch.equal(a, b) for a, b in zip(means, m0))
+        assert "momentum_buffer" not in states[2] and out[0] is states[0]["momentum_buffer"]

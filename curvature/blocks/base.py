@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..linalg.checks import all_finite  # noqa: F401  (re-exported: blocks and optimizers use it)
+from ..linalg.checks import all_finite, owned_all_finite  # noqa: F401  (re-exported: blocks and optimizers use them)
 from .layout import Layout
 
 
@@ -73,9 +73,17 @@ class Block(ABC):
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         """``(scale·C + damping·I)⁻¹ v`` for ``v`` given as parameter-shaped tensors."""
 
-    @abstractmethod
     def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
-        """One draw from ``N(0, (scale·C + damping·I)⁻¹)``, parameter-shaped."""
+        """One draw from ``N(0, (scale·C + damping·I)⁻¹)``, parameter-shaped: :meth:`colour` of a
+        standard normal ``[P]`` drawn from ``generator`` in the decomposition's dtype and device."""
+        ref = next(v for v in self._require_decomposition().values() if isinstance(v, Tensor))
+        return self.colour(torch.randn(self.layout.numel, generator=generator, dtype=ref.dtype, device=ref.device))
+
+    @abstractmethod
+    def colour(self, z: Tensor) -> List[Tensor]:
+        """``(scale·C + damping·I)^{-1/2} z`` for a standard normal ``z`` of shape ``[P]``,
+        parameter-shaped: a draw from ``N(0, (scale·C + damping·I)⁻¹)``. ``z`` is the caller's
+        and may be overwritten (the diagonal block scales it in place)."""
 
     @abstractmethod
     def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:

@@ -36,28 +36,40 @@ class DiagBlock(Block):
         check_positive(denom, f"diag block {self.layout.name!r}")
         self.decomposition = {"denom": denom}
 
-    def _reciprocals(self) -> Tuple[List[Tensor], Tensor]:
-        """``1/denom`` as per-parameter views and ``1/√denom`` flat, of the current decomposition,
-        computed once per decomposition (``solve`` and ``sample`` then cost one multiply each; a VI
-        step calls both every step)."""
+    def _reciprocals(self) -> Tuple[List[Tensor], Tensor, List[Tensor]]:
+        """``1/denom`` as per-parameter views, ``1/√denom`` flat and as per-parameter views, of the
+        current decomposition, computed once per decomposition (``solve`` and ``sample`` then cost
+        one multiply each; a VI step calls both every step)."""
         denom = self._require_decomposition()["denom"]
 
-        def build() -> Tuple[List[Tensor], Tensor]:
+        def build() -> Tuple[List[Tensor], Tensor, List[Tensor]]:
             inv = denom.reciprocal()
-            return self.layout.unflatten(inv), inv.sqrt()
+            inv_sqrt = inv.sqrt()
+            return self.layout.unflatten(inv), inv_sqrt, self.layout.unflatten(inv_sqrt)
         return self._reciprocal_cache.get([denom], build)
 
+    def inverse_diagonal(self) -> List[Tensor]:
+        """``1/denom`` of the current decomposition as parameter-shaped views (cached, read-only): the
+        solve is ``v ⊙ 1/denom``, so a caller can fuse it into its update (``torch._foreach_addcmul_``)."""
+        return self._reciprocals()[0]
+
+    def inverse_sqrt_diagonal(self) -> List[Tensor]:
+        """``1/√denom`` as parameter-shaped views (cached, read-only): :meth:`colour` is ``z ⊙ 1/√denom``,
+        so a caller can fuse it into ``θ + ε`` (``torch._foreach_addcmul``)."""
+        return self._reciprocals()[2]
+
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
-        inv, _ = self._reciprocals()
+        inv = self._reciprocals()[0]
         vecs = list(vecs)
         if all(x.dtype == d.dtype for x, d in zip(vecs, inv)):  # one foreach multiply (no casts)
             return torch._foreach_mul(vecs, inv)
         return [(x.to(d.dtype) * d).to(x.dtype) for x, d in zip(vecs, inv)]
 
-    def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
-        _, inv_sqrt = self._reciprocals()
-        z = torch.randn(inv_sqrt.shape, generator=generator, dtype=inv_sqrt.dtype, device=inv_sqrt.device)
-        return self.layout.unflatten(z.mul_(inv_sqrt))
+    def colour(self, z: Tensor) -> List[Tensor]:
+        inv_sqrt = self._reciprocals()[1]
+        if z.dtype != inv_sqrt.dtype or z.device != inv_sqrt.device:
+            z = z.to(inv_sqrt)
+        return self.layout.unflatten(z.mul_(inv_sqrt))  # in place: z is the caller's workspace
 
     def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
         v = self.layout.flatten(vecs).to(self.diagonal.dtype)

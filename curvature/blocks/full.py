@@ -42,10 +42,10 @@ class FullBlock(Block):
         out = d["evecs"] @ ((d["evecs"].t() @ v) / d["denom"])
         return [t.to(x.dtype) for t, x in zip(self.layout.unflatten(out), vecs)]
 
-    def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+    def colour(self, z: Tensor) -> List[Tensor]:
         d = self._require_decomposition()
         q = d["evecs"]
-        z = torch.randn(q.shape[0], generator=generator, dtype=q.dtype, device=q.device)
+        z = z.to(q)
         # the symmetric square root Q D^-1/2 Qᵀ z: the draw depends on the matrix only, not on
         # the (non-unique) eigenvector basis, so every process draws the same sample
         return self.layout.unflatten(q @ ((q.t() @ z) / d["denom"].sqrt()))

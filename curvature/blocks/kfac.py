@@ -275,12 +275,12 @@ class KFACBlock(Block):
         rot = rot.div_(d["denom"]) if d["ql"] is not None or d["qr"] is not None else rot / d["denom"]
         return self._rotate_out(d["ql"], rot, d["qr"])
 
-    def sample(self, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+    def colour(self, z: Tensor) -> List[Tensor]:
         d = self._require_decomposition()
         if d["method"] != "eigen":
             raise NotImplementedError("sampling needs method='eigen' (the inverse method is not an exact precision)")
         denom = d["denom"]
-        z = torch.randn(denom.shape, generator=generator, dtype=denom.dtype, device=denom.device)
+        z = z.to(denom).view(denom.shape)  # [P] row-major as the [rows, cols] matrix of the layout
         # symmetric square root (basis-independent draws): Q_L [(Q_Lᵀ Z Q_R) ⊘ √denom] Q_Rᵀ. The one-sided
         # Q_L (Z ⊘ √denom) Q_Rᵀ has the same distribution and two matmuls fewer, but its draws depend on
         # the eigenbasis, which is arbitrary inside a repeated eigenvalue (every rank-deficient factor);

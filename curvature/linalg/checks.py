@@ -21,6 +21,7 @@ __all__ = [
     "COMPUTE_DTYPES",
     "resolve_compute_dtype",
     "all_finite",
+    "owned_all_finite",
     "check_finite",
     "check_square",
     "check_nonnegative_scalar",
@@ -99,6 +100,33 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     if math.isfinite(total):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
+
+def owned_all_finite(tensors: Sequence[Tensor]) -> bool:
+    """:func:`all_finite` for tensors the caller owns and no autograd graph needs — gradients after
+    ``backward``, fresh curvature statistics, computed updates — in one fused kernel per dtype.
+
+    The kernel is the non-finite check of AMP (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    what ``GradScaler.unscale_`` runs) with scale 1: it also multiplies every tensor by 1 in place,
+    which leaves the values bit for bit as they were but bumps their version counters — hence
+    never for a tensor that requires grad or is saved for a backward (those go through
+    :func:`all_finite`, as do lists spanning devices or holding non-floating tensors). On CPU,
+    the four gradients of the digits MLP: 4 µs, against 12 for :func:`all_finite`'s
+    concatenated sum.
+    """
+    groups: dict = {}
+    dev = None
+    for t in tensors:  # a plain loop: this runs at every step
+        if t.requires_grad or not t.is_floating_point() or (dev is not None and t.device != dev):
+            return all_finite(tensors)
+        dev = t.device
+        groups.setdefault(t.dtype, []).append(t)
+    if dev is None:
+        return True
+    found, one = torch.zeros(1, device=dev), torch.ones(1, device=dev)
+    for group in groups.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+    return float(found) == 0.0
 
 
 def _all_finite_on_device(tensors: Sequence[Tensor]) -> bool:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from curvature import CurvatureEngine, RunningCurvature
 from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
-from curvature.blocks.base import all_finite
+from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError, get_backend
 from curvature.options import Kind
 
@@ -199,7 +199,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if self.grad_scaler is None:
             return True
         self.grad_scaler.unscale_(self)
-        overflow = torch.tensor([0.0 if all_finite([p.grad for p in params_with_grad(self.param_groups)[0]]) else 1.0])
+        overflow = torch.tensor([0.0 if owned_all_finite([p.grad for p in params_with_grad(self.param_groups)[0]]) else 1.0])
         if self.comm.world_size > 1:  # every rank must skip together, or the replicas drift apart
             self.comm.allreduce([overflow], op="sum")
         if float(overflow) == 0.0:
@@ -211,14 +211,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
         """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output).
-        One :func:`all_finite` over all of them (it gathers tensors of several devices itself)."""
+        The loss through :func:`all_finite` (it is in the user's graph), the gradients and fresh
+        statistics — the optimizer's own — in one :func:`owned_all_finite`."""
         if fresh is not None and not fresh:
             return False
-        tensors = [loss] if isinstance(loss, Tensor) else []
-        tensors += grads
+        if isinstance(loss, Tensor) and not all_finite([loss]):
+            return False
+        owned = list(grads)
         if fresh:
-            tensors += [t for b in fresh.values() for t in b.tensors()]
-        return all_finite(tensors)
+            owned += [t for b in fresh.values() for t in b.tensors()]
+        return owned_all_finite(owned)
 
     def _nonfinite(self, what: str) -> None:
         """Apply the non-finite policy: raise, or log and count a skipped step."""

@@ -14,8 +14,9 @@ curvature are averaged over the whole grid, so the grid equals one process that 
 ``R·m`` weight samples (``m = num_mc_samples`` per rank) on the whole batch.
 
 Seeding (exact and reproducible from one seed): the noise of *global* sample ``s`` at step
-``t`` for block number ``b`` comes from a fresh ``torch.Generator`` seeded with
-``noise_seed(seed, t, s, b)`` (a hash). Rank ``(d, k)`` draws the samples
+``t`` colours one standard normal over all covered parameters, drawn from a ``torch.Generator``
+seeded with ``noise_seed(seed, t, s)`` (a hash); each block colours its slice
+(:func:`noise_spans`). Rank ``(d, k)`` draws the samples
 ``s = k·m, …, k·m + m − 1``; one process with ``num_mc_samples = R·m`` draws ``s = 0 … R·m − 1``
 with the same seeds, hence the same noise. Data ranks of one sample group draw identical
 noise (they evaluate the same weights on different shards). Label sampling (``fisher_mc``)
@@ -40,13 +41,25 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _MASK
 
 
-def noise_seed(seed: int, step: int, sample: int, block: int) -> int:
-    """Seed of the weight noise of global MC sample ``sample`` at ``step`` for block number ``block``."""
-    return mix_seed(seed, 0x5EED, step, sample, block)
+def noise_seed(seed: int, step: int, sample: int) -> int:
+    """Seed of the weight noise of global MC sample ``sample`` at ``step`` (one standard normal over
+    all covered parameters, see :func:`noise_spans`)."""
+    return mix_seed(seed, 0x5EED, step, sample)
+
+
+def noise_spans(layouts: Dict[str, Any]) -> Tuple[Dict[str, Tuple[int, int]], int]:
+    """``({name: (offset, numel)}, P)``: where each block's parameters sit in a draw over all ``P``
+    covered parameters — the blocks one after another in ``layouts``' order."""
+    spans: Dict[str, Tuple[int, int]] = {}
+    offset = 0
+    for name, lay in layouts.items():
+        spans[name] = (offset, lay.numel)
+        offset += lay.numel
+    return spans, offset
 
 
 class NoiseStreams:
-    """One generator per device, re-seeded with :func:`noise_seed` for every (step, sample, block)
+    """One generator per device, re-seeded with :func:`noise_seed` for every (step, sample)
     draw: the same numbers as a fresh generator with that seed (``manual_seed`` resets the whole
     state), without allocating a generator per block and step."""
 

@@ -9,7 +9,7 @@ or the blocks change (compared by identity, so a swapped ``Parameter`` or a new 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -24,12 +24,16 @@ Group = Dict[str, Any]
 class UpdatePlan:
     """``params[i]`` belongs to ``groups[i]``; ``blocks`` lists ``(block, positions)`` for every
     block whose covered parameters are all in ``params`` (``positions`` in the block's order);
-    ``in_block[i]`` says whether ``params[i]`` is one of them."""
+    ``in_block[i]`` says whether ``params[i]`` is one of them; ``others`` lists the positions that are not."""
 
     params: List[nn.Parameter]
     groups: List[Group]
     blocks: List[Tuple[Block, List[int]]]
     in_block: List[bool]
+    others: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.others = [i for i, inside in enumerate(self.in_block) if not inside]
 
     def precondition(self, vecs: Sequence[Tensor], solved: Optional[Dict[str, List[Tensor]]] = None) -> List[Tensor]:
         """``vecs`` with every block's entries replaced by ``block.solve`` of them (one process);

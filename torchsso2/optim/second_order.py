@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from curvature.blocks.base import all_finite
+from curvature.blocks.base import owned_all_finite
 
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
@@ -203,7 +203,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if self.kl_clip is not None:
             nu = kl_clip_factor(updates, vecs, plan.values("lr"), self.kl_clip)
             updates = [u * nu for u in updates]
-        if not all_finite(updates):
+        if not owned_all_finite(updates):
             return False
         momentum_step_(params, updates, [self.state[p] for p in params], plan.values("lr"),
                        plan.values("momentum"), self._scalars)

@@ -14,15 +14,17 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
 2. run the closure at each sample (forward + backward) and average gradients ``ḡ`` and curvature;
 3. restore ``μ``; fold the curvature into the EMA and decompose ``Λ``;
 4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − lr·Λ⁻¹ m`` (VOGN; ``diag`` = VOGN,
-   ``kfac`` = noisy K-FAC, ``full`` = full covariance per module).
+   ``kfac`` = noisy K-FAC, ``full`` = full covariance per module). The buffer in ``state`` holds
+   ``m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
 
 Parameters not covered by a block keep a point estimate: they get ``μ ← μ − lr·m/N`` with the
 same momentum (i.e. SGD on the mean loss plus the prior term), and are not sampled.
 Fixed point (lr = 1, τ = 1, exact Fisher, Bayesian linear regression): ``Λ = XᵀX + δI`` and
 ``μ = (XᵀX + δI)⁻¹ Xᵀy``, the closed-form posterior (tested).
 
-Weight noise of step ``t``, global MC sample ``s``, block number ``b`` comes from a generator
-seeded with ``hash(seed, t, s, b)`` (:mod:`torchsso2.optim.grid`): reproducible from the seed,
+Weight noise of step ``t``, global MC sample ``s`` colours one standard normal ``z`` over all
+covered parameters, drawn from a generator seeded with ``hash(seed, t, s)`` (each block colours
+its slice of ``z``; :mod:`torchsso2.optim.grid`): reproducible from the seed,
 independent of the label sampling, and the same on every rank that draws sample ``s``. Under
 ``mc_parallel = R`` the ranks form a data × sample grid; sample group ``k`` draws samples
 ``k·m … k·m + m − 1`` (``m = num_mc_samples``), so ``R`` groups equal one process with
@@ -36,34 +38,58 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
 from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
-from .grid import NoiseStreams, SampleGrid, noise_seed
+from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
-from .steps import add_scaled_, natural_momentum_
+from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
 from .validation import check_int, check_number
 
 
-@contextlib.contextmanager
-def shifted_params(params: Sequence[nn.Parameter], shifts: Sequence[Tensor]) -> Iterator[None]:
-    """The body sees ``θ + shift`` in every parameter (shapes as the parameters); ``θ`` is back after.
+#: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
+#: ``θ + shift ⊙ factor`` (diagonal blocks: a standard normal and ``√τ/√denom``); parameter shapes
+Shift = Tuple[List[nn.Parameter], List[Tensor], Optional[List[Tensor]]]
+
+
+class shifted_params:  # noqa: N801  (used like a function: ``with shifted_params(params, shifts):``)
+    """The body sees ``θ + shift`` (``θ + shift ⊙ factor`` with ``factors``) in every parameter
+    (shapes as the parameters); ``θ`` is back after.
 
     The parameters point at fresh tensors ``θ + shift`` and get their own tensors back
     afterwards: one pass over the weights instead of clone + add + copy back, and ``θ`` is
-    restored bit for bit (it is never written).
+    restored bit for bit (it is never written). A plain class, not a generator-based
+    ``contextlib.contextmanager``: this runs at every VI step, where the generator machinery
+    cost ~5 µs of a ~400 µs step (digits MLP).
     """
-    means = [p.data for p in params]
-    with torch.no_grad():
-        sampled = torch._foreach_add(means, list(shifts))
-    try:
-        for p, w in zip(params, sampled):
-            p.data = w
-        yield
-    finally:
-        for p, m in zip(params, means):
+
+    def __init__(self, params: Sequence[nn.Parameter], shifts: Sequence[Tensor],
+                 factors: Optional[Sequence[Tensor]] = None) -> None:
+        self.params = list(params)
+        self.shifts = list(shifts)
+        self.factors = None if factors is None else list(factors)
+        self.means: List[Tensor] = []
+
+    def __enter__(self) -> None:
+        self.means = [p.data for p in self.params]
+        if not self.params:  # nothing covered: the foreach ops refuse empty lists
+            return
+        with torch.no_grad():
+            sampled = torch._foreach_add(self.means, self.shifts) if self.factors is None else \
+                torch._foreach_addcmul(self.means, self.shifts, self.factors)
+        try:
+            for p, w in zip(self.params, sampled):
+                p.data = w
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, m in zip(self.params, self.means):
             p.data = m
+        self.means = []
 
 
 class VIOptimizer(CurvatureOptimizer):
@@ -131,8 +157,13 @@ class VIOptimizer(CurvatureOptimizer):
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
                          output_selector=output_selector)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
-        self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per block and step
-        self._block_numbers = {name: b for b, name in enumerate(self.engine.layouts)}
+        self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
+        # a weight sample colours one standard normal over all covered parameters; block b's slice:
+        self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
+        covered = self._covered()
+        wide = torch.float64 in [p.dtype for p in covered] + [decomposition_dtype]
+        self._noise_dtype = torch.float64 if wide else torch.float32
+        self._noise_device = covered[0].device if covered else torch.device("cpu")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -167,40 +198,33 @@ class VIOptimizer(CurvatureOptimizer):
         """Which MC sample group this rank belongs to."""
         return self.grid.sample_group(self.comm.rank)
 
-    def _step_noise(self) -> List[Optional[Dict[int, Tensor]]]:
-        """The noise of this rank's ``num_mc_samples`` weight samples at this step (None: no noise yet).
+    def _step_noise(self) -> List[Optional[Shift]]:
+        """The weight samples of this rank's ``num_mc_samples`` draws at this step (None: no noise yet).
 
-        Sample ``s`` of block ``b`` uses a generator seeded with ``noise_seed(seed, step, s, b)``; with fewer grad
-        workers than ranks, each block's grad worker draws the samples its receivers need and
+        Global sample ``s`` colours one standard normal ``z ~ N(0, I_P)`` over all covered
+        parameters, drawn from a generator seeded with ``noise_seed(seed, step, s)``; block ``b``
+        takes the slice of ``z`` at its offset (blocks in the engine's order). With fewer grad
+        workers than ranks, each block's grad worker colours the samples its receivers need and
         broadcasts them (:meth:`Placement.share`).
         """
         m = self.num_mc_samples
         mine = self.grid.samples(self.comm.rank, m)
         if not self._decomposed and self.init_precision is None:
             return [None] * m
-        number = self._block_numbers
         step = self.num_steps
-        noise: List[Dict[int, Tensor]] = [{} for _ in range(m)]
+        draws: Dict[int, Tensor] = {}
+
+        def z_of(s: int) -> Tensor:  # sample s's standard normal, drawn once per step on this rank
+            if s not in draws:
+                draws[s] = self._standard_normal(self._noise_streams.seeded(noise_seed(self.seed, step, s),
+                                                                            self._noise_device))
+            return draws[s]
+
         if not self._decomposed:  # isotropic init noise: needs no decomposition, drawn locally
-            std = float(self.init_precision) ** -0.5
-            for name, lay in self.engine.layouts.items():
-                for j, s in enumerate(mine):
-                    gen = self._noise_streams.seeded(noise_seed(self.seed, step, s, number[name]))
-                    for p in lay.params:
-                        noise[j][id(p)] = torch.randn(p.shape, generator=gen, dtype=p.dtype) * std
-            return noise
-
-        def one(name: str, blk: Any, s: int) -> List[Tensor]:
-            """Global sample ``s`` of block ``name``, scaled to the posterior covariance."""
-            return self._scaled(blk.sample(self._noise_streams.seeded(noise_seed(self.seed, step, s, number[name]),
-                                                                      blk.tensors()[0].device)))
-
-        if not self.placement.active:  # one process: each block draws its samples here (no sharing)
-            for name, blk in self.running.blocks.items():
-                for j, s in enumerate(mine):
-                    for p, e in zip(blk.layout.params, one(name, blk, s)):
-                        noise[j][id(p)] = like_dtype(e, p)
-            return noise
+            return [self._isotropic(z_of(s)) for s in mine]
+        if not self.placement.active:  # one process: each block colours its slice here (no sharing)
+            return [self._coloured_all(z_of(s)) for s in mine]
+        shifts: List[Shift] = [([], [], None) for _ in mine]
         order: Dict[str, List[int]] = {}
 
         def needed(name: str, receivers: Tuple[int, ...]) -> List[int]:
@@ -208,10 +232,10 @@ class VIOptimizer(CurvatureOptimizer):
             return order[name]
 
         def draw(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
-            draws = [one(name, blk, s) for s in needed(name, receivers)]
-            if len(draws) == 1:  # the common case: no copy into a stack
-                return [d.unsqueeze(0).to(p.dtype) for d, p in zip(draws[0], blk.layout.params)]
-            return [torch.stack([d[i] for d in draws]).to(p.dtype) for i, p in enumerate(blk.layout.params)]
+            coloured = [self._coloured(name, blk, z_of(s)) for s in needed(name, receivers)]
+            if len(coloured) == 1:  # the common case: no copy into a stack
+                return [d.unsqueeze(0) for d in coloured[0]]
+            return [torch.stack([d[i] for d in coloured]) for i in range(len(blk.layout.params))]
 
         def like(name: str, blk: Any, receivers: Tuple[int, ...]) -> List[Tensor]:
             k = len(needed(name, receivers))
@@ -219,34 +243,78 @@ class VIOptimizer(CurvatureOptimizer):
 
         shared = self.placement.share(self.running.blocks, draw, like)
         for name, stacked in shared.items():
-            for j, s in enumerate(mine):
+            for (params, eps, _), s in zip(shifts, mine):
                 row = order[name].index(s)
-                for p, t in zip(self.running.blocks[name].layout.params, stacked):
-                    noise[j][id(p)] = t[row]
-        return noise
+                params.extend(self.running.blocks[name].layout.params)
+                eps.extend(t[row] for t in stacked)
+        return shifts
 
-    def _scaled(self, draw: List[Tensor]) -> List[Tensor]:
-        """A fresh draw from ``N(0, Λ⁻¹)`` scaled in place to the posterior covariance ``τ·Λ⁻¹``."""
+    def _standard_normal(self, generator: torch.Generator) -> Tensor:
+        """``z ~ N(0, I_P)`` over all ``P`` covered parameters, ``[P]`` (float64 when the model or the
+        decompositions are, else float32)."""
+        return torch.randn(self._noise_numel, generator=generator, dtype=self._noise_dtype, device=self._noise_device)
+
+    def _slice(self, z: Tensor, name: str) -> Tensor:
+        """Block ``name``'s part of a draw over all covered parameters (a view)."""
+        offset, numel = self._noise_spans[name]
+        return z.narrow(0, offset, numel)
+
+    def _coloured(self, name: str, blk: Any, z: Tensor) -> List[Tensor]:
+        """Block ``name``'s part of the standard normal ``z`` coloured to ``N(0, τ·Λ⁻¹)``, in the
+        parameters' dtypes (the slice of ``z`` is used as workspace)."""
+        eps = blk.colour(self._slice(z, name))
         if self.kl_weighting != 1.0:
-            for e in draw:
+            for e in eps:
                 e.mul_(self._noise_scale)
-        return draw
+        return [like_dtype(e, p) for e, p in zip(eps, blk.layout.params)]
 
-    def _draw_noise(self, generator: torch.Generator) -> Optional[Dict[int, Tensor]]:
-        """``ε ~ N(0, P⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
+    def _coloured_all(self, z: Tensor) -> Shift:
+        """The weight sample of the standard normal ``z`` (``[P]``): every block colours its slice.
+
+        When every block is diagonal and of ``z``'s dtype (VOGN), the colouring ``z ⊙ √τ/√denom``
+        is left to the shift itself (one ``torch._foreach_addcmul`` forms ``θ + z ⊙ 1/√denom``):
+        the sample is the same up to rounding, with one op per step instead of one per block."""
+        params: List[nn.Parameter] = []
+        eps: List[Tensor] = []
+        blocks = self.running.blocks
+        if all(isinstance(b, DiagBlock) for b in blocks.values()):
+            factors: List[Tensor] = []
+            for name, blk in blocks.items():
+                params.extend(blk.layout.params)
+                eps.extend(blk.layout.unflatten(self._slice(z, name)))
+                factors.extend(blk.inverse_sqrt_diagonal())
+            if all(p.dtype == z.dtype and f.dtype == z.dtype for p, f in zip(params, factors)):
+                if self.kl_weighting != 1.0:
+                    z.mul_(self._noise_scale)
+                return params, eps, factors
+            params, eps = [], []
+        for name, blk in blocks.items():
+            params.extend(blk.layout.params)
+            eps.extend(self._coloured(name, blk, z))
+        return params, eps, None
+
+    def _isotropic(self, z: Tensor) -> Shift:
+        """The weight sample of ``z`` (``[P]``) before any curvature: ``ε = z / √init_precision``."""
+        params: List[nn.Parameter] = []
+        eps: List[Tensor] = []
+        z.mul_(float(self.init_precision) ** -0.5)
+        for name, lay in self.engine.layouts.items():
+            params.extend(lay.params)
+            eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
+        return params, eps, None
+
+    def _draw_noise(self, generator: torch.Generator) -> Optional[Shift]:
+        """``ε ~ N(0, τ·Λ⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
         if self._decomposed:
-            noise: Dict[int, Tensor] = {}
-            for name, blk in self.running.blocks.items():
-                if blk.decomposition is None and self.placement.active:  # [issue #7]
-                    raise RuntimeError(f"rank {self.comm.rank} holds no decomposition of block {name!r} "
-                                       "(grad_worker_fraction < 1 keeps it on its grad workers); "
-                                       "sample with grad_worker_fraction='comm_opt'")
-                for p, e in zip(blk.layout.params, self._scaled(blk.sample(generator))):
-                    noise[id(p)] = e.to(p.dtype)
-            return noise
+            if self.placement.active:  # [issue #7]
+                for name, blk in self.running.blocks.items():
+                    if blk.decomposition is None:
+                        raise RuntimeError(f"rank {self.comm.rank} holds no decomposition of block {name!r} "
+                                           "(grad_worker_fraction < 1 keeps it on its grad workers); "
+                                           "sample with grad_worker_fraction='comm_opt'")
+            return self._coloured_all(self._standard_normal(generator))
         if self.init_precision is not None:
-            std = self.init_precision ** -0.5
-            return {id(p): torch.randn(p.shape, generator=generator, dtype=p.dtype) * std for p in self._covered()}
+            return self._isotropic(self._standard_normal(generator))
         return None
 
     @contextlib.contextmanager
@@ -256,12 +324,12 @@ class VIOptimizer(CurvatureOptimizer):
         with self._perturbed(self._draw_noise(gen)):
             yield
 
-    def _perturbed(self, noise: Optional[Dict[int, Tensor]]) -> ContextManager[None]:
-        """Temporarily add ``noise`` (``id(param) -> tensor``) to the covered weights (restored on exit)."""
-        if noise is None:
+    @staticmethod
+    def _perturbed(shift: Optional[Shift]) -> ContextManager[None]:
+        """Temporarily move the weights by a sample's ``shift`` (restored on exit; None: unchanged)."""
+        if shift is None:
             return contextlib.nullcontext()
-        covered = self._covered()
-        return shifted_params(covered, [noise[id(p)] for p in covered])
+        return shifted_params(*shift)
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -330,19 +398,30 @@ class VIOptimizer(CurvatureOptimizer):
         self.num_steps += 1
         return mean_loss, output
 
-    @torch.no_grad()
     def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
-        """``m ← momentum·m + (N·g + τδ·μ)``; ``μ ← μ − lr·Λ⁻¹ m`` (covered), ``μ ← μ − lr·m/N`` (others)."""
+        """``m ← momentum·m + (g + τδ/N·μ)`` (the momentum of the mean loss's gradient; ``N·m`` is VOGN's
+        ``m`` of the summed loss); ``μ ← μ − lr·Λ⁻¹ N·m`` (covered), ``μ ← μ − lr·m`` (others)."""
         n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
         plan = self._plans.get(params, groups, self.running.blocks)
-        means = [p.detach() for p in params]
-        bufs = natural_momentum_([self.state[p] for p in params], grads, means, n, tau_delta,
-                                 plan.values("momentum"), self._scalars)
-        if self.placement.active:  # [issue #7] each block solved by its grad workers
-            covered = {blk.layout.name: blk for blk, _ in plan.blocks}
-            direction = self._precondition(covered, {id(p): b for p, b in zip(params, bufs)})
-            solved = [direction[id(p)] for p in params]
-        else:
-            solved = plan.precondition(bufs)
-        steps = [like_dtype(d if inside else b / n, p) for d, b, inside, p in zip(solved, bufs, plan.in_block, params)]
-        add_scaled_(means, steps, plan.values("lr"))
+        with torch.no_grad():
+            bufs = natural_momentum_([self.state[p] for p in params], grads, params, tau_delta / n,
+                                     plan.values("momentum"))
+            if self.placement.active:  # [issue #7] each block solved by its grad workers
+                covered = {blk.layout.name: blk for blk, _ in plan.blocks}
+                direction = self._precondition(covered, {id(p): b for p, b in zip(params, bufs)})
+                steps = [like_dtype(direction[id(p)] * n if inside else b, p)
+                         for b, inside, p in zip(bufs, plan.in_block, params)]
+                add_scaled_(params, steps, plan.values("lr"))
+            else:
+                preconditioned_descent_(plan, params, bufs, plan.values("lr"), n, 1.0)
+
+    def _extra_state(self) -> Dict[str, Any]:
+        return {"momentum": "mean-loss"}  # momentum buffers of the mean loss's gradient (since 2026-11-24)
+
+    def _load_extra_state(self, state: Dict[str, Any]) -> None:
+        if state.get("momentum") != "mean-loss":  # an older checkpoint kept N·m (VOGN's summed-loss momentum)
+            with torch.no_grad():
+                for p in (q for g in self.param_groups for q in g["params"]):
+                    buf = self.state.get(p, {}).get("momentum_buffer")
+                    if buf is not None:
+                        buf.div_(self.dataset_size)
