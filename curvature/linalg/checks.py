@@ -123,7 +123,8 @@ def owned_all_finite(tensors: Sequence[Tensor]) -> bool:
         groups.setdefault(t.dtype, []).append(t)
     if dev is None:
         return True
-    found, one = torch.zeros(1, device=dev), torch.ones(1, device=dev)
+    found = torch.zeros(1, dtype=torch.float32, device=dev)  # the kernel's flag and scale are float32
+    one = torch.ones(1, dtype=torch.float32, device=dev)
     for group in groups.values():
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
     return float(found) == 0.0
