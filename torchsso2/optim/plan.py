@@ -30,7 +30,7 @@ class UpdatePlan:
     groups: List[Group]
     blocks: List[Tuple[Block, List[int]]]
     in_block: List[bool]
-    others: List[int] = field(default_factory=list)
+    others: List[int] = field(init=False)  # derived from in_block
 
     def __post_init__(self) -> None:
         self.others = [i for i, inside in enumerate(self.in_block) if not inside]
