@@ -219,3 +219,20 @@ def test_native_api_names_the_new_name_for_old_ones() -> None:
         torchsso2.SecondOrderOptimizer(model, "Fisher", {"Linear": "Kron"}, {"damping": 1e-3})
     with pytest.raises(TypeError, match="torchsso2.compat.pytorch_sso.VIOptimizer"):
         torchsso2.VIOptimizer(model, 10, "Cov")
+
+
+def test_vi_prediction_as_pytorch_sso() -> None:
+    """prediction(data, mc): mc=0 evaluates at the mean; mc>0 averages softmax over posterior samples."""
+    model = _mlp()
+    (x, y), = _batches(1)
+    opt = VIOptimizer(model, 20, "Cov", {"Linear": "Diag"}, {"damping": 1e-3, "ema_decay": 0.1},
+                      init_precision=1e-2, val_num_mc_samples=3, num_mc_samples=1)
+    at_mean = opt.prediction(x, mc=0)
+    torch.testing.assert_close(at_mean, torch.softmax(model(x), -1).detach())
+    mean, probs = opt.prediction(x, keep_probs=True)
+    assert len(probs) == 3 and mean.shape == (len(x), 2)
+    torch.testing.assert_close(mean.sum(-1), torch.ones(len(x), dtype=mean.dtype))
+    assert not torch.allclose(mean, at_mean)                # the samples moved the weights
+    torch.testing.assert_close(torch.softmax(model(x), -1).detach(), at_mean)  # and the mean is back
+    with pytest.raises(ValueError, match="mc"):
+        opt.prediction(x, mc=-1)

@@ -176,6 +176,24 @@ class VIOptimizer(_NativeVI):
         if init_precision is not None:
             self._start_at(float(init_precision))
 
+    def prediction(self, data: Tensor, mc: Optional[int] = None, keep_probs: bool = False) -> Any:
+        """PyTorch-SSO's ``prediction``: the mean over ``mc`` posterior samples (default
+        ``val_num_mc_samples``) of ``softmax(model(data))``; ``mc=0`` evaluates at the posterior mean.
+        With ``keep_probs`` also the list of per-sample probabilities. Native: :meth:`predict`."""
+        n = self.val_num_mc_samples if mc is None else mc
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"mc={n!r} must be an int >= 0")
+        with torch.no_grad():
+            if n == 0:
+                probs = [torch.softmax(self.engine.select_output(self.model(data)), dim=-1)]
+            else:
+                probs = []
+                for _ in range(n):
+                    with self.sampled_params():
+                        probs.append(torch.softmax(self.engine.select_output(self.model(data)), dim=-1))
+        mean = torch.stack(probs).mean(0)
+        return (mean, probs) if keep_probs else mean
+
     def _start_at(self, init_precision: float) -> None:
         """The curvature EMA starts at ``init_precision·I`` (per example), as PyTorch-SSO's
         ``element_wise_init``; the first batch is then folded in with the EMA weights."""
