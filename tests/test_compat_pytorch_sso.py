@@ -236,3 +236,21 @@ def test_vi_prediction_as_pytorch_sso() -> None:
     torch.testing.assert_close(torch.softmax(model(x), -1).detach(), at_mean)  # and the mean is back
     with pytest.raises(ValueError, match="mc"):
         opt.prediction(x, mc=-1)
+
+
+def test_failed_factored_decomposition_follows_the_policy() -> None:
+    """A K-FAC factor that cannot be inverted (NaN after an EMA) is the native policy's business:
+    "raise" raises NonFiniteError; "skip" keeps the previous decompositions."""
+    model = _mlp()
+    (x, y), = _batches(1)
+    for policy in ("raise", "skip"):
+        opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Kron"}, {"damping": 1e-2}, on_nonfinite=policy)
+        opt.step(_closure(opt, model, x, y))
+        blk = opt.running.blocks["0"]
+        before = blk.decomposition
+        blk.left.fill_(float("nan"))
+        if policy == "raise":
+            with pytest.raises(torchsso2.NonFiniteError, match="decomposition failed"):
+                opt._decompose(opt.damping)
+        else:
+            assert opt._decompose(opt.damping) is False and blk.decomposition is before

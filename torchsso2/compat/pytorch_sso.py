@@ -30,8 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock, FullBlock, KFACBlock
-from curvature.linalg import get_backend
+from curvature.linalg import LinalgError, get_backend
 
+from ..optim import NonFiniteError
 from ..optim import SecondOrderOptimizer as _NativeSO
 from ..optim import VIOptimizer as _NativeVI
 from . import sso_conventions as conv
@@ -41,10 +42,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["SecondOrderOptimizer", "VIOptimizer", "from_config", "tracenorm_damped_inverse"]
 
 
-def tracenorm_damped_inverse(blk: KFACBlock, damping: float, backend: Optional[str] = None) -> Dict[str, Any]:
+def tracenorm_damped_inverse(blk: KFACBlock, damping: float, backend: Optional[str] = None,
+                             dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
     """PyTorch-SSO's K-FAC damping: ``(A + √λ·π·I)⁻¹`` and ``(G + √λ/π·I)⁻¹`` with
     ``π = √((tr A / d_A) / (tr G / d_G))``, as a ``method="inverse"`` decomposition of ``blk``."""
-    a, g = blk.A, blk.G
+    a, g = (f if dtype is None else f.to(dtype) for f in (blk.A, blk.G))
     pi = ((a.sum() if a.dim() == 1 else a.trace()) / a.shape[0]
           / ((g.sum() if g.dim() == 1 else g.trace()) / g.shape[0])).sqrt()
     r = damping ** 0.5
@@ -111,11 +113,21 @@ class SecondOrderOptimizer(_NativeSO):
         _single_process(self)
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
+        """The native decompositions, then PyTorch-SSO's factored damping for the K-FAC blocks
+        (computed first: a failure keeps every previous decomposition, as the native policy does)."""
+        try:
+            kfac = {n: tracenorm_damped_inverse(b, damping, self.linalg, self.decomposition_dtype)
+                    for n, b in self.running.blocks.items() if isinstance(b, KFACBlock)}
+        except LinalgError as err:
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
+            self.num_skipped += 1
+            logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, err)
+            return False
         if not super()._decompose(damping, scale):
             return False
-        for blk in self.running.blocks.values():
-            if isinstance(blk, KFACBlock):
-                blk.decomposition = tracenorm_damped_inverse(blk, damping, self.linalg)
+        for name, dec in kfac.items():
+            self.running.blocks[name].decomposition = dec
         return True
 
     @torch.no_grad()
