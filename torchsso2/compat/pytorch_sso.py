@@ -12,24 +12,28 @@ The returned objects are the native :class:`torchsso2.SecondOrderOptimizer` /
 ``step`` (no ``torchsso.get_closure_for_fisher`` needed).
 
 What is converted is listed in :mod:`torchsso2.compat.sso_conventions`. Exact: curvature kinds and
-shapes, ``ema_decay``, K-FAC's factored ``√λ·π`` damping (SecondOrderOptimizer), ``l2_reg``,
+shapes, ``ema_decay``, K-FAC's factored ``√λ·π`` damping (both optimizers), ``l2_reg``,
 decoupled ``weight_decay`` (SecondOrderOptimizer; VIOptimizer with momentum 0), VI's per-example
 ``damping`` / ``init_precision`` / ``prior_variance`` / ``kl_weighting``, a gradient EMA of the
 native momentum kind. Approximate, with a logged warning: the other momentum kind (the same
-while the curvature is constant); noisy K-FAC's factored damping (VIOptimizer damps ``L ⊗ R``
-exactly). No equivalent (NotImplementedError): ``lars``, ``normalizing_weights``,
+while the curvature is constant); decoupled ``weight_decay`` with VI momentum. Different on
+purpose: noisy K-FAC's weight noise. PyTorch-SSO draws ``U_G Z U_A`` with upper Cholesky factors
+``UᵀU = (G + …)⁻¹``, ``(A + …)⁻¹``, whose G-side covariance is ``U_G U_Gᵀ``, not ``(G + …)⁻¹``;
+here the noise has the posterior covariance the update assumes. No equivalent (NotImplementedError): ``lars``, ``normalizing_weights``,
 ``bias_correction``, ``use_max_ema``, ``use_sqrt_ema``, ``acc_steps > 1``, ``non_reg_for_bn``,
 KL warm-up, ``update_inv=False``, ``precondition_grad=False``; several processes (use the native faces).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock, FullBlock, KFACBlock
+from curvature.blocks.base import check_positive
 from curvature.linalg import LinalgError, get_backend
 
 from ..optim import NonFiniteError
@@ -39,26 +43,74 @@ from . import sso_conventions as conv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SecondOrderOptimizer", "VIOptimizer", "from_config", "tracenorm_damped_inverse"]
+__all__ = ["SecondOrderOptimizer", "VIOptimizer", "from_config", "tracenorm_shifts", "tracenorm_damped_inverse",
+           "tracenorm_damped_eigen"]
+
+
+def tracenorm_shifts(blk: KFACBlock, damping: float, dtype: Optional[torch.dtype] = None
+                     ) -> List[Tuple[Tensor, float]]:
+    """PyTorch-SSO's K-FAC damping: ``√λ·π`` added to ``A``, ``√λ/π`` to ``G``, with
+    ``π = √((tr A / d_A) / (tr G / d_G))`` (its ``pi_type='tracenorm'``); returns
+    ``[(left factor, its shift), (right factor, its shift)]`` in the block's order."""
+    a_left = blk.left is blk.A
+    a, g = (f if dtype is None else f.to(dtype) for f in (blk.A, blk.G))
+    ratio = float(((a.sum() if a.dim() == 1 else a.trace()) / a.shape[0])
+                  / ((g.sum() if g.dim() == 1 else g.trace()) / g.shape[0]))
+    pi = math.sqrt(ratio) if ratio > 0 and math.isfinite(ratio) else 1.0
+    r = damping ** 0.5
+    pairs = [(a, r * pi), (g, r / pi)]
+    return pairs if a_left else pairs[::-1]
 
 
 def tracenorm_damped_inverse(blk: KFACBlock, damping: float, backend: Optional[str] = None,
                              dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
-    """PyTorch-SSO's K-FAC damping: ``(A + √λ·π·I)⁻¹`` and ``(G + √λ/π·I)⁻¹`` with
-    ``π = √((tr A / d_A) / (tr G / d_G))``, as a ``method="inverse"`` decomposition of ``blk``."""
-    a, g = (f if dtype is None else f.to(dtype) for f in (blk.A, blk.G))
-    pi = ((a.sum() if a.dim() == 1 else a.trace()) / a.shape[0]
-          / ((g.sum() if g.dim() == 1 else g.trace()) / g.shape[0])).sqrt()
-    r = damping ** 0.5
-    pi = float(pi) if float(pi) > 0 else 1.0
-
-    def inv(f: Tensor, shift: float) -> Tensor:
+    """``(A + √λ·π·I)⁻¹`` and ``(G + √λ/π·I)⁻¹`` (:func:`tracenorm_shifts`) as a
+    ``method="inverse"`` decomposition of ``blk`` (its solve is ``L'⁻¹ M R'⁻¹``)."""
+    inv = []
+    for f, shift in tracenorm_shifts(blk, damping, dtype):
         if f.dim() == 1:
-            return 1.0 / (f + shift)
-        return get_backend(backend).damped_inv(f, shift)
-    a_inv, g_inv = inv(a, r * pi), inv(g, r / pi)
-    a_left = blk.left is a
-    return {"method": "inverse", "linv": a_inv if a_left else g_inv, "rinv": g_inv if a_left else a_inv}
+            d = f + shift
+            check_positive(d, f"K-FAC factor of {blk.layout.name!r}")
+            inv.append(1.0 / d)
+        else:
+            inv.append(get_backend(backend).damped_inv(f, shift))
+    return {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
+
+
+def tracenorm_damped_eigen(blk: KFACBlock, damping: float, scale: float, backend: Optional[str] = None,
+                           dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
+    """``scale·(L + s_L·I) ⊗ (R + s_R·I)`` (:func:`tracenorm_shifts`) as a ``method="eigen"``
+    decomposition of ``blk`` (solves and samples as the native eigen method, with no extra damping)."""
+    parts = []
+    for f, shift in tracenorm_shifts(blk, damping, dtype):
+        if f.dim() == 1:
+            parts.append((f + shift, None))
+        else:
+            evals, evecs = get_backend(backend).eigh(f, dtype=dtype)
+            parts.append((evals.clamp_min(0.0) + shift, evecs))
+    (el, ql), (er, qr) = parts
+    denom = scale * torch.outer(el, er.to(el.dtype))
+    check_positive(denom, f"K-FAC block {blk.layout.name!r}")
+    return {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
+
+
+def _decompose_factored(opt: Any, native: Callable[[], bool], factored: Callable[[KFACBlock], Dict[str, Any]]) -> bool:
+    """``native()`` decomposes every block, then the K-FAC blocks get ``factored(block)``: PyTorch-SSO's
+    factored damping. Those are computed first, so that a failure keeps every previous decomposition
+    and follows ``on_nonfinite`` as the native decomposition does."""
+    try:
+        kfac = {n: factored(b) for n, b in opt.running.blocks.items() if isinstance(b, KFACBlock)}
+    except LinalgError as err:
+        if opt.on_nonfinite == "raise":
+            raise NonFiniteError(f"decomposition failed at step {opt.num_steps}: {err}") from err
+        opt.num_skipped += 1
+        logger.warning("step %d: decomposition failed (%s); keeping the previous one", opt.num_steps, err)
+        return False
+    if not native():
+        return False
+    for name, dec in kfac.items():
+        opt.running.blocks[name].decomposition = dec
+    return True
 
 
 def _single_process(opt: Any) -> None:
@@ -113,22 +165,9 @@ class SecondOrderOptimizer(_NativeSO):
         _single_process(self)
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
-        """The native decompositions, then PyTorch-SSO's factored damping for the K-FAC blocks
-        (computed first: a failure keeps every previous decomposition, as the native policy does)."""
-        try:
-            kfac = {n: tracenorm_damped_inverse(b, damping, self.linalg, self.decomposition_dtype)
-                    for n, b in self.running.blocks.items() if isinstance(b, KFACBlock)}
-        except LinalgError as err:
-            if self.on_nonfinite == "raise":
-                raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
-            self.num_skipped += 1
-            logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, err)
-            return False
-        if not super()._decompose(damping, scale):
-            return False
-        for name, dec in kfac.items():
-            self.running.blocks[name].decomposition = dec
-        return True
+        native = super()._decompose
+        return _decompose_factored(self, lambda: native(damping, scale),
+                                   lambda b: tracenorm_damped_inverse(b, damping, self.linalg, self.decomposition_dtype))
 
     @torch.no_grad()
     def _apply_update(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> bool:
@@ -173,9 +212,6 @@ class VIOptimizer(_NativeVI):
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="raw")
         approx = conv.approx_map(model, curv_shapes)
-        if "kfac" in approx.values():
-            logger.warning("noisy K-FAC: PyTorch-SSO damps the factors (√λ·π on A, √λ/π on G); torchsso2's "
-                           "VIOptimizer damps the Kronecker product exactly (N·A⊗G + N·λ + τ/σ²)")
         if weight_decay and momentum:
             logger.warning("weight_decay with momentum: the decoupled decay is applied outside the momentum here")
         # θ ← θ − lr·wd·θ with PyTorch-SSO's lr (a gradient EMA scaled the native lr by d)
@@ -227,6 +263,14 @@ class VIOptimizer(_NativeVI):
                                          r * torch.eye(m.shape[1], dtype=dt, device=dev))
         self.running.update(blocks, 0.0)
         self._decompose(self.precision_shift, scale=float(self.dataset_size))
+
+    def _decompose(self, damping: float, scale: float = 1.0) -> bool:
+        """Noisy K-FAC as PyTorch-SSO: ``Λ = N·(A + √λ'π)⊗(G + √λ'/π)`` with the per-example
+        ``λ' = damping/N`` (its ``damping + l2``, ``l2 = τ/(Nσ²)``); other blocks as native."""
+        native = super()._decompose
+        return _decompose_factored(self, lambda: native(damping, scale),
+                                   lambda b: tracenorm_damped_eigen(b, damping / scale, scale, self.linalg,
+                                                                    self.decomposition_dtype))
 
     def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
         wd = self.decoupled_weight_decay

@@ -12,7 +12,7 @@ PyTorch-SSO                 meaning there                          torchsso2
 ``curv_shapes`` values      ``'Kron'``, ``'Diag'``, absent = full  ``'kfac'``, ``'diag'``, ``'full'``
 ``ema_decay`` β             weight of the *new* batch              ``ema_decay = 1 − β`` (weight of the old)
 ``damping`` λ (K-FAC)       ``√λ·π`` on A, ``√λ/π`` on G,          the same factored damping, reproduced by
-                            π = √((tr A/d_A)/(tr G/d_G))           the compat SecondOrderOptimizer
+                            π = √((tr A/d_A)/(tr G/d_G))           the compat optimizers (VI: λ + l2, per example)
 ``l2_reg``                  ``g + l2·θ`` *and* ``+ l2`` damping    ``weight_decay = l2`` and ``damping += l2``
 ``weight_decay``            decoupled: ``+ wd·θ`` after the solve  applied decoupled by the compat faces
 ``momentum`` (default 0)    heavy ball on preconditioned grads     ``momentum`` (native default 0.9)
