@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
+#: PyTorch-SSO's ``curv_type`` values (lower case): the third positional argument of its optimizers
+PYTORCH_SSO_CURV_TYPES = ("cov", "fisher", "hessian")
+
 
 def check_not_pytorch_sso_call(lr: Any, optimizer: str) -> None:
-    """A string where the learning rate goes is PyTorch-SSO's positional ``curv_type``
+    """PyTorch-SSO's ``curv_type`` where the learning rate goes is its positional signature
     (``SecondOrderOptimizer(model, "Fisher", curv_shapes, curv_kwargs)``): raise TypeError
     pointing at :mod:`torchsso2.compat.pytorch_sso`, which converts such calls."""
-    if isinstance(lr, str):
+    if isinstance(lr, str) and lr.lower() in PYTORCH_SSO_CURV_TYPES:
         raise TypeError(
             f"{optimizer}: lr must be a real number, got str {lr!r}; this looks like PyTorch-SSO's "
             f"{optimizer}(model, curv_type, curv_shapes, curv_kwargs, ...) signature: use "
