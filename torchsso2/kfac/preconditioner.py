@@ -18,7 +18,6 @@ factors, :mod:`curvature.linalg` for the decompositions), scaled as kfac_pytorch
 """
 from __future__ import annotations
 
-import functools
 import logging
 import numbers
 import warnings
@@ -35,9 +34,11 @@ from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse
 from .hyperparams import Schedule, check_schedule, evaluate
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
+from .hooks import attach_forward_hooks, weak_grad_hook
 from .layer import KFACLayer, grad_scale_of
+from .nonfinite import SkipPolicy, nonfinite_entries
 from .register import find_layers
-from .state import HYPERPARAMS, layers_state, load_layers_state
+from .state import HYPERPARAMS, decompositions_state, layers_state, validate_state
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,15 @@ class KFACPreconditioner:
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
         loglevel: level of the registration / assignment log messages.
+        on_nonfinite: ``"skip"`` (default) or ``"raise"``: what :meth:`step` does when a gradient
+            of a registered layer or a factor updated in this step is NaN/inf. Either way the
+            preconditioner's state (factors, decompositions, ``steps``) and the gradients are left
+            exactly as before the step; ``"skip"`` logs a warning, counts it in ``num_skipped``
+            and sets ``last_step_skipped`` (skip ``optimizer.step()`` then), ``"raise"`` raises
+            :class:`~torchsso2.NonFiniteError`. Not with a ``grad_scaler``'s overflow, which
+            keeps kfac_pytorch's handling. See :mod:`torchsso2.kfac.nonfinite`.
+        max_consecutive_skips: under ``"skip"``, raise :class:`~torchsso2.NonFiniteError` (the run
+            diverged) after this many skipped steps in a row (``None``: never).
 
     Raises:
         ValueError / TypeError: a bad argument (the message names it and what was expected).
@@ -131,6 +141,8 @@ class KFACPreconditioner:
         linalg: Union[str, Backend] = "torch",
         communicator: Union[str, Communicator] = "auto",
         loglevel: int = logging.DEBUG,
+        on_nonfinite: str = "skip",
+        max_consecutive_skips: Optional[int] = 20,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -212,7 +224,9 @@ class KFACPreconditioner:
         self._steps = 0
         self._mini_steps: Dict[str, int] = defaultdict(int)
         self._updated: set = set()
-        self._handles = [layer.module.register_forward_hook(self._forward_hook) for layer in self.layers.values()]
+        self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
+        # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
+        self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
 
     @staticmethod
     def _parse_fraction(value: Union[DistributedStrategy, float], world: int) -> Union[DistributedStrategy, float]:
@@ -259,6 +273,29 @@ class KFACPreconditioner:
     def accumulation_steps(self) -> int:
         return self._accumulation_steps
 
+    @property
+    def on_nonfinite(self) -> str:
+        return self._skips.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        return self._skips.max_consecutive_skips
+
+    @property
+    def num_skipped(self) -> int:
+        """Steps skipped so far because of a non-finite gradient or factor."""
+        return self._skips.num_skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Skipped steps since the last step that went through."""
+        return self._skips.consecutive_skips
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` was skipped (its gradients are the raw, non-finite ones)."""
+        return self._skips.last_skipped
+
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
@@ -270,7 +307,7 @@ class KFACPreconditioner:
         layer = self._by_module[module]
         self._mini_steps[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
-        output.register_hook(functools.partial(self._grad_hook, layer, saved, self._mini_steps[layer.name]))
+        output.register_hook(weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
 
     def _grad_hook(self, layer: KFACLayer, inputs: Tuple[Any, ...], mini_step: int, grad: Tensor) -> None:
         with torch.no_grad():
@@ -280,7 +317,8 @@ class KFACPreconditioner:
                     self._updated.add(layer.name)
 
     def remove_hooks(self) -> None:
-        """Detach the preconditioner from the model (the hooks are removed)."""
+        """Detach the preconditioner from the model (the hooks are removed; dropping the
+        preconditioner removes them too, see :mod:`torchsso2.kfac.hooks`)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -300,6 +338,8 @@ class KFACPreconditioner:
                 if layer.update_factors(decay):
                     self._updated.add(layer.name)
         self._kaisa.allreduce_factors([layer for layer in layers if layer.name in self._updated])
+        if self._skip_nonfinite(layers):
+            return
         self._updated.clear()
 
         if self._steps % self.inv_update_steps == 0:
@@ -331,42 +371,85 @@ class KFACPreconditioner:
         self._steps += 1
         self._mini_steps.clear()
 
+    def _skip_nonfinite(self, layers: List[KFACLayer]) -> bool:
+        """Check this step's gradients and updated factors; on a non-finite value put the
+        factors back, drop the batches and apply ``on_nonfinite`` (see :mod:`.nonfinite`)."""
+        entries = nonfinite_entries(layers, self._updated, check_grads=self.grad_scaler is None)
+        if not entries:
+            for layer in layers:
+                layer.keep_folds()
+            self._skips.passed()
+            return False
+        for layer in layers:
+            layer.undo_folds()
+        self._updated.clear()
+        self._mini_steps.clear()
+        self._skips.skipped(self._steps, entries)
+        return True
+
     def reset_batch(self) -> None:
         """Drop the factor batches collected since the last update."""
         for layer in self.layers.values():
             layer.reset_batch()
 
     # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self, include_factors: bool = True) -> Dict[str, Any]:
-        """kfac_pytorch's state: ``steps``, the non-callable hyper-parameters and (optionally) factors."""
+    def state_dict(self, include_factors: bool = True, include_decompositions: bool = True) -> Dict[str, Any]:
+        """kfac_pytorch's state (``steps``, the non-callable hyper-parameters, optionally the
+        factors) plus, with the factors, the decompositions this rank holds and the non-finite
+        counters (format: :mod:`torchsso2.kfac.state`). The tensors are the preconditioner's own
+        (``torch.save`` them); with ``include_decompositions`` a resumed run is bit-identical."""
         state: Dict[str, Any] = {"steps": self._steps}
         for name in HYPERPARAMS:
             value = getattr(self, f"_{name}")
             if not callable(value):
                 state[name] = value
         if include_factors:
-            state["layers"] = layers_state(list(self.layers.values()))
+            layers = list(self.layers.values())
+            state["layers"] = layers_state(layers)
+            if include_decompositions:
+                state["decompositions"], state["inv_ready"] = decompositions_state(layers)
+        state["num_skipped"] = self._skips.num_skipped
+        state["consecutive_skips"] = self._skips.consecutive_skips
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any], compute_inverses: bool = True) -> None:
-        """Restore :meth:`state_dict`; with ``compute_inverses`` the decompositions are recomputed
-        from the loaded factors (every rank must call it then)."""
-        if not isinstance(state_dict, dict) or "steps" not in state_dict:
-            raise ValueError("state_dict must be a dict from KFACPreconditioner.state_dict() (with a 'steps' key)")
-        self._steps = int(state_dict["steps"])
-        for name in HYPERPARAMS:
-            if name in state_dict:
-                setattr(self, f"_{name}", state_dict[name])
-        if "layers" in state_dict:
-            load_layers_state(list(self.layers.values()), state_dict["layers"])
-        elif compute_inverses:
-            warnings.warn("Layer factors are not included in the state_dict so inverses cannot be computed; "
-                          "skipping inverse computation", stacklevel=2)
-            compute_inverses = False
-        self.reset_batch()
+        """Restore :meth:`state_dict` (ours or kfac_pytorch's).
+
+        The whole state dict is validated against the registered layers first (names, keys,
+        shapes, dtypes, finiteness, hyper-parameter values; :func:`~torchsso2.kfac.state.validate_state`);
+        a bad one raises ``ValueError`` naming the entry and leaves the preconditioner unchanged.
+        Decompositions in the state dict are used as they are; without them (kfac_pytorch's
+        format) ``compute_inverses`` recomputes them from the loaded factors (every rank must
+        call it then). A layer listed as decomposed whose decompositions this rank needs but the
+        state dict lacks (a checkpoint from a rank that did not hold them) is decomposed here.
+        """
+        staged = validate_state(state_dict, list(self.layers.values()), self.factor_dtype, self.inv_dtype)
+        # from here on nothing can fail before the state is consistent again
+        self._steps = staged.steps
+        for name, value in staged.hyperparams.items():
+            setattr(self, f"_{name}", value)
+        self._skips.num_skipped = staged.counters.get("num_skipped", 0)
+        self._skips.consecutive_skips = staged.counters.get("consecutive_skips", 0)
+        self._skips.last_skipped = False
+        for layer in self.layers.values():
+            layer.reset_batch()
+            layer.keep_folds()
+            if staged.factors is not None:
+                layer.a_factor, layer.g_factor = staged.factors[layer.name]
         self._mini_steps.clear()
         self._updated.clear()
-        if compute_inverses:
+        if staged.decompositions is not None:
+            for layer in self.layers.values():
+                layer.inv = dict(staged.decompositions.get(layer.name, {}))
+                layer.inv_ready = layer.name in staged.inv_ready
+                if layer.inv_ready and not layer.inv and self._kaisa.is_grad_worker(layer):
+                    layer.compute("A", self.damping)  # local: this rank's grad-worker share, no collective
+                    layer.compute("G", self.damping)
+            return
+        if staged.factors is None and compute_inverses:
+            warnings.warn("Layer factors are not included in the state_dict so inverses cannot be computed; "
+                          "skipping inverse computation", stacklevel=2)
+        elif compute_inverses:
             damping = self.damping
             for layer in self.layers.values():
                 if layer.has_factors():
