@@ -14,8 +14,10 @@ import copy
 import gc
 import io
 import logging
+import sys
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -25,6 +27,10 @@ from torch import Tensor, nn
 
 from torchsso2 import NonFiniteError
 from torchsso2.kfac import KFACPreconditioner
+
+sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
+import kfac_nonfinite_worker  # noqa: E402  (gloo rank of the two-rank test)
+from dist_utils import run_gloo_ranks  # noqa: E402
 
 DT = torch.float64
 
@@ -318,6 +324,25 @@ def test_loads_kfac_pytorch_state_dict_and_kfac_pytorch_loads_ours():
     assert theirs.steps == 3
 
 
+def test_decompositions_missing_for_a_ready_layer_are_computed_locally():
+    """A checkpoint from a rank that did not hold a layer's decompositions (MEM_OPT/HYBRID_OPT):
+    the loading rank decomposes that layer from the saved factors, as a kfac_pytorch-format load would."""
+    model = build()
+    pre = KFACPreconditioner(model, damping=0.01)
+    _run(model, pre, range(3))
+    sd = copy.deepcopy(pre.state_dict())
+    del sd["decompositions"]["fc1"]
+    light = copy.deepcopy(pre.state_dict(include_decompositions=False))
+    a, b = KFACPreconditioner(build(seed=1), damping=0.01), KFACPreconditioner(build(seed=1), damping=0.01)
+    a.load_state_dict(sd)
+    b.load_state_dict(light)
+    assert a.layers["fc1"].inv_ready and set(a.layers["fc1"].inv) == {"qa", "qg", "dgda"}
+    for k, v in b.layers["fc1"].inv.items():
+        assert torch.equal(a.layers["fc1"].inv[k], v), k
+    for k, v in pre.layers["conv"].inv.items():  # the others come from the checkpoint as they were
+        assert torch.equal(a.layers["conv"].inv[k], v), k
+
+
 # ---------------------------------------------------------------------------- load_state_dict refusals
 def _trained() -> Tuple[nn.Module, KFACPreconditioner]:
     model = build()
@@ -426,3 +451,20 @@ def test_dropped_preconditioners_leave_no_hooks_and_are_not_kept_alive():
     del live
     gc.collect()
     assert _hook_count(model) == 0
+
+
+# ---------------------------------------------------------------------------- two ranks
+def test_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    """gloo, DDP, 2 ranks: a batch that is NaN on rank 1 only is skipped by both ranks (no hang,
+    MEM_OPT broadcasts included) and the run equals one that never saw that batch."""
+    codes = run_gloo_ranks(kfac_nonfinite_worker, 2, tmp_path, 120.0)
+    assert codes == [0, 0], f"gloo ranks exited with {codes} (None: killed after 120 s)"
+    ranks = [torch.load(tmp_path / f"nonfinite_rank{r}.pt") for r in range(2)]
+    for name in ranks[0]:
+        for r in range(2):
+            nan, clean = ranks[r][name]["nan"], ranks[r][name]["clean"]
+            assert nan["num_skipped"] == 1 and clean["num_skipped"] == 0, (name, r)
+            assert nan["steps"] == clean["steps"] == kfac_nonfinite_worker.STEPS - 1, (name, r)
+            assert torch.equal(nan["params"], clean["params"]), (name, r)
+            assert torch.isfinite(nan["params"]).all()
+        assert torch.equal(ranks[0][name]["nan"]["params"], ranks[1][name]["nan"]["params"]), name

@@ -1,0 +1,68 @@
+"""gloo rank for tests/test_kfac_reliability.py: a NaN batch on rank 1 only, model in DDP.
+
+Each rank trains two DDP models with KFACPreconditioner under MEM_OPT (one grad worker per
+layer, so the preconditioned gradients are broadcast and a rank that skipped alone would hang
+its peer): run "nan" sees, at step 2, a batch that is NaN on rank 1 only; run "clean" never
+sees that step. Saves the parameters after every applied step and the skip counters.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Dict, List
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import kfac_dist_common as common  # noqa: E402
+
+STEPS = 5
+NAN_STEP = 2
+
+
+def _train(rank: int, with_nan: bool, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    from torchsso2.kfac import KFACPreconditioner
+
+    model = DDP(common.build())
+    pre = KFACPreconditioner(model, **{**common.BASE, **cfg})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows: List[torch.Tensor] = []
+    for step in range(STEPS):
+        if step == NAN_STEP:
+            if not with_nan:
+                continue
+            x, y = common.shard(100, rank)
+            if rank == 1:
+                x[0, 0, 0, 0] = float("nan")
+        else:
+            x, y = common.shard(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        if pre.last_step_skipped:
+            continue
+        opt.step()
+        rows.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    return dict(params=torch.stack(rows), num_skipped=pre.num_skipped, steps=pre.steps)
+
+
+def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        from torchsso2.kfac import DistributedStrategy
+
+        results = {}
+        for name, cfg in (("mem_opt-eigen", dict(grad_worker_fraction=DistributedStrategy.MEM_OPT)),
+                          ("comm_opt-inverse-step", dict(compute_method="inverse", update_factors_in_hook=False))):
+            results[name] = {"nan": _train(rank, True, cfg), "clean": _train(rank, False, cfg)}
+        torch.save(results, os.path.join(out_dir, f"nonfinite_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
