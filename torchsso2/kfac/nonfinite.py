@@ -116,7 +116,8 @@ class SkipPolicy:
         self.num_skipped += 1
         self.consecutive_skips += 1
         logger.warning("KFACPreconditioner step %d skipped: non-finite %s; factors, decompositions, steps and "
-                       "gradients left unchanged, skip optimizer.step() (skipped so far: %d)", step, what, self.num_skipped)
+                       "gradients left unchanged, skip optimizer.step() (skipped so far: %d)",
+                       step, what, self.num_skipped)
         limit = self.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit:
             raise NonFiniteError(

@@ -31,10 +31,10 @@ from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 
 from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
+from .hooks import attach_forward_hooks, weak_grad_hook
 from .hyperparams import Schedule, check_schedule, evaluate
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
-from .hooks import attach_forward_hooks, weak_grad_hook
 from .layer import KFACLayer, grad_scale_of
 from .nonfinite import SkipPolicy, nonfinite_entries
 from .register import find_layers
