@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from curvature.linalg import LinalgError
+from curvature.linalg.torch_backend import TorchBackend
 from torchsso2 import NonFiniteError
 from torchsso2.kfac import KFACPreconditioner
 
@@ -242,6 +244,75 @@ def test_bad_nonfinite_arguments(kwargs, exc, match):
         KFACPreconditioner(build(), **kwargs)
 
 
+class FlakyBackend(TorchBackend):
+    """torch.linalg, but while ``mode`` is set every eigh / damped inverse fails: ``"raise"``
+    (LinalgError, as a non-converging float32 eigh) or ``"nan"`` (NaN results, no error)."""
+
+    def __init__(self) -> None:
+        self.mode: Optional[str] = None
+
+    def _eigh(self, a: Tensor) -> Tuple[Tensor, Tensor]:
+        if self.mode == "raise":
+            raise LinalgError("eigh (flaky backend) did not converge")
+        evals, evecs = super()._eigh(a)
+        return (evals * float("nan"), evecs) if self.mode == "nan" else (evals, evecs)
+
+    def damped_inv(self, a: Tensor, damping: float, dtype: Optional[torch.dtype] = None) -> Tensor:
+        if self.mode == "raise":
+            raise LinalgError("damped_inv (flaky backend): not positive definite")
+        out = super().damped_inv(a, damping, dtype=dtype)
+        return out * float("nan") if self.mode == "nan" else out
+
+
+@pytest.mark.parametrize("mode", ["raise", "nan"])
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_failed_decomposition_skips_the_step_and_keeps_the_previous_decompositions(mode, method, caplog):
+    """A decomposition that raises LinalgError or returns NaN from finite factors: the step is
+    skipped, the previous decompositions and factors are put back, the next steps equal a run
+    that never saw that batch."""
+    kw = dict(compute_method=method, damping=0.01, inv_update_steps=1, inv_dtype=DT)
+    flaky = FlakyBackend()
+    model_a, model_b = build(), build()
+    pre_a, pre_b = KFACPreconditioner(model_a, linalg=flaky, **kw), KFACPreconditioner(model_b, **kw)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    for step in range(5):
+        if step == 2:
+            state_before = snapshot(pre_a, model_a, grads=False)
+            held = {n: dict(l.inv) for n, l in pre_a.layers.items()}
+            opt_a.zero_grad()
+            F.cross_entropy(model_a(batch(77)[0]), batch(77)[1]).backward()
+            raw = {n: bits(p.grad) for n, p in model_a.named_parameters()}
+            flaky.mode = mode
+            with caplog.at_level(logging.WARNING):
+                pre_a.step()
+            flaky.mode = None
+            assert pre_a.last_step_skipped and pre_a.num_skipped == 1
+            assert "preconditioned gradient" in caplog.text and "inv_dtype=torch.float64" in caplog.text
+            if mode == "raise":
+                assert "did not converge" in caplog.text or "not positive definite" in caplog.text
+            assert_same(snapshot(pre_a, model_a, grads=False), state_before)
+            assert all(same(bits(p.grad), raw[n]) for n, p in model_a.named_parameters())
+            for n, layer in pre_a.layers.items():
+                assert all(layer.inv[k] is v for k, v in held[n].items()) and set(layer.inv) == set(held[n])
+        train_step(model_a, pre_a, opt_a, [batch(step)])
+        train_step(model_b, pre_b, opt_b, [batch(step)])
+    assert_same(snapshot(pre_a, model_a), snapshot(pre_b, model_b))
+
+
+def test_failed_decomposition_under_raise_names_the_layer_and_the_fix():
+    flaky = FlakyBackend()
+    model = build()
+    pre = KFACPreconditioner(model, linalg=flaky, on_nonfinite="raise", damping=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, pre, opt, [batch(0)])
+    flaky.mode = "raise"
+    with pytest.raises(NonFiniteError, match=r"conv preconditioned gradient \(factor A: eigh \(flaky backend\) did "
+                                             r"not converge; try inv_dtype=torch.float64 or more damping\)"):
+        train_step(model, pre, opt, [batch(1)])
+    assert pre.steps == 1
+
+
 # ---------------------------------------------------------------------------- resume
 def _run(model: nn.Module, pre: KFACPreconditioner, steps: range) -> List[Dict[str, Tensor]]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -454,9 +525,10 @@ def test_dropped_preconditioners_leave_no_hooks_and_are_not_kept_alive():
 
 
 # ---------------------------------------------------------------------------- two ranks
-def test_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
-    """gloo, DDP, 2 ranks: a batch that is NaN on rank 1 only is skipped by both ranks (no hang,
-    MEM_OPT broadcasts included) and the run equals one that never saw that batch."""
+def test_fault_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    """gloo, DDP, 2 ranks: a batch that is NaN on rank 1 only, or a step whose decompositions
+    fail on rank 0 only, is skipped by both ranks (no hang, MEM_OPT broadcasts included) and the
+    run equals one that never saw that batch."""
     codes = run_gloo_ranks(kfac_nonfinite_worker, 2, tmp_path, 120.0)
     assert codes == [0, 0], f"gloo ranks exited with {codes} (None: killed after 120 s)"
     ranks = [torch.load(tmp_path / f"nonfinite_rank{r}.pt") for r in range(2)]

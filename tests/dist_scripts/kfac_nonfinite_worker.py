@@ -1,8 +1,9 @@
-"""gloo rank for tests/test_kfac_reliability.py: a NaN batch on rank 1 only, model in DDP.
+"""gloo rank for tests/test_kfac_reliability.py: a fault on one rank only, model in DDP.
 
-Each rank trains two DDP models with KFACPreconditioner under MEM_OPT (one grad worker per
-layer, so the preconditioned gradients are broadcast and a rank that skipped alone would hang
-its peer): run "nan" sees, at step 2, a batch that is NaN on rank 1 only; run "clean" never
+Each rank trains two DDP models with KFACPreconditioner (MEM_OPT: one grad worker per layer,
+so the preconditioned gradients are broadcast and a rank that skipped alone would hang its
+peer): run "nan" sees, at step 2, a batch that is NaN on rank 1 only, or (``fail_eigh``) a
+normal batch during which every decomposition on rank 0 raises LinalgError; run "clean" never
 sees that step. Saves the parameters after every applied step and the skip counters.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
@@ -21,16 +22,30 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import kfac_dist_common as common  # noqa: E402
+from curvature.linalg import LinalgError  # noqa: E402
+from curvature.linalg.torch_backend import TorchBackend  # noqa: E402
 
 STEPS = 5
 NAN_STEP = 2
 
 
-def _train(rank: int, with_nan: bool, cfg: Dict[str, Any]) -> Dict[str, Any]:
+class _FailingBackend(TorchBackend):
+    """torch.linalg; every eigh raises LinalgError while ``fail`` is set."""
+
+    fail = False
+
+    def _eigh(self, a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.fail:
+            raise LinalgError("eigh did not converge (injected)")
+        return super()._eigh(a)
+
+
+def _train(rank: int, with_nan: bool, cfg: Dict[str, Any], fail_eigh: bool = False) -> Dict[str, Any]:
     from torchsso2.kfac import KFACPreconditioner
 
     model = DDP(common.build())
-    pre = KFACPreconditioner(model, **{**common.BASE, **cfg})
+    backend = _FailingBackend()
+    pre = KFACPreconditioner(model, linalg=backend, **{**common.BASE, **cfg})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rows: List[torch.Tensor] = []
     for step in range(STEPS):
@@ -38,13 +53,15 @@ def _train(rank: int, with_nan: bool, cfg: Dict[str, Any]) -> Dict[str, Any]:
             if not with_nan:
                 continue
             x, y = common.shard(100, rank)
-            if rank == 1:
+            if rank == 1 and not fail_eigh:
                 x[0, 0, 0, 0] = float("nan")
+            backend.fail = fail_eigh and rank == 0
         else:
             x, y = common.shard(step, rank)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         pre.step()
+        backend.fail = False
         if pre.last_step_skipped:
             continue
         opt.step()
@@ -63,6 +80,9 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         for name, cfg in (("mem_opt-eigen", dict(grad_worker_fraction=DistributedStrategy.MEM_OPT)),
                           ("comm_opt-inverse-step", dict(compute_method="inverse", update_factors_in_hook=False))):
             results[name] = {"nan": _train(rank, True, cfg), "clean": _train(rank, False, cfg)}
+        mem_opt = dict(grad_worker_fraction=DistributedStrategy.MEM_OPT)
+        results["mem_opt-eigh-fails-on-rank0"] = {"nan": _train(rank, True, mem_opt, fail_eigh=True),
+                                                  "clean": _train(rank, False, mem_opt)}
         torch.save(results, os.path.join(out_dir, f"nonfinite_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

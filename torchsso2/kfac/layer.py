@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from curvature.linalg import Backend
+from curvature.linalg import Backend, LinalgError
 from curvature.modules.base import LayerFamily
 
 from .enums import ComputeMethod
@@ -79,6 +79,8 @@ class KFACLayer:
         self.inv: Dict[str, Tensor] = {}
         #: whether decompositions exist on the layer's grad workers (same on every rank)
         self.inv_ready = False
+        #: why a decomposition of the current inverse step failed on this rank (None: none did)
+        self.decomposition_error: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A={self.sizes['A']}, G={self.sizes['G']})"
@@ -180,10 +182,24 @@ class KFACLayer:
             raise RuntimeError(f"K-FAC layer {self.name!r}: factor {factor} has not been computed yet")
         key = factor.lower()
         dtype = self._compute_dtype(f)
+        try:
+            if self.method is ComputeMethod.INVERSE:
+                inv = self.backend.damped_inv(f, damping, dtype=dtype)
+            else:
+                evals, evecs = self.backend.eigh(f, dtype=dtype)
+        except LinalgError as exc:
+            # NaN results instead of an exception: the other ranks are waiting for them in the
+            # broadcast; the step's check of the preconditioned gradients then skips the step
+            # (or raises) on every rank alike and puts the previous decompositions back
+            if self.decomposition_error is None:  # the first failure of the step
+                self.decomposition_error = f"factor {factor}: {exc}"
+            logger.warning("K-FAC layer %r: decomposing factor %s failed: %s", self.name, factor, exc)
+            n = f.shape[0]
+            inv = torch.full((n, n), float("nan"), dtype=dtype, device=f.device)
+            evals, evecs = inv[0], inv
         if self.method is ComputeMethod.INVERSE:
-            self.inv[f"{key}_inv"] = self.backend.damped_inv(f, damping, dtype=dtype).to(self.inv_dtype).contiguous()
+            self.inv[f"{key}_inv"] = inv.to(self.inv_dtype).contiguous()
             return
-        evals, evecs = self.backend.eigh(f, dtype=dtype)
         # contiguous (eigh returns column-major Q): the ranks that receive Q by broadcast hold
         # it row-major, and the same layout everywhere makes every rank's matmuls bit-identical
         self.inv[f"q{key}"] = evecs.to(self.inv_dtype).contiguous()
@@ -209,13 +225,14 @@ class KFACLayer:
             return {"qa": (n_a, n_a)} if self.prediv else {"qa": (n_a, n_a), "da": (n_a,)}
         return {"qg": (n_g, n_g), "dgda": (n_g, n_a)} if self.prediv else {"qg": (n_g, n_g), "dg": (n_g,)}
 
-    def inverse_tensors(self, factor: str) -> List[Tensor]:
-        """What factor ``"A"``/``"G"``'s worker broadcasts; empty buffers allocated on receivers."""
+    def inverse_tensors(self, factor: str, receive: bool = False) -> List[Tensor]:
+        """What factor ``"A"``/``"G"``'s worker broadcasts; with ``receive`` new empty buffers
+        (the previous decompositions are not overwritten in place: a skipped step puts them back)."""
         specs = self.decomposition_shapes(factor)
         device = self.params[0].device
         for key, shape in specs.items():
             t = self.inv.get(key)
-            if t is None or tuple(t.shape) != shape:
+            if receive or t is None or tuple(t.shape) != shape:
                 self.inv[key] = torch.empty(shape, dtype=self.inv_dtype, device=device)
         return [self.inv[key] for key in specs]
 

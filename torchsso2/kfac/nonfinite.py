@@ -5,12 +5,20 @@ running factors and all-reduced and before any decomposition is computed:
 
 * the ``.grad`` of every parameter of the registered layers (not with a ``grad_scaler``: AMP
   overflows keep kfac_pytorch's handling, the scaler skips ``optimizer.step()`` itself);
-* the running factors updated in this step (in the backward hooks or at the start of ``step``).
+* the running factors updated in this step (in the backward hooks or at the start of ``step``);
+
+and, after the decompositions and the preconditioned gradients are computed (and broadcast)
+and before ``.grad`` is written:
+
+* the preconditioned gradients (non-finite only through a failed or non-finite
+  decomposition: a ``LinalgError`` of the backend becomes NaN decompositions on the rank that
+  computed them, so that the ranks waiting for their broadcast do not hang).
 
 A non-finite value makes the step a no-op for the preconditioner: the running factors are put
 back to the tensors they were before this step's fold (the fold makes new tensors, so the old
-ones are kept by reference, not copied), the pending factor batches are dropped, ``steps``,
-the decompositions and the gradients are left exactly as they were. Under ``"skip"`` a
+ones are kept by reference, not copied), so are the decompositions if this step recomputed
+them, the pending factor batches are dropped, and ``steps`` and the gradients are left exactly
+as they were. Under ``"skip"`` a
 warning is logged and ``num_skipped`` counts it; after ``max_consecutive_skips`` skips in a row
 :class:`~torchsso2.NonFiniteError` says the run diverged. Under ``"raise"`` the state is put
 back the same way and :class:`~torchsso2.NonFiniteError` is raised at once.
@@ -22,7 +30,7 @@ factors are checked after their all-reduce, so a NaN on one rank is a NaN on eve
 from __future__ import annotations
 
 import logging
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,7 +43,7 @@ from .layer import KFACLayer
 logger = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteError", "SkipPolicy", "check_max_consecutive_skips", "check_on_nonfinite",
-           "nonfinite_entries"]
+           "decompositions_before", "nonfinite_entries", "nonfinite_results", "restore_decompositions"]
 
 ON_NONFINITE = ("skip", "raise")
 
@@ -83,6 +91,37 @@ def nonfinite_entries(layers: Sequence[KFACLayer], updated: Iterable[str], check
     if all_finite([t for _, t in items]):
         return []
     return [label for label, t in items if t.numel() and not bool(torch.isfinite(t).all())]
+
+
+def nonfinite_results(results: Sequence[Tuple[KFACLayer, Tensor, Tensor]]) -> List[str]:
+    """Labels of the non-finite preconditioned gradients ``(layer, precond, grad)`` of a step
+    (after their broadcast: every rank holds the same ones, so every rank finds the same), with
+    the decomposition failure this rank saw, if any. Finite gradients and factors give a
+    non-finite result only through the decompositions (a failed or non-finite ``eigh``/inverse)."""
+    if all_finite([p for _, p, _ in results]):
+        return []
+    out = []
+    for layer, precond, _ in results:
+        if precond.numel() and not bool(torch.isfinite(precond).all()):
+            why = layer.decomposition_error or "non-finite decompositions"
+            out.append(f"{layer.name} preconditioned gradient ({why}; try inv_dtype=torch.float64 or more damping)")
+    return out
+
+
+def decompositions_before(layers: Sequence[KFACLayer]) -> Dict[str, Tuple[Dict[str, Tensor], bool]]:
+    """The layers' decompositions before an inverse step (the dicts copied, not the tensors: the
+    step makes new tensors) and clears their ``decomposition_error``."""
+    saved = {}
+    for layer in layers:
+        saved[layer.name] = (dict(layer.inv), layer.inv_ready)
+        layer.decomposition_error = None
+    return saved
+
+
+def restore_decompositions(layers: Sequence[KFACLayer], saved: Dict[str, Tuple[Dict[str, Tensor], bool]]) -> None:
+    """Put back what :func:`decompositions_before` saved."""
+    for layer in layers:
+        layer.inv, layer.inv_ready = dict(saved[layer.name][0]), saved[layer.name][1]
 
 
 class SkipPolicy:

@@ -36,7 +36,8 @@ from .hyperparams import Schedule, check_schedule, evaluate
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
 from .layer import KFACLayer, grad_scale_of
-from .nonfinite import SkipPolicy, nonfinite_entries
+from .nonfinite import (SkipPolicy, decompositions_before, nonfinite_entries, nonfinite_results,
+                        restore_decompositions)
 from .register import find_layers
 from .state import HYPERPARAMS, decompositions_state, layers_state, validate_state
 
@@ -338,11 +339,13 @@ class KFACPreconditioner:
                 if layer.update_factors(decay):
                     self._updated.add(layer.name)
         self._kaisa.allreduce_factors([layer for layer in layers if layer.name in self._updated])
-        if self._skip_nonfinite(layers):
+        if self._skip_nonfinite(layers, nonfinite_entries(layers, self._updated, self.grad_scaler is None)):
             return
         self._updated.clear()
 
+        previous = None
         if self._steps % self.inv_update_steps == 0:
+            previous = decompositions_before(layers)
             damping = self.damping
             for layer in layers:
                 if layer.has_factors():
@@ -364,24 +367,28 @@ class KFACPreconditioner:
                 precond = torch.empty_like(grad)
             self._kaisa.share_gradient(layer, precond)
             results.append((layer, precond, grad))
+        if self._skip_nonfinite(layers, nonfinite_results(results), previous):
+            return
         kl_clip = self.kl_clip
         scale = None if kl_clip is None else kl_clip_scale([(p, g) for _, p, g in results], self.lr, kl_clip)
         for layer, precond, _ in results:
             layer.set_grad(precond, scale)
+        for layer in layers:
+            layer.keep_folds()
+        self._skips.passed()
         self._steps += 1
         self._mini_steps.clear()
 
-    def _skip_nonfinite(self, layers: List[KFACLayer]) -> bool:
-        """Check this step's gradients and updated factors; on a non-finite value put the
-        factors back, drop the batches and apply ``on_nonfinite`` (see :mod:`.nonfinite`)."""
-        entries = nonfinite_entries(layers, self._updated, check_grads=self.grad_scaler is None)
+    def _skip_nonfinite(self, layers: List[KFACLayer], entries: List[str],
+                        previous: Optional[Dict[str, Any]] = None) -> bool:
+        """On non-finite ``entries`` put the factors (and the ``previous`` decompositions) back,
+        drop the batches and apply ``on_nonfinite`` (see :mod:`.nonfinite`); False if none."""
         if not entries:
-            for layer in layers:
-                layer.keep_folds()
-            self._skips.passed()
             return False
         for layer in layers:
             layer.undo_folds()
+        if previous is not None:
+            restore_decompositions(layers, previous)
         self._updated.clear()
         self._mini_steps.clear()
         self._skips.skipped(self._steps, entries)
