@@ -447,9 +447,10 @@ class KFACPreconditioner:
         self._updated.clear()
         if staged.decompositions is not None:
             for layer in self.layers.values():
-                layer.inv = dict(staged.decompositions.get(layer.name, {}))
+                worker = self._kaisa.is_grad_worker(layer)  # only grad workers keep decompositions
+                layer.inv = dict(staged.decompositions.get(layer.name, {})) if worker else {}
                 layer.inv_ready = layer.name in staged.inv_ready
-                if layer.inv_ready and not layer.inv and self._kaisa.is_grad_worker(layer):
+                if layer.inv_ready and not layer.inv and worker:
                     layer.compute("A", self.damping)  # local: this rank's grad-worker share, no collective
                     layer.compute("G", self.damping)
             return
