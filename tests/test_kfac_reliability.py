@@ -345,8 +345,10 @@ def test_resume_is_bit_exact_with_decompositions(method, prediv, dtype):
     _run(model, pre, range(5))
     ckpt = _checkpoint(model, pre)
     light = _checkpoint(model, pre, include_decompositions=False)
-    assert set(ckpt["kfac"]["decompositions"]) == set(pre.layers) and ckpt["kfac"]["inv_ready"]
-    assert "decompositions" not in light["kfac"]
+    ext = ckpt["kfac"]["torchsso2"]
+    assert set(ext["decompositions"]) == set(pre.layers) and ext["inv_ready"]
+    assert set(light["kfac"]) == {"steps", "factor_update_steps", "inv_update_steps", "damping", "factor_decay",
+                                  "kl_clip", "lr", "layers"}  # exactly kfac_pytorch's keys
     straight = _run(model, pre, range(5, 9))
 
     def resume(c: Dict[str, Any]) -> List[Dict[str, Tensor]]:
@@ -374,8 +376,7 @@ def test_loads_kfac_pytorch_state_dict_and_kfac_pytorch_loads_ours():
     _run(ours_model, ours, range(3))
     sd = ours.state_dict()
     # kfac_pytorch's format: steps, hyper-parameters, layers {name: {A, G}}
-    theirs_sd = {k: v for k, v in sd.items() if k not in ("decompositions", "inv_ready", "num_skipped",
-                                                          "consecutive_skips")}
+    theirs_sd = {k: v for k, v in sd.items() if k != "torchsso2"}
     fresh = KFACPreconditioner(build(seed=3, dtype=torch.float32), damping=0.5)
     fresh.load_state_dict(theirs_sd)
     assert fresh.steps == 3 and fresh.damping == 0.01
@@ -404,7 +405,7 @@ def test_decompositions_missing_for_a_ready_layer_are_computed_locally():
     pre = KFACPreconditioner(model, damping=0.01)
     _run(model, pre, range(3))
     sd = copy.deepcopy(pre.state_dict())
-    del sd["decompositions"]["fc1"]
+    del sd["torchsso2"]["decompositions"]["fc1"]
     light = copy.deepcopy(pre.state_dict(include_decompositions=False))
     a, b = KFACPreconditioner(build(seed=1), damping=0.01), KFACPreconditioner(build(seed=1), damping=0.01)
     a.load_state_dict(sd)
@@ -443,7 +444,9 @@ REFUSALS = [
     ("steps negative", _set(("steps",), -1), "state_dict['steps'] must be an int >= 0"),
     ("steps str", _set(("steps",), "3"), "state_dict['steps'] must be an int >= 0"),
     ("damping", _set(("damping",), -1.0), "state_dict['damping'] is invalid"),
-    ("counter", _set(("num_skipped",), -2), "state_dict['num_skipped'] must be an int >= 0"),
+    ("counter", _set(("torchsso2", "num_skipped"), -2), "state_dict['torchsso2']['num_skipped'] must be an int >= 0"),
+    ("extension key", _set(("torchsso2", "extra"), 1), "state_dict['torchsso2'] has unexpected keys ['extra']"),
+    ("extension type", _set(("torchsso2",), [1]), "state_dict['torchsso2'] must be a dict"),
     ("layer missing", _set(("layers", "fc2"), KeyError), "missing ['fc2']"),
     ("layer extra", _set(("layers", "fc9"), {"A": None, "G": None}), "unexpected ['fc9']"),
     ("layer key extra", _set(("layers", "fc1", "B"), None), "state_dict['layers']['fc1'] must have exactly"),
@@ -454,17 +457,20 @@ REFUSALS = [
     ("factor nan", _set(("layers", "conv", "G"), lambda t: t * float("nan")),
      "state_dict['layers']['conv']['G'] holds NaN/inf"),
     ("factor not tensor", _set(("layers", "conv", "A"), [[1.0]]), "must be a tensor of shape (19, 19)"),
-    ("decomposition shape", _set(("decompositions", "fc2", "qg"), lambda t: t[:2, :2]),
-     "state_dict['decompositions']['fc2']['qg'] has shape (2, 2)"),
-    ("decomposition dtype", _set(("decompositions", "fc2", "qa"), lambda t: t.double()),
-     "state_dict['decompositions']['fc2']['qa'] has dtype torch.float64, the preconditioner stores torch.float32"),
-    ("decomposition nan", _set(("decompositions", "fc1", "dgda"), lambda t: t / 0.0 * 0.0),
-     "state_dict['decompositions']['fc1']['dgda'] holds NaN/inf"),
-    ("decomposition key", _set(("decompositions", "fc1", "qg"), KeyError),
-     "state_dict['decompositions']['fc1'] must have exactly the keys ['dgda', 'qa', 'qg']"),
-    ("decomposition layer", _set(("decompositions", "fc7"), {}), "unexpected ['fc7']"),
-    ("inv_ready name", _set(("inv_ready",), ["conv", "fc5"]), "state_dict['inv_ready'] must be a list of registered"),
-    ("decompositions alone", _set(("inv_ready",), KeyError), "must have both 'decompositions' and 'inv_ready'"),
+    ("decomposition shape", _set(("torchsso2", "decompositions", "fc2", "qg"), lambda t: t[:2, :2]),
+     "state_dict['torchsso2']['decompositions']['fc2']['qg'] has shape (2, 2)"),
+    ("decomposition dtype", _set(("torchsso2", "decompositions", "fc2", "qa"), lambda t: t.double()),
+     "state_dict['torchsso2']['decompositions']['fc2']['qa'] has dtype torch.float64, the preconditioner stores "
+     "torch.float32"),
+    ("decomposition nan", _set(("torchsso2", "decompositions", "fc1", "dgda"), lambda t: t / 0.0 * 0.0),
+     "state_dict['torchsso2']['decompositions']['fc1']['dgda'] holds NaN/inf"),
+    ("decomposition key", _set(("torchsso2", "decompositions", "fc1", "qg"), KeyError),
+     "state_dict['torchsso2']['decompositions']['fc1'] must have exactly the keys ['dgda', 'qa', 'qg']"),
+    ("decomposition layer", _set(("torchsso2", "decompositions", "fc7"), {}), "unexpected ['fc7']"),
+    ("inv_ready name", _set(("torchsso2", "inv_ready"), ["conv", "fc5"]),
+     "state_dict['torchsso2']['inv_ready'] must be a list of registered"),
+    ("decompositions alone", _set(("torchsso2", "inv_ready"), KeyError),
+     "must have both 'decompositions' and 'inv_ready'"),
 ]
 
 

@@ -39,7 +39,7 @@ from .layer import KFACLayer, grad_scale_of
 from .nonfinite import (SkipPolicy, decompositions_before, nonfinite_entries, nonfinite_results,
                         restore_decompositions)
 from .register import find_layers
-from .state import HYPERPARAMS, decompositions_state, layers_state, validate_state
+from .state import EXTENSION, HYPERPARAMS, decompositions_state, layers_state, validate_state
 
 logger = logging.getLogger(__name__)
 
@@ -274,29 +274,6 @@ class KFACPreconditioner:
     def accumulation_steps(self) -> int:
         return self._accumulation_steps
 
-    @property
-    def on_nonfinite(self) -> str:
-        return self._skips.on_nonfinite
-
-    @property
-    def max_consecutive_skips(self) -> Optional[int]:
-        return self._skips.max_consecutive_skips
-
-    @property
-    def num_skipped(self) -> int:
-        """Steps skipped so far because of a non-finite gradient or factor."""
-        return self._skips.num_skipped
-
-    @property
-    def consecutive_skips(self) -> int:
-        """Skipped steps since the last step that went through."""
-        return self._skips.consecutive_skips
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last :meth:`step` was skipped (its gradients are the raw, non-finite ones)."""
-        return self._skips.last_skipped
-
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
@@ -394,6 +371,30 @@ class KFACPreconditioner:
         self._skips.skipped(self._steps, entries)
         return True
 
+    # ---- the non-finite policy's settings and counters (torchsso2/kfac/nonfinite.py) ----------------
+    @property
+    def on_nonfinite(self) -> str:
+        return self._skips.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        return self._skips.max_consecutive_skips
+
+    @property
+    def num_skipped(self) -> int:
+        """Steps skipped so far because of a non-finite gradient, factor or decomposition."""
+        return self._skips.num_skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Skipped steps since the last step that went through."""
+        return self._skips.consecutive_skips
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` was skipped (its gradients are the raw, non-finite ones)."""
+        return self._skips.last_skipped
+
     def reset_batch(self) -> None:
         """Drop the factor batches collected since the last update."""
         for layer in self.layers.values():
@@ -402,21 +403,24 @@ class KFACPreconditioner:
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self, include_factors: bool = True, include_decompositions: bool = True) -> Dict[str, Any]:
         """kfac_pytorch's state (``steps``, the non-callable hyper-parameters, optionally the
-        factors) plus, with the factors, the decompositions this rank holds and the non-finite
-        counters (format: :mod:`torchsso2.kfac.state`). The tensors are the preconditioner's own
-        (``torch.save`` them); with ``include_decompositions`` a resumed run is bit-identical."""
+        factors ``layers``) plus, with ``include_decompositions``, the key ``"torchsso2"``: the
+        decompositions this rank holds (with the factors) and the non-finite counters (format:
+        :mod:`torchsso2.kfac.state`; ``include_decompositions=False`` gives exactly kfac_pytorch's
+        keys). The tensors are the preconditioner's own (``torch.save`` them); with the
+        decompositions a resumed run is bit-identical."""
         state: Dict[str, Any] = {"steps": self._steps}
         for name in HYPERPARAMS:
             value = getattr(self, f"_{name}")
             if not callable(value):
                 state[name] = value
         if include_factors:
-            layers = list(self.layers.values())
-            state["layers"] = layers_state(layers)
-            if include_decompositions:
-                state["decompositions"], state["inv_ready"] = decompositions_state(layers)
-        state["num_skipped"] = self._skips.num_skipped
-        state["consecutive_skips"] = self._skips.consecutive_skips
+            state["layers"] = layers_state(list(self.layers.values()))
+        if include_decompositions:  # our extension of kfac_pytorch's format, under one key
+            ext: Dict[str, Any] = {"num_skipped": self._skips.num_skipped,
+                                   "consecutive_skips": self._skips.consecutive_skips}
+            if include_factors:
+                ext["decompositions"], ext["inv_ready"] = decompositions_state(list(self.layers.values()))
+            state[EXTENSION] = ext
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any], compute_inverses: bool = True) -> None:

@@ -4,15 +4,17 @@
 
     {"steps": int,
      "factor_update_steps": ..., "inv_update_steps": ..., "damping": ..., "factor_decay": ...,
-     "kl_clip": ..., "lr": ...,                  # only those that are not callables
-     "layers": {name: {"A": Tensor, "G": Tensor}},          # include_factors=True
-     "decompositions": {name: {key: Tensor}},              # include_decompositions=True (with the factors)
-     "inv_ready": [name, ...],                             # the layers decomposed so far
-     "num_skipped": int, "consecutive_skips": int}         # the non-finite policy's counters
+     "kl_clip": ..., "lr": ...,                        # only those that are not callables
+     "layers": {name: {"A": Tensor, "G": Tensor}},     # include_factors=True
+     "torchsso2": {                                     # include_decompositions=True
+         "decompositions": {name: {key: Tensor}},      #   with include_factors=True
+         "inv_ready": [name, ...],                     #   the layers decomposed so far (idem)
+         "num_skipped": int, "consecutive_skips": int}}  # the non-finite policy's counters
 
-The first three groups are kfac_pytorch's format (it ignores the others when it loads ours;
-ours loads its). ``decompositions`` holds, for each layer this rank is a grad worker of, the
-tensors it preconditions with (:meth:`KFACLayer.decomposition_shapes`: ``qa``, ``qg``,
+Everything but ``"torchsso2"`` is kfac_pytorch's format (``include_decompositions=False`` gives
+exactly its keys; kfac_pytorch ignores the extra key when it loads ours; ours loads its).
+``decompositions`` holds, for each layer this rank is a grad worker of, the tensors it
+preconditions with (:meth:`KFACLayer.decomposition_shapes`: ``qa``, ``qg``,
 ``dgda`` / ``qa``, ``da``, ``qg``, ``dg`` / ``a_inv``, ``g_inv``), so a resumed run is bit-identical
 to an uninterrupted one whatever the cadence (with ``inv_update_steps`` not a multiple of
 ``factor_update_steps`` the decompositions in use are older than the saved factors and
@@ -35,11 +37,13 @@ from torch import Tensor
 from .hyperparams import check_schedule
 from .layer import KFACLayer
 
-__all__ = ["HYPERPARAMS", "StagedState", "layers_state", "decompositions_state", "validate_state"]
+__all__ = ["EXTENSION", "HYPERPARAMS", "StagedState", "decompositions_state", "layers_state", "validate_state"]
 
 HYPERPARAMS = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
+EXTENSION = "torchsso2"
 COUNTERS = ("num_skipped", "consecutive_skips")
-KEYS = ("steps",) + HYPERPARAMS + ("layers", "decompositions", "inv_ready") + COUNTERS
+KEYS = ("steps",) + HYPERPARAMS + ("layers", EXTENSION)
+EXTENSION_KEYS = ("decompositions", "inv_ready") + COUNTERS
 
 
 def layers_state(layers: Sequence[KFACLayer]) -> Dict[str, Dict[str, Any]]:
@@ -134,7 +138,14 @@ def validate_state(state: Any, layers: Sequence[KFACLayer], factor_dtype: Option
             except (TypeError, ValueError) as exc:
                 raise _fail(f"[{name!r}]", f"is invalid: {exc}") from None
             hyper[name] = state[name]
-    counters = {name: _int(f"[{name!r}]", state[name], 0) for name in COUNTERS if name in state}
+    ext = state.get(EXTENSION, {})
+    if not isinstance(ext, Mapping):
+        raise _fail(f"[{EXTENSION!r}]", f"must be a dict, got {type(ext).__name__}")
+    unknown = sorted(str(k) for k in ext if k not in EXTENSION_KEYS)
+    if unknown:
+        raise _fail(f"[{EXTENSION!r}]", f"has unexpected keys {unknown} (known: {list(EXTENSION_KEYS)})")
+    where = f"[{EXTENSION!r}]"
+    counters = {name: _int(f"{where}[{name!r}]", ext[name], 0) for name in COUNTERS if name in ext}
     by_name = {layer.name: layer for layer in layers}
 
     def names_of(entry: str, value: Any, exact: bool) -> None:
@@ -167,21 +178,21 @@ def validate_state(state: Any, layers: Sequence[KFACLayer], factor_dtype: Option
 
     decompositions = None
     ready: Set[str] = set()
-    if "decompositions" in state or "inv_ready" in state:
-        if "decompositions" not in state or "inv_ready" not in state:
-            raise _fail("", "must have both 'decompositions' and 'inv_ready' or neither")
+    if "decompositions" in ext or "inv_ready" in ext:
+        if "decompositions" not in ext or "inv_ready" not in ext:
+            raise _fail(where, "must have both 'decompositions' and 'inv_ready' or neither")
         if factors is None:
-            raise _fail("['decompositions']", "needs the factors ('layers') next to it")
-        names_of("['decompositions']", state["decompositions"], exact=False)
-        ready_list = state["inv_ready"]
+            raise _fail(f"{where}['decompositions']", "needs the factors ('layers') next to it")
+        names_of(f"{where}['decompositions']", ext["decompositions"], exact=False)
+        ready_list = ext["inv_ready"]
         if not isinstance(ready_list, (list, tuple)) or any(n not in by_name for n in ready_list):
-            raise _fail("['inv_ready']", f"must be a list of registered layer names {sorted(by_name)}, "
-                                         f"got {ready_list!r}")
+            raise _fail(f"{where}['inv_ready']", f"must be a list of registered layer names {sorted(by_name)}, "
+                                                 f"got {ready_list!r}")
         ready = set(ready_list)
         decompositions = {}
-        for name, tensors in state["decompositions"].items():
+        for name, tensors in ext["decompositions"].items():
             layer = by_name[name]
-            entry = f"['decompositions'][{name!r}]"
+            entry = f"{where}['decompositions'][{name!r}]"
             shapes = layer.decomposition_shapes()
             if name not in ready:
                 raise _fail(entry, "is given for a layer not listed in 'inv_ready'")
@@ -194,5 +205,5 @@ def validate_state(state: Any, layers: Sequence[KFACLayer], factor_dtype: Option
                                                convert=False) for k, shape in shapes.items()}
         for name in sorted(ready - set(decompositions)):
             if factors[name][0] is None or factors[name][1] is None:
-                raise _fail("['inv_ready']", f"lists {name!r}, which has neither decompositions nor factors")
+                raise _fail(f"{where}['inv_ready']", f"lists {name!r}, which has neither decompositions nor factors")
     return StagedState(steps, hyper, factors, decompositions, ready, counters)
