@@ -86,3 +86,59 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"nonfinite_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _resume_run(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """factor_update_steps=2, inv_update_steps=3: train 5 steps, checkpoint (each rank its own
+    state_dict, and rank 0's), train 4 more; resume from each kind of checkpoint."""
+    import io
+
+    from torchsso2.kfac import KFACPreconditioner
+
+    def steps(model: torch.nn.Module, pre: Any, rng: range) -> torch.Tensor:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rows = []
+        for step in rng:
+            opt.zero_grad()
+            x, y = common.shard(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+            rows.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+        return torch.stack(rows)
+
+    kw = {**common.BASE, **cfg, "factor_update_steps": 2, "inv_update_steps": 3}
+    model = DDP(common.build())
+    pre = KFACPreconditioner(model, **kw)
+    steps(model, pre, range(5))
+    own = io.BytesIO()
+    torch.save({"model": model.module.state_dict(), "kfac": pre.state_dict()}, own)
+    objects: List[Any] = [own.getvalue()]
+    dist.broadcast_object_list(objects, src=0)  # rank 0's checkpoint, as one file loaded by every rank
+    straight = steps(model, pre, range(5, 9))
+    out = {"straight": straight}
+    for name, blob in (("own", own.getvalue()), ("rank0", objects[0])):
+        ckpt = torch.load(io.BytesIO(blob))
+        fresh = common.build()
+        fresh.load_state_dict(ckpt["model"])
+        model2 = DDP(fresh)
+        pre2 = KFACPreconditioner(model2, **{**kw, "damping": 0.5})
+        pre2.load_state_dict(ckpt["kfac"])
+        out[name] = steps(model2, pre2, range(5, 9))
+    return out
+
+
+def resume_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        from torchsso2.kfac import DistributedStrategy
+
+        results = {name: _resume_run(rank, cfg) for name, cfg in (
+            ("comm_opt-eigen", {}),
+            ("mem_opt-eigen", dict(grad_worker_fraction=DistributedStrategy.MEM_OPT)),
+            ("mem_opt-inverse", dict(grad_worker_fraction=DistributedStrategy.MEM_OPT, compute_method="inverse")))}
+        torch.save(results, os.path.join(out_dir, f"resume_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
