@@ -307,7 +307,9 @@ class KFACPreconditioner:
         """Precondition the gradients of the registered layers in place (then call ``optimizer.step()``).
 
         Gradients must already be averaged over ranks (``DistributedDataParallel`` does it in
-        ``backward``). Every rank must call it.
+        ``backward``). Every rank must call it. A NaN/inf gradient, factor or decomposition makes
+        the step a no-op (``on_nonfinite``; then ``last_step_skipped`` is True: skip
+        ``optimizer.step()``).
         """
         layers = list(self.layers.values())
         if not self.update_factors_in_hook and self._steps % self.factor_update_steps == 0:
