@@ -287,7 +287,8 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
                 env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
             if preconditioner is not None:
                 preconditioner.step()
-            optimizer.step()
+            if preconditioner is None or not preconditioner.last_step_skipped:  # skipped: non-finite values
+                optimizer.step()
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             step_times.append(time.perf_counter() - start)

@@ -18,7 +18,6 @@ factors, :mod:`curvature.linalg` for the decompositions), scaled as kfac_pytorch
 """
 from __future__ import annotations
 
-import functools
 import logging
 import numbers
 import warnings
@@ -32,12 +31,15 @@ from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 
 from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
+from .hooks import attach_forward_hooks, weak_grad_hook
 from .hyperparams import Schedule, check_schedule, evaluate
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
 from .layer import KFACLayer, grad_scale_of
+from .nonfinite import (SkipPolicy, decompositions_before, nonfinite_entries, nonfinite_results,
+                        restore_decompositions)
 from .register import find_layers
-from .state import HYPERPARAMS, layers_state, load_layers_state
+from .state import EXTENSION, HYPERPARAMS, decompositions_state, layers_state, validate_state
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,15 @@ class KFACPreconditioner:
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
         loglevel: level of the registration / assignment log messages.
+        on_nonfinite: ``"skip"`` (default) or ``"raise"``: what :meth:`step` does when a gradient
+            of a registered layer or a factor updated in this step is NaN/inf. Either way the
+            preconditioner's state (factors, decompositions, ``steps``) and the gradients are left
+            exactly as before the step; ``"skip"`` logs a warning, counts it in ``num_skipped``
+            and sets ``last_step_skipped`` (skip ``optimizer.step()`` then), ``"raise"`` raises
+            :class:`~torchsso2.NonFiniteError`. Not with a ``grad_scaler``'s overflow, which
+            keeps kfac_pytorch's handling. See :mod:`torchsso2.kfac.nonfinite`.
+        max_consecutive_skips: under ``"skip"``, raise :class:`~torchsso2.NonFiniteError` (the run
+            diverged) after this many skipped steps in a row (``None``: never).
 
     Raises:
         ValueError / TypeError: a bad argument (the message names it and what was expected).
@@ -131,6 +142,8 @@ class KFACPreconditioner:
         linalg: Union[str, Backend] = "torch",
         communicator: Union[str, Communicator] = "auto",
         loglevel: int = logging.DEBUG,
+        on_nonfinite: str = "skip",
+        max_consecutive_skips: Optional[int] = 20,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -212,7 +225,9 @@ class KFACPreconditioner:
         self._steps = 0
         self._mini_steps: Dict[str, int] = defaultdict(int)
         self._updated: set = set()
-        self._handles = [layer.module.register_forward_hook(self._forward_hook) for layer in self.layers.values()]
+        self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
+        # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
+        self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
 
     @staticmethod
     def _parse_fraction(value: Union[DistributedStrategy, float], world: int) -> Union[DistributedStrategy, float]:
@@ -270,7 +285,7 @@ class KFACPreconditioner:
         layer = self._by_module[module]
         self._mini_steps[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
-        output.register_hook(functools.partial(self._grad_hook, layer, saved, self._mini_steps[layer.name]))
+        output.register_hook(weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
 
     def _grad_hook(self, layer: KFACLayer, inputs: Tuple[Any, ...], mini_step: int, grad: Tensor) -> None:
         with torch.no_grad():
@@ -280,7 +295,8 @@ class KFACPreconditioner:
                     self._updated.add(layer.name)
 
     def remove_hooks(self) -> None:
-        """Detach the preconditioner from the model (the hooks are removed)."""
+        """Detach the preconditioner from the model (the hooks are removed; dropping the
+        preconditioner removes them too, see :mod:`torchsso2.kfac.hooks`)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -291,7 +307,9 @@ class KFACPreconditioner:
         """Precondition the gradients of the registered layers in place (then call ``optimizer.step()``).
 
         Gradients must already be averaged over ranks (``DistributedDataParallel`` does it in
-        ``backward``). Every rank must call it.
+        ``backward``). Every rank must call it. A NaN/inf gradient, factor or decomposition makes
+        the step a no-op (``on_nonfinite``; then ``last_step_skipped`` is True: skip
+        ``optimizer.step()``).
         """
         layers = list(self.layers.values())
         if not self.update_factors_in_hook and self._steps % self.factor_update_steps == 0:
@@ -300,9 +318,13 @@ class KFACPreconditioner:
                 if layer.update_factors(decay):
                     self._updated.add(layer.name)
         self._kaisa.allreduce_factors([layer for layer in layers if layer.name in self._updated])
+        if self._skip_nonfinite(layers, nonfinite_entries(layers, self._updated, self.grad_scaler is None)):
+            return
         self._updated.clear()
 
+        previous = None
         if self._steps % self.inv_update_steps == 0:
+            previous = decompositions_before(layers)
             damping = self.damping
             for layer in layers:
                 if layer.has_factors():
@@ -324,12 +346,56 @@ class KFACPreconditioner:
                 precond = torch.empty_like(grad)
             self._kaisa.share_gradient(layer, precond)
             results.append((layer, precond, grad))
+        if self._skip_nonfinite(layers, nonfinite_results(results), previous):
+            return
         kl_clip = self.kl_clip
         scale = None if kl_clip is None else kl_clip_scale([(p, g) for _, p, g in results], self.lr, kl_clip)
         for layer, precond, _ in results:
             layer.set_grad(precond, scale)
+        for layer in layers:
+            layer.keep_folds()
+        self._skips.passed()
         self._steps += 1
         self._mini_steps.clear()
+
+    def _skip_nonfinite(self, layers: List[KFACLayer], entries: List[str],
+                        previous: Optional[Dict[str, Any]] = None) -> bool:
+        """On non-finite ``entries`` put the factors (and the ``previous`` decompositions) back,
+        drop the batches and apply ``on_nonfinite`` (see :mod:`.nonfinite`); False if none."""
+        if not entries:
+            return False
+        for layer in layers:
+            layer.undo_folds()
+        if previous is not None:
+            restore_decompositions(layers, previous)
+        self._updated.clear()
+        self._mini_steps.clear()
+        self._skips.skipped(self._steps, entries)
+        return True
+
+    # ---- the non-finite policy's settings and counters (torchsso2/kfac/nonfinite.py) ----------------
+    @property
+    def on_nonfinite(self) -> str:
+        return self._skips.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        return self._skips.max_consecutive_skips
+
+    @property
+    def num_skipped(self) -> int:
+        """Steps skipped so far because of a non-finite gradient, factor or decomposition."""
+        return self._skips.num_skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Skipped steps since the last step that went through."""
+        return self._skips.consecutive_skips
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` was skipped (its gradients are the raw, non-finite ones)."""
+        return self._skips.last_skipped
 
     def reset_batch(self) -> None:
         """Drop the factor batches collected since the last update."""
@@ -337,8 +403,13 @@ class KFACPreconditioner:
             layer.reset_batch()
 
     # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self, include_factors: bool = True) -> Dict[str, Any]:
-        """kfac_pytorch's state: ``steps``, the non-callable hyper-parameters and (optionally) factors."""
+    def state_dict(self, include_factors: bool = True, include_decompositions: bool = True) -> Dict[str, Any]:
+        """kfac_pytorch's state (``steps``, the non-callable hyper-parameters, optionally the
+        factors ``layers``) plus, with ``include_decompositions``, the key ``"torchsso2"``: the
+        decompositions this rank holds (with the factors) and the non-finite counters (format:
+        :mod:`torchsso2.kfac.state`; ``include_decompositions=False`` gives exactly kfac_pytorch's
+        keys). The tensors are the preconditioner's own (``torch.save`` them); with the
+        decompositions a resumed run is bit-identical."""
         state: Dict[str, Any] = {"steps": self._steps}
         for name in HYPERPARAMS:
             value = getattr(self, f"_{name}")
@@ -346,27 +417,53 @@ class KFACPreconditioner:
                 state[name] = value
         if include_factors:
             state["layers"] = layers_state(list(self.layers.values()))
+        if include_decompositions:  # our extension of kfac_pytorch's format, under one key
+            ext: Dict[str, Any] = {"num_skipped": self._skips.num_skipped,
+                                   "consecutive_skips": self._skips.consecutive_skips}
+            if include_factors:
+                ext["decompositions"], ext["inv_ready"] = decompositions_state(list(self.layers.values()))
+            state[EXTENSION] = ext
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any], compute_inverses: bool = True) -> None:
-        """Restore :meth:`state_dict`; with ``compute_inverses`` the decompositions are recomputed
-        from the loaded factors (every rank must call it then)."""
-        if not isinstance(state_dict, dict) or "steps" not in state_dict:
-            raise ValueError("state_dict must be a dict from KFACPreconditioner.state_dict() (with a 'steps' key)")
-        self._steps = int(state_dict["steps"])
-        for name in HYPERPARAMS:
-            if name in state_dict:
-                setattr(self, f"_{name}", state_dict[name])
-        if "layers" in state_dict:
-            load_layers_state(list(self.layers.values()), state_dict["layers"])
-        elif compute_inverses:
-            warnings.warn("Layer factors are not included in the state_dict so inverses cannot be computed; "
-                          "skipping inverse computation", stacklevel=2)
-            compute_inverses = False
-        self.reset_batch()
+        """Restore :meth:`state_dict` (ours or kfac_pytorch's).
+
+        The whole state dict is validated against the registered layers first (names, keys,
+        shapes, dtypes, finiteness, hyper-parameter values; :func:`~torchsso2.kfac.state.validate_state`);
+        a bad one raises ``ValueError`` naming the entry and leaves the preconditioner unchanged.
+        Decompositions in the state dict are used as they are; without them (kfac_pytorch's
+        format) ``compute_inverses`` recomputes them from the loaded factors (every rank must
+        call it then). A layer listed as decomposed whose decompositions this rank needs but the
+        state dict lacks (a checkpoint from a rank that did not hold them) is decomposed here.
+        """
+        staged = validate_state(state_dict, list(self.layers.values()), self.factor_dtype, self.inv_dtype)
+        # from here on nothing can fail before the state is consistent again
+        self._steps = staged.steps
+        for name, value in staged.hyperparams.items():
+            setattr(self, f"_{name}", value)
+        self._skips.num_skipped = staged.counters.get("num_skipped", 0)
+        self._skips.consecutive_skips = staged.counters.get("consecutive_skips", 0)
+        self._skips.last_skipped = False
+        for layer in self.layers.values():
+            layer.reset_batch()
+            layer.keep_folds()
+            if staged.factors is not None:
+                layer.a_factor, layer.g_factor = staged.factors[layer.name]
         self._mini_steps.clear()
         self._updated.clear()
-        if compute_inverses:
+        if staged.decompositions is not None:
+            for layer in self.layers.values():
+                worker = self._kaisa.is_grad_worker(layer)  # only grad workers keep decompositions
+                layer.inv = dict(staged.decompositions.get(layer.name, {})) if worker else {}
+                layer.inv_ready = layer.name in staged.inv_ready
+                if layer.inv_ready and not layer.inv and worker:
+                    layer.compute("A", self.damping)  # local: this rank's grad-worker share, no collective
+                    layer.compute("G", self.damping)
+            return
+        if staged.factors is None and compute_inverses:
+            warnings.warn("Layer factors are not included in the state_dict so inverses cannot be computed; "
+                          "skipping inverse computation", stacklevel=2)
+        elif compute_inverses:
             damping = self.damping
             for layer in self.layers.values():
                 if layer.has_factors():
