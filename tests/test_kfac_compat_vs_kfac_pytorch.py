@@ -285,3 +285,17 @@ def test_state_dicts_same_format_and_loadable_across_libraries():
     for key in ("a_factors", "g_factors", "total"):
         assert m_mem[key] > 0 and t_mem[key] > 0
     assert m_mem["a_factors"] == t_mem["a_factors"] and m_mem["g_factors"] == t_mem["g_factors"]
+
+
+@pytest.mark.parametrize("kwargs,exc", [
+    (dict(symmetry_aware="no"), TypeError),
+    (dict(compute_method="eigen", colocate_factors=False), ValueError),
+    (dict(factor_update_steps=1.5, inv_update_steps=3), TypeError),
+], ids=["string flag", "eigen string without colocation", "fractional update steps"])
+def test_documented_stricter_checks(kwargs, exc):
+    """docs/kfac.md lists these: kfac_pytorch accepts them, torchsso2 refuses them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pt_pre.KFACPreconditioner(tiny(), **kwargs)
+    with pytest.raises(exc):
+        ours.KFACPreconditioner(tiny(), **kwargs)
