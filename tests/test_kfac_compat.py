@@ -277,8 +277,10 @@ def test_scheduler_refuses_a_hyperparameter_that_is_already_callable():
         pre = KFACPreconditioner(tiny(), **{name: _scaled(1)})
         with pytest.raises(ValueError, match=f"{name} is already a callable"):
             LambdaParamScheduler(pre, **{f"{name}_lambda": _scaled(1)})
-    with pytest.raises(TypeError, match="BaseKFACPreconditioner"):
-        LambdaParamScheduler(torch.optim.SGD(tiny().parameters(), lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match="has no _damping.*BaseKFACPreconditioner"):
+        LambdaParamScheduler(torch.optim.SGD(tiny().parameters(), lr=0.1), damping_lambda=_scaled(1))
+    with pytest.raises(TypeError, match="lr_lambda must be a callable"):
+        LambdaParamScheduler(KFACPreconditioner(tiny()), lr_lambda=0.5)
 
 
 def test_scheduled_values_are_used_by_the_step_and_saved():

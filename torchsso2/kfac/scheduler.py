@@ -34,8 +34,9 @@ class LambdaParamScheduler:
     Raises:
         ValueError: a lambda is given for a hyper-parameter that the preconditioner already
             holds as a callable (the two cannot be combined).
-        TypeError: ``preconditioner`` is not a :class:`BaseKFACPreconditioner`, or a lambda
-            is not callable.
+        AttributeError: ``preconditioner`` lacks the hyper-parameter of a given lambda (not a
+            :class:`BaseKFACPreconditioner`; kfac_pytorch raises the same class).
+        TypeError: a lambda is not callable.
     """
 
     def __init__(
@@ -49,9 +50,6 @@ class LambdaParamScheduler:
         kl_clip_lambda: Optional[Callable[[int], float]] = None,
         lr_lambda: Optional[Callable[[int], float]] = None,
     ) -> None:
-        if not isinstance(preconditioner, BaseKFACPreconditioner):
-            raise TypeError(f"preconditioner must be a BaseKFACPreconditioner (e.g. KFACPreconditioner), "
-                            f"got {type(preconditioner).__name__}")
         self._preconditioner = preconditioner
         given = dict(zip(HYPERPARAMS, (factor_update_steps_lambda, inv_update_steps_lambda, damping_lambda,
                                        factor_decay_lambda, kl_clip_lambda, lr_lambda)))
@@ -62,6 +60,9 @@ class LambdaParamScheduler:
                 continue
             if not callable(fn):
                 raise TypeError(f"{name}_lambda must be a callable of the step or None, got {type(fn).__name__}")
+            if not hasattr(preconditioner, f"_{name}"):
+                raise AttributeError(f"{type(preconditioner).__name__} has no _{name}: the preconditioner must be a "
+                                     "BaseKFACPreconditioner (e.g. KFACPreconditioner)")
             if callable(getattr(preconditioner, f"_{name}")):
                 raise ValueError(f"preconditioner.{name} is already a callable and cannot be updated by the "
                                  f"LambdaParamScheduler (pass a number as {name}, or leave {name}_lambda out)")
