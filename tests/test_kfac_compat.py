@@ -165,8 +165,13 @@ def test_mem_opt_without_colocation_warns_and_colocates():
 
 
 def test_inv_update_steps_not_a_multiple_warns():
-    with pytest.warns(UserWarning, match="integer multiple of factor_update_steps"):
+    with pytest.warns(UserWarning, match="integer multiple of factor_update_steps") as record:
         KFACPreconditioner(tiny(), factor_update_steps=3, inv_update_steps=4)
+    assert record[0].filename == __file__  # attributed to the caller's line
+    with pytest.warns(UserWarning, match="MEM_OPT") as record:
+        KFACPreconditioner(tiny(), compute_method="inverse", colocate_factors=False, 
+                           grad_worker_fraction=DistributedStrategy.MEM_OPT)
+    assert record[0].filename == __file__
 
 
 @pytest.mark.parametrize("world,value,fraction,strategy", [

@@ -291,7 +291,14 @@ def test_state_dicts_same_format_and_loadable_across_libraries():
     (dict(symmetry_aware="no"), TypeError),
     (dict(compute_method="eigen", colocate_factors=False), ValueError),
     (dict(factor_update_steps=1.5, inv_update_steps=3), TypeError),
-], ids=["string flag", "eigen string without colocation", "fractional update steps"])
+    (dict(accumulation_steps=1.5), TypeError),
+    (dict(lr=float("inf")), ValueError),
+    (dict(factor_dtype=torch.int32), TypeError),
+    (dict(inv_dtype=None), TypeError),
+    (dict(grad_scaler=3.0), TypeError),
+    (dict(skip_layers="fc"), TypeError),
+], ids=["string flag", "eigen string without colocation", "fractional update steps", "fractional accumulation",
+        "infinite lr", "int factor dtype", "no inv dtype", "number as grad scaler", "string skip_layers"])
 def test_documented_stricter_checks(kwargs, exc):
     """docs/kfac.md lists these: kfac_pytorch accepts them, torchsso2 refuses them."""
     with warnings.catch_warnings():
@@ -299,3 +306,12 @@ def test_documented_stricter_checks(kwargs, exc):
         pt_pre.KFACPreconditioner(tiny(), **kwargs)
     with pytest.raises(exc):
         ours.KFACPreconditioner(tiny(), **kwargs)
+
+
+def test_enum_argument_of_another_type():
+    """kfac_pytorch fails an internal assertion; torchsso2 raises a TypeError naming the argument."""
+    for kwargs in (dict(compute_method=3), dict(assignment_strategy=3)):
+        with pytest.raises(AssertionError):
+            pt_pre.KFACPreconditioner(tiny(), **kwargs)
+        with pytest.raises(TypeError, match=next(iter(kwargs))):
+            ours.KFACPreconditioner(tiny(), **kwargs)
