@@ -21,7 +21,8 @@ from .hyperparams import exp_decay_factor_averaging
 from .preconditioner import KFACPreconditioner
 from .scheduler import LambdaParamScheduler
 
+# the submodules (kfac.preconditioner, kfac.enums, ...) are attributes but not in __all__, so that
+# ``from torchsso2.kfac import *`` does not shadow the standard library's ``warnings``
 __all__ = ["AllreduceMethod", "AssignmentStrategy", "BaseKFACPreconditioner", "ComputeMethod",
            "DistributedStrategy", "KFACPreconditioner", "LambdaParamScheduler", "UnknownChoiceError",
-           "base_preconditioner", "enums", "exp_decay_factor_averaging", "hyperparams", "install_as_kfac",
-           "preconditioner", "scheduler", "warnings"]
+           "exp_decay_factor_averaging", "install_as_kfac"]

@@ -60,14 +60,18 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         factor_update_steps: steps between factor updates (int or callable of the step).
         inv_update_steps: steps between recomputing the decompositions (int or callable).
         damping: Tikhonov damping (float or callable), ``> 0``.
-        factor_decay: running-average coefficient of the factors, in ``(0, 1]``.
-        kl_clip: KL clipping parameter, ``> 0`` (``None``: no clipping).
+        factor_decay: running-average coefficient of the factors, in ``(0, 1]`` (a callable may
+            also return ``0``: the factors are replaced by the new batch, e.g.
+            :func:`~torchsso2.kfac.hyperparams.exp_decay_factor_averaging` at steps 0 and 1).
+        kl_clip: KL clipping parameter, ``> 0``, or a callable of the step (returning ``None``: no
+            clipping at that step; ``kl_clip=None`` itself is a ``TypeError``, as in kfac_pytorch).
         lr: learning rate used by the KL clip, ``>= 0``.
         accumulation_steps: forward/backward passes per optimization step.
         allreduce_bucket_cap_mb: all-reduce bucket size in MiB (``0``: one all-reduce per factor).
         assignment_strategy: ``COMPUTE`` (cost ``n³``) or ``MEMORY`` (``n²``) for balancing
             the decompositions over ranks.
-        colocate_factors: decompose A and G of a layer on the same rank.
+        colocate_factors: decompose A and G of a layer on the same rank (switched on, with a
+            warning, when the grad-worker fraction is ``MEM_OPT``, as kfac_pytorch does).
         compute_method: ``EIGEN`` or ``INVERSE``.
         compute_eigenvalue_outer_product: with ``EIGEN``, the G worker precomputes
             ``1/(λ_G λ_Aᵀ + damping)`` (needs ``colocate_factors=True``).
@@ -85,10 +89,16 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         linalg: linear-algebra backend of the decompositions (``"torch"``, ``"cupy"``,
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
-        loglevel: level of the registration / assignment log messages.
+        loglevel: level of the registration, assignment and communicator-choice log messages.
 
     Raises:
-        ValueError / TypeError: a bad argument (the message names it and what was expected).
+        ValueError / TypeError: a bad argument (the message names it and what was expected);
+            an unknown ``compute_method`` / ``assignment_strategy`` name raises
+            :class:`~torchsso2.kfac.enums.UnknownChoiceError` (a ``KeyError`` and a ``ValueError``).
+
+    Besides kfac_pytorch's attributes (``allreduce_method``, ``tdc``, ``distributed_strategy``,
+    ``grad_worker_fraction``, ...; see docs/kfac.md), ``comm`` is the communicator (``tdc`` is
+    the same object), ``assignment`` the KAISA placement and ``layers`` name → layer state.
     """
 
     def __init__(
@@ -99,7 +109,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_update_steps: Schedule = 1,
         damping: Schedule = 0.001,
         factor_decay: Schedule = 0.95,
-        kl_clip: Optional[Schedule] = 0.001,
+        kl_clip: Schedule = 0.001,
         lr: Schedule = 0.1,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
