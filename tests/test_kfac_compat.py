@@ -458,3 +458,30 @@ def test_install_as_kfac(script):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------- on 2 and 4 gloo ranks
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_distributed_scenarios(world_size, tmp_path):
+    """kfac_pytorch's distributed constructor and training scenarios, on real ranks."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
+    import kfac_compat_worker
+    from dist_utils import run_gloo_ranks
+
+    codes = run_gloo_ranks(kfac_compat_worker, world_size, tmp_path, deadline_s=150.0)
+    assert codes == [0] * world_size, codes
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    s = results[0]["scenarios"]
+    assert all(r["scenarios"] == s for r in results)
+    assert s["zero"] == (1 / world_size, "MEM_OPT") and s["mem"] == (1 / world_size, "MEM_OPT")
+    assert s["one"] == (1.0, "COMM_OPT") and s["hybrid"] == (0.5, "HYBRID_OPT")
+    assert s["half"] == (0.5, "MEM_OPT" if world_size == 2 else "HYBRID_OPT")
+    assert s["bad"][0] == "ValueError"  # 0.75 of 2 or 0.3 of 4 ranks: not a whole number of grad workers
+    colocated, messages = s["mem_no_colocation"]
+    assert colocated is True and any("Enabling colocate_factors" in m for m in messages)
+    for r in results:
+        for key in ("losses", "losses_mem"):
+            assert r[key][-1] < r[key][0], (key, r[key])
+            assert r[key] == results[0][key]  # DDP: the same loss on every rank
