@@ -14,6 +14,8 @@ from these options (``examples/vision/optimizers.py`` there); the same code runs
   ``--kfac-colocate-factors`` / ``--no-kfac-colocate-factors``;
 * ``--kfac-strategy comm-opt|mem-opt|hybrid-opt`` (hybrid uses ``--kfac-grad-worker-fraction``,
   default 0.25 there); without it ``--kfac-grad-worker-fraction`` takes a strategy name or a float;
+* ``--batches-per-allreduce k``: ``k`` loader batches per optimizer step (``loss / k`` each,
+  DDP synchronizes on the ``k``-th), ``accumulation_steps=k``;
 * ``--lr-decay`` (epochs where the lr is multiplied by 0.1) and ``--warmup-epochs`` (linear
   warm-up from ``lr / world_size``): a ``LambdaLR`` stepped per epoch; the preconditioner's
   ``lr`` follows the optimizer's (``lr=lambda step: optimizer.param_groups[0]["lr"]``).
@@ -50,9 +52,19 @@ def add_kfac_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kfac-strategy", choices=STRATEGY_NAMES, default=None,
                    help="comm-opt, mem-opt or hybrid-opt (with --kfac-grad-worker-fraction, default "
                         f"{HYBRID_DEFAULT_FRACTION}); overrides a strategy given to --kfac-grad-worker-fraction")
+    g.add_argument("--batches-per-allreduce", type=positive_int, default=1,
+                   help="loader batches per optimizer step (gradient accumulation; K-FAC accumulation_steps)")
     g.add_argument("--lr-decay", nargs="+", type=int, default=[],
                    help="epochs at which the learning rate is multiplied by 0.1")
     g.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear lr warm-up from lr / world size")
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def create_lr_schedule(workers: int, warmup_epochs: int, decay_schedule: List[int],
@@ -111,6 +123,7 @@ def make_kfac(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: ar
         factor_decay=args.kfac_factor_decay,
         kl_clip=args.kfac_kl_clip,
         lr=lambda step: optimizer.param_groups[0]["lr"],
+        accumulation_steps=args.batches_per_allreduce,
         colocate_factors=args.kfac_colocate_factors,
         compute_method=kfac.enums.ComputeMethod.INVERSE if args.kfac_inv_method else kfac.enums.ComputeMethod.EIGEN,
         grad_worker_fraction=grad_worker_fraction_of(args),

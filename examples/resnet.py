@@ -101,6 +101,7 @@ def imagenet_resnet(num_classes: int = 1000, width: int = 64, depths: Sequence[i
 # training driver shared by examples/cifar10_resnet.py and examples/imagenet_resnet.py
 # --------------------------------------------------------------------------------------------
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -272,20 +273,28 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         train_sampler.set_epoch(epoch)
         model.train()
         step_times, loss_sum, correct, count = [], 0.0, 0.0, 0.0
+        # --batches-per-allreduce k: k loader batches (micro-batches, loss / k each) per optimizer step,
+        # gradients synchronized on the k-th only, as kfac_pytorch's example does
+        k = args.batches_per_allreduce
+        n_batches = min(len(train_loader), args.steps_per_epoch) if args.steps_per_epoch else len(train_loader)
+        optimizer.zero_grad(set_to_none=True)
         for step, (x, y) in enumerate(train_loader):
-            if args.steps_per_epoch and step >= args.steps_per_epoch:
+            if step >= n_batches:
                 break
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
             out = model(x)
             loss = loss_fn(out, y)
-            loss.backward()
-            if env.mode == "mpi":  # no DDP: average the gradients ourselves
-                env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
-            if preconditioner is not None:
-                preconditioner.step()
-            optimizer.step()
+            last = (step + 1) % k == 0 or step + 1 == n_batches
+            with model.no_sync() if env.mode == "torch" and not last else contextlib.nullcontext():
+                (loss / k).backward()
+            if last:
+                if env.mode == "mpi":  # no DDP: average the gradients ourselves
+                    env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
+                if preconditioner is not None:
+                    preconditioner.step()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             step_times.append(time.perf_counter() - start)
@@ -308,13 +317,13 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         lr_scheduler.step()
         if kfac_scheduler is not None:
             kfac_scheduler.step(step=epoch)
-        if preconditioner is not None:
-            env.print(f"  K-FAC for epoch {epoch + 1}: damping {preconditioner.damping:g}, factor_update_steps "
-                      f"{preconditioner.factor_update_steps}, inv_update_steps {preconditioner.inv_update_steps}, "
-                      f"lr {preconditioner.lr:g}")
         env.print(f"epoch {epoch}/{args.epochs}: train loss {loss_sum / max(count, 1):.4f} "
                   f"acc {100.0 * correct / max(count, 1):.2f}% | test loss {t_loss / max(t_count, 1):.4f} "
                   f"acc {test_acc:.2f}% | step time median {statistics.median(step_times) * 1e3:.1f} ms "
                   f"min {min(step_times) * 1e3:.1f} ms ({len(step_times)} steps)")
+        if preconditioner is not None:
+            env.print(f"  K-FAC for epoch {epoch + 1}: damping {preconditioner.damping:g}, factor_update_steps "
+                      f"{preconditioner.factor_update_steps}, inv_update_steps {preconditioner.inv_update_steps}, "
+                      f"lr {preconditioner.lr:g}, K-FAC steps so far {preconditioner.steps}")
     env.print(f"final test accuracy: {test_acc:.2f}%")
     env.close()
