@@ -260,6 +260,7 @@ def _train(pre, model, steps=3):
             p.grad = None
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # kfac_pytorch's hooks on a first layer
 def test_state_dicts_same_format_and_loadable_across_libraries():
     kw = dict(damping=0.01, factor_decay=0.9, lr=lambda s: 0.1)
     t_model, m_model = tiny(), tiny()
