@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import numbers
 import warnings
-from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -30,9 +29,11 @@ from torch import Tensor, nn
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 
-from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
+from .arguments import check_dtype, resolve_grad_worker_fraction
+from .base_preconditioner import BaseKFACPreconditioner, parse_flag
+from .enums import AllreduceMethod, AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_choice
+from .hyperparams import Schedule
 from .hooks import attach_forward_hooks, weak_grad_hook
-from .hyperparams import Schedule, check_schedule, evaluate
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
 from .layer import KFACLayer, grad_scale_of
@@ -46,22 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["KFACPreconditioner"]
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_dtype(name: str, value: object, optional: bool) -> Optional[torch.dtype]:
-    if value is None and optional:
-        return None
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        expected = "a floating torch.dtype" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    return value
-
-
-class KFACPreconditioner:
+class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC gradient preconditioner with KAISA distribution (kfac_pytorch's interface).
 
     Registers ``nn.Linear`` and ``nn.Conv2d`` leaf modules of ``model`` (see
@@ -76,14 +62,18 @@ class KFACPreconditioner:
         factor_update_steps: steps between factor updates (int or callable of the step).
         inv_update_steps: steps between recomputing the decompositions (int or callable).
         damping: Tikhonov damping (float or callable), ``> 0``.
-        factor_decay: running-average coefficient of the factors, in ``(0, 1]``.
-        kl_clip: KL clipping parameter, ``> 0`` (``None``: no clipping).
+        factor_decay: running-average coefficient of the factors, in ``(0, 1]`` (a callable may
+            also return ``0``: the factors are replaced by the new batch, e.g.
+            :func:`~torchsso2.kfac.hyperparams.exp_decay_factor_averaging` at steps 0 and 1).
+        kl_clip: KL clipping parameter, ``> 0``, or a callable of the step (returning ``None``: no
+            clipping at that step; ``kl_clip=None`` itself is a ``TypeError``, as in kfac_pytorch).
         lr: learning rate used by the KL clip, ``>= 0``.
         accumulation_steps: forward/backward passes per optimization step.
         allreduce_bucket_cap_mb: all-reduce bucket size in MiB (``0``: one all-reduce per factor).
         assignment_strategy: ``COMPUTE`` (cost ``n³``) or ``MEMORY`` (``n²``) for balancing
             the decompositions over ranks.
-        colocate_factors: decompose A and G of a layer on the same rank.
+        colocate_factors: decompose A and G of a layer on the same rank (switched on, with a
+            warning, when the grad-worker fraction is ``MEM_OPT``, as kfac_pytorch does).
         compute_method: ``EIGEN`` or ``INVERSE``.
         compute_eigenvalue_outer_product: with ``EIGEN``, the G worker precomputes
             ``1/(λ_G λ_Aᵀ + damping)`` (needs ``colocate_factors=True``).
@@ -101,7 +91,7 @@ class KFACPreconditioner:
         linalg: linear-algebra backend of the decompositions (``"torch"``, ``"cupy"``,
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
-        loglevel: level of the registration / assignment log messages.
+        loglevel: level of the registration, assignment and communicator-choice log messages.
         on_nonfinite: ``"skip"`` (default) or ``"raise"``: what :meth:`step` does when a gradient
             of a registered layer or a factor updated in this step is NaN/inf. Either way the
             preconditioner's state (factors, decompositions, ``steps``) and the gradients are left
@@ -113,7 +103,13 @@ class KFACPreconditioner:
             diverged) after this many skipped steps in a row (``None``: never).
 
     Raises:
-        ValueError / TypeError: a bad argument (the message names it and what was expected).
+        ValueError / TypeError: a bad argument (the message names it and what was expected);
+            an unknown ``compute_method`` / ``assignment_strategy`` name raises
+            :class:`~torchsso2.kfac.enums.UnknownChoiceError` (a ``KeyError`` and a ``ValueError``).
+
+    Besides kfac_pytorch's attributes (``allreduce_method``, ``tdc``, ``distributed_strategy``,
+    ``grad_worker_fraction``, ...; see docs/kfac.md), ``comm`` is the communicator (``tdc`` is
+    the same object), ``assignment`` the KAISA placement and ``layers`` name → layer state.
     """
 
     def __init__(
@@ -124,7 +120,7 @@ class KFACPreconditioner:
         inv_update_steps: Schedule = 1,
         damping: Schedule = 0.001,
         factor_decay: Schedule = 0.95,
-        kl_clip: Optional[Schedule] = 0.001,
+        kl_clip: Schedule = 0.001,
         lr: Schedule = 0.1,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
@@ -147,47 +143,48 @@ class KFACPreconditioner:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, value in (("factor_update_steps", factor_update_steps), ("inv_update_steps", inv_update_steps),
-                            ("damping", damping), ("factor_decay", factor_decay), ("kl_clip", kl_clip), ("lr", lr)):
-            check_schedule(name, value)
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
-            raise TypeError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
+        self._init_hyperparams(
+            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
+            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,
+            update_factors_in_hook=update_factors_in_hook, loglevel=loglevel, stacklevel=3,
+        )
         if isinstance(allreduce_bucket_cap_mb, bool) or not isinstance(allreduce_bucket_cap_mb, numbers.Real):
             raise TypeError(f"allreduce_bucket_cap_mb must be a float >= 0, got {allreduce_bucket_cap_mb!r}")
         if not allreduce_bucket_cap_mb >= 0:
             raise ValueError(f"allreduce_bucket_cap_mb must be >= 0 (0: no bucketing), got {allreduce_bucket_cap_mb!r}")
-        self.assignment_strategy = parse_enum(assignment_strategy, AssignmentStrategy, "assignment_strategy")
-        self.compute_method = parse_enum(compute_method, ComputeMethod, "compute_method")
-        self.colocate_factors = _check_bool("colocate_factors", colocate_factors)
-        self.compute_eigenvalue_outer_product = _check_bool("compute_eigenvalue_outer_product",
-                                                            compute_eigenvalue_outer_product)
-        self.symmetry_aware = _check_bool("symmetry_aware", symmetry_aware)
-        self.update_factors_in_hook = _check_bool("update_factors_in_hook", update_factors_in_hook)
-        self.factor_dtype = _check_dtype("factor_dtype", factor_dtype, optional=True)
-        self.inv_dtype = _check_dtype("inv_dtype", inv_dtype, optional=False)
+        self.assignment_strategy = parse_choice(assignment_strategy, AssignmentStrategy, "assignment_strategy")
+        self.compute_method = parse_choice(compute_method, ComputeMethod, "compute_method")
+        self.colocate_factors = parse_flag("colocate_factors", colocate_factors)
+        self.compute_eigenvalue_outer_product = parse_flag("compute_eigenvalue_outer_product",
+                                                           compute_eigenvalue_outer_product)
+        self.symmetry_aware = parse_flag("symmetry_aware", symmetry_aware)
+        self.factor_dtype = check_dtype("factor_dtype", factor_dtype, optional=True)
+        self.inv_dtype = check_dtype("inv_dtype", inv_dtype, optional=False)
         if grad_scaler is not None and not (callable(getattr(grad_scaler, "get_scale", None)) or callable(grad_scaler)):
             raise TypeError(f"grad_scaler must be a GradScaler, a callable returning the scale, or None; "
                             f"got {type(grad_scaler).__name__}")
-        if grad_worker_fraction is DistributedStrategy.MEM_OPT and not self.colocate_factors:
-            raise ValueError("grad_worker_fraction=DistributedStrategy.MEM_OPT (one grad worker per layer) "
-                             "requires colocate_factors=True, got colocate_factors=False")
         if (self.compute_method is ComputeMethod.EIGEN and self.compute_eigenvalue_outer_product
                 and not self.colocate_factors):
             raise ValueError("compute_eigenvalue_outer_product=True (with compute_method=EIGEN) needs "
                              "colocate_factors=True; set one of them to the other value")
 
-        self.comm: Communicator = communicator if not isinstance(communicator, str) else get_communicator(communicator)
+        self.comm: Communicator = (communicator if not isinstance(communicator, str)
+                                   else get_communicator(communicator, loglevel=self.loglevel))
         if not isinstance(self.comm, Communicator):
             raise TypeError(f"communicator must be a backend name or a Communicator, got {type(communicator).__name__}")
         world = self.comm.world_size
-        fraction = self._parse_fraction(grad_worker_fraction, world)
+        fraction, self.distributed_strategy = resolve_grad_worker_fraction(grad_worker_fraction, world)
+        if self.distributed_strategy is DistributedStrategy.MEM_OPT and not self.colocate_factors:
+            warnings.warn("grad_worker_frac=1/world_size (MEM_OPT) requires colocate_factors=True. "
+                          "Enabling colocate_factors.", stacklevel=2)
+            self.colocate_factors = True
+        self.grad_worker_fraction = fraction
         self.backend = get_backend(linalg)
         self.grad_scaler = grad_scaler
         self.allreduce_bucket_cap_mb = float(allreduce_bucket_cap_mb)
+        self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if self.allreduce_bucket_cap_mb > 0
+                                 else AllreduceMethod.ALLREDUCE)
         self.skip_layers = [] if skip_layers is None else skip_layers
-        self.loglevel = loglevel
 
         prediv = self.compute_method is ComputeMethod.EIGEN and self.compute_eigenvalue_outer_product
         self.layers: Dict[str, KFACLayer] = {}
@@ -195,7 +192,7 @@ class KFACPreconditioner:
             layer = KFACLayer(name, module, family, self.compute_method, prediv, self.factor_dtype,
                               self.inv_dtype, self.backend)
             self.layers[name] = layer
-            logger.log(loglevel, "Registered name=%r: %r", name, layer)
+            logger.log(self.loglevel, "Registered name=%r: %r", name, layer)
         if not self.layers:
             warnings.warn("KFACPreconditioner: the model has no nn.Linear / nn.Conv2d layer to precondition "
                           "(after skip_layers); step() will leave the gradients unchanged", stacklevel=2)
@@ -204,75 +201,26 @@ class KFACPreconditioner:
         sizes = {name: dict(layer.sizes) for name, layer in self.layers.items()}
         self.assignment = WorkAssignment.from_sizes(sizes, world, fraction, self.assignment_strategy,
                                                     self.colocate_factors)
-        self.grad_worker_fraction = self.assignment.grad_worker_fraction
-        g = self.assignment.grad_workers_per_layer
-        self.distributed_strategy = (DistributedStrategy.COMM_OPT if g == world else
-                                     DistributedStrategy.MEM_OPT if g == 1 else DistributedStrategy.HYBRID_OPT)
-        logger.log(loglevel, "K-FAC layer assignment:\n%s", self.assignment.summary())
+        logger.log(self.loglevel, "KFAC layer assignments (KAISAAssignment):\n%s", self.assignment.summary())
         self._kaisa = KAISAComm(self.comm, self.assignment, self.allreduce_bucket_cap_mb, self.symmetry_aware)
-
-        self._factor_update_steps = factor_update_steps
-        self._inv_update_steps = inv_update_steps
-        self._damping = damping
-        self._factor_decay = factor_decay
-        self._kl_clip = kl_clip
-        self._lr = lr
-        self._accumulation_steps = accumulation_steps
-        if (not callable(factor_update_steps) and not callable(inv_update_steps)
-                and inv_update_steps % factor_update_steps != 0):
-            warnings.warn("It is suggested that inv_update_steps be an integer multiple of factor_update_steps "
-                          f"(got {inv_update_steps} and {factor_update_steps})", stacklevel=2)
-        self._steps = 0
-        self._mini_steps: Dict[str, int] = defaultdict(int)
+        self.tdc = self.comm  # kfac_pytorch's name for the communicator
+        self._init_layers({layer.module: (name, layer) for name, layer in self.layers.items()}, self.assignment,
+                          self.comm, self._defaults_for_repr())
         self._updated: set = set()
         self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
 
-    @staticmethod
-    def _parse_fraction(value: Union[DistributedStrategy, float], world: int) -> Union[DistributedStrategy, float]:
-        if isinstance(value, DistributedStrategy):
-            return value
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"grad_worker_fraction must be a DistributedStrategy or a float in [0, 1], "
-                            f"got {type(value).__name__} {value!r}")
-        if not 0.0 <= float(value) <= 1.0:
-            raise ValueError(f"grad_worker_fraction must be in [0, 1] (0 means 1/world_size), got {value!r}")
-        return 1.0 / world if float(value) == 0.0 else float(value)
-
-    # ---- hyper-parameters at the current step ---------------------------------------------
-    @property
-    def steps(self) -> int:
-        """Number of :meth:`step` calls so far."""
-        return self._steps
-
-    @property
-    def factor_update_steps(self) -> int:
-        return int(evaluate("factor_update_steps", self._factor_update_steps, self._steps))
-
-    @property
-    def inv_update_steps(self) -> int:
-        return int(evaluate("inv_update_steps", self._inv_update_steps, self._steps))
-
-    @property
-    def damping(self) -> float:
-        return evaluate("damping", self._damping, self._steps)
-
-    @property
-    def factor_decay(self) -> float:
-        return evaluate("factor_decay", self._factor_decay, self._steps)
-
-    @property
-    def kl_clip(self) -> Optional[float]:
-        return None if self._kl_clip is None else evaluate("kl_clip", self._kl_clip, self._steps)
-
-    @property
-    def lr(self) -> float:
-        return evaluate("lr", self._lr, self._steps)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self._accumulation_steps
+    def _defaults_for_repr(self) -> Dict[str, Any]:
+        return {
+            "allreduce_bucket_cap_mb": self.allreduce_bucket_cap_mb, "allreduce_method": self.allreduce_method,
+            "assignment_strategy": self.assignment_strategy, "colocate_factors": self.colocate_factors,
+            "compute_eigenvalue_outer_product": self.compute_eigenvalue_outer_product,
+            "compute_method": self.compute_method, "distributed_strategy": self.distributed_strategy,
+            "grad_worker_fraction": self.grad_worker_fraction, "grad_scaler": self.grad_scaler is not None,
+            "factor_dtype": self.factor_dtype, "inv_dtype": self.inv_dtype, "skip_layers": self.skip_layers,
+            "symmetry_aware": self.symmetry_aware, "world_size": self.comm.world_size,
+        }
 
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -468,29 +416,3 @@ class KFACPreconditioner:
             for layer in self.layers.values():
                 if layer.has_factors():
                     self._kaisa.compute_and_share_inverses(layer, damping)
-
-    def memory_usage(self) -> Dict[str, int]:
-        """Bytes of K-FAC state on this rank: factors, factor batches, decompositions and ``total``."""
-        sizes: Dict[str, int] = defaultdict(int)
-        for layer in self.layers.values():
-            for key, n in layer.memory_usage().items():
-                sizes[key] += n
-        sizes["total"] = sum(sizes.values())
-        return dict(sizes)
-
-    def __repr__(self) -> str:
-        params = {
-            "accumulation_steps": self._accumulation_steps, "allreduce_bucket_cap_mb": self.allreduce_bucket_cap_mb,
-            "assignment_strategy": self.assignment_strategy, "colocate_factors": self.colocate_factors,
-            "compute_eigenvalue_outer_product": self.compute_eigenvalue_outer_product,
-            "compute_method": self.compute_method, "damping": self._damping,
-            "distributed_strategy": self.distributed_strategy, "factor_decay": self._factor_decay,
-            "factor_dtype": self.factor_dtype, "factor_update_steps": self._factor_update_steps,
-            "grad_scaler": self.grad_scaler is not None, "grad_worker_fraction": self.grad_worker_fraction,
-            "inv_dtype": self.inv_dtype, "inv_update_steps": self._inv_update_steps, "kl_clip": self._kl_clip,
-            "layers": len(self.layers), "lr": self._lr, "skip_layers": self.skip_layers, "steps": self._steps,
-            "symmetry_aware": self.symmetry_aware, "update_factors_in_hook": self.update_factors_in_hook,
-            "world_size": self.comm.world_size,
-        }
-        body = "\n".join(f"  {k}={v}," for k, v in sorted(params.items()))
-        return f"{type(self).__name__}(\n{body}\n)"
