@@ -29,16 +29,13 @@ from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepSnapshot, diagnose
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
 Closure = Callable[[], Tuple[Tensor, Tensor]]
 _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
-
-
-class NonFiniteError(FloatingPointError):
-    """Raised under ``on_nonfinite="raise"`` when a gradient, a curvature statistic or a decomposition is not finite."""
 
 
 class BlockAverage:
@@ -77,7 +74,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
                  decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 output_selector: Any = None) -> None:
+                 output_selector: Any = None,
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -117,7 +115,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # [end issue #7]
         self.num_steps = 0
         self.num_skipped = 0
-        self._skip_run: Tuple[int, int] = (-2, 0)  # (step of the last skip, consecutive skips up to it)
+        self._streak = SkipStreak(max_consecutive_skips)  # consecutive skipped steps (torchsso2/optim/skips.py)
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -208,6 +206,18 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         logger.debug("step %d skipped by the grad scaler (inf/NaN gradients)", self.num_steps)
         return False
 
+    def _what_is_nonfinite(self, loss: Any, fresh: Optional[Dict[str, Block]]) -> Callable[[], str]:
+        """A function naming the non-finite loss, gradients (by parameter) and statistics (by module)."""
+        def found() -> str:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            by_param = {names.get(id(p), "?"): p.grad for p in params_with_grad(self.param_groups)[0]}
+            stats = {n: b.tensors() for n, b in (fresh or {}).items()}
+            text = diagnose(loss, by_param, stats)
+            if fresh is not None and not fresh:
+                text = "; ".join(t for t in (text, "the model output") if t)
+            return text
+        return found
+
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
         """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output).
@@ -222,16 +232,44 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             owned += [t for b in fresh.values() for t in b.tensors()]
         return owned_all_finite(owned)
 
-    def _nonfinite(self, what: str) -> None:
-        """Apply the non-finite policy: raise, or log and count a skipped step."""
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        """Consecutive skipped steps after which the step raises :class:`NonFiniteError` (None: never)."""
+        return self._streak.limit
+
+    @max_consecutive_skips.setter
+    def max_consecutive_skips(self, value: Optional[int]) -> None:
+        self._streak = SkipStreak(value)
+
+    def _snapshot(self) -> StepSnapshot:
+        """What a skipped step must give back (taken before the closure runs): the sampling
+        generator(s) and the normalisation layers' running statistics."""
+        gens = [self.generator]
+        low_rank = getattr(self, "low_rank", None)
+        if low_rank is not None:
+            gens.append(low_rank.generator)
+        return StepSnapshot(gens, self.model)
+
+    def _step_taken(self) -> None:
+        """End of a step that changed the parameters: the streak of skipped steps ends."""
+        self._streak.taken()
+
+    def _nonfinite(self, what: str, snapshot: Optional[StepSnapshot] = None,
+                   found: Optional[Callable[[], str]] = None) -> None:
+        """Apply the non-finite policy: raise, or undo what the closure changed (``snapshot``: random
+        streams, BatchNorm statistics), log and count a skipped step. ``num_steps`` does not advance,
+        so the skipped step leaves the schedule and the random streams as if the batch was never seen.
+        ``found`` names the non-finite tensors (called only for the stall error)."""
+        if snapshot is not None:
+            snapshot.restore()
         if self.on_nonfinite == "raise":
             raise NonFiniteError(f"non-finite {what} at step {self.num_steps}; the optimizer state is unchanged")
         self.num_skipped += 1
-        last, streak = self._skip_run
-        streak = streak + 1 if last == self.num_steps - 1 else 1
-        self._skip_run = (self.num_steps, streak)
+        limit = self._streak.limit
+        details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""
+        streak = self._streak.skipped(self.num_steps, what, details)
         logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
-        if streak in (10, 100, 1000):
+        if streak in (10, 100, 1000) and (limit is None or streak < limit):
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
                          "VIOptimizer), lower lr, or restore a checkpoint.", streak)

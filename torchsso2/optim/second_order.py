@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
 
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
 from .lowrank import LowRankSolver
@@ -69,6 +70,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             adapt λ on that model while preconditioning with factored damping).
         on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
             before it, logged and counted in ``num_skipped``) or ``"raise"`` (NonFiniteError).
+            A skipped step does not advance ``num_steps``, the sampling generator or BatchNorm's
+            running statistics: training with a skipped batch equals training without it.
+        max_consecutive_skips: after this many consecutive skipped steps (default 20) the step
+            raises :class:`NonFiniteError` naming what is non-finite and what to try (lower lr,
+            more damping); ``None`` never raises.
         skip_modules: module names (regex), class names or types left to plain SGD, each with its
             submodules.
         params: optional torch.optim-style param groups (default: all trainable params of model).
@@ -109,7 +115,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 low_rank_solve: bool = True, output_selector: Any = None) -> None:
+                 low_rank_solve: bool = True, output_selector: Any = None,
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         check_number("lr", lr, low=0.0)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
@@ -136,7 +143,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
-                         output_selector=output_selector)
+                         output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
         self.kfac_method = kfac_method
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
@@ -150,6 +157,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
+        snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext():
             loss, output, fresh = self._run_closure(closure, targets, estimate)
         if not self._unscale_grads():
@@ -164,8 +172,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # below catches them (a non-finite gradient makes its preconditioned update non-finite)
         checked = grads if fresh is not None or decompose else []
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
-            self._nonfinite("loss, gradient or curvature")
-            self.num_steps += 1
+            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if fresh is not None:
             self.running.update(fresh, self.ema_decay)
@@ -177,11 +184,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 return loss, output
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
         if not self._apply_update(params, groups):
-            self._nonfinite("preconditioned update")
-            self.num_steps += 1
+            self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if old is not None:
             self._adapt_damping(closure, loss, params, grads, old)
+        self._step_taken()
         self.num_steps += 1
         return loss, output
 

@@ -42,6 +42,7 @@ from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
 from curvature.options import LossType
 
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
@@ -119,6 +120,8 @@ class VIOptimizer(CurvatureOptimizer):
             × R sample groups (shard the data with ``num_replicas=opt.data_parallel_size,
             rank=opt.data_parallel_rank``). Default 1: pure data parallelism.
         output_selector: as in :class:`SecondOrderOptimizer` (also used by :meth:`predict`).
+        on_nonfinite, max_consecutive_skips: as in :class:`SecondOrderOptimizer` (a skipped step
+            leaves the step count, hence the weight noise and the schedule, unchanged).
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
@@ -131,7 +134,8 @@ class VIOptimizer(CurvatureOptimizer):
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 mc_parallel: int = 1, output_selector: Any = None) -> None:
+                 mc_parallel: int = 1, output_selector: Any = None,
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         self.dataset_size = check_int("dataset_size", dataset_size, low=1)
         check_number("lr", lr, low=0.0)
         if prior_precision is not None and prior_variance is not None:
@@ -155,7 +159,7 @@ class VIOptimizer(CurvatureOptimizer):
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
-                         output_selector=output_selector)
+                         output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
@@ -354,6 +358,7 @@ class VIOptimizer(CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         estimate = self.num_steps % self.curv_update_interval == 0
+        snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
         grad_sum: Dict[int, Tensor] = {}
         curvature = BlockAverage() if estimate else None
@@ -385,8 +390,7 @@ class VIOptimizer(CurvatureOptimizer):
         fresh = curvature.result() if curvature is not None else None
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
-            self._nonfinite("loss, gradient or curvature")
-            self.num_steps += 1
+            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
         if fresh is not None:
             self.running.update(fresh, self.ema_decay)
@@ -395,6 +399,7 @@ class VIOptimizer(CurvatureOptimizer):
                 self.num_steps += 1
                 return mean_loss, output
         self._update_mean(params, groups, grads)
+        self._step_taken()
         self.num_steps += 1
         return mean_loss, output
 
