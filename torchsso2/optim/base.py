@@ -13,6 +13,7 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -29,8 +30,9 @@ from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
+from .checkpoint import check_checkpoint
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepSnapshot, diagnose
-from .validation import check_choice, check_int, check_number, unpack_closure_result
+from .validation import MAX_LR, check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +328,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             "num_skipped": self.num_skipped,
             "decomposed": self._decomposed,
             "seed": self.seed,
+            "optimizer": self.face_name,
             "covered": {n: list(lay.param_names) for n, lay in self.engine.layouts.items()},
             "param_shapes": self._param_shapes(),
             "extra": self._extra_state(),
@@ -336,42 +339,63 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         return [list(p.shape) for g in self.param_groups for p in g["params"]]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        sd = dict(state_dict)
-        extra = sd.pop("torchsso2", None)
-        if extra is None:
-            raise ValueError("state_dict has no 'torchsso2' entry: it was not saved by this optimizer")
-        covered = {n: list(lay.param_names) for n, lay in self.engine.layouts.items()}
-        if extra["covered"] != covered:
-            raise ValueError(f"checkpoint is for a model covering {extra['covered']}, this model covers {covered}")
-        # validate everything before changing anything: a refused checkpoint leaves the optimizer as it was
-        shapes = self._param_shapes()
-        if extra.get("param_shapes", shapes) != shapes:
-            raise ValueError(f"checkpoint is for parameters of shapes {extra['param_shapes']}, "
-                             f"this optimizer's parameters have shapes {shapes}")
-        for name, bstate in extra["curvature"]["blocks"].items():
-            want = self.engine.approx[name].value if name in self.engine.approx else None
-            if bstate["approx"] != want:
-                raise ValueError(f"checkpoint holds a {bstate['approx']!r} block for module {name!r}, "
-                                 f"this optimizer uses {want!r}")
-        super().load_state_dict(sd)
-        cstate = extra["curvature"]
-        like = {}
-        for name, bstate in cstate["blocks"].items():
-            lay = self.engine.layouts[name]
-            cls = _BLOCK_TYPES[bstate["approx"]]
-            like[name] = cls(lay, *[t.clone() for t in bstate["tensors"]])
-        self.running.load_state_dict(cstate, like)
-        self.generator.set_state(extra["generator"])
-        self.num_steps = int(extra["num_steps"])
-        self.num_skipped = int(extra["num_skipped"])
-        self._decomposed = bool(extra["decomposed"])
-        self.seed = int(extra.get("seed", self.seed))
-        if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
-            self._decomposed = False
-        if any(isinstance(b, KFACBlock) and b.decomposition is not None
-               and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):
-            self._decomposed = False  # saved with the other kfac_method: decompose again at the next step
-        self._load_extra_state(extra["extra"])
+        """Load a checkpoint of this optimizer; all or nothing.
+
+        The whole checkpoint is checked first (:func:`torchsso2.optim.checkpoint.check_checkpoint`:
+        kind of optimizer, every tensor's shape against this model, finiteness, counters) and a bad
+        one is refused with a ``ValueError`` naming the entry, before anything changes. Floating
+        tensors are cast to the parameters' dtype and device (as ``torch.optim`` does); the loaded
+        state tensors are copies (the optimizer never writes into ``state_dict``)."""
+        checked = check_checkpoint(self, state_dict)
+        saved_attrs = dict(self.__dict__)
+        saved_running = (self.running.blocks, self.running.num_updates)
+        saved_generator = self.generator.get_state()
+        saved_extra = self._extra_snapshot()
+        try:
+            super().load_state_dict(checked.optimizer_state)
+            self.running.blocks = checked.blocks
+            self.running.num_updates = checked.num_updates
+            self.generator.set_state(checked.generator)
+            self.num_steps = checked.num_steps
+            self.num_skipped = checked.num_skipped
+            self._decomposed = checked.decomposed
+            self.seed = int(checked.seed) if checked.seed is not None else self.seed
+            if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
+                self._decomposed = False
+            if any(isinstance(b, KFACBlock) and b.decomposition is not None
+                   and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):
+                self._decomposed = False  # saved with the other kfac_method: decompose again at the next step
+            if any(b.decomposition is None for b in self.running.blocks.values()):
+                self._decomposed = False
+            self._load_extra_state(checked.extra)
+        except BaseException:  # not expected after the checks; the optimizer is left as it was anyway
+            self.__dict__.clear()
+            self.__dict__.update(saved_attrs)
+            self.running.blocks, self.running.num_updates = saved_running
+            self.generator.set_state(saved_generator)
+            self._restore_extra(saved_extra)
+            raise
+
+    #: the kind of optimizer a checkpoint is tagged with (a checkpoint loads only into the same kind)
+    face_name = "CurvatureOptimizer"
+
+    def _check_group_value(self, entry: str, key: str, value: Any) -> None:
+        """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
+        high = {"lr": MAX_LR, "momentum": 1.0}.get(key, math.inf)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) \
+                or not 0.0 <= float(value) <= high or (key == "momentum" and float(value) >= 1.0):
+            raise ValueError(f"checkpoint entry {entry} is {value!r}, expected a finite number in "
+                             f"[0, {high}{')' if key == 'momentum' else ']'}; the optimizer is unchanged")
+
+    def _check_extra_state(self, state: Dict[str, Any]) -> None:
+        """Check the face's own checkpoint entries (ValueError naming the entry)."""
+
+    def _extra_snapshot(self) -> Any:
+        """What :meth:`_load_extra_state` may change in place (restored if loading fails)."""
+        return None
+
+    def _restore_extra(self, snapshot: Any) -> None:
+        pass
 
     def _extra_state(self) -> Dict[str, Any]:
         return {}

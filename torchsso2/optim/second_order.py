@@ -28,7 +28,7 @@ from .damping import LMDamping
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
 from .steps import add_weight_decay, kl_clip_factor, momentum_step_
-from .validation import check_choice, check_int, check_number
+from .validation import MAX_LR, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  low_rank_solve: bool = True, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
-        check_number("lr", lr, low=0.0)
+        check_number("lr", lr, low=0.0, high=MAX_LR)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
@@ -251,8 +251,27 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self._decomposed = False  # re-decompose with the new damping at the next step
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
 
+    face_name = "SecondOrderOptimizer"
+
     def _extra_state(self) -> Dict[str, Any]:
         return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy()}
+
+    def _check_extra_state(self, state: Dict[str, Any]) -> None:
+        damping = state.get("damping")
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0.0 <= float(damping) < float("inf"):
+            raise ValueError(f"checkpoint entry ['torchsso2']['extra']['damping'] is {damping!r}, expected a finite "
+                             "number >= 0; the optimizer is unchanged")
+        if state.get("lm") is not None and not isinstance(state["lm"], dict):
+            raise ValueError("checkpoint entry ['torchsso2']['extra']['lm'] must be a dict or None; "
+                             "the optimizer is unchanged")
+
+    def _extra_snapshot(self) -> Any:
+        return None if self.lm is None else vars(self.lm).copy()
+
+    def _restore_extra(self, snapshot: Any) -> None:
+        if self.lm is not None and snapshot is not None:
+            vars(self.lm).clear()
+            vars(self.lm).update(snapshot)
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self.damping = float(state["damping"])

@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
+
+#: largest accepted learning rate: a natural-gradient step is O(1), so anything above is a typo (lr=1e39
+#: is not even a float32)
+MAX_LR = 1e6
+#: largest accepted ``dataset_size``: VIOptimizer scales the curvature by N as a float; 2**53 is the
+#: largest integer a float64 holds exactly (10**40 would overflow float32 statistics)
+MAX_DATASET_SIZE = 2 ** 53
 
 
 def check_number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
@@ -22,12 +29,14 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     return v
 
 
-def check_int(name: str, value: Any, *, low: int = 1) -> int:
-    """An int >= ``low`` (bool is rejected)."""
+def check_int(name: str, value: Any, *, low: int = 1, high: Optional[int] = None) -> int:
+    """An int >= ``low`` (and <= ``high`` when given; bool is rejected)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{name}={value!r} is invalid; expected an int >= {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}={value!r} is invalid; expected an int in [{low}, {high}]")
     return value
 
 

@@ -47,7 +47,7 @@ from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
 from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
-from .validation import check_int, check_number
+from .validation import MAX_DATASET_SIZE, MAX_LR, check_int, check_number
 
 
 #: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
@@ -136,8 +136,8 @@ class VIOptimizer(CurvatureOptimizer):
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  mc_parallel: int = 1, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
-        self.dataset_size = check_int("dataset_size", dataset_size, low=1)
-        check_number("lr", lr, low=0.0)
+        self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)
+        check_number("lr", lr, low=0.0, high=MAX_LR)
         if prior_precision is not None and prior_variance is not None:
             raise ValueError("give prior_precision or prior_variance, not both "
                              f"(got prior_precision={prior_precision!r}, prior_variance={prior_variance!r})")
@@ -419,6 +419,13 @@ class VIOptimizer(CurvatureOptimizer):
                 add_scaled_(params, steps, plan.values("lr"))
             else:
                 preconditioned_descent_(plan, params, bufs, plan.values("lr"), n, 1.0)
+
+    face_name = "VIOptimizer"
+
+    def _check_extra_state(self, state: Dict[str, Any]) -> None:
+        if state.get("momentum", "mean-loss") not in ("mean-loss", None) and not isinstance(state.get("momentum"), str):
+            raise ValueError("checkpoint entry ['torchsso2']['extra']['momentum'] must be a string; "
+                             "the optimizer is unchanged")
 
     def _extra_state(self) -> Dict[str, Any]:
         return {"momentum": "mean-loss"}  # momentum buffers of the mean loss's gradient (since 2026-11-24)
