@@ -30,6 +30,8 @@ from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
+from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
+                           is_second_forward_reuse)
 from .checkpoint import check_checkpoint
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepSnapshot, diagnose
 from .validation import MAX_LR, check_choice, check_int, check_number, unpack_closure_result
@@ -132,8 +134,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 loss, output = unpack_closure_result(closure())
             return loss, output, None
         engine = self.engine
+        if engine.kind is Kind.HESSIAN and targets is None:
+            raise ValueError(HESSIAN_NEEDS_TARGETS)
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
         acc = BlockAverage()
+        micro = MicroBatchTargets(targets)  # each forward's rows of targets (torchsso2/optim/accumulation.py)
 
         def on_output(out: Tensor) -> None:
             # called after every forward of the model inside the closure: a closure may run
@@ -141,18 +146,24 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             # weighted by batch size, so K micro-batches of B equal one batch of K·B.
             if from_backward:
                 return
+            rows = micro.next(out.shape[0])
             if not all_finite([out]):
                 acc.nonfinite = True
             else:
-                acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])
+                acc.add(engine.estimate(cap, out, rows, self.generator), out.shape[0])
             cap.records.clear()
 
         with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
-            loss, output = unpack_closure_result(closure())
+            try:
+                loss, output = unpack_closure_result(closure())
+            except ValueError as err:
+                if from_backward and is_second_forward_reuse(err, len(cap.outputs)):
+                    raise ValueError(ACCUMULATION_NEEDS_TARGETS) from err
+                raise
+        micro.finish()
         if from_backward:
             if len(cap.outputs) > 1:
-                raise ValueError("curvature='empirical_fisher' without targets supports one forward per closure; "
-                                 "pass targets=... to step() for gradient accumulation")
+                raise ValueError(ACCUMULATION_NEEDS_TARGETS)
             if cap.outputs:
                 n = cap.outputs[0].shape[0]
                 scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0

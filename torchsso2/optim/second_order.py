@@ -100,7 +100,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
-    ``curvature="hessian"`` and makes ``"empirical_fisher"`` exact for any loss reduction.
+    ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is
+    recomputed from the output and ``y`` by double backward; the closure's loss has been
+    backpropagated already) and makes ``"empirical_fisher"`` exact for any loss reduction.
+    Gradient accumulation (several forwards + backwards in one closure) works for every kind; kinds
+    given ``targets`` take them as all micro-batches' targets concatenated in the closure's order,
+    and ``"empirical_fisher"`` needs ``targets`` then (without them it reads the per-example
+    gradients of the closure's single backward).
     """
 
     def __init__(self, model: nn.Module, lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, *,
