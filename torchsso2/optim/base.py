@@ -12,6 +12,7 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -34,7 +35,7 @@ from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, Mi
                            is_second_forward_reuse)
 from .checkpoint import check_checkpoint
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepSnapshot, diagnose
-from .validation import MAX_LR, check_choice, check_int, check_number, unpack_closure_result
+from .validation import MAX_LR, check_choice, check_int, check_nonempty_batch, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,22 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "CurvatureOptimizer":
+        """``copy.deepcopy(opt)``: an independent optimizer with everything copied — its model
+        (``copy.model``, a deep copy of ``opt.model``), parameters, state, curvature, counters and
+        random streams — so both continue identically. Copy the model and the optimizer together
+        (``model2, opt2 = copy.deepcopy((model, opt))``) to get ``opt2.model is model2``. Not
+        supported with several processes (a communicator cannot be copied): ``TypeError``."""
+        if self.comm.world_size > 1:
+            raise TypeError("copy.deepcopy of an optimizer that communicates over several processes is not supported "
+                            "(its communicator cannot be copied); build a new optimizer and load_state_dict("
+                            "opt.state_dict()) instead")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
     # ---- capture + estimate -------------------------------------------------------------
     def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool
                      ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
@@ -144,6 +161,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             # called after every forward of the model inside the closure: a closure may run
             # several micro-batches (gradient accumulation); their curvature is averaged
             # weighted by batch size, so K micro-batches of B equal one batch of K·B.
+            check_nonempty_batch(out)
             if from_backward:
                 return
             rows = micro.next(out.shape[0])
@@ -170,7 +188,26 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
         if acc.blocks is None and not acc.nonfinite:
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
-        return loss, output, acc.result()
+        return loss, output, self._without_frozen(acc.result())
+
+    def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
+        """Momentum buffers follow their parameter's dtype and device (``model.double()`` or
+        ``model.to(device)`` after some steps; the fused momentum kernel needs them to match)."""
+        state = self.state
+        for p in params:
+            buf = state[p].get("momentum_buffer") if p in state else None
+            if buf is not None and (buf.dtype != p.dtype or buf.device != p.device):
+                state[p]["momentum_buffer"] = buf.to(dtype=p.dtype, device=p.device)
+
+    def _without_frozen(self, fresh: Dict[str, Block]) -> Dict[str, Block]:
+        """``fresh`` without the blocks of modules frozen since construction (``requires_grad_(False)``
+        on all their covered parameters): their running curvature is kept as it was, not decayed
+        towards the zero output gradients they now get, so unfreezing them later finds it intact."""
+        layouts = self.engine.layouts
+        frozen = [n for n in fresh if not any(p.requires_grad for p in layouts[n].params)]
+        if not frozen:
+            return fresh
+        return {n: b for n, b in fresh.items() if n not in frozen}
 
     # ---- gradients -------------------------------------------------------------------------
     def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]],
@@ -239,6 +276,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if fresh is not None and not fresh:
             return False
         if isinstance(loss, Tensor) and not all_finite([loss]):
+            return False
+        if isinstance(loss, float) and not math.isfinite(loss):  # a closure may return loss.item()
             return False
         owned = list(grads)
         if fresh:

@@ -264,7 +264,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         damping = state.get("damping")
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0.0 <= float(damping) < float("inf"):
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) \
+                or not 0.0 <= float(damping) < float("inf"):
             raise ValueError(f"checkpoint entry ['torchsso2']['extra']['damping'] is {damping!r}, expected a finite "
                              "number >= 0; the optimizer is unchanged")
         if state.get("lm") is not None and not isinstance(state["lm"], dict):

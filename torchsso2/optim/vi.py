@@ -47,7 +47,7 @@ from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
 from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
-from .validation import MAX_DATASET_SIZE, MAX_LR, check_int, check_number
+from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 
 
 #: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
@@ -164,10 +164,6 @@ class VIOptimizer(CurvatureOptimizer):
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
-        covered = self._covered()
-        wide = torch.float64 in [p.dtype for p in covered] + [decomposition_dtype]
-        self._noise_dtype = torch.float64 if wide else torch.float32
-        self._noise_device = covered[0].device if covered else torch.device("cpu")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -185,6 +181,22 @@ class VIOptimizer(CurvatureOptimizer):
 
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
+
+    @property
+    def _noise_dtype(self) -> torch.dtype:
+        """float64 when a covered parameter or the decompositions are, else float32; read from the
+        parameters at every draw, so ``model.double()`` after construction is followed."""
+        wide = self.decomposition_dtype == torch.float64 or \
+            any(p.dtype == torch.float64 for lay in self.engine.layouts.values() for p in lay.params)
+        return torch.float64 if wide else torch.float32
+
+    @property
+    def _noise_device(self) -> torch.device:
+        """The device of the covered parameters (``model.to(device)`` after construction is followed)."""
+        for lay in self.engine.layouts.values():
+            for p in lay.params:
+                return p.device
+        return torch.device("cpu")
 
     # ---- the data × sample grid [issue #7] ------------------------------------------------------
     @property
@@ -280,7 +292,7 @@ class VIOptimizer(CurvatureOptimizer):
         the sample is the same up to rounding, with one op per step instead of one per block."""
         params: List[nn.Parameter] = []
         eps: List[Tensor] = []
-        blocks = self.running.blocks
+        blocks = self._live_blocks()
         if all(isinstance(b, DiagBlock) for b in blocks.values()):
             factors: List[Tensor] = []
             for name, blk in blocks.items():
@@ -297,12 +309,22 @@ class VIOptimizer(CurvatureOptimizer):
             eps.extend(self._coloured(name, blk, z))
         return params, eps, None
 
+    def _live_blocks(self) -> Dict[str, Any]:
+        """The running blocks whose module has a trainable parameter (a module frozen with
+        ``requires_grad_(False)`` after construction keeps its weights: it is not sampled)."""
+        blocks = self.running.blocks
+        if all(p.requires_grad for b in blocks.values() for p in b.layout.params):
+            return blocks
+        return {n: b for n, b in blocks.items() if any(p.requires_grad for p in b.layout.params)}
+
     def _isotropic(self, z: Tensor) -> Shift:
         """The weight sample of ``z`` (``[P]``) before any curvature: ``ε = z / √init_precision``."""
         params: List[nn.Parameter] = []
         eps: List[Tensor] = []
         z.mul_(float(self.init_precision) ** -0.5)
         for name, lay in self.engine.layouts.items():
+            if not any(p.requires_grad for p in lay.params):  # frozen since construction: not sampled
+                continue
             params.extend(lay.params)
             eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
         return params, eps, None
@@ -367,7 +389,7 @@ class VIOptimizer(CurvatureOptimizer):
         for noise in self._step_noise():
             with self._perturbed(noise):
                 loss, output, fresh = self._run_closure(closure, targets, estimate)
-            losses.append(loss.detach())
+            losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
             if curvature is not None:  # {} marks a sample whose output was not finite
                 curvature.nonfinite |= not fresh
                 if fresh:
@@ -398,6 +420,7 @@ class VIOptimizer(CurvatureOptimizer):
             if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
                 self.num_steps += 1
                 return mean_loss, output
+        self._follow_param_dtypes(params)
         self._update_mean(params, groups, grads)
         self._step_taken()
         self.num_steps += 1
