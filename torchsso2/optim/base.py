@@ -34,7 +34,7 @@ from .plan import PlanCache, ScalarCache, params_with_grad
 from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
                            is_second_forward_reuse)
 from .checkpoint import check_checkpoint
-from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepSnapshot, diagnose
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepUndo, diagnose
 from .validation import MAX_LR, check_choice, check_int, check_nonempty_batch, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.num_steps = 0
         self.num_skipped = 0
         self._streak = SkipStreak(max_consecutive_skips)  # consecutive skipped steps (torchsso2/optim/skips.py)
+        self._undo = StepUndo(model)  # what a skipped step gives back
+        self._covered_at_start = list(self.engine.params)  # the covered parameters at construction
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -192,7 +194,13 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
         """Momentum buffers follow their parameter's dtype and device (``model.double()`` or
-        ``model.to(device)`` after some steps; the fused momentum kernel needs them to match)."""
+        ``model.to(device)`` after some steps; the fused momentum kernel needs them to match).
+        Looked at only when the first parameter's dtype or device changed (``model.to`` moves all)."""
+        key = (params[0].dtype, params[0].device) if params else None
+        if key == getattr(self, "_params_dtype_key", key):
+            self._params_dtype_key = key
+            return
+        self._params_dtype_key = key
         state = self.state
         for p in params:
             buf = state[p].get("momentum_buffer") if p in state else None
@@ -203,6 +211,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """``fresh`` without the blocks of modules frozen since construction (``requires_grad_(False)``
         on all their covered parameters): their running curvature is kept as it was, not decayed
         towards the zero output gradients they now get, so unfreezing them later finds it intact."""
+        if all(p.requires_grad for p in self._covered_at_start):  # the common case: nothing frozen
+            return fresh
         layouts = self.engine.layouts
         frozen = [n for n in fresh if not any(p.requires_grad for p in layouts[n].params)]
         if not frozen:
@@ -293,20 +303,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def max_consecutive_skips(self, value: Optional[int]) -> None:
         self._streak = SkipStreak(value)
 
-    def _snapshot(self) -> StepSnapshot:
-        """What a skipped step must give back (taken before the closure runs): the sampling
-        generator(s) and the normalisation layers' running statistics."""
-        gens = [self.generator]
-        low_rank = getattr(self, "low_rank", None)
-        if low_rank is not None:
-            gens.append(low_rank.generator)
-        return StepSnapshot(gens, self.model)
+    def _snapshot(self) -> StepUndo:
+        """What a skipped step must give back (saved before the closure runs): the sampling
+        generator and the normalisation layers' running statistics."""
+        return self._undo.save(self.generator)
 
     def _step_taken(self) -> None:
         """End of a step that changed the parameters: the streak of skipped steps ends."""
         self._streak.taken()
 
-    def _nonfinite(self, what: str, snapshot: Optional[StepSnapshot] = None,
+    def _nonfinite(self, what: str, snapshot: Optional[StepUndo] = None,
                    found: Optional[Callable[[], str]] = None) -> None:
         """Apply the non-finite policy: raise, or undo what the closure changed (``snapshot``: random
         streams, BatchNorm statistics), log and count a skipped step. ``num_steps`` does not advance,

@@ -5,7 +5,7 @@ the batch had never been seen, except the skip counter: the step count (and with
 curvature / decomposition schedule and VI's weight noise, seeded by the step), the sampling
 generator (labels drawn for ``fisher_mc`` inside the closure) and the running statistics of
 normalisation layers (a NaN batch in train mode writes NaN into ``BatchNorm.running_mean``).
-:class:`StepSnapshot` records the random streams and those buffers before the closure runs and
+:class:`StepUndo` records the sampling generator and those buffers before the closure runs and
 puts them back when the step is skipped.
 
 :class:`SkipStreak` counts consecutive skipped steps; after ``max_consecutive_skips`` of them
@@ -41,35 +41,50 @@ def check_max_consecutive_skips(value: Optional[int]) -> Optional[int]:
     return value
 
 
-def running_stat_buffers(model: nn.Module) -> List[Tensor]:
-    """The running statistics a forward in train mode writes: ``running_mean``, ``running_var`` and
-    ``num_batches_tracked`` of every BatchNorm / InstanceNorm layer that tracks them."""
-    out: List[Tensor] = []
-    for mod in model.modules():
-        if isinstance(mod, _NormBase) and mod.track_running_stats:
-            out.extend(b for b in (mod.running_mean, mod.running_var, mod.num_batches_tracked) if b is not None)
-    return out
+def norm_layers(model: nn.Module) -> List[_NormBase]:
+    """The BatchNorm / InstanceNorm layers of ``model`` that track running statistics."""
+    return [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
-class StepSnapshot:
-    """The random streams and normalisation statistics before a step (restored if it is skipped).
+class StepUndo:
+    """What a step may change before it knows whether it will be skipped, saved before the closure
+    runs and given back by :meth:`restore` when it is skipped.
 
-    ``generators``: the optimizer's sampling generator (and any other generator the step draws
-    from); ``model``: whose BatchNorm/InstanceNorm running statistics are saved (a few vectors
-    per norm layer: cheap next to a forward)."""
+    * the sampling generator's state (``fisher_mc`` labels are drawn inside the closure);
+    * ``running_mean``, ``running_var`` and ``num_batches_tracked`` of the norm layers in training
+      mode (a forward in train mode writes them; the layers are found once, at construction).
+      The copies are kept between steps and refreshed in place (one ``torch._foreach_copy_``),
+      so a step with BatchNorm costs one copy of a few vectors per layer.
+    """
 
-    __slots__ = ("_generators", "_buffers")
+    def __init__(self, model: nn.Module) -> None:
+        self.norms = norm_layers(model)
+        self._generator: Optional[torch.Generator] = None
+        self._generator_state: Optional[Tensor] = None
+        self._live: List[Tensor] = []
+        self._saved: List[Tensor] = []
 
-    def __init__(self, generators: Sequence[torch.Generator], model: nn.Module) -> None:
-        self._generators: List[Tuple[torch.Generator, Tensor]] = [(g, g.get_state()) for g in generators]
-        self._buffers: List[Tuple[Tensor, Tensor]] = [(b, b.clone()) for b in running_stat_buffers(model)]
+    def save(self, generator: Optional[torch.Generator]) -> "StepUndo":
+        self._generator = generator
+        self._generator_state = generator.get_state() if generator is not None else None
+        if not self.norms:
+            return self
+        # the layers' buffers (running_mean, running_var, num_batches_tracked) straight from their
+        # dicts: nn.Module.__getattr__ would cost ~2 µs a name
+        live = [b for m in self.norms if m.training for b in m._buffers.values() if b is not None]
+        if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live)):
+            self._live, self._saved = live, [b.clone() for b in live]  # new layers or buffers (model.to)
+        elif live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._saved, live)
+        return self
 
     def restore(self) -> None:
-        for gen, state in self._generators:
-            gen.set_state(state)
-        with torch.no_grad():
-            for buf, saved in self._buffers:
-                buf.copy_(saved)
+        if self._generator is not None and self._generator_state is not None:
+            self._generator.set_state(self._generator_state)
+        if self._live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._live, self._saved)
 
 
 def diagnose(loss: object, grads: Dict[str, Optional[Tensor]], statistics: Dict[str, Sequence[Tensor]]) -> str:

@@ -182,21 +182,28 @@ class VIOptimizer(CurvatureOptimizer):
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
 
+    def _noise_kind(self) -> Tuple[torch.dtype, torch.device]:
+        """dtype (float64 when a covered parameter or the decompositions are, else float32) and device
+        of the weight noise; followed when ``model.double()`` / ``model.to(device)`` change the first
+        covered parameter after construction (recomputed only then)."""
+        first = self._covered_at_start[0] if self._covered_at_start else None
+        key = None if first is None else (first.dtype, first.device)
+        cached = getattr(self, "_noise_cache", None)
+        if cached is None or cached[0] != key:
+            wide = self.decomposition_dtype == torch.float64 or \
+                any(p.dtype == torch.float64 for p in self._covered_at_start)
+            device = first.device if first is not None else torch.device("cpu")
+            kind = (torch.float64 if wide else torch.float32, device)
+            self._noise_cache = cached = (key, kind)
+        return cached[1]
+
     @property
     def _noise_dtype(self) -> torch.dtype:
-        """float64 when a covered parameter or the decompositions are, else float32; read from the
-        parameters at every draw, so ``model.double()`` after construction is followed."""
-        wide = self.decomposition_dtype == torch.float64 or \
-            any(p.dtype == torch.float64 for lay in self.engine.layouts.values() for p in lay.params)
-        return torch.float64 if wide else torch.float32
+        return self._noise_kind()[0]
 
     @property
     def _noise_device(self) -> torch.device:
-        """The device of the covered parameters (``model.to(device)`` after construction is followed)."""
-        for lay in self.engine.layouts.values():
-            for p in lay.params:
-                return p.device
-        return torch.device("cpu")
+        return self._noise_kind()[1]
 
     # ---- the data × sample grid [issue #7] ------------------------------------------------------
     @property
