@@ -453,7 +453,8 @@ class VIOptimizer(CurvatureOptimizer):
     face_name = "VIOptimizer"
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
-        if state.get("momentum", "mean-loss") not in ("mean-loss", None) and not isinstance(state.get("momentum"), str):
+        momentum = state.get("momentum")
+        if momentum is not None and not isinstance(momentum, str):
             raise ValueError("checkpoint entry ['torchsso2']['extra']['momentum'] must be a string; "
                              "the optimizer is unchanged")
 
