@@ -189,6 +189,23 @@ class CurvatureEngine:
         :data:`_GRAD_CHUNK_ELEMENTS` elements (all of them for small models)."""
         names = list(self.layouts)
         outs = [capture.records[n].output for n in names]
+        if not all(o.requires_grad for o in outs):
+            # a module whose output needs no gradient (its parameters were frozen after the engine was
+            # built, and nothing before it is trained): its output gradients are zeros
+            live = [i for i, o in enumerate(outs) if o.requires_grad]
+            if not live:
+                raise ValueError("no covered module's output requires a gradient: are all parameters frozen?")
+            for chunk in self.output_grad_chunks_of(capture, outputs, vectors, [names[i] for i in live]):
+                k = next(iter(chunk.values())).shape[0]
+                yield {n: chunk[n] if n in chunk else outs[i].new_zeros((k,) + tuple(outs[i].shape))
+                       for i, n in enumerate(names)}
+            return
+        yield from self.output_grad_chunks_of(capture, outputs, vectors, names)
+
+    def output_grad_chunks_of(self, capture: Capture, outputs: Tensor, vectors: Tensor,
+                              names: List[str]) -> Iterator[Dict[str, Tensor]]:
+        """:meth:`output_grad_chunks` for the modules ``names`` (whose outputs require grad)."""
+        outs = [capture.records[n].output for n in names]
         if vectors.shape[0] > 1 and self.batched_backward:
             with capture.frozen.on():  # BatchNorm batch statistics as constants (curvature.frozen_norm)
                 batched = self._batched_output_grads(outputs, outs, vectors)

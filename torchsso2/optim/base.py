@@ -12,7 +12,9 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 """
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -29,16 +31,16 @@ from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
-from .validation import check_choice, check_int, check_number, unpack_closure_result
+from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
+                           is_second_forward_reuse)
+from .checkpoint import check_checkpoint
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepUndo, diagnose
+from .validation import MAX_LR, check_choice, check_int, check_nonempty_batch, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
 Closure = Callable[[], Tuple[Tensor, Tensor]]
 _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
-
-
-class NonFiniteError(FloatingPointError):
-    """Raised under ``on_nonfinite="raise"`` when a gradient, a curvature statistic or a decomposition is not finite."""
 
 
 class BlockAverage:
@@ -77,7 +79,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
                  decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 output_selector: Any = None) -> None:
+                 output_selector: Any = None,
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
@@ -117,9 +120,27 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # [end issue #7]
         self.num_steps = 0
         self.num_skipped = 0
-        self._skip_run: Tuple[int, int] = (-2, 0)  # (step of the last skip, consecutive skips up to it)
+        self._streak = SkipStreak(max_consecutive_skips)  # consecutive skipped steps (torchsso2/optim/skips.py)
+        self._undo = StepUndo(model)  # what a skipped step gives back
+        self._covered_at_start = list(self.engine.params)  # the covered parameters at construction
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "CurvatureOptimizer":
+        """``copy.deepcopy(opt)``: an independent optimizer with everything copied — its model
+        (``copy.model``, a deep copy of ``opt.model``), parameters, state, curvature, counters and
+        random streams — so both continue identically. Copy the model and the optimizer together
+        (``model2, opt2 = copy.deepcopy((model, opt))``) to get ``opt2.model is model2``. Not
+        supported with several processes (a communicator cannot be copied): ``TypeError``."""
+        if self.comm.world_size > 1:
+            raise TypeError("copy.deepcopy of an optimizer that communicates over several processes is not supported "
+                            "(its communicator cannot be copied); build a new optimizer and load_state_dict("
+                            "opt.state_dict()) instead")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
     # ---- capture + estimate -------------------------------------------------------------
     def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool
@@ -132,34 +153,71 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 loss, output = unpack_closure_result(closure())
             return loss, output, None
         engine = self.engine
+        if engine.kind is Kind.HESSIAN and targets is None:
+            raise ValueError(HESSIAN_NEEDS_TARGETS)
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
         acc = BlockAverage()
+        micro = MicroBatchTargets(targets)  # each forward's rows of targets (torchsso2/optim/accumulation.py)
 
         def on_output(out: Tensor) -> None:
             # called after every forward of the model inside the closure: a closure may run
             # several micro-batches (gradient accumulation); their curvature is averaged
             # weighted by batch size, so K micro-batches of B equal one batch of K·B.
+            check_nonempty_batch(out)
             if from_backward:
                 return
+            rows = micro.next(out.shape[0])
             if not all_finite([out]):
                 acc.nonfinite = True
             else:
-                acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])
+                acc.add(engine.estimate(cap, out, rows, self.generator), out.shape[0])
             cap.records.clear()
 
         with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
-            loss, output = unpack_closure_result(closure())
+            try:
+                loss, output = unpack_closure_result(closure())
+            except ValueError as err:
+                if from_backward and is_second_forward_reuse(err, len(cap.outputs)):
+                    raise ValueError(ACCUMULATION_NEEDS_TARGETS) from err
+                raise
+        micro.finish()
         if from_backward:
             if len(cap.outputs) > 1:
-                raise ValueError("curvature='empirical_fisher' without targets supports one forward per closure; "
-                                 "pass targets=... to step() for gradient accumulation")
+                raise ValueError(ACCUMULATION_NEEDS_TARGETS)
             if cap.outputs:
                 n = cap.outputs[0].shape[0]
                 scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
                 acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
         if acc.blocks is None and not acc.nonfinite:
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
-        return loss, output, acc.result()
+        return loss, output, self._without_frozen(acc.result())
+
+    def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
+        """Momentum buffers follow their parameter's dtype and device (``model.double()`` or
+        ``model.to(device)`` after some steps; the fused momentum kernel needs them to match).
+        Looked at only when the first parameter's dtype or device changed (``model.to`` moves all)."""
+        key = (params[0].dtype, params[0].device) if params else None
+        if key == getattr(self, "_params_dtype_key", key):
+            self._params_dtype_key = key
+            return
+        self._params_dtype_key = key
+        state = self.state
+        for p in params:
+            buf = state[p].get("momentum_buffer") if p in state else None
+            if buf is not None and (buf.dtype != p.dtype or buf.device != p.device):
+                state[p]["momentum_buffer"] = buf.to(dtype=p.dtype, device=p.device)
+
+    def _without_frozen(self, fresh: Dict[str, Block]) -> Dict[str, Block]:
+        """``fresh`` without the blocks of modules frozen since construction (``requires_grad_(False)``
+        on all their covered parameters): their running curvature is kept as it was, not decayed
+        towards the zero output gradients they now get, so unfreezing them later finds it intact."""
+        if all(p.requires_grad for p in self._covered_at_start):  # the common case: nothing frozen
+            return fresh
+        layouts = self.engine.layouts
+        frozen = [n for n in fresh if not any(p.requires_grad for p in layouts[n].params)]
+        if not frozen:
+            return fresh
+        return {n: b for n, b in fresh.items() if n not in frozen}
 
     # ---- gradients -------------------------------------------------------------------------
     def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]],
@@ -208,6 +266,18 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         logger.debug("step %d skipped by the grad scaler (inf/NaN gradients)", self.num_steps)
         return False
 
+    def _what_is_nonfinite(self, loss: Any, fresh: Optional[Dict[str, Block]]) -> Callable[[], str]:
+        """A function naming the non-finite loss, gradients (by parameter) and statistics (by module)."""
+        def found() -> str:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            by_param = {names.get(id(p), "?"): p.grad for p in params_with_grad(self.param_groups)[0]}
+            stats = {n: b.tensors() for n, b in (fresh or {}).items()}
+            text = diagnose(loss, by_param, stats)
+            if fresh is not None and not fresh:
+                text = "; ".join(t for t in (text, "the model output") if t)
+            return text
+        return found
+
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
         """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output).
@@ -217,21 +287,47 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             return False
         if isinstance(loss, Tensor) and not all_finite([loss]):
             return False
+        if isinstance(loss, float) and not math.isfinite(loss):  # a closure may return loss.item()
+            return False
         owned = list(grads)
         if fresh:
             owned += [t for b in fresh.values() for t in b.tensors()]
         return owned_all_finite(owned)
 
-    def _nonfinite(self, what: str) -> None:
-        """Apply the non-finite policy: raise, or log and count a skipped step."""
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        """Consecutive skipped steps after which the step raises :class:`NonFiniteError` (None: never)."""
+        return self._streak.limit
+
+    @max_consecutive_skips.setter
+    def max_consecutive_skips(self, value: Optional[int]) -> None:
+        self._streak = SkipStreak(value)
+
+    def _snapshot(self) -> StepUndo:
+        """What a skipped step must give back (saved before the closure runs): the sampling
+        generator and the normalisation layers' running statistics."""
+        return self._undo.save(self.generator)
+
+    def _step_taken(self) -> None:
+        """End of a step that changed the parameters: the streak of skipped steps ends."""
+        self._streak.taken()
+
+    def _nonfinite(self, what: str, snapshot: Optional[StepUndo] = None,
+                   found: Optional[Callable[[], str]] = None) -> None:
+        """Apply the non-finite policy: raise, or undo what the closure changed (``snapshot``: random
+        streams, BatchNorm statistics), log and count a skipped step. ``num_steps`` does not advance,
+        so the skipped step leaves the schedule and the random streams as if the batch was never seen.
+        ``found`` names the non-finite tensors (called only for the stall error)."""
+        if snapshot is not None:
+            snapshot.restore()
         if self.on_nonfinite == "raise":
             raise NonFiniteError(f"non-finite {what} at step {self.num_steps}; the optimizer state is unchanged")
         self.num_skipped += 1
-        last, streak = self._skip_run
-        streak = streak + 1 if last == self.num_steps - 1 else 1
-        self._skip_run = (self.num_steps, streak)
+        limit = self._streak.limit
+        details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""
+        streak = self._streak.skipped(self.num_steps, what, details)
         logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
-        if streak in (10, 100, 1000):
+        if streak in (10, 100, 1000) and (limit is None or streak < limit):
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
                          "VIOptimizer), lower lr, or restore a checkpoint.", streak)
@@ -288,6 +384,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             "num_skipped": self.num_skipped,
             "decomposed": self._decomposed,
             "seed": self.seed,
+            "optimizer": self.face_name,
             "covered": {n: list(lay.param_names) for n, lay in self.engine.layouts.items()},
             "param_shapes": self._param_shapes(),
             "extra": self._extra_state(),
@@ -298,42 +395,63 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         return [list(p.shape) for g in self.param_groups for p in g["params"]]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        sd = dict(state_dict)
-        extra = sd.pop("torchsso2", None)
-        if extra is None:
-            raise ValueError("state_dict has no 'torchsso2' entry: it was not saved by this optimizer")
-        covered = {n: list(lay.param_names) for n, lay in self.engine.layouts.items()}
-        if extra["covered"] != covered:
-            raise ValueError(f"checkpoint is for a model covering {extra['covered']}, this model covers {covered}")
-        # validate everything before changing anything: a refused checkpoint leaves the optimizer as it was
-        shapes = self._param_shapes()
-        if extra.get("param_shapes", shapes) != shapes:
-            raise ValueError(f"checkpoint is for parameters of shapes {extra['param_shapes']}, "
-                             f"this optimizer's parameters have shapes {shapes}")
-        for name, bstate in extra["curvature"]["blocks"].items():
-            want = self.engine.approx[name].value if name in self.engine.approx else None
-            if bstate["approx"] != want:
-                raise ValueError(f"checkpoint holds a {bstate['approx']!r} block for module {name!r}, "
-                                 f"this optimizer uses {want!r}")
-        super().load_state_dict(sd)
-        cstate = extra["curvature"]
-        like = {}
-        for name, bstate in cstate["blocks"].items():
-            lay = self.engine.layouts[name]
-            cls = _BLOCK_TYPES[bstate["approx"]]
-            like[name] = cls(lay, *[t.clone() for t in bstate["tensors"]])
-        self.running.load_state_dict(cstate, like)
-        self.generator.set_state(extra["generator"])
-        self.num_steps = int(extra["num_steps"])
-        self.num_skipped = int(extra["num_skipped"])
-        self._decomposed = bool(extra["decomposed"])
-        self.seed = int(extra.get("seed", self.seed))
-        if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
-            self._decomposed = False
-        if any(isinstance(b, KFACBlock) and b.decomposition is not None
-               and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):
-            self._decomposed = False  # saved with the other kfac_method: decompose again at the next step
-        self._load_extra_state(extra["extra"])
+        """Load a checkpoint of this optimizer; all or nothing.
+
+        The whole checkpoint is checked first (:func:`torchsso2.optim.checkpoint.check_checkpoint`:
+        kind of optimizer, every tensor's shape against this model, finiteness, counters) and a bad
+        one is refused with a ``ValueError`` naming the entry, before anything changes. Floating
+        tensors are cast to the parameters' dtype and device (as ``torch.optim`` does); the loaded
+        state tensors are copies (the optimizer never writes into ``state_dict``)."""
+        checked = check_checkpoint(self, state_dict)
+        saved_attrs = dict(self.__dict__)
+        saved_running = (self.running.blocks, self.running.num_updates)
+        saved_generator = self.generator.get_state()
+        saved_extra = self._extra_snapshot()
+        try:
+            super().load_state_dict(checked.optimizer_state)
+            self.running.blocks = checked.blocks
+            self.running.num_updates = checked.num_updates
+            self.generator.set_state(checked.generator)
+            self.num_steps = checked.num_steps
+            self.num_skipped = checked.num_skipped
+            self._decomposed = checked.decomposed
+            self.seed = int(checked.seed) if checked.seed is not None else self.seed
+            if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
+                self._decomposed = False
+            if any(isinstance(b, KFACBlock) and b.decomposition is not None
+                   and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):
+                self._decomposed = False  # saved with the other kfac_method: decompose again at the next step
+            if any(b.decomposition is None for b in self.running.blocks.values()):
+                self._decomposed = False
+            self._load_extra_state(checked.extra)
+        except BaseException:  # not expected after the checks; the optimizer is left as it was anyway
+            self.__dict__.clear()
+            self.__dict__.update(saved_attrs)
+            self.running.blocks, self.running.num_updates = saved_running
+            self.generator.set_state(saved_generator)
+            self._restore_extra(saved_extra)
+            raise
+
+    #: the kind of optimizer a checkpoint is tagged with (a checkpoint loads only into the same kind)
+    face_name = "CurvatureOptimizer"
+
+    def _check_group_value(self, entry: str, key: str, value: Any) -> None:
+        """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
+        high = {"lr": MAX_LR, "momentum": 1.0}.get(key, math.inf)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) \
+                or not 0.0 <= float(value) <= high or (key == "momentum" and float(value) >= 1.0):
+            raise ValueError(f"checkpoint entry {entry} is {value!r}, expected a finite number in "
+                             f"[0, {high}{')' if key == 'momentum' else ']'}; the optimizer is unchanged")
+
+    def _check_extra_state(self, state: Dict[str, Any]) -> None:
+        """Check the face's own checkpoint entries (ValueError naming the entry)."""
+
+    def _extra_snapshot(self) -> Any:
+        """What :meth:`_load_extra_state` may change in place (restored if loading fails)."""
+        return None
+
+    def _restore_extra(self, snapshot: Any) -> None:
+        pass
 
     def _extra_state(self) -> Dict[str, Any]:
         return {}

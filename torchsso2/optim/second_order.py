@@ -22,13 +22,14 @@ from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
 
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
 from .steps import add_weight_decay, kl_clip_factor, momentum_step_
-from .validation import check_choice, check_int, check_number
+from .validation import MAX_LR, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             adapt λ on that model while preconditioning with factored damping).
         on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
             before it, logged and counted in ``num_skipped``) or ``"raise"`` (NonFiniteError).
+            A skipped step does not advance ``num_steps``, the sampling generator or BatchNorm's
+            running statistics: training with a skipped batch equals training without it.
+        max_consecutive_skips: after this many consecutive skipped steps (default 20) the step
+            raises :class:`NonFiniteError` naming what is non-finite and what to try (lower lr,
+            more damping); ``None`` never raises.
         skip_modules: module names (regex), class names or types left to plain SGD, each with its
             submodules.
         params: optional torch.optim-style param groups (default: all trainable params of model).
@@ -95,7 +101,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
-    ``curvature="hessian"`` and makes ``"empirical_fisher"`` exact for any loss reduction.
+    ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is
+    recomputed from the output and ``y`` by double backward; the closure's loss has been
+    backpropagated already) and makes ``"empirical_fisher"`` exact for any loss reduction.
+    Gradient accumulation (several forwards + backwards in one closure) works for every kind; kinds
+    given ``targets`` take them as all micro-batches' targets concatenated in the closure's order,
+    and ``"empirical_fisher"`` needs ``targets`` then (without them it reads the per-example
+    gradients of the closure's single backward).
     """
 
     def __init__(self, model: nn.Module, lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, *,
@@ -110,9 +122,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 low_rank_solve: bool = True, output_selector: Any = None) -> None:
+                 low_rank_solve: bool = True, output_selector: Any = None,
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
-        check_number("lr", lr, low=0.0)
+        check_number("lr", lr, low=0.0, high=MAX_LR)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
@@ -138,7 +151,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
-                         output_selector=output_selector)
+                         output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
         self.kfac_method = kfac_method
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
@@ -152,6 +165,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
+        snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext():
             loss, output, fresh = self._run_closure(closure, targets, estimate)
         if not self._unscale_grads():
@@ -166,8 +180,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # below catches them (a non-finite gradient makes its preconditioned update non-finite)
         checked = grads if fresh is not None or decompose else []
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
-            self._nonfinite("loss, gradient or curvature")
-            self.num_steps += 1
+            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if fresh is not None:
             self.running.update(fresh, self.ema_decay)
@@ -179,11 +192,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 return loss, output
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
         if not self._apply_update(params, groups):
-            self._nonfinite("preconditioned update")
-            self.num_steps += 1
+            self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if old is not None:
             self._adapt_damping(closure, loss, params, grads, old)
+        self._step_taken()
         self.num_steps += 1
         return loss, output
 
@@ -246,8 +259,28 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self._decomposed = False  # re-decompose with the new damping at the next step
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
 
+    face_name = "SecondOrderOptimizer"
+
     def _extra_state(self) -> Dict[str, Any]:
         return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy()}
+
+    def _check_extra_state(self, state: Dict[str, Any]) -> None:
+        damping = state.get("damping")
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) \
+                or not 0.0 <= float(damping) < float("inf"):
+            raise ValueError(f"checkpoint entry ['torchsso2']['extra']['damping'] is {damping!r}, expected a finite "
+                             "number >= 0; the optimizer is unchanged")
+        if state.get("lm") is not None and not isinstance(state["lm"], dict):
+            raise ValueError("checkpoint entry ['torchsso2']['extra']['lm'] must be a dict or None; "
+                             "the optimizer is unchanged")
+
+    def _extra_snapshot(self) -> Any:
+        return None if self.lm is None else vars(self.lm).copy()
+
+    def _restore_extra(self, snapshot: Any) -> None:
+        if self.lm is not None and snapshot is not None:
+            vars(self.lm).clear()
+            vars(self.lm).update(snapshot)
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self.damping = float(state["damping"])

@@ -2,7 +2,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
+
+import torch
+
+#: largest accepted learning rate: a natural-gradient step is O(1), so anything above is a typo (lr=1e39
+#: is not even a float32)
+MAX_LR = 1e6
+#: largest accepted ``dataset_size``: VIOptimizer scales the curvature by N as a float; 2**53 is the
+#: largest integer a float64 holds exactly (10**40 would overflow float32 statistics)
+MAX_DATASET_SIZE = 2 ** 53
 
 
 def check_number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
@@ -22,12 +31,14 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     return v
 
 
-def check_int(name: str, value: Any, *, low: int = 1) -> int:
-    """An int >= ``low`` (bool is rejected)."""
+def check_int(name: str, value: Any, *, low: int = 1, high: Optional[int] = None) -> int:
+    """An int >= ``low`` (and <= ``high`` when given; bool is rejected)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{name}={value!r} is invalid; expected an int >= {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}={value!r} is invalid; expected an int in [{low}, {high}]")
     return value
 
 
@@ -42,4 +53,25 @@ def unpack_closure_result(result: Any) -> Tuple[Any, Any]:
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise TypeError("the closure must return (loss, output): the loss tensor and the model output, "
                         f"got {type(result).__name__}")
-    return result[0], result[1]
+    loss = result[0]
+    if not isinstance(loss, torch.Tensor) and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        raise TypeError(f"the closure's loss must be a tensor or a Python number, got {type(loss).__name__}")
+    return loss, result[1]
+
+
+def as_loss_tensor(loss: Any) -> "torch.Tensor":
+    """A closure's loss given as a Python number, as a 0-dim float64 tensor (a tensor is returned as
+    is); anything else is a TypeError naming what a closure must return."""
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise TypeError(f"the closure's loss must be a tensor or a Python number, got {type(loss).__name__}")
+    return torch.tensor(float(loss), dtype=torch.float64)
+
+
+def check_nonempty_batch(output: Any) -> None:
+    """The model output of a closure's forward must hold at least one example (``[N, ...]``, N >= 1)."""
+    if isinstance(output, torch.Tensor) and (output.dim() == 0 or output.shape[0] == 0):
+        raise ValueError(f"the closure ran the model on an empty batch (output of shape {list(output.shape)}); "
+                         "the curvature of an empty batch is undefined: skip empty batches in the training loop "
+                         "(e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`)")

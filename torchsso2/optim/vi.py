@@ -42,12 +42,13 @@ from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
 from curvature.options import LossType
 
+from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
 from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
-from .validation import check_int, check_number
+from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 
 
 #: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
@@ -120,6 +121,8 @@ class VIOptimizer(CurvatureOptimizer):
             × R sample groups (shard the data with ``num_replicas=opt.data_parallel_size,
             rank=opt.data_parallel_rank``). Default 1: pure data parallelism.
         output_selector: as in :class:`SecondOrderOptimizer` (also used by :meth:`predict`).
+        on_nonfinite, max_consecutive_skips: as in :class:`SecondOrderOptimizer` (a skipped step
+            leaves the step count, hence the weight noise and the schedule, unchanged).
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
@@ -132,10 +135,11 @@ class VIOptimizer(CurvatureOptimizer):
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 mc_parallel: int = 1, output_selector: Any = None) -> None:
+                 mc_parallel: int = 1, output_selector: Any = None,
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         check_not_pytorch_sso_call(lr, "VIOptimizer")
-        self.dataset_size = check_int("dataset_size", dataset_size, low=1)
-        check_number("lr", lr, low=0.0)
+        self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)
+        check_number("lr", lr, low=0.0, high=MAX_LR)
         if prior_precision is not None and prior_variance is not None:
             raise ValueError("give prior_precision or prior_variance, not both "
                              f"(got prior_precision={prior_precision!r}, prior_variance={prior_variance!r})")
@@ -157,15 +161,11 @@ class VIOptimizer(CurvatureOptimizer):
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
                          decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
-                         output_selector=output_selector)
+                         output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
-        covered = self._covered()
-        wide = torch.float64 in [p.dtype for p in covered] + [decomposition_dtype]
-        self._noise_dtype = torch.float64 if wide else torch.float32
-        self._noise_device = covered[0].device if covered else torch.device("cpu")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -183,6 +183,29 @@ class VIOptimizer(CurvatureOptimizer):
 
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
+
+    def _noise_kind(self) -> Tuple[torch.dtype, torch.device]:
+        """dtype (float64 when a covered parameter or the decompositions are, else float32) and device
+        of the weight noise; followed when ``model.double()`` / ``model.to(device)`` change the first
+        covered parameter after construction (recomputed only then)."""
+        first = self._covered_at_start[0] if self._covered_at_start else None
+        key = None if first is None else (first.dtype, first.device)
+        cached = getattr(self, "_noise_cache", None)
+        if cached is None or cached[0] != key:
+            wide = self.decomposition_dtype == torch.float64 or \
+                any(p.dtype == torch.float64 for p in self._covered_at_start)
+            device = first.device if first is not None else torch.device("cpu")
+            kind = (torch.float64 if wide else torch.float32, device)
+            self._noise_cache = cached = (key, kind)
+        return cached[1]
+
+    @property
+    def _noise_dtype(self) -> torch.dtype:
+        return self._noise_kind()[0]
+
+    @property
+    def _noise_device(self) -> torch.device:
+        return self._noise_kind()[1]
 
     # ---- the data × sample grid [issue #7] ------------------------------------------------------
     @property
@@ -278,7 +301,7 @@ class VIOptimizer(CurvatureOptimizer):
         the sample is the same up to rounding, with one op per step instead of one per block."""
         params: List[nn.Parameter] = []
         eps: List[Tensor] = []
-        blocks = self.running.blocks
+        blocks = self._live_blocks()
         if all(isinstance(b, DiagBlock) for b in blocks.values()):
             factors: List[Tensor] = []
             for name, blk in blocks.items():
@@ -295,12 +318,22 @@ class VIOptimizer(CurvatureOptimizer):
             eps.extend(self._coloured(name, blk, z))
         return params, eps, None
 
+    def _live_blocks(self) -> Dict[str, Any]:
+        """The running blocks whose module has a trainable parameter (a module frozen with
+        ``requires_grad_(False)`` after construction keeps its weights: it is not sampled)."""
+        blocks = self.running.blocks
+        if all(p.requires_grad for b in blocks.values() for p in b.layout.params):
+            return blocks
+        return {n: b for n, b in blocks.items() if any(p.requires_grad for p in b.layout.params)}
+
     def _isotropic(self, z: Tensor) -> Shift:
         """The weight sample of ``z`` (``[P]``) before any curvature: ``ε = z / √init_precision``."""
         params: List[nn.Parameter] = []
         eps: List[Tensor] = []
         z.mul_(float(self.init_precision) ** -0.5)
         for name, lay in self.engine.layouts.items():
+            if not any(p.requires_grad for p in lay.params):  # frozen since construction: not sampled
+                continue
             params.extend(lay.params)
             eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
         return params, eps, None
@@ -356,6 +389,7 @@ class VIOptimizer(CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         estimate = self.num_steps % self.curv_update_interval == 0
+        snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
         grad_sum: Dict[int, Tensor] = {}
         curvature = BlockAverage() if estimate else None
@@ -364,7 +398,7 @@ class VIOptimizer(CurvatureOptimizer):
         for noise in self._step_noise():
             with self._perturbed(noise):
                 loss, output, fresh = self._run_closure(closure, targets, estimate)
-            losses.append(loss.detach())
+            losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
             if curvature is not None:  # {} marks a sample whose output was not finite
                 curvature.nonfinite |= not fresh
                 if fresh:
@@ -387,8 +421,7 @@ class VIOptimizer(CurvatureOptimizer):
         fresh = curvature.result() if curvature is not None else None
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
-            self._nonfinite("loss, gradient or curvature")
-            self.num_steps += 1
+            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
         if fresh is not None:
             self.running.update(fresh, self.ema_decay)
@@ -396,7 +429,9 @@ class VIOptimizer(CurvatureOptimizer):
             if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
                 self.num_steps += 1
                 return mean_loss, output
+        self._follow_param_dtypes(params)
         self._update_mean(params, groups, grads)
+        self._step_taken()
         self.num_steps += 1
         return mean_loss, output
 
@@ -416,6 +451,14 @@ class VIOptimizer(CurvatureOptimizer):
                 add_scaled_(params, steps, plan.values("lr"))
             else:
                 preconditioned_descent_(plan, params, bufs, plan.values("lr"), n, 1.0)
+
+    face_name = "VIOptimizer"
+
+    def _check_extra_state(self, state: Dict[str, Any]) -> None:
+        momentum = state.get("momentum")
+        if momentum is not None and not isinstance(momentum, str):
+            raise ValueError("checkpoint entry ['torchsso2']['extra']['momentum'] must be a string; "
+                             "the optimizer is unchanged")
 
     def _extra_state(self) -> Dict[str, Any]:
         return {"momentum": "mean-loss"}  # momentum buffers of the mean loss's gradient (since 2026-11-24)

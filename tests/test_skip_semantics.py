@@ -1,0 +1,161 @@
+"""A skipped step is a no-op (issue 28 items 4 and 8, issue 33 item 6): SecondOrderOptimizer and
+VIOptimizer with ``on_nonfinite="skip"``.
+
+* training with a NaN batch inserted (and skipped) equals training without that batch, bit for bit:
+  same step count, curvature / decomposition schedule, label sampling (``fisher_mc``) and VI noise;
+* BatchNorm running statistics written by the NaN batch's forward are given back;
+* after ``max_consecutive_skips`` skipped steps in a row the step raises ``NonFiniteError``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optim_helpers import batch, make_closure, param_vec, tiny_mlp
+from test_optim_common import assert_same_state
+from torchsso2 import NonFiniteError, SecondOrderOptimizer, VIOptimizer
+
+
+def _opt(face: str, model: nn.Module, approx: str = "kfac", **kw):
+    common = dict(curvature="fisher_mc", approx=approx, ema_decay=0.9, momentum=0.9, curv_update_interval=2,
+                  inv_update_interval=3, seed=3)
+    common.update(kw)
+    if face == "second_order":
+        return SecondOrderOptimizer(model, lr=0.05, damping=0.05, **common)
+    # init_precision: weight noise from the first step on
+    return VIOptimizer(model, dataset_size=100, lr=0.01, prior_precision=1.0, init_precision=50.0, **common)
+
+
+def _nan_input(x):
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    return bad
+
+
+FACES = [("second_order", "kfac"), ("second_order", "diag"), ("vi", "diag"), ("vi", "kfac")]
+
+
+@pytest.mark.parametrize("face,approx", FACES)
+@pytest.mark.parametrize("where", ["input", "gradient"])
+@pytest.mark.parametrize("at", [0, 2, 3, 4, 5])
+def test_a_skipped_batch_equals_training_without_it(face, approx, where, at):
+    """Batches b0..b6; run B inserts a NaN batch before b_at (skipped; curvature every 2 steps,
+    decompositions every 3, so the bad step estimates and/or decomposes or neither): same parameters and state
+    as run A without it, bit for bit (counter ``num_skipped`` aside)."""
+    batches = [batch(n=10, seed=i) for i in range(7)]
+
+    model_a = tiny_mlp(seed=0)
+    opt_a = _opt(face, model_a, approx)
+    for x, y in batches:
+        opt_a.step(make_closure(opt_a, model_a, x, y))
+
+    model_b = tiny_mlp(seed=0)
+    opt_b = _opt(face, model_b, approx)
+    for i, (x, y) in enumerate(batches):
+        if i == at:
+            if where == "input":
+                bad = make_closure(opt_b, model_b, _nan_input(x), y)
+            else:
+                def poison() -> None:
+                    model_b.fc2.weight.grad[0, 0] = float("inf")
+                bad = make_closure(opt_b, model_b, x, y, after_backward=poison)
+            steps = opt_b.num_steps
+            opt_b.step(bad)
+            assert opt_b.num_skipped == 1 and opt_b.num_steps == steps
+        opt_b.step(make_closure(opt_b, model_b, x, y))
+    assert torch.equal(param_vec(model_b), param_vec(model_a))
+    assert opt_b.num_steps == opt_a.num_steps == len(batches)
+    assert_same_state(opt_b.state_dict(), opt_a.state_dict(), ignore=("num_skipped",))
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+@pytest.mark.parametrize("face", ["second_order", "vi"])
+def test_batchnorm_running_statistics_are_restored_on_skip(face):
+    torch.manual_seed(0)
+    model = BNNet().double()
+    opt = _opt(face, model, approx="diag")
+    x, y = batch(n=10, seed=0)
+    for _ in range(2):
+        opt.step(make_closure(opt, model, x, y))
+    before = {k: v.clone() for k, v in model.bn.state_dict().items()}
+    opt.step(make_closure(opt, model, _nan_input(x), y))
+    assert opt.num_skipped == 1
+    for k, v in model.bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # a finite step afterwards moves them as usual
+    opt.step(make_closure(opt, model, x, y))
+    assert torch.isfinite(model.bn.running_mean).all()
+    assert int(model.bn.num_batches_tracked) == int(before["num_batches_tracked"]) + 1
+    model.eval()
+    assert torch.isfinite(model(x)).all()
+
+
+@pytest.mark.parametrize("face", ["second_order", "vi"])
+def test_a_stall_raises_after_max_consecutive_skips(face):
+    """Default bound 20: 19 skips in a row are tolerated, the 20th raises with what diverged and
+    what to try; a finite step ends the streak; the state is the one before the first skip."""
+    model, (x, y) = tiny_mlp(), batch()
+    opt = _opt(face, model)
+    assert opt.max_consecutive_skips == 20
+    opt.step(make_closure(opt, model, x, y))
+    bad = make_closure(opt, model, _nan_input(x), y)
+    for _ in range(19):
+        opt.step(bad)
+    opt.step(make_closure(opt, model, x, y))  # ends the streak
+    before = param_vec(model)
+    for _ in range(19):
+        opt.step(bad)
+    with pytest.raises(NonFiniteError, match="20 consecutive steps") as err:
+        opt.step(bad)
+    msg = str(err.value)
+    assert "lower lr" in msg and "damping" in msg and "max_consecutive_skips" in msg
+    assert "the loss" in msg and "model output" in msg
+    assert torch.equal(param_vec(model), before) and opt.num_steps == 2 and opt.num_skipped == 39
+
+
+@pytest.mark.parametrize("face", ["second_order", "vi"])
+def test_max_consecutive_skips_is_configurable(face):
+    model, (x, y) = tiny_mlp(), batch()
+    opt = _opt(face, model, max_consecutive_skips=3)
+    opt.step(make_closure(opt, model, x, y))
+
+    def inf_grad() -> None:
+        model.fc1.weight.grad[1, 1] = float("inf")
+    bad = make_closure(opt, model, x, y, after_backward=inf_grad)
+    opt.step(bad)
+    opt.step(bad)
+    with pytest.raises(NonFiniteError, match=r"3 consecutive steps.*gradients of fc1.weight"):
+        opt.step(bad)
+    never = _opt(face, tiny_mlp(), max_consecutive_skips=None)
+    for _ in range(25):
+        never.step(make_closure(never, never.model, _nan_input(x), y))
+    assert never.num_skipped == 25 and never.num_steps == 0
+    for value, exc in [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)]:
+        with pytest.raises(exc, match="max_consecutive_skips"):
+            _opt(face, tiny_mlp(), max_consecutive_skips=value)
+
+
+def test_skip_keeps_the_label_stream_of_fisher_mc():
+    """The control: the sampled labels matter (another generator state gives another trajectory),
+    so the equality above holds because the skipped step gave the generator back."""
+    model_a, model_b = tiny_mlp(seed=0), tiny_mlp(seed=0)
+    opt_a, opt_b = _opt("second_order", model_a, "diag"), _opt("second_order", model_b, "diag")
+    x, y = batch(n=10, seed=0)
+    opt_b.generator.manual_seed(999)
+    for _ in range(3):
+        opt_a.step(make_closure(opt_a, model_a, x, y))
+        opt_b.step(make_closure(opt_b, model_b, x, y))
+    assert not torch.equal(param_vec(model_a), param_vec(model_b))
+    assert F.cross_entropy(model_a(x), y).isfinite()
