@@ -65,6 +65,8 @@ DEFAULT_README = ROOT / "README.md"
 NOT_BENCHMARKS = {"__init__", "common", "_peer_utils", "run"}
 #: run order (modules not listed run after these, alphabetically)
 ORDER = ("linalg", "step_overhead", "vi", "scaling", "peers_curvature", "peers_training", "memory", "width_scaling")
+#: a module's ``--plot`` file name where it is not ``<name>.png``
+PLOTS = {"vi": "reliability_digits.png"}
 TITLES = {
     "linalg": "Linear-algebra backends (eigh / inverse / Cholesky)",
     "step_overhead": "Step overhead vs SGD / Adam / kfac_pytorch",
@@ -209,7 +211,7 @@ def module_argv(name: str, source: str, args: argparse.Namespace) -> List[str]:
         argv.append("--full")
     argv += ["--json", str(args.results_dir / f"{name}.json")]
     if '"--plot"' in source:
-        argv += ["--plot", str(args.docs_dir / f"{name}.png")]
+        argv += ["--plot", str(args.docs_dir / PLOTS.get(name, f"{name}.png"))]
     for e in args.extra:
         key, _, val = e.partition("=")
         if key == name:
@@ -277,7 +279,8 @@ def _section(name: str, path: Path, docs_dir: Path) -> str:
     out.append(f"`benchmarks/{name}.py` → `{path.name}`; torch {m.get('torch', '?')}, "
                f"{m.get('torch_threads', '?')} threads" + (f", load average {load}" if load else ""))
     out += ["", table or f"_see `{path.name}`_", ""]
-    for png in sorted(docs_dir.glob(f"{name}*.png")):
+    pngs = set(docs_dir.glob(f"{name}*.png")) | ({docs_dir / PLOTS[name]} if name in PLOTS else set())
+    for png in sorted(p for p in pngs if p.exists()):
         out += [f"![{name}]({png.name})", ""]
     return "\n".join(out)
 
