@@ -23,12 +23,13 @@ from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError, get_backend
-from curvature.options import Kind
+from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
+from .misuse import ClosureWatch, check_model_argument, check_option
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  output_selector: Any = None) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_model_argument(model, type(self).__name__)
+        check_option(Kind, curvature, "curvature")
         self.model = model
         self.engine = CurvatureEngine(model, kind=curvature, approx=approx, loss=loss, mc_samples=mc_samples,
                                       skip_modules=skip_modules, output_selector=output_selector)
@@ -127,9 +128,12 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
         if closure is None or not callable(closure):
             raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
+        watch = ClosureWatch([p for g in self.param_groups for p in g["params"]],
+                             self.engine.loss is LossType.CROSS_ENTROPY, self.__dict__.setdefault("_misuse", {}))
         if not estimate:
-            with torch.enable_grad():
+            with torch.enable_grad(), watch:
                 loss, output = unpack_closure_result(closure())
+            watch.after()
             return loss, output, None
         engine = self.engine
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
@@ -140,15 +144,18 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             # several micro-batches (gradient accumulation); their curvature is averaged
             # weighted by batch size, so K micro-batches of B equal one batch of K·B.
             if from_backward:
+                watch.observe_output(out)
                 return
             if not all_finite([out]):
                 acc.nonfinite = True
             else:
                 acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])
+            watch.observe_output(out)  # after the engine's own backward passes: sees the user's only
             cap.records.clear()
 
-        with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
+        with torch.enable_grad(), watch, engine.capture(on_output=on_output, record_backward=from_backward) as cap:
             loss, output = unpack_closure_result(closure())
+        watch.after()
         if from_backward:
             if len(cap.outputs) > 1:
                 raise ValueError("curvature='empirical_fisher' without targets supports one forward per closure; "
