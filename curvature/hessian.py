@@ -47,7 +47,7 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
     for name in names:
         lay, rec = layouts[name], (records or {}).get(name)
         if approx[name] is not Approx.DIAG or rec is None or not examples_independent \
-                or not supports(lay.module, lay.family):
+                or not supports(lay.module, lay.family, rec.output):
             continue
         p = sum(q.numel() for q in lay.params)
         count = output_space_count(lay.module, rec.output)

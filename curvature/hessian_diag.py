@@ -33,9 +33,12 @@ CHUNK = 128
 SLAB_ELEMENTS = 1 << 24
 
 
-def supports(module: nn.Module, family: object) -> bool:
-    """Linear or Conv2d (any family whose output is ``W a + b`` per position)."""
-    return isinstance(family, WeightMatrixFamily) and isinstance(module, (nn.Linear, nn.Conv2d))
+def supports(module: nn.Module, family: object, output: Tensor) -> bool:
+    """Linear (output ``[N, ..., d_out]``) or Conv2d (output ``[N, C, H, W]``): ``W a + b`` per position."""
+    if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor):
+        return False
+    return (isinstance(module, nn.Conv2d) and output.dim() == 4) or (isinstance(module, nn.Linear)
+                                                                      and output.dim() >= 2)
 
 
 def output_space_count(module: nn.Module, output: Tensor) -> int:
