@@ -30,6 +30,7 @@ from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
 from .misuse import ClosureWatch, check_model_argument, check_option
+from .reporting import worth_reporting
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         last, streak = self._skip_run
         streak = streak + 1 if last == self.num_steps - 1 else 1
         self._skip_run = (self.num_steps, streak)
-        logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
+        # one line for the 1st, 2nd, 5th, 10th, 20th, ... skip (the others at DEBUG level)
+        (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
+            "step %d skipped: non-finite %s (skipped so far: %d; logged at 1, 2, 5, 10, 20, ... skips)",
+            self.num_steps, what, self.num_skipped)
         if streak in (10, 100, 1000):
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
