@@ -129,8 +129,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
         if closure is None or not callable(closure):
             raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
-        watch = ClosureWatch([p for g in self.param_groups for p in g["params"]],
-                             self.engine.loss is LossType.CROSS_ENTROPY, self.__dict__.setdefault("_misuse", {}))
+        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY,
+                             self.__dict__.setdefault("_misuse", {}))
         if not estimate:
             with torch.enable_grad(), watch:
                 loss, output = unpack_closure_result(closure())
