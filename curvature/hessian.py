@@ -10,7 +10,7 @@ take the ``P_m`` rows and keep their diagonal.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 from torch import Tensor
