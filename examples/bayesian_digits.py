@@ -8,7 +8,7 @@ digits rotated by 90°, flipped left-right, and uniform noise images.
 Examples::
 
     python examples/bayesian_digits.py                          # all four methods, 10 epochs (~20 s)
-    python examples/bayesian_digits.py --methods vi-diag adam --epochs 5 --out-dir /tmp/rel
+    python examples/bayesian_digits.py --methods vi-diag adam --epochs 5 --out-dir /tmp/rel   # default: <tmp>/torchsso2_bayesian_digits
     python examples/bayesian_digits.py --temperature 1          # the untempered posterior
 
 The VI posterior is ``q(θ) = N(μ, P⁻¹)`` with ``P = (N/T)·C + δ·I`` (``C``: Fisher estimate,
@@ -21,6 +21,7 @@ The predictions of the VI models are Bayesian model averages over ``--mc-samples
 from __future__ import annotations
 
 import argparse
+import tempfile
 import json
 import os
 import sys
@@ -36,13 +37,18 @@ from torch import Tensor, nn  # noqa: E402
 
 from torchsso2.distributed import shutdown  # noqa: E402
 from examples.common import (process_rank, world_size, DEFAULT_LR, Digits, add_common_args, fit, load_digits_data,  # noqa: E402
-                             make_model, make_optimizer, num_batches, predict_probs, progress_bar, setup_run)
+                             launch_note, make_model, make_optimizer, num_batches, predict_probs, progress_bar,
+                             setup_run)
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
 METHODS = ("sgd", "adam", "vi-diag", "vi-kfac")
 
 #: VIOptimizer settings used for both shapes (tuned on this split; see docs/benchmarks.md)
 VI_DEFAULTS = dict(lr=1e-3, prior_precision=10.0, ema_decay=0.99, momentum=0.9, num_mc_samples=1)
+
+
+#: the default output folder: under the system's temporary directory, not the current one
+DEFAULT_OUT_DIR = Path(tempfile.gettempdir()) / "torchsso2_bayesian_digits"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -65,8 +71,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--mc-samples", type=int, default=32, help="posterior samples for predictions (default 32)")
     p.add_argument("--train-mc-samples", type=int, default=1, help="weight samples per VI step (default 1)")
     p.add_argument("--n-bins", type=int, default=15, help="ECE / reliability-diagram bins (default 15)")
-    p.add_argument("--out-dir", type=Path, default=Path("bayesian_digits_out"),
-                   help="where the reliability diagrams (PNG) and results.json go (default ./bayesian_digits_out)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
+                   help=f"where the reliability diagrams (PNG) and results.json go (default {DEFAULT_OUT_DIR}, "
+                   "outside the working directory)")
     add_common_args(p)
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.mc_samples < 1 or args.temperature <= 0:
@@ -128,6 +135,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         sys.stdout = open(os.devnull, "w")
         args.out_dir = Path(os.devnull).parent / "tmp" / f"bayesian_digits_rank{process_rank()}"
     data = load_digits_data()
+    if world_size() > 1:
+        print(f"data-parallel run{launch_note()}: methods {', '.join(args.methods)}", flush=True)
     ood = ood_sets(data.x_test, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {}

@@ -343,4 +343,17 @@ def progress_bar(total: int, desc: str, disable: bool):
             def write(self, s: str) -> None: print(s)
             def close(self) -> None: ...
         return _Null()
-    return tqdm(total=total, desc=desc, disable=disable, leave=False, dynamic_ncols=True)
+    # disable=None: tqdm turns itself off when stderr is not a terminal (a pipe, a log file, or the
+    # ranks of mpiexec/torchrun, whose forwarded '\r' redraws would glue onto the printed lines)
+    return tqdm(total=total, desc=desc, disable=True if disable else None, leave=False, dynamic_ncols=True)
+
+
+def launch_note() -> str:
+    """``" on N ranks (mpiexec)"`` / ``"(torchrun)"`` when launched data-parallel, else ``""``."""
+    import os
+
+    n = world_size()
+    if n <= 1:
+        return ""
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ else "mpiexec"
+    return f" on {n} ranks ({launcher})"

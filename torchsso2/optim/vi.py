@@ -44,6 +44,7 @@ from curvature.options import LossType
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
+from .misuse import eval_mode
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
@@ -368,13 +369,22 @@ class VIOptimizer(CurvatureOptimizer):
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse)."""
+        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse).
+
+        The model is evaluated in ``eval()`` mode (BatchNorm uses its running statistics and leaves them
+        unchanged, dropout is off) and given back its own ``training`` flags. Before the first ``step()``
+        (no posterior yet, and no ``init_precision``) it raises ``RuntimeError``."""
         check_int("num_samples", num_samples)
+        if not self._decomposed and self.init_precision is None:
+            raise RuntimeError("predict() before the first step(): there is no posterior yet, so every sample would "
+                               "be the mean weights (point predictions). Call step() first, or pass "
+                               "init_precision=... to sample from an isotropic Gaussian around the weights")
         outs = []
-        for _ in range(num_samples):
-            with self.sampled_params(generator):
-                out = self.engine.select_output(self.model(x))
-            outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
+        with eval_mode(self.model):
+            for _ in range(num_samples):
+                with self.sampled_params(generator):
+                    out = self.engine.select_output(self.model(x))
+                outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
         return torch.stack(outs).mean(0)
 
     def posterior_precision(self) -> Tensor:
