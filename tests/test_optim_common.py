@@ -62,7 +62,7 @@ def test_vi_param_groups_per_group_lr():
     model, (x, y) = tiny_mlp(), batch()
     delta = 2.0
     fc1, fc2 = [model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias]
-    opt = VIOptimizer(model, dataset_size=N_DATA, lr=0.01, curvature="fisher", approx="kfac", prior_precision=delta,
+    opt = VIOptimizer(model, dataset_size=N_DATA, lr=0.01, curvature_init=None, curvature="fisher", approx="kfac", prior_precision=delta,
                       params=[dict(params=fc1, lr=0.05), dict(params=fc2, momentum=0.0)])
     lr = lr_vector(model, {**{id(p): 0.05 for p in fc1}, **{id(p): 0.01 for p in fc2}})
     c = reference_curvature(model, x, y, approx="kfac")

@@ -13,6 +13,7 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
 1. draw ``num_mc_samples`` weight samples ``θ_s = μ + ε_s``, ``ε_s ~ N(0, τ·Λ⁻¹)``;
 2. run the closure at each sample (forward + backward) and average gradients ``ḡ`` and curvature;
 3. restore ``μ``; fold the curvature into the EMA and decompose ``Λ``;
+   (the EMA starts at ``curvature_init·I``, default 1: IVON's ``hess_init``);
 4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − lr·Λ⁻¹ m`` (VOGN; ``diag`` = VOGN,
    ``kfac`` = noisy K-FAC, ``full`` = full covariance per module). The buffer in ``state`` holds
    ``m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
@@ -47,6 +48,22 @@ from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
 from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
 from .validation import check_int, check_number
+from .vi_start import isotropic_blocks
+
+#: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
+#: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
+#: ≈ 1/√N (0.024 on the digits) and the first mean steps are ≈ ``lr·m``, SGD with momentum at
+#: ``lr``; the slow EMA (``ema_decay`` 0.999) then moves C to the data's curvature. Starting
+#: from the first batch's estimate instead (``curvature_init=None``) gave
+#: steps ``N/(τδ)`` times the gradient along its near-zero directions: non-finite losses after
+#: ~45 steps at lr 1e-2 on the digits MLP. 0.1 diverged at lr 0.1 (loss 3.9e4); 1 trains for
+#: lr from 1e-3 to 0.3 (tests/test_defaults.py).
+DEFAULT_CURVATURE_INIT = 1.0
+
+#: Default learning rate of the mean: the middle of the 100× range (1e-3 … 1e-1) in which the
+#: defaults train the digits MLP without a skipped step; with ``curvature_init`` = 1 the first
+#: steps are SGD's at this lr (with momentum 0.9).
+DEFAULT_VI_LR = 1e-2
 
 
 #: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
@@ -98,15 +115,28 @@ class VIOptimizer(CurvatureOptimizer):
     Args:
         model: the network; its weights are the posterior mean.
         dataset_size: N, the number of training examples (>= 1).
-        lr: step size of the mean (and of nothing else: the precision is an EMA).
+        lr: step size of the mean (and of nothing else: the precision is an EMA). Default
+            :data:`DEFAULT_VI_LR` = 1e-2 (the defaults train for lr in 1e-3 … 1e-1, see there).
         curvature: kind of curvature (default ``"fisher_mc"``); ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
-        prior_precision / prior_variance: isotropic Gaussian prior (give at most one).
+        prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
+            precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
+            so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
+            do not see).
         init_precision: precision of the isotropic Gaussian sampled at the first step, before any
-            curvature is known (default: no noise at the first step).
+            curvature is known (default: that of the starting curvature, ``(N·curvature_init + τδ +
+            damping)/τ``; with ``curvature_init=None`` too: no noise at the first step).
+        curvature_init: the curvature EMA starts at ``curvature_init·I`` (IVON's ``hess_init``; the
+            first batch is folded in with weight ``1 − ema_decay``), so the first samples are
+            small and the first steps bounded. Default :data:`DEFAULT_CURVATURE_INIT` = 1 (see
+            there why). ``None``: start at the first batch's estimate (a batch's curvature with
+            near-zero directions then gives huge first steps unless ``prior_precision`` or
+            ``damping`` is large).
         num_mc_samples: weight samples per step (the closure runs once per sample).
         kl_weighting: τ > 0, weight of the KL term; the posterior covariance is τ·(N·C + τδ + damping)⁻¹
             (τ < 1: a cold, narrower posterior).
-        momentum, ema_decay, damping: see the module docstring.
+        momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD), 0.999 (a
+            slow EMA, as IVON's β₂: the posterior's curvature averages over ~1000 steps of weight
+            samples and batches), 0.0 (the prior alone keeps Λ positive definite).
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
         skip_modules: module names (regex), class names or types, each with its submodules, left
@@ -121,7 +151,7 @@ class VIOptimizer(CurvatureOptimizer):
         output_selector: as in :class:`SecondOrderOptimizer` (also used by :meth:`predict`).
     """
 
-    def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
+    def __init__(self, model: nn.Module, dataset_size: int, lr: float = DEFAULT_VI_LR, *,
                  curvature: str = "fisher_mc", approx: Any = "diag", prior_precision: Optional[float] = None,
                  prior_variance: Optional[float] = None, init_precision: Optional[float] = None,
                  num_mc_samples: int = 1, kl_weighting: float = 1.0, momentum: float = 0.9,
@@ -131,7 +161,8 @@ class VIOptimizer(CurvatureOptimizer):
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 mc_parallel: int = 1, output_selector: Any = None) -> None:
+                 mc_parallel: int = 1, output_selector: Any = None,
+                 curvature_init: Optional[float] = DEFAULT_CURVATURE_INIT) -> None:
         self.dataset_size = check_int("dataset_size", dataset_size, low=1)
         check_number("lr", lr, low=0.0)
         if prior_precision is not None and prior_variance is not None:
@@ -144,6 +175,8 @@ class VIOptimizer(CurvatureOptimizer):
                                                 low=0.0)
         self.init_precision = None if init_precision is None else \
             check_number("init_precision", init_precision, low=0.0, low_open=True)
+        self.curvature_init = None if curvature_init is None else \
+            check_number("curvature_init", curvature_init, low=0.0, low_open=True)
         self.num_mc_samples = check_int("num_mc_samples", num_mc_samples)
         self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0, low_open=True)
         self.damping = check_number("damping", damping, low=0.0)
@@ -179,6 +212,16 @@ class VIOptimizer(CurvatureOptimizer):
         """``√τ``: draws from ``N(0, Λ⁻¹)`` are scaled to the posterior covariance ``τ·Λ⁻¹``."""
         return self.kl_weighting ** 0.5
 
+    @property
+    def _first_precision(self) -> Optional[float]:
+        """Precision of the isotropic noise before the first decomposition: ``init_precision`` if
+        given, else that of the starting curvature, ``(N·curvature_init + τδ + damping)/τ``, else None."""
+        if self.init_precision is not None:
+            return self.init_precision
+        if self.curvature_init is not None:
+            return (self.dataset_size * self.curvature_init + self.precision_shift) / self.kl_weighting
+        return None
+
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
 
@@ -209,7 +252,7 @@ class VIOptimizer(CurvatureOptimizer):
         """
         m = self.num_mc_samples
         mine = self.grid.samples(self.comm.rank, m)
-        if not self._decomposed and self.init_precision is None:
+        if not self._decomposed and self._first_precision is None:
             return [None] * m
         step = self.num_steps
         draws: Dict[int, Tensor] = {}
@@ -297,7 +340,7 @@ class VIOptimizer(CurvatureOptimizer):
         """The weight sample of ``z`` (``[P]``) before any curvature: ``ε = z / √init_precision``."""
         params: List[nn.Parameter] = []
         eps: List[Tensor] = []
-        z.mul_(float(self.init_precision) ** -0.5)
+        z.mul_(float(self._first_precision) ** -0.5)
         for name, lay in self.engine.layouts.items():
             params.extend(lay.params)
             eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
@@ -313,7 +356,7 @@ class VIOptimizer(CurvatureOptimizer):
                                            "(grad_worker_fraction < 1 keeps it on its grad workers); "
                                            "sample with grad_worker_fraction='comm_opt'")
             return self._coloured_all(self._standard_normal(generator))
-        if self.init_precision is not None:
+        if self._first_precision is not None:
             return self._isotropic(self._standard_normal(generator))
         return None
 
@@ -389,6 +432,8 @@ class VIOptimizer(CurvatureOptimizer):
             self.num_steps += 1
             return mean_loss, output
         if fresh is not None:
+            if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
+                self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
             self.running.update(fresh, self.ema_decay)
         if self.num_steps % self.inv_update_interval == 0 or not self._decomposed:
             if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
