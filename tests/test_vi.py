@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -127,17 +127,20 @@ def test_two_mc_samples_average_gradients_and_curvature(approx):
 
 
 # ---- 7. Bayesian linear regression: the exact case ---------------------------------------------------------
-def _blr(approx: str, *, prior: float = 20.0, kl_weighting: float = 1.0, lr: float = 0.5, seed: int = 0):
+def _blr(approx: str, *, prior: float = 20.0, kl_weighting: float = 1.0, lr: float = 0.5, seed: int = 0,
+         start: Optional[Dict[str, float]] = None):
     x, y = linreg_data(n=200, d=3)
     torch.manual_seed(seed)
     model = nn.Linear(3, 1, bias=False).double()
-    opt = VIOptimizer(model, curvature_init=None, dataset_size=len(x), lr=lr, curvature="fisher", approx=approx, loss="mse",
-                      prior_precision=prior, kl_weighting=kl_weighting, damping=0.0, momentum=0.0, seed=seed)
+    opt = VIOptimizer(model, dataset_size=len(x), lr=lr, curvature="fisher", approx=approx, loss="mse",
+                      prior_precision=prior, kl_weighting=kl_weighting, damping=0.0, momentum=0.0, seed=seed,
+                      **(start if start is not None else dict(curvature_init=None)))
     return model, opt, x, y
 
 
+@pytest.mark.parametrize("start", [dict(curvature_init=None), dict(ema_decay=0.0)], ids=["first-batch", "default-start"])
 @pytest.mark.parametrize("approx", ["full", "diag", "kfac"])
-def test_bayesian_linear_regression_posterior(approx):
+def test_bayesian_linear_regression_posterior(approx, start):
     """P = XᵀX + δI (diag: diag(XᵀX) + δ) exactly, and the mean → (XᵀX + δI)⁻¹Xᵀy.
 
     The Fisher of a linear-Gaussian model does not depend on the weights, so P is exact from the
@@ -149,8 +152,12 @@ def test_bayesian_linear_regression_posterior(approx):
     S); the tolerance is 5 of those standard deviations per coordinate (here ≈ 0.018; the
     observed errors are 0.1-1.7 of them over seeds, and the prior moves μ* away from the
     least-squares solution by 2.6-40 tolerances).
+
+    The EMA starts at the first batch (``curvature_init=None``), or at the default
+    ``curvature_init·I`` with ``ema_decay=0`` (the Fisher is constant here, so no EMA is needed and the
+    first batch replaces the start; the first step samples from the start's posterior).
     """
-    model, opt, x, y = _blr(approx)
+    model, opt, x, y = _blr(approx, start=start)
     prior = 20.0
     xtx = x.t() @ x
     eye = torch.eye(3, dtype=torch.float64)
