@@ -154,10 +154,10 @@ def vi_train(lr, approx=None, epochs: int = 2, seed: int = 0):
 
 
 @pytest.mark.parametrize("approx", [None, "kfac"])
-@pytest.mark.parametrize("lr", [1e-3, None, 1e-1])
+@pytest.mark.parametrize("lr", [1e-3, None, 1e-1, 1.0])
 def test_vi_defaults_train_digits_mlp_for_lr_in_a_100x_range(lr, approx):
     """``VIOptimizer(model, dataset_size=N)`` (lr None: the default 1e-2; approx None: diag) and
-    lr 1e-3 / 1e-1: 2 epochs on the digits MLP with no skipped step, no batch loss far above the
+    lr 1e-3 / 1e-1 / 1 (1: held by the default KL clip): 2 epochs on the digits MLP with no skipped step, no batch loss far above the
     untrained one, and a final loss (at the mean) below the untrained loss, and well below for
     lr >= 1e-2. Before curvature_init, lr 1e-2 and 1e-1 went non-finite after ~45 steps and lr
     1e-3 reached a batch loss of 1448."""

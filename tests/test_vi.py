@@ -448,3 +448,23 @@ def test_first_step_starts_the_ema_at_curvature_init(approx):
                           (N_DATA * dense + (tau * delta + damp) * torch.eye(dense.shape[0], dtype=dense.dtype)) / tau,
                           rtol=1e-10, atol=1e-10)
 
+
+
+@pytest.mark.parametrize("approx", ["diag", "kfac"])
+def test_kl_clip_scales_the_mean_step(approx):
+    """First step (EMA from the first batch, no noise) with an active KL clip: u = P⁻¹r on covered
+    params (r = N·g + τδ·μ0), the mean-loss momentum m = r/N, ν = √(kl_clip / (lr²·uᵀm)),
+    μ1 = μ0 − ν·lr·u; with a huge kl_clip ν = 1 (the unclipped step). fc3 is left out of the
+    posterior: u = m there, inside the same sum."""
+    for kl, clipped in [(1e-6, True), (1e6, False)]:
+        model, (x, y) = tiny_mlp(), batch()
+        lr, delta = 0.05, 2.0
+        step, r, _ = hand_vi_direction(model, x, y, approx=approx, n=N_DATA, tau_delta=delta, damping=0.0,
+                                       skip_modules=["fc3"])
+        mu0 = param_vec(model)
+        opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx,
+                          prior_precision=delta, curvature_init=None, kl_clip=kl, skip_modules=["fc3"])
+        opt.step(make_closure(opt, model, x, y))
+        nu = min(1.0, (kl / (lr * lr * float(step @ (r / N_DATA)))) ** 0.5)
+        assert (nu < 0.1) if clipped else (nu == 1.0)
+        assert torch.allclose(param_vec(model), mu0 - nu * lr * step, rtol=1e-9, atol=1e-12)
