@@ -48,6 +48,7 @@ from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import check_int, check_number
+from .reparam import reparam_diagonal, reparam_ema_
 from .vi_start import isotropic_blocks
 
 #: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
@@ -126,6 +127,9 @@ class VIOptimizer(CurvatureOptimizer):
         lr: step size of the mean (and of nothing else: the precision is an EMA). Default
             :data:`DEFAULT_VI_LR` = 1e-2 (the defaults train for lr in 1e-3 … 1e-1, see there).
         curvature: kind of curvature (default ``"fisher_mc"``); ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
+            ``"reparam"`` (with ``approx="diag"``): IVON's estimator ``ĥ = g ⊙ ε/σ²`` from the gradient
+            at the weight sample, no second backward pass (:mod:`torchsso2.optim.reparam`); its EMA
+            uses IVON's positivity-preserving update.
         prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
             precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
             so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
@@ -193,7 +197,10 @@ class VIOptimizer(CurvatureOptimizer):
         self.damping = check_number("damping", damping, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         defaults = dict(lr=lr, momentum=momentum)
-        super().__init__(model, params, defaults, curvature=curvature, approx=approx, loss=loss,
+        #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
+        self.reparam = curvature == "reparam"
+        super().__init__(model, params, defaults, curvature="fisher" if self.reparam else curvature, approx=approx,
+                         loss=loss,
                          mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
@@ -208,9 +215,44 @@ class VIOptimizer(CurvatureOptimizer):
         wide = torch.float64 in [p.dtype for p in covered] + [decomposition_dtype]
         self._noise_dtype = torch.float64 if wide else torch.float32
         self._noise_device = covered[0].device if covered else torch.device("cpu")
+        if self.reparam:
+            self._check_reparam()
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
+
+    def _check_reparam(self) -> None:
+        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and one process's own noise."""
+        shapes = {a.value for a in self.engine.approx.values()}
+        if shapes - {"diag"}:
+            raise ValueError(f"curvature='reparam' estimates a diagonal; it needs approx='diag', got blocks {sorted(shapes)}")
+        if self.curvature_init is None:
+            raise ValueError("curvature='reparam' needs curvature_init > 0: its estimate can be negative, so the "
+                             "running curvature must start positive (got curvature_init=None)")
+        if self.grad_scaler is not None:
+            raise NotImplementedError("curvature='reparam' with a grad_scaler is not implemented")
+        if self.placement.active:
+            raise NotImplementedError("curvature='reparam' with grad_worker_fraction < 1 is not implemented")
+
+    def _reparam_sample(self, noise: Optional[Shift]) -> Dict[str, Tensor]:
+        """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (``g``: ``p.grad`` after the
+        sample's closure; ``ε``, ``σ²``: the sample's noise and its variance ``τ/denom``, or
+        ``1/init_precision`` before the first decomposition)."""
+        if noise is None:
+            raise RuntimeError("curvature='reparam' needs a weight sample at every step")
+        params, shifts, factors = noise
+        eps = {id(p): s if factors is None else s * f
+               for p, s, f in zip(params, shifts, factors if factors is not None else shifts)}
+        out: Dict[str, Tensor] = {}
+        for name, lay in self.engine.layouts.items():
+            if self._decomposed:
+                prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] / self.kl_weighting)
+            else:
+                prec = [float(self._first_precision)] * len(lay.params)  # type: ignore[arg-type]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
+            hat = reparam_diagonal([g.detach() for g in grads], [eps[id(p)] for p in lay.params], prec)
+            out[name] = torch.cat([h.reshape(-1) for h in hat])
+        return out
 
     # ---- the posterior ---------------------------------------------------------------------
     @property
@@ -413,10 +455,16 @@ class VIOptimizer(CurvatureOptimizer):
         curvature = BlockAverage() if estimate else None
         losses = []
         output = None
+        hats: Dict[str, Tensor] = {}
+        if self.reparam:  # the curvature comes from the samples' own gradients: no capture, no second backward
+            curvature = None
         for noise in self._step_noise():
             with self._perturbed(noise):
-                loss, output, fresh = self._run_closure(closure, targets, estimate)
+                loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
             losses.append(loss.detach())
+            if self.reparam and estimate:
+                for name, h in self._reparam_sample(noise).items():
+                    hats[name] = hats[name] + h if name in hats else h
             if curvature is not None:  # {} marks a sample whose output was not finite
                 curvature.nonfinite |= not fresh
                 if fresh:
@@ -437,6 +485,8 @@ class VIOptimizer(CurvatureOptimizer):
             return mean_loss, output
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
+        if hats:
+            fresh = {name: DiagBlock(self.engine.layouts[name], h / len(losses)) for name, h in hats.items()}
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature")
@@ -445,7 +495,14 @@ class VIOptimizer(CurvatureOptimizer):
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                 self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
-            self.running.update(fresh, self.ema_decay)
+            if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
+                for name, blk in fresh.items():
+                    run = self.running.blocks[name].diagonal
+                    reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
+                                 self.precision_shift / float(self.dataset_size))
+                self.running.num_updates += 1
+            else:
+                self.running.update(fresh, self.ema_decay)
         if self.num_steps % self.inv_update_interval == 0 or not self._decomposed:
             if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
                 self.num_steps += 1
