@@ -4,12 +4,16 @@ Each bucket is moved to a contiguous CPU numpy array (float16 and bfloat16 trave
 float32, which MPI reduces portably), reduced or broadcast in place, and copied back to
 the tensors' device and dtype.
 
-Failure behaviour: MPI has no timeouts. A process that *dies* is noticed by the launcher
-(``mpiexec`` of MPICH/hydra and Open MPI kill the remaining ranks), but a rank that
-*raises* would run Python's exit handlers, ``MPI_Finalize`` among them, while its peers
-wait in a collective forever. Call :func:`install_abort_on_exception` once at start-up
-(or run the script with ``python -m mpi4py script.py``): an uncaught exception then prints
-its traceback and calls ``MPI_Abort``, which takes the whole job down with a non-zero exit.
+Failure behaviour: MPI has no timeouts, so this communicator makes its own. Every collective
+is started non-blocking (``Iallreduce``, ``Ibcast``, ``Ibarrier``) and polled with ``Test``
+until it completes, a member announces its exit (see :mod:`~torchsso2.distributed.mpi_guard`),
+or ``timeout`` seconds pass; then :class:`~torchsso2.distributed.faults.CollectiveTimeoutError`
+names this rank, the collective and the cause. A process that *dies* is noticed by the
+launcher (``mpiexec`` of MPICH/hydra and Open MPI kill the remaining ranks), but a rank that
+*raises* would run Python's exit handlers, ``MPI_Finalize`` among them, while its peers wait:
+:func:`install_abort_on_exception` (installed by :func:`~torchsso2.distributed.get_communicator`
+when it selects MPI, unless opted out) makes an uncaught exception print its traceback and call
+``MPI_Abort``, which takes the whole job down with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 from torch import Tensor
 
 from torchsso2.distributed.communicator import BucketedCommunicator
+from torchsso2.distributed.faults import CollectiveTimeoutError, launcher_rank, resolve_timeout
+from torchsso2.distributed.mpi_guard import EXIT_GRACE_S, ExitNotices, init_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +66,20 @@ def mpi_launch_size(env: dict[str, str] | None = None) -> int:
     return 0
 
 
-def import_mpi() -> Any:
-    """Import and return ``mpi4py.MPI``; ``ImportError`` with the install hint if missing."""
+def import_mpi(timeout: float | None = None) -> Any:
+    """Import and return ``mpi4py.MPI``; ``ImportError`` with the install hint if missing.
+
+    Importing it initializes MPI, which waits for every rank of the launch. When an MPI
+    launcher announces more than one rank and MPI is not initialized yet, that wait is bounded
+    by ``timeout`` seconds (default: :func:`~torchsso2.distributed.faults.resolve_timeout`),
+    after which the process is terminated with a message (:func:`~torchsso2.distributed.mpi_guard.init_watchdog`).
+    """
     try:
-        from mpi4py import MPI
+        if "mpi4py.MPI" not in sys.modules and mpi_launch_size() > 1:
+            with init_watchdog(resolve_timeout(timeout), launcher_rank(), mpi_launch_size()):
+                from mpi4py import MPI
+        else:
+            from mpi4py import MPI
     except ImportError as exc:  # mpi4py absent, or present without an MPI library
         raise ImportError(f"the 'mpi' backend needs mpi4py and an MPI library; {INSTALL_HINT} ({exc})") from exc
     return MPI
@@ -78,16 +94,54 @@ class MPICommunicator(BucketedCommunicator):
 
     Args:
         comm: the world communicator, ``MPI.COMM_WORLD`` by default. Ranks are ranks in it.
+        timeout: seconds a collective may wait for the other ranks before
+            :class:`~torchsso2.distributed.faults.CollectiveTimeoutError` (``None``: the
+            ``TORCHSSO2_DIST_TIMEOUT`` environment variable, else 60).
+        notices: the process's :class:`~torchsso2.distributed.mpi_guard.ExitNotices` (read
+            while waiting, so a peer that exited is named within about a second), or ``None``.
     """
 
-    def __init__(self, comm: Any | None = None) -> None:
-        self._MPI = import_mpi()
+    def __init__(self, comm: Any | None = None, timeout: float | None = None,
+                 notices: ExitNotices | None = None) -> None:
+        self.timeout = resolve_timeout(timeout)
+        self._MPI = import_mpi(self.timeout)
         self.comm = self._MPI.COMM_WORLD if comm is None else comm
+        self.notices = notices
         super().__init__(rank=self.comm.Get_rank(), world_size=self.comm.Get_size())
 
     def barrier(self) -> None:
-        """``MPI_Barrier`` over the world."""
-        self.comm.Barrier()
+        """``MPI_Ibarrier`` over the world, polled until done (bounded by ``timeout``)."""
+        self._wait(self.comm.Ibarrier(), "barrier", tuple(range(self.world_size)))
+
+    def _wait(self, request: Any, what: str, members: tuple[int, ...]) -> None:
+        """Poll ``request`` until it completes; raise :class:`CollectiveTimeoutError` when a member
+        announced its exit (after :data:`EXIT_GRACE_S`) or after ``timeout`` seconds."""
+        if request.Test():
+            return
+        start = time.monotonic()
+        deadline, grace_end, next_look, pause = start + self.timeout, None, start, 0.0
+        while not request.Test():
+            now = time.monotonic()
+            if now - start > 1e-3:  # spin for the first millisecond, then sleep a little between tests
+                pause = min(1e-3, pause * 2 if pause else 2e-5)
+                time.sleep(pause)
+            if self.notices is not None and now >= next_look:
+                next_look = now + 0.02
+                gone = {q: why for q, why in self.notices.poll().items() if q in members and q != self.rank}
+                if gone and grace_end is None:
+                    grace_end = now + EXIT_GRACE_S
+                elif gone and now > grace_end:
+                    named = "; ".join(f"rank {q} exited: {why}" for q, why in sorted(gone.items()))
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: {what} over ranks {list(members)} cannot complete: {named}")
+            if now > deadline:
+                gone_all = self.notices.poll() if self.notices is not None else {}
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: {what} over ranks {list(members)} did not complete within "
+                    f"{self.timeout:g} s: another rank hung, crashed or exited before reaching it"
+                    + (f" (ranks that announced their exit: {sorted(gone_all)})" if gone_all else "")
+                    + ". If a rank legitimately works alone this long, raise the timeout "
+                      "(get_communicator(timeout=...) or TORCHSSO2_DIST_TIMEOUT, seconds)")
 
     def _to_host(self, buffer: Tensor) -> tuple[Tensor, Any]:
         host = buffer.detach().to(device="cpu", dtype=_transport_dtype(buffer.dtype)).contiguous()
@@ -100,20 +154,22 @@ class MPICommunicator(BucketedCommunicator):
 
     def _allreduce_sum_(self, buffer: Tensor) -> int:
         host, array = self._to_host(buffer)
-        self.comm.Allreduce(self._MPI.IN_PLACE, array, op=self._MPI.SUM)
+        self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, op=self._MPI.SUM), "allreduce",
+                   tuple(range(self.world_size)))
         self._copy_back(host, buffer)
         return array.nbytes
 
     def _broadcast_(self, buffer: Tensor, src: int, members: tuple[int, ...], handle: Any) -> int:
         comm = self.comm if handle is None else handle
         host, array = self._to_host(buffer)
-        comm.Bcast(array, root=members.index(src))
+        self._wait(comm.Ibcast(array, root=members.index(src)), f"broadcast from rank {src}", members)
         self._copy_back(host, buffer)
         return array.nbytes
 
     def _make_group_handle(self, ranks: tuple[int, ...]) -> Any:
         member = self.rank in ranks
         color = 0 if member else self._MPI.UNDEFINED
+        self.barrier()  # bounded: Split itself blocks, so first make sure every rank got here
         sub = self.comm.Split(color, key=self.rank)  # collective over the world
         return sub if member else None
 
@@ -161,5 +217,24 @@ def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
         finally:
             target.Abort(1)
 
+    abort_hook.torchsso2_abort_hook = True  # type: ignore[attr-defined]  # lets install_mpi_fault_handlers skip a second one
     sys.excepthook = abort_hook
     return previous
+
+
+def install_mpi_fault_handlers(comm: MPICommunicator) -> None:
+    """What the library installs when it selects MPI (opt out: ``TORCHSSO2_ABORT_ON_EXCEPTION=0``).
+
+    * :func:`install_abort_on_exception`, unless ``sys.excepthook`` already is such a hook;
+    * the process's exit notices (:func:`~torchsso2.distributed.mpi_guard.install_exit_notice`):
+      a rank that exits tells the others, which stop waiting for it.
+
+    Collective over ``comm``'s world (the first time): every rank calls it at the same point.
+    """
+    from torchsso2.distributed.mpi_guard import install_exit_notice
+
+    if not getattr(sys.excepthook, "torchsso2_abort_hook", False):
+        install_abort_on_exception(comm)
+    if comm.world_size > 1 and comm.notices is None:
+        comm.barrier()  # bounded; the duplication below blocks
+        comm.notices = install_exit_notice(comm._MPI.COMM_WORLD, comm._MPI)

@@ -1,13 +1,14 @@
 """Communicator over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-Failure behaviour: every collective runs under a process-group timeout. The world group's
-timeout is the one given to ``torch.distributed.init_process_group`` (or, when
-:func:`~torchsso2.distributed.get_communicator` initializes it from a ``torchrun``
-environment, its ``timeout`` argument); groups made by :meth:`TorchCommunicator.new_group`
-get the communicator's ``timeout``. A peer that dies closes its connections and the others
-raise at once; a peer that hangs makes the others raise when the timeout expires. Either
-way no rank waits forever. (With NCCL, set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the
-default in recent PyTorch, so that a timed-out collective aborts the process.)
+Failure behaviour: every collective of this communicator is started with ``async_op=True``
+and waited for with the communicator's ``timeout`` (whatever timeout the process group was
+initialized with); groups made by :meth:`TorchCommunicator.new_group` get it too. A peer that
+dies closes its connections and the others raise at once; a peer that hangs makes the others
+raise when the timeout expires. Either way the error is a
+:class:`~torchsso2.distributed.faults.CollectiveTimeoutError` naming this rank, the collective
+and the cause, and no rank waits forever. (With NCCL, keep
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the default in recent PyTorch, so that a timed-out
+collective aborts the process.)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchsso2.distributed.communicator import BucketedCommunicator
+from torchsso2.distributed.faults import CollectiveTimeoutError, resolve_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +86,17 @@ class TorchCommunicator(BucketedCommunicator):
     """:class:`~torchsso2.distributed.Communicator` over an initialized ``torch.distributed``.
 
     Args:
-        timeout: seconds; the timeout of the groups made by :meth:`new_group`. The world
-            group keeps the timeout it was initialized with.
+        timeout: seconds a collective waits for the other ranks before raising
+            :class:`~torchsso2.distributed.faults.CollectiveTimeoutError` (``None``: the
+            ``TORCHSSO2_DIST_TIMEOUT`` environment variable, else 60); also the timeout of
+            the groups made by :meth:`new_group`.
 
     Buffers stay on the tensors' device: CPU tensors need gloo (or MPI), CUDA tensors NCCL
     (or gloo). Means are computed as a sum divided by the world size, which every backend
     supports.
     """
 
-    def __init__(self, timeout: float = 300.0) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this build of PyTorch")
         if not dist.is_initialized():
@@ -100,22 +104,40 @@ class TorchCommunicator(BucketedCommunicator):
                 "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
                 "first, or launch with torchrun and use get_communicator('torch')"
             )
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.timeout = resolve_timeout(timeout)
         super().__init__(rank=dist.get_rank(), world_size=dist.get_world_size())
-        self.timeout = float(timeout)
         self.backend_name = str(dist.get_backend())
 
     def barrier(self) -> None:
-        """``torch.distributed.barrier`` over the world."""
-        dist.barrier()
+        """``torch.distributed.barrier`` over the world (bounded by ``timeout``)."""
+        self._wait(dist.barrier(async_op=True), "barrier", tuple(range(self.world_size)))
+
+    def _wait(self, work: Any, what: str, members: tuple[int, ...]) -> None:
+        """Wait for ``work`` at most ``timeout`` s; a failure becomes a :class:`CollectiveTimeoutError`."""
+        try:
+            if self.backend_name == "nccl":  # a timed wait would block the CPU on the stream; NCCL's
+                work.wait()                  # watchdog enforces the group's timeout instead
+            else:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                cause = (f"did not complete within {self.timeout:g} s: another rank hung, crashed or exited "
+                         f"before reaching it. If a rank legitimately works alone this long, raise the timeout "
+                         f"(get_communicator(timeout=...) or TORCHSSO2_DIST_TIMEOUT, seconds)")
+            else:
+                cause = "failed: another rank exited or crashed (its connection closed)"
+            raise CollectiveTimeoutError(f"rank {self.rank}: {what} over ranks {list(members)} {cause} "
+                                         f"[{self.backend_name}: {text.strip()[:300]}]") from exc
 
     def _allreduce_sum_(self, buffer: Tensor) -> int:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        self._wait(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True), "allreduce",
+                   tuple(range(self.world_size)))
         return buffer.numel() * buffer.element_size()
 
     def _broadcast_(self, buffer: Tensor, src: int, members: tuple[int, ...], handle: Any) -> int:
-        dist.broadcast(buffer, src=src, group=handle)
+        self._wait(dist.broadcast(buffer, src=src, group=handle, async_op=True), f"broadcast from rank {src}",
+                   members)
         return buffer.numel() * buffer.element_size()
 
     def _make_group_handle(self, ranks: tuple[int, ...]) -> Any:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
+from torchsso2.distributed.consistency import check_kfac_settings
 
 from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
 from .hyperparams import Schedule, check_schedule, evaluate
@@ -187,6 +188,7 @@ class KFACPreconditioner:
             warnings.warn("KFACPreconditioner: the model has no nn.Linear / nn.Conv2d layer to precondition "
                           "(after skip_layers); step() will leave the gradients unchanged", stacklevel=2)
         self._by_module = {layer.module: layer for layer in self.layers.values()}
+        check_kfac_settings(self.comm, locals())  # ranks agree on the schedule before any collective
 
         sizes = {name: dict(layer.sizes) for name, layer in self.layers.items()}
         self.assignment = WorkAssignment.from_sizes(sizes, world, fraction, self.assignment_strategy,
