@@ -85,6 +85,11 @@ def import_mpi(timeout: float | None = None) -> Any:
     return MPI
 
 
+#: seconds a collective is polled without sleeping (a blocking MPI call spins too); after that
+#: the poll sleeps up to 1 ms between tests, which only a rank waiting for a slower one pays
+SPIN_S = 0.02
+
+
 def _transport_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -122,7 +127,7 @@ class MPICommunicator(BucketedCommunicator):
         deadline, grace_end, next_look, pause = start + self.timeout, None, start, 0.0
         while not request.Test():
             now = time.monotonic()
-            if now - start > 1e-3:  # spin for the first millisecond, then sleep a little between tests
+            if now - start > SPIN_S:  # spin like a blocking MPI call would, then sleep a little between tests
                 pause = min(1e-3, pause * 2 if pause else 2e-5)
                 time.sleep(pause)
             if self.notices is not None and now >= next_look:
