@@ -100,6 +100,11 @@ class KFACPreconditioner:
         linalg: linear-algebra backend of the decompositions (``"torch"``, ``"cupy"``,
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
+            Selecting MPI installs the process-wide fault handlers (an uncaught exception calls
+            ``MPI_Abort``, a rank that exits tells the others; opt out with
+            ``TORCHSSO2_ABORT_ON_EXCEPTION=0`` or ``get_communicator("mpi", abort_on_exception=False)``);
+            collectives give up after ``TORCHSSO2_DIST_TIMEOUT`` s (60). The ranks' settings are
+            compared at construction (``ValueError`` naming any that differ). See docs/distributed.md.
         loglevel: level of the registration / assignment log messages.
 
     Raises:

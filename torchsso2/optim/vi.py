@@ -109,6 +109,9 @@ class VIOptimizer(CurvatureOptimizer):
         momentum, ema_decay, damping: see the module docstring.
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
+        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
+            :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
+            collective timeout ``TORCHSSO2_DIST_TIMEOUT``, settings compared across ranks).
         skip_modules: module names (regex), class names or types, each with its submodules, left
             out of the posterior: point estimates with the mean's update ``μ ← μ − lr·(N·g + τδ·μ)/N``,
             never sampled.
