@@ -121,6 +121,8 @@ def check_optimizer_settings(opt: Any) -> None:
     dtype, ``grad_worker_fraction`` / ``assignment_strategy`` (passed through ``opt``), the
     defaults of the param groups (lr, damping, ...) and every group's parameter shapes.
     """
+    if opt.comm.world_size <= 1:
+        return
     engine = opt.engine
     settings: Dict[str, Any] = {
         "optimizer": type(opt).__name__,
