@@ -240,6 +240,8 @@ def install_mpi_fault_handlers(comm: MPICommunicator) -> None:
 
     if not getattr(sys.excepthook, "torchsso2_abort_hook", False):
         install_abort_on_exception(comm)
-    if comm.world_size > 1 and comm.notices is None:
+    MPI = comm._MPI
+    same_world = MPI.Comm.Compare(comm.comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)  # notices use world ranks
+    if comm.world_size > 1 and comm.notices is None and same_world:
         comm.barrier()  # bounded; the duplication below blocks
         comm.notices = install_exit_notice(comm._MPI.COMM_WORLD, comm._MPI)
