@@ -145,8 +145,8 @@ def _launch(cmd: List[str], bound_s: float, **env: str) -> Tuple[int, str, float
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
-def _mpiexec(*args: str, python_m_mpi4py: bool = False) -> List[str]:
-    prefix = [require_mpiexec(), "-n", "2", sys.executable]
+def _mpiexec(*args: str, python_m_mpi4py: bool = False, ranks: int = 2) -> List[str]:
+    prefix = [require_mpiexec(), "-n", str(ranks), sys.executable]
     return prefix + (["-m", "mpi4py"] if python_m_mpi4py else []) + list(args)
 
 
@@ -182,10 +182,16 @@ def test_mpi_rank_that_exits_before_init_ends_the_job(python_m_mpi4py: bool) -> 
     assert elapsed < 60.0, (elapsed, out)
 
 
-def test_mpi_rank_that_hangs_times_out() -> None:
-    code, out, elapsed = _launch(_mpiexec(WORKER, "kfac", "hang"), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
+def test_mpi_rank_that_hangs_times_out_and_is_named() -> None:
+    """3 ranks, rank 1 hangs: ranks 0 and 2 give up after the timeout; each asks the others what
+    they wait in, so the message names rank 1 as the one that never arrived and the other as waiting."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, "kfac", "hang", ranks=3), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
     assert code != 0, out
-    assert "rank 0: allreduce over ranks [0, 1] did not complete within 3 s" in out, out
+    said = [line for line in out.splitlines() if "uncaught CollectiveTimeoutError" in line]
+    assert said, out
+    for line in said:
+        assert "allreduce over ranks [0, 1, 2] did not complete within 3 s: rank 1 did not reach it" in line, out
+        assert "rank 0 waits in allreduce" in line or "rank 2 waits in allreduce" in line, out
     assert elapsed < 60.0, (elapsed, out)
 
 

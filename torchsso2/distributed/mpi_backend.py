@@ -89,6 +89,9 @@ def import_mpi(timeout: float | None = None) -> Any:
 #: the poll sleeps up to 1 ms between tests, which only a rank waiting for a slower one pays
 SPIN_S = 0.02
 
+#: seconds a timed-out rank waits for the other members to say what they wait in
+QUERY_WAIT_S = 2.0
+
 
 def _transport_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -132,7 +135,7 @@ class MPICommunicator(BucketedCommunicator):
                 time.sleep(pause)
             if self.notices is not None and now >= next_look:
                 next_look = now + 0.02
-                gone = {q: why for q, why in self.notices.poll().items() if q in members and q != self.rank}
+                gone = {q: why for q, why in self.notices.poll(what).items() if q in members and q != self.rank}
                 if gone and grace_end is None:
                     grace_end = now + EXIT_GRACE_S
                 elif gone and now > grace_end:
@@ -140,13 +143,26 @@ class MPICommunicator(BucketedCommunicator):
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: {what} over ranks {list(members)} cannot complete: {named}")
             if now > deadline:
-                gone_all = self.notices.poll() if self.notices is not None else {}
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: {what} over ranks {list(members)} did not complete within "
-                    f"{self.timeout:g} s: another rank hung, crashed or exited before reaching it"
-                    + (f" (ranks that announced their exit: {sorted(gone_all)})" if gone_all else "")
-                    + ". If a rank legitimately works alone this long, raise the timeout "
-                      "(get_communicator(timeout=...) or TORCHSSO2_DIST_TIMEOUT, seconds)")
+                    f"{self.timeout:g} s: {self._missing(what, members)}. If a rank legitimately works "
+                    "alone this long, raise the timeout (get_communicator(timeout=...) or "
+                    "TORCHSSO2_DIST_TIMEOUT, seconds)")
+
+    def _missing(self, what: str, members: tuple[int, ...]) -> str:
+        """Who is missing from a timed-out collective, as far as the exit notices and a query tell."""
+        if self.notices is None:
+            return "another rank hung, crashed or exited before reaching it"
+        answers = self.notices.who_waits(members, what, QUERY_WAIT_S)
+        gone = {q: why for q, why in self.notices.exited.items() if q in members}
+        silent = [q for q in members if q != self.rank and q not in answers and q not in gone]
+        parts = []
+        if silent:
+            parts.append(f"{'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} did not reach "
+                         "it (hung, or busy outside torchsso2's collectives)")
+        parts += [f"rank {q} exited: {why}" for q, why in sorted(gone.items())]
+        parts += [f"rank {q} waits in {answer}" for q, answer in sorted(answers.items())]
+        return "; ".join(parts) if parts else "every rank answered; the collective itself is stuck"
 
     def _to_host(self, buffer: Tensor) -> tuple[Tensor, Any]:
         host = buffer.detach().to(device="cpu", dtype=_transport_dtype(buffer.dtype)).contiguous()

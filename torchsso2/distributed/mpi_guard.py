@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 #: messages may still be in flight when the notice arrives)
 EXIT_GRACE_S = 1.0
 
-#: tag of the exit notices on the private communicator
+#: tags on the private communicator: exit notices, "who is waiting?" queries and their replies
 NOTICE_TAG = 0x5EED
+QUERY_TAG = 0x5EEE
+REPLY_TAG = 0x5EEF
 
 _WATCHDOG = r"""
 import os, select, signal, sys, time
@@ -108,17 +110,52 @@ class ExitNotices:
         self.exited: Dict[int, str] = {}
         self._lock = threading.Lock()
         self._announced = False
+        self._sends: List[Any] = []  # requests of sent messages, kept alive until they complete
 
-    def poll(self) -> Dict[int, str]:
-        """Receive the notices that have arrived; return ``{rank: why}`` of every rank that exited."""
+    def _receive(self, tag: int) -> Iterator[Tuple[int, Any]]:
+        status = self._MPI.Status()
+        while self.comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=tag, status=status):
+            src = status.Get_source()
+            yield src, self.comm.recv(source=src, tag=tag)
+
+    def _send(self, message: Any, dest: int, tag: int) -> None:
+        self._sends = [r for r in self._sends if not r.Test()]
+        self._sends.append(self.comm.isend(message, dest=dest, tag=tag))
+
+    def poll(self, waiting_in: Optional[str] = None) -> Dict[int, str]:
+        """Receive the notices that have arrived; return ``{rank: why}`` of every rank that exited.
+
+        ``waiting_in``: the collective this rank is waiting in; queries of ranks that timed out
+        are then answered with it (see :meth:`who_waits`).
+        """
         with self._lock:
             if self._announced:
                 return self.exited
-            status = self._MPI.Status()
-            while self.comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=NOTICE_TAG, status=status):
-                src = status.Get_source()
-                self.exited[src] = str(self.comm.recv(source=src, tag=NOTICE_TAG))
+            for src, why in self._receive(NOTICE_TAG):
+                self.exited[src] = str(why)
+            if waiting_in is not None:
+                for src, _ in self._receive(QUERY_TAG):
+                    self._send(waiting_in, src, REPLY_TAG)
             return self.exited
+
+    def who_waits(self, members: Sequence[int], waiting_in: str, wait_s: float) -> Dict[int, str]:
+        """Ask the other ``members`` what they wait in; return ``{rank: answer}`` of those that
+        answered within ``wait_s`` seconds. A rank answers only from inside a torchsso2
+        collective, so one that does not answer hangs or works outside them."""
+        with self._lock:
+            for q in members:
+                if q != self.rank:
+                    self._send(waiting_in, q, QUERY_TAG)
+        answers: Dict[int, str] = {}
+        end = time.monotonic() + wait_s
+        others = {q for q in members if q != self.rank}
+        while time.monotonic() < end and not others <= set(answers) | set(self.exited):
+            self.poll(waiting_in)  # answer the others' queries too: they may have timed out as well
+            with self._lock:
+                for src, answer in self._receive(REPLY_TAG):
+                    answers[src] = str(answer)
+            time.sleep(5e-3)
+        return answers
 
     def announce_exit(self, why: str = "its Python interpreter is exiting (sys.exit, or the end of the script)") -> None:
         """Tell every rank that has not exited that this one is leaving (at most once; never blocks long)."""
