@@ -229,7 +229,7 @@ def test_torchrun_rank_that_hangs_times_out() -> None:
     """Under torchrun the survivor gives up after the configured timeout, not gloo's 300 s."""
     code, out, elapsed = _launch(_torchrun(WORKER, "sso", "hang"), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
     assert code != 0, out
-    assert "rank 0: allreduce over ranks [0, 1] did not complete within 3 s" in out, out
+    assert "rank 0: allreduce over ranks [0, 1] did not complete within 3 s: rank 1 had not reached it" in out, out
     assert elapsed < 60.0, (elapsed, out)
 
 

@@ -17,6 +17,7 @@ import atexit
 import gc
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,9 @@ from torchsso2.distributed.communicator import BucketedCommunicator
 from torchsso2.distributed.faults import CollectiveTimeoutError, resolve_timeout
 
 logger = logging.getLogger(__name__)
+
+#: seconds a timed-out rank waits to learn which other members timed out in the same collective
+QUERY_WAIT_S = 2.0
 
 
 def torchrun_world_size(env: dict[str, str] | None = None) -> int:
@@ -122,13 +126,40 @@ class TorchCommunicator(BucketedCommunicator):
         except RuntimeError as exc:
             text = str(exc)
             if "timed out" in text.lower() or "timeout" in text.lower():
-                cause = (f"did not complete within {self.timeout:g} s: another rank hung, crashed or exited "
-                         f"before reaching it. If a rank legitimately works alone this long, raise the timeout "
+                cause = (f"did not complete within {self.timeout:g} s: {self._missing(what, members)}. If a rank "
+                         f"legitimately works alone this long, raise the timeout "
                          f"(get_communicator(timeout=...) or TORCHSSO2_DIST_TIMEOUT, seconds)")
             else:
                 cause = "failed: another rank exited or crashed (its connection closed)"
             raise CollectiveTimeoutError(f"rank {self.rank}: {what} over ranks {list(members)} {cause} "
                                          f"[{self.backend_name}: {text.strip()[:300]}]") from exc
+
+    def _missing(self, what: str, members: tuple[int, ...]) -> str:
+        """Who had not reached a timed-out collective: every rank that times out in it writes a key
+        to the process group's store; those whose key does not appear within
+        :data:`QUERY_WAIT_S` are named (ranks that entered much later would be named too)."""
+        generic = "another rank hung, crashed or exited before reaching it"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"torchsso2/timed_out/{self._num_collectives}/{what}"
+            store.set(f"{key}/{self.rank}", "1")
+            others = [q for q in members if q != self.rank]
+            seen: set = set()
+            end = time.monotonic() + QUERY_WAIT_S
+            while time.monotonic() < end and len(seen) < len(others):
+                seen |= {q for q in others if q not in seen and store.check([f"{key}/{q}"])}
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - no store, or it is gone too: say what we know
+            logger.debug("could not ask the store who timed out", exc_info=True)
+            return generic
+        silent = [q for q in others if q not in seen]
+        if not silent:
+            return "every rank timed out in it; the collective itself is stuck"
+        waiting = [q for q in others if q in seen]
+        return (f"{'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} had not reached it "
+                f"(hung, crashed, exited, or busy outside torchsso2's collectives)"
+                + (f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} timed out in it too"
+                   if waiting else ""))
 
     def _allreduce_sum_(self, buffer: Tensor) -> int:
         self._wait(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True), "allreduce",
