@@ -216,12 +216,16 @@ def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
             ``MPI.COMM_WORLD``.
 
     Returns:
-        The previous ``sys.excepthook``, to restore it with ``sys.excepthook = previous``.
+        The previous ``sys.excepthook``, to restore it with ``sys.excepthook = previous``. When
+        such a hook is installed already (:func:`~torchsso2.distributed.get_communicator` installs
+        one when it selects MPI), nothing is installed and the hook it replaced is returned.
     """
     MPI = import_mpi()
     if isinstance(comm, MPICommunicator):
         comm = comm.comm
     target = MPI.COMM_WORLD if comm is None else comm
+    if getattr(sys.excepthook, "torchsso2_abort_hook", False):  # installed already (e.g. by get_communicator)
+        return sys.excepthook.previous  # type: ignore[attr-defined, no-any-return]
     previous: _ExceptHook = sys.excepthook
 
     def abort_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
@@ -238,7 +242,8 @@ def install_abort_on_exception(comm: Any | None = None) -> _ExceptHook:
         finally:
             target.Abort(1)
 
-    abort_hook.torchsso2_abort_hook = True  # type: ignore[attr-defined]  # lets install_mpi_fault_handlers skip a second one
+    abort_hook.torchsso2_abort_hook = True  # type: ignore[attr-defined]  # a second call installs nothing
+    abort_hook.previous = previous  # type: ignore[attr-defined]
     sys.excepthook = abort_hook
     return previous
 
@@ -254,8 +259,7 @@ def install_mpi_fault_handlers(comm: MPICommunicator) -> None:
     """
     from torchsso2.distributed.mpi_guard import install_exit_notice
 
-    if not getattr(sys.excepthook, "torchsso2_abort_hook", False):
-        install_abort_on_exception(comm)
+    install_abort_on_exception(comm)  # once: a second call installs nothing
     MPI = comm._MPI
     same_world = MPI.Comm.Compare(comm.comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)  # notices use world ranks
     if comm.world_size > 1 and comm.notices is None and same_world:
