@@ -31,7 +31,13 @@ from torch import Tensor
 
 from torchsso2.distributed.communicator import BucketedCommunicator
 from torchsso2.distributed.faults import CollectiveTimeoutError, launcher_rank, resolve_timeout
-from torchsso2.distributed.mpi_guard import EXIT_GRACE_S, ExitNotices, init_watchdog
+from torchsso2.distributed.mpi_guard import (
+    EXIT_GRACE_S,
+    ExitNotices,
+    current_exit_notices,
+    init_watchdog,
+    install_exit_notice,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -255,13 +261,14 @@ def install_mpi_fault_handlers(comm: MPICommunicator) -> None:
     * the process's exit notices (:func:`~torchsso2.distributed.mpi_guard.install_exit_notice`):
       a rank that exits tells the others, which stop waiting for it.
 
-    Collective over ``comm``'s world (the first time): every rank calls it at the same point.
+    Collective over ``comm``'s world the first time (every rank calls it at the same point);
+    later calls only attach the existing notices to ``comm``.
     """
-    from torchsso2.distributed.mpi_guard import install_exit_notice
-
     install_abort_on_exception(comm)  # once: a second call installs nothing
     MPI = comm._MPI
     same_world = MPI.Comm.Compare(comm.comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)  # notices use world ranks
     if comm.world_size > 1 and comm.notices is None and same_world:
-        comm.barrier()  # bounded; the duplication below blocks
-        comm.notices = install_exit_notice(comm._MPI.COMM_WORLD, comm._MPI)
+        existing = current_exit_notices()
+        if existing is None:
+            comm.barrier()  # bounded; the duplication below blocks
+        comm.notices = existing if existing is not None else install_exit_notice(MPI.COMM_WORLD, MPI)
