@@ -95,7 +95,8 @@ def import_mpi(timeout: float | None = None) -> Any:
 #: the poll sleeps up to 1 ms between tests, which only a rank waiting for a slower one pays
 SPIN_S = 0.02
 
-#: seconds a timed-out rank waits for the other members to say what they wait in
+#: seconds, at the end of the timeout (at most a quarter of it), in which a waiting rank asks
+#: the other members what they wait in, to name the missing ones
 QUERY_WAIT_S = 2.0
 
 
@@ -133,7 +134,8 @@ class MPICommunicator(BucketedCommunicator):
         if request.Test():
             return
         start = time.monotonic()
-        deadline, grace_end, next_look, pause = start + self.timeout, None, start, 0.0
+        query_s = min(QUERY_WAIT_S, self.timeout / 4) if self.notices is not None else 0.0
+        deadline, grace_end, next_look, pause = start + self.timeout - query_s, None, start, 0.0
         while not request.Test():
             now = time.monotonic()
             if now - start > SPIN_S:  # spin like a blocking MPI call would, then sleep a little between tests
@@ -149,17 +151,23 @@ class MPICommunicator(BucketedCommunicator):
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: {what} over ranks {list(members)} cannot complete: {named}")
             if now > deadline:
+                missing = self._missing(what, members, query_s, request)
+                if missing is None:  # completed while we asked around
+                    return
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: {what} over ranks {list(members)} did not complete within "
-                    f"{self.timeout:g} s: {self._missing(what, members)}. If a rank legitimately works "
+                    f"{self.timeout:g} s: {missing}. If a rank legitimately works "
                     "alone this long, raise the timeout (get_communicator(timeout=...) or "
                     "TORCHSSO2_DIST_TIMEOUT, seconds)")
 
-    def _missing(self, what: str, members: tuple[int, ...]) -> str:
-        """Who is missing from a timed-out collective, as far as the exit notices and a query tell."""
+    def _missing(self, what: str, members: tuple[int, ...], query_s: float, request: Any) -> str | None:
+        """Who is missing from a timed-out collective, as far as the exit notices and a query of
+        ``query_s`` seconds tell; ``None`` if ``request`` completed meanwhile."""
         if self.notices is None:
             return "another rank hung, crashed or exited before reaching it"
-        answers = self.notices.who_waits(members, what, QUERY_WAIT_S)
+        answers = self.notices.who_waits(members, what, query_s, done=request.Test)
+        if answers is None:
+            return None
         gone = {q: why for q, why in self.notices.exited.items() if q in members}
         silent = [q for q in members if q != self.rank and q not in answers and q not in gone]
         parts = []

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,11 @@ class ExitNotices:
                     self._send(waiting_in, src, REPLY_TAG)
             return self.exited
 
-    def who_waits(self, members: Sequence[int], waiting_in: str, wait_s: float) -> Dict[int, str]:
+    def who_waits(self, members: Sequence[int], waiting_in: str, wait_s: float,
+                  done: Optional[Callable[[], bool]] = None) -> Optional[Dict[int, str]]:
         """Ask the other ``members`` what they wait in; return ``{rank: answer}`` of those that
-        answered within ``wait_s`` seconds. A rank answers only from inside a torchsso2
+        answered within ``wait_s`` seconds, or ``None`` as soon as ``done()`` is true (the
+        collective completed meanwhile). A rank answers only from inside a torchsso2
         collective, so one that does not answer hangs or works outside them."""
         with self._lock:
             for q in members:
@@ -150,6 +152,8 @@ class ExitNotices:
         end = time.monotonic() + wait_s
         others = {q for q in members if q != self.rank}
         while time.monotonic() < end and not others <= set(answers) | set(self.exited):
+            if done is not None and done():
+                return None
             self.poll(waiting_in)  # answer the others' queries too: they may have timed out as well
             with self._lock:
                 for src, answer in self._receive(REPLY_TAG):

@@ -30,7 +30,8 @@ from torchsso2.distributed.faults import CollectiveTimeoutError, resolve_timeout
 
 logger = logging.getLogger(__name__)
 
-#: seconds a timed-out rank waits to learn which other members timed out in the same collective
+#: seconds, at the end of the timeout (at most a quarter of it), in which a waiting rank looks for
+#: the other members that timed out in the same collective, to name the missing ones
 QUERY_WAIT_S = 2.0
 
 
@@ -118,15 +119,16 @@ class TorchCommunicator(BucketedCommunicator):
 
     def _wait(self, work: Any, what: str, members: tuple[int, ...]) -> None:
         """Wait for ``work`` at most ``timeout`` s; a failure becomes a :class:`CollectiveTimeoutError`."""
+        query_s = min(QUERY_WAIT_S, self.timeout / 4)  # the end of the timeout names the missing ranks
         try:
             if self.backend_name == "nccl":  # a timed wait would block the CPU on the stream; NCCL's
                 work.wait()                  # watchdog enforces the group's timeout instead
             else:
-                work.wait(timeout=timedelta(seconds=self.timeout))
+                work.wait(timeout=timedelta(seconds=self.timeout - query_s))
         except RuntimeError as exc:
             text = str(exc)
             if "timed out" in text.lower() or "timeout" in text.lower():
-                cause = (f"did not complete within {self.timeout:g} s: {self._missing(what, members)}. If a rank "
+                cause = (f"did not complete within {self.timeout:g} s: {self._missing(what, members, query_s)}. If a rank "
                          f"legitimately works alone this long, raise the timeout "
                          f"(get_communicator(timeout=...) or TORCHSSO2_DIST_TIMEOUT, seconds)")
             else:
@@ -134,10 +136,10 @@ class TorchCommunicator(BucketedCommunicator):
             raise CollectiveTimeoutError(f"rank {self.rank}: {what} over ranks {list(members)} {cause} "
                                          f"[{self.backend_name}: {text.strip()[:300]}]") from exc
 
-    def _missing(self, what: str, members: tuple[int, ...]) -> str:
+    def _missing(self, what: str, members: tuple[int, ...], query_s: float) -> str:
         """Who had not reached a timed-out collective: every rank that times out in it writes a key
-        to the process group's store; those whose key does not appear within
-        :data:`QUERY_WAIT_S` are named (ranks that entered much later would be named too)."""
+        to the process group's store; those whose key does not appear within ``query_s`` seconds
+        are named (ranks that entered much later would be named too)."""
         generic = "another rank hung, crashed or exited before reaching it"
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -145,7 +147,7 @@ class TorchCommunicator(BucketedCommunicator):
             store.set(f"{key}/{self.rank}", "1")
             others = [q for q in members if q != self.rank]
             seen: set = set()
-            end = time.monotonic() + QUERY_WAIT_S
+            end = time.monotonic() + query_s
             while time.monotonic() < end and len(seen) < len(others):
                 seen |= {q for q in others if q not in seen and store.check([f"{key}/{q}"])}
                 time.sleep(0.05)
