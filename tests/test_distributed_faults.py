@@ -105,6 +105,41 @@ def test_settings_check_compares_layer_shapes() -> None:
     assert "layers (rank 0: {fc: {A: 5, G: 3}}, rank 1: {fc: {A: 6, G: 3}})" in str(errors[0])
 
 
+@pytest.mark.parametrize("face,kwargs", [
+    ("sso", [dict(damping=1e-3), dict(damping=1e-2)]),
+    ("sso", [dict(adaptive_damping=False), dict(adaptive_damping=True)]),
+    ("vi", [dict(num_mc_samples=1), dict(num_mc_samples=2)]),
+    ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
+])
+def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
+    """The construction-time check of the native faces, on 2 ranks played by 2 threads."""
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+    pair = ThreadPair()
+    errors: List[Optional[BaseException]] = [None, None]
+
+    def run(rank: int) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        try:
+            if face == "sso":
+                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
+            else:
+                VIOptimizer(model, **{"dataset_size": 100, **kwargs[rank]}, communicator=ThreadComm(pair, rank))
+        except BaseException as exc:  # noqa: BLE001 - collected for the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    name = next(iter(kwargs[0]))
+    values = [describe(k[name]) for k in kwargs]
+    assert f"{name} (rank 0: {values[0]}, rank 1: {values[1]})" in str(errors[0]), errors[0]
+    assert str(errors[0]) == str(errors[1])
+
+
 def test_describe_is_stable_text() -> None:
     assert describe(torch.float32) == "torch.float32"
     assert describe([1, 2.5, None]) == "[1, 2.5, None]"

@@ -113,13 +113,21 @@ def _nccl(comm: Any) -> bool:
     return getattr(comm, "backend_name", "") == "nccl"
 
 
+#: optimizer attributes compared when present (SecondOrderOptimizer: damping, kl_clip,
+#: damping_adaptation_interval; VIOptimizer: dataset_size, prior_precision, init_precision,
+#: num_mc_samples, kl_weighting, damping)
+SUBCLASS_ATTRIBUTES = ("damping", "kl_clip", "damping_adaptation_interval", "dataset_size", "prior_precision",
+                       "init_precision", "num_mc_samples", "kl_weighting")
+
+
 def check_optimizer_settings(opt: Any) -> None:
     """:func:`check_same_settings` for a :class:`~torchsso2.optim.base.CurvatureOptimizer` under construction.
 
     Compares the optimizer class, the curvature kind, loss and per-module approximation, the
     update intervals, ``ema_decay``, ``mc_samples``, the non-finite policy, the decomposition
     dtype, ``grad_worker_fraction`` / ``assignment_strategy`` (passed through ``opt``), the
-    defaults of the param groups (lr, damping, ...) and every group's parameter shapes.
+    defaults of the param groups (lr, momentum, ...), every group's parameter shapes, and the
+    attributes of :data:`SUBCLASS_ATTRIBUTES` the optimizer has set (damping, ...).
     """
     if opt.comm.world_size <= 1:
         return
@@ -143,6 +151,11 @@ def check_optimizer_settings(opt: Any) -> None:
         settings["assignment_strategy"] = placement.strategy
     for key, value in opt.defaults.items():
         settings[f"defaults.{key}"] = value
+    for attr in SUBCLASS_ATTRIBUTES:  # set by SecondOrderOptimizer / VIOptimizer before the base's __init__
+        if hasattr(opt, attr):
+            settings[attr] = getattr(opt, attr)
+    if hasattr(opt, "lm"):
+        settings["adaptive_damping"] = opt.lm is not None
     device = _model_device(opt.model) if _nccl(opt.comm) else None
     check_same_settings(opt.comm, settings, type(opt).__name__, device)
 
