@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -74,7 +75,7 @@ def init_watchdog(timeout: float, rank: int, world_size: int) -> Iterator[None]:
                f"or hangs); terminating rank {rank}. Set TORCHSSO2_DIST_TIMEOUT (seconds) or "
                f"get_communicator(timeout=...) if the ranks legitimately start this far apart.")
     try:
-        dog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(_pid()), str(timeout), message],
+        dog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
     except OSError as exc:  # pragma: no cover - no process could be started
         logger.warning("rank %d: could not start the MPI_Init watchdog (%s); MPI_Init is not bounded", rank, exc)
@@ -86,12 +87,6 @@ def init_watchdog(timeout: float, rank: int, world_size: int) -> Iterator[None]:
         assert dog.stdin is not None
         dog.stdin.close()
         dog.wait()
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 class ExitNotices:
