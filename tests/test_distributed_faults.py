@@ -150,11 +150,12 @@ def test_timeout_and_opt_out_configuration() -> None:
     assert faults.resolve_timeout(None, {}) == faults.DEFAULT_TIMEOUT_S == 60.0
     assert faults.resolve_timeout(None, {faults.TIMEOUT_ENV: "7.5"}) == 7.5
     assert faults.resolve_timeout(3, {faults.TIMEOUT_ENV: "7.5"}) == 3.0  # the argument wins
-    for bad in ("abc", "0", "-1"):
+    for bad in ("abc", "0", "-1", "inf", "nan"):
         with pytest.raises(ValueError, match=faults.TIMEOUT_ENV):
             faults.resolve_timeout(None, {faults.TIMEOUT_ENV: bad})
-    with pytest.raises(ValueError, match="timeout"):
-        faults.resolve_timeout(0)
+    for bad_arg in (0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="timeout"):
+            faults.resolve_timeout(bad_arg)
     assert faults.resolve_abort_on_exception(None, {}) is True
     assert faults.resolve_abort_on_exception(None, {faults.ABORT_ENV: "0"}) is False
     assert faults.resolve_abort_on_exception(None, {faults.ABORT_ENV: "off"}) is False

@@ -12,6 +12,7 @@ selected, the library also installs the process-wide abort hooks (see
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Optional
 
@@ -38,7 +39,7 @@ def resolve_timeout(timeout: Optional[float] = None, env: Optional[dict] = None)
     """The collective timeout in seconds: ``timeout`` if given, else :data:`TIMEOUT_ENV`, else 60.
 
     Raises:
-        ValueError: a timeout (argument or environment) that is not a number > 0.
+        ValueError: a timeout (argument or environment) that is not a finite number > 0.
     """
     if timeout is None:
         env = os.environ if env is None else env
@@ -49,11 +50,11 @@ def resolve_timeout(timeout: Optional[float] = None, env: Optional[dict] = None)
             timeout = float(raw)
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0") from None
-        if not timeout > 0:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a finite number of seconds > 0")
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     return float(timeout)
 
 
