@@ -282,6 +282,8 @@ def test_mpi_abort_on_exception(tmp_path: Path) -> None:
     said = f"rc={proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
     assert proc.returncode != 0, said
     assert "rank 1 fails on purpose" in proc.stderr + proc.stdout, said
+    # get_communicator installed the hook already; the script's own install_abort_on_exception adds none
+    assert (proc.stderr + proc.stdout).count("[rank 1] uncaught RuntimeError") == 1, said
     assert time.monotonic() - start < 60.0, said
 
 

@@ -17,8 +17,10 @@ from torchsso2.distributed.assignment import (
     parse_enum,
 )
 from torchsso2.distributed.communicator import BucketedCommunicator, Communicator, Group, ReduceOp
+from torchsso2.distributed.consistency import check_same_settings
+from torchsso2.distributed.faults import CollectiveTimeoutError
 from torchsso2.distributed.local import LocalCommunicator
-from torchsso2.distributed.mpi_backend import MPICommunicator, install_abort_on_exception
+from torchsso2.distributed.mpi_backend import MPICommunicator, install_abort_on_exception, install_mpi_fault_handlers
 from torchsso2.distributed.select import Backend, get_communicator
 from torchsso2.distributed.torch_backend import TorchCommunicator, shutdown
 
@@ -26,6 +28,7 @@ __all__ = [
     "AssignmentStrategy",
     "Backend",
     "BucketedCommunicator",
+    "CollectiveTimeoutError",
     "Communicator",
     "DistributedStrategy",
     "Group",
@@ -34,9 +37,11 @@ __all__ = [
     "ReduceOp",
     "TorchCommunicator",
     "WorkAssignment",
+    "check_same_settings",
     "compute_cost",
     "get_communicator",
     "install_abort_on_exception",
+    "install_mpi_fault_handlers",
     "memory_cost",
     "shutdown",
     "parse_enum",

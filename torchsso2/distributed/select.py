@@ -7,7 +7,8 @@ from enum import Enum
 
 from torchsso2.distributed.communicator import Communicator
 from torchsso2.distributed.local import LocalCommunicator
-from torchsso2.distributed.mpi_backend import MPICommunicator, mpi_launch_size
+from torchsso2.distributed.faults import resolve_abort_on_exception, resolve_timeout
+from torchsso2.distributed.mpi_backend import MPICommunicator, install_mpi_fault_handlers, mpi_launch_size
 from torchsso2.distributed.torch_backend import TorchCommunicator, init_from_env, torchrun_world_size
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ def _torch(timeout: float) -> TorchCommunicator:
     return TorchCommunicator(timeout=timeout)
 
 
-def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0,
-                     loglevel: int = logging.INFO) -> Communicator:
+def get_communicator(backend: str | Backend = "auto", timeout: float | None = None,
+                     abort_on_exception: bool | None = None, loglevel: int = logging.INFO) -> Communicator:
     """Return the communicator for this process.
 
     Args:
@@ -61,9 +62,15 @@ def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0,
             (``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``MPI_LOCALNRANKS``, ... read *before*
             ``mpi4py`` is imported); ``torch`` initialized from the environment if a
             ``torchrun`` environment announces more than one process; else ``none``.
-        timeout: seconds before a stuck ``torch.distributed`` collective raises (used
-            when this function initializes the process group, and for new groups). MPI
-            has no timeouts; see :func:`install_abort_on_exception`.
+        timeout: seconds a collective (and ``MPI_Init``) waits for the other ranks before it
+            raises :class:`~torchsso2.distributed.faults.CollectiveTimeoutError` naming this
+            rank and the cause; ``None``: the ``TORCHSSO2_DIST_TIMEOUT`` environment variable,
+            else 60. Under torch it is also the process group's timeout when this function
+            initializes the group.
+        abort_on_exception: when MPI is selected, install the process-wide fault handlers
+            (:func:`~torchsso2.distributed.mpi_backend.install_mpi_fault_handlers`: an uncaught
+            exception calls ``MPI_Abort``; a rank that exits tells the others). ``None``
+            (default): yes, unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``; ``False``: opt out.
         loglevel: level of the message that says what ``"auto"`` chose.
 
     Raises:
@@ -72,8 +79,8 @@ def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0,
         RuntimeError: ``torch`` requested but nothing initializes ``torch.distributed``.
     """
     choice = Backend.parse(backend)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    timeout = resolve_timeout(timeout)
+    abort = resolve_abort_on_exception(abort_on_exception)
     if choice is Backend.AUTO:
         if _torch_initialized():
             choice = Backend.TORCH
@@ -89,4 +96,7 @@ def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0,
         return LocalCommunicator()
     if choice is Backend.TORCH:
         return _torch(timeout)
-    return MPICommunicator()
+    comm = MPICommunicator(timeout=timeout)
+    if abort and comm.world_size > 1:
+        install_mpi_fault_handlers(comm)
+    return comm

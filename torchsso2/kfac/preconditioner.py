@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
+from torchsso2.distributed.consistency import check_kfac_settings
 
 from .arguments import check_dtype, resolve_grad_worker_fraction
 from .base_preconditioner import BaseKFACPreconditioner, parse_flag
@@ -91,6 +92,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         linalg: linear-algebra backend of the decompositions (``"torch"``, ``"cupy"``,
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
+            Selecting MPI installs the process-wide fault handlers (an uncaught exception calls
+            ``MPI_Abort``, a rank that exits tells the others; opt out with
+            ``TORCHSSO2_ABORT_ON_EXCEPTION=0`` or ``get_communicator("mpi", abort_on_exception=False)``);
+            collectives give up after ``TORCHSSO2_DIST_TIMEOUT`` s (60). The ranks' settings are
+            compared at construction (``ValueError`` naming any that differ). See docs/distributed.md.
         loglevel: level of the registration, assignment and communicator-choice log messages.
         on_nonfinite: ``"skip"`` (default) or ``"raise"``: what :meth:`step` does when a gradient
             of a registered layer or a factor updated in this step is NaN/inf. Either way the
@@ -197,6 +203,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             warnings.warn("KFACPreconditioner: the model has no nn.Linear / nn.Conv2d layer to precondition "
                           "(after skip_layers); step() will leave the gradients unchanged", stacklevel=2)
         self._by_module = {layer.module: layer for layer in self.layers.values()}
+        check_kfac_settings(self.comm, locals())  # ranks agree on the schedule before any collective
 
         sizes = {name: dict(layer.sizes) for name, layer in self.layers.items()}
         self.assignment = WorkAssignment.from_sizes(sizes, world, fraction, self.assignment_strategy,

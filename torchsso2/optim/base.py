@@ -28,6 +28,7 @@ from curvature.linalg import LinalgError, get_backend
 from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
+from ..distributed.consistency import check_optimizer_settings
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
@@ -115,6 +116,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # all ranks start from rank 0's weights and seed; label sampling is decorrelated per rank
         # (rank 0 keeps `seed`, so one process is unchanged).
         self.placement = Placement(self.comm, grad_worker_fraction, assignment_strategy)
+        check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
         self.seed = agree_on_start(self.comm, model,
                                    int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
         self.generator = torch.Generator()

@@ -99,6 +99,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         params: optional torch.optim-style param groups (default: all trainable params of model).
         linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator.
+            Selecting MPI installs the process-wide fault handlers (an uncaught exception calls
+            ``MPI_Abort``, a rank that exits tells the others; opt out with
+            ``TORCHSSO2_ABORT_ON_EXCEPTION=0`` or ``get_communicator("mpi", abort_on_exception=False)``);
+            collectives give up after ``TORCHSSO2_DIST_TIMEOUT`` s (60). The ranks' settings are
+            compared at construction (``ValueError`` naming any that differ). See docs/distributed.md.
         seed: seed of the sampling generator (saved in state_dict).
         grad_scaler: a ``torch.amp.GradScaler``; the closure calls ``scaler.scale(loss).backward()``,
             ``step`` unscales (skipping the step on overflow) and the user calls ``scaler.update()``.

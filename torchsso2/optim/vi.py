@@ -155,6 +155,9 @@ class VIOptimizer(CurvatureOptimizer):
             samples and batches), 0.0 (the prior alone keeps Λ positive definite).
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
+        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
+            :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
+            collective timeout ``TORCHSSO2_DIST_TIMEOUT``, settings compared across ranks).
         skip_modules: module names (regex), class names or types, each with its submodules, left
             out of the posterior: point estimates with the mean's update ``μ ← μ − lr·(N·g + τδ·μ)/N``,
             never sampled.

@@ -1,0 +1,291 @@
+"""A failing rank ends a 2-rank job with a non-zero code and a message, within a bound.
+
+Real launches (``mpiexec -n 2`` and ``torchrun --nproc_per_node=2``) of
+tests/dist_scripts/fault_worker.py, where rank 1 raises, exits, hangs, exits before MPI is
+initialized, or builds its optimizer with a different schedule. Fast in-process checks of the
+settings comparison and of the timeout / opt-out configuration come first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+
+from dist_utils import REPO, mpi_env, require_mpiexec
+from torchsso2.distributed import faults
+from torchsso2.distributed.communicator import BucketedCommunicator
+from torchsso2.distributed.consistency import check_same_settings, describe
+
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+WORKER = str(SCRIPTS / "fault_worker.py")
+
+
+# ---------------------------------------------------------------------------------------
+# in-process: the settings check over a 2-rank communicator made of two threads
+# ---------------------------------------------------------------------------------------
+class ThreadPair:
+    """What two threads share to play ranks 0 and 1 of a world of 2."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.slots: List[Optional[torch.Tensor]] = [None, None]
+
+
+class ThreadComm(BucketedCommunicator):
+    """Rank ``rank`` of a :class:`ThreadPair`: a real sum over the two threads' buffers."""
+
+    def __init__(self, pair: ThreadPair, rank: int) -> None:
+        super().__init__(rank=rank, world_size=2)
+        self.pair = pair
+
+    def barrier(self) -> None:
+        self.pair.barrier.wait()
+
+    def _allreduce_sum_(self, buffer: torch.Tensor) -> int:
+        self.pair.slots[self.rank] = buffer.clone()
+        self.pair.barrier.wait()
+        total = self.pair.slots[0] + self.pair.slots[1]
+        self.pair.barrier.wait()
+        buffer.copy_(total)
+        return buffer.numel() * buffer.element_size()
+
+    def _broadcast_(self, buffer: torch.Tensor, src: int, members: Tuple[int, ...], handle: Any) -> int:
+        raise NotImplementedError("not needed by the settings check")
+
+    def _make_group_handle(self, ranks: Tuple[int, ...]) -> Any:
+        raise NotImplementedError("not needed by the settings check")
+
+
+def _check_on_two_ranks(settings: Sequence[Dict[str, Any]]) -> List[Optional[BaseException]]:
+    pair = ThreadPair()
+    errors: List[Optional[BaseException]] = [None, None]
+    comms = [ThreadComm(pair, r) for r in range(2)]
+
+    def run(rank: int) -> None:
+        try:
+            check_same_settings(comms[rank], settings[rank], "TestOptimizer")
+        except BaseException as exc:  # noqa: BLE001 - collected for the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "the settings check hung"
+    # the check is not the optimizer's traffic: the counters the cost models predict stay at 0
+    assert [(c.bytes_sent, c.num_collectives) for c in comms] == [(0, 0), (0, 0)]
+    return errors
+
+
+def test_settings_check_passes_when_equal_and_names_every_difference() -> None:
+    same = {"factor_update_steps": 1, "damping": 1e-3, "layers": {"fc": {"A": 5, "G": 3}}}
+    assert _check_on_two_ranks([same, dict(same)]) == [None, None]
+    other = dict(same, factor_update_steps=2, damping=lambda step: 1e-3)
+    errors = _check_on_two_ranks([same, other])
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])  # the same message on every rank
+    message = str(errors[0])
+    assert "TestOptimizer" in message
+    assert "factor_update_steps (rank 0: 1, rank 1: 2)" in message
+    assert "damping (rank 0: 0.001, rank 1: callable" in message
+    assert "layers" not in message  # equal settings are not named
+
+
+def test_settings_check_compares_layer_shapes() -> None:
+    errors = _check_on_two_ranks([{"layers": {"fc": {"A": 5, "G": 3}}}, {"layers": {"fc": {"A": 6, "G": 3}}}])
+    assert "layers (rank 0: {fc: {A: 5, G: 3}}, rank 1: {fc: {A: 6, G: 3}})" in str(errors[0])
+
+
+@pytest.mark.parametrize("face,kwargs", [
+    ("sso", [dict(damping=1e-3), dict(damping=1e-2)]),
+    ("sso", [dict(adaptive_damping=False), dict(adaptive_damping=True)]),
+    ("vi", [dict(num_mc_samples=1), dict(num_mc_samples=2)]),
+    ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
+])
+def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
+    """The construction-time check of the native faces, on 2 ranks played by 2 threads."""
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+    pair = ThreadPair()
+    errors: List[Optional[BaseException]] = [None, None]
+
+    def run(rank: int) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        try:
+            if face == "sso":
+                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
+            else:
+                VIOptimizer(model, **{"dataset_size": 100, **kwargs[rank]}, communicator=ThreadComm(pair, rank))
+        except BaseException as exc:  # noqa: BLE001 - collected for the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    name = next(iter(kwargs[0]))
+    values = [describe(k[name]) for k in kwargs]
+    assert f"{name} (rank 0: {values[0]}, rank 1: {values[1]})" in str(errors[0]), errors[0]
+    assert str(errors[0]) == str(errors[1])
+
+
+def test_describe_is_stable_text() -> None:
+    assert describe(torch.float32) == "torch.float32"
+    assert describe([1, 2.5, None]) == "[1, 2.5, None]"
+    assert describe(print) == "callable print"
+
+
+def test_timeout_and_opt_out_configuration() -> None:
+    assert faults.resolve_timeout(None, {}) == faults.DEFAULT_TIMEOUT_S == 60.0
+    assert faults.resolve_timeout(None, {faults.TIMEOUT_ENV: "7.5"}) == 7.5
+    assert faults.resolve_timeout(3, {faults.TIMEOUT_ENV: "7.5"}) == 3.0  # the argument wins
+    for bad in ("abc", "0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match=faults.TIMEOUT_ENV):
+            faults.resolve_timeout(None, {faults.TIMEOUT_ENV: bad})
+    for bad_arg in (0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="timeout"):
+            faults.resolve_timeout(bad_arg)
+    assert faults.resolve_abort_on_exception(None, {}) is True
+    assert faults.resolve_abort_on_exception(None, {faults.ABORT_ENV: "0"}) is False
+    assert faults.resolve_abort_on_exception(None, {faults.ABORT_ENV: "off"}) is False
+    assert faults.resolve_abort_on_exception(False, {}) is False
+    with pytest.raises(TypeError, match="abort_on_exception"):
+        faults.resolve_abort_on_exception("no")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# real launches
+# ---------------------------------------------------------------------------------------
+def _launch(cmd: List[str], bound_s: float, **env: str) -> Tuple[int, str, float]:
+    """Run ``cmd`` (1 OpenMP thread, ``env`` added); return (exit code, stdout+stderr, seconds).
+
+    Fails the test if the job is still running after ``bound_s`` + 30 s (then it is killed)."""
+    full = dict(mpi_env(), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=bound_s + 30.0)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{cmd} still ran after {bound_s + 30:.0f} s (hung)\n{out[-3000:]}")
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def _mpiexec(*args: str, python_m_mpi4py: bool = False, ranks: int = 2) -> List[str]:
+    prefix = [require_mpiexec(), "-n", str(ranks), sys.executable]
+    return prefix + (["-m", "mpi4py"] if python_m_mpi4py else []) + list(args)
+
+
+def _torchrun(*args: str) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+
+
+@pytest.mark.parametrize("face", ["sso", "vi", "kfac"])
+def test_mpi_rank_that_raises_aborts_the_job(face: str) -> None:
+    """Issue 28 item 2: no install_abort_on_exception in the script; the library installs it."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, face, "raise"), 30.0)
+    assert code != 0, out
+    assert "rank 1 fails on purpose" in out, out
+    assert "[rank 1] uncaught RuntimeError" in out, out
+    assert elapsed < 30.0, (elapsed, out)
+
+
+def test_mpi_rank_that_exits_ends_the_job() -> None:
+    """Issue 33 item 1: sys.exit(3) on rank 1 after step 1; rank 0 names it instead of waiting."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "exit"), 60.0)
+    assert code != 0, out
+    assert "rank 1 exited" in out and "rank 0:" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+@pytest.mark.parametrize("python_m_mpi4py", [False, True], ids=["python", "python-m-mpi4py"])
+def test_mpi_rank_that_exits_before_init_ends_the_job(python_m_mpi4py: bool) -> None:
+    """Issue 33 item 1: rank 1 exits before MPI is initialized; rank 0's MPI_Init is bounded."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "preinit", python_m_mpi4py=python_m_mpi4py), 60.0,
+                                 TORCHSSO2_DIST_TIMEOUT="3")
+    assert code != 0, out
+    assert "[rank 0] MPI_Init did not complete within 3 s" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_mpi_rank_that_hangs_times_out_and_is_named() -> None:
+    """3 ranks, rank 1 hangs: ranks 0 and 2 give up after the timeout; each asks the others what
+    they wait in, so the message names rank 1 as the one that never arrived and the other as waiting."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, "kfac", "hang", ranks=3), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
+    assert code != 0, out
+    said = [line for line in out.splitlines() if "uncaught CollectiveTimeoutError" in line]
+    assert said, out
+    for line in said:
+        assert "allreduce over ranks [0, 1, 2] did not complete within 3 s: rank 1 did not reach it" in line, out
+        assert "rank 0 waits in allreduce" in line or "rank 2 waits in allreduce" in line, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_mpi_opt_out_installs_no_abort_hook() -> None:
+    """TORCHSSO2_ABORT_ON_EXCEPTION=0: the library leaves sys.excepthook alone (the collective
+    timeout still ends the job: rank 0 gives up waiting for the rank that raised)."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "raise"), 60.0, TORCHSSO2_DIST_TIMEOUT="3",
+                                 TORCHSSO2_ABORT_ON_EXCEPTION="0")
+    assert code != 0, out
+    assert "rank 1 fails on purpose" in out, out
+    assert "calling MPI_Abort" not in out, out
+    assert "did not complete within 3 s" in out, out
+
+
+def test_readme_digits_demo_with_a_raising_rank_ends() -> None:
+    """README's ``mpiexec -n 2 python examples/train_digits.py``, rank 1 raising in its third step
+    (an exiting rank is the same mechanism as test_mpi_rank_that_exits_ends_the_job)."""
+    pytest.importorskip("sklearn", reason="the demo needs scikit-learn")
+    cmd = _mpiexec(str(SCRIPTS / "digits_fault.py"), "raise", "--epochs", "1", "--no-progress",
+                   "--optimizer", "sso-kfac")
+    code, out, elapsed = _launch(cmd, 60.0)  # the whole launch, data loading included (issue 33's bound)
+    assert code != 0, out
+    assert "rank 1 fails on purpose" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_mpi_different_schedules_raise_on_every_rank() -> None:
+    code, out, elapsed = _launch(_mpiexec(WORKER, "kfac", "mismatch"), 60.0)
+    assert code != 0, out
+    assert "factor_update_steps (rank 0: 1, rank 1: 2)" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_torchrun_rank_that_hangs_times_out() -> None:
+    """Under torchrun the survivor gives up after the configured timeout, not gloo's 300 s."""
+    code, out, elapsed = _launch(_torchrun(WORKER, "sso", "hang"), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
+    assert code != 0, out
+    assert "rank 0: allreduce over ranks [0, 1] did not complete within 3 s: rank 1 had not reached it" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_torchrun_different_schedules_raise_on_every_rank() -> None:
+    code, out, elapsed = _launch(_torchrun(WORKER, "kfac", "mismatch"), 60.0)
+    assert code != 0, out
+    assert "factor_update_steps (rank 0: 1, rank 1: 2)" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_mpi_native_optimizer_compares_its_schedule() -> None:
+    """SecondOrderOptimizer (VIOptimizer shares the check, in their base class)."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "mismatch"), 60.0)
+    assert code != 0, out
+    assert "curv_update_interval (rank 0: 1, rank 1: 2)" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
+def test_mpi_job_without_failure_ends_normally() -> None:
+    """The fault handlers (exit notices at exit, polled collectives) leave a normal run alone."""
+    code, out, _ = _launch(_mpiexec(WORKER, "vi", "ok"), 120.0)
+    assert code == 0, out
+    assert "rank 0 done" in out and "rank 1 done" in out, out
