@@ -29,6 +29,7 @@ from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .plan import PlanCache, ScalarCache, params_with_grad
+from .precision import without_autocast
 from .validation import check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if not all_finite([out]):
                 acc.nonfinite = True
             else:
-                acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])
+                with without_autocast():  # statistics in float32 from the autocast activations
+                    acc.add(engine.estimate(cap, out, targets, self.generator), out.shape[0])
             cap.records.clear()
 
         with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:

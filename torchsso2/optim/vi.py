@@ -45,6 +45,7 @@ from curvature.options import LossType
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .plan import params_with_grad
+from .precision import full_precision_step
 from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
 from .validation import check_int, check_number
 
@@ -351,6 +352,7 @@ class VIOptimizer(CurvatureOptimizer):
         return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)) / self.kl_weighting
 
     # ---- the step ---------------------------------------------------------------------------------
+    @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         estimate = self.num_steps % self.curv_update_interval == 0
