@@ -28,6 +28,7 @@ from curvature.options import Kind
 from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
+from .messages import decomposition_failed
 from .plan import PlanCache, ScalarCache, params_with_grad
 from .precision import without_autocast
 from .validation import check_choice, check_int, check_number, unpack_closure_result
@@ -250,7 +251,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 if self.on_nonfinite == "raise":
                     raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
                 self.num_skipped += 1
-                logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, error)
+                logger.warning("%s", decomposition_failed(self.num_steps, error, self._decomposed,
+                                                          self.decomposition_dtype))
                 return False
             self._decomposed = True
             return True
@@ -261,7 +263,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if self.on_nonfinite == "raise":
                 raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
             self.num_skipped += 1
-            logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, err)
+            logger.warning("%s", decomposition_failed(self.num_steps, err, self._decomposed, self.decomposition_dtype))
             return False
         self._decomposed = True
         return True
