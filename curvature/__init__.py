@@ -3,6 +3,7 @@
 >>> import curvature
 >>> c = curvature.compute(model, x, y, loss="cross_entropy", kind="fisher", approx="kfac")
 >>> c.dense(), c.blocks["fc1"].A, c.blocks["fc1"].G
+>>> c.diagonal(), c @ v, c.solve(v, damping=1e-3), c.to_scipy()   # no dense matrix needed
 """
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .compute import compute

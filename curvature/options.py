@@ -42,8 +42,20 @@ class LossType(str, Enum):
     MSE = "mse"
 
 
+#: names other libraries use (PyTorch-SSO's ``curv_type`` and ``curv_shapes``, K-FAC spellings),
+#: lower-cased, with the name they have here; only used to word the error for them
+LEGACY_NAMES = {
+    "Kind": {"cov": "'empirical_fisher'", "fisher": "'fisher_mc' (sampled labels) or 'fisher' (exact)",
+             "fishermc": "'fisher_mc'", "fisherexact": "'fisher'", "hessian": "'hessian'", "ggn": "'fisher'",
+             "empirical": "'empirical_fisher'", "ef": "'empirical_fisher'"},
+    "Approx": {"kron": "'kfac'", "k-fac": "'kfac'", "kfac": "'kfac'", "diag": "'diag'", "diagonal": "'diag'",
+               "full": "'full'", "": "'full'"},
+}
+
+
 def parse(enum_type: Type[E], value: object, what: str) -> E:
-    """Convert a string (or enum member) into ``enum_type``; ValueError naming the choices."""
+    """Convert a string (or enum member) into ``enum_type``; ValueError naming the choices (and,
+    for another library's name such as PyTorch-SSO's ``'Cov'`` or ``'Kron'``, the name here)."""
     if isinstance(value, enum_type):
         return value
     if isinstance(value, str):
@@ -51,4 +63,9 @@ def parse(enum_type: Type[E], value: object, what: str) -> E:
             if member.value == value:
                 return member
     choices = ", ".join(repr(m.value) for m in enum_type)
+    new = LEGACY_NAMES.get(enum_type.__name__, {}).get(value.lower()) if isinstance(value, str) else None
+    if new is not None:
+        raise ValueError(f"{what}={value!r} is another library's name (PyTorch-SSO's curv_type/curv_shapes, "
+                         f"or a K-FAC spelling): here it is {new}; expected one of {choices} "
+                         "(torchsso2.compat.pytorch_sso converts PyTorch-SSO's arguments)")
     raise ValueError(f"{what}={value!r} is not supported; expected one of {choices}")

@@ -1,13 +1,29 @@
-"""The result of :func:`curvature.compute`: blocks plus the dense matrix over covered parameters."""
+"""The result of :func:`curvature.compute`: blocks, and the curvature as a linear operator.
+
+``C`` below is the block-diagonal matrix over the covered parameters (``P`` of them, in
+:attr:`Curvature.params` order). Every method except :meth:`Curvature.dense` works block by block
+and never forms ``C``: the K-FAC blocks stay factored.
+
+Vectors are either one flat tensor ``[P]`` (or a matrix ``[P, k]`` of ``k`` columns) or a list
+of parameter-shaped tensors aligned with :attr:`Curvature.params`; results come back in the
+form given.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .blocks import Block, Layout
+
+Vector = Union[Tensor, Sequence[Tensor]]
+
+#: :meth:`Curvature.dense` refuses matrices with more entries than this (2**28 entries: 1 GiB in
+#: float32) unless ``max_elements`` says otherwise
+DENSE_MAX_ELEMENTS = 2 ** 28
 
 
 @dataclass
@@ -24,12 +40,110 @@ class Curvature:
     layouts: Dict[str, Layout]
     kind: str
     approx: Dict[str, str]
+    _damping: Any = field(default=None, init=False, repr=False)  # damping of the blocks' decompositions
 
+    # ---- parameters -------------------------------------------------------------------------
     @property
     def params(self) -> List[nn.Parameter]:
         """Covered parameters, in ``named_parameters`` order (the order of :meth:`dense`)."""
         return [p for lay in self.layouts.values() for p in lay.params]
 
-    def dense(self) -> Tensor:
-        """``[P, P]`` block-diagonal matrix over the covered parameters."""
+    @property
+    def param_names(self) -> List[str]:
+        """Qualified names (``"fc1.weight"``) of :attr:`params`, as in ``model.named_parameters()``."""
+        return [f"{n}.{p}" if n else p for n, lay in self.layouts.items() for p in lay.param_names]
+
+    @property
+    def numel(self) -> int:
+        """``P``: the number of covered parameter entries (``C`` is ``[P, P]``)."""
+        return sum(lay.numel for lay in self.layouts.values())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The blocks' statistics dtype (float32, or float64 for a float64 model)."""
+        return next(iter(self.blocks.values())).tensors()[0].dtype if self.blocks else torch.get_default_dtype()
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return (self.numel, self.numel)
+
+    # ---- dense --------------------------------------------------------------------------------
+    def dense(self, max_elements: Union[int, None] = DENSE_MAX_ELEMENTS) -> Tensor:
+        """``C`` as a ``[P, P]`` block-diagonal matrix over the covered parameters.
+
+        Raises ValueError when ``P²`` exceeds ``max_elements`` (default :data:`DENSE_MAX_ELEMENTS`),
+        stating the size; pass ``max_elements=None`` to allocate anyway. :meth:`diagonal`,
+        :meth:`matvec`, :meth:`solve` and :meth:`to_scipy` need no dense matrix."""
+        p = self.numel
+        if max_elements is not None and p * p > max_elements:
+            nbytes = p * p * torch.empty((), dtype=self.dtype).element_size()
+            raise ValueError(
+                f"dense() would allocate a [{p}, {p}] matrix ({p * p:.3e} entries, {nbytes / 2 ** 30:.1f} GiB "
+                f"in {self.dtype}), over max_elements={max_elements}; use diagonal(), matvec(), solve() or "
+                "to_scipy(), or pass max_elements=None to allocate it anyway")
         return torch.block_diag(*[self.blocks[n].dense() for n in self.layouts])
+
+    # ---- diagonal, products, solves --------------------------------------------------------------
+    def diagonal(self) -> List[Tensor]:
+        """``diag(C)`` per covered parameter, each in the parameter's shape (aligned with
+        :attr:`params`). K-FAC blocks give ``diag(L) diag(R)ᵀ`` over their parameter matrix without
+        forming ``L ⊗ R`` (the bias column included where the block covers the bias)."""
+        return [d for n in self.layouts for d in self.blocks[n].param_diagonal()]
+
+    def matvec(self, v: Vector) -> Vector:
+        """``C v`` for ``v`` flat ``[P]``, ``[P, k]``, or parameter-shaped tensors (see module doc)."""
+        return self._blockwise(v, lambda blk, parts: blk.mvp(parts))
+
+    def __matmul__(self, v: Vector) -> Vector:
+        return self.matvec(v)
+
+    def solve(self, v: Vector, damping: float) -> Vector:
+        """``(C + damping·I)⁻¹ v`` over all blocks (exact damping: K-FAC blocks are decomposed in
+        their eigenbases, ``(L ⊗ R + λI)⁻¹``). The decompositions are kept for further solves with
+        the same ``damping``. Raises ``curvature.linalg.LinalgError`` when ``C + damping·I`` is
+        not positive definite (``damping=0`` on a singular ``C``)."""
+        if not isinstance(damping, (int, float)) or isinstance(damping, bool) or not math.isfinite(damping) \
+                or damping < 0:
+            raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+        if self._damping != damping or any(b.decomposition is None for b in self.blocks.values()):
+            for blk in self.blocks.values():
+                blk.decompose(float(damping))
+            self._damping = damping
+        return self._blockwise(v, lambda blk, parts: blk.solve(parts))
+
+    def to_scipy(self) -> Any:
+        """``C`` as a ``scipy.sparse.linalg.LinearOperator`` (shape ``(P, P)``, float64, symmetric;
+        ``matvec`` takes and returns numpy vectors), for ``eigsh``, ``cg``, ``lsqr``... Needs scipy."""
+        from .scipy_operator import to_linear_operator
+
+        return to_linear_operator(self)
+
+    as_linear_operator = to_scipy
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _blockwise(self, v: Vector, op: Any) -> Vector:
+        if isinstance(v, Tensor):
+            if v.dim() == 2:
+                return torch.stack([self._blockwise(col, op) for col in v.t()], dim=1)
+            if v.shape != (self.numel,):
+                raise ValueError(f"expected a flat vector of shape [{self.numel}] (or [{self.numel}, k]), "
+                                 f"got {tuple(v.shape)}")
+            parts: List[Tensor] = []
+            i = 0
+            for lay in self.layouts.values():
+                parts.extend(lay.unflatten(v[i:i + lay.numel].contiguous()))
+                i += lay.numel
+            return torch.cat([t.reshape(-1) for t in self._blockwise(parts, op)])
+        parts = list(v)
+        shapes = [s for lay in self.layouts.values() for s in lay.shapes]
+        if len(parts) != len(shapes) or any(not isinstance(t, Tensor) or t.shape != s for t, s in zip(parts, shapes)):
+            got = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in parts]
+            raise ValueError(f"expected {len(shapes)} tensors shaped {[tuple(s) for s in shapes]} "
+                             f"(the covered parameters), got {got}")
+        out: List[Tensor] = []
+        i = 0
+        for n, lay in self.layouts.items():
+            k = len(lay.shapes)
+            out.extend(op(self.blocks[n], parts[i:i + k]))
+            i += k
+        return out

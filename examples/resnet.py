@@ -101,13 +101,16 @@ def imagenet_resnet(num_classes: int = 1000, width: int = 64, depths: Sequence[i
 # training driver shared by examples/cifar10_resnet.py and examples/imagenet_resnet.py
 # --------------------------------------------------------------------------------------------
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from typing import Callable, Optional, Tuple  # noqa: E402
+from typing import Callable, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset  # noqa: E402
+
+from examples.kfac_options import add_kfac_arguments, make_kfac  # noqa: E402
 
 STRATEGIES = {"comm-opt": "COMM_OPT", "mem-opt": "MEM_OPT", "hybrid-opt": "HYBRID_OPT"}
 
@@ -143,12 +146,12 @@ def build_parser(description: str, image_size: int, num_classes: int, width: int
     p.add_argument("--batch-size", type=int, default=batch_size, help="per-process batch size")
     p.add_argument("--width", type=int, default=width, help="channels of the first ResNet stage")
     p.add_argument("--depths", type=str, default="2,2,2,2", help="blocks per stage (2,2,2,2 = ResNet-18)")
-    p.add_argument("--lr", type=float, default=lr, help="SGD learning rate (also the K-FAC KL-clip lr)")
+    p.add_argument("--lr", "--base-lr", type=float, default=lr, help="SGD learning rate (also the K-FAC KL-clip lr)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--no-kfac", action="store_true", help="plain SGD, no K-FAC preconditioner")
     p.add_argument("--kfac-factor-update-steps", type=int, default=10)
-    p.add_argument("--kfac-inv-update-steps", type=int, default=100)
+    p.add_argument("--kfac-inv-update-steps", type=int, default=100, help="0 turns K-FAC off")
     p.add_argument("--kfac-damping", type=float, default=0.003)
     p.add_argument("--kfac-factor-decay", type=float, default=0.95)
     p.add_argument("--kfac-kl-clip", type=float, default=0.001)
@@ -158,6 +161,7 @@ def build_parser(description: str, image_size: int, num_classes: int, width: int
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave the default)")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even if available")
+    add_kfac_arguments(p)
     return p
 
 
@@ -220,8 +224,6 @@ def synthetic_datasets(n_train: int, n_test: int, image_size: int, num_classes: 
 
 def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Dataset, Dataset, int]]) -> None:
     """Train ``ResNet(stem)`` with SGD (+ K-FAC) for ``args.epochs`` epochs, printing from rank 0."""
-    from torchsso2.kfac import KFACPreconditioner
-
     if args.threads:
         torch.set_num_threads(args.threads)
     env = Dist(args.cpu)
@@ -248,12 +250,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    preconditioner: Optional[KFACPreconditioner] = None
-    if not args.no_kfac:
-        preconditioner = KFACPreconditioner(
-            model, factor_update_steps=args.kfac_factor_update_steps, inv_update_steps=args.kfac_inv_update_steps,
-            damping=args.kfac_damping, factor_decay=args.kfac_factor_decay, kl_clip=args.kfac_kl_clip,
-            lr=args.lr, grad_worker_fraction=args.kfac_grad_worker_fraction, communicator=env.comm)
+    preconditioner, kfac_scheduler, lr_scheduler = make_kfac(model, optimizer, args, world, env.comm)
 
     train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
                                        drop_last=True)
@@ -265,29 +262,40 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         raise SystemExit(f"error: {len(train_set)} training samples are fewer than one batch of "
                          f"{args.batch_size} per process × {world} processes")
     loss_fn = torch.nn.CrossEntropyLoss()
-    kfac = "off" if preconditioner is None else f"on ({preconditioner.distributed_strategy.name})"
+    kfac_text = "off" if preconditioner is None else (
+        f"on ({preconditioner.distributed_strategy.name}, {len(preconditioner.layers)} layers, "
+        f"{preconditioner.compute_method.name})")
     env.print(f"ResNet-{stem} width={args.width} depths={depths} classes={num_classes} | "
-              f"{world} process(es) [{env.mode}] on {env.device} | batch {args.batch_size}/process | K-FAC {kfac}")
+              f"{world} process(es) [{env.mode}] on {env.device} | batch {args.batch_size}/process | K-FAC {kfac_text}")
 
     test_acc = 0.0
     for epoch in range(1, args.epochs + 1):
         train_sampler.set_epoch(epoch)
         model.train()
         step_times, loss_sum, correct, count = [], 0.0, 0.0, 0.0
+        # --batches-per-allreduce k: k loader batches (micro-batches, loss / k each) per optimizer step,
+        # gradients synchronized on the k-th only, as kfac_pytorch's example does
+        k = args.batches_per_allreduce
+        n_batches = min(len(train_loader), args.steps_per_epoch) if args.steps_per_epoch else len(train_loader)
+        optimizer.zero_grad(set_to_none=True)
         for step, (x, y) in enumerate(train_loader):
-            if args.steps_per_epoch and step >= args.steps_per_epoch:
+            if step >= n_batches:
                 break
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
             out = model(x)
             loss = loss_fn(out, y)
-            loss.backward()
-            if env.mode == "mpi":  # no DDP: average the gradients ourselves
-                env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
-            if preconditioner is not None:
-                preconditioner.step()
-            optimizer.step()
+            last = (step + 1) % k == 0 or step + 1 == n_batches
+            with model.no_sync() if env.mode == "torch" and not last else contextlib.nullcontext():
+                (loss / k).backward()
+            if last:
+                if env.mode == "mpi":  # no DDP: average the gradients ourselves
+                    env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
+                if preconditioner is not None:
+                    preconditioner.step()
+                if preconditioner is None or not preconditioner.last_step_skipped:  # skipped: non-finite values
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             step_times.append(time.perf_counter() - start)
@@ -307,9 +315,16 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
                 t_count += len(y)
         t_loss, t_correct, t_count = env.sum((t_loss, t_correct, t_count))
         test_acc = 100.0 * t_correct / max(t_count, 1)
+        lr_scheduler.step()
+        if kfac_scheduler is not None:
+            kfac_scheduler.step(step=epoch)
         env.print(f"epoch {epoch}/{args.epochs}: train loss {loss_sum / max(count, 1):.4f} "
                   f"acc {100.0 * correct / max(count, 1):.2f}% | test loss {t_loss / max(t_count, 1):.4f} "
                   f"acc {test_acc:.2f}% | step time median {statistics.median(step_times) * 1e3:.1f} ms "
                   f"min {min(step_times) * 1e3:.1f} ms ({len(step_times)} steps)")
+        if preconditioner is not None:
+            env.print(f"  K-FAC for epoch {epoch + 1}: damping {preconditioner.damping:g}, factor_update_steps "
+                      f"{preconditioner.factor_update_steps}, inv_update_steps {preconditioner.inv_update_steps}, "
+                      f"lr {preconditioner.lr:g}, K-FAC steps so far {preconditioner.steps}")
     env.print(f"final test accuracy: {test_acc:.2f}%")
     env.close()

@@ -79,3 +79,41 @@ def test_mpiexec_two_ranks():
     out = _launch([mpiexec, "-n", "2", sys.executable], SCRIPTS[1], *SMALL, "--kfac-grad-worker-fraction", "comm-opt")
     _check(out, world=2)
     assert "[mpi]" in out and "COMM_OPT" in out
+
+
+def test_torchrun_two_ranks_kfac_pytorch_options():
+    """kfac_pytorch's example options (schedulers, update-step decay, skip layers, strategy) reach the run."""
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = list(SMALL)
+    args[args.index("--epochs") + 1] = "2"
+    args += ["--kfac-strategy", "mem-opt", "--no-kfac-colocate-factors", "--kfac-inv-method",
+        "--kfac-factor-update-steps", "1", "--kfac-inv-update-steps", "2", "--kfac-damping-decay", "1",
+        "--kfac-update-steps-decay", "2", "--kfac-skip-layers", "Linear", "--lr-decay", "2", "--warmup-epochs", "1",
+             "--batches-per-allreduce", "2"]
+    out = _launch(prefix, SCRIPTS[0], *args)
+    assert "2 process(es) [torch]" in out and "K-FAC on (MEM_OPT, 20 layers, INVERSE)" in out, out
+    # after epoch 1: damping x0.5 (decay epoch 1), warm-up over (lr 0.1); after epoch 2: damping x0.5 again
+    # (kfac_pytorch's compounding factor rule), update steps x10 (decay epoch 2), lr x0.1 (lr decay epoch 2);
+    # 2 batches per epoch, 2 batches per allreduce: one optimizer (and K-FAC) step per epoch
+    assert ("K-FAC for epoch 2: damping 0.0015, factor_update_steps 1, inv_update_steps 2, lr 0.1, "
+            "K-FAC steps so far 1") in out, out
+    assert ("K-FAC for epoch 3: damping 0.00075, factor_update_steps 10, inv_update_steps 20, lr 0.01, "
+            "K-FAC steps so far 2") in out, out
+    assert out.strip().splitlines()[-1].startswith("final test accuracy:")
+
+
+def test_kfac_inv_update_steps_zero_turns_kfac_off():
+    out = _launch([sys.executable], SCRIPTS[0], *SMALL, "--kfac-inv-update-steps", "0")
+    _check(out, world=1)
+    assert "K-FAC off" in out
+
+
+def test_batches_per_allreduce_accumulates():
+    """3 batches, 2 per optimizer step: steps after batch 2 and after the last (partial) group."""
+    args = list(SMALL)
+    args[args.index("--steps-per-epoch") + 1] = "3"
+    out = _launch([sys.executable], SCRIPTS[0], *args, "--batches-per-allreduce", "2")
+    _check(out, world=1)
+    assert "K-FAC steps so far 2" in out, out
+    out = _launch([sys.executable], SCRIPTS[0], *args)
+    assert "K-FAC steps so far 3" in out, out

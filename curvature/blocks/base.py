@@ -63,6 +63,11 @@ class Block(ABC):
     def dense(self) -> Tensor:
         """``C`` as ``[P, P]`` in flat parameter order."""
 
+    @abstractmethod
+    def param_diagonal(self) -> List[Tensor]:
+        """``diag(C)`` as parameter-shaped tensors (the covered parameters, in order), without
+        forming ``C`` for the factored shapes."""
+
     # ---- decomposition and use -----------------------------------------------------------
     @abstractmethod
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,

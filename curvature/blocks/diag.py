@@ -29,6 +29,9 @@ class DiagBlock(Block):
     def dense(self) -> Tensor:
         return torch.diag(self.diagonal)
 
+    def param_diagonal(self) -> List[Tensor]:
+        return self.layout.unflatten(self.diagonal.clone())
+
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None) -> None:
         diag = self.diagonal.to(dtype) if dtype is not None else self.diagonal

@@ -29,6 +29,9 @@ class FullBlock(Block):
     def dense(self) -> Tensor:
         return self.matrix
 
+    def param_diagonal(self) -> List[Tensor]:
+        return self.layout.unflatten(self.matrix.diagonal().clone())
+
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None) -> None:
         evals, evecs = get_backend(backend).eigh(self.matrix, dtype=dtype)

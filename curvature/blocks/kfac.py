@@ -83,6 +83,15 @@ class KFACBlock(Block):
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         return k[inv][:, inv]
 
+    def param_diagonal(self) -> List[Tensor]:
+        """``diag(L ⊗ R)`` is ``vec(diag(L) diag(R)ᵀ)`` over the parameter matrix: ``[rows, cols]``
+        entries (the bias column included where the layout has one), cut back into the parameters."""
+        dl = self.left if self.left.dim() == 1 else self.left.diagonal()
+        dr = self.right if self.right.dim() == 1 else self.right.diagonal()
+        m = torch.outer(dl, dr.to(dl.dtype))
+        parts = self.layout.family.from_matrix(self.layout.module, m, self.layout.param_names)
+        return [p.contiguous() for p in parts]
+
     # ---- matrices <-> parameter lists ---------------------------------------------------------
     def _to_matrix(self, vecs: Sequence[Tensor], dtype: torch.dtype,
                    spans: Optional[Sequence[Tuple[int, int]]] = None) -> Tensor:

@@ -50,7 +50,8 @@ def _torch(timeout: float) -> TorchCommunicator:
     return TorchCommunicator(timeout=timeout)
 
 
-def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0) -> Communicator:
+def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0,
+                     loglevel: int = logging.INFO) -> Communicator:
     """Return the communicator for this process.
 
     Args:
@@ -63,6 +64,7 @@ def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0) ->
         timeout: seconds before a stuck ``torch.distributed`` collective raises (used
             when this function initializes the process group, and for new groups). MPI
             has no timeouts; see :func:`install_abort_on_exception`.
+        loglevel: level of the message that says what ``"auto"`` chose.
 
     Raises:
         ValueError: unknown ``backend`` (the message names it and the choices).
@@ -81,7 +83,7 @@ def get_communicator(backend: str | Backend = "auto", timeout: float = 300.0) ->
             choice = Backend.TORCH
         else:
             choice = Backend.NONE
-        logger.info("get_communicator('auto') chose %r", choice.value)
+        logger.log(loglevel, "get_communicator('auto') chose %r", choice.value)
 
     if choice is Backend.NONE:
         return LocalCommunicator()

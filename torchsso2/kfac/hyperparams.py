@@ -2,6 +2,13 @@
 
 Every check raises ``ValueError`` (bad value) or ``TypeError`` (bad type) naming the argument,
 the value and what was expected. Callables are checked when they are evaluated.
+
+The rules are kfac_pytorch's, with one widening for callables: ``factor_decay`` returned by
+a callable may be ``0`` (replace the factors by the new batch), because kfac_pytorch's own
+:func:`exp_decay_factor_averaging` returns ``0.0`` at steps 0 and 1. A constant
+``factor_decay`` must be in ``(0, 1]`` as in kfac_pytorch. ``kl_clip=None`` is a
+``TypeError`` in the constructor, as in kfac_pytorch; a callable returning ``None`` turns the
+KL clip off for that step.
 """
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import math
 import numbers
 from typing import Callable, Union
 
-__all__ = ["Schedule", "check_schedule", "evaluate"]
+__all__ = ["Schedule", "check_schedule", "evaluate", "exp_decay_factor_averaging"]
 
 Schedule = Union[Callable[[int], float], float, int]
 
@@ -19,13 +26,20 @@ RULES = {
     "inv_update_steps": (lambda v: v > 0, "an int > 0", True),
     "damping": (lambda v: v > 0, "a float > 0", False),
     "factor_decay": (lambda v: 0 < v <= 1, "a float in (0, 1]", False),
-    "kl_clip": (lambda v: v > 0, "a float > 0 (or None for no clipping)", False),
+    "kl_clip": (lambda v: v > 0, "a float > 0", False),
     "lr": (lambda v: v >= 0, "a float >= 0", False),
 }
 
 
-def _check_number(name: str, value: object) -> None:
-    pred, expected, integer = RULES[name]
+# rules for values returned by callables, where they differ from RULES
+CALLABLE_RULES = {
+    "factor_decay": (lambda v: 0 <= v <= 1, "a float in [0, 1]", False),
+    "kl_clip": (lambda v: v > 0, "a float > 0 (or None for no clipping)", False),
+}
+
+
+def _check_number(name: str, value: object, from_callable: bool = False) -> None:
+    pred, expected, integer = CALLABLE_RULES.get(name, RULES[name]) if from_callable else RULES[name]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {expected} or a callable of the step, got {type(value).__name__} {value!r}")
     if integer and not float(value).is_integer():
@@ -36,8 +50,11 @@ def _check_number(name: str, value: object) -> None:
 
 def check_schedule(name: str, value: object) -> None:
     """Check a hyper-parameter given as a number (callables are checked at evaluation)."""
-    if callable(value) or (name == "kl_clip" and value is None):
+    if callable(value):
         return
+    if name == "kl_clip" and value is None:
+        raise TypeError("kl_clip must be a float > 0 or a callable of the step, got None (as in kfac_pytorch); "
+                        "for no KL clipping pass kl_clip=lambda step: None")
     _check_number(name, value)
 
 
@@ -49,7 +66,28 @@ def evaluate(name: str, value: Schedule, step: int) -> float:
     if name == "kl_clip" and out is None:
         return out  # type: ignore[return-value]
     try:
-        _check_number(name, out)
+        _check_number(name, out, from_callable=True)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} (returned by the callable at step {step})") from None
     return int(out) if RULES[name][2] else out  # type: ignore[return-value]
+
+
+def exp_decay_factor_averaging(min_value: float = 0.95) -> Callable[[int], float]:
+    """Running-average weight schedule of Martens & Grosse (2015), kfac_pytorch's helper.
+
+    Returns ``f(step) = min(1 - 1/k, min_value)`` with ``k = max(step, 1)``: ``0.0`` at steps 0
+    and 1 (the factors are replaced by the first batch), then rising to ``min_value``. Pass it
+    as ``factor_decay``.
+
+    Raises:
+        ValueError: ``min_value <= 0``; or, when called, a negative ``step``.
+    """
+    if min_value <= 0:
+        raise ValueError(f"min_value must be greater than 0, got {min_value!r}")
+
+    def factor_weight(step: int) -> float:
+        if step < 0:
+            raise ValueError(f"step value cannot be negative. Got step={step}.")
+        return min(1 - 1 / max(step, 1), min_value)
+
+    return factor_weight

@@ -82,7 +82,8 @@ class KAISAComm:
                 workers = self.assignment.grad_workers(layer.name)
                 if self.rank in workers:
                     symmetric = self.symmetry_aware and layer.method is ComputeMethod.INVERSE
-                    self.comm.broadcast(layer.inverse_tensors(factor), src, self._group(workers),
+                    self.comm.broadcast(layer.inverse_tensors(factor, receive=self.rank != src), src,
+                                        self._group(workers),
                                         bucket_cap_mb=self._cap(), symmetric=symmetric)
         layer.inv_ready = True
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from curvature.linalg import Backend
+from curvature.linalg import Backend, LinalgError
 from curvature.modules.base import LayerFamily
 
 from .enums import ComputeMethod
@@ -73,10 +73,14 @@ class KFACLayer:
         # running averages
         self.a_factor: Optional[Tensor] = None
         self.g_factor: Optional[Tensor] = None
+        # the running factors before the first fold since the last step (put back if it is skipped)
+        self._before_fold: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
         # decompositions: name -> tensor (qa, da, qg, dg, dgda / a_inv, g_inv)
         self.inv: Dict[str, Tensor] = {}
         #: whether decompositions exist on the layer's grad workers (same on every rank)
         self.inv_ready = False
+        #: why a decomposition of the current inverse step failed on this rank (None: none did)
+        self.decomposition_error: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A={self.sizes['A']}, G={self.sizes['G']})"
@@ -131,6 +135,8 @@ class KFACLayer:
         a_new, g_new = self.a_batch, self.g_batch
         if self.batch_count > 1:
             a_new, g_new = a_new / self.batch_count, g_new / self.batch_count
+        if self._before_fold is None:  # the fold makes new tensors: the old ones are kept as they are
+            self._before_fold = (self.a_factor, self.g_factor)
         self.a_factor = self._ema(self.a_factor, a_new, decay)
         self.g_factor = self._ema(self.g_factor, g_new, decay)
         self.reset_batch()
@@ -145,6 +151,18 @@ class KFACLayer:
     def reset_batch(self) -> None:
         self.a_batch = self.g_batch = None
         self.batch_count = 0
+
+    def keep_folds(self) -> None:
+        """The step went through: the factors folded since the last step stay."""
+        self._before_fold = None
+
+    def undo_folds(self) -> None:
+        """The step is skipped: the running factors go back to what they were at the last step
+        (the same tensors), and the pending batch is dropped."""
+        if self._before_fold is not None:
+            self.a_factor, self.g_factor = self._before_fold
+            self._before_fold = None
+        self.reset_batch()
 
     def factors(self) -> List[Tensor]:
         assert self.a_factor is not None and self.g_factor is not None
@@ -164,10 +182,24 @@ class KFACLayer:
             raise RuntimeError(f"K-FAC layer {self.name!r}: factor {factor} has not been computed yet")
         key = factor.lower()
         dtype = self._compute_dtype(f)
+        try:
+            if self.method is ComputeMethod.INVERSE:
+                inv = self.backend.damped_inv(f, damping, dtype=dtype)
+            else:
+                evals, evecs = self.backend.eigh(f, dtype=dtype)
+        except LinalgError as exc:
+            # NaN results instead of an exception: the other ranks are waiting for them in the
+            # broadcast; the step's check of the preconditioned gradients then skips the step
+            # (or raises) on every rank alike and puts the previous decompositions back
+            if self.decomposition_error is None:  # the first failure of the step
+                self.decomposition_error = f"factor {factor}: {exc}"
+            logger.warning("K-FAC layer %r: decomposing factor %s failed: %s", self.name, factor, exc)
+            n = f.shape[0]
+            inv = torch.full((n, n), float("nan"), dtype=dtype, device=f.device)
+            evals, evecs = inv[0], inv
         if self.method is ComputeMethod.INVERSE:
-            self.inv[f"{key}_inv"] = self.backend.damped_inv(f, damping, dtype=dtype).to(self.inv_dtype).contiguous()
+            self.inv[f"{key}_inv"] = inv.to(self.inv_dtype).contiguous()
             return
-        evals, evecs = self.backend.eigh(f, dtype=dtype)
         # contiguous (eigh returns column-major Q): the ranks that receive Q by broadcast hold
         # it row-major, and the same layout everywhere makes every rank's matmuls bit-identical
         self.inv[f"q{key}"] = evecs.to(self.inv_dtype).contiguous()
@@ -179,19 +211,28 @@ class KFACLayer:
             dg, da = self.inv.pop("dg"), self.inv.pop("da")
             self.inv["dgda"] = 1.0 / (torch.outer(dg, da) + damping)
 
-    def inverse_tensors(self, factor: str) -> List[Tensor]:
-        """What factor ``"A"``/``"G"``'s worker broadcasts; empty buffers allocated on receivers."""
+    def decomposition_shapes(self, factor: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
+        """``{key: shape}`` of the decomposition tensors of factor ``"A"``, ``"G"`` or (``None``)
+        both, as a grad worker of the layer holds them (``n_A = sizes["A"]``, ``n_G = sizes["G"]``):
+        inverse ``a_inv [n_A, n_A]``, ``g_inv [n_G, n_G]``; eigen ``qa [n_A, n_A]``, ``da [n_A]``,
+        ``qg [n_G, n_G]``, ``dg [n_G]``, or with ``prediv`` ``qa``, ``qg`` and ``dgda [n_G, n_A]``."""
+        if factor is None:
+            return {**self.decomposition_shapes("A"), **self.decomposition_shapes("G")}
         n_a, n_g = self.sizes["A"], self.sizes["G"]
         if self.method is ComputeMethod.INVERSE:
-            specs = {"a_inv": (n_a, n_a)} if factor == "A" else {"g_inv": (n_g, n_g)}
-        elif factor == "A":
-            specs = {"qa": (n_a, n_a)} if self.prediv else {"qa": (n_a, n_a), "da": (n_a,)}
-        else:
-            specs = {"qg": (n_g, n_g), "dgda": (n_g, n_a)} if self.prediv else {"qg": (n_g, n_g), "dg": (n_g,)}
+            return {"a_inv": (n_a, n_a)} if factor == "A" else {"g_inv": (n_g, n_g)}
+        if factor == "A":
+            return {"qa": (n_a, n_a)} if self.prediv else {"qa": (n_a, n_a), "da": (n_a,)}
+        return {"qg": (n_g, n_g), "dgda": (n_g, n_a)} if self.prediv else {"qg": (n_g, n_g), "dg": (n_g,)}
+
+    def inverse_tensors(self, factor: str, receive: bool = False) -> List[Tensor]:
+        """What factor ``"A"``/``"G"``'s worker broadcasts; with ``receive`` new empty buffers
+        (the previous decompositions are not overwritten in place: a skipped step puts them back)."""
+        specs = self.decomposition_shapes(factor)
         device = self.params[0].device
         for key, shape in specs.items():
             t = self.inv.get(key)
-            if t is None or tuple(t.shape) != shape:
+            if receive or t is None or tuple(t.shape) != shape:
                 self.inv[key] = torch.empty(shape, dtype=self.inv_dtype, device=device)
         return [self.inv[key] for key in specs]
 

@@ -18,11 +18,9 @@ factors, :mod:`curvature.linalg` for the decompositions), scaled as kfac_pytorch
 """
 from __future__ import annotations
 
-import functools
 import logging
 import numbers
 import warnings
-from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -31,35 +29,25 @@ from torch import Tensor, nn
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 
-from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
-from .hyperparams import Schedule, check_schedule, evaluate
+from .arguments import check_dtype, resolve_grad_worker_fraction
+from .base_preconditioner import BaseKFACPreconditioner, parse_flag
+from .enums import AllreduceMethod, AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_choice
+from .hyperparams import Schedule
+from .hooks import attach_forward_hooks, weak_grad_hook
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
 from .layer import KFACLayer, grad_scale_of
+from .nonfinite import (SkipPolicy, decompositions_before, nonfinite_entries, nonfinite_results,
+                        restore_decompositions)
 from .register import find_layers
-from .state import HYPERPARAMS, layers_state, load_layers_state
+from .state import EXTENSION, HYPERPARAMS, decompositions_state, layers_state, validate_state
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["KFACPreconditioner"]
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_dtype(name: str, value: object, optional: bool) -> Optional[torch.dtype]:
-    if value is None and optional:
-        return None
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        expected = "a floating torch.dtype" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    return value
-
-
-class KFACPreconditioner:
+class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC gradient preconditioner with KAISA distribution (kfac_pytorch's interface).
 
     Registers ``nn.Linear`` and ``nn.Conv2d`` leaf modules of ``model`` (see
@@ -74,14 +62,18 @@ class KFACPreconditioner:
         factor_update_steps: steps between factor updates (int or callable of the step).
         inv_update_steps: steps between recomputing the decompositions (int or callable).
         damping: Tikhonov damping (float or callable), ``> 0``.
-        factor_decay: running-average coefficient of the factors, in ``(0, 1]``.
-        kl_clip: KL clipping parameter, ``> 0`` (``None``: no clipping).
+        factor_decay: running-average coefficient of the factors, in ``(0, 1]`` (a callable may
+            also return ``0``: the factors are replaced by the new batch, e.g.
+            :func:`~torchsso2.kfac.hyperparams.exp_decay_factor_averaging` at steps 0 and 1).
+        kl_clip: KL clipping parameter, ``> 0``, or a callable of the step (returning ``None``: no
+            clipping at that step; ``kl_clip=None`` itself is a ``TypeError``, as in kfac_pytorch).
         lr: learning rate used by the KL clip, ``>= 0``.
         accumulation_steps: forward/backward passes per optimization step.
         allreduce_bucket_cap_mb: all-reduce bucket size in MiB (``0``: one all-reduce per factor).
         assignment_strategy: ``COMPUTE`` (cost ``n³``) or ``MEMORY`` (``n²``) for balancing
             the decompositions over ranks.
-        colocate_factors: decompose A and G of a layer on the same rank.
+        colocate_factors: decompose A and G of a layer on the same rank (switched on, with a
+            warning, when the grad-worker fraction is ``MEM_OPT``, as kfac_pytorch does).
         compute_method: ``EIGEN`` or ``INVERSE``.
         compute_eigenvalue_outer_product: with ``EIGEN``, the G worker precomputes
             ``1/(λ_G λ_Aᵀ + damping)`` (needs ``colocate_factors=True``).
@@ -99,10 +91,25 @@ class KFACPreconditioner:
         linalg: linear-algebra backend of the decompositions (``"torch"``, ``"cupy"``,
             ``"numpy"`` or a :class:`curvature.linalg.Backend`).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
-        loglevel: level of the registration / assignment log messages.
+        loglevel: level of the registration, assignment and communicator-choice log messages.
+        on_nonfinite: ``"skip"`` (default) or ``"raise"``: what :meth:`step` does when a gradient
+            of a registered layer or a factor updated in this step is NaN/inf. Either way the
+            preconditioner's state (factors, decompositions, ``steps``) and the gradients are left
+            exactly as before the step; ``"skip"`` logs a warning, counts it in ``num_skipped``
+            and sets ``last_step_skipped`` (skip ``optimizer.step()`` then), ``"raise"`` raises
+            :class:`~torchsso2.NonFiniteError`. Not with a ``grad_scaler``'s overflow, which
+            keeps kfac_pytorch's handling. See :mod:`torchsso2.kfac.nonfinite`.
+        max_consecutive_skips: under ``"skip"``, raise :class:`~torchsso2.NonFiniteError` (the run
+            diverged) after this many skipped steps in a row (``None``: never).
 
     Raises:
-        ValueError / TypeError: a bad argument (the message names it and what was expected).
+        ValueError / TypeError: a bad argument (the message names it and what was expected);
+            an unknown ``compute_method`` / ``assignment_strategy`` name raises
+            :class:`~torchsso2.kfac.enums.UnknownChoiceError` (a ``KeyError`` and a ``ValueError``).
+
+    Besides kfac_pytorch's attributes (``allreduce_method``, ``tdc``, ``distributed_strategy``,
+    ``grad_worker_fraction``, ...; see docs/kfac.md), ``comm`` is the communicator (``tdc`` is
+    the same object), ``assignment`` the KAISA placement and ``layers`` name → layer state.
     """
 
     def __init__(
@@ -113,7 +120,7 @@ class KFACPreconditioner:
         inv_update_steps: Schedule = 1,
         damping: Schedule = 0.001,
         factor_decay: Schedule = 0.95,
-        kl_clip: Optional[Schedule] = 0.001,
+        kl_clip: Schedule = 0.001,
         lr: Schedule = 0.1,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
@@ -131,50 +138,53 @@ class KFACPreconditioner:
         linalg: Union[str, Backend] = "torch",
         communicator: Union[str, Communicator] = "auto",
         loglevel: int = logging.DEBUG,
+        on_nonfinite: str = "skip",
+        max_consecutive_skips: Optional[int] = 20,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, value in (("factor_update_steps", factor_update_steps), ("inv_update_steps", inv_update_steps),
-                            ("damping", damping), ("factor_decay", factor_decay), ("kl_clip", kl_clip), ("lr", lr)):
-            check_schedule(name, value)
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
-            raise TypeError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
+        self._init_hyperparams(
+            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
+            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,
+            update_factors_in_hook=update_factors_in_hook, loglevel=loglevel, stacklevel=3,
+        )
         if isinstance(allreduce_bucket_cap_mb, bool) or not isinstance(allreduce_bucket_cap_mb, numbers.Real):
             raise TypeError(f"allreduce_bucket_cap_mb must be a float >= 0, got {allreduce_bucket_cap_mb!r}")
         if not allreduce_bucket_cap_mb >= 0:
             raise ValueError(f"allreduce_bucket_cap_mb must be >= 0 (0: no bucketing), got {allreduce_bucket_cap_mb!r}")
-        self.assignment_strategy = parse_enum(assignment_strategy, AssignmentStrategy, "assignment_strategy")
-        self.compute_method = parse_enum(compute_method, ComputeMethod, "compute_method")
-        self.colocate_factors = _check_bool("colocate_factors", colocate_factors)
-        self.compute_eigenvalue_outer_product = _check_bool("compute_eigenvalue_outer_product",
-                                                            compute_eigenvalue_outer_product)
-        self.symmetry_aware = _check_bool("symmetry_aware", symmetry_aware)
-        self.update_factors_in_hook = _check_bool("update_factors_in_hook", update_factors_in_hook)
-        self.factor_dtype = _check_dtype("factor_dtype", factor_dtype, optional=True)
-        self.inv_dtype = _check_dtype("inv_dtype", inv_dtype, optional=False)
+        self.assignment_strategy = parse_choice(assignment_strategy, AssignmentStrategy, "assignment_strategy")
+        self.compute_method = parse_choice(compute_method, ComputeMethod, "compute_method")
+        self.colocate_factors = parse_flag("colocate_factors", colocate_factors)
+        self.compute_eigenvalue_outer_product = parse_flag("compute_eigenvalue_outer_product",
+                                                           compute_eigenvalue_outer_product)
+        self.symmetry_aware = parse_flag("symmetry_aware", symmetry_aware)
+        self.factor_dtype = check_dtype("factor_dtype", factor_dtype, optional=True)
+        self.inv_dtype = check_dtype("inv_dtype", inv_dtype, optional=False)
         if grad_scaler is not None and not (callable(getattr(grad_scaler, "get_scale", None)) or callable(grad_scaler)):
             raise TypeError(f"grad_scaler must be a GradScaler, a callable returning the scale, or None; "
                             f"got {type(grad_scaler).__name__}")
-        if grad_worker_fraction is DistributedStrategy.MEM_OPT and not self.colocate_factors:
-            raise ValueError("grad_worker_fraction=DistributedStrategy.MEM_OPT (one grad worker per layer) "
-                             "requires colocate_factors=True, got colocate_factors=False")
         if (self.compute_method is ComputeMethod.EIGEN and self.compute_eigenvalue_outer_product
                 and not self.colocate_factors):
             raise ValueError("compute_eigenvalue_outer_product=True (with compute_method=EIGEN) needs "
                              "colocate_factors=True; set one of them to the other value")
 
-        self.comm: Communicator = communicator if not isinstance(communicator, str) else get_communicator(communicator)
+        self.comm: Communicator = (communicator if not isinstance(communicator, str)
+                                   else get_communicator(communicator, loglevel=self.loglevel))
         if not isinstance(self.comm, Communicator):
             raise TypeError(f"communicator must be a backend name or a Communicator, got {type(communicator).__name__}")
         world = self.comm.world_size
-        fraction = self._parse_fraction(grad_worker_fraction, world)
+        fraction, self.distributed_strategy = resolve_grad_worker_fraction(grad_worker_fraction, world)
+        if self.distributed_strategy is DistributedStrategy.MEM_OPT and not self.colocate_factors:
+            warnings.warn("grad_worker_frac=1/world_size (MEM_OPT) requires colocate_factors=True. "
+                          "Enabling colocate_factors.", stacklevel=2)
+            self.colocate_factors = True
+        self.grad_worker_fraction = fraction
         self.backend = get_backend(linalg)
         self.grad_scaler = grad_scaler
         self.allreduce_bucket_cap_mb = float(allreduce_bucket_cap_mb)
+        self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if self.allreduce_bucket_cap_mb > 0
+                                 else AllreduceMethod.ALLREDUCE)
         self.skip_layers = [] if skip_layers is None else skip_layers
-        self.loglevel = loglevel
 
         prediv = self.compute_method is ComputeMethod.EIGEN and self.compute_eigenvalue_outer_product
         self.layers: Dict[str, KFACLayer] = {}
@@ -182,7 +192,7 @@ class KFACPreconditioner:
             layer = KFACLayer(name, module, family, self.compute_method, prediv, self.factor_dtype,
                               self.inv_dtype, self.backend)
             self.layers[name] = layer
-            logger.log(loglevel, "Registered name=%r: %r", name, layer)
+            logger.log(self.loglevel, "Registered name=%r: %r", name, layer)
         if not self.layers:
             warnings.warn("KFACPreconditioner: the model has no nn.Linear / nn.Conv2d layer to precondition "
                           "(after skip_layers); step() will leave the gradients unchanged", stacklevel=2)
@@ -191,73 +201,26 @@ class KFACPreconditioner:
         sizes = {name: dict(layer.sizes) for name, layer in self.layers.items()}
         self.assignment = WorkAssignment.from_sizes(sizes, world, fraction, self.assignment_strategy,
                                                     self.colocate_factors)
-        self.grad_worker_fraction = self.assignment.grad_worker_fraction
-        g = self.assignment.grad_workers_per_layer
-        self.distributed_strategy = (DistributedStrategy.COMM_OPT if g == world else
-                                     DistributedStrategy.MEM_OPT if g == 1 else DistributedStrategy.HYBRID_OPT)
-        logger.log(loglevel, "K-FAC layer assignment:\n%s", self.assignment.summary())
+        logger.log(self.loglevel, "KFAC layer assignments (KAISAAssignment):\n%s", self.assignment.summary())
         self._kaisa = KAISAComm(self.comm, self.assignment, self.allreduce_bucket_cap_mb, self.symmetry_aware)
-
-        self._factor_update_steps = factor_update_steps
-        self._inv_update_steps = inv_update_steps
-        self._damping = damping
-        self._factor_decay = factor_decay
-        self._kl_clip = kl_clip
-        self._lr = lr
-        self._accumulation_steps = accumulation_steps
-        if (not callable(factor_update_steps) and not callable(inv_update_steps)
-                and inv_update_steps % factor_update_steps != 0):
-            warnings.warn("It is suggested that inv_update_steps be an integer multiple of factor_update_steps "
-                          f"(got {inv_update_steps} and {factor_update_steps})", stacklevel=2)
-        self._steps = 0
-        self._mini_steps: Dict[str, int] = defaultdict(int)
+        self.tdc = self.comm  # kfac_pytorch's name for the communicator
+        self._init_layers({layer.module: (name, layer) for name, layer in self.layers.items()}, self.assignment,
+                          self.comm, self._defaults_for_repr())
         self._updated: set = set()
-        self._handles = [layer.module.register_forward_hook(self._forward_hook) for layer in self.layers.values()]
+        self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
+        # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
+        self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
 
-    @staticmethod
-    def _parse_fraction(value: Union[DistributedStrategy, float], world: int) -> Union[DistributedStrategy, float]:
-        if isinstance(value, DistributedStrategy):
-            return value
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"grad_worker_fraction must be a DistributedStrategy or a float in [0, 1], "
-                            f"got {type(value).__name__} {value!r}")
-        if not 0.0 <= float(value) <= 1.0:
-            raise ValueError(f"grad_worker_fraction must be in [0, 1] (0 means 1/world_size), got {value!r}")
-        return 1.0 / world if float(value) == 0.0 else float(value)
-
-    # ---- hyper-parameters at the current step ---------------------------------------------
-    @property
-    def steps(self) -> int:
-        """Number of :meth:`step` calls so far."""
-        return self._steps
-
-    @property
-    def factor_update_steps(self) -> int:
-        return int(evaluate("factor_update_steps", self._factor_update_steps, self._steps))
-
-    @property
-    def inv_update_steps(self) -> int:
-        return int(evaluate("inv_update_steps", self._inv_update_steps, self._steps))
-
-    @property
-    def damping(self) -> float:
-        return evaluate("damping", self._damping, self._steps)
-
-    @property
-    def factor_decay(self) -> float:
-        return evaluate("factor_decay", self._factor_decay, self._steps)
-
-    @property
-    def kl_clip(self) -> Optional[float]:
-        return None if self._kl_clip is None else evaluate("kl_clip", self._kl_clip, self._steps)
-
-    @property
-    def lr(self) -> float:
-        return evaluate("lr", self._lr, self._steps)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self._accumulation_steps
+    def _defaults_for_repr(self) -> Dict[str, Any]:
+        return {
+            "allreduce_bucket_cap_mb": self.allreduce_bucket_cap_mb, "allreduce_method": self.allreduce_method,
+            "assignment_strategy": self.assignment_strategy, "colocate_factors": self.colocate_factors,
+            "compute_eigenvalue_outer_product": self.compute_eigenvalue_outer_product,
+            "compute_method": self.compute_method, "distributed_strategy": self.distributed_strategy,
+            "grad_worker_fraction": self.grad_worker_fraction, "grad_scaler": self.grad_scaler is not None,
+            "factor_dtype": self.factor_dtype, "inv_dtype": self.inv_dtype, "skip_layers": self.skip_layers,
+            "symmetry_aware": self.symmetry_aware, "world_size": self.comm.world_size,
+        }
 
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -270,7 +233,7 @@ class KFACPreconditioner:
         layer = self._by_module[module]
         self._mini_steps[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
-        output.register_hook(functools.partial(self._grad_hook, layer, saved, self._mini_steps[layer.name]))
+        output.register_hook(weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
 
     def _grad_hook(self, layer: KFACLayer, inputs: Tuple[Any, ...], mini_step: int, grad: Tensor) -> None:
         with torch.no_grad():
@@ -280,7 +243,8 @@ class KFACPreconditioner:
                     self._updated.add(layer.name)
 
     def remove_hooks(self) -> None:
-        """Detach the preconditioner from the model (the hooks are removed)."""
+        """Detach the preconditioner from the model (the hooks are removed; dropping the
+        preconditioner removes them too, see :mod:`torchsso2.kfac.hooks`)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -291,7 +255,9 @@ class KFACPreconditioner:
         """Precondition the gradients of the registered layers in place (then call ``optimizer.step()``).
 
         Gradients must already be averaged over ranks (``DistributedDataParallel`` does it in
-        ``backward``). Every rank must call it.
+        ``backward``). Every rank must call it. A NaN/inf gradient, factor or decomposition makes
+        the step a no-op (``on_nonfinite``; then ``last_step_skipped`` is True: skip
+        ``optimizer.step()``).
         """
         layers = list(self.layers.values())
         if not self.update_factors_in_hook and self._steps % self.factor_update_steps == 0:
@@ -300,9 +266,13 @@ class KFACPreconditioner:
                 if layer.update_factors(decay):
                     self._updated.add(layer.name)
         self._kaisa.allreduce_factors([layer for layer in layers if layer.name in self._updated])
+        if self._skip_nonfinite(layers, nonfinite_entries(layers, self._updated, self.grad_scaler is None)):
+            return
         self._updated.clear()
 
+        previous = None
         if self._steps % self.inv_update_steps == 0:
+            previous = decompositions_before(layers)
             damping = self.damping
             for layer in layers:
                 if layer.has_factors():
@@ -324,12 +294,56 @@ class KFACPreconditioner:
                 precond = torch.empty_like(grad)
             self._kaisa.share_gradient(layer, precond)
             results.append((layer, precond, grad))
+        if self._skip_nonfinite(layers, nonfinite_results(results), previous):
+            return
         kl_clip = self.kl_clip
         scale = None if kl_clip is None else kl_clip_scale([(p, g) for _, p, g in results], self.lr, kl_clip)
         for layer, precond, _ in results:
             layer.set_grad(precond, scale)
+        for layer in layers:
+            layer.keep_folds()
+        self._skips.passed()
         self._steps += 1
         self._mini_steps.clear()
+
+    def _skip_nonfinite(self, layers: List[KFACLayer], entries: List[str],
+                        previous: Optional[Dict[str, Any]] = None) -> bool:
+        """On non-finite ``entries`` put the factors (and the ``previous`` decompositions) back,
+        drop the batches and apply ``on_nonfinite`` (see :mod:`.nonfinite`); False if none."""
+        if not entries:
+            return False
+        for layer in layers:
+            layer.undo_folds()
+        if previous is not None:
+            restore_decompositions(layers, previous)
+        self._updated.clear()
+        self._mini_steps.clear()
+        self._skips.skipped(self._steps, entries)
+        return True
+
+    # ---- the non-finite policy's settings and counters (torchsso2/kfac/nonfinite.py) ----------------
+    @property
+    def on_nonfinite(self) -> str:
+        return self._skips.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        return self._skips.max_consecutive_skips
+
+    @property
+    def num_skipped(self) -> int:
+        """Steps skipped so far because of a non-finite gradient, factor or decomposition."""
+        return self._skips.num_skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Skipped steps since the last step that went through."""
+        return self._skips.consecutive_skips
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` was skipped (its gradients are the raw, non-finite ones)."""
+        return self._skips.last_skipped
 
     def reset_batch(self) -> None:
         """Drop the factor batches collected since the last update."""
@@ -337,8 +351,13 @@ class KFACPreconditioner:
             layer.reset_batch()
 
     # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self, include_factors: bool = True) -> Dict[str, Any]:
-        """kfac_pytorch's state: ``steps``, the non-callable hyper-parameters and (optionally) factors."""
+    def state_dict(self, include_factors: bool = True, include_decompositions: bool = True) -> Dict[str, Any]:
+        """kfac_pytorch's state (``steps``, the non-callable hyper-parameters, optionally the
+        factors ``layers``) plus, with ``include_decompositions``, the key ``"torchsso2"``: the
+        decompositions this rank holds (with the factors) and the non-finite counters (format:
+        :mod:`torchsso2.kfac.state`; ``include_decompositions=False`` gives exactly kfac_pytorch's
+        keys). The tensors are the preconditioner's own (``torch.save`` them); with the
+        decompositions a resumed run is bit-identical."""
         state: Dict[str, Any] = {"steps": self._steps}
         for name in HYPERPARAMS:
             value = getattr(self, f"_{name}")
@@ -346,54 +365,54 @@ class KFACPreconditioner:
                 state[name] = value
         if include_factors:
             state["layers"] = layers_state(list(self.layers.values()))
+        if include_decompositions:  # our extension of kfac_pytorch's format, under one key
+            ext: Dict[str, Any] = {"num_skipped": self._skips.num_skipped,
+                                   "consecutive_skips": self._skips.consecutive_skips}
+            if include_factors:
+                ext["decompositions"], ext["inv_ready"] = decompositions_state(list(self.layers.values()))
+            state[EXTENSION] = ext
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any], compute_inverses: bool = True) -> None:
-        """Restore :meth:`state_dict`; with ``compute_inverses`` the decompositions are recomputed
-        from the loaded factors (every rank must call it then)."""
-        if not isinstance(state_dict, dict) or "steps" not in state_dict:
-            raise ValueError("state_dict must be a dict from KFACPreconditioner.state_dict() (with a 'steps' key)")
-        self._steps = int(state_dict["steps"])
-        for name in HYPERPARAMS:
-            if name in state_dict:
-                setattr(self, f"_{name}", state_dict[name])
-        if "layers" in state_dict:
-            load_layers_state(list(self.layers.values()), state_dict["layers"])
-        elif compute_inverses:
-            warnings.warn("Layer factors are not included in the state_dict so inverses cannot be computed; "
-                          "skipping inverse computation", stacklevel=2)
-            compute_inverses = False
-        self.reset_batch()
+        """Restore :meth:`state_dict` (ours or kfac_pytorch's).
+
+        The whole state dict is validated against the registered layers first (names, keys,
+        shapes, dtypes, finiteness, hyper-parameter values; :func:`~torchsso2.kfac.state.validate_state`);
+        a bad one raises ``ValueError`` naming the entry and leaves the preconditioner unchanged.
+        Decompositions in the state dict are used as they are; without them (kfac_pytorch's
+        format) ``compute_inverses`` recomputes them from the loaded factors (every rank must
+        call it then). A layer listed as decomposed whose decompositions this rank needs but the
+        state dict lacks (a checkpoint from a rank that did not hold them) is decomposed here.
+        """
+        staged = validate_state(state_dict, list(self.layers.values()), self.factor_dtype, self.inv_dtype)
+        # from here on nothing can fail before the state is consistent again
+        self._steps = staged.steps
+        for name, value in staged.hyperparams.items():
+            setattr(self, f"_{name}", value)
+        self._skips.num_skipped = staged.counters.get("num_skipped", 0)
+        self._skips.consecutive_skips = staged.counters.get("consecutive_skips", 0)
+        self._skips.last_skipped = False
+        for layer in self.layers.values():
+            layer.reset_batch()
+            layer.keep_folds()
+            if staged.factors is not None:
+                layer.a_factor, layer.g_factor = staged.factors[layer.name]
         self._mini_steps.clear()
         self._updated.clear()
-        if compute_inverses:
+        if staged.decompositions is not None:
+            for layer in self.layers.values():
+                worker = self._kaisa.is_grad_worker(layer)  # only grad workers keep decompositions
+                layer.inv = dict(staged.decompositions.get(layer.name, {})) if worker else {}
+                layer.inv_ready = layer.name in staged.inv_ready
+                if layer.inv_ready and not layer.inv and worker:
+                    layer.compute("A", self.damping)  # local: this rank's grad-worker share, no collective
+                    layer.compute("G", self.damping)
+            return
+        if staged.factors is None and compute_inverses:
+            warnings.warn("Layer factors are not included in the state_dict so inverses cannot be computed; "
+                          "skipping inverse computation", stacklevel=2)
+        elif compute_inverses:
             damping = self.damping
             for layer in self.layers.values():
                 if layer.has_factors():
                     self._kaisa.compute_and_share_inverses(layer, damping)
-
-    def memory_usage(self) -> Dict[str, int]:
-        """Bytes of K-FAC state on this rank: factors, factor batches, decompositions and ``total``."""
-        sizes: Dict[str, int] = defaultdict(int)
-        for layer in self.layers.values():
-            for key, n in layer.memory_usage().items():
-                sizes[key] += n
-        sizes["total"] = sum(sizes.values())
-        return dict(sizes)
-
-    def __repr__(self) -> str:
-        params = {
-            "accumulation_steps": self._accumulation_steps, "allreduce_bucket_cap_mb": self.allreduce_bucket_cap_mb,
-            "assignment_strategy": self.assignment_strategy, "colocate_factors": self.colocate_factors,
-            "compute_eigenvalue_outer_product": self.compute_eigenvalue_outer_product,
-            "compute_method": self.compute_method, "damping": self._damping,
-            "distributed_strategy": self.distributed_strategy, "factor_decay": self._factor_decay,
-            "factor_dtype": self.factor_dtype, "factor_update_steps": self._factor_update_steps,
-            "grad_scaler": self.grad_scaler is not None, "grad_worker_fraction": self.grad_worker_fraction,
-            "inv_dtype": self.inv_dtype, "inv_update_steps": self._inv_update_steps, "kl_clip": self._kl_clip,
-            "layers": len(self.layers), "lr": self._lr, "skip_layers": self.skip_layers, "steps": self._steps,
-            "symmetry_aware": self.symmetry_aware, "update_factors_in_hook": self.update_factors_in_hook,
-            "world_size": self.comm.world_size,
-        }
-        body = "\n".join(f"  {k}={v}," for k, v in sorted(params.items()))
-        return f"{type(self).__name__}(\n{body}\n)"

@@ -24,6 +24,7 @@ from curvature.blocks.base import owned_all_finite
 
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
+from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
 from .precision import full_precision_step
@@ -111,6 +112,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  low_rank_solve: bool = True, output_selector: Any = None) -> None:
+        check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
         check_number("lr", lr, low=0.0)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")

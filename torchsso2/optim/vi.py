@@ -44,6 +44,7 @@ from curvature.options import LossType
 
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
+from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
 from .precision import full_precision_step
 from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
@@ -133,6 +134,7 @@ class VIOptimizer(CurvatureOptimizer):
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  mc_parallel: int = 1, output_selector: Any = None) -> None:
+        check_not_pytorch_sso_call(lr, "VIOptimizer")
         self.dataset_size = check_int("dataset_size", dataset_size, low=1)
         check_number("lr", lr, low=0.0)
         if prior_precision is not None and prior_variance is not None:

@@ -1,0 +1,33 @@
+"""A :class:`curvature.Curvature` as a ``scipy.sparse.linalg.LinearOperator`` (curvlinops' contract).
+
+scipy is an optional dependency: imported here, when the operator is asked for.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .result import Curvature
+
+
+def to_linear_operator(curv: "Curvature") -> Any:
+    """``C`` as a symmetric ``LinearOperator`` of shape ``(P, P)`` and dtype float64; ``matvec``
+    maps a numpy ``[P]`` (or ``[P, 1]``) vector to numpy ``[P]``, ``matmat`` ``[P, k]`` to ``[P, k]``."""
+    try:
+        from scipy.sparse.linalg import LinearOperator
+    except ImportError as err:  # pragma: no cover - scipy is installed in the test environment
+        raise ImportError("Curvature.to_scipy() needs scipy (pip install scipy)") from err
+    dtype = curv.dtype
+
+    def matvec(x: np.ndarray) -> np.ndarray:
+        v = torch.as_tensor(np.asarray(x, dtype=np.float64).reshape(-1)).to(dtype)
+        return curv.matvec(v).to(torch.float64).numpy()
+
+    def matmat(x: np.ndarray) -> np.ndarray:
+        m = torch.as_tensor(np.asarray(x, dtype=np.float64)).to(dtype)
+        return curv.matvec(m).to(torch.float64).numpy()
+
+    return LinearOperator(shape=curv.shape, matvec=matvec, rmatvec=matvec, matmat=matmat, dtype=np.float64)

@@ -1,0 +1,294 @@
+"""torchsso2.compat.pytorch_sso: PyTorch-SSO's signature and config, its update formulas written
+out by hand in float64 (from torchsso/optim/secondorder.py, vi.py and torchsso/curv/*), and the
+options without an equivalent."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchsso2
+from torchsso2.compat.pytorch_sso import SecondOrderOptimizer, VIOptimizer, from_config
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _batches(k: int = 2, n: int = 6):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 3, dtype=torch.float64, generator=gen), torch.randint(0, 2, (n,), generator=gen))
+            for _ in range(k)]
+
+
+def _closure(opt, model, x, y):
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    return closure
+
+
+def _forward_by_hand(ws, x, y):
+    """Per-layer inputs with a ones column ``[N, d+1]``, per-example output gradients ``e`` of
+    ``ℓ_n`` (``[N, d_out]``), and the mean-loss gradients ``[W | b]`` per layer."""
+    (w1, b1), (w2, b2) = ws
+    h = torch.tanh(x @ w1.t() + b1)
+    z2 = h @ w2.t() + b2
+    e2 = torch.softmax(z2, 1) - F.one_hot(y, 2).double()
+    e1 = (e2 @ w2) * (1 - h ** 2)
+    ones = torch.ones(len(x), 1, dtype=torch.float64)
+    ins = [torch.cat([x, ones], 1), torch.cat([h, ones], 1)]
+    outs = [e1, e2]
+    grads = [e.t() @ a / len(x) for e, a in zip(outs, ins)]  # [d_out, d_in + 1] = [gW | gb]
+    return ins, outs, grads
+
+
+def _params(model):
+    return [(model[0].weight.detach().clone(), model[0].bias.detach().clone()),
+            (model[2].weight.detach().clone(), model[2].bias.detach().clone())]
+
+
+def test_kfac_two_steps_equal_pytorch_sso_formula() -> None:
+    """curv_type='Cov' (empirical Fisher), Kron on Linear; damping split √λ·π / √λ/π (pi_type
+    tracenorm, λ = damping + l2_reg), ema_decay = weight of the new batch, l2_reg coupled (gradient
+    and damping), weight_decay decoupled after the solve and inside the preconditioned momentum."""
+    damping, beta, lr, mom, l2, wd = 0.01, 0.3, 0.1, 0.5, 1e-3, 1e-2
+    model = _mlp()
+    ws = [torch.cat([w, b[:, None]], 1) for w, b in _params(model)]
+    opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Kron"}, {"damping": damping, "ema_decay": beta},
+                               lr=lr, momentum=mom, l2_reg=l2, weight_decay=wd)
+    ema, bufs = None, [None, None]
+    lam = damping + l2
+    for x, y in _batches():
+        ins, outs, grads = _forward_by_hand([(w[:, :-1], w[:, -1]) for w in ws], x, y)
+        data = [(a.t() @ a / len(x), e.t() @ e / len(x)) for a, e in zip(ins, outs)]
+        ema = data if ema is None else [(beta * a + (1 - beta) * ea, beta * g + (1 - beta) * eg)
+                                        for (a, g), (ea, eg) in zip(data, ema)]
+        for i, ((a, g), grad) in enumerate(zip(ema, grads)):
+            pi = math.sqrt((a.trace() / a.shape[0]) / (g.trace() / g.shape[0]))
+            a_inv = torch.linalg.inv(a + math.sqrt(lam) * pi * torch.eye(a.shape[0], dtype=torch.float64))
+            g_inv = torch.linalg.inv(g + math.sqrt(lam) / pi * torch.eye(g.shape[0], dtype=torch.float64))
+            delta = g_inv @ (grad + l2 * ws[i]) @ a_inv + wd * ws[i]
+            bufs[i] = delta if bufs[i] is None else mom * bufs[i] + delta
+            ws[i] = ws[i] - lr * bufs[i]
+        opt.step(_closure(opt, model, x, y))
+        got = [torch.cat([model[j].weight, model[j].bias[:, None]], 1).detach() for j in (0, 2)]
+        for g_, w_ in zip(got, ws):
+            torch.testing.assert_close(g_, w_, rtol=1e-9, atol=1e-12)
+
+
+def test_vogn_step_equals_pytorch_sso_formula() -> None:
+    """VIOptimizer, curv_type='Cov', Diag (VOGN): per-example damping, l2 = kl/(N σ²), a raw gradient
+    EMA (grad_ema_decay d), decoupled weight decay; no init_precision, so the first step draws no
+    noise (as in PyTorch-SSO) and is deterministic."""
+    n_data, damping, kl, var, d, lr, wd = 100, 1e-3, 0.5, 2.0, 0.1, 0.05, 1e-2
+    model = _mlp()
+    (x, y), = _batches(1)
+    ws = [torch.cat([w, b[:, None]], 1) for w, b in _params(model)]
+    opt = VIOptimizer(model, n_data, "Cov", {"Linear": "Diag"}, {"damping": damping, "ema_decay": 0.01},
+                      lr=lr, grad_ema_decay=d, weight_decay=wd, num_mc_samples=1, kl_weighting=kl,
+                      prior_variance=var)
+    ins, outs, grads = _forward_by_hand([(w[:, :-1], w[:, -1]) for w in ws], x, y)
+    l2 = kl / n_data / var
+    expected = []
+    for a, e, grad, w in zip(ins, outs, grads, ws):
+        fisher = torch.einsum("ni,nj->ij", e ** 2, a ** 2) / len(x)  # mean of squared per-example grads
+        ema_grad = d * (grad + l2 * w)                            # (1-d)·0 + d·g, raw
+        expected.append(w - lr * (ema_grad / (fisher + damping + l2) + wd * w))
+    opt.step(_closure(opt, model, x, y))
+    got = [torch.cat([model[j].weight, model[j].bias[:, None]], 1).detach() for j in (0, 2)]
+    for g_, w_ in zip(got, expected):
+        torch.testing.assert_close(g_, w_, rtol=1e-9, atol=1e-12)
+
+
+def test_noisy_kfac_step_equals_pytorch_sso_formula() -> None:
+    """VIOptimizer, Kron: the mean's step solves with N·(A + √λ'π)⊗(G + √λ'/π), λ' = damping + l2
+    per example (PyTorch-SSO's KronCurvature with l2 = kl/(Nσ²) in its damping), of g + l2·μ;
+    momentum 0, so the first step (no init_precision: no noise) is deterministic."""
+    n_data, damping, kl, var, lr = 200, 1e-2, 0.5, 2.0, 0.1
+    model = _mlp()
+    (x, y), = _batches(1)
+    ws = [torch.cat([w, b[:, None]], 1) for w, b in _params(model)]
+    opt = VIOptimizer(model, n_data, "Cov", {"Linear": "Kron"}, {"damping": damping, "ema_decay": 0.5},
+                      lr=lr, num_mc_samples=1, kl_weighting=kl, prior_variance=var)
+    ins, outs, grads = _forward_by_hand([(w[:, :-1], w[:, -1]) for w in ws], x, y)
+    l2 = kl / n_data / var
+    lam = damping + l2
+    expected = []
+    for a_in, e, grad, w in zip(ins, outs, grads, ws):
+        a, g = a_in.t() @ a_in / len(x), e.t() @ e / len(x)
+        pi = math.sqrt((a.trace() / a.shape[0]) / (g.trace() / g.shape[0]))
+        a_inv = torch.linalg.inv(a + math.sqrt(lam) * pi * torch.eye(a.shape[0], dtype=torch.float64))
+        g_inv = torch.linalg.inv(g + math.sqrt(lam) / pi * torch.eye(g.shape[0], dtype=torch.float64))
+        expected.append(w - lr * g_inv @ (grad + l2 * w) @ a_inv)
+    opt.step(_closure(opt, model, x, y))
+    got = [torch.cat([model[j].weight, model[j].bias[:, None]], 1).detach() for j in (0, 2)]
+    for g_, w_ in zip(got, expected):
+        torch.testing.assert_close(g_, w_, rtol=1e-9, atol=1e-12)
+    # the decomposition kept for the next step (solves and weight noise) is N·(G' ⊗ A') of the EMA
+    blk = opt.running.blocks["2"]
+    assert blk.decomposition["method"] == "eigen"
+    z = torch.randn(blk.layout.numel, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sol = blk.solve(blk.layout.unflatten(z.clone()))
+    a_ema, g_ema = blk.A, blk.G
+    pi = math.sqrt((a_ema.trace() / a_ema.shape[0]) / (g_ema.trace() / g_ema.shape[0]))
+    ap = a_ema + math.sqrt(lam) * pi * torch.eye(a_ema.shape[0], dtype=torch.float64)
+    gp = g_ema + math.sqrt(lam) / pi * torch.eye(g_ema.shape[0], dtype=torch.float64)
+    zm = torch.cat([z[:blk.layout.numel - g_ema.shape[0]].reshape(g_ema.shape[0], -1), z[-g_ema.shape[0]:, None]], 1)
+    want = torch.linalg.inv(gp) @ zm @ torch.linalg.inv(ap) / n_data
+    torch.testing.assert_close(torch.cat([sol[0], sol[1][:, None]], 1), want, rtol=1e-9, atol=1e-12)
+
+
+def test_vi_init_precision_is_the_per_example_curvature_start() -> None:
+    """PyTorch-SSO's posterior covariance is (kl/N)·(C + λ + l2)⁻¹ with C starting at init_precision·I:
+    precision (N/kl)(init + λ) + 1/σ² before the first batch, and the first batch is EMA'd into it."""
+    n_data, damping, kl, var, init = 50, 1e-3, 0.5, 2.0, 8e-3
+    model = _mlp()
+    opt = VIOptimizer(model, n_data, "Cov", {"Linear": "Diag"}, {"damping": damping, "ema_decay": 0.01},
+                      kl_weighting=kl, prior_variance=var, init_precision=init)
+    prec = opt.posterior_precision()
+    expected = n_data / kl * (init + damping) + 1 / var
+    torch.testing.assert_close(prec.diagonal(), torch.full((prec.shape[0],), expected, dtype=prec.dtype))
+    assert opt.running.num_updates == 1  # the first batch is folded in with weight 0.01, not copied
+    x, y = _batches(1)[0]
+    opt.step(_closure(opt, model, x, y))
+    blk = opt.running.blocks["0"]
+    assert float(blk.diagonal.min()) >= 0.99 * init
+
+
+def test_noisy_kfac_config_builds_and_steps(caplog) -> None:
+    """PyTorch-SSO's lenet_noisykfac.json (its optim/curv/fisher args) on a tiny model: converted with
+    warnings for what is approximate, finite after a few steps."""
+    config = {"optim_name": "VIOptimizer",
+              "optim_args": {"curv_type": "Fisher", "curv_shapes": {"Conv2d": "Kron", "Linear": "Kron"},
+                             "lr": 4e-3, "momentum": 0.9, "momentum_type": "preconditioned", "weight_decay": 0.1,
+                             "num_mc_samples": 4, "val_num_mc_samples": 0, "kl_weighting": 0.2,
+                             "prior_variance": 1},
+              "curv_args": {"damping": 1e-4, "ema_decay": 0.333, "pi_type": "tracenorm"},
+              "fisher_args": {"approx_type": "mc", "num_mc": 1}}
+    model = _mlp()
+    with caplog.at_level(logging.WARNING):
+        opt = from_config(config, model, dataset_size=1000)
+    assert isinstance(opt, torchsso2.VIOptimizer)
+    assert opt.ema_decay == pytest.approx(1 - 0.333) and opt.damping == pytest.approx(1e-4 * 1000)
+    assert opt.engine.kind.value == "fisher_mc" and opt.kl_weighting == 0.2
+    assert "applied to the raw gradient" in caplog.text and "outside the momentum" in caplog.text
+    for x, y in _batches(3):
+        opt.step(_closure(opt, model, x, y))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_kfac_config_converts_numbers() -> None:
+    config = {"optim_name": "SecondOrderOptimizer",
+              "optim_args": {"curv_type": "Fisher", "curv_shapes": {"Conv2d": "Kron", "Linear": "Kron",
+                                                                   "BatchNorm1d": "Diag", "BatchNorm2d": "Diag"},
+                             "lr": 1e-3, "momentum": 0.9, "momentum_type": "preconditioned", "l2_reg": 1e-3,
+                             "acc_steps": 1},
+              "curv_args": {"damping": 1e-3, "ema_decay": 0.999, "pi_type": "tracenorm"},
+              "fisher_args": {"approx_type": "mc", "num_mc": 1}}
+    opt = from_config(config, _mlp())
+    assert isinstance(opt, torchsso2.SecondOrderOptimizer)
+    assert opt.ema_decay == pytest.approx(0.001)       # weight of the old estimate here
+    assert opt.damping == pytest.approx(2e-3)           # damping + l2_reg
+    assert opt.param_groups[0]["weight_decay"] == 1e-3  # l2_reg is coupled, as weight_decay here
+    assert opt.param_groups[0]["momentum"] == 0.9
+    assert opt.kfac_method == "inverse"
+    # PyTorch-SSO's default momentum is 0 (torchsso2's native default is 0.9)
+    assert SecondOrderOptimizer(_mlp(), "Cov", {"Linear": "Diag"}, {}).param_groups[0]["momentum"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lars=True), "LARS"),
+    (dict(normalizing_weights=True), "normalizing_weights"),
+    (dict(bias_correction=True), "bias_correction"),
+    (dict(acc_steps=2), "acc_steps"),
+    (dict(non_reg_for_bn=True), "non_reg_for_bn"),
+    (dict(precondition_grad=False), "SGD"),
+    (dict(momentum=0.9, grad_ema_decay=0.5), "two gradient buffers"),
+])
+def test_options_without_equivalent_raise(kwargs, match) -> None:
+    with pytest.raises(NotImplementedError, match=match):
+        SecondOrderOptimizer(_mlp(), "Cov", {"Linear": "Diag"}, {}, **kwargs)
+
+
+@pytest.mark.parametrize("curv_kwargs,err,match", [
+    ({"use_max_ema": True}, NotImplementedError, "use_max_ema"),
+    ({"use_sqrt_ema": True}, NotImplementedError, "use_sqrt_ema"),
+    ({"pi_type": "other"}, ValueError, "tracenorm"),
+    ({"ema_decay": 0}, ValueError, "weight of the new batch"),
+    ({"dampnig": 1}, TypeError, "dampnig"),
+])
+def test_bad_curv_kwargs(curv_kwargs, err, match) -> None:
+    with pytest.raises(err, match=match):
+        SecondOrderOptimizer(_mlp(), "Cov", {"Linear": "Diag"}, curv_kwargs)
+
+
+def test_vi_options_without_equivalent_raise() -> None:
+    with pytest.raises(NotImplementedError, match="warm-up"):
+        VIOptimizer(_mlp(), 10, "Cov", {"Linear": "Diag"}, {}, warmup_kl_weighting_steps=100)
+    with pytest.raises(NotImplementedError, match="no noise"):
+        VIOptimizer(_mlp(), 10, "Cov", {"Linear": "Diag"}, {}, prior_variance=0)
+    with pytest.raises(ValueError, match="curv_type"):
+        VIOptimizer(_mlp(), 10, "Kron", {"Linear": "Diag"}, {})
+    with pytest.raises(ValueError, match="curv_shapes"):
+        VIOptimizer(_mlp(), 10, "Cov", {"Linear": "KFAC"}, {})
+
+
+def test_native_api_names_the_new_name_for_old_ones() -> None:
+    model = _mlp()
+    with pytest.raises(ValueError, match="'Cov'.*here it is 'empirical_fisher'"):
+        torchsso2.SecondOrderOptimizer(model, curvature="Cov")
+    with pytest.raises(ValueError, match="'Fisher'.*'fisher_mc'"):
+        torchsso2.VIOptimizer(model, 10, curvature="Fisher")
+    with pytest.raises(ValueError, match="'Kron'.*here it is 'kfac'"):
+        torchsso2.SecondOrderOptimizer(model, approx="Kron")
+    with pytest.raises(ValueError, match="'Diag'.*here it is 'diag'"):
+        torchsso2.SecondOrderOptimizer(model, approx={"Linear": "Diag"})
+    # PyTorch-SSO's positional call reaching the native class
+    with pytest.raises(TypeError, match="torchsso2.compat.pytorch_sso.SecondOrderOptimizer"):
+        torchsso2.SecondOrderOptimizer(model, "Fisher", {"Linear": "Kron"}, {"damping": 1e-3})
+    with pytest.raises(TypeError, match="torchsso2.compat.pytorch_sso.VIOptimizer"):
+        torchsso2.VIOptimizer(model, 10, "Cov")
+
+
+def test_vi_prediction_as_pytorch_sso() -> None:
+    """prediction(data, mc): mc=0 evaluates at the mean; mc>0 averages softmax over posterior samples."""
+    model = _mlp()
+    (x, y), = _batches(1)
+    opt = VIOptimizer(model, 20, "Cov", {"Linear": "Diag"}, {"damping": 1e-3, "ema_decay": 0.1},
+                      init_precision=1e-2, val_num_mc_samples=3, num_mc_samples=1)
+    at_mean = opt.prediction(x, mc=0)
+    torch.testing.assert_close(at_mean, torch.softmax(model(x), -1).detach())
+    mean, probs = opt.prediction(x, keep_probs=True)
+    assert len(probs) == 3 and mean.shape == (len(x), 2)
+    torch.testing.assert_close(mean.sum(-1), torch.ones(len(x), dtype=mean.dtype))
+    assert not torch.allclose(mean, at_mean)                # the samples moved the weights
+    torch.testing.assert_close(torch.softmax(model(x), -1).detach(), at_mean)  # and the mean is back
+    with pytest.raises(ValueError, match="mc"):
+        opt.prediction(x, mc=-1)
+
+
+def test_failed_factored_decomposition_follows_the_policy() -> None:
+    """A K-FAC factor that cannot be inverted (NaN after an EMA) is the native policy's business:
+    "raise" raises NonFiniteError; "skip" keeps the previous decompositions."""
+    model = _mlp()
+    (x, y), = _batches(1)
+    for policy in ("raise", "skip"):
+        opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Kron"}, {"damping": 1e-2}, on_nonfinite=policy)
+        opt.step(_closure(opt, model, x, y))
+        blk = opt.running.blocks["0"]
+        before = blk.decomposition
+        blk.left.fill_(float("nan"))
+        if policy == "raise":
+            with pytest.raises(torchsso2.NonFiniteError, match="decomposition failed"):
+                opt._decompose(opt.damping)
+        else:
+            assert opt._decompose(opt.damping) is False and blk.decomposition is before

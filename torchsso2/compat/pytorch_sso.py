@@ -1,0 +1,302 @@
+"""PyTorch-SSO's optimizers on torchsso2: its signatures and config JSON, its numbers converted.
+
+>>> from torchsso2.compat.pytorch_sso import SecondOrderOptimizer
+>>> opt = SecondOrderOptimizer(model, "Fisher", {"Conv2d": "Kron", "Linear": "Kron"},
+...                            {"damping": 1e-3, "ema_decay": 0.999}, lr=1e-3, momentum=0.9,
+...                            fisher_args={"approx_type": "mc", "num_mc": 1})
+>>> opt = from_config(json.load(open("lenet_kfac.json")), model)      # PyTorch-SSO's example configs
+
+The returned objects are the native :class:`torchsso2.SecondOrderOptimizer` /
+:class:`torchsso2.VIOptimizer` (subclasses), so ``step(closure)`` with a closure returning
+``(loss, output)`` works as in PyTorch-SSO; the labels of ``'Fisher'`` are sampled inside
+``step`` (no ``torchsso.get_closure_for_fisher`` needed).
+
+What is converted is listed in :mod:`torchsso2.compat.sso_conventions`. Exact: curvature kinds and
+shapes, ``ema_decay``, K-FAC's factored ``√λ·π`` damping (both optimizers), ``l2_reg``,
+decoupled ``weight_decay`` (SecondOrderOptimizer; VIOptimizer with momentum 0), VI's per-example
+``damping`` / ``init_precision`` / ``prior_variance`` / ``kl_weighting``, a gradient EMA of the
+native momentum kind. Approximate, with a logged warning: the other momentum kind (the same
+while the curvature is constant); decoupled ``weight_decay`` with VI momentum. Different on
+purpose: noisy K-FAC's weight noise. PyTorch-SSO draws ``U_G Z U_A`` with upper Cholesky factors
+``UᵀU = (G + …)⁻¹``, ``(A + …)⁻¹``, whose G-side covariance is ``U_G U_Gᵀ``, not ``(G + …)⁻¹``;
+here the noise has the posterior covariance the update assumes. No equivalent (NotImplementedError): ``lars``, ``normalizing_weights``,
+``bias_correction``, ``use_max_ema``, ``use_sqrt_ema``, ``acc_steps > 1``, ``non_reg_for_bn``,
+KL warm-up, ``update_inv=False``, ``precondition_grad=False``; several processes (use the native faces).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from curvature.blocks import DiagBlock, FullBlock, KFACBlock
+from curvature.blocks.base import check_positive
+from curvature.linalg import LinalgError, get_backend
+
+from ..optim import NonFiniteError
+from ..optim import SecondOrderOptimizer as _NativeSO
+from ..optim import VIOptimizer as _NativeVI
+from . import sso_conventions as conv
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SecondOrderOptimizer", "VIOptimizer", "from_config", "tracenorm_shifts", "tracenorm_damped_inverse",
+           "tracenorm_damped_eigen"]
+
+
+def tracenorm_shifts(blk: KFACBlock, damping: float, dtype: Optional[torch.dtype] = None
+                     ) -> List[Tuple[Tensor, float]]:
+    """PyTorch-SSO's K-FAC damping: ``√λ·π`` added to ``A``, ``√λ/π`` to ``G``, with
+    ``π = √((tr A / d_A) / (tr G / d_G))`` (its ``pi_type='tracenorm'``); returns
+    ``[(left factor, its shift), (right factor, its shift)]`` in the block's order."""
+    a_left = blk.left is blk.A
+    a, g = (f if dtype is None else f.to(dtype) for f in (blk.A, blk.G))
+    ratio = float(((a.sum() if a.dim() == 1 else a.trace()) / a.shape[0])
+                  / ((g.sum() if g.dim() == 1 else g.trace()) / g.shape[0]))
+    pi = math.sqrt(ratio) if ratio > 0 and math.isfinite(ratio) else 1.0
+    r = damping ** 0.5
+    pairs = [(a, r * pi), (g, r / pi)]
+    return pairs if a_left else pairs[::-1]
+
+
+def tracenorm_damped_inverse(blk: KFACBlock, damping: float, backend: Optional[str] = None,
+                             dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
+    """``(A + √λ·π·I)⁻¹`` and ``(G + √λ/π·I)⁻¹`` (:func:`tracenorm_shifts`) as a
+    ``method="inverse"`` decomposition of ``blk`` (its solve is ``L'⁻¹ M R'⁻¹``)."""
+    inv = []
+    for f, shift in tracenorm_shifts(blk, damping, dtype):
+        if f.dim() == 1:
+            d = f + shift
+            check_positive(d, f"K-FAC factor of {blk.layout.name!r}")
+            inv.append(1.0 / d)
+        else:
+            inv.append(get_backend(backend).damped_inv(f, shift))
+    return {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
+
+
+def tracenorm_damped_eigen(blk: KFACBlock, damping: float, scale: float, backend: Optional[str] = None,
+                           dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
+    """``scale·(L + s_L·I) ⊗ (R + s_R·I)`` (:func:`tracenorm_shifts`) as a ``method="eigen"``
+    decomposition of ``blk`` (solves and samples as the native eigen method, with no extra damping)."""
+    parts = []
+    for f, shift in tracenorm_shifts(blk, damping, dtype):
+        if f.dim() == 1:
+            parts.append((f + shift, None))
+        else:
+            evals, evecs = get_backend(backend).eigh(f, dtype=dtype)
+            parts.append((evals.clamp_min(0.0) + shift, evecs))
+    (el, ql), (er, qr) = parts
+    denom = scale * torch.outer(el, er.to(el.dtype))
+    check_positive(denom, f"K-FAC block {blk.layout.name!r}")
+    return {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
+
+
+def _decompose_factored(opt: Any, native: Callable[[], bool], factored: Callable[[KFACBlock], Dict[str, Any]]) -> bool:
+    """``native()`` decomposes every block, then the K-FAC blocks get ``factored(block)``: PyTorch-SSO's
+    factored damping. Those are computed first, so that a failure keeps every previous decomposition
+    and follows ``on_nonfinite`` as the native decomposition does."""
+    try:
+        kfac = {n: factored(b) for n, b in opt.running.blocks.items() if isinstance(b, KFACBlock)}
+    except LinalgError as err:
+        if opt.on_nonfinite == "raise":
+            raise NonFiniteError(f"decomposition failed at step {opt.num_steps}: {err}") from err
+        opt.num_skipped += 1
+        logger.warning("step %d: decomposition failed (%s); keeping the previous one", opt.num_steps, err)
+        return False
+    if not native():
+        return False
+    for name, dec in kfac.items():
+        opt.running.blocks[name].decomposition = dec
+    return True
+
+
+def _single_process(opt: Any) -> None:
+    if opt.comm.world_size != 1:
+        raise NotImplementedError("torchsso2.compat.pytorch_sso runs in one process; with several, use the "
+                                  "native torchsso2.SecondOrderOptimizer / VIOptimizer (docs/migrating.md)")
+
+
+def _decay_decoupled(params: List[nn.Parameter], old: List[Tensor], lrs: List[float], wd: float,
+                     states: Optional[List[Dict[str, Any]]] = None) -> None:
+    """``θ ← θ − lr·wd·θ_old`` (and ``buf += wd·θ_old`` where a momentum buffer took the step:
+    PyTorch-SSO adds ``wd·θ`` to the preconditioned gradient before its momentum)."""
+    with torch.no_grad():
+        for i, (p, o, lr) in enumerate(zip(params, old, lrs)):
+            if states is not None and "momentum_buffer" in states[i]:
+                states[i]["momentum_buffer"].add_(o, alpha=wd)
+            p.add_(o, alpha=-lr * wd)
+
+
+class SecondOrderOptimizer(_NativeSO):
+    """PyTorch-SSO's ``SecondOrderOptimizer(model, curv_type, curv_shapes, curv_kwargs, ...)``.
+
+    Its arguments and defaults (``momentum=0``, ``momentum_type='preconditioned'``, ...), plus
+    ``fisher_args`` (its example's ``{"approx_type": "mc", "num_mc": 1}``). See the module doc."""
+
+    def __init__(self, model: nn.Module, curv_type: str, curv_shapes: Optional[Mapping[str, str]],
+                 curv_kwargs: Optional[Mapping[str, Any]], lr: float = 0.01, momentum: float = 0.,
+                 momentum_type: str = "preconditioned", grad_ema_decay: float = 1., grad_ema_type: str = "raw",
+                 l2_reg: float = 0., weight_decay: float = 0., normalizing_weights: bool = False,
+                 weight_scale: Optional[float] = None, acc_steps: int = 1, non_reg_for_bn: bool = False,
+                 bias_correction: bool = False, lars: bool = False, lars_type: str = "preconditioned",
+                 update_inv: bool = True, precondition_grad: bool = True,
+                 fisher_args: Optional[Mapping[str, Any]] = None, **native: Any) -> None:
+        conv.reject_unsupported(lars=lars, normalizing_weights=normalizing_weights, bias_correction=bias_correction,
+                                non_reg_for_bn=non_reg_for_bn)
+        conv.check_acc_steps(acc_steps)
+        if not update_inv:
+            raise NotImplementedError("update_inv=False has no equivalent; use inv_update_interval=<large> instead")
+        if not precondition_grad:
+            raise NotImplementedError("precondition_grad=False is plain SGD: use torch.optim.SGD")
+        for name, v in (("l2_reg", l2_reg), ("weight_decay", weight_decay)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}={v!r} must be a number >= 0")
+        kind, mc = conv.curvature_kind(curv_type, fisher_args)
+        ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
+        lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
+                                              native="preconditioned")
+        self.decoupled_weight_decay = float(weight_decay)
+        super().__init__(model, lr=lr, momentum=momentum, weight_decay=float(l2_reg), curvature=kind,
+                         approx=conv.approx_map(model, curv_shapes), damping=damping + float(l2_reg),
+                         kfac_method="inverse", ema_decay=ema_decay, mc_samples=mc, **native)
+        _single_process(self)
+
+    def _decompose(self, damping: float, scale: float = 1.0) -> bool:
+        native = super()._decompose
+        return _decompose_factored(self, lambda: native(damping, scale),
+                                   lambda b: tracenorm_damped_inverse(b, damping, self.linalg, self.decomposition_dtype))
+
+    @torch.no_grad()
+    def _apply_update(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> bool:
+        wd = self.decoupled_weight_decay
+        old = [p.detach().clone() for p in params] if wd else []
+        if not super()._apply_update(params, groups):
+            return False
+        if wd:
+            _decay_decoupled(params, old, [g["lr"] for g in groups], wd, [self.state[p] for p in params])
+        return True
+
+
+class VIOptimizer(_NativeVI):
+    """PyTorch-SSO's ``VIOptimizer(model, dataset_size, curv_type, curv_shapes, curv_kwargs, ...)``
+    (VOGN, noisy K-FAC). See the module doc for what is converted."""
+
+    def __init__(self, model: nn.Module, dataset_size: float, curv_type: str,
+                 curv_shapes: Optional[Mapping[str, str]], curv_kwargs: Optional[Mapping[str, Any]],
+                 lr: float = 0.01, momentum: float = 0., momentum_type: str = "preconditioned",
+                 grad_ema_decay: float = 1., grad_ema_type: str = "raw", weight_decay: float = 0.,
+                 normalizing_weights: bool = False, weight_scale: Optional[float] = None, acc_steps: int = 1,
+                 non_reg_for_bn: bool = False, bias_correction: bool = False, lars: bool = False,
+                 lars_type: str = "preconditioned", num_mc_samples: int = 10, val_num_mc_samples: int = 10,
+                 kl_weighting: float = 1, warmup_kl_weighting_init: float = 0.01,
+                 warmup_kl_weighting_steps: Optional[int] = None, prior_variance: float = 1,
+                 init_precision: Optional[float] = None, seed: int = 1, total_steps: int = 1000,
+                 fisher_args: Optional[Mapping[str, Any]] = None, **native: Any) -> None:
+        conv.reject_unsupported(lars=lars, normalizing_weights=normalizing_weights, bias_correction=bias_correction,
+                                non_reg_for_bn=non_reg_for_bn, warmup_kl_weighting_steps=warmup_kl_weighting_steps)
+        conv.check_acc_steps(acc_steps)
+        if not prior_variance or prior_variance < 0:
+            raise NotImplementedError(f"prior_variance={prior_variance!r}: PyTorch-SSO then samples no noise "
+                                      "(a point estimate); use the compat SecondOrderOptimizer instead")
+        if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or weight_decay < 0:
+            raise ValueError(f"weight_decay={weight_decay!r} must be a number >= 0")
+        n = int(dataset_size)
+        if n != dataset_size or n < 1:
+            raise ValueError(f"dataset_size={dataset_size!r} must be a whole number >= 1")
+        kind, mc = conv.curvature_kind(curv_type, fisher_args)
+        ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
+        lr_given = lr
+        lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
+                                              native="raw")
+        approx = conv.approx_map(model, curv_shapes)
+        if weight_decay and momentum:
+            logger.warning("weight_decay with momentum: the decoupled decay is applied outside the momentum here")
+        # θ ← θ − lr·wd·θ with PyTorch-SSO's lr (a gradient EMA scaled the native lr by d)
+        self.decoupled_weight_decay = float(weight_decay) * (lr_given / lr if lr else 1.0)
+        self.val_num_mc_samples = val_num_mc_samples  # PyTorch-SSO's default of predict(); pass num_samples here
+        super().__init__(model, n, lr=lr, curvature=kind, approx=approx, prior_variance=float(prior_variance),
+                         num_mc_samples=num_mc_samples, kl_weighting=float(kl_weighting), momentum=momentum,
+                         ema_decay=ema_decay, damping=damping * n, mc_samples=mc, seed=seed, **native)
+        _single_process(self)
+        if init_precision is not None:
+            self._start_at(float(init_precision))
+
+    def prediction(self, data: Tensor, mc: Optional[int] = None, keep_probs: bool = False) -> Any:
+        """PyTorch-SSO's ``prediction``: the mean over ``mc`` posterior samples (default
+        ``val_num_mc_samples``) of ``softmax(model(data))``; ``mc=0`` evaluates at the posterior mean.
+        With ``keep_probs`` also the list of per-sample probabilities. Native: :meth:`predict`."""
+        n = self.val_num_mc_samples if mc is None else mc
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"mc={n!r} must be an int >= 0")
+        with torch.no_grad():
+            if n == 0:
+                probs = [torch.softmax(self.engine.select_output(self.model(data)), dim=-1)]
+            else:
+                probs = []
+                for _ in range(n):
+                    with self.sampled_params():
+                        probs.append(torch.softmax(self.engine.select_output(self.model(data)), dim=-1))
+        mean = torch.stack(probs).mean(0)
+        return (mean, probs) if keep_probs else mean
+
+    def _start_at(self, init_precision: float) -> None:
+        """The curvature EMA starts at ``init_precision·I`` (per example), as PyTorch-SSO's
+        ``element_wise_init``; the first batch is then folded in with the EMA weights."""
+        if init_precision < 0:
+            raise ValueError(f"init_precision={init_precision!r} must be >= 0")
+        blocks = {}
+        for name, lay in self.engine.layouts.items():
+            shape = self.engine.approx[name].value
+            dt = torch.float64 if any(p.dtype == torch.float64 for p in lay.params) else torch.float32
+            dev = lay.params[0].device
+            if shape == "diag":
+                blocks[name] = DiagBlock(lay, torch.full((lay.numel,), init_precision, dtype=dt, device=dev))
+            elif shape == "full":
+                blocks[name] = FullBlock(lay, init_precision * torch.eye(lay.numel, dtype=dt, device=dev))
+            else:
+                m = lay.family.to_matrix(lay.module, [torch.zeros(s) for s in lay.shapes], lay.param_names)
+                r = init_precision ** 0.5
+                blocks[name] = KFACBlock(lay, r * torch.eye(m.shape[0], dtype=dt, device=dev),
+                                         r * torch.eye(m.shape[1], dtype=dt, device=dev))
+        self.running.update(blocks, 0.0)
+        self._decompose(self.precision_shift, scale=float(self.dataset_size))
+
+    def _decompose(self, damping: float, scale: float = 1.0) -> bool:
+        """Noisy K-FAC as PyTorch-SSO: ``Λ = N·(A + √λ'π)⊗(G + √λ'/π)`` with the per-example
+        ``λ' = damping/N`` (its ``damping + l2``, ``l2 = τ/(Nσ²)``); other blocks as native."""
+        native = super()._decompose
+        return _decompose_factored(self, lambda: native(damping, scale),
+                                   lambda b: tracenorm_damped_eigen(b, damping / scale, scale, self.linalg,
+                                                                    self.decomposition_dtype))
+
+    def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
+        wd = self.decoupled_weight_decay
+        old = [p.detach().clone() for p in params] if wd else []
+        super()._update_mean(params, groups, grads)
+        if wd:
+            _decay_decoupled(params, old, [g["lr"] for g in groups], wd)
+
+
+def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optional[int] = None,
+                **native: Any) -> Any:
+    """The optimizer of a PyTorch-SSO example config (``examples/classification/configs/*.json``,
+    parsed): ``optim_name``, ``optim_args``, ``curv_args``, ``fisher_args``. ``dataset_size`` is
+    needed for ``VIOptimizer``; ``SGD``/``Adam`` configs build the torch optimizer."""
+    name = config.get("optim_name")
+    args = dict(config.get("optim_args") or {})
+    curv = config.get("curv_args") or {}
+    fisher = config.get("fisher_args")
+    if name == "SecondOrderOptimizer":
+        return SecondOrderOptimizer(model, args.pop("curv_type"), args.pop("curv_shapes", None), curv,
+                                    fisher_args=fisher, **args, **native)
+    if name == "VIOptimizer":
+        if dataset_size is None:
+            raise ValueError("a VIOptimizer config needs dataset_size (the number of training examples)")
+        return VIOptimizer(model, dataset_size, args.pop("curv_type"), args.pop("curv_shapes", None), curv,
+                           fisher_args=fisher, **args, **native)
+    if name in ("SGD", "Adam", "AdamW"):
+        return getattr(torch.optim, name)(model.parameters(), **args)
+    raise ValueError(f"optim_name={name!r}; expected 'SecondOrderOptimizer', 'VIOptimizer', 'SGD' or 'Adam'")

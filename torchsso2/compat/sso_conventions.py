@@ -1,0 +1,153 @@
+"""PyTorch-SSO's names and numbers -> torchsso2's (pure conversions, no optimizer state).
+
+PyTorch-SSO (``torchsso``, github.com/cybertronai/pytorch-sso) conventions and how they map:
+
+==========================  =====================================  ==========================================
+PyTorch-SSO                 meaning there                          torchsso2
+==========================  =====================================  ==========================================
+``curv_type='Cov'``         empirical Fisher (true labels)         ``curvature='empirical_fisher'``
+``curv_type='Fisher'``      ``fisher_args.approx_type='mc'``:      ``'fisher_mc'`` (``num_mc`` → ``mc_samples``),
+                            sampled labels; otherwise exact        otherwise ``'fisher'``
+``curv_type='Hessian'``     Hessian                                ``'hessian'``
+``curv_shapes`` values      ``'Kron'``, ``'Diag'``, absent = full  ``'kfac'``, ``'diag'``, ``'full'``
+``ema_decay`` β             weight of the *new* batch              ``ema_decay = 1 − β`` (weight of the old)
+``damping`` λ (K-FAC)       ``√λ·π`` on A, ``√λ/π`` on G,          the same factored damping, reproduced by
+                            π = √((tr A/d_A)/(tr G/d_G))           the compat optimizers (VI: λ + l2, per example)
+``l2_reg``                  ``g + l2·θ`` *and* ``+ l2`` damping    ``weight_decay = l2`` and ``damping += l2``
+``weight_decay``            decoupled: ``+ wd·θ`` after the solve  applied decoupled by the compat faces
+``momentum`` (default 0)    heavy ball on preconditioned grads     ``momentum`` (native default 0.9)
+VI ``damping``              per example                            × ``dataset_size``
+VI ``init_precision``       per example, the curvature EMA's       the running curvature starts at
+                            starting value                         ``init_precision·I`` (per example)
+VI ``prior_variance`` σ²    ``l2 = kl/(N σ²)``                      ``prior_variance = σ²``
+``grad_ema_decay`` d        ``buf ← (1−d)·buf + d·g``              ``momentum = 1 − d``, ``lr × d``
+==========================  =====================================  ==========================================
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {"Kron": "kfac", "Diag": "diag", "": "full", "Full": "full"}
+CURV_KWARGS = ("ema_decay", "damping", "use_max_ema", "use_sqrt_ema", "pi_type")
+FISHER_KWARGS = ("approx_type", "num_mc")
+
+
+def curvature_kind(curv_type: str, fisher_args: Optional[Mapping[str, Any]]) -> Tuple[str, int]:
+    """``(torchsso2 curvature kind, mc_samples)`` of PyTorch-SSO's ``curv_type`` and ``fisher_args``."""
+    fisher_args = dict(fisher_args or {})
+    unknown = set(fisher_args) - set(FISHER_KWARGS)
+    if unknown:
+        raise TypeError(f"fisher_args: unknown keys {sorted(unknown)}; PyTorch-SSO's are {list(FISHER_KWARGS)}")
+    if curv_type == "Cov":
+        return "empirical_fisher", 1
+    if curv_type == "Hessian":
+        return "hessian", 1
+    if curv_type == "Fisher":
+        if fisher_args.get("approx_type") == "mc":
+            num_mc = fisher_args.get("num_mc", 1)
+            if not isinstance(num_mc, int) or isinstance(num_mc, bool) or num_mc < 1:
+                raise ValueError(f"fisher_args['num_mc'] must be an int >= 1, got {num_mc!r}")
+            return "fisher_mc", num_mc
+        if fisher_args.get("approx_type") not in (None, "exact"):
+            raise ValueError(f"fisher_args['approx_type']={fisher_args['approx_type']!r}; expected 'mc' or None")
+        return "fisher", 1
+    raise ValueError(f"curv_type={curv_type!r}; PyTorch-SSO's curvature types are 'Cov', 'Fisher' and 'Hessian'")
+
+
+def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """``approx`` dict by module class name: the given shapes converted, and ``'full'`` for every
+    other class of a leaf module with parameters (PyTorch-SSO's default when a class is absent)."""
+    curv_shapes = dict(curv_shapes or {})
+    out: Dict[str, str] = {}
+    for cls, shape in curv_shapes.items():
+        if shape not in SHAPES:
+            raise ValueError(f"curv_shapes[{cls!r}]={shape!r}; PyTorch-SSO's shapes are 'Kron', 'Diag' (or absent: full)")
+        out[cls] = SHAPES[shape]
+    for module in model.modules():
+        if not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
+            out.setdefault(type(module).__name__, "full")
+    return out
+
+
+def curvature_settings(curv_kwargs: Optional[Mapping[str, Any]]) -> Tuple[float, float, str]:
+    """``(ema_decay here, damping there, pi_type)`` of PyTorch-SSO's ``curv_kwargs`` (its defaults:
+    ``ema_decay=1``, ``damping=1e-7``). Options without an equivalent raise NotImplementedError."""
+    kw = dict(curv_kwargs or {})
+    unknown = set(kw) - set(CURV_KWARGS)
+    if unknown:
+        raise TypeError(f"curv_kwargs: unknown keys {sorted(unknown)}; PyTorch-SSO's are {list(CURV_KWARGS)}")
+    if kw.get("use_max_ema", False):
+        raise NotImplementedError("curv_kwargs use_max_ema=True (a running maximum of the curvature) has no "
+                                  "equivalent in torchsso2")
+    if kw.get("use_sqrt_ema", False):
+        raise NotImplementedError("curv_kwargs use_sqrt_ema=True (the square root of the curvature EMA, Adam-like) "
+                                  "has no equivalent in torchsso2")
+    pi_type = kw.get("pi_type", "tracenorm")
+    if pi_type != "tracenorm":
+        raise ValueError(f"curv_kwargs pi_type={pi_type!r}; PyTorch-SSO only has 'tracenorm'")
+    beta = float(kw.get("ema_decay", 1.0))
+    if not 0.0 < beta <= 1.0:
+        raise ValueError(f"curv_kwargs ema_decay={beta!r}: PyTorch-SSO's ema_decay is the weight of the new batch, "
+                         "in (0, 1] (0 would never use any curvature)")
+    damping = float(kw.get("damping", 1e-7))
+    if not math.isfinite(damping) or damping < 0:
+        raise ValueError(f"curv_kwargs damping={damping!r} must be a finite number >= 0")
+    return 1.0 - beta, damping, pi_type
+
+
+def momentum_settings(lr: float, momentum: float, momentum_type: str, grad_ema_decay: float, grad_ema_type: str,
+                      native: str) -> Tuple[float, float]:
+    """``(lr, momentum)`` here for PyTorch-SSO's momentum and gradient EMA.
+
+    ``native`` is the kind of gradient torchsso2's momentum accumulates in the target optimizer:
+    ``'preconditioned'`` (SecondOrderOptimizer) or ``'raw'`` (VIOptimizer). The other kind is
+    the same while the curvature is constant and is applied with a logged warning. A gradient
+    EMA ``buf ← (1−d)·buf + d·g`` is the momentum ``1 − d`` with the learning rate times ``d``."""
+    if momentum < 0:
+        raise ValueError(f"momentum={momentum!r} must be >= 0")
+    if not 0.0 <= grad_ema_decay <= 1.0:
+        raise ValueError(f"grad_ema_decay={grad_ema_decay!r} must be in [0, 1]")
+    uses_ema = grad_ema_decay != 1.0
+    if momentum > 0 and uses_ema:
+        raise NotImplementedError("momentum > 0 together with grad_ema_decay != 1 (two gradient buffers) has no "
+                                  "equivalent in torchsso2; keep one of them")
+    kind = momentum_type if momentum > 0 else grad_ema_type
+    if (momentum > 0 or uses_ema) and kind not in ("raw", "preconditioned"):
+        raise ValueError(f"momentum/grad_ema type {kind!r}; expected 'raw' or 'preconditioned'")
+    if (momentum > 0 or uses_ema) and kind != native:
+        logger.warning("PyTorch-SSO's %s momentum/gradient EMA is applied to the %s gradient here (the same "
+                       "while the curvature does not change)", kind, native)
+    if uses_ema:
+        if grad_ema_decay == 0:
+            raise ValueError("grad_ema_decay=0 never uses a gradient")
+        return lr * grad_ema_decay, 1.0 - grad_ema_decay
+    return lr, momentum
+
+
+def reject_unsupported(**flags: Any) -> None:
+    """NotImplementedError for PyTorch-SSO options that change the update and have no equivalent here."""
+    messages = {
+        "lars": "lars=True (LARS rescaling of each update) has no equivalent in torchsso2",
+        "normalizing_weights": "normalizing_weights=True (rescaling weights after each step) has no equivalent "
+                               "in torchsso2",
+        "bias_correction": "bias_correction=True (Adam-style bias correction of the EMAs) has no equivalent in "
+                           "torchsso2",
+        "non_reg_for_bn": "non_reg_for_bn=True: pass native param groups with weight_decay=0 for BatchNorm "
+                          "parameters instead (torchsso2.SecondOrderOptimizer(params=...))",
+        "warmup_kl_weighting_steps": "warmup_kl_weighting_steps (a KL-weighting warm-up) has no equivalent in "
+                                     "torchsso2; change opt.kl_weighting yourself between steps",
+    }
+    for name, value in flags.items():
+        if value:
+            raise NotImplementedError(messages[name])
+
+
+def check_acc_steps(acc_steps: int) -> None:
+    if acc_steps != 1:
+        raise NotImplementedError(f"acc_steps={acc_steps!r}: accumulate inside the closure instead (torchsso2 "
+                                  "averages the gradients and curvature of several forward/backward passes "
+                                  "made in one closure call)")

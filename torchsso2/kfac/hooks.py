@@ -1,0 +1,53 @@
+"""The preconditioner's module hooks, which do not keep it alive.
+
+The forward hook registered on each layer holds only a weak reference to the preconditioner,
+and a :func:`weakref.finalize` removes the hooks when the preconditioner is garbage-collected:
+dropping a ``KFACPreconditioner`` without :meth:`~KFACPreconditioner.remove_hooks` leaves the
+model as it was before it (no hook, no cost in forward/backward). The tensor hook a forward
+registers on a layer output for the backward pass holds a weak reference too.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, List, Sequence, Tuple
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["attach_forward_hooks", "weak_grad_hook"]
+
+
+def _remove(handles: List[RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) -> List[RemovableHandle]:
+    """Register ``owner.<method>(module, inputs, output)`` as a forward hook of every module.
+
+    Returns the handles (a list the owner keeps; removing and clearing it detaches the hooks).
+    When ``owner`` is garbage-collected the hooks are removed.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)(module, inputs, output)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    weakref.finalize(owner, _remove, handles)
+    return handles
+
+
+def weak_grad_hook(owner: Any, method: str, *args: Any) -> Callable[[Tensor], None]:
+    """``grad -> owner.<method>(*args, grad)`` through a weak reference to ``owner``."""
+    ref = weakref.ref(owner)
+
+    def hook(grad: Tensor) -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)(*args, grad)
+
+    return hook
