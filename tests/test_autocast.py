@@ -35,7 +35,7 @@ def _train(face: str, approx: str, amp: bool, step_inside: bool, steps: int = 4)
     model = _mlp()
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp))
     if face == "kfac":
-        pre = KFACPreconditioner(model, damping=1e-2, kl_clip=None)
+        pre = KFACPreconditioner(model, damping=1e-2, kl_clip=lambda step: None)
         sgd = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(steps):
             sgd.zero_grad()
