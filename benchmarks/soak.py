@@ -6,8 +6,8 @@ Examples::
     OMP_NUM_THREADS=1 python -m benchmarks.soak                       # 5000 steps per face, 200 optimizers
     OMP_NUM_THREADS=1 python -m benchmarks.soak --steps 500 --create 20 --json /tmp/soak.json
 
-**Soak.** Each face trains an MLP ``64 → 128 → 128 → 10`` on a fixed synthetic data set
-(1024 examples, batches of 64, cycled) for ``--steps`` steps, all in this process one after the
+**Soak.** Each face trains an MLP ``32 → 64 → 64 → 10`` on a fixed synthetic data set
+(1024 examples, batches of 32, cycled) for ``--steps`` steps, all in this process one after the
 other. Reported per face: resident set size (``/proc/self/statm``; also every tenth of the run:
 the allocator's warm-up shows as growth early that stops), the number of live tensors
 the garbage collector tracks, and the median step time over the ``--window`` steps after a
@@ -75,12 +75,12 @@ def hooks_on(model: nn.Module) -> int:
 
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def make_data(n: int = 1024, batch: int = 64) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def make_data(n: int = 1024, batch: int = 32) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 64, generator=g)
+    x = torch.randn(n, 32, generator=g)
     y = (x[:, :10].argmax(1) + (x[:, 10] > 1).long()) % 10  # learnable labels
     return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
 

@@ -97,6 +97,10 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        # the callback is usually a closure over this capture (capture -> callback -> capture): drop
+        # it so the capture, its records and the batch's activations are freed by reference counting
+        # at the end of the step, not later by the cyclic garbage collector
+        self.on_output = None
 
     def _make_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
