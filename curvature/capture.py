@@ -97,6 +97,10 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        # the callback is usually a closure over this capture (capture -> callback -> capture): drop
+        # it so the capture, its records and the batch's activations are freed by reference counting
+        # at the end of the step, not later by the cyclic garbage collector
+        self.on_output = None
 
     def _make_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
@@ -117,7 +121,7 @@ class Capture:
                                output=output)
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
-                output.register_hook(lambda g, rec=rec: rec.backward_grads.append(g.detach()))
+                output.register_hook(_appender(rec.backward_grads))
             return output.clone() if output.requires_grad else None
         return hook
 
@@ -135,6 +139,19 @@ class Capture:
         self.outputs.append(output)
         assert self.on_output is not None
         self.on_output(output)
+
+
+def _appender(grads: List[Tensor]) -> Callable[[Tensor], None]:
+    """The tensor hook recording ``∂loss/∂output`` into ``grads``.
+
+    It must not reference the record (nor anything else holding the output tensor): a hook is
+    owned by the output's autograd node, so ``output → node → hook → record → output`` would be
+    a reference cycle through C++ that Python's garbage collector cannot see, and every step's
+    outputs, inputs and gradients would stay alive for good.
+    """
+    def hook(g: Tensor) -> None:
+        grads.append(g.detach())
+    return hook
 
 
 def batch_norm_modules(root: nn.Module) -> List[nn.Module]:

@@ -24,6 +24,7 @@ from .checks import (
     prepare_symmetric,
     resolve_compute_dtype,
 )
+from .eigh_retry import eigh_with_retry
 from .errors import LinalgError
 
 __all__ = ["Backend"]
@@ -61,9 +62,13 @@ class Backend(abc.ABC):
             ``(evals, evecs)``: ``evals`` ``[..., n]`` in ascending order and
             ``evecs`` ``[..., n, n]`` with orthonormal columns, so that
             ``evecs @ diag(evals) @ evecsᵀ ≈ (a + aᵀ) / 2``.
+
+        A decomposition that fails or returns NaN/Inf is retried in float64, then in float64
+        with a tiny diagonal jitter (:mod:`curvature.linalg.eigh_retry`); only when every
+        attempt fails is :class:`~curvature.linalg.LinalgError` raised.
         """
         a = prepare_symmetric(a, dtype, "eigh", self.name)
-        return self._eigh(a)
+        return eigh_with_retry(self._eigh, a, self.name)
 
     def cholesky(self, a: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
         """Lower-triangular Cholesky factor ``L`` ``[..., n, n]`` with ``L Lᵀ = a``.

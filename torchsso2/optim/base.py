@@ -31,10 +31,12 @@ from ..distributed import get_communicator
 from ..distributed.consistency import check_optimizer_settings
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
+from .messages import decomposition_failed
 from .plan import PlanCache, ScalarCache, params_with_grad
 from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
                            is_second_forward_reuse)
 from .checkpoint import check_checkpoint
+from .precision import without_autocast
 from .misuse import ClosureWatch, check_model_argument, check_option
 from .reporting import worth_reporting
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepUndo, diagnose
@@ -178,7 +180,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if not all_finite([out]):
                 acc.nonfinite = True
             else:
-                acc.add(engine.estimate(cap, out, rows, self.generator), out.shape[0])
+                with without_autocast():  # statistics in float32 from the autocast activations
+                    acc.add(engine.estimate(cap, out, rows, self.generator), out.shape[0])
             watch.observe_output(out)  # after the engine's own backward passes: sees the user's only
             cap.records.clear()
 
@@ -357,7 +360,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 if self.on_nonfinite == "raise":
                     raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
                 self.num_skipped += 1
-                logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, error)
+                logger.warning("%s", decomposition_failed(self.num_steps, error, self._decomposed,
+                                                          self.decomposition_dtype))
                 return False
             self._decomposed = True
             return True
@@ -368,7 +372,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if self.on_nonfinite == "raise":
                 raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
             self.num_skipped += 1
-            logger.warning("step %d: decomposition failed (%s); keeping the previous one", self.num_steps, err)
+            logger.warning("%s", decomposition_failed(self.num_steps, err, self._decomposed, self.decomposition_dtype))
             return False
         self._decomposed = True
         return True

@@ -28,6 +28,7 @@ from .damping import LMDamping
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
+from .precision import full_precision_step
 from .steps import add_weight_decay, kl_clip_factor, momentum_step_
 from .validation import MAX_LR, check_choice, check_int, check_number
 
@@ -185,6 +186,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if solver.modules:  # some Linear layer is wide enough for the low-rank path to pay
                 self.low_rank = solver
 
+    @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0

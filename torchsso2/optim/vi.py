@@ -49,6 +49,7 @@ from .misuse import eval_mode
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
+from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_diagonal, reparam_ema_
@@ -495,6 +496,7 @@ class VIOptimizer(CurvatureOptimizer):
         return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)) / self.kl_weighting
 
     # ---- the step ---------------------------------------------------------------------------------
+    @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         estimate = self.num_steps % self.curv_update_interval == 0
