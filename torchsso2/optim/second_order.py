@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
 
+from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
 from .legacy import check_not_pytorch_sso_call
@@ -92,6 +93,15 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         output_selector: for a model whose forward returns a tuple, dict or output object: a
             callable giving the tensor the loss is computed from (``lambda out: out[0]``,
             ``lambda out: out["logits"]``); the curvature is taken there. Default: the output.
+        use_adaptive_learning_rate, use_adaptive_momentum: kfac-jax's adaptive mode
+            (:mod:`torchsso2.optim.adaptive`, ``docs/adaptive.md``): the update is
+            ``θ ← θ − a·Δ + μ·δ_prev`` (``Δ = (C + λI)⁻¹ d``, ``δ_prev`` the previous update) with
+            ``a`` and/or ``μ`` minimising the damped quadratic model of the loss on the batch,
+            exact GGN (the Hessian for ``curvature="hessian"``) through one JVP per direction.
+            An adapted coefficient ignores the group's ``lr`` / ``momentum``; one not adapted is
+            fixed to it. Costs about two extra forward passes per step; combine with
+            ``adaptive_damping=True`` (then fed the quadratic model's predicted change) for a
+            run with neither lr nor damping to tune. Not with ``kl_clip`` or several processes.
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -110,7 +120,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 low_rank_solve: bool = True, output_selector: Any = None) -> None:
+                 low_rank_solve: bool = True, output_selector: Any = None,
+                 use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
         check_number("lr", lr, low=0.0)
         if not isinstance(low_rank_solve, bool):
@@ -140,6 +151,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
                          output_selector=output_selector)
         self.kfac_method = kfac_method
+        self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
         self.low_rank: Optional[LowRankSolver] = None
@@ -152,7 +164,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
-        with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext():
+        with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
+                self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
             loss, output, fresh = self._run_closure(closure, targets, estimate)
         if not self._unscale_grads():
             self.num_steps += 1
@@ -178,12 +191,18 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self.num_steps += 1
                 return loss, output
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
-        if not self._apply_update(params, groups):
+        predicted = None
+        if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
+            predicted = adaptive_step(self, params, groups, targets)
+            applied = predicted is not None
+        else:
+            applied = self._apply_update(params, groups)
+        if not applied:
             self._nonfinite("preconditioned update")
             self.num_steps += 1
             return loss, output
         if old is not None:
-            self._adapt_damping(closure, loss, params, grads, old)
+            self._adapt_damping(closure, loss, params, grads, old, predicted)
         self.num_steps += 1
         return loss, output
 
@@ -224,21 +243,24 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         return self.lm is not None and (self.num_steps + 1) % self.damping_adaptation_interval == 0
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
-                       grads: List[Tensor], old: List[Tensor]) -> None:
+                       grads: List[Tensor], old: List[Tensor], predicted: Optional[float] = None) -> None:
+        """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
+        change when the caller has it (adaptive mode: exact curvature), else from ``C + λI``."""
         assert self.lm is not None
         with torch.no_grad():
-            deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
-            g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
-            quad = 0.0
-            for blk in self.running.blocks.values():
-                ps = blk.layout.params
-                if not all(id(q) in deltas for q in ps):
-                    continue
-                cv = blk.mvp([deltas[id(q)] for q in ps])
-                quad += sum(float((c * deltas[id(q)]).sum()) for c, q in zip(cv, ps))
-            lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
-            sq = sum(float(d.pow(2).sum()) for d in deltas.values())
-            predicted = lin + 0.5 * (quad + self.damping * sq)
+            if predicted is None:  # the change predicted by C + λI
+                deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
+                g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
+                quad = 0.0
+                for blk in self.running.blocks.values():
+                    ps = blk.layout.params
+                    if not all(id(q) in deltas for q in ps):
+                        continue
+                    cv = blk.mvp([deltas[id(q)] for q in ps])
+                    quad += sum(float((c * deltas[id(q)]).sum()) for c, q in zip(cv, ps))
+                lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
+                sq = sum(float(d.pow(2).sum()) for d in deltas.values())
+                predicted = lin + 0.5 * (quad + self.damping * sq)
         with torch.enable_grad():
             new_loss, _ = closure()
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
@@ -247,10 +269,28 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
 
     def _extra_state(self) -> Dict[str, Any]:
-        return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy()}
+        return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy(),
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self.damping = float(state["damping"])
         if self.lm is not None and state.get("lm") is not None:
             for k, v in state["lm"].items():
                 setattr(self.lm, k, v)
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
+
+    def _make_adaptive(self, learning_rate: Any, momentum: Any) -> Optional[AdaptiveCoefficients]:
+        """Validate the adaptive-mode flags; the :class:`AdaptiveCoefficients` or None."""
+        for name, flag in (("use_adaptive_learning_rate", learning_rate), ("use_adaptive_momentum", momentum)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if not (learning_rate or momentum):
+            return None
+        if self.kl_clip is not None:
+            raise ValueError(f"kl_clip={self.kl_clip} cannot be combined with use_adaptive_learning_rate/"
+                             "use_adaptive_momentum: the step length comes from the quadratic model; pass kl_clip=None")
+        if self.comm.world_size > 1:
+            raise NotImplementedError("adaptive learning rate/momentum with several processes is not implemented")
+        param_names(self.model, [p for g in self.param_groups for p in g["params"]])
+        return AdaptiveCoefficients(learning_rate, momentum)

@@ -1,0 +1,287 @@
+"""Adaptive learning rate and momentum from the damped quadratic model (Martens & Grosse 2015 §7; kfac-jax).
+
+Given the preconditioned direction ``Δ = (C + λI)⁻¹ d`` (``d = g + weight_decay·θ``) and the
+previous update ``δ_prev``, the update is ``v = αΔ + μ·δ_prev`` with the coefficients that
+minimise the damped quadratic model of the objective along those directions::
+
+    M(w) = ½ wᵀ A w + bᵀ w,   w = (α, μ)
+    A_ij = v_iᵀ (G + λI + W) v_j,   b_i = v_iᵀ d,   (v_1, v_2) = (Δ, δ_prev)
+
+``G`` is the exact curvature of the mean loss on the current batch: the GGN
+``(1/N) Σ_n J_nᵀ H_n J_n`` (equal to the Fisher for the supported likelihoods) for every Fisher
+kind, the Hessian for ``curvature="hessian"``; ``W`` is the weight decay (per parameter group).
+``vᵢᵀ G vⱼ`` is computed as kfac-jax does, without forming ``G``: one forward-mode JVP of the
+model output per direction gives ``J vᵢ`` ([N, *out]); then ``(1/N) Σ_n (J vᵢ)_nᵀ H_n (J vⱼ)_n``
+with the likelihood's output Hessian (categorical ``H = diag(p) − ppᵀ``, Gaussian ``H = I``).
+For the Hessian: one Hessian-vector product (double backward) per direction.
+
+``w = −A⁻¹ b`` (free coefficients only: a fixed one enters ``b``); on the first step (no
+``δ_prev``) only ``α``. ``α`` comes out negative (``Δ`` is an ascent direction): the step
+``θ ← θ + αΔ + μ·δ_prev`` is a descent with learning rate ``−α``. ``M(w)`` at the solution is
+the predicted change of the loss that the Levenberg–Marquardt damping rule
+(:class:`torchsso2.optim.damping.LMDamping`) compares with the actual change.
+
+The model inputs of the closure's forward are recorded (a forward pre-hook, see
+:class:`InputRecorder`) and the model is run again under ``torch.func.jvp`` with
+``torch.func.functional_call``, with copies of its buffers (BatchNorm running statistics are not
+updated twice) and, on CPU, the global RNG state of the original forward (the same dropout mask).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from curvature.likelihoods import mean_nll
+from curvature.options import Kind, LossType
+
+logger = logging.getLogger(__name__)
+
+#: a recorded forward call: (positional args, keyword args, CPU RNG state before the forward)
+Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]
+
+
+class InputRecorder:
+    """Records the inputs of every forward of ``model`` while active (a forward pre-hook)."""
+
+    def __init__(self) -> None:
+        self.calls: List[Call] = []
+
+    @contextlib.contextmanager
+    def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
+        self.calls = []
+
+        def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            self.calls.append((args, dict(kwargs), torch.get_rng_state()))
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
+def output_hessian_inner(loss: LossType, outputs: Tensor, u: Tensor, w: Tensor) -> Tensor:
+    """``Σ_n u_nᵀ H_n w_n`` (a 0-dim tensor, summed over the batch) with ``H_n = ∂²ℓ_n/∂f_n²`` at
+    ``outputs`` ([N, C] logits for cross_entropy, [N, ...] for mse); ``u, w`` of the outputs' shape."""
+    if loss is LossType.CROSS_ENTROPY:
+        p = torch.softmax(outputs.detach(), dim=1)
+        return (p * u * w).sum() - ((p * u).sum(1) * (p * w).sum(1)).sum()
+    return (u * w).sum()
+
+
+def _functional(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call
+                ) -> Callable[..., Tensor]:
+    """``f(*params) -> selected output`` of ``model`` on a recorded call; buffers are copies."""
+    args, kwargs, _ = call
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+
+    def f(*ps: Tensor) -> Tensor:
+        return select(torch.func.functional_call(model, ({**dict(zip(names, ps)), **buffers}), args, kwargs))
+    return f
+
+
+@contextlib.contextmanager
+def _rng_of(call: Call) -> Iterator[None]:
+    """Run with the CPU RNG state the recorded forward saw (restored afterwards)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(call[2])
+        yield
+
+
+def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
+             directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor]) -> Tensor:
+    """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
+    forwards (N examples in all): one JVP per direction and forward."""
+    k = len(directions)
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    total = 0
+    primals = tuple(p.detach() for p in params)
+    for call in calls:
+        f = _functional(model, names, select, call)
+        jvs = []
+        out = None
+        for v in directions:
+            with _rng_of(call):
+                out, jv = torch.func.jvp(f, primals, tuple(t.detach() for t in v))
+            jvs.append(jv.detach())
+        assert out is not None
+        total += out.shape[0]
+        for i in range(k):
+            for j in range(i, k):
+                gram[i, j] += output_hessian_inner(loss, out, jvs[i], jvs[j]).double()
+                gram[j, i] = gram[i, j]
+    return gram / max(total, 1)
+
+
+def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
+                 directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
+                 targets: Optional[Tensor]) -> Tensor:
+    """``[k, k]`` float64 matrix ``v_iᵀ ∇²L v_j`` of the mean loss ``L`` on the recorded forward
+    (one forward per closure; ``targets`` of that batch): one Hessian-vector product per direction."""
+    if targets is None:
+        raise ValueError("curvature='hessian' with an adaptive learning rate or momentum needs step(closure, targets=...)")
+    if len(calls) != 1:
+        raise ValueError(f"curvature='hessian' with an adaptive learning rate or momentum supports one forward per "
+                         f"closure, the closure ran {len(calls)}")
+    f = _functional(model, names, select, calls[0])
+    leaves = [p.detach().requires_grad_(True) for p in params]
+    with torch.enable_grad(), _rng_of(calls[0]):
+        value = mean_nll(loss, f(*leaves), targets)
+        grads = torch.autograd.grad(value, leaves, create_graph=True)
+        hvs = []
+        for v in directions:
+            dot = sum((g * t.detach()).sum() for g, t in zip(grads, v))
+            hvs.append(torch.autograd.grad(dot, leaves, retain_graph=True, allow_unused=True))
+    k = len(directions)
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    for i in range(k):
+        for j in range(k):
+            gram[i, j] = sum(float((h * t).double().sum()) for h, t in zip(hvs[j], directions[i]) if h is not None)
+    return 0.5 * (gram + gram.t())
+
+
+def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]],
+                   weights: Optional[Sequence[float]] = None) -> Tensor:
+    """``[len(xs), len(ys)]`` float64 matrix of ``Σ_p weight_p x_{i,p}ᵀ y_{j,p}``."""
+    out = torch.zeros(len(xs), len(ys), dtype=torch.float64)
+    for i, x in enumerate(xs):
+        for j, y in enumerate(ys):
+            ws = weights if weights is not None else [1.0] * len(x)
+            out[i, j] = sum(w * float((a.double() * b.double()).sum()) for w, a, b in zip(ws, x, y) if w)
+    return out
+
+
+def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
+    """Minimise ``M(w) = ½ wᵀ a w + bᵀ w`` over the entries of ``w`` whose ``fixed`` value is None
+    (the others keep their value). Returns ``(w, M(w))``; raises ``ValueError`` when the model
+    restricted to the free entries is not positive definite (it then has no minimum)."""
+    n = len(fixed)
+    if a.shape != (n, n) or b.shape != (n,):
+        raise ValueError(f"a must be [{n}, {n}] and b [{n}], got {tuple(a.shape)} and {tuple(b.shape)}")
+    free = [i for i, c in enumerate(fixed) if c is None]
+    w = torch.tensor([0.0 if c is None else float(c) for c in fixed], dtype=torch.float64)
+    if free:
+        fx = [i for i in range(n) if i not in free]
+        a_ff = a[free][:, free]
+        rhs = b[free] + (a[free][:, fx] @ w[fx] if fx else 0.0)
+        if not bool(torch.all(torch.linalg.eigvalsh(a_ff) > 0)):
+            raise ValueError(f"the quadratic model is not positive definite on the free directions: {a_ff.tolist()}")
+        w[free] = -torch.linalg.solve(a_ff, rhs)
+    value = float(0.5 * w @ a @ w + b @ w)
+    return w.tolist(), value
+
+
+def param_names(model: nn.Module, params: Sequence[Tensor]) -> List[str]:
+    """The ``named_parameters`` name of every parameter; ValueError for one not in ``model``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [tuple(p.shape) for p in params if id(p) not in names]
+    if missing:
+        raise ValueError(f"adaptive coefficients need every optimized parameter to be a parameter of the model "
+                         f"(the JVP runs the model); parameters of shapes {missing} are not")
+    return [names[id(p)] for p in params]
+
+
+class AdaptiveCoefficients:
+    """The adaptive step of :class:`~torchsso2.optim.SecondOrderOptimizer` (see the module docstring).
+
+    ``learning_rate`` / ``momentum``: adapt ``α`` / ``μ`` (a coefficient not adapted is fixed to
+    ``−lr`` / ``momentum`` of the param groups, which must then agree on it). State (saved in the
+    optimizer's ``state_dict``): ``δ_prev`` per parameter in ``optimizer.state[p]["adaptive_delta"]``,
+    and here ``last`` (the last coefficients, quadratic-model value and step count).
+    """
+
+    def __init__(self, learning_rate: bool, momentum: bool) -> None:
+        self.learning_rate = learning_rate
+        self.momentum = momentum
+        self.recorder = InputRecorder()
+        #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
+        self.last: Dict[str, float] = {"learning_rate": float("nan"), "momentum": float("nan"),
+                                       "quad_model": float("nan"), "steps": 0}
+
+    def record(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return self.recorder.record(model)
+
+    @staticmethod
+    def _one(values: List[Any], what: str) -> float:
+        if any(v != values[0] for v in values):
+            raise ValueError(f"a fixed {what} with adaptive coefficients needs one value over all param groups, "
+                             f"got {sorted(set(values))}")
+        return float(values[0])
+
+    def coefficients(self, opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
+                     deltas: List[Tensor], vecs: List[Tensor], prev: Optional[List[Tensor]],
+                     targets: Optional[Tensor]) -> Tuple[List[float], float]:
+        """``([α, μ], M)`` for the directions ``deltas`` (Δ) and ``prev`` (δ_prev, None on the first
+        step) with the gradient ``vecs`` (d)."""
+        names = param_names(opt.model, params)
+        fixed: List[Optional[float]] = [None if self.learning_rate else -self._one([g["lr"] for g in groups], "lr")]
+        dirs = [deltas]
+        if prev is not None:
+            fixed.append(None if self.momentum else self._one([g["momentum"] for g in groups], "momentum"))
+            dirs.append(prev)
+        if opt.engine.kind is Kind.HESSIAN:
+            gram = hessian_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
+                                opt.engine.select_output, targets)
+        else:
+            gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
+                            opt.engine.select_output)
+        wds = [float(g["weight_decay"]) for g in groups]
+        a = gram + opt.damping * inner_products(dirs, dirs) + inner_products(dirs, dirs, wds)
+        b = inner_products(dirs, [vecs])[:, 0]
+        return solve_quadratic(a, b, fixed)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return dict(self.last)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        missing = {"learning_rate", "momentum", "quad_model", "steps"} - set(state)
+        if missing:
+            raise ValueError(f"adaptive state lacks {sorted(missing)}")
+        self.last = {k: (int(v) if k == "steps" else float(v)) for k, v in state.items()}
+
+
+def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
+                  targets: Optional[Tensor]) -> Optional[float]:
+    """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
+    :class:`SecondOrderOptimizer` in adaptive mode). Returns the quadratic model's value ``M``
+    (the predicted change of the loss), or None (nothing changed) when the step is not finite or
+    the quadratic model has no minimum."""
+    ada: AdaptiveCoefficients = opt.adaptive
+    plan = opt._plans.get(params, groups, opt.running.blocks)
+    wds = plan.values("weight_decay")
+    vecs = [p.grad.detach() if not wd else p.grad.detach() + wd * p.detach() for p, wd in zip(params, wds)]
+    if opt.placement.active:
+        solved = opt._precondition({blk.layout.name: blk for blk, _ in plan.blocks},
+                                   {id(p): v for p, v in zip(params, vecs)})
+        deltas = [solved[id(p)] for p in params]
+    else:
+        deltas = plan.precondition(vecs, solved=opt._low_rank_solve(plan, vecs, wds))
+    states = [opt.state[p] for p in params]
+    prev: Optional[List[Tensor]] = [s.get("adaptive_delta", torch.zeros_like(p)) for s, p in zip(states, params)]
+    if all("adaptive_delta" not in s for s in states):
+        prev = None  # the first step: no previous update, only α
+    try:
+        (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
+    except ValueError as err:
+        if "positive definite" not in str(err):
+            raise
+        logger.warning("step %d: %s; no update", opt.num_steps, err)
+        return None
+    alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
+    if not all(math.isfinite(x) for x in (alpha, mu, value)):
+        return None
+    with torch.no_grad():
+        new = [d * alpha if prev is None else d * alpha + q * mu for d, q in zip(deltas, prev or deltas)]
+        if not all(bool(torch.isfinite(t).all()) for t in new):
+            return None
+        for p, s, t in zip(params, states, new):
+            p.add_(t.to(p.dtype))
+            s["adaptive_delta"] = t.detach().clone()
+    ada.last = {"learning_rate": -alpha, "momentum": mu, "quad_model": value, "steps": ada.last["steps"] + 1}
+    logger.debug("adaptive step: learning_rate=%.4g momentum=%.4g M=%.4g", -alpha, mu, value)
+    return value
