@@ -226,9 +226,12 @@ def test_adaptive_trains_an_mlp_with_every_shape():
         model = nn.Sequential(*_mlp()).float()
         opt = SecondOrderOptimizer(model, approx=approx, damping=0.1, adaptive_damping=True,
                                    use_adaptive_learning_rate=True, use_adaptive_momentum=True)
-        first = float(nll("cross_entropy", model(x.float()), y))
+        with torch.no_grad():
+            first = float(nll("cross_entropy", model(x.float()), y))
         _train(opt, model, x.float(), y, 15)
-        assert float(nll("cross_entropy", model(x.float()), y)) < 0.5 * first, approx
+        with torch.no_grad():
+            last = float(nll("cross_entropy", model(x.float()), y))
+        assert last < 0.5 * first, approx
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -260,7 +263,15 @@ def test_solve_quadratic_fixed_and_free():
     b = torch.tensor([1.0, -1.0], dtype=torch.float64)
     w, val = solve_quadratic(a, b, [None, None])
     torch.testing.assert_close(torch.tensor(w, dtype=torch.float64), -torch.linalg.solve(a, b))
-    w, val = solve_quadratic(a, b, [None, 0.3])
-    assert w[1] == 0.3 and abs(w[0] - (-(1.0 + 0.5 * 0.3) / 2.0)) < 1e-15
     wt = torch.tensor(w, dtype=torch.float64)
     assert abs(val - float(0.5 * wt @ a @ wt + b @ wt)) < 1e-15
+    w, val = solve_quadratic(a, b, [None, 0.3])
+    assert w[1] == 0.3 and abs(w[0] - (-(1.0 + 0.5 * 0.3) / 2.0)) < 1e-15
+    w, val = solve_quadratic(a, b, [0.2, None])
+    assert w[0] == 0.2 and abs(w[1] - (-(-1.0 + 0.5 * 0.2) / 1.0)) < 1e-15
+    w, val = solve_quadratic(a[:1, :1], b[:1], [None])
+    assert abs(w[0] + 0.5) < 1e-15 and abs(val + 0.25) < 1e-15
+    with pytest.raises(ValueError, match="positive definite"):  # indefinite 2×2 (det < 0)
+        solve_quadratic(torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64), b, [None, None])
+    with pytest.raises(ValueError, match="1 or 2 coefficients"):
+        solve_quadratic(torch.eye(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), [None] * 3)

@@ -11,8 +11,10 @@ minimise the damped quadratic model of the objective along those directions::
 ``(1/N) Σ_n J_nᵀ H_n J_n`` (equal to the Fisher for the supported likelihoods) for every Fisher
 kind, the Hessian for ``curvature="hessian"``; ``W`` is the weight decay (per parameter group).
 ``vᵢᵀ G vⱼ`` is computed as kfac-jax does, without forming ``G``: one forward-mode JVP of the
-model output per direction gives ``J vᵢ`` ([N, *out]); then ``(1/N) Σ_n (J vᵢ)_nᵀ H_n (J vⱼ)_n``
-with the likelihood's output Hessian (categorical ``H = diag(p) − ppᵀ``, Gaussian ``H = I``).
+model output per direction (``torch.autograd.forward_ad`` dual numbers through
+``torch.func.functional_call``) gives ``J vᵢ`` ([N, *out]); then
+``(1/N) Σ_n (J vᵢ)_nᵀ H_n (J vⱼ)_n`` with the likelihood's output Hessian (categorical
+``H = diag(p) − ppᵀ``, Gaussian ``H = I``).
 For the Hessian: one Hessian-vector product (double backward) per direction.
 
 ``w = −A⁻¹ b`` (free coefficients only: a fixed one enters ``b``); on the first step (no
@@ -22,7 +24,7 @@ the predicted change of the loss that the Levenberg–Marquardt damping rule
 (:class:`torchsso2.optim.damping.LMDamping`) compares with the actual change.
 
 The model inputs of the closure's forward are recorded (a forward pre-hook, see
-:class:`InputRecorder`) and the model is run again under ``torch.func.jvp`` with
+:class:`InputRecorder`) and the model is run again in forward mode with
 ``torch.func.functional_call``, with copies of its buffers (BatchNorm running statistics are not
 updated twice) and, on CPU, the global RNG state of the original forward (the same dropout mask).
 """
@@ -34,6 +36,7 @@ import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from curvature.likelihoods import mean_nll
@@ -93,29 +96,39 @@ def _rng_of(call: Call) -> Iterator[None]:
         yield
 
 
+def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor) -> Tensor:
+    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``."""
+    if loss is LossType.CROSS_ENTROPY:
+        p = torch.softmax(outputs.detach(), dim=1)
+        return p * u - p * (p * u).sum(1, keepdim=True)
+    return u
+
+
 def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
              directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor]) -> Tensor:
     """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
-    forwards (N examples in all): one JVP per direction and forward."""
+    forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward."""
     k = len(directions)
     gram = torch.zeros(k, k, dtype=torch.float64)
     total = 0
-    primals = tuple(p.detach() for p in params)
+    primals = [p.detach() for p in params]
     for call in calls:
         f = _functional(model, names, select, call)
         jvs = []
         out = None
         for v in directions:
-            with _rng_of(call):
-                out, jv = torch.func.jvp(f, primals, tuple(t.detach() for t in v))
-            jvs.append(jv.detach())
+            with _rng_of(call), fwAD.dual_level():
+                res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
+                out, jv = fwAD.unpack_dual(res)
+            if jv is None:  # the output does not depend on the optimized parameters
+                jv = torch.zeros_like(out)
+            jvs.append(jv.reshape(-1))
         assert out is not None
         total += out.shape[0]
-        for i in range(k):
-            for j in range(i, k):
-                gram[i, j] += output_hessian_inner(loss, out, jvs[i], jvs[j]).double()
-                gram[j, i] = gram[i, j]
-    return gram / max(total, 1)
+        jmat = torch.stack(jvs)  # [k, N·out]
+        hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
+        gram += (jmat @ hmat.t()).double()
+    return 0.5 * (gram + gram.t()) / max(total, 1)
 
 
 def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
@@ -147,33 +160,37 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
 
 def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]],
                    weights: Optional[Sequence[float]] = None) -> Tensor:
-    """``[len(xs), len(ys)]`` float64 matrix of ``Σ_p weight_p x_{i,p}ᵀ y_{j,p}``."""
-    out = torch.zeros(len(xs), len(ys), dtype=torch.float64)
-    for i, x in enumerate(xs):
-        for j, y in enumerate(ys):
-            ws = weights if weights is not None else [1.0] * len(x)
-            out[i, j] = sum(w * float((a.double() * b.double()).sum()) for w, a, b in zip(ws, x, y) if w)
-    return out
+    """``[len(xs), len(ys)]`` float64 matrix of ``Σ_p weight_p x_{i,p}ᵀ y_{j,p}`` (weight 1 without ``weights``)."""
+    def flat(vs: Sequence[Tensor], w: Optional[Sequence[float]]) -> Tensor:
+        return torch.cat([(t.detach() if w is None else t.detach() * w[i]).reshape(-1).double()
+                          for i, t in enumerate(vs)])
+    return torch.stack([flat(x, weights) for x in xs]) @ torch.stack([flat(y, None) for y in ys]).t()
 
 
 def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
-    """Minimise ``M(w) = ½ wᵀ a w + bᵀ w`` over the entries of ``w`` whose ``fixed`` value is None
-    (the others keep their value). Returns ``(w, M(w))``; raises ``ValueError`` when the model
-    restricted to the free entries is not positive definite (it then has no minimum)."""
+    """Minimise ``M(w) = ½ wᵀ a w + bᵀ w`` (``a`` [k, k] symmetric, ``b`` [k], k ≤ 2) over the entries
+    of ``w`` whose ``fixed`` value is None (the others keep their value), in closed form in float64
+    Python arithmetic. Returns ``(w, M(w))``; raises ``ValueError`` when the model restricted to
+    the free entries is not positive definite (it then has no minimum)."""
     n = len(fixed)
-    if a.shape != (n, n) or b.shape != (n,):
-        raise ValueError(f"a must be [{n}, {n}] and b [{n}], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if n not in (1, 2) or tuple(a.shape) != (n, n) or tuple(b.shape) != (n,):
+        raise ValueError(f"expected 1 or 2 coefficients with a [{n}, {n}] and b [{n}], got {len(fixed)}, "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    am, bv = a.tolist(), b.tolist()
+    w = [0.0 if c is None else float(c) for c in fixed]
     free = [i for i, c in enumerate(fixed) if c is None]
-    w = torch.tensor([0.0 if c is None else float(c) for c in fixed], dtype=torch.float64)
-    if free:
-        fx = [i for i in range(n) if i not in free]
-        a_ff = a[free][:, free]
-        rhs = b[free] + (a[free][:, fx] @ w[fx] if fx else 0.0)
-        if not bool(torch.all(torch.linalg.eigvalsh(a_ff) > 0)):
-            raise ValueError(f"the quadratic model is not positive definite on the free directions: {a_ff.tolist()}")
-        w[free] = -torch.linalg.solve(a_ff, rhs)
-    value = float(0.5 * w @ a @ w + b @ w)
-    return w.tolist(), value
+    if len(free) == 2:
+        det = am[0][0] * am[1][1] - am[0][1] * am[1][0]
+        if not (am[0][0] > 0 and det > 0):
+            raise ValueError(f"the quadratic model is not positive definite on the free directions: {am}")
+        w = [-(am[1][1] * bv[0] - am[0][1] * bv[1]) / det, -(am[0][0] * bv[1] - am[1][0] * bv[0]) / det]
+    elif len(free) == 1:
+        i = free[0]
+        if not am[i][i] > 0:
+            raise ValueError(f"the quadratic model is not positive definite on the free direction: {am[i][i]}")
+        w[i] = -(bv[i] + sum(am[i][j] * w[j] for j in range(n) if j != i)) / am[i][i]
+    value = 0.5 * sum(w[i] * am[i][j] * w[j] for i in range(n) for j in range(n)) + sum(x * y for x, y in zip(w, bv))
+    return w, value
 
 
 def param_names(model: nn.Module, params: Sequence[Tensor]) -> List[str]:
@@ -231,7 +248,9 @@ class AdaptiveCoefficients:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output)
         wds = [float(g["weight_decay"]) for g in groups]
-        a = gram + opt.damping * inner_products(dirs, dirs) + inner_products(dirs, dirs, wds)
+        a = gram + opt.damping * inner_products(dirs, dirs)
+        if any(wds):
+            a = a + inner_products(dirs, dirs, wds)
         b = inner_products(dirs, [vecs])[:, 0]
         return solve_quadratic(a, b, fixed)
 
