@@ -5,10 +5,11 @@ Two parts, on scikit-learn's digits as issue 30 sets them up (1437 train / 360 t
 split with seed 0, features standardized with the training set's mean and std), MLP 64-128-10:
 
 1. **Step time**: one full training step (closure + update) of plain K-FAC
-   (``SecondOrderOptimizer(approx="kfac")``, fixed lr/momentum) and of adaptive K-FAC, at each
+   (``SecondOrderOptimizer(approx="kfac")``, fixed lr/momentum), of adaptive lr + momentum, and
+   of adaptive lr + momentum with LM ``adaptive_damping``, at each
    ``--batch-sizes`` and curvature/inverse intervals 1/1 and 10/100, mean over a window of steps
    (one full update cycle), repeated; min and median over the repeats and the ratio adaptive /
-   plain of each (both measured in the same run, interleaved, so the ratio is what to read on a
+   plain of each (all measured in the same run, interleaved, so the ratio is what to read on a
    loaded machine).
 2. **Robustness grid**: adaptive K-FAC (lr and momentum solved, LM damping from the given start)
    over ``--dampings`` × ``--seeds`` at batch ``--grid-batch``: epochs to ``--target`` test
@@ -46,6 +47,8 @@ logger = logging.getLogger("benchmarks.kfac_adaptive")
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "kfac_adaptive.json"
 HIDDEN = 128
+#: (name, adaptive lr/momentum, LM damping) of the timed optimizers
+VARIANTS = (("kfac", False, False), ("adaptive", True, False), ("adaptive_lm", True, True))
 
 
 def load_data(split_seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -68,13 +71,13 @@ def make_model(seed: int) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, adaptive: bool, damping: float, intervals: Sequence[int], seed: int,
-                   lr: float = 0.01, momentum: float = 0.9) -> SecondOrderOptimizer:
+                   lr: float = 0.01, momentum: float = 0.9, lm: bool = True) -> SecondOrderOptimizer:
     """Plain K-FAC (``lr``, ``momentum``, fixed ``damping``) or adaptive K-FAC (lr and momentum
-    solved, LM damping starting at ``damping``)."""
+    solved; with ``lm`` LM damping starting at ``damping``)."""
     kw: Dict[str, Any] = dict(approx="kfac", damping=damping, curv_update_interval=intervals[0],
                               inv_update_interval=intervals[1], seed=seed)
     if adaptive:
-        kw.update(use_adaptive_learning_rate=True, use_adaptive_momentum=True, adaptive_damping=True)
+        kw.update(use_adaptive_learning_rate=True, use_adaptive_momentum=True, adaptive_damping=lm)
     return SecondOrderOptimizer(model, lr=lr, momentum=momentum, **kw)
 
 
@@ -87,19 +90,23 @@ def time_steps(data: Dict[str, torch.Tensor], batch_sizes: Sequence[int], repeat
         for iv in intervals:
             window = max(iv[1], 20)
             opts = {}
-            for name, adaptive in (("kfac", False), ("adaptive", True)):
+            for name, adaptive, lm in VARIANTS:
                 model = make_model(0)
-                opts[name] = (model, make_optimizer(model, adaptive, 1e-2, iv, seed=0))
-            times: Dict[str, List[float]] = {"kfac": [], "adaptive": []}
-            for _ in range(repeats):  # interleaved: both see the same machine load
+                opts[name] = (model, make_optimizer(model, adaptive, 1e-2, iv, seed=0, lm=lm))
+            times: Dict[str, List[float]] = {name: [] for name in opts}
+            for _ in range(repeats):  # interleaved: all see the same machine load
                 for name, (model, opt) in opts.items():
                     times[name] += time_training_steps(model, opt, x, y, window=window, repeats=1, warmup=2)
-            plain, ada = summarize(times["kfac"]), summarize(times["adaptive"])
-            rows.append({"batch": bs, "intervals": f"{iv[0]}/{iv[1]}", "kfac": plain, "adaptive": ada,
-                         "ratio_min": ada["min_s"] / plain["min_s"],
-                         "ratio_median": ada["median_s"] / plain["median_s"]})
-            logger.info("batch %d intervals %s: kfac %.2f ms, adaptive %.2f ms (%.2fx)", bs, rows[-1]["intervals"],
-                        1e3 * plain["min_s"], 1e3 * ada["min_s"], rows[-1]["ratio_min"])
+            row: Dict[str, Any] = {"batch": bs, "intervals": f"{iv[0]}/{iv[1]}"}
+            plain = summarize(times["kfac"])
+            for name in opts:
+                row[name] = summarize(times[name])
+                if name != "kfac":
+                    row[f"{name}_ratio_min"] = row[name]["min_s"] / plain["min_s"]
+                    row[f"{name}_ratio_median"] = row[name]["median_s"] / plain["median_s"]
+            rows.append(row)
+            logger.info("batch %d intervals %s: %s", bs, row["intervals"],
+                        ", ".join(f"{n} {1e3 * row[n]['min_s']:.2f} ms" for n in opts))
     return rows
 
 
@@ -168,11 +175,16 @@ def grid_table(runs: List[Dict[str, Any]], target: float) -> str:
 
 
 def step_table(rows: List[Dict[str, Any]]) -> str:
+    def ms(r: Dict[str, Any], n: str) -> str:
+        return f"{1e3 * r[n]['min_s']:.2f} / {1e3 * r[n]['median_s']:.2f}"
+
+    def ratio(r: Dict[str, Any], n: str) -> str:
+        return f"{fmt_ratio(r[n + '_ratio_min'])} / {fmt_ratio(r[n + '_ratio_median'])}"
     return markdown_table(
-        ["batch", "intervals", "K-FAC min / median ms", "adaptive min / median ms", "ratio min", "ratio median"],
-        [[r["batch"], r["intervals"], f"{1e3 * r['kfac']['min_s']:.2f} / {1e3 * r['kfac']['median_s']:.2f}",
-          f"{1e3 * r['adaptive']['min_s']:.2f} / {1e3 * r['adaptive']['median_s']:.2f}",
-          fmt_ratio(r["ratio_min"]), fmt_ratio(r["ratio_median"])] for r in rows])
+        ["batch", "intervals", "K-FAC ms (min / median)", "adaptive ms", "adaptive + LM ms",
+         "adaptive / K-FAC (min / median)", "adaptive + LM / K-FAC"],
+        [[r["batch"], r["intervals"], ms(r, "kfac"), ms(r, "adaptive"), ms(r, "adaptive_lm"),
+          ratio(r, "adaptive"), ratio(r, "adaptive_lm")] for r in rows])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -208,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     report["config"]["load_average_after"] = load_average()
     print(machine_line(report))
     if "step_time" in report:
-        print("\nStep time, plain K-FAC (lr 0.01, momentum 0.9, damping 1e-2) vs adaptive K-FAC (same run):\n")
+        print("\nStep time: plain K-FAC (lr 0.01, momentum 0.9, damping 1e-2), adaptive lr + momentum, and adaptive "
+              "with LM damping (interval 5; each damping change re-decomposes), interleaved in one run:\n")
         print(step_table(report["step_time"]))
     if "grid" in report:
         print(f"\nAdaptive K-FAC, batch {args.grid_batch}, intervals {args.intervals[0]}/{args.intervals[1]}, "
