@@ -7,10 +7,11 @@ split with seed 0, features standardized with the training set's mean and std), 
 1. **Step time**: one full training step (closure + update) of plain K-FAC
    (``SecondOrderOptimizer(approx="kfac")``, fixed lr/momentum), of adaptive lr + momentum, and
    of adaptive lr + momentum with LM ``adaptive_damping``, at each
-   ``--batch-sizes`` and curvature/inverse intervals 1/1 and 10/100, mean over a window of steps
-   (one full update cycle), repeated; min and median over the repeats and the ratio adaptive /
-   plain of each (all measured in the same run, interleaved, so the ratio is what to read on a
-   loaded machine).
+   ``--batch-sizes`` and curvature/inverse intervals 1/1 and 10/100: every step of ``--repeats``
+   cycles of one full update cycle (10 steps for 1/1, 100 for 10/100) is timed, each step's min
+   (median) over the cycles at its position in the cycle is taken and averaged over the cycle,
+   and the ratio adaptive / plain of each is reported (all variants interleaved in the same run,
+   so the ratio is what to read on a loaded machine).
 2. **Robustness grid**: adaptive K-FAC (lr and momentum solved, LM damping from the given start)
    over ``--dampings`` × ``--seeds`` at batch ``--grid-batch``: epochs to ``--target`` test
    accuracy (at most ``--max-epochs``), with the final accuracy and the last coefficients.
@@ -40,7 +41,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table,  # noqa: E402
-                               summarize, time_training_steps, write_json)
+                               write_json)
+from examples.common import make_closure  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
 logger = logging.getLogger("benchmarks.kfac_adaptive")
@@ -88,19 +90,36 @@ def time_steps(data: Dict[str, torch.Tensor], batch_sizes: Sequence[int], repeat
     for bs in batch_sizes:
         x, y = data["x_train"][:bs], data["y_train"][:bs]
         for iv in intervals:
-            window = max(iv[1], 20)
+            window = max(iv[1], 10)
             opts = {}
             for name, adaptive, lm in VARIANTS:
                 model = make_model(0)
                 opts[name] = (model, make_optimizer(model, adaptive, 1e-2, iv, seed=0, lm=lm))
-            times: Dict[str, List[float]] = {name: [] for name in opts}
-            for _ in range(repeats):  # interleaved: all see the same machine load
+            closures = {name: make_closure(opt, model, x, y) for name, (model, opt) in opts.items()}
+            for name, (model, opt) in opts.items():  # warm up: the first steps allocate and decompose
+                for _ in range(window):
+                    opt.step(closures[name])
+            # per-step times of `repeats` cycles of `window` steps (one full update cycle), interleaved;
+            # a step's estimate is its min (median) over the cycles at its position in the cycle, so a
+            # preempted step on the loaded machine does not count
+            per_step: Dict[str, List[List[float]]] = {name: [] for name in opts}
+            for _ in range(repeats):
                 for name, (model, opt) in opts.items():
-                    times[name] += time_training_steps(model, opt, x, y, window=window, repeats=1, warmup=2)
+                    cycle = []
+                    for _ in range(window):
+                        start = time.perf_counter()
+                        opt.step(closures[name])
+                        cycle.append(time.perf_counter() - start)
+                    per_step[name].append(cycle)
+            times: Dict[str, List[float]] = {}
+            for name, cycles in per_step.items():
+                mins = [min(c[i] for c in cycles) for i in range(window)]
+                meds = [statistics.median(c[i] for c in cycles) for i in range(window)]
+                times[name] = [sum(mins) / window, sum(meds) / window]
             row: Dict[str, Any] = {"batch": bs, "intervals": f"{iv[0]}/{iv[1]}"}
-            plain = summarize(times["kfac"])
+            plain = {"min_s": times["kfac"][0], "median_s": times["kfac"][1]}
             for name in opts:
-                row[name] = summarize(times[name])
+                row[name] = {"min_s": times[name][0], "median_s": times[name][1]}
                 if name != "kfac":
                     row[f"{name}_ratio_min"] = row[name]["min_s"] / plain["min_s"]
                     row[f"{name}_ratio_median"] = row[name]["median_s"] / plain["median_s"]
@@ -190,7 +209,7 @@ def step_table(rows: List[Dict[str, Any]]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[512, 128], help="batch sizes of the step timing")
-    ap.add_argument("--repeats", type=int, default=7, help="timed windows per optimizer (min/median over them)")
+    ap.add_argument("--repeats", type=int, default=9, help="timed update cycles per optimizer (min/median over them)")
     ap.add_argument("--dampings", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1], help="initial dampings of the grid")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the grid")
     ap.add_argument("--grid-batch", type=int, default=512, help="batch size of the grid")

@@ -275,3 +275,31 @@ def test_solve_quadratic_fixed_and_free():
         solve_quadratic(torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64), b, [None, None])
     with pytest.raises(ValueError, match="1 or 2 coefficients"):
         solve_quadratic(torch.eye(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), [None] * 3)
+
+
+def test_docs_adaptive_code_blocks_run(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from test_docs_code_blocks import python_blocks
+
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks(Path(__file__).resolve().parents[1] / "docs" / "adaptive.md")
+    assert blocks
+    namespace: dict = {"__name__": "docs_adaptive"}
+    for line, code, _ in blocks:
+        exec(compile(code, f"docs/adaptive.md:{line}", "exec"), namespace)
+    assert namespace["opt"].adaptive.last["steps"] == 10
+
+
+def test_benchmark_quick_grid_writes_its_table(tmp_path):
+    import json
+
+    from benchmarks import kfac_adaptive
+
+    out = tmp_path / "a.json"
+    report = kfac_adaptive.main(["--quick", "--no-timing", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert len(saved["grid"]) == 1 and saved["grid"][0]["damping"] == 0.01
+    assert "seeds reaching" in report["grid_table"]
+    run = saved["grid"][0]
+    assert run["epochs"] is None or run["final_accuracy"] >= 0.97

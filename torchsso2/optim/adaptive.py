@@ -39,6 +39,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
+from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import mean_nll
 from curvature.options import Kind, LossType
 
@@ -158,6 +159,10 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
     return 0.5 * (gram + gram.t())
 
 
+def _flat64(vs: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in vs]).double()
+
+
 def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]],
                    weights: Optional[Sequence[float]] = None) -> Tensor:
     """``[len(xs), len(ys)]`` float64 matrix of ``Σ_p weight_p x_{i,p}ᵀ y_{j,p}`` (weight 1 without ``weights``)."""
@@ -216,6 +221,7 @@ class AdaptiveCoefficients:
         self.learning_rate = learning_rate
         self.momentum = momentum
         self.recorder = InputRecorder()
+        self._names: Optional[Tuple[Tuple[int, ...], List[str]]] = None
         #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
         self.last: Dict[str, float] = {"learning_rate": float("nan"), "momentum": float("nan"),
                                        "quad_model": float("nan"), "steps": 0}
@@ -235,7 +241,10 @@ class AdaptiveCoefficients:
                      targets: Optional[Tensor]) -> Tuple[List[float], float]:
         """``([α, μ], M)`` for the directions ``deltas`` (Δ) and ``prev`` (δ_prev, None on the first
         step) with the gradient ``vecs`` (d)."""
-        names = param_names(opt.model, params)
+        key = tuple(map(id, params))
+        if self._names is None or self._names[0] != key:  # the parameters' names, kept while they are the same
+            self._names = (key, param_names(opt.model, params))
+        names = self._names[1]
         fixed: List[Optional[float]] = [None if self.learning_rate else -self._one([g["lr"] for g in groups], "lr")]
         dirs = [deltas]
         if prev is not None:
@@ -248,10 +257,11 @@ class AdaptiveCoefficients:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output)
         wds = [float(g["weight_decay"]) for g in groups]
-        a = gram + opt.damping * inner_products(dirs, dirs)
+        vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
+        a = gram + opt.damping * (vmat @ vmat.t())
         if any(wds):
             a = a + inner_products(dirs, dirs, wds)
-        b = inner_products(dirs, [vecs])[:, 0]
+        b = vmat @ _flat64(vecs)
         return solve_quadratic(a, b, fixed)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -296,7 +306,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
         return None
     with torch.no_grad():
         new = [d * alpha if prev is None else d * alpha + q * mu for d, q in zip(deltas, prev or deltas)]
-        if not all(bool(torch.isfinite(t).all()) for t in new):
+        if not owned_all_finite(new):
             return None
         for p, s, t in zip(params, states, new):
             p.add_(t.to(p.dtype))
