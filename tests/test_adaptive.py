@@ -118,6 +118,34 @@ def test_ggn_gram_is_jt_h_j_of_brute_force():
     torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
 
 
+def test_ggn_gram_reuses_the_dropout_mask_and_leaves_batchnorm_statistics_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 3)).double()
+    x, _ = _data()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    rec = InputRecorder()
+    with rec.record(model):
+        model(x)
+    stats = [b.clone() for b in model.buffers()]
+    dirs = [[torch.randn_like(p) for p in params] for _ in range(2)]
+    gram = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
+    for b, s in zip(model.buffers(), stats):
+        assert torch.equal(b, s)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    torch.set_rng_state(rec.calls[0][2])  # the dropout mask of the recorded forward
+    theta = param_vec(model)
+    jac = torch.autograd.functional.jacobian(
+        lambda v: torch.func.functional_call(model, {**_unflatten(model, v), **buffers}, (x,)), theta)
+    torch.set_rng_state(rec.calls[0][2])
+    out = torch.func.functional_call(model, {**dict(model.named_parameters()), **buffers}, (x,)).detach()
+    sq = sqrt_output_hessian(LossType.CROSS_ENTROPY, out)
+    h = torch.einsum("knc,knd->ncd", sq, sq)
+    ggn = torch.einsum("ncp,ncd,ndq->pq", jac, h, jac) / x.shape[0]
+    vs = torch.stack([flat(d) for d in dirs])
+    torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
+
+
 def test_output_hessian_inner_matches_its_square_root():
     out = torch.randn(7, 4, dtype=torch.float64)
     u, w = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
@@ -252,6 +280,11 @@ def test_bad_inputs_raise_clear_errors():
     opt.step(closure)  # the first step has no momentum direction
     with pytest.raises(ValueError, match="momentum.*one value"):
         opt.step(closure)
+    silent = SecondOrderOptimizer(model, use_adaptive_learning_rate=True)
+    silent.adaptive.recorder.calls = []
+    p0 = list(model.parameters())
+    with pytest.raises(RuntimeError, match="call the model"):
+        silent.adaptive.coefficients(silent, p0, [silent.param_groups[0]] * len(p0), p0, p0, None, None)
     with pytest.raises(ValueError, match="targets"):
         hessian_gram(_mlp(), [], [], [], [], LossType.CROSS_ENTROPY, lambda o: o, None)
     with pytest.raises(ValueError, match="positive definite"):

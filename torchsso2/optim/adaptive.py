@@ -245,6 +245,9 @@ class AdaptiveCoefficients:
         if self._names is None or self._names[0] != key:  # the parameters' names, kept while they are the same
             self._names = (key, param_names(opt.model, params))
         names = self._names[1]
+        if not self.recorder.calls:
+            raise RuntimeError("adaptive coefficients need the closure to call the model itself (its forward is "
+                               "recorded to run it again in forward mode); no call of the model was seen")
         fixed: List[Optional[float]] = [None if self.learning_rate else -self._one([g["lr"] for g in groups], "lr")]
         dirs = [deltas]
         if prev is not None:
