@@ -11,7 +11,9 @@ split with seed 0, features standardized with the training set's mean and std), 
    cycles of one full update cycle (10 steps for 1/1, 100 for 10/100) is timed, each step's min
    (median) over the cycles at its position in the cycle is taken and averaged over the cycle,
    and the ratio adaptive / plain of each is reported (all variants interleaved in the same run,
-   so the ratio is what to read on a loaded machine).
+   so the ratio is what to read on a loaded machine). Also the closure (forward + backward) and
+   the quadratic model's two forward-mode passes alone, as many short interleaved calls (on a
+   loaded machine a whole update cycle is often preempted; short calls less often).
 2. **Robustness grid**: adaptive K-FAC (lr and momentum solved, LM damping from the given start)
    over ``--dampings`` × ``--seeds`` at batch ``--grid-batch``: epochs to ``--target`` test
    accuracy (at most ``--max-epochs``), with the final accuracy and the last coefficients.
@@ -129,6 +131,55 @@ def time_steps(data: Dict[str, torch.Tensor], batch_sizes: Sequence[int], repeat
     return rows
 
 
+def time_components(data: Dict[str, torch.Tensor], batch_sizes: Sequence[int], repeats: int) -> List[Dict[str, Any]]:
+    """Min / median over ``repeats`` interleaved calls of the closure (forward + loss + backward) and
+    of the quadratic model's Gram matrix for two directions (two forward-mode passes,
+    :func:`torchsso2.optim.adaptive.ggn_gram`): short calls, so fewer of them are preempted on a
+    loaded machine than whole update cycles."""
+    from torchsso2.optim.adaptive import InputRecorder, ggn_gram
+
+    rows = []
+    for bs in batch_sizes:
+        x, y = data["x_train"][:bs], data["y_train"][:bs]
+        model = make_model(0)
+        opt = make_optimizer(model, True, 1e-2, (1, 1), seed=0)
+        closure = make_closure(opt, model, x, y)
+        params = list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+        rec = InputRecorder()
+        with rec.record(model):
+            closure()
+        gen = torch.Generator().manual_seed(0)
+        dirs = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(2)]
+        calls = {"closure": closure,
+                 "quad_model": lambda: ggn_gram(model, rec.calls, names, params, dirs, opt.engine.loss, lambda o: o)}
+        times: Dict[str, List[float]] = {k: [] for k in calls}
+        for _ in range(3):
+            for fn in calls.values():
+                fn()
+        for _ in range(repeats):
+            for k, fn in calls.items():
+                start = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - start)
+        row: Dict[str, Any] = {"batch": bs}
+        for k, ts in times.items():
+            row[k] = {"min_s": min(ts), "median_s": statistics.median(ts)}
+        row["ratio_min"] = row["quad_model"]["min_s"] / row["closure"]["min_s"]
+        rows.append(row)
+        logger.info("batch %d: closure %.3f ms, quadratic model %.3f ms", bs, 1e3 * row["closure"]["min_s"],
+                    1e3 * row["quad_model"]["min_s"])
+    return rows
+
+
+def component_table(rows: List[Dict[str, Any]]) -> str:
+    return markdown_table(["batch", "closure (fwd + bwd) ms, min / median", "quadratic model (2 JVPs) ms",
+                           "quadratic model / closure (min)"],
+                          [[r["batch"], f"{1e3 * r['closure']['min_s']:.3f} / {1e3 * r['closure']['median_s']:.3f}",
+                            f"{1e3 * r['quad_model']['min_s']:.3f} / {1e3 * r['quad_model']['median_s']:.3f}",
+                            fmt_ratio(r["ratio_min"])] for r in rows])
+
+
 # ---- part 2: robustness grid ------------------------------------------------------------------
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
@@ -209,7 +260,7 @@ def step_table(rows: List[Dict[str, Any]]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[512, 128], help="batch sizes of the step timing")
-    ap.add_argument("--repeats", type=int, default=9, help="timed update cycles per optimizer (min/median over them)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed update cycles per optimizer (min/median over them)")
     ap.add_argument("--dampings", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1], help="initial dampings of the grid")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the grid")
     ap.add_argument("--grid-batch", type=int, default=512, help="batch size of the grid")
@@ -233,6 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                                                     "load_average_before": load_average()}}
     if not args.no_timing:
         report["step_time"] = time_steps(data, args.batch_sizes, args.repeats, [(1, 1), (10, 100)])
+        report["components"] = time_components(data, args.batch_sizes, 10 * args.repeats)
     if not args.no_grid:
         report["grid"] = grid(data, args.dampings, args.seeds, args.grid_batch, args.target, args.max_epochs,
                               args.intervals)
@@ -242,6 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print("\nStep time: plain K-FAC (lr 0.01, momentum 0.9, damping 1e-2), adaptive lr + momentum, and adaptive "
               "with LM damping (interval 5; each damping change re-decomposes), interleaved in one run:\n")
         print(step_table(report["step_time"]))
+        print("\nThe quadratic model's extra work alone vs the closure, short calls interleaved:\n")
+        print(component_table(report["components"]))
     if "grid" in report:
         print(f"\nAdaptive K-FAC, batch {args.grid_batch}, intervals {args.intervals[0]}/{args.intervals[1]}, "
               f"epochs to {args.target:.0%} test accuracy (at most {args.max_epochs}):\n")

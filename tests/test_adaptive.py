@@ -250,9 +250,9 @@ def test_checkpoint_of_the_adaptive_state_resumes_bit_exactly():
 
 def test_adaptive_trains_an_mlp_with_every_shape():
     x, y = _data()
-    for approx in ("kfac", "diag", "full"):
+    for approx, method in (("kfac", "eigen"), ("kfac", "inverse"), ("diag", "eigen"), ("full", "eigen")):
         model = nn.Sequential(*_mlp()).float()
-        opt = SecondOrderOptimizer(model, approx=approx, damping=0.1, adaptive_damping=True,
+        opt = SecondOrderOptimizer(model, approx=approx, kfac_method=method, damping=0.1, adaptive_damping=True,
                                    use_adaptive_learning_rate=True, use_adaptive_momentum=True)
         with torch.no_grad():
             first = float(nll("cross_entropy", model(x.float()), y))
