@@ -15,7 +15,7 @@ split with seed 0, features standardized with the training set's mean and std), 
    the quadratic model's two forward-mode passes alone, as many short interleaved calls (on a
    loaded machine a whole update cycle is often preempted; short calls less often).
 2. **Robustness grid**: adaptive K-FAC (lr and momentum solved, LM damping from the given start)
-   over ``--dampings`` × ``--seeds`` at batch ``--grid-batch``: epochs to ``--target`` test
+   over ``--damping-decays`` × ``--dampings`` × ``--seeds`` at batch ``--grid-batch``: epochs to ``--target`` test
    accuracy (at most ``--max-epochs``), with the final accuracy and the last coefficients.
 
 Examples::
@@ -75,13 +75,15 @@ def make_model(seed: int) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, adaptive: bool, damping: float, intervals: Sequence[int], seed: int,
-                   lr: float = 0.01, momentum: float = 0.9, lm: bool = True) -> SecondOrderOptimizer:
+                   lr: float = 0.01, momentum: float = 0.9, lm: bool = True,
+                   damping_decay: float = 0.95) -> SecondOrderOptimizer:
     """Plain K-FAC (``lr``, ``momentum``, fixed ``damping``) or adaptive K-FAC (lr and momentum
     solved; with ``lm`` LM damping starting at ``damping``)."""
     kw: Dict[str, Any] = dict(approx="kfac", damping=damping, curv_update_interval=intervals[0],
                               inv_update_interval=intervals[1], seed=seed)
     if adaptive:
-        kw.update(use_adaptive_learning_rate=True, use_adaptive_momentum=True, adaptive_damping=lm)
+        kw.update(use_adaptive_learning_rate=True, use_adaptive_momentum=True, adaptive_damping=lm,
+                  damping_adaptation_decay=damping_decay)
     return SecondOrderOptimizer(model, lr=lr, momentum=momentum, **kw)
 
 
@@ -187,10 +189,10 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def epochs_to_target(data: Dict[str, torch.Tensor], damping: float, seed: int, batch: int, target: float,
-                     max_epochs: int, intervals: Sequence[int]) -> Dict[str, Any]:
+                     max_epochs: int, intervals: Sequence[int], damping_decay: float = 0.95) -> Dict[str, Any]:
     """Train adaptive K-FAC until the test accuracy reaches ``target`` (checked after every epoch)."""
     model = make_model(seed)
-    opt = make_optimizer(model, True, damping, intervals, seed=seed)
+    opt = make_optimizer(model, True, damping, intervals, seed=seed, damping_decay=damping_decay)
     gen = torch.Generator().manual_seed(seed)
     n = data["x_train"].shape[0]
     loss_fn = nn.CrossEntropyLoss()
@@ -213,34 +215,35 @@ def epochs_to_target(data: Dict[str, torch.Tensor], damping: float, seed: int, b
         if acc >= target:
             reached = epoch
             break
-    return {"damping": damping, "seed": seed, "epochs": reached, "final_accuracy": acc, "wall_s": wall,
+    return {"damping": damping, "damping_decay": damping_decay, "seed": seed, "epochs": reached, "final_accuracy": acc, "wall_s": wall,
             "final_damping": opt.damping, "last": dict(opt.adaptive.last), "num_skipped": opt.num_skipped}
 
 
 def grid(data: Dict[str, torch.Tensor], dampings: Sequence[float], seeds: Sequence[int], batch: int, target: float,
-         max_epochs: int, intervals: Sequence[int]) -> List[Dict[str, Any]]:
+         max_epochs: int, intervals: Sequence[int], decays: Sequence[float] = (0.95,)) -> List[Dict[str, Any]]:
     runs = []
-    for damping in dampings:
-        for seed in seeds:
-            runs.append(epochs_to_target(data, damping, seed, batch, target, max_epochs, intervals))
-            logger.info("damping %g seed %d: epochs %s, accuracy %.3f", damping, seed, runs[-1]["epochs"],
-                        runs[-1]["final_accuracy"])
+    for decay in decays:
+        for damping in dampings:
+            for seed in seeds:
+                runs.append(epochs_to_target(data, damping, seed, batch, target, max_epochs, intervals, decay))
+                logger.info("decay %g damping %g seed %d: epochs %s, accuracy %.3f", decay, damping, seed,
+                            runs[-1]["epochs"], runs[-1]["final_accuracy"])
     return runs
 
 
 def grid_table(runs: List[Dict[str, Any]], target: float) -> str:
     rows = []
-    for damping in sorted({r["damping"] for r in runs}):
-        mine = [r for r in runs if r["damping"] == damping]
+    for decay, damping in sorted({(r["damping_decay"], r["damping"]) for r in runs}, key=lambda k: (-k[0], k[1])):
+        mine = [r for r in runs if r["damping"] == damping and r["damping_decay"] == decay]
         eps = [r["epochs"] for r in mine]
         got = [e for e in eps if e is not None]
         med = statistics.median(e if e is not None else float("inf") for e in eps)
-        rows.append([f"{damping:g}", f"{len(got)}/{len(eps)}", " ".join(str(e) if e else "-" for e in eps),
+        rows.append([f"{decay:.3g}", f"{damping:g}", f"{len(got)}/{len(eps)}", " ".join(str(e) if e else "-" for e in eps),
                      "-" if med == float("inf") else f"{med:g}",
                      " ".join(f"{r['final_accuracy']:.3f}" for r in mine),
                      f"{statistics.median(r['wall_s'] for r in mine):.2f}",
                      " ".join(f"{r['final_damping']:.2g}" for r in mine)])
-    return markdown_table(["initial damping", f"seeds reaching {target:.0%}", "epochs per seed", "median epochs",
+    return markdown_table(["damping decay ω", "initial damping", f"seeds reaching {target:.0%}", "epochs per seed", "median epochs",
                            "final test accuracy", "median wall s", "final damping"], rows)
 
 
@@ -262,6 +265,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[512, 128], help="batch sizes of the step timing")
     ap.add_argument("--repeats", type=int, default=15, help="timed update cycles per optimizer (min/median over them)")
     ap.add_argument("--dampings", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1], help="initial dampings of the grid")
+    ap.add_argument("--damping-decays", type=float, nargs="+", default=[0.95, round(0.95 ** 5, 4)],
+                    help="damping_adaptation_decay values of the grid: the library default 0.95 per LM adjustment, "
+                         "and 0.95**5 (kfac-jax's per-adjustment factor with interval 5)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the grid")
     ap.add_argument("--grid-batch", type=int, default=512, help="batch size of the grid")
     ap.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
@@ -278,6 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     torch.set_num_threads(args.threads)
     if args.quick:
         args.batch_sizes, args.repeats, args.dampings, args.seeds, args.max_epochs = [128], 2, [1e-2], [0], 2
+        args.damping_decays = [0.95]
     data = load_data()
     report: Dict[str, Any] = {"machine": machine_info(), "config": {**{k: (str(v) if isinstance(v, Path) else v)
                                                                        for k, v in vars(args).items()},
@@ -287,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         report["components"] = time_components(data, args.batch_sizes, 10 * args.repeats)
     if not args.no_grid:
         report["grid"] = grid(data, args.dampings, args.seeds, args.grid_batch, args.target, args.max_epochs,
-                              args.intervals)
+                              args.intervals, args.damping_decays)
     report["config"]["load_average_after"] = load_average()
     print(machine_line(report))
     if "step_time" in report:
