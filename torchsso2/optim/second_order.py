@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from curvature.blocks.base import owned_all_finite
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
+from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
 from .base import Closure, CurvatureOptimizer
 from .damping import LMDamping
 from .legacy import check_not_pytorch_sso_call
@@ -122,6 +123,16 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         output_selector: for a model whose forward returns a tuple, dict or output object: a
             callable giving the tensor the loss is computed from (``lambda out: out[0]``,
             ``lambda out: out["logits"]``); the curvature is taken there. Default: the output.
+        use_adaptive_learning_rate, use_adaptive_momentum: kfac-jax's adaptive mode
+            (:mod:`torchsso2.optim.adaptive`, ``docs/adaptive.md``): the update is
+            ``θ ← θ − a·Δ + μ·δ_prev`` (``Δ = (C + λI)⁻¹ d``, ``δ_prev`` the previous update) with
+            ``a`` and/or ``μ`` minimising the damped quadratic model of the loss on the batch,
+            exact GGN (the Hessian for ``curvature="hessian"``) through one JVP per direction.
+            An adapted coefficient ignores the group's ``lr`` / ``momentum``; one not adapted is
+            fixed to it. Costs about two extra forward passes per step; combine with
+            ``adaptive_damping=True`` (then fed the quadratic model's predicted change) for a
+            run with neither lr nor damping to tune. The default KL clip is off in this mode; an explicit
+            ``kl_clip`` is refused, and so are several processes.
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -147,7 +158,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  low_rank_solve: bool = True, output_selector: Any = None,
-                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+                 use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
         check_number("lr", lr, low=0.0, high=MAX_LR)
         if not isinstance(low_rank_solve, bool):
@@ -155,6 +167,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
         self.damping = check_number("damping", damping, low=0.0)
+        if (use_adaptive_learning_rate is True or use_adaptive_momentum is True) and kl_clip is DEFAULT_KL_CLIP:
+            kl_clip = None  # adaptive mode takes its step length from the quadratic model: no default clip
         self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
         if not isinstance(adaptive_damping, bool):
             raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
@@ -177,6 +191,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                          grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
                          output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
         self.kfac_method = kfac_method
+        self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
         self.low_rank: Optional[LowRankSolver] = None
@@ -191,7 +206,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
-        with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext():
+        with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
+                self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
             loss, output, fresh = self._run_closure(closure, targets, estimate)
         if not self._unscale_grads():
             self.num_steps += 1
@@ -216,11 +232,17 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self.num_steps += 1
                 return loss, output
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
-        if not self._apply_update(params, groups):
+        predicted = None
+        if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
+            predicted = adaptive_step(self, params, groups, targets)
+            applied = predicted is not None
+        else:
+            applied = self._apply_update(params, groups)
+        if not applied:
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if old is not None:
-            self._adapt_damping(closure, loss, params, grads, old)
+            self._adapt_damping(closure, loss, params, grads, old, predicted)
         self._step_taken()
         self.num_steps += 1
         return loss, output
@@ -262,21 +284,24 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         return self.lm is not None and (self.num_steps + 1) % self.damping_adaptation_interval == 0
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
-                       grads: List[Tensor], old: List[Tensor]) -> None:
+                       grads: List[Tensor], old: List[Tensor], predicted: Optional[float] = None) -> None:
+        """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
+        change when the caller has it (adaptive mode: exact curvature), else from ``C + λI``."""
         assert self.lm is not None
         with torch.no_grad():
-            deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
-            g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
-            quad = 0.0
-            for blk in self.running.blocks.values():
-                ps = blk.layout.params
-                if not all(id(q) in deltas for q in ps):
-                    continue
-                cv = blk.mvp([deltas[id(q)] for q in ps])
-                quad += sum(float((c * deltas[id(q)]).sum()) for c, q in zip(cv, ps))
-            lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
-            sq = sum(float(d.pow(2).sum()) for d in deltas.values())
-            predicted = lin + 0.5 * (quad + self.damping * sq)
+            if predicted is None:  # the change predicted by C + λI
+                deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
+                g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
+                quad = 0.0
+                for blk in self.running.blocks.values():
+                    ps = blk.layout.params
+                    if not all(id(q) in deltas for q in ps):
+                        continue
+                    cv = blk.mvp([deltas[id(q)] for q in ps])
+                    quad += sum(float((c * deltas[id(q)]).sum()) for c, q in zip(cv, ps))
+                lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
+                sq = sum(float(d.pow(2).sum()) for d in deltas.values())
+                predicted = lin + 0.5 * (quad + self.damping * sq)
         with torch.enable_grad():
             new_loss, _ = closure()
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
@@ -287,7 +312,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     face_name = "SecondOrderOptimizer"
 
     def _extra_state(self) -> Dict[str, Any]:
-        return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy()}
+        return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy(),
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         damping = state.get("damping")
@@ -312,3 +338,20 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if self.lm is not None and state.get("lm") is not None:
             for k, v in state["lm"].items():
                 setattr(self.lm, k, v)
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
+
+    def _make_adaptive(self, learning_rate: Any, momentum: Any) -> Optional[AdaptiveCoefficients]:
+        """Validate the adaptive-mode flags; the :class:`AdaptiveCoefficients` or None."""
+        for name, flag in (("use_adaptive_learning_rate", learning_rate), ("use_adaptive_momentum", momentum)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if not (learning_rate or momentum):
+            return None
+        if self.kl_clip is not None:
+            raise ValueError(f"kl_clip={self.kl_clip} cannot be combined with use_adaptive_learning_rate/"
+                             "use_adaptive_momentum: the step length comes from the quadratic model; pass kl_clip=None")
+        if self.comm.world_size > 1:
+            raise NotImplementedError("adaptive learning rate/momentum with several processes is not implemented")
+        param_names(self.model, [p for g in self.param_groups for p in g["params"]])
+        return AdaptiveCoefficients(learning_rate, momentum)

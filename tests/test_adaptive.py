@@ -1,0 +1,338 @@
+"""Adaptive learning rate / momentum of SecondOrderOptimizer (torchsso2/optim/adaptive.py), against brute force.
+
+On a linear model with the mse loss the loss is quadratic and its Hessian is the GGN, exactly;
+with ``curvature="fisher"`` and ``ema_decay=0`` K-FAC and full blocks equal it and the diag block
+is its diagonal. So the preconditioned direction ``Δ``, the previous update and the damped
+quadratic model ``φ(α, μ) = L(θ + αΔ + μδ) + ½wd‖θ + …‖² + ½λ‖αΔ + μδ‖²`` can all be computed with
+plain autograd in float64, and its minimiser compared with the step the optimizer took.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from curvature.likelihoods import sqrt_output_hessian
+from curvature.options import LossType
+from torchsso2.optim import SecondOrderOptimizer
+from torchsso2.optim.adaptive import InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic
+
+from optim_helpers import flat, make_closure, nll, param_vec
+
+
+def _unflatten(model: nn.Module, vec: torch.Tensor) -> dict:
+    out, i = {}, 0
+    for n, p in model.named_parameters():
+        out[n] = vec[i:i + p.numel()].view_as(p)
+        i += p.numel()
+    return out
+
+
+def _loss_at(model: nn.Module, vec: torch.Tensor, x: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
+    return nll(loss, torch.func.functional_call(model, _unflatten(model, vec), (x,)), y)
+
+
+def _linear_problem(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    torch.manual_seed(seed)
+    model = nn.Linear(5, 3).double()
+    return model, x, y
+
+
+@pytest.mark.parametrize("approx", ["kfac", "diag", "full"])
+@pytest.mark.parametrize("mode", ["both", "lr", "momentum"])
+def test_adaptive_step_is_the_exact_minimiser_of_the_damped_quadratic_model(approx, mode):
+    model, x, y = _linear_problem()
+    lam, wd = 0.05, 0.01
+    opt = SecondOrderOptimizer(model, lr=0.3, momentum=0.4, weight_decay=wd, curvature="fisher", approx=approx,
+                               loss="mse", damping=lam, ema_decay=0.0,
+                               use_adaptive_learning_rate=mode in ("both", "lr"),
+                               use_adaptive_momentum=mode in ("both", "momentum"))
+    closure = make_closure(opt, model, x, y, "mse")
+    f = lambda v: _loss_at(model, v, x, y, "mse")  # noqa: E731
+    prev = None
+    for step in range(3):
+        theta = param_vec(model).clone()
+        d = torch.autograd.functional.jacobian(f, theta) + wd * theta
+        hess = torch.autograd.functional.hessian(f, theta)
+        curv = hess if approx != "diag" else torch.diag(torch.diagonal(hess))
+        delta = torch.linalg.solve(curv + lam * torch.eye(len(theta), dtype=torch.float64), d)
+
+        def phi(w: torch.Tensor) -> torch.Tensor:
+            v = w[0] * delta + (w[1] * prev if prev is not None else 0.0)
+            t = theta + v
+            return f(t) + 0.5 * wd * t.pow(2).sum() + 0.5 * lam * v.pow(2).sum()
+
+        zero = torch.zeros(2, dtype=torch.float64)
+        grad = torch.autograd.functional.jacobian(phi, zero)
+        h2 = torch.autograd.functional.hessian(phi, zero)
+        # the coefficients the optimizer may choose: lr/momentum fixed unless adapted; no momentum at the first step
+        free = [mode in ("both", "lr"), prev is not None and mode in ("both", "momentum")]
+        w = torch.tensor([-0.3, 0.4 if prev is not None else 0.0], dtype=torch.float64)
+        idx = [i for i in range(2) if free[i]]
+        fx = [i for i in range(2) if not free[i]]
+        w[idx] = -torch.linalg.solve(h2[idx][:, idx], grad[idx] + h2[idx][:, fx] @ w[fx])
+        opt.step(closure)
+        new = param_vec(model)
+        expected = theta + w[0] * delta + (w[1] * prev if prev is not None else 0.0)
+        torch.testing.assert_close(new, expected, rtol=0, atol=1e-10)
+        assert abs(opt.adaptive.last["learning_rate"] + float(w[0])) < 1e-10
+        assert abs(opt.adaptive.last["momentum"] - float(w[1])) < 1e-10
+        assert abs(opt.adaptive.last["quad_model"] - float(phi(w) - phi(zero))) < 1e-10
+        prev = new - theta
+
+
+def _mlp(seed: int = 0, act: type = nn.Tanh) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), act(), nn.Linear(6, 3)).double()
+
+
+def _data(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
+
+
+def test_ggn_gram_is_jt_h_j_of_brute_force():
+    model, (x, y) = _mlp(), _data()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    rec = InputRecorder()
+    with rec.record(model):
+        model(x)
+    g = torch.Generator().manual_seed(3)
+    dirs = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params] for _ in range(2)]
+    gram = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
+    theta = param_vec(model)
+    jac = torch.autograd.functional.jacobian(
+        lambda v: torch.func.functional_call(model, _unflatten(model, v), (x,)), theta)  # [N, C, P]
+    out = model(x).detach()
+    sq = sqrt_output_hessian(LossType.CROSS_ENTROPY, out)  # [K, N, C]
+    h = torch.einsum("knc,knd->ncd", sq, sq)
+    ggn = torch.einsum("ncp,ncd,ndq->pq", jac, h, jac) / x.shape[0]
+    vs = torch.stack([flat(d) for d in dirs])
+    torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_ggn_gram_reuses_the_dropout_mask_and_leaves_batchnorm_statistics_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 3)).double()
+    x, _ = _data()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    rec = InputRecorder()
+    with rec.record(model):
+        model(x)
+    stats = [b.clone() for b in model.buffers()]
+    dirs = [[torch.randn_like(p) for p in params] for _ in range(2)]
+    gram = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
+    for b, s in zip(model.buffers(), stats):
+        assert torch.equal(b, s)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    torch.set_rng_state(rec.calls[0][2])  # the dropout mask of the recorded forward
+    theta = param_vec(model)
+    jac = torch.autograd.functional.jacobian(
+        lambda v: torch.func.functional_call(model, {**_unflatten(model, v), **buffers}, (x,)), theta)
+    torch.set_rng_state(rec.calls[0][2])
+    out = torch.func.functional_call(model, {**dict(model.named_parameters()), **buffers}, (x,)).detach()
+    sq = sqrt_output_hessian(LossType.CROSS_ENTROPY, out)
+    h = torch.einsum("knc,knd->ncd", sq, sq)
+    ggn = torch.einsum("ncp,ncd,ndq->pq", jac, h, jac) / x.shape[0]
+    vs = torch.stack([flat(d) for d in dirs])
+    torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_output_hessian_inner_matches_its_square_root():
+    out = torch.randn(7, 4, dtype=torch.float64)
+    u, w = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    for loss in (LossType.CROSS_ENTROPY, LossType.MSE):
+        sq = sqrt_output_hessian(loss, out)
+        expected = (torch.einsum("knc,nc->kn", sq, u) * torch.einsum("knc,nc->kn", sq, w)).sum()
+        torch.testing.assert_close(output_hessian_inner(loss, out, u, w), expected)
+
+
+def test_hessian_gram_is_the_hessian_of_brute_force():
+    model, (x, y) = _mlp(), _data()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    rec = InputRecorder()
+    with rec.record(model):
+        model(x)
+    g = torch.Generator().manual_seed(4)
+    dirs = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params] for _ in range(2)]
+    gram = hessian_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o, y)
+    hess = torch.autograd.functional.hessian(lambda v: _loss_at(model, v, x, y, "cross_entropy"), param_vec(model))
+    vs = torch.stack([flat(d) for d in dirs])
+    torch.testing.assert_close(gram, vs @ hess @ vs.t(), rtol=1e-10, atol=1e-12)
+
+
+def test_hessian_curvature_step_solves_the_hessian_model():
+    model, (x, y) = _mlp(act=nn.Tanh), _data()
+    lam = 0.5
+    opt = SecondOrderOptimizer(model, curvature="hessian", approx="full", loss="cross_entropy", damping=lam,
+                               ema_decay=0.0, use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    closure = make_closure(opt, model, x, y)
+    f = lambda v: _loss_at(model, v, x, y, "cross_entropy")  # noqa: E731
+    opt.step(closure, targets=y)
+    theta = param_vec(model).clone()
+    hess = torch.autograd.functional.hessian(f, theta)
+    d = torch.autograd.functional.jacobian(f, theta)
+    # approx="full" is one block per layer: the block diagonal of the Hessian preconditions
+    n0 = sum(p.numel() for p in model[0].parameters())
+    blockdiag = torch.zeros_like(hess)
+    blockdiag[:n0, :n0], blockdiag[n0:, n0:] = hess[:n0, :n0], hess[n0:, n0:]
+    delta = torch.linalg.solve(blockdiag + lam * torch.eye(len(theta), dtype=torch.float64), d)
+    prev = flat([opt.state[p]["adaptive_delta"] for p in model.parameters()])
+    v = torch.stack([delta, prev], 1)
+    a = v.t() @ (hess + lam * torch.eye(len(theta), dtype=torch.float64)) @ v
+    w = -torch.linalg.solve(a, v.t() @ d)
+    opt.step(closure, targets=y)
+    torch.testing.assert_close(param_vec(model), theta + v @ w, rtol=0, atol=1e-10)
+
+
+def test_lm_damping_is_fed_the_quadratic_model_value():
+    model = _mlp(act=nn.ReLU)
+    model = nn.Sequential(*model).float()
+    x, y = _data()
+    x = x.float()
+    opt = SecondOrderOptimizer(model, curvature="fisher", approx="kfac", damping=1.0, adaptive_damping=True,
+                               damping_adaptation_interval=1, damping_adaptation_decay=0.5,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    closure = make_closure(opt, model, x, y)
+    moves = set()
+    for _ in range(12):
+        with torch.no_grad():
+            before, lam = float(nll("cross_entropy", model(x), y)), opt.damping
+        opt.step(closure)
+        with torch.no_grad():
+            after = float(nll("cross_entropy", model(x), y))
+        rho = (after - before) / opt.adaptive.last["quad_model"]
+        expected = lam * 0.5 if rho > 0.75 else (lam / 0.5 if rho < 0.25 else lam)
+        assert opt.lm.last_rho == pytest.approx(rho, rel=1e-4, abs=1e-6)
+        assert opt.damping == pytest.approx(expected, rel=1e-12)
+        moves.add((opt.damping > lam) - (opt.damping < lam))
+    assert -1 in moves  # the rule did act (it shrinks the damping while the model predicts well)
+
+
+def _train(opt, model, x, y, steps):
+    closure = make_closure(opt, model, x, y)
+    for _ in range(steps):
+        opt.step(closure)
+
+
+def test_checkpoint_of_the_adaptive_state_resumes_bit_exactly():
+    x, y = _data()
+    x = x.float()
+    model = nn.Sequential(*_mlp()).float()
+    kw = dict(curvature="fisher_mc", approx="kfac", damping=0.1, adaptive_damping=True, damping_adaptation_interval=2,
+              use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=5)
+    opt = SecondOrderOptimizer(model, **kw)
+    _train(opt, model, x, y, 3)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    assert "adaptive_delta" in next(iter(saved_opt["state"].values()))
+    _train(opt, model, x, y, 4)
+    clone = nn.Sequential(*_mlp(seed=9)).float()
+    clone.load_state_dict(saved_model)
+    other = SecondOrderOptimizer(clone, **kw)
+    other.load_state_dict(saved_opt)
+    assert other.adaptive.last == {k: v for k, v in saved_opt["torchsso2"]["extra"]["adaptive"].items()}
+    _train(other, clone, x, y, 4)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(p, q)
+    assert other.damping == opt.damping and other.adaptive.last == opt.adaptive.last
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(opt.state[p]["adaptive_delta"], other.state[q]["adaptive_delta"])
+
+
+def test_adaptive_trains_an_mlp_with_every_shape():
+    x, y = _data()
+    for approx, method in (("kfac", "eigen"), ("kfac", "inverse"), ("diag", "eigen"), ("full", "eigen")):
+        model = nn.Sequential(*_mlp()).float()
+        opt = SecondOrderOptimizer(model, approx=approx, kfac_method=method, damping=0.1, adaptive_damping=True,
+                                   use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+        with torch.no_grad():
+            first = float(nll("cross_entropy", model(x.float()), y))
+        _train(opt, model, x.float(), y, 15)
+        with torch.no_grad():
+            last = float(nll("cross_entropy", model(x.float()), y))
+        assert last < 0.5 * first, approx
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = nn.Sequential(*_mlp()).float()
+    with pytest.raises(TypeError, match="use_adaptive_learning_rate must be a bool"):
+        SecondOrderOptimizer(model, use_adaptive_learning_rate="yes")
+    with pytest.raises(TypeError, match="use_adaptive_momentum must be a bool"):
+        SecondOrderOptimizer(model, use_adaptive_momentum=1)
+    with pytest.raises(ValueError, match="kl_clip"):
+        SecondOrderOptimizer(model, kl_clip=0.01, use_adaptive_learning_rate=True)
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="not"):
+        SecondOrderOptimizer(model, params=list(model.parameters()) + [stray], use_adaptive_learning_rate=True)
+    x, y = _data()
+    groups = [{"params": model[0].parameters(), "momentum": 0.9}, {"params": model[2].parameters(), "momentum": 0.5}]
+    opt = SecondOrderOptimizer(model, params=groups, use_adaptive_learning_rate=True)
+    closure = make_closure(opt, model, x.float(), y)
+    opt.step(closure)  # the first step has no momentum direction
+    with pytest.raises(ValueError, match="momentum.*one value"):
+        opt.step(closure)
+    silent = SecondOrderOptimizer(model, use_adaptive_learning_rate=True)
+    silent.adaptive.recorder.calls = []
+    p0 = list(model.parameters())
+    with pytest.raises(RuntimeError, match="call the model"):
+        silent.adaptive.coefficients(silent, p0, [silent.param_groups[0]] * len(p0), p0, p0, None, None)
+    with pytest.raises(ValueError, match="targets"):
+        hessian_gram(_mlp(), [], [], [], [], LossType.CROSS_ENTROPY, lambda o: o, None)
+    with pytest.raises(ValueError, match="positive definite"):
+        solve_quadratic(torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), [None])
+
+
+def test_solve_quadratic_fixed_and_free():
+    a = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    b = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    w, val = solve_quadratic(a, b, [None, None])
+    torch.testing.assert_close(torch.tensor(w, dtype=torch.float64), -torch.linalg.solve(a, b))
+    wt = torch.tensor(w, dtype=torch.float64)
+    assert abs(val - float(0.5 * wt @ a @ wt + b @ wt)) < 1e-15
+    w, val = solve_quadratic(a, b, [None, 0.3])
+    assert w[1] == 0.3 and abs(w[0] - (-(1.0 + 0.5 * 0.3) / 2.0)) < 1e-15
+    w, val = solve_quadratic(a, b, [0.2, None])
+    assert w[0] == 0.2 and abs(w[1] - (-(-1.0 + 0.5 * 0.2) / 1.0)) < 1e-15
+    w, val = solve_quadratic(a[:1, :1], b[:1], [None])
+    assert abs(w[0] + 0.5) < 1e-15 and abs(val + 0.25) < 1e-15
+    with pytest.raises(ValueError, match="positive definite"):  # indefinite 2×2 (det < 0)
+        solve_quadratic(torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64), b, [None, None])
+    with pytest.raises(ValueError, match="1 or 2 coefficients"):
+        solve_quadratic(torch.eye(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), [None] * 3)
+
+
+def test_docs_adaptive_code_blocks_run(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from test_docs_code_blocks import python_blocks
+
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks(Path(__file__).resolve().parents[1] / "docs" / "adaptive.md")
+    assert blocks
+    namespace: dict = {"__name__": "docs_adaptive"}
+    for line, code, _ in blocks:
+        exec(compile(code, f"docs/adaptive.md:{line}", "exec"), namespace)
+    assert namespace["opt"].adaptive.last["steps"] == 10
+
+
+def test_benchmark_quick_grid_writes_its_table(tmp_path):
+    import json
+
+    from benchmarks import kfac_adaptive
+
+    out = tmp_path / "a.json"
+    report = kfac_adaptive.main(["--quick", "--no-timing", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert len(saved["grid"]) == 1 and saved["grid"][0]["damping"] == 0.01
+    assert "seeds reaching" in report["grid_table"]
+    run = saved["grid"][0]
+    assert run["epochs"] is None or run["final_accuracy"] >= 0.97

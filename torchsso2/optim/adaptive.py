@@ -1,0 +1,319 @@
+"""Adaptive learning rate and momentum from the damped quadratic model (Martens & Grosse 2015 §7; kfac-jax).
+
+Given the preconditioned direction ``Δ = (C + λI)⁻¹ d`` (``d = g + weight_decay·θ``) and the
+previous update ``δ_prev``, the update is ``v = αΔ + μ·δ_prev`` with the coefficients that
+minimise the damped quadratic model of the objective along those directions::
+
+    M(w) = ½ wᵀ A w + bᵀ w,   w = (α, μ)
+    A_ij = v_iᵀ (G + λI + W) v_j,   b_i = v_iᵀ d,   (v_1, v_2) = (Δ, δ_prev)
+
+``G`` is the exact curvature of the mean loss on the current batch: the GGN
+``(1/N) Σ_n J_nᵀ H_n J_n`` (equal to the Fisher for the supported likelihoods) for every Fisher
+kind, the Hessian for ``curvature="hessian"``; ``W`` is the weight decay (per parameter group).
+``vᵢᵀ G vⱼ`` is computed as kfac-jax does, without forming ``G``: one forward-mode JVP of the
+model output per direction (``torch.autograd.forward_ad`` dual numbers through
+``torch.func.functional_call``) gives ``J vᵢ`` ([N, *out]); then
+``(1/N) Σ_n (J vᵢ)_nᵀ H_n (J vⱼ)_n`` with the likelihood's output Hessian (categorical
+``H = diag(p) − ppᵀ``, Gaussian ``H = I``).
+For the Hessian: one Hessian-vector product (double backward) per direction.
+
+``w = −A⁻¹ b`` (free coefficients only: a fixed one enters ``b``); on the first step (no
+``δ_prev``) only ``α``. ``α`` comes out negative (``Δ`` is an ascent direction): the step
+``θ ← θ + αΔ + μ·δ_prev`` is a descent with learning rate ``−α``. ``M(w)`` at the solution is
+the predicted change of the loss that the Levenberg–Marquardt damping rule
+(:class:`torchsso2.optim.damping.LMDamping`) compares with the actual change.
+
+The model inputs of the closure's forward are recorded (a forward pre-hook, see
+:class:`InputRecorder`) and the model is run again in forward mode with
+``torch.func.functional_call``, with copies of its buffers (BatchNorm running statistics are not
+updated twice) and, on CPU, the global RNG state of the original forward (the same dropout mask).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor, nn
+
+from curvature.blocks.base import owned_all_finite
+from curvature.likelihoods import mean_nll
+from curvature.options import Kind, LossType
+
+logger = logging.getLogger(__name__)
+
+#: a recorded forward call: (positional args, keyword args, CPU RNG state before the forward)
+Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]
+
+
+class InputRecorder:
+    """Records the inputs of every forward of ``model`` while active (a forward pre-hook)."""
+
+    def __init__(self) -> None:
+        self.calls: List[Call] = []
+
+    @contextlib.contextmanager
+    def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
+        self.calls = []
+
+        def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            self.calls.append((args, dict(kwargs), torch.get_rng_state()))
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
+def output_hessian_inner(loss: LossType, outputs: Tensor, u: Tensor, w: Tensor) -> Tensor:
+    """``Σ_n u_nᵀ H_n w_n`` (a 0-dim tensor, summed over the batch) with ``H_n = ∂²ℓ_n/∂f_n²`` at
+    ``outputs`` ([N, C] logits for cross_entropy, [N, ...] for mse); ``u, w`` of the outputs' shape."""
+    if loss is LossType.CROSS_ENTROPY:
+        p = torch.softmax(outputs.detach(), dim=1)
+        return (p * u * w).sum() - ((p * u).sum(1) * (p * w).sum(1)).sum()
+    return (u * w).sum()
+
+
+def _functional(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call
+                ) -> Callable[..., Tensor]:
+    """``f(*params) -> selected output`` of ``model`` on a recorded call; buffers are copies."""
+    args, kwargs, _ = call
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+
+    def f(*ps: Tensor) -> Tensor:
+        return select(torch.func.functional_call(model, ({**dict(zip(names, ps)), **buffers}), args, kwargs))
+    return f
+
+
+@contextlib.contextmanager
+def _rng_of(call: Call) -> Iterator[None]:
+    """Run with the CPU RNG state the recorded forward saw (restored afterwards)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(call[2])
+        yield
+
+
+def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor) -> Tensor:
+    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``."""
+    if loss is LossType.CROSS_ENTROPY:
+        p = torch.softmax(outputs.detach(), dim=1)
+        return p * u - p * (p * u).sum(1, keepdim=True)
+    return u
+
+
+def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
+             directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor]) -> Tensor:
+    """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
+    forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward."""
+    k = len(directions)
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    total = 0
+    primals = [p.detach() for p in params]
+    for call in calls:
+        f = _functional(model, names, select, call)
+        jvs = []
+        out = None
+        for v in directions:
+            with _rng_of(call), fwAD.dual_level():
+                res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
+                out, jv = fwAD.unpack_dual(res)
+            if jv is None:  # the output does not depend on the optimized parameters
+                jv = torch.zeros_like(out)
+            jvs.append(jv.reshape(-1))
+        assert out is not None
+        total += out.shape[0]
+        jmat = torch.stack(jvs)  # [k, N·out]
+        hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
+        gram += (jmat @ hmat.t()).double()
+    return 0.5 * (gram + gram.t()) / max(total, 1)
+
+
+def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
+                 directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
+                 targets: Optional[Tensor]) -> Tensor:
+    """``[k, k]`` float64 matrix ``v_iᵀ ∇²L v_j`` of the mean loss ``L`` on the recorded forward
+    (one forward per closure; ``targets`` of that batch): one Hessian-vector product per direction."""
+    if targets is None:
+        raise ValueError("curvature='hessian' with an adaptive learning rate or momentum needs step(closure, targets=...)")
+    if len(calls) != 1:
+        raise ValueError(f"curvature='hessian' with an adaptive learning rate or momentum supports one forward per "
+                         f"closure, the closure ran {len(calls)}")
+    f = _functional(model, names, select, calls[0])
+    leaves = [p.detach().requires_grad_(True) for p in params]
+    with torch.enable_grad(), _rng_of(calls[0]):
+        value = mean_nll(loss, f(*leaves), targets)
+        grads = torch.autograd.grad(value, leaves, create_graph=True)
+        hvs = []
+        for v in directions:
+            dot = sum((g * t.detach()).sum() for g, t in zip(grads, v))
+            hvs.append(torch.autograd.grad(dot, leaves, retain_graph=True, allow_unused=True))
+    k = len(directions)
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    for i in range(k):
+        for j in range(k):
+            gram[i, j] = sum(float((h * t).double().sum()) for h, t in zip(hvs[j], directions[i]) if h is not None)
+    return 0.5 * (gram + gram.t())
+
+
+def _flat64(vs: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in vs]).double()
+
+
+def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]],
+                   weights: Optional[Sequence[float]] = None) -> Tensor:
+    """``[len(xs), len(ys)]`` float64 matrix of ``Σ_p weight_p x_{i,p}ᵀ y_{j,p}`` (weight 1 without ``weights``)."""
+    def flat(vs: Sequence[Tensor], w: Optional[Sequence[float]]) -> Tensor:
+        return torch.cat([(t.detach() if w is None else t.detach() * w[i]).reshape(-1).double()
+                          for i, t in enumerate(vs)])
+    return torch.stack([flat(x, weights) for x in xs]) @ torch.stack([flat(y, None) for y in ys]).t()
+
+
+def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
+    """Minimise ``M(w) = ½ wᵀ a w + bᵀ w`` (``a`` [k, k] symmetric, ``b`` [k], k ≤ 2) over the entries
+    of ``w`` whose ``fixed`` value is None (the others keep their value), in closed form in float64
+    Python arithmetic. Returns ``(w, M(w))``; raises ``ValueError`` when the model restricted to
+    the free entries is not positive definite (it then has no minimum)."""
+    n = len(fixed)
+    if n not in (1, 2) or tuple(a.shape) != (n, n) or tuple(b.shape) != (n,):
+        raise ValueError(f"expected 1 or 2 coefficients with a [{n}, {n}] and b [{n}], got {len(fixed)}, "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    am, bv = a.tolist(), b.tolist()
+    w = [0.0 if c is None else float(c) for c in fixed]
+    free = [i for i, c in enumerate(fixed) if c is None]
+    if len(free) == 2:
+        det = am[0][0] * am[1][1] - am[0][1] * am[1][0]
+        if not (am[0][0] > 0 and det > 0):
+            raise ValueError(f"the quadratic model is not positive definite on the free directions: {am}")
+        w = [-(am[1][1] * bv[0] - am[0][1] * bv[1]) / det, -(am[0][0] * bv[1] - am[1][0] * bv[0]) / det]
+    elif len(free) == 1:
+        i = free[0]
+        if not am[i][i] > 0:
+            raise ValueError(f"the quadratic model is not positive definite on the free direction: {am[i][i]}")
+        w[i] = -(bv[i] + sum(am[i][j] * w[j] for j in range(n) if j != i)) / am[i][i]
+    value = 0.5 * sum(w[i] * am[i][j] * w[j] for i in range(n) for j in range(n)) + sum(x * y for x, y in zip(w, bv))
+    return w, value
+
+
+def param_names(model: nn.Module, params: Sequence[Tensor]) -> List[str]:
+    """The ``named_parameters`` name of every parameter; ValueError for one not in ``model``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [tuple(p.shape) for p in params if id(p) not in names]
+    if missing:
+        raise ValueError(f"adaptive coefficients need every optimized parameter to be a parameter of the model "
+                         f"(the JVP runs the model); parameters of shapes {missing} are not")
+    return [names[id(p)] for p in params]
+
+
+class AdaptiveCoefficients:
+    """The adaptive step of :class:`~torchsso2.optim.SecondOrderOptimizer` (see the module docstring).
+
+    ``learning_rate`` / ``momentum``: adapt ``α`` / ``μ`` (a coefficient not adapted is fixed to
+    ``−lr`` / ``momentum`` of the param groups, which must then agree on it). State (saved in the
+    optimizer's ``state_dict``): ``δ_prev`` per parameter in ``optimizer.state[p]["adaptive_delta"]``,
+    and here ``last`` (the last coefficients, quadratic-model value and step count).
+    """
+
+    def __init__(self, learning_rate: bool, momentum: bool) -> None:
+        self.learning_rate = learning_rate
+        self.momentum = momentum
+        self.recorder = InputRecorder()
+        self._names: Optional[Tuple[Tuple[int, ...], List[str]]] = None
+        #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
+        self.last: Dict[str, float] = {"learning_rate": float("nan"), "momentum": float("nan"),
+                                       "quad_model": float("nan"), "steps": 0}
+
+    def record(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return self.recorder.record(model)
+
+    @staticmethod
+    def _one(values: List[Any], what: str) -> float:
+        if any(v != values[0] for v in values):
+            raise ValueError(f"a fixed {what} with adaptive coefficients needs one value over all param groups, "
+                             f"got {sorted(set(values))}")
+        return float(values[0])
+
+    def coefficients(self, opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
+                     deltas: List[Tensor], vecs: List[Tensor], prev: Optional[List[Tensor]],
+                     targets: Optional[Tensor]) -> Tuple[List[float], float]:
+        """``([α, μ], M)`` for the directions ``deltas`` (Δ) and ``prev`` (δ_prev, None on the first
+        step) with the gradient ``vecs`` (d)."""
+        key = tuple(map(id, params))
+        if self._names is None or self._names[0] != key:  # the parameters' names, kept while they are the same
+            self._names = (key, param_names(opt.model, params))
+        names = self._names[1]
+        if not self.recorder.calls:
+            raise RuntimeError("adaptive coefficients need the closure to call the model itself (its forward is "
+                               "recorded to run it again in forward mode); no call of the model was seen")
+        fixed: List[Optional[float]] = [None if self.learning_rate else -self._one([g["lr"] for g in groups], "lr")]
+        dirs = [deltas]
+        if prev is not None:
+            fixed.append(None if self.momentum else self._one([g["momentum"] for g in groups], "momentum"))
+            dirs.append(prev)
+        if opt.engine.kind is Kind.HESSIAN:
+            gram = hessian_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
+                                opt.engine.select_output, targets)
+        else:
+            gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
+                            opt.engine.select_output)
+        wds = [float(g["weight_decay"]) for g in groups]
+        vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
+        a = gram + opt.damping * (vmat @ vmat.t())
+        if any(wds):
+            a = a + inner_products(dirs, dirs, wds)
+        b = vmat @ _flat64(vecs)
+        return solve_quadratic(a, b, fixed)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return dict(self.last)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        missing = {"learning_rate", "momentum", "quad_model", "steps"} - set(state)
+        if missing:
+            raise ValueError(f"adaptive state lacks {sorted(missing)}")
+        self.last = {k: (int(v) if k == "steps" else float(v)) for k, v in state.items()}
+
+
+def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
+                  targets: Optional[Tensor]) -> Optional[float]:
+    """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
+    :class:`SecondOrderOptimizer` in adaptive mode). Returns the quadratic model's value ``M``
+    (the predicted change of the loss), or None (nothing changed) when the step is not finite or
+    the quadratic model has no minimum."""
+    ada: AdaptiveCoefficients = opt.adaptive
+    plan = opt._plans.get(params, groups, opt.running.blocks)
+    wds = plan.values("weight_decay")
+    vecs = [p.grad.detach() if not wd else p.grad.detach() + wd * p.detach() for p, wd in zip(params, wds)]
+    if opt.placement.active:
+        solved = opt._precondition({blk.layout.name: blk for blk, _ in plan.blocks},
+                                   {id(p): v for p, v in zip(params, vecs)})
+        deltas = [solved[id(p)] for p in params]
+    else:
+        deltas = plan.precondition(vecs, solved=opt._low_rank_solve(plan, vecs, wds))
+    states = [opt.state[p] for p in params]
+    prev: Optional[List[Tensor]] = [s.get("adaptive_delta", torch.zeros_like(p)) for s, p in zip(states, params)]
+    if all("adaptive_delta" not in s for s in states):
+        prev = None  # the first step: no previous update, only α
+    try:
+        (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
+    except ValueError as err:
+        if "positive definite" not in str(err):
+            raise
+        logger.warning("step %d: %s; no update", opt.num_steps, err)
+        return None
+    alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
+    if not all(math.isfinite(x) for x in (alpha, mu, value)):
+        return None
+    with torch.no_grad():
+        new = [d * alpha if prev is None else d * alpha + q * mu for d, q in zip(deltas, prev or deltas)]
+        if not owned_all_finite(new):
+            return None
+        for p, s, t in zip(params, states, new):
+            p.add_(t.to(p.dtype))
+            s["adaptive_delta"] = t.detach().clone()
+    ada.last = {"learning_rate": -alpha, "momentum": mu, "quad_model": value, "steps": ada.last["steps"] + 1}
+    logger.debug("adaptive step: learning_rate=%.4g momentum=%.4g M=%.4g", -alpha, mu, value)
+    return value
