@@ -137,7 +137,16 @@ class CurvatureEngine:
                              "out_proj, skip the parent: its submodules are skipped with it)")
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
-            return hessian_blocks(loss, self.layouts, self.approx)
+            try:
+                return hessian_blocks(loss, self.layouts, self.approx)
+            except RuntimeError as err:
+                if "derivative for" not in str(err) or "not implemented" not in str(err):
+                    raise
+                raise NotImplementedError(
+                    f"kind='hessian' needs the second derivative of every op of the model, and torch has none for "
+                    f"one of them ({err}). For F.scaled_dot_product_attention run the forward under "
+                    "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
+                    "differentiable; or use a Fisher kind") from err
         self.check_examples_align(capture.records, outputs)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)

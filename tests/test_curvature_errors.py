@@ -332,12 +332,14 @@ def _attention_case():
 
 
 def test_unsupported_parent_named_and_out_proj_hint() -> None:
-    """MultiheadAttention is unsupported (named in the error). With its own parameters frozen,
-    out_proj is covered but never called (the parent uses its weight directly): that error says
-    to skip the parent."""
+    """A MultiheadAttention configuration without curvature support (add_zero_attn) is named in the
+    error (the supported ones: tests/test_attention.py). With its own parameters frozen, out_proj is
+    covered but never called (the parent uses its weight directly): that error says to skip the parent."""
     model, x, y = _attention_case()
-    with pytest.raises(ValueError, match=r"'attn'.*MultiheadAttention.*skip_modules"):
+    model.attn.add_zero_attn = True
+    with pytest.raises(ValueError, match=r"MultiheadAttention.*add_zero_attn.*skip_modules"):
         _compute(model, x, y)
+    model.attn.add_zero_attn = False
     for p in model.attn.parameters(recurse=False):
         p.requires_grad_(False)
     with pytest.raises(ValueError, match=r"attn\.out_proj.*not called.*skip the parent"):

@@ -1,0 +1,175 @@
+"""nn.MultiheadAttention: its in-projection as one Linear-like block, its ``out_proj`` as a Linear.
+
+``nn.MultiheadAttention`` computes with ``in_proj_weight [3E, E]`` / ``in_proj_bias [3E]`` and with
+``out_proj``'s parameters inside ``F.multi_head_attention_forward``, without calling ``out_proj``, so
+no layer output exists to take gradients of. While a :class:`~curvature.capture.Capture` records,
+a forward hook (:func:`attention_hook`) therefore *recomputes* the attention from the same
+parameters and returns that as the module's output (the module's own forward result is dropped;
+the recorded forward costs one more attention):
+
+* ``z = x W_inᵀ + b_in`` (``[N, T, 3E]``, batch-first) is recorded as this module's output, with
+  ``x`` as its input: the in-projection is one Linear over ``vec([W_in | b_in])`` (Q, K and V rows
+  in one block, so their cross terms are kept in full blocks);
+* the heads attend (``softmax(q kᵀ/√d + masks)``, dropout in training) and ``module.out_proj`` is
+  *called* on the batch-first result, so ``out_proj`` is recorded like any Linear.
+
+Normal form: ``a = x [N, T, E]``, ``g [K, N, T, 3E]``: the Linear family's math with the
+in-projection's parameters. K-FAC follows the expand convention over the ``T`` positions (as for
+any Linear applied at several positions). Supported: self-attention (``query is key is value``),
+batched ``[N, T, E]`` (``batch_first``), ``[T, N, E]`` or unbatched ``[T, E]`` inputs, ``attn_mask``,
+``key_padding_mask``, ``is_causal``, ``need_weights``/``average_attn_weights``, dropout. Not supported
+(ValueError at selection / NotImplementedError at the forward): separate ``kdim``/``vdim``,
+``add_bias_kv``, ``add_zero_attn``, cross-attention (different query/key/value tensors).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .linear import LinearFamily
+
+_NAMES = {"in_proj_weight": "weight", "in_proj_bias": "bias"}
+_BACK = {v: k for k, v in _NAMES.items()}
+
+
+class _InProjection:
+    """The in-projection seen as a Linear (``.weight``, ``.bias``) by the Linear family's math."""
+
+    def __init__(self, module: nn.MultiheadAttention) -> None:
+        self.weight = module.in_proj_weight
+        self.bias = module.in_proj_bias
+
+
+def _proj(module: Any) -> Any:
+    return module if isinstance(module, _InProjection) else _InProjection(module)
+
+
+def _names(names: Sequence[str]) -> Tuple[str, ...]:
+    return tuple(_NAMES.get(n, n) for n in names)
+
+
+class MultiheadAttentionFamily(LinearFamily):
+    """The in-projection of ``nn.MultiheadAttention`` (parameters ``in_proj_weight``, ``in_proj_bias``)."""
+
+    module_types = (nn.MultiheadAttention,)
+
+    def validate(self, module: nn.Module) -> None:
+        bad = [what for what, on in (("kdim/vdim other than embed_dim", not module._qkv_same_embed_dim),
+                                     ("add_bias_kv=True", module.bias_k is not None),
+                                     ("add_zero_attn=True", module.add_zero_attn)) if on]
+        if bad:
+            raise ValueError(f"nn.MultiheadAttention with {', '.join(bad)} is not supported by the curvature "
+                             "engine; skip it with skip_modules=[nn.MultiheadAttention]")
+
+    def weight_matrix_shape(self, module: Any) -> Tuple[int, int]:
+        return super().weight_matrix_shape(_proj(module))
+
+    def per_example_grads(self, module: Any, a: Tensor, g: Tensor, names: Sequence[str]) -> Dict[str, Tensor]:
+        out = super().per_example_grads(_proj(module), a, g, _names(names))
+        return {_BACK[k]: v for k, v in out.items()}
+
+    def diag_sum(self, module: Any, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
+        return super().diag_sum(_proj(module), a, g, _names(names))
+
+    def kfac_factors(self, module: Any, a: Tensor, g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        return super().kfac_factors(_proj(module), a, g, _names(names))
+
+    def kfac_output_factor(self, module: Any, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
+        return super().kfac_output_factor(_proj(module), a, g, _names(names))
+
+    def matrix_columns(self, module: Any, names: Sequence[str]) -> Optional[List[Tuple[int, int]]]:
+        return super().matrix_columns(_proj(module), _names(names))
+
+    def to_matrix(self, module: Any, tensors: Sequence[Tensor], names: Sequence[str]) -> Tensor:
+        return super().to_matrix(_proj(module), tensors, _names(names))
+
+    def to_matrix_into(self, module: Any, tensors: Sequence[Tensor], names: Sequence[str], out: Tensor) -> None:
+        super().to_matrix_into(_proj(module), tensors, _names(names), out)
+
+    def from_matrix(self, module: Any, matrix: Tensor, names: Sequence[str]) -> List[Tensor]:
+        return super().from_matrix(_proj(module), matrix, _names(names))
+
+
+def _additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+def recorded_forward(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
+                     key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                     attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                     is_causal: bool = False) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tensor, Tensor]:
+    """``((attn_output, attn_weights), x, z)``: the module's result recomputed from its parameters,
+    with the batch-first in-projection input ``x [N, T, E]`` and output ``z [N, T, 3E]``."""
+    if not (query is key and key is value):
+        raise NotImplementedError(
+            "curvature of nn.MultiheadAttention is implemented for self-attention (query is key is value); "
+            "for cross-attention skip it with skip_modules=[nn.MultiheadAttention]")
+    batched = query.dim() == 3
+    x = query if not batched else (query if module.batch_first else query.transpose(0, 1))
+    if not batched:
+        x = x.unsqueeze(0)
+    n, t, e = x.shape
+    h = module.num_heads
+    hd = e // h
+    z = F.linear(x, module.in_proj_weight, module.in_proj_bias)
+    q, k, v = (p.reshape(n, t, h, hd).transpose(1, 2) for p in z.chunk(3, dim=-1))  # [N, H, T, hd]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)  # [N, H, T, T]
+    mask = _additive_mask(attn_mask, scores.dtype)
+    if mask is not None:
+        scores = scores + (mask.reshape(n, h, t, t) if mask.dim() == 3 else mask)
+    elif is_causal:
+        causal = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+    pad = _additive_mask(key_padding_mask, scores.dtype)
+    if pad is not None:
+        scores = scores + pad.reshape(n, 1, 1, t)
+    weights = torch.softmax(scores, dim=-1)
+    attended = F.dropout(weights, p=module.dropout) if module.training and module.dropout > 0 else weights
+    o = (attended @ v).transpose(1, 2).reshape(n, t, e)
+    out = module.out_proj(o)  # a real call: out_proj is recorded as a Linear
+    if not batched:
+        out = out.squeeze(0)
+    elif not module.batch_first:
+        out = out.transpose(0, 1)
+    w: Optional[Tensor] = None
+    if need_weights:
+        w = weights.mean(dim=1) if average_attn_weights else weights
+        if not batched:
+            w = w.squeeze(0)
+    return (out, w), x, z
+
+
+_ARG_NAMES = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+              "average_attn_weights", "is_causal")
+
+
+def attention_hook(capture: Any, name: str):
+    """A ``with_kwargs`` forward hook for :class:`~curvature.capture.Capture`: records ``x``/``z`` of
+    the in-projection as the module's :class:`~curvature.capture.ModuleRecord` and returns the
+    recomputed output (see the module docstring)."""
+    from ..capture import ModuleRecord  # the capture imports the families, not the other way round
+
+    def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        capture.calls[name] = capture.calls.get(name, 0) + 1
+        if name in capture.records:
+            if capture.on_reuse == "count":
+                return None
+            raise ValueError(f"module {name!r} (MultiheadAttention) was called more than once in one forward; "
+                             "modules reused within a forward (shared layers) are not supported")
+        call = dict(zip(_ARG_NAMES, args))
+        call.update(kwargs)
+        result, x, z = recorded_forward(module, **call)
+        rec = ModuleRecord(inputs=(x.detach(),), output=z)
+        capture.records[name] = rec
+        if capture.record_backward and z.requires_grad:
+            z.register_hook(lambda g, rec=rec: rec.backward_grads.append(g.detach()))
+        return result
+    return hook
