@@ -185,6 +185,23 @@ def test_recorded_forward_returns_what_the_module_returns(call: dict) -> None:
     assert rec.backward_grads and cap.records["attn.out_proj"].backward_grads
 
 
+def test_recorded_in_projection_is_freed_with_the_capture() -> None:
+    """The gradient hook on the recorded ``z`` must not hold the record (a cycle through autograd's C++
+    graph that the garbage collector cannot break would keep every step's tensors alive)."""
+    import gc
+    import weakref
+
+    attn = nn.MultiheadAttention(E, H, batch_first=True).double()
+    x = torch.randn(N, T, E, dtype=torch.float64, requires_grad=True)
+    with Capture({"attn": attn, "attn.out_proj": attn.out_proj}, record_backward=True) as cap:
+        out, _ = attn(x, x, x)
+    out.sum().backward()
+    z = weakref.ref(cap.records["attn"].output)
+    del cap, out
+    gc.collect()
+    assert z() is None
+
+
 def test_cross_attention_and_unsupported_options_are_clear_errors() -> None:
     torch.manual_seed(0)
     attn = nn.MultiheadAttention(E, H, batch_first=True).double()

@@ -170,6 +170,14 @@ def attention_hook(capture: Any, name: str):
         rec = ModuleRecord(inputs=(x.detach(),), output=z)
         capture.records[name] = rec
         if capture.record_backward and z.requires_grad:
-            z.register_hook(lambda g, rec=rec: rec.backward_grads.append(g.detach()))
+            z.register_hook(_appender(rec.backward_grads))
         return result
     return hook
+
+
+def _appender(grads: List[Tensor]):
+    """The tensor hook recording ``∂loss/∂z`` into ``grads``; it holds the list only, not the record:
+    ``z → autograd node → hook → record → z`` would be a cycle through C++ that gc cannot collect."""
+    def append(g: Tensor) -> None:
+        grads.append(g.detach())
+    return append
