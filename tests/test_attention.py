@@ -134,6 +134,20 @@ def test_linear_sdpa_attention_blocks_equal_brute_force(kind: str, approx: str, 
     _close(got, ref.shaped(kind, approx, labels))
 
 
+@pytest.mark.parametrize("approx", ["full", "diag"])
+def test_multihead_attention_blocks_from_the_users_backward(approx: str) -> None:
+    """Empirical Fisher from the gradients recorded during the user's own backward (the optimizers'
+    ``curvature='empirical_fisher'`` without targets): the in-projection's gradient is recorded on ``z``."""
+    torch.manual_seed(0)
+    model = MHANet(padding=True).double()
+    x, y = _batch("cross_entropy")
+    engine = CurvatureEngine(model, kind="empirical_fisher", approx=approx)
+    with engine.capture(record_backward=True) as cap:
+        F.cross_entropy(model(x), y).backward()
+    got = torch.block_diag(*[b.dense() for b in engine.estimate_from_backward(cap).values()])
+    _close(got, Reference(model, x, y, "cross_entropy").shaped("empirical_fisher", approx))
+
+
 def test_hessian_through_a_kernel_without_second_derivative_is_a_clear_error() -> None:
     """CPU SDPA's default (flash) kernel has no double backward: the Hessian names the fix."""
     torch.manual_seed(0)
