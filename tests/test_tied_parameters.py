@@ -177,3 +177,20 @@ def test_optimizers_train_a_tied_model(face: str, curv: str, approx: str) -> Non
         opt.step(closure)
     assert model.head.weight is model.emb.weight
     assert mean_loss() < 0.9 * before, (before, mean_loss())
+
+
+class FlatHead(TiedLM):
+    """The tied head applied to the ``N·T`` positions as one batch: its examples are not the Embedding's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(self.emb(x)))
+        return self.head(h.reshape(-1, D)).reshape(x.shape[0], -1)
+
+
+def test_tied_uses_with_other_batch_sizes_are_refused() -> None:
+    torch.manual_seed(0)
+    model = FlatHead(head_bias=False).double()
+    x = torch.randint(0, V, (N, T))
+    with pytest.raises(ValueError, match=r"other batch sizes \[\('head', 12\)\]"):
+        curvature.compute(model, x, torch.randn(N, T * V, dtype=torch.float64), loss="mse", kind="fisher_mc",
+                          approx="diag", generator=torch.Generator().manual_seed(0))
