@@ -86,7 +86,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             raise ValueError(
                 f"module {name!r} of type {type(module).__name__} has trainable parameters "
                 f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
-                "BatchNorm1d/2d, LayerNorm, Embedding. Exclude it with skip_modules=[...] "
+                "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
                 "(by name regex or type) or freeze its parameters")
         fam.validate(module)
         own = []
@@ -117,7 +117,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         layouts[owner_name].tied = tuple(uses)
     if not layouts:
         raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
-                         "LayerNorm, Embedding) and trainable parameters")
+                         "LayerNorm, Embedding, MultiheadAttention) and trainable parameters")
     return layouts, shapes
 
 
