@@ -4,7 +4,8 @@
 ``nn.MultiheadAttention`` gets two blocks: its in-projection (``in_proj_weight``/``in_proj_bias``, Q, K and
 V rows in one Linear-like block) and ``out_proj``; during a recorded forward the module is recomputed from
 its parameters (:mod:`curvature.modules.attention`). Its K-FAC blocks are those of the same model written
-with two ``nn.Linear`` layers (expand convention over the positions), whose K-FAC the reference builds.
+with two ``nn.Linear`` layers (expand convention over the positions), whose K-FAC the reference builds;
+for cross-attention over the query, key and value positions one after the other.
 """
 from __future__ import annotations
 
@@ -216,13 +217,111 @@ def test_recorded_in_projection_is_freed_with_the_capture() -> None:
     assert z() is None
 
 
-def test_cross_attention_and_unsupported_options_are_clear_errors() -> None:
+S = 3  # key/value positions of the cross-attention model
+
+
+class CrossNet(nn.Module):
+    """Query positions attend to S memory positions (key is value), both from one input ``[N, T + S, 2]``."""
+
+    def __init__(self, batch_first: bool = True) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.inp = nn.Linear(2, E)
+        self.attn = nn.MultiheadAttention(E, H, batch_first=batch_first)
+        self.fc = nn.Linear(E, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        q, mem = h[:, :T], h[:, T:]
+        if not self.batch_first:
+            q, mem = q.transpose(0, 1), mem.transpose(0, 1)
+        pad = torch.zeros(x.shape[0], S, dtype=torch.bool)
+        pad[0, -1] = True
+        o, _ = self.attn(q, mem, mem, key_padding_mask=pad)
+        if not self.batch_first:
+            o = o.transpose(0, 1)
+        return self.fc(torch.tanh(o).mean(1))
+
+
+class CrossTwin(nn.Module):
+    """:class:`CrossNet` with the in-projection as one ``nn.Linear`` on the query, key and value positions
+    one after the other (the documented normal form) and out_proj as an ``nn.Linear``."""
+
+    def __init__(self, net: CrossNet) -> None:
+        super().__init__()
+        self.inp, self.proj, self.out, self.fc = nn.Linear(2, E), nn.Linear(E, 3 * E), nn.Linear(E, E), nn.Linear(E, C)
+        with torch.no_grad():
+            for dst, w, b in ((self.inp, net.inp.weight, net.inp.bias), (self.fc, net.fc.weight, net.fc.bias),
+                              (self.proj, net.attn.in_proj_weight, net.attn.in_proj_bias),
+                              (self.out, net.attn.out_proj.weight, net.attn.out_proj.bias)):
+                dst.weight.copy_(w)
+                dst.bias.copy_(b)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        n = h.shape[0]
+        q, mem = h[:, :T], h[:, T:]
+        z = self.proj(torch.cat([q, mem, mem], dim=1))
+        zq, zk, zv = z[:, :T, :E], z[:, T:T + S, E:2 * E], z[:, T + S:, 2 * E:]
+        qh, kh, vh = (p.reshape(n, p.shape[1], H, E // H).transpose(1, 2) for p in (zq, zk, zv))
+        scores = qh @ kh.transpose(-1, -2) / (E // H) ** 0.5
+        pad = torch.zeros(n, S, dtype=torch.bool)
+        pad[0, -1] = True
+        scores = scores.masked_fill(pad.reshape(n, 1, 1, S), float("-inf"))
+        o = (torch.softmax(scores, -1) @ vh).transpose(1, 2).reshape(n, T, E)
+        return self.fc(torch.tanh(self.out(o)).mean(1))
+
+
+def _cross_batch(loss: str):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N, T + S, 2, dtype=torch.float64, generator=gen)
+    y = torch.randint(0, C, (N,), generator=gen) if loss == "cross_entropy" else \
+        torch.randn(N, C, dtype=torch.float64, generator=gen)
+    return x, y
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize("approx", ["full", "diag"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_cross_attention_blocks_equal_brute_force(batch_first: bool, kind: str, approx: str, loss: str) -> None:
     torch.manual_seed(0)
-    attn = nn.MultiheadAttention(E, H, batch_first=True).double()
-    q, kv = torch.randn(N, T, E, dtype=torch.float64), torch.randn(N, T, E, dtype=torch.float64)
-    with Capture({"attn": attn}):
-        with pytest.raises(NotImplementedError, match="self-attention"):
-            attn(q, kv, kv)
+    model = CrossNet(batch_first).double()
+    x, y = _cross_batch(loss)
+    ref = Reference(model, x, y, loss)
+    labels = sample_labels(loss, ref.outputs, 2, 3) if kind == "fisher_mc" else None
+    c = curvature.compute(model, x, y, loss=loss, kind=kind, approx=approx, **_kw(kind))
+    _close(c.dense(), ref.shaped(kind, approx, labels))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize("kind", ["fisher", "fisher_mc", "empirical_fisher"])
+def test_cross_attention_kfac_is_expand_over_the_query_key_value_positions(kind: str, loss: str) -> None:
+    torch.manual_seed(0)
+    model = CrossNet().double()
+    x, y = _cross_batch(loss)
+    twin = CrossTwin(model)
+    assert torch.allclose(model(x), twin(x), rtol=0, atol=1e-14)
+    labels = sample_labels(loss, Reference(model, x, y, loss).outputs, 2, 3) if kind == "fisher_mc" else None
+    expected = Reference(twin, x, y, loss).shaped(kind, "kfac", labels)
+    _close(curvature.compute(model, x, y, loss=loss, kind=kind, approx="kfac", **_kw(kind)).dense(), expected)
+
+
+def test_cross_attention_recorded_forward_returns_what_the_module_returns() -> None:
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(E, H).double()  # sequence-first
+    q, k, v = (torch.randn(L, N, E, dtype=torch.float64) for L in (T, S, S))
+    mask = torch.randn(T, S, dtype=torch.float64)
+    want = attn(q, k, v, attn_mask=mask)
+    with Capture({"attn": attn, "attn.out_proj": attn.out_proj}) as cap:
+        got = attn(q, k, v, attn_mask=mask)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    assert cap.records["attn"].output.shape == (N, T + 2 * S, 3 * E)
+
+
+def test_unsupported_attention_options_are_clear_errors() -> None:
     for kw in (dict(kdim=3, vdim=3), dict(add_bias_kv=True), dict(add_zero_attn=True)):
         model = nn.Sequential(nn.MultiheadAttention(E, H, batch_first=True, **kw))
         with pytest.raises(ValueError, match="skip_modules"):

@@ -13,13 +13,19 @@ the recorded forward costs one more attention):
 * the heads attend (``softmax(q kᵀ/√d + masks)``, dropout in training) and ``module.out_proj`` is
   *called* on the batch-first result, so ``out_proj`` is recorded like any Linear.
 
-Normal form: ``a = x [N, T, E]``, ``g [K, N, T, 3E]``: the Linear family's math with the
-in-projection's parameters. K-FAC follows the expand convention over the ``T`` positions (as for
-any Linear applied at several positions). Supported: self-attention (``query is key is value``),
-batched ``[N, T, E]`` (``batch_first``), ``[T, N, E]`` or unbatched ``[T, E]`` inputs, ``attn_mask``,
-``key_padding_mask``, ``is_causal``, ``need_weights``/``average_attn_weights``, dropout. Not supported
-(ValueError at selection / NotImplementedError at the forward): separate ``kdim``/``vdim``,
-``add_bias_kv``, ``add_zero_attn``, cross-attention (different query/key/value tensors).
+Cross-attention (query, key, value not one tensor): ``x`` is the query, key and value positions one
+after the other (``[N, T + 2S, E]``), ``z = x W_inᵀ + b_in`` is computed at all of them and only the Q
+columns at query positions, K columns at key positions and V columns at value positions are used; the
+unused entries get zero gradients, so per-example gradients (diag/full) stay exact, at three times the
+projection's cost in a recorded forward.
+
+Normal form: ``a = x [N, P, E]``, ``g [K, N, P, 3E]`` (``P = T`` positions, ``T + 2S`` for
+cross-attention): the Linear family's math with the in-projection's parameters. K-FAC follows the
+expand convention over the ``P`` positions (as for any Linear applied at several positions).
+Supported: batched ``[N, T, E]`` (``batch_first``), ``[T, N, E]`` or unbatched ``[T, E]`` inputs,
+``attn_mask``, ``key_padding_mask``, ``is_causal``, ``need_weights``/``average_attn_weights``,
+dropout. Not supported (ValueError at selection): separate ``kdim``/``vdim``, ``add_bias_kv``,
+``add_zero_attn``.
 """
 from __future__ import annotations
 
@@ -105,33 +111,49 @@ def recorded_forward(module: nn.MultiheadAttention, query: Tensor, key: Tensor, 
                      attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                      is_causal: bool = False) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tensor, Tensor]:
     """``((attn_output, attn_weights), x, z)``: the module's result recomputed from its parameters,
-    with the batch-first in-projection input ``x [N, T, E]`` and output ``z [N, T, 3E]``."""
-    if not (query is key and key is value):
-        raise NotImplementedError(
-            "curvature of nn.MultiheadAttention is implemented for self-attention (query is key is value); "
-            "for cross-attention skip it with skip_modules=[nn.MultiheadAttention]")
+    with the batch-first in-projection input ``x`` and output ``z = x W_inᵀ + b_in`` (``[N, P, 3E]``).
+
+    Self-attention (``query is key is value``): ``x`` is the input, ``P = T``. Otherwise ``x`` is the
+    query, key and value positions one after the other (``P = T + 2S``) and only the Q columns of ``z``
+    at query positions, the K columns at key positions and the V columns at value positions are used
+    (the others get zero gradients), so the Linear math on ``(x, ∂z)`` gives the exact per-example
+    gradients; K-FAC averages ``A`` over all ``P`` positions (expand convention)."""
     batched = query.dim() == 3
-    x = query if not batched else (query if module.batch_first else query.transpose(0, 1))
-    if not batched:
-        x = x.unsqueeze(0)
-    n, t, e = x.shape
+
+    def batch_first(t: Tensor) -> Tensor:
+        if not batched:
+            return t.unsqueeze(0)
+        return t if module.batch_first else t.transpose(0, 1)
+
+    xq = batch_first(query)
+    n, tq, e = xq.shape
     h = module.num_heads
     hd = e // h
-    z = F.linear(x, module.in_proj_weight, module.in_proj_bias)
-    q, k, v = (p.reshape(n, t, h, hd).transpose(1, 2) for p in z.chunk(3, dim=-1))  # [N, H, T, hd]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)  # [N, H, T, T]
+    if query is key and key is value:
+        x = xq
+        z = F.linear(x, module.in_proj_weight, module.in_proj_bias)
+        zq, zk, zv = z.chunk(3, dim=-1)
+    else:
+        xk, xv = batch_first(key), batch_first(value)
+        x = torch.cat([xq, xk, xv], dim=1)
+        z = F.linear(x, module.in_proj_weight, module.in_proj_bias)
+        s_len = xk.shape[1]
+        zq, zk, zv = z[:, :tq, :e], z[:, tq:tq + s_len, e:2 * e], z[:, tq + s_len:, 2 * e:]
+    s = zk.shape[1]
+    q, k, v = (p.reshape(n, p.shape[1], h, hd).transpose(1, 2) for p in (zq, zk, zv))  # [N, H, L, hd]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)  # [N, H, T, S]
     mask = _additive_mask(attn_mask, scores.dtype)
     if mask is not None:
-        scores = scores + (mask.reshape(n, h, t, t) if mask.dim() == 3 else mask)
+        scores = scores + (mask.reshape(n, h, tq, s) if mask.dim() == 3 else mask)
     elif is_causal:
-        causal = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
+        causal = torch.ones(tq, s, dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))
     pad = _additive_mask(key_padding_mask, scores.dtype)
     if pad is not None:
-        scores = scores + pad.reshape(n, 1, 1, t)
+        scores = scores + pad.reshape(n, 1, 1, s)
     weights = torch.softmax(scores, dim=-1)
     attended = F.dropout(weights, p=module.dropout) if module.training and module.dropout > 0 else weights
-    o = (attended @ v).transpose(1, 2).reshape(n, t, e)
+    o = (attended @ v).transpose(1, 2).reshape(n, tq, e)
     out = module.out_proj(o)  # a real call: out_proj is recorded as a Linear
     if not batched:
         out = out.squeeze(0)
