@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
+from .modules.attention import attention_hook
 
 
 @dataclass
@@ -88,6 +89,9 @@ class Capture:
             for module in norms:
                 self._handles.append(module.register_forward_hook(self._route_hook))
         for name, module in self.modules.items():
+            if isinstance(module, nn.MultiheadAttention):  # recomputed to expose its projections
+                self._handles.append(module.register_forward_hook(attention_hook(self, name), with_kwargs=True))
+                continue
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
         if self.root is not None and self.on_output is not None:
             self._handles.append(self.root.register_forward_hook(self._root_hook))

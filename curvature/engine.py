@@ -20,9 +20,11 @@ from .blocks.base import compute_dtype
 from .capture import Capture, ModuleRecord, batch_norm_modules
 from .cost import warn_full_blocks
 from .hessian import hessian_blocks
+from .modules import family_of
 from .modules.base import flat_per_example
 from .options import Approx, Kind, LossType, parse
 from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
+from .tied import check_kfac_tied, combine_kfac, tied_per_example_sum
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,11 @@ class CurvatureEngine:
         if full:  # announce large full blocks (P² numbers, ~9P³ FLOPs a decomposition) before they are built
             warn_full_blocks(full, next(iter(self.layouts.values())).params[0].element_size(),
                              f"{self.kind.value}")
+        for lay in self.layouts.values():  # modules using a tied parameter are recorded too (curvature.tied)
+            for use in lay.tied:
+                self._modules.setdefault(use.name, use.module)
+            if lay.tied and self.approx[lay.name] is Approx.KFAC:
+                check_kfac_tied(lay)
         if self.kind is Kind.HESSIAN:
             bad = [n for n, a in self.approx.items() if a is Approx.KFAC]
             if bad:
@@ -128,7 +135,7 @@ class CurvatureEngine:
         likelihoods.check_outputs_targets(self.loss, outputs, targets)
         if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
-        missing = [n for n in self.layouts if n not in capture.records]
+        missing = [n for n in self._modules if n not in capture.records]
         if missing:
             raise ValueError(f"covered modules {missing} were not called in the forward pass; "
                              "exclude them with skip_modules or freeze their parameters (if a parent module "
@@ -138,7 +145,16 @@ class CurvatureEngine:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                           and (m.training or m.running_mean is None) for m in self.batch_norms)
-            return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled)
+            try:
+                return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled)
+            except RuntimeError as err:
+                if "derivative for" not in str(err) or "not implemented" not in str(err):
+                    raise
+                raise NotImplementedError(
+                    f"kind='hessian' needs the second derivative of every op of the model, and torch has none for "
+                    f"one of them ({err}). For F.scaled_dot_product_attention run the forward under "
+                    "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
+                    "differentiable; or use a Fisher kind") from err
         self.check_examples_align(capture.records, outputs)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
@@ -180,8 +196,10 @@ class CurvatureEngine:
         if self.kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
             return
         rows = outputs.shape[0]
+        approx = {u.name: self.approx[lay.name] for lay in self.layouts.values() for u in lay.tied}
+        approx.update(self.approx)  # a module using a tied parameter counts in the shape of its block
         bad = {n: r.output.shape[0] for n, r in records.items()
-               if r.output.dim() and r.output.shape[0] != rows and self.approx.get(n) is not Approx.KFAC}
+               if r.output.dim() and r.output.shape[0] != rows and approx.get(n) is not Approx.KFAC}
         if bad:
             raise ValueError(
                 f"kind={self.kind.value!r} sums per-example terms, but the loss has {rows} rows (output shape "
@@ -195,7 +213,7 @@ class CurvatureEngine:
         over the ``K`` vectors: all at once from one vmapped backward when :attr:`batched_backward`
         (and vmap can batch the graph), else one backward per vector, stacked into chunks of at most
         :data:`_GRAD_CHUNK_ELEMENTS` elements (all of them for small models)."""
-        names = list(self.layouts)
+        names = list(self._modules)
         outs = [capture.records[n].output for n in names]
         if not all(o.requires_grad for o in outs):
             # a module whose output needs no gradient (its parameters were frozen after the engine was
@@ -266,15 +284,25 @@ class CurvatureEngine:
         normal form and K-FAC's input-side factor are computed once, from the first chunk.
         """
         inputs: Dict[str, Tensor] = {}
-        sums: Dict[str, List[Tensor]] = {}
-        module_batch: Dict[str, int] = {}
+        sums: Dict[Any, List[Tensor]] = {}  # key: module name, or (module name, i) for its i-th tied use
+        module_batch: Dict[Any, int] = {}
 
         def normal_input(name: str, dt: torch.dtype) -> Tensor:
             if name not in inputs:
-                lay, rec = self.layouts[name], records[name]
-                a = lay.family.normal_input(lay.module, rec.inputs, rec.output)
+                mod, rec = self._modules[name], records[name]
+                fam = self.layouts[name].family if name in self.layouts else family_of(mod)
+                a = fam.normal_input(mod, rec.inputs, rec.output)
                 inputs[name] = a.to(dt) if a.dtype.is_floating_point else a
             return inputs[name]
+
+        def add_kfac(key: Any, name: str, fam: Any, mod: nn.Module, names: Any, g: Tensor, dt: torch.dtype) -> None:
+            module_batch[key] = g.shape[1]
+            if key not in sums:
+                rec = records[name]
+                sums[key] = list(fam.kfac_factors_from_inputs(mod, rec.inputs, rec.output, g, names))
+            else:
+                a = normal_input(name, dt) if fam.output_factor_needs_input else None
+                sums[key][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, a, g, names)
 
         for grads in chunks:
             for name, lay in self.layouts.items():
@@ -282,32 +310,37 @@ class CurvatureEngine:
                 g = fam.normal_output_grad(mod, grads[name].detach())
                 dt = compute_dtype(g.dtype if g.dtype.is_floating_point else torch.float32)
                 g = g.to(dt)
-                module_batch[name] = g.shape[1]
                 shape = self.approx[name]
+                use_grads = [u.family.normal_output_grad(u.module, grads[u.name].detach()).to(dt) for u in lay.tied]
                 if shape is Approx.KFAC:
-                    if name not in sums:
-                        rec = records[name]
-                        sums[name] = list(fam.kfac_factors_from_inputs(mod, rec.inputs, rec.output, g,
-                                                                       lay.param_names))
-                    else:
-                        a = normal_input(name, dt) if fam.output_factor_needs_input else None
-                        sums[name][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, a, g, lay.param_names)
+                    add_kfac(name, name, fam, mod, lay.param_names, g, dt)
+                    for i, (u, gu) in enumerate(zip(lay.tied, use_grads)):
+                        add_kfac((name, i), u.name, u.family, u.module, (u.param,), gu, dt)
+                    continue
+                if lay.tied:
+                    uses = [(fam, mod, lay.param_names, normal_input(name, dt), g)] + \
+                        [(u.family, u.module, (u.param,), normal_input(u.name, dt), gu)
+                         for u, gu in zip(lay.tied, use_grads)]
+                    part = tied_per_example_sum(lay, shape, uses, _EXAMPLE_CHUNK)
                 else:
                     part = self._per_example_sum(lay, shape, normal_input(name, dt), g)
-                    if name in sums:
-                        sums[name][0] += part
-                    else:
-                        sums[name] = [part]
+                if name in sums:
+                    sums[name][0] += part
+                else:
+                    sums[name] = [part]
         blocks: Dict[str, Block] = {}
         for name, lay in self.layouts.items():
             shape = self.approx[name]
             if shape is Approx.KFAC:
-                factors = sums[name]
-                if module_batch[name] != batch_size:  # G is a sum over every position of the module,
-                    # divided by the loss rows (its families divide by their own batch, the same number
-                    # unless one module example holds several loss rows, as in [N·T, C] sequence logits)
-                    factors[lay.family.kfac_names().index("G")].mul_(module_batch[name] / batch_size)
-                blocks[name] = KFACBlock(lay, *factors)
+                per_use = []
+                for key, fam in [(name, lay.family)] + [((name, i), u.family) for i, u in enumerate(lay.tied)]:
+                    factors = sums[key]
+                    if module_batch[key] != batch_size:  # G is a sum over every position of the module,
+                        # divided by the loss rows (its families divide by their own batch, the same number
+                        # unless one module example holds several loss rows, as in [N·T, C] sequence logits)
+                        factors[fam.kfac_names().index("G")].mul_(module_batch[key] / batch_size)
+                    per_use.append(factors)
+                blocks[name] = KFACBlock(lay, *combine_kfac(per_use))
             elif shape is Approx.DIAG:
                 blocks[name] = DiagBlock(lay, sums[name][0].div_(batch_size))  # the sums are ours: in place
             else:

@@ -16,6 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from .blocks import Layout
+from .blocks.layout import TiedUse
 from .modules import family_of
 from .options import Approx, parse
 
@@ -47,9 +48,15 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     ``out_proj``'s weight without calling ``out_proj``), so ``skip_modules=[nn.MultiheadAttention]``
     leaves the whole attention to the optimizer's plain update.
 
+    Tied parameters (one ``Parameter`` held by several covered modules, e.g. ``head.weight =
+    emb.weight``) get one block, in the layout of the first module holding them (the one
+    ``named_parameters`` lists them under); the other modules are recorded in that layout's
+    :attr:`~curvature.blocks.Layout.tied` and contribute their part (see
+    :meth:`curvature.engine.CurvatureEngine.blocks_from_grad_chunks`). Their other parameters form
+    their own layout (a module whose only parameter is tied has none).
+
     Raises ValueError for a module holding trainable parameters of an unsupported type
-    (unless skipped), for parameters shared between modules, and for a model with no
-    supported layer.
+    (unless skipped) and for a model with no supported layer.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -61,7 +68,8 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         rules, default = [], parse(Approx, approx, "approx")
     layouts: Dict[str, Layout] = {}
     shapes: Dict[str, Approx] = {}
-    owner: Dict[int, str] = {}
+    owner: Dict[int, Tuple[str, str]] = {}  # id(parameter) -> (module name, local name) of its first module
+    tied: Dict[str, List[TiedUse]] = {}
     fallback_logged = False
     skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
     for name, module in model.named_modules():
@@ -78,13 +86,20 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             raise ValueError(
                 f"module {name!r} of type {type(module).__name__} has trainable parameters "
                 f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
-                "BatchNorm1d/2d, LayerNorm, Embedding. Exclude it with skip_modules=[...] "
+                "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
                 "(by name regex or type) or freeze its parameters")
         fam.validate(module)
-        for _, p in direct:
-            if id(p) in owner:
-                raise ValueError(f"parameter shared between modules {owner[id(p)]!r} and {name!r} is not supported")
-            owner[id(p)] = name
+        own = []
+        for local, p in direct:
+            if id(p) in owner:  # tied: the first module (named_parameters order) holds the block
+                owner_name, owner_local = owner[id(p)]
+                tied.setdefault(owner_name, []).append(TiedUse(name, module, fam, local, owner_local))
+            else:
+                owner[id(p)] = (name, local)
+                own.append((local, p))
+        direct = own
+        if not direct:
+            continue
         shape = next((v for k, v in rules if _matches(k, name, module)), None)
         if shape is None:
             shape = default if default is not None else _default_approx(module)
@@ -98,9 +113,11 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                              f"{type(module).__name__}; use 'full' or 'diag'")
         layouts[name] = Layout(name, module, fam, tuple(n for n, _ in direct))
         shapes[name] = shape
+    for owner_name, uses in tied.items():
+        layouts[owner_name].tied = tuple(uses)
     if not layouts:
         raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
-                         "LayerNorm, Embedding) and trainable parameters")
+                         "LayerNorm, Embedding, MultiheadAttention) and trainable parameters")
     return layouts, shapes
 
 

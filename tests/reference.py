@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
-SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding)
+SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding,
+             nn.MultiheadAttention)  # its in_proj_weight / in_proj_bias
 KFAC_TYPES = (nn.Linear, nn.Conv2d, nn.Embedding)
 
 

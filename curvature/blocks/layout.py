@@ -11,6 +11,19 @@ from torch import Tensor, nn
 from ..modules.base import LayerFamily
 
 
+@dataclass(frozen=True)
+class TiedUse:
+    """Another module using one of a layout's parameters (tied weights, e.g. ``head.weight = emb.weight``):
+    the module ``name``/``module`` of family ``family`` holds it as ``param``; the layout's module as
+    ``owner_param``."""
+
+    name: str
+    module: nn.Module
+    family: LayerFamily
+    param: str
+    owner_param: str
+
+
 @dataclass
 class Layout:
     """The covered parameters of one module, in ``named_parameters`` order.
@@ -24,6 +37,8 @@ class Layout:
     family: LayerFamily
     param_names: Tuple[str, ...]
     shapes: Tuple[torch.Size, ...] = field(default=())
+    #: other modules using some of these parameters (tied weights); their contributions are summed in
+    tied: Tuple[TiedUse, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not self.shapes:

@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 from torch import nn
 
+from .attention import MultiheadAttentionFamily
 from .base import LayerFamily
 from .conv import Conv2dFamily
 from .embedding import EmbeddingFamily
@@ -13,6 +14,7 @@ from .norm import BatchNormFamily, LayerNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
     LinearFamily(), Conv2dFamily(), BatchNormFamily(), LayerNormFamily(), EmbeddingFamily(),
+    MultiheadAttentionFamily(),
 )
 
 
