@@ -22,7 +22,8 @@ Protocol. For each task and method the learning rate is chosen from a small grid
 (:func:`choose_lr`; the test split is not looked at); then 5 seeds (the grid's seed-0 run among them)
 are trained at the chosen lr and evaluated on the test split: accuracy, NLL, ECE (15 bins), Brier
 (classification), Gaussian NLL and RMSE (regression, in the target's original units) — mean ± std
-over seeds. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
+over seeds. A chosen lr at an end of its grid is marked "(edge)" in the table (``chosen_at_grid_edge``
+in the JSON): a wider grid might have found a better one for that method. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
 samples (``VIOptimizer.predict`` / ``IVON.sampled_params``); Adam and SGD with their point estimate.
 The step time (median over all training steps of the 5 seeds, including the batch's forward and
 backward) is reported as a ratio to Adam's in the same run.
@@ -380,7 +381,9 @@ def run_method(task: str, method: str, split: Split, args: argparse.Namespace, i
         grid_runs[lr] = run
         grid.append({"lr": lr, "val_nll": val["nll"], "skipped_steps": run.skipped, "final_batch_loss": run.final_loss})
     chosen = choose_lr({g["lr"]: g["val_nll"] for g in grid})
-    out: Dict[str, Any] = {"grid": grid, "chosen_lr": chosen}
+    out: Dict[str, Any] = {"grid": grid, "chosen_lr": chosen,
+                           "chosen_at_grid_edge": chosen is not None and len(grid) > 1 and
+                           chosen in (min(args.grids[method]), max(args.grids[method]))}
     if chosen is None:
         out["error"] = "no lr of the grid gave a finite validation NLL"
         return out
@@ -448,8 +451,12 @@ def format_tables(report: Dict[str, Any]) -> str:
             vals = [_fmt(s, "nll"), _fmt(s, "rmse", digits=1)] if regression else \
                 [_fmt(s, "accuracy", True), _fmt(s, "nll"), _fmt(s, "ece", True), _fmt(s, "brier")]
             ratio = f"{r['step_ms_median'] / adam_ms:.2f}x" if adam_ms else ""
-            rows.append([m, f"{r['chosen_lr']:g}"] + vals + [ratio, r["skipped_steps"]])
+            edge = " (edge)" if r.get("chosen_at_grid_edge") else ""
+            rows.append([m, f"{r['chosen_lr']:g}{edge}"] + vals + [ratio, r["skipped_steps"]])
         lines.append(markdown_table(head, rows))
+        grid_skips = {m: sum(g["skipped_steps"] for g in r["grid"]) for m, r in res["methods"].items()}
+        if any(grid_skips.values()):
+            lines.append("skipped steps in the lr-grid runs: " + ", ".join(f"{m} {k}" for m, k in grid_skips.items() if k))
         t = res["targets"]
         if t.get("evaluated"):
             parts = [f"{k}: {'met' if v['met'] else 'MISSED'} (margin {v['margin']:+.4f})"

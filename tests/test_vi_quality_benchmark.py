@@ -75,7 +75,7 @@ def test_quick_run_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture
             assert len(r["grid"]) == 3 and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
             assert r["chosen_lr"] == min(r["grid"], key=lambda g: g["val_nll"])["lr"]
             assert [s["seed"] for s in r["seeds"]] == [0, 1]
-            assert r["step_ms_median"] > 0
+            assert r["step_ms_median"] > 0 and isinstance(r["chosen_at_grid_edge"], bool)
         keys = {"accuracy", "nll", "ece", "brier"} if task == "digits-mlp" else {"nll", "rmse"}
         assert set(res["methods"]["adam"]["summary"]) == keys
         assert res["targets"]["evaluated"] is True  # vi-diag and adam present; ivon not requested
