@@ -351,10 +351,38 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
     out += [f"**Bayesian deep learning on digits** (Bayesian model average over {cfg['mc_samples']} samples; "
             f"`examples/bayesian_digits.py`; `{qsrc[0].name}`, {_date(qsrc[2])})", "",
             markdown_table(["method", "accuracy", "NLL", "ECE", "Brier"], rows, "lrrrr"), "",
-            "VI rows use a tempered posterior (temperature 0.1; the untempered rows are in docs/results.md). "
-            "Predictive entropy on rotated, flipped and noise inputs is higher than on test digits for both VI "
-            "methods (`examples/bayesian_digits.py`, docs/benchmarks.md).", ""]
+            "VI rows use a tempered posterior (temperature 0.1; the untempered rows are in docs/results.md)."
+            + (" Reliability diagrams of these predictions: [docs/reliability_digits.png](docs/reliability_digits.png)."
+               if qsrc[1].get("config", {}).get("plot") else ""), ""]
+    out += _entropy(q, labels)
     return out
+
+
+def entropy_verdicts(quality: Dict[str, Any]) -> Dict[str, Dict[str, bool]]:
+    """method -> {OOD set: mean predictive entropy there > on the test digits} for every method of a
+    ``vi*.json`` quality record that has entropies (older reports have none: empty)."""
+    return {k: {o: e > v["entropy_test"] for o, e in v["entropy_ood"].items()}
+            for k, v in quality.items() if "entropy_test" in v and v.get("entropy_ood")}
+
+
+def _entropy(q: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
+    """The predictive-entropy table and the sentence that states exactly what it shows."""
+    verdicts = {k: v for k, v in entropy_verdicts(q).items() if k in labels}
+    if not verdicts:
+        return []
+    sets = list(next(iter(verdicts.values())))
+    rows = [[labels[k], f"{q[k]['entropy_test']:.3f}", *(f"{q[k]['entropy_ood'][o]:.3f}" for o in sets)]
+            for k in verdicts]
+    said = []
+    for k, v in verdicts.items():
+        low = [o for o in sets if not v[o]]
+        said.append(f"{labels[k]}: " + ("higher on all of them" if not low else
+                                        f"not higher on {', '.join(low)}"))
+    return [f"**Mean predictive entropy** (nats; log 10 = 2.303 is the maximum) on the test digits and on "
+            f"out-of-distribution inputs built from them ({', '.join(sets)}; `examples/bayesian_digits.py`'s "
+            "`ood_sets`)", "",
+            markdown_table(["method", "test digits", *sets], rows, "l" + "r" * (len(sets) + 1)), "",
+            "Entropy against the test digits — " + "; ".join(said) + ".", ""]
 
 
 def _num(v: float) -> str:

@@ -2,7 +2,8 @@
 
 Examples::
 
-    python -m benchmarks.run --quick                       # smoke run of everything (minutes)
+    python -m benchmarks.run --quick                       # smoke run of everything (minutes), into a temp dir
+    python -m benchmarks.run --quick --out /tmp/smoke      # the same, into /tmp/smoke/{results,docs}
     python -m benchmarks.run --full                        # the numbers of docs/results.md (long)
     python -m benchmarks.run --full --only peers_curvature peers_training
     python -m benchmarks.run --report-only                 # rebuild docs/results.md and README from the JSONs
@@ -30,6 +31,12 @@ benchmark runs. The README is written only when ``--readme`` is given or the res
 directory is the default ``benchmarks/results`` (a run into a scratch ``--results-dir``, such
 as the tests' ``--quick`` runs, never touches the repository's README); ``--no-readme``
 turns it off.
+
+Published results (``benchmarks/results/*.json``, ``docs/results.md``, ``docs/*.png`` and the README
+block) are written only by a full run or ``--report-only``. A ``--quick`` run writes into a scratch
+directory — ``--out DIR`` (``DIR/results``, ``DIR/docs``), explicit ``--results-dir``/``--docs-dir``, or
+else a fresh temporary directory whose path it prints — and refuses the published directories unless
+``--publish`` is given (see :func:`resolve_dirs`).
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import importlib
 import json
 import shlex
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -57,6 +65,8 @@ DEFAULT_README = ROOT / "README.md"
 NOT_BENCHMARKS = {"__init__", "common", "_peer_utils", "run"}
 #: run order (modules not listed run after these, alphabetically)
 ORDER = ("linalg", "step_overhead", "vi", "scaling", "peers_curvature", "peers_training", "memory", "width_scaling")
+#: a module's ``--plot`` file name where it is not ``<name>.png``
+PLOTS = {"vi": "reliability_digits.png"}
 TITLES = {
     "linalg": "Linear-algebra backends (eigh / inverse / Cholesky)",
     "step_overhead": "Step overhead vs SGD / Adam / kfac_pytorch",
@@ -128,8 +138,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       help="only rebuild results.md and the README block from existing JSONs")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these modules")
     p.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="do not run these modules")
-    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
-    p.add_argument("--docs-dir", type=Path, default=ROOT / "docs")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help=f"where the JSONs go (default {DEFAULT_RESULTS.relative_to(ROOT)}; --quick: a scratch dir)")
+    p.add_argument("--docs-dir", type=Path, default=None,
+                   help="where results.md and the plots go (default docs/ with the default results dir, else "
+                   "the results dir; --quick: a scratch dir)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="scratch root: results in DIR/results, docs in DIR/docs (README untouched)")
+    p.add_argument("--publish", action="store_true",
+                   help="let a --quick run overwrite the published results (JSONs, docs, README block)")
     p.add_argument("--extra", action="append", default=[], metavar="NAME=ARGS",
                    help="extra command-line arguments for one module (repeatable)")
     p.add_argument("--no-report", action="store_true", help="do not write results.md")
@@ -138,7 +155,39 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="README whose results block (between the results:begin/end markers) is regenerated "
                         "(default: README.md at the repository root, and only when --results-dir is the default)")
     readme.add_argument("--no-readme", action="store_true", help="do not touch any README")
-    return p.parse_args(argv)
+    return resolve_dirs(p.parse_args(argv))
+
+
+DEFAULT_DOCS = ROOT / "docs"
+
+
+def resolve_dirs(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``args.results_dir`` / ``args.docs_dir`` (in place; returns ``args``).
+
+    Full and ``--report-only`` runs default to the published ``benchmarks/results`` and ``docs``. A
+    ``--quick`` run defaults to ``--out DIR`` or a new temporary directory, and raises ``ValueError``
+    if it would write into the published directories without ``--publish``. An explicit scratch
+    ``--results-dir`` without ``--docs-dir`` puts the docs next to the JSONs, never into ``docs/``.
+    """
+    scratch: Optional[Path] = args.out
+    if scratch is None and args.quick and not args.publish and args.results_dir is None and args.docs_dir is None:
+        scratch = Path(tempfile.mkdtemp(prefix="torchsso2-bench-quick-"))
+    if args.results_dir is None:
+        args.results_dir = scratch / "results" if scratch is not None else DEFAULT_RESULTS
+    if args.docs_dir is None:
+        if scratch is not None:
+            args.docs_dir = scratch / "docs"
+        elif args.results_dir.resolve() == DEFAULT_RESULTS.resolve():
+            args.docs_dir = DEFAULT_DOCS
+        else:
+            args.docs_dir = args.results_dir
+    if args.quick and not args.publish:
+        published = {DEFAULT_RESULTS.resolve(), DEFAULT_DOCS.resolve()}
+        hit = [str(d) for d in (args.results_dir, args.docs_dir) if d.resolve() in published]
+        if hit or (args.readme is not None and args.readme.resolve() == DEFAULT_README.resolve()):
+            raise ValueError(f"--quick would overwrite published results ({', '.join(hit) or DEFAULT_README}); "
+                             "choose a scratch --out DIR or add --publish")
+    return args
 
 
 def readme_target(args: argparse.Namespace) -> Optional[Path]:
@@ -162,7 +211,7 @@ def module_argv(name: str, source: str, args: argparse.Namespace) -> List[str]:
         argv.append("--full")
     argv += ["--json", str(args.results_dir / f"{name}.json")]
     if '"--plot"' in source:
-        argv += ["--plot", str(args.docs_dir / f"{name}.png")]
+        argv += ["--plot", str(args.docs_dir / PLOTS.get(name, f"{name}.png"))]
     for e in args.extra:
         key, _, val = e.partition("=")
         if key == name:
@@ -230,7 +279,8 @@ def _section(name: str, path: Path, docs_dir: Path) -> str:
     out.append(f"`benchmarks/{name}.py` → `{path.name}`; torch {m.get('torch', '?')}, "
                f"{m.get('torch_threads', '?')} threads" + (f", load average {load}" if load else ""))
     out += ["", table or f"_see `{path.name}`_", ""]
-    for png in sorted(docs_dir.glob(f"{name}*.png")):
+    pngs = set(docs_dir.glob(f"{name}*.png")) | ({docs_dir / PLOTS[name]} if name in PLOTS else set())
+    for png in sorted(p for p in pngs if p.exists()):
         out += [f"![{name}]({png.name})", ""]
     return "\n".join(out)
 
@@ -272,6 +322,8 @@ def write_report(args: argparse.Namespace, names: Sequence[str], status: Dict[st
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.quick:
+        print(f"quick run: results in {args.results_dir}, docs in {args.docs_dir}", flush=True)
     names = discover()
     unknown = [n for n in (args.only or []) + args.skip if n not in names]
     if unknown:

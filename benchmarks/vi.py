@@ -177,31 +177,56 @@ def ivon_predict(model: nn.Module, opt: Any, x: torch.Tensor, num_samples: int) 
     return torch.stack(probs).mean(0)
 
 
+def _scores(probs_of: Any, data: Any, ood: Dict[str, torch.Tensor], n_bins: int) -> Tuple[Dict[str, Any], Any]:
+    """Metrics of ``probs_of(data.x_test)`` plus the mean predictive entropy on the test digits and on each
+    out-of-distribution set (nats), and the reliability-diagram data of the same probabilities."""
+    probs = probs_of(data.x_test)
+    rel = metrics.reliability_diagram_data(probs, data.y_test, n_bins=n_bins)
+    out = {**metrics.evaluate(probs, data.y_test, n_bins=n_bins),
+           "entropy_test": float(metrics.predictive_entropy(probs).mean()),
+           "entropy_ood": {k: float(metrics.predictive_entropy(probs_of(x)).mean()) for k, x in ood.items()}}
+    return out, rel
+
+
 def run_quality(args: argparse.Namespace, ivon_mod: Any) -> Dict[str, Any]:
+    """Accuracy / NLL / ECE / Brier and predictive entropies (test digits vs ``bd.ood_sets``) per method;
+    with ``args.plot`` also the reliability diagrams of the same predictions (one PNG: table and figure
+    come from the same probabilities)."""
     from examples import bayesian_digits as bd
     from examples.common import load_digits_data
 
     data = load_digits_data()
+    ood = bd.ood_sets(data.x_test, args.seed)
     bargs = bd.parse_args(["--epochs", str(args.epochs), "--seed", str(args.seed), "--no-progress",
                            "--mc-samples", str(args.mc_samples), "--threads", str(args.threads)])
     out: Dict[str, Any] = {}
+    reliability: Dict[str, Any] = {}
+
+    def record(name: str, probs_of: Any, seconds: float, plot: bool = True) -> None:
+        out[name], rel = _scores(probs_of, data, ood, bargs.n_bins)
+        out[name]["train_seconds"] = seconds
+        if plot:
+            reliability[name] = rel
+        print(f"  {name:8s} {100 * out[name]['accuracy']:.2f}%  ({seconds:.1f} s)", flush=True)
+
     for method in bd.METHODS:
         model, opt, seconds = bd.train_method(method, data, bargs, show_progress=False)
-        probs = bd.predictive(model, opt, data.x_test, args.mc_samples, args.seed)
-        out[method] = {**metrics.evaluate(probs, data.y_test), "train_seconds": seconds}
-        print(f"  {method:8s} {100 * out[method]['accuracy']:.2f}%  ({seconds:.1f} s)", flush=True)
+        record(method, lambda x, m=model, o=opt: bd.predictive(m, o, x, args.mc_samples, args.seed), seconds)
     bargs.temperature = 1.0  # the untempered posterior, for reference (IVON below is untempered: ess = N)
     for method in ("vi-diag", "vi-kfac"):
         model, opt, seconds = bd.train_method(method, data, bargs, show_progress=False)
-        probs = bd.predictive(model, opt, data.x_test, args.mc_samples, args.seed)
-        name = f"{method} T=1"
-        out[name] = {**metrics.evaluate(probs, data.y_test), "train_seconds": seconds}
-        print(f"  {name:8s} {100 * out[name]['accuracy']:.2f}%  ({seconds:.1f} s)", flush=True)
+        record(f"{method} T=1", lambda x, m=model, o=opt: bd.predictive(m, o, x, args.mc_samples, args.seed),
+               seconds, plot=False)
     if ivon_mod is not None:
         model, opt, seconds = train_ivon(ivon_mod, data, args)
-        probs = ivon_predict(model, opt, data.x_test, args.mc_samples)
-        out["ivon"] = {**metrics.evaluate(probs, data.y_test), "train_seconds": seconds}
-        print(f"  ivon     {100 * out['ivon']['accuracy']:.2f}%  ({seconds:.1f} s)", flush=True)
+        record("ivon", lambda x, m=model, o=opt: ivon_predict(m, o, x, args.mc_samples), seconds)
+    if getattr(args, "plot", None) is not None:
+        from torchsso2.plotting import save_reliability_diagram
+
+        save_reliability_diagram(reliability, args.plot,
+                                 title=f"digits MLP, {args.epochs} epochs (VI: T=0.1, {args.mc_samples} samples; "
+                                 "ECE as in the README table)")
+        print(f"wrote {args.plot}")
     return out
 
 
@@ -223,9 +248,14 @@ def format_tables(report: Dict[str, Any]) -> str:
         lines += ["", f"Digits test set (MLP 64-64-10, {c['epochs']} epochs, batch 32; VI/IVON: Bayesian model "
                   f"average of {c['mc_samples']} samples; VI: prior precision 10, temperature 0.1 unless 'T=1'; IVON: ess = N (T=1), "
                   f"lr {c['ivon_settings']['lr']:g}, hess_init {c['ivon_settings']['hess_init']:g})"]
+        sets = sorted({o for v in q.values() for o in v.get("entropy_ood", {})})
         rows = [[k, f"{100 * v['accuracy']:.2f}%", f"{v['nll']:.4f}", f"{100 * v['ece']:.2f}%", f"{v['brier']:.4f}",
-                 f"{v['train_seconds']:.1f}"] for k, v in q.items()]
-        lines.append(markdown_table(["method", "accuracy", "NLL", "ECE", "Brier", "train s"], rows, "lrrrrr"))
+                 f"{v['train_seconds']:.1f}",
+                 *(f"{x:.3f}" if (x := v.get("entropy_test") if o is None else v.get("entropy_ood", {}).get(o))
+                   is not None else "" for o in ([None, *sets] if sets else []))] for k, v in q.items()]
+        ent_cols = ["entropy test", *(f"entropy {o}" for o in sets)] if sets else []
+        lines.append(markdown_table(["method", "accuracy", "NLL", "ECE", "Brier", "train s", *ent_cols], rows,
+                                    "lrrrrr" + "r" * len(ent_cols)))
     for what, why in report["skipped"].items():
         lines.append(f"\nskipped {what}: {why}")
     return "\n".join(lines)
@@ -243,6 +273,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="also save the reliability diagrams of the quality run (the same predictions as its table)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"write the JSON report here (default {DEFAULT_JSON.relative_to(ROOT)}; none with --quick)")
     args = p.parse_args(argv)
@@ -271,6 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = {"machine": machine_info(),
               "config": {"quick": args.quick, "repeats": args.repeats, "epochs": args.epochs,
                          "mc_samples": args.mc_samples, "threads": args.threads, "seed": args.seed,
+                         "plot": str(args.plot) if args.plot is not None and quality is not None else None,
                          "ivon": getattr(ivon_mod, "__version__", "installed") if ivon_mod else None,
                          "ivon_settings": {"lr": IVON_LR, "hess_init": IVON_HESS_INIT, "ess": "N_train"},
                          "timing_prior_precision": TIMING_PRIOR_PRECISION,

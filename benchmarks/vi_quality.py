@@ -41,7 +41,7 @@ variance).
 
 Examples::
 
-    OMP_NUM_THREADS=1 python -m benchmarks.vi_quality           # writes benchmarks/results/vi_quality.json
+    OMP_NUM_THREADS=1 python -m benchmarks.vi_quality           # writes benchmarks/results/vi_defaults_quality.json
     python -m benchmarks.vi_quality --quick                      # smoke run, JSON into a temp dir
     python -m benchmarks.vi_quality --tasks digits-mlp --methods vi-diag adam --seeds 2
 """
@@ -71,7 +71,7 @@ from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-DEFAULT_JSON = RESULTS_DIR / "vi_quality.json"
+DEFAULT_JSON = RESULTS_DIR / "vi_defaults_quality.json"  # (vi_quality.json holds benchmarks/vi.py's quality run)
 
 TASKS: Tuple[str, ...] = ("digits-mlp", "digits-cnn", "diabetes")
 METHODS: Tuple[str, ...] = ("vi-diag", "vi-kfac", "ivon", "adam", "sgd")

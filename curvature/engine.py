@@ -18,6 +18,7 @@ from . import likelihoods
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .blocks.base import compute_dtype
 from .capture import Capture, ModuleRecord, batch_norm_modules
+from .cost import warn_full_blocks
 from .hessian import hessian_blocks
 from .modules.base import flat_per_example
 from .options import Approx, Kind, LossType, parse
@@ -76,6 +77,11 @@ class CurvatureEngine:
         #: the BatchNorms a capture may route (found once, like the covered modules)
         self.batch_norms = batch_norm_modules(model)
         self._modules = {n: lay.module for n, lay in self.layouts.items()}
+        full = {n: sum(q.numel() for q in lay.params) for n, lay in self.layouts.items()
+                if self.approx[n] is Approx.FULL}
+        if full:  # announce large full blocks (P² numbers, ~9P³ FLOPs a decomposition) before they are built
+            warn_full_blocks(full, next(iter(self.layouts.values())).params[0].element_size(),
+                             f"{self.kind.value}")
         if self.kind is Kind.HESSIAN:
             bad = [n for n, a in self.approx.items() if a is Approx.KFAC]
             if bad:
@@ -130,7 +136,9 @@ class CurvatureEngine:
                              "out_proj, skip the parent: its submodules are skipped with it)")
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
-            return hessian_blocks(loss, self.layouts, self.approx)
+            coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                          and (m.training or m.running_mean is None) for m in self.batch_norms)
+            return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled)
         self.check_examples_align(capture.records, outputs)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)

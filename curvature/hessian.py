@@ -1,46 +1,66 @@
 """Exact Hessian blocks of the mean loss, by double backward (Hessian-vector products).
 
 The block of a module is ``∂²L/∂θ_m²`` for its covered parameters ``θ_m`` (cross-module
-blocks are dropped, like every shape here). Cost: ``P_m`` Hessian-vector products per
-module (batched through ``is_grads_batched``), so use it on small models or layers.
+blocks are dropped, like every shape here). Cost of a full block: ``P_m`` Hessian-vector products
+(batched through ``is_grads_batched``), so use it on small models or layers; a block needing
+more than :data:`curvature.cost.HVP_WARN` products is announced with a logging warning first.
+The diagonal of a Linear/Conv2d block needs only ``d_out·T`` products in the layer's output space
+(:mod:`curvature.hessian_diag`) when no BatchNorm couples the examples; other diagonal blocks
+take the ``P_m`` rows and keep their diagonal.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from .blocks import Block, DiagBlock, FullBlock, Layout
 from .blocks.base import compute_dtype
+from .cost import warn_hessian_products
+from .hvp import ProductRunner
+from .hessian_diag import diag_block, output_space_count, supports
 from .options import Approx
 
 _CHUNK = 256
 
 
-def _hessian_rows(flat_grad: Tensor, params: List[Tensor], rows: range) -> Tensor:
-    """Rows ``rows`` of ``∂ flat_grad / ∂ params``: ``[len(rows), P]``."""
-    p = flat_grad.numel()
-    eye = torch.zeros(len(rows), p, dtype=flat_grad.dtype, device=flat_grad.device)
+def _hessian_rows(runner: ProductRunner, p: int, rows: range, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Rows ``rows`` of ``∂ flat_grad / ∂ params`` (``runner`` over them): ``[len(rows), P]``."""
+    eye = torch.zeros(len(rows), p, dtype=dtype, device=device)
     eye[torch.arange(len(rows)), torch.tensor(list(rows))] = 1.0
-    try:
-        hv = torch.autograd.grad(flat_grad, params, grad_outputs=eye, is_grads_batched=True,
-                                 retain_graph=True, allow_unused=True)
-        parts = [h if h is not None else torch.zeros((len(rows),) + q.shape, dtype=flat_grad.dtype)
-                 for h, q in zip(hv, params)]
-        return torch.cat([h.reshape(len(rows), -1) for h in parts], dim=1)
-    except RuntimeError:  # an op without batching rule: fall back to one HVP at a time
-        out = []
-        for i in range(len(rows)):
-            hv = torch.autograd.grad(flat_grad, params, grad_outputs=eye[i], retain_graph=True, allow_unused=True)
-            out.append(torch.cat([(h if h is not None else torch.zeros_like(q)).reshape(-1)
-                                  for h, q in zip(hv, params)]))
-        return torch.stack(out)
+    return torch.cat([h.reshape(len(rows), -1) for h in runner.run(eye)], dim=1)
 
 
-def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, Approx]) -> Dict[str, Block]:
-    """Full or diagonal Hessian block of the scalar ``loss`` for every module in ``layouts``."""
+def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, Approx],
+                   records: Optional[Mapping[str, object]] = None,
+                   examples_independent: bool = False) -> Dict[str, Block]:
+    """Full or diagonal Hessian block of the scalar ``loss`` for every module in ``layouts``.
+
+    ``records``: the capture's ``ModuleRecord`` per module (inputs, output in the graph); with
+    ``examples_independent`` (nothing after a layer mixes the examples of the batch) the diagonal
+    blocks of Linear/Conv2d layers come from :func:`curvature.hessian_diag.diag_block` when that
+    needs fewer products than the ``P_m`` rows.
+    """
     names = list(layouts)
+    fast: Dict[str, Block] = {}
+    for name in names:
+        lay, rec = layouts[name], (records or {}).get(name)
+        if approx[name] is not Approx.DIAG or rec is None or not examples_independent \
+                or not supports(lay.module, lay.family, rec.output):
+            continue
+        p = sum(q.numel() for q in lay.params)
+        count = output_space_count(lay.module, rec.output)
+        if count >= p:
+            continue
+        warn_hessian_products(name, count, p, "diagonal")
+        diag = diag_block(loss, lay.module, rec.inputs, rec.output, list(lay.param_names))
+        if diag is None:
+            diag = torch.zeros(p, dtype=loss.dtype, device=loss.device)
+        fast[name] = DiagBlock(lay, diag.to(compute_dtype(diag.dtype)))
+    names = [n for n in names if n not in fast]
+    if not names:
+        return fast
     params = [p for n in names for p in layouts[n].params]
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     blocks: Dict[str, Block] = {}
@@ -52,10 +72,13 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
         i += len(mp)
         flat = torch.cat([g.reshape(-1) for g in mg])
         p = flat.numel()
+        warn_hessian_products(name, p, p, "full" if approx[name] is Approx.FULL else "diagonal")
         if not flat.requires_grad:  # the loss does not depend on this module at second order
             h_rows = [torch.zeros(min(_CHUNK, p - s), p, dtype=flat.dtype) for s in range(0, p, _CHUNK)]
         else:
-            h_rows = [_hessian_rows(flat, mp, range(s, min(s + _CHUNK, p))) for s in range(0, p, _CHUNK)]
+            runner = ProductRunner(flat, mp)
+            h_rows = [_hessian_rows(runner, p, range(s, min(s + _CHUNK, p)), flat.dtype, flat.device)
+                      for s in range(0, p, _CHUNK)]
         if approx[name] is Approx.FULL:
             h = torch.cat(h_rows, dim=0).detach()
             h = 0.5 * (h + h.t())
@@ -64,4 +87,4 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
             diag = torch.cat([r[:, s:s + r.shape[0]].diagonal() for r, s in
                               zip(h_rows, range(0, p, _CHUNK))]).detach()
             blocks[name] = DiagBlock(lay, diag.to(compute_dtype(diag.dtype)))
-    return blocks
+    return {n: fast[n] if n in fast else blocks[n] for n in layouts}

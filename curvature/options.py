@@ -5,8 +5,9 @@ the rest of the engine never compares magic strings.
 """
 from __future__ import annotations
 
+import difflib
 from enum import Enum
-from typing import Type, TypeVar
+from typing import List, Type, TypeVar
 
 E = TypeVar("E", bound=Enum)
 
@@ -68,4 +69,16 @@ def parse(enum_type: Type[E], value: object, what: str) -> E:
         raise ValueError(f"{what}={value!r} is another library's name (PyTorch-SSO's curv_type/curv_shapes, "
                          f"or a K-FAC spelling): here it is {new}; expected one of {choices} "
                          "(torchsso2.compat.pytorch_sso converts PyTorch-SSO's arguments)")
-    raise ValueError(f"{what}={value!r} is not supported; expected one of {choices}")
+    close = _close_matches(value, [m.value for m in enum_type])
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(f"{what}={value!r} is not supported{hint}; expected one of {choices}")
+
+
+def _close_matches(value: object, choices: List[str]) -> List[str]:
+    """The valid names closest to ``value`` (``"fisher-mc"`` → ``["fisher_mc"]``)."""
+    if not isinstance(value, str):
+        return []
+    normal = value.strip().lower().replace("-", "_").replace(" ", "_")
+    if normal in choices:
+        return [normal]
+    return difflib.get_close_matches(normal, choices, n=2, cutoff=0.6)

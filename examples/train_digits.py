@@ -50,7 +50,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from torchsso2.distributed import shutdown  # noqa: E402
 from examples.common import (DEFAULT_HIDDEN, DEFAULT_LR, DEFAULT_MOMENTUM, MLP_HIDDEN, OPTIMIZERS,  # noqa: E402
                              SSO_SETTINGS, EpochRecord, add_common_args, fit, load_digits_data, make_model,
-                             make_optimizer, num_batches, process_rank, progress_bar, setup_run, world_size)
+                             launch_note, make_optimizer, num_batches, process_rank, progress_bar, setup_run,
+                             world_size)
 
 
 def _per_shape(key: str, default: Any = None) -> str:
@@ -121,7 +122,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     arch = f"mlp 64-{'-'.join(map(str, hidden))}-10" if args.model == "mlp" else "cnn"
     print(f"digits: {len(data.y_train)} train / {len(data.y_test)} test images; model {arch} "
           f"({n_params} parameters); optimizer {args.optimizer} lr={lr:g}"
-          + (f" {overrides}" if overrides else ""), flush=True)
+          + (f" {overrides}" if overrides else "") + launch_note(), flush=True)
 
     steps_per_epoch = num_batches(len(data.y_train), args.batch_size)
     bar = progress_bar(args.epochs * steps_per_epoch, args.optimizer, args.no_progress)

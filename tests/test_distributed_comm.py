@@ -71,7 +71,7 @@ def _mpi_missing_reason() -> str | None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return "mpi4py is not installed (pip install torchsso2[mpi] or pip install mpich mpi4py)"
+        return "mpi4py is not installed (pip install mpi4py mpich)"
     if mpiexec_path() is None:
         return "mpiexec not found next to python or on PATH (pip install mpich)"
     return None
@@ -373,7 +373,7 @@ def test_get_communicator_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         get_communicator("torch")
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # make `import mpi4py` fail
-    with pytest.raises(ImportError, match=r"pip install torchsso2\[mpi\]"):
+    with pytest.raises(ImportError, match=r"pip install mpi4py mpich"):
         get_communicator("mpi")
 
 

@@ -17,8 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytest.importorskip("sklearn", reason="the examples need scikit-learn (pip install torchsso2[examples])")
-pytest.importorskip("matplotlib", reason="the examples save PNGs (pip install torchsso2[examples])")
+pytest.importorskip("sklearn", reason='the examples need scikit-learn (pip install -e ".[examples]")')
+pytest.importorskip("matplotlib", reason='the examples save PNGs (pip install -e ".[examples]")')
 
 
 def run_script(script: str, *args: str, timeout: float = 120.0) -> str:

@@ -566,7 +566,8 @@ class Seq3d(nn.Module):
 @pytest.mark.parametrize("in_hook,micro", [(True, 1), (False, 2)])
 def test_matches_kfac_pytorch(kind, method, prediv, in_hook, micro, record_property):
     """Our preconditioned gradients equal kfac_pytorch's on the same model, data and arguments."""
-    kfac = pytest.importorskip("kfac.preconditioner")
+    kfac = pytest.importorskip("kfac.preconditioner", reason="kfac_pytorch is not installed: "
+                               "pip install kfac-pytorch==0.4.2 (README, 'How we know the math is right')")
     torch.manual_seed(0)
     model = Seq3d() if kind == "seq3d" else build(kind, dtype=torch.float32)
     if kind == "mlp":
@@ -586,7 +587,7 @@ def test_matches_kfac_pytorch(kind, method, prediv, in_hook, micro, record_prope
     record_property("max_rel_diff", worst)
     print(f"kfac_pytorch vs torchsso2 [{kind} {method} prediv={prediv} in_hook={in_hook} micro={micro}]: "
           f"max relative difference {worst:.2e}")
-    assert worst < 1e-4
+    assert worst <= 5e-6  # README: matches kfac_pytorch 0.4.2 to ≤ 5e-6
 
 
 def test_module_called_twice_per_forward_contributes_both_calls():

@@ -38,7 +38,7 @@ def test_second_order_param_groups_per_group_lr_momentum_weight_decay():
     (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
     lam = 1e-2
     fc1, fc2 = [model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias]
-    opt = SecondOrderOptimizer(model, lr=0.05, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=0.05, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
                                ema_decay=0.0, params=[dict(params=fc1, lr=0.1, momentum=0.5, weight_decay=0.1),
                                                       dict(params=fc2, lr=0.02)])
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.02]
@@ -62,7 +62,7 @@ def test_vi_param_groups_per_group_lr():
     model, (x, y) = tiny_mlp(), batch()
     delta = 2.0
     fc1, fc2 = [model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias]
-    opt = VIOptimizer(model, dataset_size=N_DATA, lr=0.01, curvature="fisher", approx="kfac", prior_precision=delta,
+    opt = VIOptimizer(model, dataset_size=N_DATA, lr=0.01, curvature_init=None, curvature="fisher", approx="kfac", prior_precision=delta,
                       params=[dict(params=fc1, lr=0.05), dict(params=fc2, momentum=0.0)])
     lr = lr_vector(model, {**{id(p): 0.05 for p in fc1}, **{id(p): 0.01 for p in fc2}})
     c = reference_curvature(model, x, y, approx="kfac")
@@ -101,7 +101,7 @@ def test_step_lr_scheduler_changes_the_effective_step():
     model = tiny_mlp()
     (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
     lr, lam, gamma = 0.2, 1e-2, 0.1
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
                                ema_decay=0.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
     zero = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)

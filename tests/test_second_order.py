@@ -49,7 +49,7 @@ def test_one_step_equals_hand_update(model_name, approx):
     lr, lam = 0.3, 1e-2
     delta, _, _ = hand_update(model, x, y, approx=approx, damping=lam)
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx=approx, damping=lam)
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher", approx=approx, damping=lam)
     loss, out = opt.step(make_closure(opt, model, x, y))
     assert torch.allclose(loss, F.cross_entropy(out, y))
     expected = theta0 - lr * delta
@@ -90,7 +90,7 @@ def test_one_step_equals_hand_update_inverse_method(model_name):
             op[i, i] += shift[name]
     delta = torch.linalg.solve(op, grad_vec(model, x, y))
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher", approx="kfac", damping=lam,
                                kfac_method="inverse")
     opt.step(make_closure(opt, model, x, y))
     assert any(isinstance(b, KFACBlock) for b in c.blocks.values())
@@ -113,7 +113,7 @@ def test_one_step_with_weight_decay(approx):
     delta, _, _ = hand_update(model, x, y, approx=approx, damping=lam,
                               weight_decay={id(p): wd for p in model.parameters()})
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, weight_decay=wd, curvature="fisher", approx=approx,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, weight_decay=wd, curvature="fisher", approx=approx,
                                damping=lam)
     opt.step(make_closure(opt, model, x, y))
     assert torch.allclose(param_vec(model), theta0 - lr * delta, rtol=1e-9, atol=1e-11)
@@ -125,7 +125,7 @@ def test_momentum_and_curvature_ema_over_two_steps(approx):
     model = tiny_mlp()
     (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
     lr, lam, mom, ema = 0.1, 1e-2, 0.9, 0.6
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=mom, curvature="fisher", approx=approx, damping=lam,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=mom, curvature="fisher", approx=approx, damping=lam,
                                ema_decay=ema)
     theta0 = param_vec(model)
     d1, _, c1 = hand_update(model, x1, y1, approx=approx, damping=lam)
@@ -157,7 +157,7 @@ def test_uncovered_module_gets_plain_sgd_update():
                               weight_decay={id(p): wd for p in model.parameters()})
     assert [id(p) for p in c.params] == [id(model.fc1.weight), id(model.fc1.bias)]
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, weight_decay=wd, curvature="fisher", approx="kfac",
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, weight_decay=wd, curvature="fisher", approx="kfac",
                                damping=lam, skip_modules=["fc2"])
     opt.step(make_closure(opt, model, x, y))
     assert torch.allclose(param_vec(model), theta0 - lr * delta, rtol=1e-9, atol=1e-11)
@@ -178,7 +178,7 @@ def test_norm_layers_under_default_shapes():
     delta, _, c = hand_update(model, x, y, approx=shapes, damping=lam)
     assert c.approx == {"fc1": "kfac", "bn": "diag", "ln": "diag", "fc2": "kfac"}
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx=None, damping=lam)
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher", approx=None, damping=lam)
     opt.step(make_closure(opt, model, x, y))
     assert torch.allclose(param_vec(model), theta0 - lr * delta, rtol=1e-9, atol=1e-11)
     # full blocks for the norm layers would give another step
@@ -193,7 +193,7 @@ def test_fisher_mc_uses_the_seeded_generator():
     delta, _, _ = hand_update(model, x, y, approx="kfac", damping=lam, kind="fisher_mc",
                               generator=torch.Generator().manual_seed(seed))
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher_mc", approx="kfac", damping=lam,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher_mc", approx="kfac", damping=lam,
                                seed=seed)
     opt.step(make_closure(opt, model, x, y))
     assert torch.allclose(param_vec(model), theta0 - lr * delta, rtol=1e-9, atol=1e-11)
@@ -210,7 +210,7 @@ def test_other_curvature_kinds(kind, pass_targets):
     approx = "full" if kind == "hessian" else "kfac"
     delta, _, _ = hand_update(model, x, y, approx=approx, damping=lam, kind=kind)
     theta0 = param_vec(model)
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature=kind, approx=approx, damping=lam)
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature=kind, approx=approx, damping=lam)
     opt.step(make_closure(opt, model, x, y), targets=y if pass_targets else None)
     assert torch.allclose(param_vec(model), theta0 - lr * delta, rtol=1e-9, atol=1e-11)
 
@@ -221,7 +221,7 @@ def test_update_intervals(curv_interval, inv_interval):
     model = tiny_mlp()
     (x1, y1), (x2, y2), (x3, y3) = batch(seed=1), batch(seed=2), batch(seed=3)
     lr, lam = 0.1, 1e-2
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx="full", damping=lam,
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher", approx="full", damping=lam,
                                ema_decay=0.0, curv_update_interval=curv_interval, inv_update_interval=inv_interval)
     d1, _, c1 = hand_update(model, x1, y1, approx="full", damping=lam)
     opt.step(make_closure(opt, model, x1, y1))
@@ -292,7 +292,7 @@ def test_natural_gradient_beats_sgd_on_logistic_regression():
                 opt.step()
         return max_iter
 
-    ng = iterations(lambda m: SecondOrderOptimizer(m, lr=1.0, momentum=0.0, weight_decay=wd, curvature="fisher",
+    ng = iterations(lambda m: SecondOrderOptimizer(m, kl_clip=None, lr=1.0, momentum=0.0, weight_decay=wd, curvature="fisher",
                                                    approx="full", damping=wd, ema_decay=0.0), max_iter=50)
     assert ng <= 10, ng
     # SGD only has to be run for 5·ng iterations to know whether it needs 5x more (the best of the
@@ -321,18 +321,22 @@ def test_kl_clip_factor(kl_clip, clipped):
     assert torch.allclose(param_vec(model), theta0 - lr * nu * delta, rtol=1e-9, atol=1e-12)
 
 
-def test_kl_clip_and_adaptive_damping_are_off_by_default():
+def test_kl_clip_on_and_adaptive_damping_off_by_default():
+    """Defaults: damping 0.1, KL clip 1e-3 (kfac_pytorch's), no LM adaptation. With a huge lr the
+    first step is the hand update scaled by ``ν = sqrt(kl_clip / (lr² Δᵀg))`` (issue 33 item 5)."""
     model, (x, y) = tiny_mlp(), batch()
-    opt = SecondOrderOptimizer(model, lr=5.0, curvature="fisher")  # a huge lr: LM would react, KL clip would clip
-    assert opt.kl_clip is None and opt.lm is None and opt.damping == 1e-3
-    delta, _, _ = hand_update(model, x, y, approx="kfac", damping=1e-3)
+    opt = SecondOrderOptimizer(model, lr=5.0, curvature="fisher")  # a huge lr: LM would react, KL clip clips
+    assert opt.kl_clip == 1e-3 and opt.lm is None and opt.damping == 0.1
+    delta, g, _ = hand_update(model, x, y, approx="kfac", damping=0.1)
+    nu = min(1.0, math.sqrt(1e-3 / (25.0 * float(delta @ g))))
+    assert nu < 0.1  # the clip is active here
     theta0 = param_vec(model)
     closure = make_closure(opt, model, x, y)
     opt.step(closure)
-    assert torch.allclose(param_vec(model), theta0 - 5.0 * delta, rtol=1e-9, atol=1e-11)
+    assert torch.allclose(param_vec(model), theta0 - 5.0 * nu * delta, rtol=1e-9, atol=1e-11)
     for _ in range(10):
         opt.step(closure)
-    assert opt.damping == 1e-3
+    assert opt.damping == 0.1
 
 
 def _linear_gaussian(seed: int = 0):
@@ -350,7 +354,7 @@ def test_adaptive_damping_levenberg_marquardt(lr, direction):
     sensible lr (damping ×0.95), while lr = 5 overshoots: the loss goes *up*, ρ < 0 (damping ÷0.95)."""
     model, x, y = _linear_gaussian()
     lam, omega = 1e-3, 0.95
-    opt = SecondOrderOptimizer(model, lr=lr, momentum=0.0, curvature="fisher", approx="full", loss="mse",
+    opt = SecondOrderOptimizer(model, kl_clip=None, lr=lr, momentum=0.0, curvature="fisher", approx="full", loss="mse",
                                damping=lam, adaptive_damping=True, damping_adaptation_interval=1,
                                damping_adaptation_decay=omega)
     closure = make_closure(opt, model, x, y, loss="mse")

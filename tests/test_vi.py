@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -37,12 +37,13 @@ def hand_vi_direction(model: nn.Module, x: Tensor, y: Tensor, *, approx, n: floa
 # ---- one step and two steps by hand ---------------------------------------------------------------------
 @pytest.mark.parametrize("approx", ["full", "diag", "kfac"])
 def test_first_step_equals_hand_update(approx):
-    """Step 1 has no noise (no curvature yet, init_precision=None): μ1 = μ0 − lr·P⁻¹(N·g + τδ·μ0)."""
+    """Step 1 has no noise (no curvature yet, init_precision=None, curvature_init=None: the EMA starts at
+    the first batch): μ1 = μ0 − lr·P⁻¹(N·g + τδ·μ0)."""
     model, (x, y) = tiny_mlp(), batch()
     lr, delta, tau, damp = 0.05, 2.0, 0.5, 0.3
     step, _, _ = hand_vi_direction(model, x, y, approx=approx, n=N_DATA, tau_delta=tau * delta, damping=damp)
     mu0 = param_vec(model)
-    opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
+    opt = VIOptimizer(model, curvature_init=None, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
                       kl_weighting=tau, damping=damp, momentum=0.9)
     seen: List[Dict[str, Tensor]] = []
     loss, out = opt.step(make_closure(opt, model, x, y, record=seen))
@@ -58,7 +59,7 @@ def test_uncovered_params_keep_a_point_estimate():
     step, r, _ = hand_vi_direction(model, x, y, approx="kfac", n=N_DATA, tau_delta=delta, damping=0.0,
                                    skip_modules=["fc2"])
     mu0 = param_vec(model)
-    opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx="kfac", prior_precision=delta,
+    opt = VIOptimizer(model, curvature_init=None, dataset_size=N_DATA, lr=lr, curvature="fisher", approx="kfac", prior_precision=delta,
                       skip_modules=["fc2"], momentum=0.0)
     closure = make_closure(opt, model, x, y)
     opt.step(closure)
@@ -79,7 +80,7 @@ def test_second_step_with_sampled_weights_and_momentum(approx):
     model = tiny_mlp()
     (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
     lr, delta, mom, ema = 0.05, 2.0, 0.8, 0.7
-    opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
+    opt = VIOptimizer(model, curvature_init=None, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
                       momentum=mom, ema_decay=ema, seed=3)
     s1, r1, c1 = hand_vi_direction(model, x1, y1, approx=approx, n=N_DATA, tau_delta=delta, damping=0.0)
     seen: List[Dict[str, Tensor]] = []
@@ -105,7 +106,7 @@ def test_two_mc_samples_average_gradients_and_curvature(approx):
     init_precision at step 1), and uses the average gradient and curvature (factor-wise for K-FAC)."""
     model, (x, y) = tiny_mlp(), batch()
     lr, delta, init_prec = 0.05, 2.0, 100.0
-    opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
+    opt = VIOptimizer(model, curvature_init=None, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
                       num_mc_samples=2, init_precision=init_prec, momentum=0.0, seed=0)
     mu0 = param_vec(model)
     seen: List[Dict[str, Tensor]] = []
@@ -126,17 +127,20 @@ def test_two_mc_samples_average_gradients_and_curvature(approx):
 
 
 # ---- 7. Bayesian linear regression: the exact case ---------------------------------------------------------
-def _blr(approx: str, *, prior: float = 20.0, kl_weighting: float = 1.0, lr: float = 0.5, seed: int = 0):
+def _blr(approx: str, *, prior: float = 20.0, kl_weighting: float = 1.0, lr: float = 0.5, seed: int = 0,
+         start: Optional[Dict[str, float]] = None):
     x, y = linreg_data(n=200, d=3)
     torch.manual_seed(seed)
     model = nn.Linear(3, 1, bias=False).double()
     opt = VIOptimizer(model, dataset_size=len(x), lr=lr, curvature="fisher", approx=approx, loss="mse",
-                      prior_precision=prior, kl_weighting=kl_weighting, damping=0.0, momentum=0.0, seed=seed)
+                      prior_precision=prior, kl_weighting=kl_weighting, damping=0.0, momentum=0.0, seed=seed,
+                      **(start if start is not None else dict(curvature_init=None)))
     return model, opt, x, y
 
 
+@pytest.mark.parametrize("start", [dict(curvature_init=None), dict(ema_decay=0.0)], ids=["first-batch", "default-start"])
 @pytest.mark.parametrize("approx", ["full", "diag", "kfac"])
-def test_bayesian_linear_regression_posterior(approx):
+def test_bayesian_linear_regression_posterior(approx, start):
     """P = XᵀX + δI (diag: diag(XᵀX) + δ) exactly, and the mean → (XᵀX + δI)⁻¹Xᵀy.
 
     The Fisher of a linear-Gaussian model does not depend on the weights, so P is exact from the
@@ -148,8 +152,12 @@ def test_bayesian_linear_regression_posterior(approx):
     S); the tolerance is 5 of those standard deviations per coordinate (here ≈ 0.018; the
     observed errors are 0.1-1.7 of them over seeds, and the prior moves μ* away from the
     least-squares solution by 2.6-40 tolerances).
+
+    The EMA starts at the first batch (``curvature_init=None``), or at the default
+    ``curvature_init·I`` with ``ema_decay=0`` (the Fisher is constant here, so no EMA is needed and the
+    first batch replaces the start; the first step samples from the start's posterior).
     """
-    model, opt, x, y = _blr(approx)
+    model, opt, x, y = _blr(approx, start=start)
     prior = 20.0
     xtx = x.t() @ x
     eye = torch.eye(3, dtype=torch.float64)
@@ -189,7 +197,7 @@ def test_prior_variance_and_kl_weighting_enter_the_precision_as_tau_delta():
         torch.manual_seed(0)
         model = nn.Linear(3, 1, bias=False).double()
         opt = VIOptimizer(model, dataset_size=200, lr=0.1, curvature="fisher", approx="full", loss="mse",
-                          momentum=0.0, **kw)
+                          momentum=0.0, curvature_init=None, **kw)
         opt.step(make_closure(opt, model, x, y, loss="mse"))
         assert torch.allclose(opt.posterior_precision(), (xtx + expected_shift * eye) / tau, rtol=0, atol=1e-7), kw
 
@@ -377,3 +385,86 @@ def test_checkpoint_of_the_summed_loss_momentum_is_converted():
         other.load_state_dict(sd)
         for p, q in zip(opt.param_groups[0]["params"], other.param_groups[0]["params"]):
             assert torch.allclose(opt.state[p]["momentum_buffer"], other.state[q]["momentum_buffer"], rtol=1e-12)
+
+
+# ---- the start of the curvature EMA (issue 27, "defaults that work") ------------------------------------
+@pytest.mark.parametrize("name", ["mlp", "cnn", "norm_mlp", "embedding"])
+@pytest.mark.parametrize("approx", ["diag", "kfac", "full"])
+def test_isotropic_blocks_are_value_times_identity(name, approx):
+    """``isotropic_blocks(fresh, h)``: blocks of the same types and layouts whose dense form is h·I."""
+    from models import MODELS
+    from torchsso2.optim.vi_start import isotropic_blocks
+
+    build, make_batch = MODELS[name]
+    model = build()
+    x, y = make_batch(4, "cross_entropy")
+    c = reference_curvature(model, x, y, approx=approx)
+    before = [t.clone() for b in c.blocks.values() for t in b.tensors()]
+    iso = isotropic_blocks(c.blocks, 0.7)
+    assert set(iso) == set(c.blocks)
+    for key, blk in iso.items():
+        assert type(blk) is type(c.blocks[key]) and blk.layout is c.blocks[key].layout
+        dense = blk.dense()
+        assert torch.allclose(dense, 0.7 * torch.eye(dense.shape[0], dtype=dense.dtype), rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for b in c.blocks.values() for t in b.tensors()]))
+
+
+@pytest.mark.parametrize("approx", ["full", "diag", "kfac"])
+def test_first_step_starts_the_ema_at_curvature_init(approx):
+    """Default start: step 1 samples θ_s = μ0 + z/√p0 (z of noise_seed(seed, 0, 0), p0 = (N·h + τδ + d)/τ),
+    folds the batch's curvature at θ_s into C₀ = h·I: C = e·h·I + (1 − e)·C(θ_s; x), and moves
+    μ1 = μ0 − lr·P⁻¹(N·g(θ_s) + τδ·μ0), P = N·C + (τδ + d)·I. Everything by hand."""
+    from curvature.blocks import DiagBlock, FullBlock, KFACBlock
+    from torchsso2.optim.grid import noise_seed
+
+    model, (x, y) = tiny_mlp(), batch()
+    lr, delta, tau, damp, ema, h = 0.05, 2.0, 0.5, 0.3, 0.9, 0.4
+    mu0 = param_vec(model)
+    opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx, prior_precision=delta,
+                      kl_weighting=tau, damping=damp, momentum=0.9, ema_decay=ema, curvature_init=h, seed=5)
+    seen: List[Dict[str, Tensor]] = []
+    opt.step(make_closure(opt, model, x, y, record=seen))
+    sampled = set_params(tiny_mlp(), seen[0])
+    p0 = (N_DATA * h + tau * delta + damp) / tau
+    z = torch.randn(mu0.numel(), generator=torch.Generator().manual_seed(noise_seed(5, 0, 0)), dtype=mu0.dtype)
+    assert torch.allclose(param_vec(sampled) - mu0, z / p0 ** 0.5, rtol=1e-10, atol=1e-13)
+    c = reference_curvature(sampled, x, y, approx=approx)
+    start = {}
+    for key, blk in c.blocks.items():
+        if isinstance(blk, DiagBlock):
+            start[key] = DiagBlock(blk.layout, torch.full_like(blk.diagonal, h))
+        elif isinstance(blk, FullBlock):
+            start[key] = FullBlock(blk.layout, h * torch.eye(blk.matrix.shape[0], dtype=blk.matrix.dtype))
+        else:
+            assert isinstance(blk, KFACBlock)
+            start[key] = KFACBlock(blk.layout, h ** 0.5 * torch.eye(blk.left.shape[0], dtype=blk.left.dtype),
+                                   h ** 0.5 * torch.eye(blk.right.shape[0], dtype=blk.right.dtype))
+    run = ema_blocks(start, c.blocks, ema)
+    op = full_operator(sampled, run, c.params, N_DATA, tau * delta + damp, uncovered_diag=N_DATA)
+    r = N_DATA * grad_vec(sampled, x, y) + tau * delta * mu0
+    assert torch.allclose(param_vec(model), mu0 - lr * torch.linalg.solve(op, r), rtol=1e-9, atol=1e-12)
+    dense = torch.block_diag(*[b.dense() for b in run.values()])
+    assert torch.allclose(opt.posterior_precision(),
+                          (N_DATA * dense + (tau * delta + damp) * torch.eye(dense.shape[0], dtype=dense.dtype)) / tau,
+                          rtol=1e-10, atol=1e-10)
+
+
+
+@pytest.mark.parametrize("approx", ["diag", "kfac"])
+def test_kl_clip_scales_the_mean_step(approx):
+    """First step (EMA from the first batch, no noise) with an active KL clip: u = P⁻¹r on covered
+    params (r = N·g + τδ·μ0), the mean-loss momentum m = r/N, ν = √(kl_clip / (lr²·uᵀm)),
+    μ1 = μ0 − ν·lr·u; with a huge kl_clip ν = 1 (the unclipped step). fc3 is left out of the
+    posterior: u = m there, inside the same sum."""
+    for kl, clipped in [(1e-6, True), (1e6, False)]:
+        model, (x, y) = tiny_mlp(), batch()
+        lr, delta = 0.05, 2.0
+        step, r, _ = hand_vi_direction(model, x, y, approx=approx, n=N_DATA, tau_delta=delta, damping=0.0,
+                                       skip_modules=["fc3"])
+        mu0 = param_vec(model)
+        opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx,
+                          prior_precision=delta, curvature_init=None, kl_clip=kl, skip_modules=["fc3"])
+        opt.step(make_closure(opt, model, x, y))
+        nu = min(1.0, (kl / (lr * lr * float(step @ (r / N_DATA)))) ** 0.5)
+        assert (nu < 0.1) if clipped else (nu == 1.0)
+        assert torch.allclose(param_vec(model), mu0 - nu * lr * step, rtol=1e-9, atol=1e-12)

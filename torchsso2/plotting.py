@@ -1,4 +1,4 @@
-"""Plotting helpers (optional dependency: ``pip install torchsso2[plot]``).
+"""Plotting helpers (optional dependency: ``pip install matplotlib``).
 
 matplotlib is imported lazily inside each function, and figures are rendered
 with the Agg canvas directly (``matplotlib.figure.Figure`` +
@@ -16,7 +16,7 @@ from torchsso2.metrics import ReliabilityData
 
 __all__ = ["save_reliability_diagram"]
 
-_INSTALL_HINT = "pip install torchsso2[plot]"
+_INSTALL_HINT = "pip install matplotlib (or, from a checkout, pip install -e \".[plot]\")"
 
 
 def _import_matplotlib():
@@ -55,7 +55,7 @@ def save_reliability_diagram(
         ``Path(path)``.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install torchsso2[plot]``).
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
         TypeError: ``data`` is not a ReliabilityData or a mapping of them.
         ValueError: ``data`` is an empty mapping.
     """

@@ -159,6 +159,7 @@ class SecondOrderOptimizer(_NativeSO):
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="preconditioned")
         self.decoupled_weight_decay = float(weight_decay)
+        native.setdefault("kl_clip", None)  # PyTorch-SSO has no KL clip (the native default clips)
         super().__init__(model, lr=lr, momentum=momentum, weight_decay=float(l2_reg), curvature=kind,
                          approx=conv.approx_map(model, curv_shapes), damping=damping + float(l2_reg),
                          kfac_method="inverse", ema_decay=ema_decay, mc_samples=mc, **native)
@@ -217,6 +218,9 @@ class VIOptimizer(_NativeVI):
         # θ ← θ − lr·wd·θ with PyTorch-SSO's lr (a gradient EMA scaled the native lr by d)
         self.decoupled_weight_decay = float(weight_decay) * (lr_given / lr if lr else 1.0)
         self.val_num_mc_samples = val_num_mc_samples  # PyTorch-SSO's default of predict(); pass num_samples here
+        # PyTorch-SSO: no KL clip, and the curvature average starts at the first batch (or init_precision)
+        native.setdefault("kl_clip", None)
+        native.setdefault("curvature_init", None)
         super().__init__(model, n, lr=lr, curvature=kind, approx=approx, prior_variance=float(prior_variance),
                          num_mc_samples=num_mc_samples, kl_weighting=float(kl_weighting), momentum=momentum,
                          ema_decay=ema_decay, damping=damping * n, mc_samples=mc, seed=seed, **native)

@@ -38,7 +38,7 @@ MPI_SIZE_ENV_VARS: tuple[str, ...] = (
 )
 """Environment variables through which MPI launchers announce the world size."""
 
-INSTALL_HINT = "install the MPI extra: `pip install torchsso2[mpi]` (or `pip install mpich mpi4py`)"
+INSTALL_HINT = "`pip install mpi4py mpich` (or, from a checkout, `pip install -e \".[mpi]\"`)"
 
 _ExceptHook = Callable[[type[BaseException], BaseException, Optional[TracebackType]], Any]  # runtime alias: 3.9-safe
 

@@ -25,7 +25,7 @@ from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError, get_backend
-from curvature.options import Kind
+from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
@@ -34,6 +34,8 @@ from .plan import PlanCache, ScalarCache, params_with_grad
 from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
                            is_second_forward_reuse)
 from .checkpoint import check_checkpoint
+from .misuse import ClosureWatch, check_model_argument, check_option
+from .reporting import worth_reporting
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepUndo, diagnose
 from .validation import MAX_LR, check_choice, check_int, check_nonempty_batch, check_number, unpack_closure_result
 
@@ -81,8 +83,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_model_argument(model, type(self).__name__)
+        check_option(Kind, curvature, "curvature")
         self.model = model
         self.engine = CurvatureEngine(model, kind=curvature, approx=approx, loss=loss, mc_samples=mc_samples,
                                       skip_modules=skip_modules, output_selector=output_selector)
@@ -148,9 +150,12 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
         if closure is None or not callable(closure):
             raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
+        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY,
+                             self.__dict__.setdefault("_misuse", {}))
         if not estimate:
-            with torch.enable_grad():
+            with torch.enable_grad(), watch:
                 loss, output = unpack_closure_result(closure())
+            watch.after()
             return loss, output, None
         engine = self.engine
         if engine.kind is Kind.HESSIAN and targets is None:
@@ -165,21 +170,24 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             # weighted by batch size, so K micro-batches of B equal one batch of K·B.
             check_nonempty_batch(out)
             if from_backward:
+                watch.observe_output(out)
                 return
             rows = micro.next(out.shape[0])
             if not all_finite([out]):
                 acc.nonfinite = True
             else:
                 acc.add(engine.estimate(cap, out, rows, self.generator), out.shape[0])
+            watch.observe_output(out)  # after the engine's own backward passes: sees the user's only
             cap.records.clear()
 
-        with torch.enable_grad(), engine.capture(on_output=on_output, record_backward=from_backward) as cap:
+        with torch.enable_grad(), watch, engine.capture(on_output=on_output, record_backward=from_backward) as cap:
             try:
                 loss, output = unpack_closure_result(closure())
             except ValueError as err:
                 if from_backward and is_second_forward_reuse(err, len(cap.outputs)):
                     raise ValueError(ACCUMULATION_NEEDS_TARGETS) from err
                 raise
+        watch.after()
         micro.finish()
         if from_backward:
             if len(cap.outputs) > 1:
@@ -326,7 +334,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         limit = self._streak.limit
         details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""
         streak = self._streak.skipped(self.num_steps, what, details)
-        logger.warning("step %d skipped: non-finite %s (skipped so far: %d)", self.num_steps, what, self.num_skipped)
+        # one line for the 1st, 2nd, 5th, 10th, 20th, ... skip (the others at DEBUG level)
+        (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
+            "step %d skipped: non-finite %s (skipped so far: %d; logged at 1, 2, 5, 10, 20, ... skips)",
+            self.num_steps, what, self.num_skipped)
         if streak in (10, 100, 1000) and (limit is None or streak < limit):
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "

@@ -13,7 +13,8 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
 1. draw ``num_mc_samples`` weight samples ``θ_s = μ + ε_s``, ``ε_s ~ N(0, τ·Λ⁻¹)``;
 2. run the closure at each sample (forward + backward) and average gradients ``ḡ`` and curvature;
 3. restore ``μ``; fold the curvature into the EMA and decompose ``Λ``;
-4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − lr·Λ⁻¹ m`` (VOGN; ``diag`` = VOGN,
+   (the EMA starts at ``curvature_init·I``, default 1: IVON's ``hess_init``);
+4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − ν·lr·Λ⁻¹ m`` (``ν``: the KL clip, default 0.1; VOGN; ``diag`` = VOGN,
    ``kfac`` = noisy K-FAC, ``full`` = full covariance per module). The buffer in ``state`` holds
    ``m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
 
@@ -44,11 +45,37 @@ from curvature.options import LossType
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
+from .misuse import eval_mode
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
-from .steps import add_scaled_, natural_momentum_, preconditioned_descent_
+from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
+from .reparam import reparam_diagonal, reparam_ema_
+from .vi_start import isotropic_blocks
+
+#: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
+#: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
+#: ≈ 1/√N (0.024 on the digits) and the first mean steps are ≈ ``lr·m``, SGD with momentum at
+#: ``lr``; the slow EMA (``ema_decay`` 0.999) then moves C to the data's curvature. Starting
+#: from the first batch's estimate instead (``curvature_init=None``) gave
+#: steps ``N/(τδ)`` times the gradient along its near-zero directions: non-finite losses after
+#: ~45 steps at lr 1e-2 on the digits MLP. 0.1 diverged at lr 0.1 (loss 3.9e4); 1 trains for
+#: lr from 1e-3 to 0.3 (tests/test_defaults.py).
+DEFAULT_CURVATURE_INIT = 1.0
+
+#: Default learning rate of the mean: the middle of the 100× range (1e-3 … 1e-1) in which the
+#: defaults train the digits MLP without a skipped step; with ``curvature_init`` = 1 the first
+#: steps are SGD's at this lr (with momentum 0.9).
+DEFAULT_VI_LR = 1e-2
+
+#: Default KL clip of the mean's step (kfac_pytorch's ``kl_clip`` idea applied to VI): the step
+#: ``lr·u``, ``u = N·Λ⁻¹m``, is scaled by ``ν = min(1, √(kl_clip / (lr²·uᵀm)))``, a bound on
+#: the step's size under the per-example precision ``Λ/N``. While ``C`` is near its start it is
+#: inactive for lr <= 0.1 on the digits MLP; as the slow EMA moves ``C`` to the data's (smaller)
+#: curvature the steps grow, and without it lr 0.1 drifted up late (40 epochs: batch loss back
+#: to 4.9, final 0.165 instead of 0.004); with it lr 0.3 and 1.0 train too. ``None``: off.
+DEFAULT_VI_KL_CLIP = 0.1
 
 
 #: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
@@ -100,15 +127,32 @@ class VIOptimizer(CurvatureOptimizer):
     Args:
         model: the network; its weights are the posterior mean.
         dataset_size: N, the number of training examples (>= 1).
-        lr: step size of the mean (and of nothing else: the precision is an EMA).
+        lr: step size of the mean (and of nothing else: the precision is an EMA). Default
+            :data:`DEFAULT_VI_LR` = 1e-2 (the defaults train for lr in 1e-3 … 1e-1, see there).
         curvature: kind of curvature (default ``"fisher_mc"``); ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
-        prior_precision / prior_variance: isotropic Gaussian prior (give at most one).
+            ``"reparam"`` (with ``approx="diag"``): IVON's estimator ``ĥ = g ⊙ ε/σ²`` from the gradient
+            at the weight sample, no second backward pass (:mod:`torchsso2.optim.reparam`); its EMA
+            uses IVON's positivity-preserving update.
+        prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
+            precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
+            so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
+            do not see).
         init_precision: precision of the isotropic Gaussian sampled at the first step, before any
-            curvature is known (default: no noise at the first step).
+            curvature is known (default: that of the starting curvature, ``(N·curvature_init + τδ +
+            damping)/τ``; with ``curvature_init=None`` too: no noise at the first step).
+        curvature_init: the curvature EMA starts at ``curvature_init·I`` (IVON's ``hess_init``; the
+            first batch is folded in with weight ``1 − ema_decay``), so the first samples are
+            small and the first steps bounded. Default :data:`DEFAULT_CURVATURE_INIT` = 1 (see
+            there why). ``None``: start at the first batch's estimate (a batch's curvature with
+            near-zero directions then gives huge first steps unless ``prior_precision`` or
+            ``damping`` is large).
         num_mc_samples: weight samples per step (the closure runs once per sample).
         kl_weighting: τ > 0, weight of the KL term; the posterior covariance is τ·(N·C + τδ + damping)⁻¹
             (τ < 1: a cold, narrower posterior).
-        momentum, ema_decay, damping: see the module docstring.
+        kl_clip: bound on the mean's step, see :data:`DEFAULT_VI_KL_CLIP` (default 0.1; ``None``: off).
+        momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD), 0.999 (a
+            slow EMA, as IVON's β₂: the posterior's curvature averages over ~1000 steps of weight
+            samples and batches), 0.0 (the prior alone keeps Λ positive definite).
         loss: ``"cross_entropy"`` or ``"mse"``.
         seed: seed of the sampling generator (saved in state_dict).
         skip_modules: module names (regex), class names or types, each with its submodules, left
@@ -125,7 +169,7 @@ class VIOptimizer(CurvatureOptimizer):
             leaves the step count, hence the weight noise and the schedule, unchanged).
     """
 
-    def __init__(self, model: nn.Module, dataset_size: int, lr: float = 1e-3, *,
+    def __init__(self, model: nn.Module, dataset_size: int, lr: float = DEFAULT_VI_LR, *,
                  curvature: str = "fisher_mc", approx: Any = "diag", prior_precision: Optional[float] = None,
                  prior_variance: Optional[float] = None, init_precision: Optional[float] = None,
                  num_mc_samples: int = 1, kl_weighting: float = 1.0, momentum: float = 0.9,
@@ -136,7 +180,9 @@ class VIOptimizer(CurvatureOptimizer):
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  mc_parallel: int = 1, output_selector: Any = None,
-                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
+                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+                 curvature_init: Optional[float] = DEFAULT_CURVATURE_INIT,
+                 kl_clip: Optional[float] = DEFAULT_VI_KL_CLIP) -> None:
         check_not_pytorch_sso_call(lr, "VIOptimizer")
         self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)
         check_number("lr", lr, low=0.0, high=MAX_LR)
@@ -150,12 +196,18 @@ class VIOptimizer(CurvatureOptimizer):
                                                 low=0.0)
         self.init_precision = None if init_precision is None else \
             check_number("init_precision", init_precision, low=0.0, low_open=True)
+        self.curvature_init = None if curvature_init is None else \
+            check_number("curvature_init", curvature_init, low=0.0, low_open=True)
+        self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
         self.num_mc_samples = check_int("num_mc_samples", num_mc_samples)
         self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0, low_open=True)
         self.damping = check_number("damping", damping, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         defaults = dict(lr=lr, momentum=momentum)
-        super().__init__(model, params, defaults, curvature=curvature, approx=approx, loss=loss,
+        #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
+        self.reparam = curvature == "reparam"
+        super().__init__(model, params, defaults, curvature="fisher" if self.reparam else curvature, approx=approx,
+                         loss=loss,
                          mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
                          curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
                          on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
@@ -166,9 +218,44 @@ class VIOptimizer(CurvatureOptimizer):
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
+        if self.reparam:
+            self._check_reparam()
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
+
+    def _check_reparam(self) -> None:
+        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and one process's own noise."""
+        shapes = {a.value for a in self.engine.approx.values()}
+        if shapes - {"diag"}:
+            raise ValueError(f"curvature='reparam' estimates a diagonal; it needs approx='diag', got blocks {sorted(shapes)}")
+        if self.curvature_init is None:
+            raise ValueError("curvature='reparam' needs curvature_init > 0: its estimate can be negative, so the "
+                             "running curvature must start positive (got curvature_init=None)")
+        if self.grad_scaler is not None:
+            raise NotImplementedError("curvature='reparam' with a grad_scaler is not implemented")
+        if self.placement.active:
+            raise NotImplementedError("curvature='reparam' with grad_worker_fraction < 1 is not implemented")
+
+    def _reparam_sample(self, noise: Optional[Shift]) -> Dict[str, Tensor]:
+        """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (``g``: ``p.grad`` after the
+        sample's closure; ``ε``, ``σ²``: the sample's noise and its variance ``τ/denom``, or
+        ``1/init_precision`` before the first decomposition)."""
+        if noise is None:
+            raise RuntimeError("curvature='reparam' needs a weight sample at every step")
+        params, shifts, factors = noise
+        eps = {id(p): s if factors is None else s * f
+               for p, s, f in zip(params, shifts, factors if factors is not None else shifts)}
+        out: Dict[str, Tensor] = {}
+        for name, lay in self.engine.layouts.items():
+            if self._decomposed:
+                prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] / self.kl_weighting)
+            else:
+                prec = [float(self._first_precision)] * len(lay.params)  # type: ignore[arg-type]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
+            hat = reparam_diagonal([g.detach() for g in grads], [eps[id(p)] for p in lay.params], prec)
+            out[name] = torch.cat([h.reshape(-1) for h in hat])
+        return out
 
     # ---- the posterior ---------------------------------------------------------------------
     @property
@@ -180,6 +267,16 @@ class VIOptimizer(CurvatureOptimizer):
     def _noise_scale(self) -> float:
         """``√τ``: draws from ``N(0, Λ⁻¹)`` are scaled to the posterior covariance ``τ·Λ⁻¹``."""
         return self.kl_weighting ** 0.5
+
+    @property
+    def _first_precision(self) -> Optional[float]:
+        """Precision of the isotropic noise before the first decomposition: ``init_precision`` if
+        given, else that of the starting curvature, ``(N·curvature_init + τδ + damping)/τ``, else None."""
+        if self.init_precision is not None:
+            return self.init_precision
+        if self.curvature_init is not None:
+            return (self.dataset_size * self.curvature_init + self.precision_shift) / self.kl_weighting
+        return None
 
     def _covered(self) -> List[nn.Parameter]:
         return self.engine.params
@@ -234,7 +331,7 @@ class VIOptimizer(CurvatureOptimizer):
         """
         m = self.num_mc_samples
         mine = self.grid.samples(self.comm.rank, m)
-        if not self._decomposed and self.init_precision is None:
+        if not self._decomposed and self._first_precision is None:
             return [None] * m
         step = self.num_steps
         draws: Dict[int, Tensor] = {}
@@ -330,7 +427,7 @@ class VIOptimizer(CurvatureOptimizer):
         """The weight sample of ``z`` (``[P]``) before any curvature: ``ε = z / √init_precision``."""
         params: List[nn.Parameter] = []
         eps: List[Tensor] = []
-        z.mul_(float(self.init_precision) ** -0.5)
+        z.mul_(float(self._first_precision) ** -0.5)
         for name, lay in self.engine.layouts.items():
             if not any(p.requires_grad for p in lay.params):  # frozen since construction: not sampled
                 continue
@@ -348,7 +445,7 @@ class VIOptimizer(CurvatureOptimizer):
                                            "(grad_worker_fraction < 1 keeps it on its grad workers); "
                                            "sample with grad_worker_fraction='comm_opt'")
             return self._coloured_all(self._standard_normal(generator))
-        if self.init_precision is not None:
+        if self._first_precision is not None:
             return self._isotropic(self._standard_normal(generator))
         return None
 
@@ -368,13 +465,22 @@ class VIOptimizer(CurvatureOptimizer):
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse)."""
+        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse).
+
+        The model is evaluated in ``eval()`` mode (BatchNorm uses its running statistics and leaves them
+        unchanged, dropout is off) and given back its own ``training`` flags. Before the first ``step()``
+        (no posterior yet, and no ``init_precision``) it raises ``RuntimeError``."""
         check_int("num_samples", num_samples)
+        if not self._decomposed and self.init_precision is None:
+            raise RuntimeError("predict() before the first step(): there is no posterior yet, so every sample would "
+                               "be the mean weights (point predictions). Call step() first, or pass "
+                               "init_precision=... to sample from an isotropic Gaussian around the weights")
         outs = []
-        for _ in range(num_samples):
-            with self.sampled_params(generator):
-                out = self.engine.select_output(self.model(x))
-            outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
+        with eval_mode(self.model):
+            for _ in range(num_samples):
+                with self.sampled_params(generator):
+                    out = self.engine.select_output(self.model(x))
+                outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
         return torch.stack(outs).mean(0)
 
     def posterior_precision(self) -> Tensor:
@@ -395,10 +501,16 @@ class VIOptimizer(CurvatureOptimizer):
         curvature = BlockAverage() if estimate else None
         losses = []
         output = None
+        hats: Dict[str, Tensor] = {}
+        if self.reparam:  # the curvature comes from the samples' own gradients: no capture, no second backward
+            curvature = None
         for noise in self._step_noise():
             with self._perturbed(noise):
-                loss, output, fresh = self._run_closure(closure, targets, estimate)
+                loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
             losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
+            if self.reparam and estimate:
+                for name, h in self._reparam_sample(noise).items():
+                    hats[name] = hats[name] + h if name in hats else h
             if curvature is not None:  # {} marks a sample whose output was not finite
                 curvature.nonfinite |= not fresh
                 if fresh:
@@ -419,12 +531,23 @@ class VIOptimizer(CurvatureOptimizer):
             return mean_loss, output
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
+        if hats:
+            fresh = {name: DiagBlock(self.engine.layouts[name], h / len(losses)) for name, h in hats.items()}
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
         if fresh is not None:
-            self.running.update(fresh, self.ema_decay)
+            if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
+                self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
+            if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
+                for name, blk in fresh.items():
+                    run = self.running.blocks[name].diagonal
+                    reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
+                                 self.precision_shift / float(self.dataset_size))
+                self.running.num_updates += 1
+            else:
+                self.running.update(fresh, self.ema_decay)
         if self.num_steps % self.inv_update_interval == 0 or not self._decomposed:
             if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
                 self.num_steps += 1
@@ -437,18 +560,27 @@ class VIOptimizer(CurvatureOptimizer):
 
     def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
         """``m ← momentum·m + (g + τδ/N·μ)`` (the momentum of the mean loss's gradient; ``N·m`` is VOGN's
-        ``m`` of the summed loss); ``μ ← μ − lr·Λ⁻¹ N·m`` (covered), ``μ ← μ − lr·m`` (others)."""
+        ``m`` of the summed loss); ``μ ← μ − ν·lr·Λ⁻¹ N·m`` (covered), ``μ ← μ − ν·lr·m`` (others), ``ν`` the KL
+        clip's factor over all of them (1 with ``kl_clip=None``, which takes the fused path)."""
         n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
         plan = self._plans.get(params, groups, self.running.blocks)
         with torch.no_grad():
             bufs = natural_momentum_([self.state[p] for p in params], grads, params, tau_delta / n,
                                      plan.values("momentum"))
-            if self.placement.active:  # [issue #7] each block solved by its grad workers
-                covered = {blk.layout.name: blk for blk, _ in plan.blocks}
-                direction = self._precondition(covered, {id(p): b for p, b in zip(params, bufs)})
-                steps = [like_dtype(direction[id(p)] * n if inside else b, p)
-                         for b, inside, p in zip(bufs, plan.in_block, params)]
-                add_scaled_(params, steps, plan.values("lr"))
+            if self.placement.active or self.kl_clip is not None:
+                if self.placement.active:  # [issue #7] each block solved by its grad workers
+                    covered = {blk.layout.name: blk for blk, _ in plan.blocks}
+                    direction = self._precondition(covered, {id(p): b for p, b in zip(params, bufs)})
+                    solved = [direction[id(p)] for p in params]
+                else:
+                    solved = plan.precondition(bufs)
+                steps = [like_dtype(d * n if inside else b, p)
+                         for d, b, inside, p in zip(solved, bufs, plan.in_block, params)]
+                lrs = plan.values("lr")
+                if self.kl_clip is not None:  # ν = min(1, √(kl_clip / Σ lr²·uᵀm)): the step under Λ/N
+                    nu = kl_clip_factor(steps, bufs, lrs, self.kl_clip)
+                    lrs = [lr * nu for lr in lrs]
+                add_scaled_(params, steps, lrs)
             else:
                 preconditioned_descent_(plan, params, bufs, plan.values("lr"), n, 1.0)
 

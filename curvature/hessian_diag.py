@@ -1,0 +1,114 @@
+"""Exact diagonal of a Linear / Conv2d block of the Hessian from Hessian-vector products in the
+module's *output* space: ``d_out·T`` products instead of one per parameter.
+
+For a layer whose output is affine in its parameters, ``z_n = W a_n + b`` (per example ``n`` and
+position ``t``: ``z_{n,t} = W a_{n,t} + b``), the second derivative of ``z`` in ``W`` is zero, so
+the Hessian block of the loss is exactly ``Jᵀ H_zz J`` with ``H_zz = ∂²L/∂z²`` (no residual term
+*inside* the block). When no operation after the layer mixes the examples of a batch, ``H_zz``
+is block-diagonal over examples, and one Hessian-vector product with the unit vector of output
+channel ``o`` at position ``t`` broadcast over all examples returns column ``(o, t)`` of every
+example's block ``H_n`` at once. With ``B_o[n, s, t] = H_n[(o, s), (o, t)]``::
+
+    H[W_oj, W_oj] = Σ_n Σ_{s,t} a_{n,s,j} a_{n,t,j} B_o[n, s, t]
+    H[b_o, b_o]   = Σ_n Σ_{s,t} B_o[n, s, t]
+
+Cost: ``d_out·T`` output-space products (``d_out`` for a Linear layer on ``[N, d_in]``), against
+``d_out·d_in`` parameter-space products for the generic path. A model whose batch statistics
+couple the examples (a BatchNorm using batch statistics) does not satisfy the assumption: the
+caller then uses the generic path.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .hvp import ProductRunner
+from .modules.linear import WeightMatrixFamily
+
+#: output-space unit vectors per batched Hessian-vector product
+CHUNK = 128
+#: elements of one ``[o-chunk, N, T, T]`` slab of ``B`` held at once
+SLAB_ELEMENTS = 1 << 24
+
+
+def supports(module: nn.Module, family: object, output: Tensor) -> bool:
+    """Linear (output ``[N, ..., d_out]``) or Conv2d (output ``[N, C, H, W]``): ``W a + b`` per position."""
+    if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor):
+        return False
+    return (isinstance(module, nn.Conv2d) and output.dim() == 4) or (isinstance(module, nn.Linear)
+                                                                      and output.dim() >= 2)
+
+
+def output_space_count(module: nn.Module, output: Tensor) -> int:
+    """How many output-space products :func:`diag_block` needs: ``d_out·T``."""
+    return output[0].numel() if output.dim() > 1 else output.numel()
+
+
+def _to_ntd(module: nn.Module, z: Tensor, lead: int = 0) -> Tensor:
+    """Output ``z`` (after ``lead`` batch dimensions) as ``[*lead, N, T, d_out]``."""
+    core = z.shape[lead:]
+    if isinstance(module, nn.Conv2d):
+        return z.reshape(*z.shape[:lead], core[0], core[1], -1).transpose(-1, -2)  # [.., N, HW, C]
+    return z.reshape(*z.shape[:lead], core[0], -1, core[-1])
+
+
+def _from_ntd(module: nn.Module, v: Tensor, shape: torch.Size) -> Tensor:
+    """Inverse of :func:`_to_ntd` for a batch ``v [B, N, T, d_out]`` → ``[B, *shape]``."""
+    if isinstance(module, nn.Conv2d):
+        return v.transpose(-1, -2).reshape(v.shape[0], *shape)
+    return v.reshape(v.shape[0], *shape)
+
+
+def _hvp(runner: ProductRunner, vectors: Tensor) -> Tensor:
+    """``[B, *z.shape]`` products ``H_zz v``."""
+    return runner.run(vectors)[0]
+
+
+def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: Tensor,
+               names: List[str]) -> Optional[Tensor]:
+    """The exact Hessian diagonal ``[P]`` (weight row-major, then bias) of ``module``'s ``names``
+    parameters, or None when ``z`` is not in ``loss``'s graph at second order.
+
+    ``inputs``: the module's recorded inputs; ``z``: its recorded output (in the graph of ``loss``).
+    Assumes no cross-example coupling after the module (see the module docstring).
+    """
+    (gz,) = torch.autograd.grad(loss, z, create_graph=True, allow_unused=True)
+    if gz is None or not gz.requires_grad:
+        return None
+    zn = _to_ntd(module, z.detach())                               # [N, T, d]
+    n, t, d = zn.shape
+    if isinstance(module, nn.Conv2d):
+        from .modules.conv import unfold_patches
+        x = inputs[0].detach()
+        a = unfold_patches(x if x.dim() == 4 else x.unsqueeze(0), module.kernel_size, dilation=module.dilation,
+                           padding=module.padding, stride=module.stride).transpose(1, 2)  # [N, T, C·kh·kw]
+    else:
+        x = inputs[0].detach()
+        a = x.reshape(n, t, x.shape[-1])
+    a = a.to(gz.dtype)
+    runner = ProductRunner(gz, [z])
+    cols = [(o, s) for o in range(d) for s in range(t)]           # column (channel o, position s)
+    b = torch.empty(d, n, t, t, dtype=gz.dtype, device=gz.device)  # B_o[n, s', s]
+    for start in range(0, len(cols), CHUNK):
+        chunk = cols[start:start + CHUNK]
+        v = torch.zeros(len(chunk), n, t, d, dtype=gz.dtype, device=gz.device)
+        idx = torch.arange(len(chunk))
+        o_idx = torch.tensor([o for o, _ in chunk])
+        s_idx = torch.tensor([s for _, s in chunk])
+        v[idx, :, s_idx, o_idx] = 1.0
+        hv = _to_ntd(module, _hvp(runner, _from_ntd(module, v, z.shape)), lead=1)  # [B, N, T, d]
+        b[o_idx, :, :, s_idx] = hv[idx, :, :, o_idx]                  # [B, N, T] -> B_o[:, :, s]
+    parts = {}
+    if "weight" in names:
+        if t == 1:
+            parts["weight"] = torch.einsum("nj,on->oj", a[:, 0].pow(2), b[:, :, 0, 0])
+        else:
+            step = max(1, SLAB_ELEMENTS // max(1, n * t * t))
+            parts["weight"] = torch.cat([torch.einsum("nsj,ntj,onst->oj", a, a, b[o:o + step])
+                                         for o in range(0, d, step)])
+    if "bias" in names:
+        parts["bias"] = b.sum(dim=(1, 2, 3))
+    out = [parts[k].reshape(-1) for k in names]
+    return torch.cat(out).detach()

@@ -1,0 +1,161 @@
+"""The Hessian diagonal costs what its definition needs, and expensive blocks are announced.
+
+``curvature.compute(kind="hessian", approx="diag")`` takes Linear/Conv2d diagonals from
+``d_out·T`` output-space Hessian-vector products (curvature/hessian_diag.py) instead of one
+product per parameter; checked against the diagonal of the brute-force Hessian
+(``torch.func.hessian`` of the mean loss, float64) on models with stride, padding, dilation,
+smooth activations (so the Hessian is not the GGN), sequence Linear layers and pooling, and
+the generic path for a model whose train-mode BatchNorm couples the examples.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, hessian
+
+import curvature
+from curvature import cost, hessian_diag
+
+
+def brute_diag(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    theta = torch.cat([params[n].detach().reshape(-1) for n in names])
+    shapes = [params[n].shape for n in names]
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        d, i = {}, 0
+        for n, s in zip(names, shapes):
+            d[n] = t[i:i + s.numel()].reshape(s)
+            i += s.numel()
+        return F.cross_entropy(functional_call(model, d, (x,)), y)
+
+    return hessian(loss)(theta).diagonal()
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 3, 3, padding=1)
+        self.c2 = nn.Conv2d(3, 4, 3, stride=2, dilation=1, padding=2)
+        self.c3 = nn.Conv2d(4, 4, 2, dilation=2, bias=False)
+        self.fc = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c1(x))
+        h = F.softplus(self.c2(h))
+        h = F.max_pool2d(torch.sigmoid(self.c3(h)), 1)
+        return self.fc(h.flatten(1))
+
+
+class SeqNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, T, 8] -> [N, 4]
+        return self.b(torch.tanh(self.a(x))).pow(2).mean(1)
+
+
+class BNNet(nn.Module):
+    def __init__(self, track: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6, track_running_stats=track)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+CASES = {
+    "conv": (ConvNet, (5, 2, 7, 7)),
+    "seq_linear": (SeqNet, (4, 4, 8)),
+    "mlp": (lambda: nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.ELU(), nn.Linear(5, 3)), (6, 6)),
+}
+
+
+@pytest.fixture
+def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    calls = []
+    real = hessian_diag.diag_block
+
+    def counted(loss, module, inputs, z, names):
+        calls.append(type(module).__name__)
+        return real(loss, module, inputs, z, names)
+
+    monkeypatch.setattr(curvature.hessian, "diag_block", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_diagonal_matches_brute_force(case: str, fast_calls: list) -> None:
+    torch.manual_seed(0)
+    build, shape = CASES[case]
+    model = build().double().eval()
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.randint(0, 3, (shape[0],))
+    c = curvature.compute(model, x, y, kind="hessian", approx="diag")
+    ours = torch.cat([c.blocks[n].diag if hasattr(c.blocks[n], "diag") else c.blocks[n].dense().diagonal()
+                      for n in c.blocks])
+    torch.testing.assert_close(c.dense().diagonal(), brute_diag(model, x, y), rtol=1e-9, atol=1e-12)
+    assert ours.numel() == sum(p.numel() for p in model.parameters())
+    assert fast_calls, "the output-space path was used"
+
+
+def test_train_mode_batchnorm_uses_the_generic_exact_path(fast_calls: list) -> None:
+    torch.manual_seed(0)
+    model = BNNet(track=False).double().train()  # batch statistics (functorch cannot update running ones)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    c = curvature.compute(model, x, y, kind="hessian", approx="diag")
+    torch.testing.assert_close(c.dense().diagonal(), brute_diag(model, x, y), rtol=1e-9, atol=1e-12)
+    assert not fast_calls  # the batch statistics couple the examples: no block-diagonal H_zz
+    torch.manual_seed(0)
+    model = BNNet().double().eval()
+    c = curvature.compute(model, x, y, kind="hessian", approx="diag")
+    torch.testing.assert_close(c.dense().diagonal(), brute_diag(model, x, y), rtol=1e-9, atol=1e-12)
+    assert fast_calls
+
+
+def test_diagonal_needs_output_space_products_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Linear(64 -> 10) head: 10 products for its 650 parameters (the full block needs 650)."""
+    products = []
+    real = hessian_diag._hvp
+    monkeypatch.setattr(hessian_diag, "_hvp", lambda runner, v: products.append(v.shape[0]) or real(runner, v))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    curvature.compute(model, x, y, kind="hessian", approx="diag")
+    assert sum(products) == 10
+
+
+def test_expensive_hessian_blocks_are_announced(caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 3))  # 630 + 93 parameters
+    x, y = torch.randn(4, 20), torch.randint(0, 3, (4,))
+    monkeypatch.setattr(cost, "HVP_WARN", 500)
+    with caplog.at_level(logging.WARNING, logger="curvature"):
+        curvature.compute(model, x, y, kind="hessian", approx="full")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("'0'" in m and "630 Hessian-vector products" in m and "full" in m for m in msgs), msgs
+    assert not any("'2'" in m for m in msgs)  # 93 parameters: below the threshold
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="curvature"):
+        curvature.compute(model, x, y, kind="hessian", approx="diag")  # 30 products: nothing to announce
+    assert not caplog.records
+
+
+def test_large_full_blocks_are_announced(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 10))  # 2600 parameters in block '0'
+    with caplog.at_level(logging.WARNING, logger="curvature"):
+        from torchsso2 import SecondOrderOptimizer
+        SecondOrderOptimizer(model, approx="full")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("'0'" in m and "2600x2600 = 6,760,000 elements" in m and "MiB" in m for m in msgs), msgs
+    assert not any("'2'" in m for m in msgs)

@@ -1,0 +1,167 @@
+"""Silent misuse of the optimizers becomes a clear error or warning (torchsso2/optim/misuse.py)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+
+def _mlp(bn: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if bn else []) + [nn.ReLU(), nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+def _faces(model: nn.Module, **kw):
+    return {"sso": SecondOrderOptimizer(model, lr=0.05, approx="kfac", **kw),
+            "vi": VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag", **kw)}
+
+
+X, Y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+
+
+def _vec(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+@pytest.mark.parametrize("zero", ["none", "zeros", "no_zero_grad"])
+def test_closure_without_backward_raises(face: str, zero: str) -> None:
+    model = _mlp()
+    opt = _faces(model)[face]
+
+    def good():
+        opt.zero_grad()
+        out = model(X)
+        loss = F.cross_entropy(out, Y)
+        loss.backward()
+        return loss, out
+
+    def no_backward():
+        if zero == "none":
+            opt.zero_grad(set_to_none=True)
+        elif zero == "zeros":
+            opt.zero_grad(set_to_none=False)
+        out = model(X)
+        return F.cross_entropy(out, Y), out
+
+    if zero != "none":
+        opt.step(good)  # gradients exist from an earlier step: stale ones must not pass either
+    before = _vec(model)
+    with pytest.raises(RuntimeError, match="did not call backward"):
+        opt.step(no_backward)
+    if zero != "zeros":
+        assert torch.equal(_vec(model), before)
+
+
+def _closure(opt, model, loss_fn):
+    def closure():
+        opt.zero_grad()
+        out = model(X)
+        loss = loss_fn(out)
+        loss.backward()
+        return loss, out
+    return closure
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_mse_loss_with_cross_entropy_optimizer_warns(face: str) -> None:
+    model = _mlp()
+    opt = _faces(model)[face]
+    with pytest.warns(UserWarning, match="not a function of softmax"):
+        opt.step(_closure(opt, model, lambda out: F.mse_loss(out, F.one_hot(Y, 3).float())))
+    with warnings.catch_warnings():  # once per optimizer
+        warnings.simplefilter("error")
+        opt.step(_closure(opt, model, lambda out: F.mse_loss(out, F.one_hot(Y, 3).float())))
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda out: F.cross_entropy(out, Y),
+    lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),
+    lambda out: F.nll_loss(F.log_softmax(out, -1), Y),
+    lambda out: F.cross_entropy(out, Y, weight=torch.tensor([1.0, 2.0, 0.5])),
+], ids=["ce", "label_smoothing", "nll_log_softmax", "class_weights"])
+def test_categorical_losses_do_not_warn(loss_fn) -> None:
+    model = _mlp()
+    opt = _faces(model)["sso"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.step(_closure(opt, model, loss_fn))
+
+
+def test_log_probability_outputs_do_not_warn() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.LogSoftmax(-1))
+    opt = SecondOrderOptimizer(model, lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(_closure(opt, model, lambda out: F.nll_loss(out, Y)))
+
+
+def test_mse_optimizer_with_mse_loss_does_not_warn() -> None:
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.05, loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(_closure(opt, model, lambda out: 0.5 * ((out - 1.0) ** 2).sum(-1).mean()))
+
+
+def test_predict_in_train_mode_leaves_the_model_as_it_was() -> None:
+    model = _mlp(bn=True)
+    opt = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag")
+    for _ in range(3):
+        opt.step(_closure(opt, model, lambda out: F.cross_entropy(out, Y)))
+    model.train()
+    bn = model[1]
+    stats = {k: v.clone() for k, v in bn.state_dict().items()}
+    probs = opt.predict(X[:5], num_samples=4, generator=torch.Generator().manual_seed(3))
+    assert model.training and all(m.training for m in model.modules())
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, stats[k]), k
+    model.eval()
+    expected = opt.predict(X[:5], num_samples=4, generator=torch.Generator().manual_seed(3))
+    assert not model.training
+    assert torch.allclose(probs, expected)  # evaluated with the running statistics, not the batch's
+
+
+def test_predict_keeps_a_frozen_submodule_in_eval() -> None:
+    model = _mlp(bn=True)
+    opt = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag")
+    opt.step(_closure(opt, model, lambda out: F.cross_entropy(out, Y)))
+    model.train()
+    model[1].eval()  # a user's frozen BatchNorm
+    opt.predict(X[:5], num_samples=2)
+    assert model.training and not model[1].training
+
+
+def test_predict_before_any_step_raises() -> None:
+    model = _mlp()
+    opt = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag")
+    with pytest.raises(RuntimeError, match="before the first step"):
+        opt.predict(X, num_samples=2)
+    sampled = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag", init_precision=10.0)
+    probs = sampled.predict(X, num_samples=2)  # an explicit isotropic start is a posterior to sample
+    assert probs.shape == (16, 3)
+
+
+@pytest.mark.parametrize("cls", [SecondOrderOptimizer, VIOptimizer])
+def test_parameters_instead_of_model(cls) -> None:
+    model = _mlp()
+    kw = {"dataset_size": 10} if cls is VIOptimizer else {}
+    for bad in (model.parameters(), list(model.parameters()), [{"params": list(model.parameters())}]):
+        with pytest.raises(TypeError, match="pass the model itself"):
+            cls(bad, **kw)
+
+
+def test_curvature_name_is_named_with_a_suggestion() -> None:
+    with pytest.raises(ValueError, match=r"curvature='fisher-mc' is not supported \(did you mean 'fisher_mc'\?\)"):
+        SecondOrderOptimizer(_mlp(), curvature="fisher-mc")
+    import curvature
+    with pytest.raises(ValueError, match=r"kind='Empirical Fisher'.*did you mean 'empirical_fisher'"):
+        curvature.compute(_mlp(), X, Y, kind="Empirical Fisher")

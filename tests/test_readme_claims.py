@@ -1,0 +1,138 @@
+"""Every factual claim README.md makes, checked against the generated results and the code.
+
+* The results block (between the ``results:`` markers) is exactly what
+  :func:`benchmarks._readme_summary.render` makes of ``benchmarks/results/*.json``: every number and
+  every sentence in it (step time, time to accuracy, VI, predictive entropy, peers, scaling) comes
+  from the JSONs, none is hand-written.
+* The predictive-entropy sentence states, per method, exactly which out-of-distribution sets have a
+  higher mean entropy than the test digits in the JSON.
+* The reliability diagram the README links is the one drawn by the run whose table it shows.
+* The curvature feature list (which kinds come as full / diagonal / K-FAC blocks) is what
+  ``curvature.compute`` does.
+* "agrees with BackPACK, curvlinops, laplace-torch and ASDL to ≤ X" holds in ``peers_curvature.json``.
+* "matches kfac_pytorch 0.4.2 to ≤ X" is the tolerance the kfac_pytorch comparison test asserts.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+from benchmarks import _readme_summary as summary
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _block(text: str) -> str:
+    return text[text.index(summary.BEGIN) + len(summary.BEGIN):text.index(summary.END)].strip("\n")
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_results_block_is_generated_from_the_jsons() -> None:
+    assert _block(README) == summary.render(RESULTS).strip("\n"), \
+        "README's results block differs from the JSONs: run `python -m benchmarks.run --report-only`"
+
+
+def _quality() -> dict:
+    src = next(s for s in summary.load_sources(RESULTS, "vi*.json") if s[1].get("quality"))
+    return src[1]
+
+
+def test_entropy_sentence_states_what_the_json_shows() -> None:
+    report = _quality()
+    verdicts = summary.entropy_verdicts(report["quality"])
+    assert {"vi-diag", "vi-kfac"} <= set(verdicts), "the quality run records predictive entropies"
+    text = _flat(_block(README))
+    labels = {"vi-diag": "VIOptimizer diag (VOGN)", "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)"}
+    for method, label in labels.items():
+        low = [o for o, higher in verdicts[method].items() if not higher]
+        said = "higher on all of them" if not low else f"not higher on {', '.join(low)}"
+        assert f"{label}: {said}" in text
+        q = report["quality"][method]
+        for o in low:  # the claim is the numbers: an OOD entropy at or below the test-digit entropy
+            assert q["entropy_ood"][o] <= q["entropy_test"]
+    assert "higher than on test digits for both VI methods" not in text or \
+        all(all(v.values()) for k, v in verdicts.items() if k in labels)
+
+
+def test_reliability_png_comes_from_the_table_run() -> None:
+    report = _quality()
+    block = _block(README)
+    if "reliability_digits.png" in block:
+        assert Path(report["config"]["plot"]).name == "reliability_digits.png"
+        assert (ROOT / "docs" / "reliability_digits.png").exists()
+
+
+def _curvature_claim() -> str:
+    m = re.search(r"\*\*`curvature`\*\* — (.*?)(?:\n\* )", README, re.S)
+    assert m, "README lists what curvature computes"
+    return _flat(m.group(1))
+
+
+def test_curvature_kinds_and_shapes_are_what_readme_says() -> None:
+    claim = _curvature_claim()
+    assert "Fisher (exact = GGN, Monte-Carlo) and empirical Fisher, each as a full, diagonal or K-FAC block" in claim
+    assert "the Hessian as a full or diagonal block" in claim and "K-FAC of the Hessian raises `NotImplementedError`" \
+        in claim
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    for kind in ("fisher", "fisher_mc", "empirical_fisher"):
+        for approx in ("full", "diag", "kfac"):
+            curvature.compute(model, x, y, loss="cross_entropy", kind=kind, approx=approx)
+    for approx in ("full", "diag"):
+        curvature.compute(model, x, y, loss="cross_entropy", kind="hessian", approx=approx)
+    with pytest.raises(NotImplementedError):
+        curvature.compute(model, x, y, loss="cross_entropy", kind="hessian", approx="kfac")
+
+
+def test_peer_agreement_bound_holds_in_the_json() -> None:
+    m = re.search(r"agrees\s+with BackPACK, curvlinops, laplace-torch and ASDL to ≤ ([0-9.e-]+)", README)
+    assert m, "README states a bound on the agreement with the peers"
+    bound = float(m.group(1))
+    rows = json.loads((RESULTS / "peers_curvature.json").read_text(encoding="utf-8"))["results"]
+    diffs = [r["max_rel_diff"] for r in rows if r.get("max_rel_diff") is not None
+             and r["peer"] in ("backpack", "curvlinops", "laplace", "asdl")]
+    assert diffs and max(diffs) <= bound
+    assert {r["peer"] for r in rows if r.get("max_rel_diff") is not None} >= {"backpack", "curvlinops", "laplace",
+                                                                              "asdl"}
+
+
+def test_kfac_pytorch_bound_is_the_tested_tolerance() -> None:
+    m = re.search(r"matches\s+kfac_pytorch 0\.4\.2 to ≤ ([0-9.e-]+)", README)
+    assert m, "README states a bound on the agreement with kfac_pytorch"
+    src = (ROOT / "tests" / "test_kfac_preconditioner.py").read_text(encoding="utf-8")
+    test = src[src.index("def test_matches_kfac_pytorch"):]
+    test = test[:test.index("\ndef ")]
+    tol = re.search(r"assert worst <= ([0-9.e-]+)", test)
+    assert tol and float(tol.group(1)) <= float(m.group(1))
+
+
+def test_reliability_png_uses_the_table_predictions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/vi.py draws the reliability diagrams from the same probabilities its ECE column
+    (and so README's table) is computed from."""
+    pytest.importorskip("sklearn")
+    import argparse
+
+    import torchsso2.plotting
+    from benchmarks import vi
+
+    drawn = {}
+    monkeypatch.setattr(torchsso2.plotting, "save_reliability_diagram",
+                        lambda data, path, title=None: drawn.update(data) or Path(path))
+    args = argparse.Namespace(epochs=1, mc_samples=2, seed=0, threads=1, plot=tmp_path / "r.png")
+    quality = vi.run_quality(args, None)
+    assert set(drawn) == {"sgd", "adam", "vi-diag", "vi-kfac"}
+    for name, rel in drawn.items():
+        assert float(rel.ece) == pytest.approx(quality[name]["ece"], abs=1e-12)
+        assert quality[name]["entropy_ood"].keys() == {"rotated90", "flipped", "noise"}

@@ -1,0 +1,154 @@
+"""Checks that turn silent misuse of the optimizers into a clear error or warning.
+
+* :func:`check_model_argument`: ``SecondOrderOptimizer(model.parameters())`` instead of the model.
+* :func:`check_option`: an unknown ``curvature=``/``loss=`` string, with the closest valid names.
+* :class:`ClosureWatch`: around one closure call of ``step``:
+
+  - the closure never called ``backward()`` (no parameter's ``.grad`` was created or changed):
+    ``RuntimeError`` — the parameters would never move;
+  - ``loss="cross_entropy"`` but the closure's loss is not a function of ``softmax(output)``
+    (e.g. an MSE loss on the logits): ``UserWarning``, once per optimizer. The test is exact
+    and cheap: any loss of ``softmax(z)`` is invariant to adding a constant to every logit of a
+    row, so the rows of its gradient ``∂loss/∂z`` (``[N, C]``, read by a tensor hook during the
+    user's own backward) sum to zero; the warning fires when
+    ``Σ_n |Σ_c g_nc| > 1e-2 · Σ_nc |g_nc|``. Outputs that are already log-probabilities
+    (``logsumexp`` of every row 0, as with ``nll_loss(log_softmax(z))``) are not checked: their
+    gradient does not sum to zero although the categorical likelihood is the right one.
+    It runs on the first :data:`OUTPUT_CHECKS` curvature-estimating steps only.
+
+  Both watch the first :data:`CLOSURE_CHECKS` closure calls of an optimizer (a misused closure
+  is misused from its first call); later calls cost nothing (~13 µs per watched call for four
+  parameters).
+* :func:`eval_mode`: a model put into ``eval()`` for a prediction and then given back its own
+  ``training`` flags (``VIOptimizer.predict``).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from enum import Enum
+from typing import Any, Iterator, List, Optional, Tuple, Type, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from curvature.options import parse
+
+E = TypeVar("E", bound=Enum)
+
+#: how many closure calls per optimizer are watched at all (then the watch costs nothing)
+CLOSURE_CHECKS = 5
+#: how many curvature-estimating closure calls (among those) check the loss against ``loss=``
+OUTPUT_CHECKS = 3
+#: relative row-sum of the output gradient above which the loss is not a function of softmax(output)
+SHIFT_TOLERANCE = 1e-2
+
+
+def check_model_argument(model: Any, face: str) -> None:
+    """TypeError unless ``model`` is an ``nn.Module``; says "pass the model itself" for an iterable of
+    parameters (``model.parameters()``) or parameter groups."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, (Iterator, list, tuple)) or hasattr(model, "__next__"):
+        raise TypeError(f"{face} takes the model (a torch.nn.Module), not its parameters: pass the model itself "
+                        f"({face}(model, ...)); got {type(model).__name__}. To train only some parameters, "
+                        "set requires_grad=False on the others or use skip_modules=[...]")
+    raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def check_option(enum_type: Type[E], value: object, what: str) -> E:
+    """``parse(enum_type, value, what)``: a ValueError names ``what`` and suggests close valid values."""
+    return parse(enum_type, value, what)
+
+
+def _grad_state(params: List[Tensor]) -> List[Tuple[Optional[Tensor], int]]:
+    return [(p.grad, p.grad._version if p.grad is not None else -1) for p in params]
+
+
+class ClosureWatch:
+    """Watches one closure call; see the module docstring. ``checks_left`` is shared per optimizer
+    through :attr:`owner` (a ``dict`` the optimizer keeps)."""
+
+    def __init__(self, param_groups: List[dict], cross_entropy: bool, owner: dict) -> None:
+        left = owner.get("closure_checks_left", CLOSURE_CHECKS)
+        self.active = left > 0
+        self.params: List[Tensor] = []
+        self.handles: List[Any] = []
+        self.check_output = False
+        self.stats: List[Tuple[Tensor, Tensor]] = []
+        if not self.active:  # checked enough closure calls: no cost from here on
+            return
+        owner["closure_checks_left"] = left - 1
+        self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
+        self.before = _grad_state(self.params)
+        # gradients left from before (zero_grad(set_to_none=False), or none at all): an in-place
+        # zero_() and an accumulation both bump the version, so watch the accumulation itself
+        self.accumulated = False
+        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params] \
+            if any(g is not None for g, _ in self.before) else []
+        self.owner = owner
+        self.check_output = cross_entropy and owner.get("output_checks_left", OUTPUT_CHECKS) > 0
+
+    def observe_output(self, out: Tensor) -> None:
+        """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
+        if not self.check_output or not isinstance(out, Tensor) or not out.requires_grad or out.dim() < 2 \
+                or out.shape[-1] < 2 or not out.is_floating_point():
+            return
+        with torch.no_grad():
+            if torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3:
+                return  # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
+        out.register_hook(self._record)
+
+    def _record(self, g: Tensor) -> None:
+        g = g.detach().float()
+        self.stats.append((g.sum(-1).abs().sum(), g.abs().sum()))
+
+    def _accumulated(self, _: Tensor) -> None:
+        self.accumulated = True
+
+    def __enter__(self) -> "ClosureWatch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def after(self) -> None:
+        """Raise if no backward reached the parameters; warn (once) if the loss is not a function of
+        softmax(output). Call after the ``with`` block (the hooks are removed on exit)."""
+        if not self.active:
+            return
+        now = [p.grad for p in self.params]
+        replaced = any(g is not then for g, (then, _) in zip(now, self.before))  # new .grad tensors
+        changed = replaced or any(g is not None and g._version != v for g, (_, v) in zip(now, self.before))
+        backward = self.accumulated or replaced if self.handles else changed
+        if self.params and not backward:
+            raise RuntimeError(
+                "the closure did not call backward(): no parameter's .grad was created or changed, so the "
+                "parameters would never move. The closure must compute the loss, call loss.backward() and "
+                "return (loss, output)")
+        if not self.check_output or not self.stats:
+            return
+        self.owner["output_checks_left"] = self.owner.get("output_checks_left", OUTPUT_CHECKS) - 1
+        row = float(sum(s for s, _ in self.stats))
+        total = float(sum(t for _, t in self.stats))
+        if total > 0 and row > SHIFT_TOLERANCE * total:
+            self.owner["output_checks_left"] = 0
+            warnings.warn(
+                "loss='cross_entropy' but the closure's loss is not a function of softmax(output): the rows "
+                f"of its gradient with respect to the output do not sum to zero (relative row sum "
+                f"{row / total:.2g} > {SHIFT_TOLERANCE:g}), e.g. an MSE loss on the logits. The curvature is that "
+                "of a categorical likelihood and does not match this loss; pass loss='mse' to the optimizer for "
+                "a Gaussian likelihood, or compute F.cross_entropy in the closure", UserWarning, stacklevel=4)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the duration; every submodule's ``training`` flag restored on exit."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
