@@ -72,7 +72,7 @@ def test_quick_run_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture
     for task, res in report["tasks"].items():
         assert set(res["methods"]) == {"vi-diag", "adam"}
         for r in res["methods"].values():
-            assert len(r["grid"]) == 3 and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
+            assert len(r["grid"]) == 5 and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
             assert r["chosen_lr"] == min(r["grid"], key=lambda g: g["val_nll"])["lr"]
             assert [s["seed"] for s in r["seeds"]] == [0, 1]
             assert r["step_ms_median"] > 0 and isinstance(r["chosen_at_grid_edge"], bool)
