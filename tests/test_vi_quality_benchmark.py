@@ -86,3 +86,21 @@ def test_quick_never_writes_into_results(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         q.parse_args(["--quick", "--json", str(q.RESULTS_DIR / "vi_quality.json")])
     assert q.parse_args(["--quick"]).json.parent != q.RESULTS_DIR
+
+
+def test_methods_at_library_defaults_except_lr() -> None:
+    from torchsso2 import VIOptimizer
+
+    model = q.make_model("digits-mlp")
+    diag = q.make_optimizer("vi-diag", model, 0.05, 100, False, 0, None)
+    ref = VIOptimizer(q.make_model("digits-mlp"), dataset_size=100)
+    assert isinstance(diag, VIOptimizer) and diag.param_groups[0]["lr"] == 0.05 and diag.dataset_size == 100
+    for attr in ("prior_precision", "kl_weighting", "damping", "num_mc_samples", "ema_decay"):
+        assert getattr(diag, attr) == getattr(ref, attr), attr
+    assert q.make_optimizer("vi-kfac", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).engine.approx != \
+        diag.engine.approx
+    assert q.make_optimizer("vi-reparam", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).reparam
+    assert q.make_optimizer("vi-diag", q.make_model("diabetes"), 0.05, 100, True, 0, None).engine.loss.value == "mse"
+    assert "vi-reparam" not in q.parse_args([]).methods
+    with pytest.raises(ValueError, match="method="):
+        q.make_optimizer("lbfgs", model, 0.1, 100, False, 0, None)
