@@ -6,6 +6,7 @@ Only exit codes and the files written are checked: never any speed or accuracy n
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -87,9 +88,23 @@ def test_bayesian_digits_runs(tmp_path: Path) -> None:
     for method in ("sgd", "adam", "vi-diag", "vi-kfac"):
         assert is_png(tmp_path / f"reliability_{method}.png")
     report = json.loads((tmp_path / "results.json").read_text())
-    assert set(report["results"]) == {"sgd", "adam", "vi-diag", "vi-kfac"}
+    methods = {"sgd", "adam", "vi-diag", "vi-kfac"} | ({"ivon"} if importlib.util.find_spec("ivon") else set())
+    assert set(report["results"]) == methods
     for r in report["results"].values():
-        assert set(r["entropy_ood"]) == {"rotated90", "flipped", "noise"}
+        assert set(r["entropy_ood"]) == {"rotated90", "flipped", "noise", "gaussian_noise"}
+    assert is_png(tmp_path / "ood_entropy.png") and str(tmp_path / "ood_entropy.png") in report["figures"]
+
+
+def test_bayesian_digits_entropy_plot_path_and_ivon(tmp_path: Path) -> None:
+    pytest.importorskip("ivon")
+    plot = tmp_path / "sub" / "entropy.png"
+    out = run_script("examples/bayesian_digits.py", "--epochs", "1", "--mc-samples", "2", "--no-progress",
+                     "--methods", "ivon", "adam", "--out-dir", str(tmp_path), "--entropy-plot", str(plot))
+    assert "| ivon |" in out
+    assert is_png(plot)
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert set(report["results"]) == {"ivon", "adam"}
+    assert report["results"]["ivon"]["accuracy"] > 0.5
 
 
 def test_step_overhead_quick(tmp_path: Path) -> None:

@@ -1,0 +1,106 @@
+"""benchmarks/vi_quality.py: the quick mode's JSON, and that the lr is chosen from validation data only."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import vi_quality as q
+
+
+def test_choose_lr_is_the_smallest_finite_validation_nll() -> None:
+    assert q.choose_lr({0.1: 0.5, 0.01: 0.3, 0.001: 0.4}) == 0.01
+    assert q.choose_lr({0.1: math.nan, 0.01: math.inf, 0.001: 2.0}) == 0.001  # non-finite never chosen
+    assert q.choose_lr({0.1: 0.3, 0.01: 0.3}) == 0.1  # ties: the first in grid order
+    assert q.choose_lr({0.1: math.inf, 0.01: math.nan}) is None
+
+
+def test_run_method_chooses_by_validation_and_never_evaluates_test_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grid runs are scored on the validation split only; the test split is evaluated only for the
+    chosen lr's seeds, after the choice."""
+    calls = []
+    val_nll = {0.1: 0.9, 0.2: 0.2, 0.3: 0.5}  # 0.2 is best on validation
+    test_nll = {0.1: 0.01, 0.2: 9.0, 0.3: 9.0}  # ... and worst on test: a test-based chooser would pick 0.1
+
+    def fake_train(task, method, split, lr, seed, epochs, batch, ivon_mod):  # noqa: ANN001
+        return q.Trained(method, lr, seed, torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0)
+
+    def fake_evaluate(run, split, which, num_samples):  # noqa: ANN001
+        calls.append((which, run.lr, run.seed))
+        return {"nll": (val_nll if which == "val" else test_nll)[run.lr]}
+
+    monkeypatch.setattr(q, "train", fake_train)
+    monkeypatch.setattr(q, "evaluate", fake_evaluate)
+    args = q.parse_args(["--quick", "--grid", "0.1", "0.2", "0.3", "--seeds", "3"])
+    out = q.run_method("digits-mlp", "adam", None, args, None)
+    assert out["chosen_lr"] == 0.2
+    assert calls[:3] == [("val", 0.1, 0), ("val", 0.2, 0), ("val", 0.3, 0)]
+    assert calls[3:] == [("test", 0.2, 0), ("test", 0.2, 1), ("test", 0.2, 2)]
+    assert out["summary"]["nll"]["mean"] == 9.0
+
+
+def test_splits_are_disjoint_and_standardized_on_train() -> None:
+    d = q.load_digits_split()
+    assert (len(d.y_train), len(d.y_val), len(d.y_test)) == (1149, 288, 360)
+    assert torch.allclose(d.x_train.mean(0), torch.zeros(64), atol=1e-5)
+    r = q.load_diabetes_split()
+    assert len(r.y_train) + len(r.y_val) + len(r.y_test) == 442 and r.regression
+    assert 0.2 < r.noise_var < 1.0  # the OLS residual variance of the standardized target
+    x = torch.randn(200, 3, generator=torch.Generator().manual_seed(0))
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.3 * torch.randn(200, 1, generator=torch.Generator().manual_seed(1))
+    assert abs(q.ols_noise_variance(x, y) - 0.09) < 0.03
+
+
+def test_gaussian_nll_matches_torch() -> None:
+    m, v, y = torch.randn(10, 1), torch.rand(10, 1) + 0.1, torch.randn(10, 1)
+    ref = torch.nn.functional.gaussian_nll_loss(m, y, v, full=True, reduction="mean")
+    assert q.gaussian_nll(m, v, y) == pytest.approx(float(ref), rel=1e-6)
+
+
+def test_quick_run_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out_json = tmp_path / "vq.json"
+    assert q.main(["--quick", "--tasks", "digits-mlp", "diabetes", "--methods", "vi-diag", "adam",
+                   "--epochs", "1", "--seeds", "2", "--mc-samples", "2", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "| method | lr | accuracy | NLL | ECE | Brier | step x Adam | skipped |" in printed
+    report = json.loads(out_json.read_text())
+    assert report["config"]["quick"] and report["config"]["seeds"] == 2
+    assert set(report["tasks"]) == {"digits-mlp", "diabetes"}
+    for task, res in report["tasks"].items():
+        assert set(res["methods"]) == {"vi-diag", "adam"}
+        for r in res["methods"].values():
+            assert len(r["grid"]) == 5 and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
+            assert r["chosen_lr"] == min(r["grid"], key=lambda g: g["val_nll"])["lr"]
+            assert [s["seed"] for s in r["seeds"]] == [0, 1]
+            assert r["step_ms_median"] > 0 and isinstance(r["chosen_at_grid_edge"], bool)
+        keys = {"accuracy", "nll", "ece", "brier"} if task == "digits-mlp" else {"nll", "rmse"}
+        assert set(res["methods"]["adam"]["summary"]) == keys
+        assert res["targets"]["evaluated"] is True  # vi-diag and adam present; ivon not requested
+    assert "noise_var" in report["tasks"]["diabetes"]
+
+
+def test_quick_never_writes_into_results(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        q.parse_args(["--quick", "--json", str(q.RESULTS_DIR / "vi_quality.json")])
+    assert q.parse_args(["--quick"]).json.parent != q.RESULTS_DIR
+
+
+def test_methods_at_library_defaults_except_lr() -> None:
+    from torchsso2 import VIOptimizer
+
+    model = q.make_model("digits-mlp")
+    diag = q.make_optimizer("vi-diag", model, 0.05, 100, False, 0, None)
+    ref = VIOptimizer(q.make_model("digits-mlp"), dataset_size=100)
+    assert isinstance(diag, VIOptimizer) and diag.param_groups[0]["lr"] == 0.05 and diag.dataset_size == 100
+    for attr in ("prior_precision", "kl_weighting", "damping", "num_mc_samples", "ema_decay"):
+        assert getattr(diag, attr) == getattr(ref, attr), attr
+    assert q.make_optimizer("vi-kfac", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).engine.approx != \
+        diag.engine.approx
+    assert q.make_optimizer("vi-reparam", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).reparam
+    assert q.make_optimizer("vi-diag", q.make_model("diabetes"), 0.05, 100, True, 0, None).engine.loss.value == "mse"
+    assert "vi-reparam" not in q.parse_args([]).methods
+    with pytest.raises(ValueError, match="method="):
+        q.make_optimizer("lbfgs", model, 0.1, 100, False, 0, None)
