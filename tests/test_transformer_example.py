@@ -124,3 +124,20 @@ def test_adamw_refused_under_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match="single-process"):
         tt.train(tt.parse_args(["--optimizer", "adamw", *TINY]))
+
+
+def test_benchmark_quick_run(tmp_path: Path) -> None:
+    """benchmarks/transformer.py --quick: every timing row with its ratio to AdamW, and the quality part."""
+    out_json = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/transformer.py"), "--quick", "--json", str(out_json)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    names = [r["optimizer"] for r in report["timing"]]
+    assert names == ["adamw", "sso-kfac 10/100", "vi-diag 10/100", "vi-diag (defaults)"]
+    assert report["timing"][0]["ratio_adamw_min"] == 1.0 and all(r["min_s"] > 0 for r in report["timing"])
+    q = report["quality"]
+    assert q["adamw"]["steps"] == q["budget_steps"] == 30
+    assert q["target_val_loss"] == q["adamw"]["final_val_loss"] < math.log(len(tt.ALPHABET))
+    assert q["sso-kfac"]["steps"] <= 30 and "| sso-kfac 10/100 |" in proc.stdout
