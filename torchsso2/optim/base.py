@@ -24,7 +24,7 @@ from curvature import CurvatureEngine, RunningCurvature
 from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
-from curvature.linalg import LinalgError, get_backend
+from curvature.linalg import LinalgError
 from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
@@ -37,10 +37,11 @@ from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, Mi
                            is_second_forward_reuse)
 from .checkpoint import check_checkpoint
 from .precision import without_autocast
-from .misuse import ClosureWatch, check_model_argument, check_option
+from .misuse import ClosureWatch, check_model_argument
 from .reporting import worth_reporting
-from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteError, SkipStreak, StepUndo, diagnose
-from .validation import MAX_LR, check_choice, check_int, check_nonempty_batch, check_number, unpack_closure_result
+from .settings import CurvatureSettings
+from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
+from .validation import MAX_LR, check_nonempty_batch, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -78,32 +79,23 @@ class BlockAverage:
 class CurvatureOptimizer(torch.optim.Optimizer):
     """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
 
-    def __init__(self, model: nn.Module, params: Optional[Iterable[Any]], defaults: Dict[str, Any], *,
-                 curvature: str, approx: Any, loss: str, mc_samples: int, skip_modules: Any,
-                 ema_decay: float, curv_update_interval: int, inv_update_interval: int,
-                 on_nonfinite: str, linalg: Optional[str], communicator: Any, seed: Optional[int],
-                 decomposition_dtype: Optional[torch.dtype], grad_scaler: Any = None,
-                 grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
-                 output_selector: Any = None,
-                 max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
+    def __init__(self, model: nn.Module, params: Optional[Iterable[Any]], defaults: Dict[str, Any],
+                 settings: CurvatureSettings) -> None:
         check_model_argument(model, type(self).__name__)
-        check_option(Kind, curvature, "curvature")
+        self.settings = settings
         self.model = model
-        self.engine = CurvatureEngine(model, kind=curvature, approx=approx, loss=loss, mc_samples=mc_samples,
-                                      skip_modules=skip_modules, output_selector=output_selector)
-        self.ema_decay = check_number("ema_decay", ema_decay, low=0.0, high=1.0, high_open=True)
-        self.curv_update_interval = check_int("curv_update_interval", curv_update_interval)
-        self.inv_update_interval = check_int("inv_update_interval", inv_update_interval)
-        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
-        get_backend(linalg)  # validates the name (and cupy's availability) now, not at the first decomposition
-        self.linalg = linalg
-        if grad_scaler is not None and not all(hasattr(grad_scaler, a) for a in ("unscale_", "get_scale")):
-            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        self.grad_scaler = grad_scaler
+        self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
+                                      mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
+                                      output_selector=settings.output_selector)
+        self.ema_decay = settings.ema_decay
+        self.curv_update_interval = settings.curv_update_interval
+        self.inv_update_interval = settings.inv_update_interval
+        self.on_nonfinite = settings.on_nonfinite
+        self.linalg = settings.linalg
+        self.grad_scaler = settings.grad_scaler
         self.num_amp_skipped = 0
-        if decomposition_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(f"decomposition_dtype={decomposition_dtype!r}; expected None, torch.float32 or torch.float64")
-        self.decomposition_dtype = decomposition_dtype
+        self.decomposition_dtype = settings.decomposition_dtype
+        communicator, seed = settings.communicator, settings.seed
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
@@ -117,7 +109,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # [issue #7: distributed] KAISA placement of the decompositions (torchsso2/optim/placement.py);
         # all ranks start from rank 0's weights and seed; label sampling is decorrelated per rank
         # (rank 0 keeps `seed`, so one process is unchanged).
-        self.placement = Placement(self.comm, grad_worker_fraction, assignment_strategy)
+        self.placement = Placement(self.comm, settings.grad_worker_fraction, settings.assignment_strategy)
         check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
         self.seed = agree_on_start(self.comm, model,
                                    int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
@@ -126,7 +118,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # [end issue #7]
         self.num_steps = 0
         self.num_skipped = 0
-        self._streak = SkipStreak(max_consecutive_skips)  # consecutive skipped steps (torchsso2/optim/skips.py)
+        self._streak = SkipStreak(settings.max_consecutive_skips)  # consecutive skipped steps (torchsso2/optim/skips.py)
         self._undo = StepUndo(model)  # what a skipped step gives back
         self._covered_at_start = list(self.engine.params)  # the covered parameters at construction
         self._decomposed = False

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
 
+from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
 from .base import Closure, CurvatureOptimizer
@@ -182,14 +183,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval)
         check_choice("kfac_method", kfac_method, ("eigen", "inverse"))
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(model, params, defaults, curvature=curvature,
-                         approx=DEFAULT_APPROX if approx is None else approx, loss=loss,
-                         mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
-                         curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
-                         on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
-                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
-                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
-                         output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
+        settings = CurvatureSettings.from_arguments(locals(), approx=DEFAULT_APPROX if approx is None else approx)
+        super().__init__(model, params, defaults, settings)
         self.kfac_method = kfac_method
         self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be

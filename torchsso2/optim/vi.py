@@ -49,6 +49,7 @@ from .misuse import eval_mode
 from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
+from .settings import CurvatureSettings
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
@@ -210,14 +211,8 @@ class VIOptimizer(CurvatureOptimizer):
         defaults = dict(lr=lr, momentum=momentum)
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam"
-        super().__init__(model, params, defaults, curvature="fisher" if self.reparam else curvature, approx=approx,
-                         loss=loss,
-                         mc_samples=mc_samples, skip_modules=skip_modules, ema_decay=ema_decay,
-                         curv_update_interval=curv_update_interval, inv_update_interval=inv_update_interval,
-                         on_nonfinite=on_nonfinite, linalg=linalg, communicator=communicator, seed=seed,
-                         decomposition_dtype=decomposition_dtype, grad_scaler=grad_scaler,
-                         grad_worker_fraction=grad_worker_fraction, assignment_strategy=assignment_strategy,
-                         output_selector=output_selector, max_consecutive_skips=max_consecutive_skips)
+        settings = CurvatureSettings.from_arguments(locals(), curvature="fisher" if self.reparam else curvature)
+        super().__init__(model, params, defaults, settings)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:

@@ -1,0 +1,67 @@
+"""The settings both native optimizers share, as one validated object.
+
+:class:`SecondOrderOptimizer` and :class:`VIOptimizer` keep their public keyword arguments; each
+collects the shared ones with :meth:`CurvatureSettings.from_arguments` (by name, from its own
+arguments) and hands the one object to :class:`~torchsso2.optim.base.CurvatureOptimizer`, instead of
+forwarding ~20 keywords by hand. The checks that need nothing but the values run once, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+import torch
+
+from curvature.linalg import get_backend
+from curvature.options import Kind
+
+from .misuse import check_option
+from .validation import check_choice, check_int, check_number
+
+
+@dataclass
+class CurvatureSettings:
+    """What the curvature engine, the running estimate and the distribution layer of a native
+    optimizer are built from (meanings: the optimizers' docstrings)."""
+
+    curvature: Any
+    approx: Any
+    loss: str
+    mc_samples: int
+    skip_modules: Any
+    ema_decay: float
+    curv_update_interval: int
+    inv_update_interval: int
+    on_nonfinite: str
+    linalg: Optional[str]
+    communicator: Any
+    seed: Optional[int]
+    decomposition_dtype: Optional[torch.dtype]
+    grad_scaler: Any
+    grad_worker_fraction: Any
+    assignment_strategy: Any
+    output_selector: Any
+    max_consecutive_skips: Optional[int]
+
+    def __post_init__(self) -> None:
+        check_option(Kind, self.curvature, "curvature")
+        self.ema_decay = check_number("ema_decay", self.ema_decay, low=0.0, high=1.0, high_open=True)
+        self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval)
+        self.inv_update_interval = check_int("inv_update_interval", self.inv_update_interval)
+        self.on_nonfinite = check_choice("on_nonfinite", self.on_nonfinite, ("skip", "raise"))
+        get_backend(self.linalg)  # validates the name (and cupy's availability) now, not at the first decomposition
+        scaler = self.grad_scaler
+        if scaler is not None and not all(hasattr(scaler, a) for a in ("unscale_", "get_scale")):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if self.decomposition_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"decomposition_dtype={self.decomposition_dtype!r}; "
+                             "expected None, torch.float32 or torch.float64")
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any], **overrides: Any) -> "CurvatureSettings":
+        """The fields taken by name from ``arguments`` (a face's ``locals()``), ``overrides`` first."""
+        return cls(**{f.name: overrides[f.name] if f.name in overrides else arguments[f.name]
+                      for f in fields(cls)})
+
+
+__all__ = ["CurvatureSettings"]
