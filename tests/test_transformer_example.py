@@ -79,10 +79,12 @@ def test_model_is_causal_and_ties() -> None:
 
 
 def test_tie_default_follows_library_support() -> None:
-    """--tie-weights defaults to what the library supports; asking for tying where it is refused is an error."""
+    """--tie-weights is off by default; asking for tying where the library refuses it is an error."""
     supported = tt.tying_supported()
-    assert tt.parse_args([]).tie_weights is supported
+    assert tt.parse_args([]).tie_weights is False
     assert tt.parse_args(["--no-tie-weights"]).tie_weights is False
+    assert supported  # torchsso2 has one block per tied parameter (tests/test_tied_parameters.py)
+    assert tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"]).tie_weights is True
     if not supported:
         with pytest.raises(SystemExit):
             tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"])
