@@ -37,6 +37,7 @@ from torch import Tensor
 
 from curvature.linalg.checks import all_finite
 from torchsso2.optim import NonFiniteError
+from torchsso2.optim.skips import check_max_consecutive_skips  # one rule for all three faces
 
 from .layer import KFACLayer
 
@@ -54,17 +55,6 @@ def check_on_nonfinite(value: object) -> str:
         raise TypeError(f"on_nonfinite must be 'skip' or 'raise', got {type(value).__name__} {value!r}")
     if value not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {value!r}")
-    return value
-
-
-def check_max_consecutive_skips(value: object) -> Optional[int]:
-    """``None`` (never raise) or an int >= 1."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"max_consecutive_skips must be an int >= 1 or None, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"max_consecutive_skips must be an int >= 1 or None (never raise), got {value!r}")
     return value
 
 

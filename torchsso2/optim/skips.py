@@ -37,7 +37,8 @@ def check_max_consecutive_skips(value: Optional[int]) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"max_consecutive_skips must be an int >= 1 or None, got {type(value).__name__} {value!r}")
     if value < 1:
-        raise ValueError(f"max_consecutive_skips={value!r} is invalid; expected an int >= 1 or None (never raise)")
+        raise ValueError(f"max_consecutive_skips={value!r} is invalid: max_consecutive_skips must be an int >= 1 "
+                         "or None (never raise)")
     return value
 
 
