@@ -27,7 +27,6 @@ def _batches(k: int = 2, n: int = 6):
             for _ in range(k)]
 
 
-
 def _forward_by_hand(ws, x, y):
     """Per-layer inputs with a ones column ``[N, d+1]``, per-example output gradients ``e`` of
     ``ℓ_n`` (``[N, d_out]``), and the mean-loss gradients ``[W | b]`` per layer."""

@@ -80,7 +80,6 @@ def _mlp():
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
-
 def _data():
     g = torch.Generator().manual_seed(1)
     return torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)

@@ -40,7 +40,6 @@ def _make(face: str, model: nn.Module, kind: str):
     return VIOptimizer(model, dataset_size=100, lr=0.01, curvature=kind, prior_precision=1.0)
 
 
-
 def _fwd_bwd_ms(model: nn.Module, x, y, reps: int = 50) -> float:
     best = float("inf")
     for _ in range(3):
