@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
-from . import likelihoods
+from . import likelihoods, sequence
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .blocks.base import compute_dtype
 from .capture import Capture, ModuleRecord, batch_norm_modules
@@ -155,11 +155,28 @@ class CurvatureEngine:
                     f"one of them ({err}). For F.scaled_dot_product_attention run the forward under "
                     "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
                     "differentiable; or use a Fisher kind") from err
-        self.check_examples_align(capture.records, outputs)
+        per_example = self.check_examples_align(capture.records, outputs)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
-        chunks = self.output_grad_chunks(capture, outputs, vectors)
+        if per_example > 1:  # sequence outputs: rows inside module examples (curvature.sequence)
+            outs = {n: capture.records[n].output for n in self._modules
+                    if capture.records[n].output.dim() and capture.records[n].output.shape[0] != outputs.shape[0]}
+            with capture.frozen.on():
+                sequence.check_example_major_rows(outputs, outs, per_example)
+        if per_example > 1 and self.kind is Kind.FISHER:
+            chunks = self._per_position_grad_chunks(capture, outputs, vectors, per_example)
+        else:
+            chunks = self.output_grad_chunks(capture, outputs, vectors)
         return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
+
+    def _per_position_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor,
+                                  per_example: int) -> Iterator[Dict[str, Tensor]]:
+        """:meth:`output_grad_chunks` of the ``K·T`` per-position vectors
+        (:func:`curvature.sequence.per_position_vectors`), built and backpropagated a chunk at a time."""
+        per_vector = sum(capture.records[n].output.numel() for n in self._modules)
+        group = max(1, _GRAD_CHUNK_ELEMENTS // max(1, per_vector))
+        for part in sequence.per_position_vectors(vectors, per_example, group):
+            yield from self.output_grad_chunks(capture, outputs, part)
 
     def estimate_from_backward(self, capture: Capture, batch_size: Optional[int] = None,
                                loss_scale: Optional[float] = None) -> Dict[str, Block]:
@@ -182,31 +199,22 @@ class CurvatureEngine:
             grads[name] = (sum(rec.backward_grads) * s).unsqueeze(0)
         return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size)
 
-    def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> None:
-        """ValueError when the exact or empirical Fisher would mix loss rows: both are sums over
-        examples of per-example products, taken at each covered module's batch dimension, so
-        each module example must hold exactly one row of the loss. A sequence model whose
-        ``[N, T, C]`` logits are reshaped to ``[N·T, C]`` has N module examples of T rows each, and
-        the product of a T-row sum is not the sum of the T per-row products (e.g. 2.4× off on the
-        diagonal of a 3×6-token model). The Monte-Carlo Fisher has no such cross terms in
-        expectation (independent zero-mean sampled gradients), so it is allowed. So are K-FAC
-        blocks: their ``G`` sums outer products of the output gradient at every position, which
-        for several loss rows per example is the K-FAC-expand convention (Eschenhagen et al.,
-        2023; curvlinops' ``KFACLinearOperator(kfac_approx="expand")``), normalized by the loss rows."""
-        if self.kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
-            return
-        rows = outputs.shape[0]
+    def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> int:
+        """How many loss rows each covered module example holds (``T``, see :mod:`curvature.sequence`).
+
+        The exact and the empirical Fisher are sums over examples of per-example products, taken at
+        each covered module's batch dimension. A sequence model whose ``[N, T, C]`` logits are
+        reshaped to ``[N·T, C]`` has N module examples of T rows each: the exact Fisher then
+        backpropagates its vectors per position (no products of a T-row sum), the empirical Fisher
+        takes the sequence's gradient as the per-example one. ValueError when the modules' batches do
+        not divide the rows (:func:`curvature.sequence.rows_per_example`). The Monte-Carlo Fisher has
+        no cross terms in expectation (independent zero-mean sampled gradients) and needs nothing.
+        K-FAC blocks sum outer products of the output gradient at every position, the K-FAC-expand
+        convention (Eschenhagen et al., 2023), normalized by the loss rows."""
         approx = {u.name: self.approx[lay.name] for lay in self.layouts.values() for u in lay.tied}
         approx.update(self.approx)  # a module using a tied parameter counts in the shape of its block
-        bad = {n: r.output.shape[0] for n, r in records.items()
-               if r.output.dim() and r.output.shape[0] != rows and approx.get(n) is not Approx.KFAC}
-        if bad:
-            raise ValueError(
-                f"kind={self.kind.value!r} sums per-example terms, but the loss has {rows} rows (output shape "
-                f"{tuple(outputs.shape)}) while covered modules see batches of {bad}: one module example holds several "
-                "loss rows (e.g. [N, T, C] sequence logits reshaped to [N*T, C]) and their per-example "
-                "products would mix rows. Use kind='fisher_mc' (unbiased for such models), approx='kfac' for "
-                "those modules (K-FAC expand), or skip them with skip_modules")
+        batches = {n: r.output.shape[0] for n, r in records.items() if r.output.dim()}
+        return sequence.rows_per_example(self.kind, outputs.shape[0], batches, approx)
 
     def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
         """Gradients of ``<outputs, v_k>`` w.r.t. each module output, in chunks ``{module: [k, N, *out]}``
