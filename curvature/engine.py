@@ -22,7 +22,8 @@ from .cost import warn_full_blocks
 from .hessian import hessian_blocks
 from .modules import family_of
 from .modules.base import flat_per_example
-from .options import Approx, Kind, LossType, parse
+from .modules.linear import WeightMatrixFamily
+from .options import Approx, Kind, KFACApprox, LossType, parse
 from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
 from .tied import check_kfac_tied, combine_kfac, tied_per_example_sum
 
@@ -59,12 +60,16 @@ class CurvatureEngine:
             its submodules.
         output_selector: maps the model's forward output to the tensor the loss is computed
             from (for models that return a tuple, dict or output object); default: the output.
+        kfac_approx: ``"expand" | "reduce"``: K-FAC of Linear-like layers (Linear, Conv2d, the
+            attention in-projection) applied over positions ``T`` (:class:`curvature.options.KFACApprox`).
+            Embedding blocks are K-FAC-expand either way (their input factor is diagonal only there).
     """
 
     def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
                  loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None,
-                 output_selector: Optional[Callable[[Any], Tensor]] = None) -> None:
+                 output_selector: Optional[Callable[[Any], Tensor]] = None, kfac_approx: str = "expand") -> None:
         self.kind = parse(Kind, kind, "kind")
+        self.kfac_approx = parse(KFACApprox, kfac_approx, "kfac_approx")
         if output_selector is not None and not callable(output_selector):
             raise TypeError(f"output_selector must be a callable (model output -> Tensor), got {output_selector!r}")
         self.output_selector = output_selector
@@ -303,8 +308,18 @@ class CurvatureEngine:
                 inputs[name] = a.to(dt) if a.dtype.is_floating_point else a
             return inputs[name]
 
+        reduce = self.kfac_approx is KFACApprox.REDUCE
+
         def add_kfac(key: Any, name: str, fam: Any, mod: nn.Module, names: Any, g: Tensor, dt: torch.dtype) -> None:
             module_batch[key] = g.shape[1]
+            if reduce and isinstance(fam, WeightMatrixFamily):  # K-FAC-reduce: Σ_t g, mean_t a per example
+                g = g.sum(dim=2, keepdim=True)
+                if key not in sums:
+                    a = normal_input(name, dt).mean(dim=1, keepdim=True)
+                    sums[key] = list(fam.kfac_factors(mod, a, g, names))
+                else:
+                    sums[key][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, None, g, names)
+                return
             if key not in sums:
                 rec = records[name]
                 sums[key] = list(fam.kfac_factors_from_inputs(mod, rec.inputs, rec.output, g, names))

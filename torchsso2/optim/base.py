@@ -86,7 +86,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.model = model
         self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
-                                      output_selector=settings.output_selector)
+                                      output_selector=settings.output_selector, kfac_approx=settings.kfac_approx)
         self.ema_decay = settings.ema_decay
         self.curv_update_interval = settings.curv_update_interval
         self.inv_update_interval = settings.inv_update_interval
