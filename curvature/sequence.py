@@ -23,6 +23,7 @@ The per-example quantity is the sequence: with ``ℓ_nt`` the loss of row ``(n, 
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Dict, Iterator, Mapping, Optional
 
 import torch
@@ -45,14 +46,17 @@ def rows_per_example(kind: Kind, rows: int, batches: Mapping[str, int], approx: 
         other = {n: b for n, b in other.items() if approx.get(n) is not Approx.KFAC}
     if not other:
         return 1
-    sizes = set(other.values())
-    n = next(iter(sizes))
-    if len(sizes) > 1 or n == 0 or rows % n:
+    counts = Counter(other.values())
+    n = max(counts, key=lambda b: (counts[b], b))  # the batch most of those modules see
+    bad = {m: b for m, b in other.items() if b != n}
+    if bad or n == 0 or rows % n:
         raise ValueError(
             f"kind={kind.value!r} with {rows} loss rows needs every covered module to see either one example per "
             f"row or the same number N of examples with N dividing the rows (sequence logits [N, T, C] reshaped "
-            f"to [N*T, C]), but the modules see batches of {other}. Use kind='fisher_mc', or skip those modules "
-            "with skip_modules")
+            f"to [N*T, C]); the covered modules see batches of {bad or other}. A module called without the batch "
+            "dimension (e.g. a position embedding on torch.arange(T), broadcast over the batch) has no per-example "
+            "gradients: call it on the batch (pos(torch.arange(T).expand(N, T))) or skip it with skip_modules; "
+            "or use kind='fisher_mc'")
     return rows // n
 
 

@@ -31,8 +31,11 @@ class TinyLM(nn.Module):
         self.fc2 = nn.Linear(2 * D, D)
         self.head = nn.Linear(D, out)
 
+    def embed(self, idx: Tensor) -> Tensor:
+        return self.emb(idx)
+
     def forward(self, idx: Tensor) -> Tensor:
-        h = self.emb(idx)
+        h = self.embed(idx)
         q = self.ln1(h)
         mask = torch.triu(torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool), 1)
         h = h + self.attn(q, q, q, attn_mask=mask, need_weights=False)[0]
@@ -207,6 +210,28 @@ def test_rows_that_are_not_example_major_are_refused() -> None:
     with pytest.raises(ValueError, match="example-major"):
         curvature.compute(model, x, y, kind="fisher", approx="diag",
                           output_selector=lambda out: out.transpose(0, 1).reshape(-1, C))
+
+
+def test_a_module_without_the_batch_dimension_is_named() -> None:
+    """A position embedding on ``torch.arange(T)`` (output ``[T, d]`` broadcast over the batch) has
+    no per-example gradients: ValueError naming it and the fix; on the expanded positions it works."""
+    class PosLM(TinyLM):
+        def __init__(self, expand: bool) -> None:
+            super().__init__()
+            self.pos, self.expand = nn.Embedding(T, D), expand
+
+        def embed(self, idx: Tensor) -> Tensor:
+            pos = torch.arange(idx.shape[1])
+            return self.emb(idx) + self.pos(pos.expand_as(idx) if self.expand else pos)
+
+    torch.manual_seed(0)
+    x, y = torch.randint(0, V, (N, T)), torch.randint(0, C, (N * T,))
+    with pytest.raises(ValueError, match=r"\{'pos': 4\}.*expand\(N, T\)"):
+        curvature.compute(PosLM(False).double(), x, y, kind="fisher", approx="diag", output_selector=_rows)
+    model = PosLM(True).double()
+    c = curvature.compute(model, x, y, kind="fisher", approx="diag", output_selector=_rows)
+    brute = Brute(model, x, y, "cross_entropy")
+    _check_blocks(c, brute, brute.ggn(), "diag")
 
 
 def test_module_batches_that_do_not_divide_the_rows_are_refused() -> None:
