@@ -134,10 +134,12 @@ class CurvatureEngine:
                  generator: Optional[torch.Generator] = None) -> Dict[str, Block]:
         """Fresh blocks of the curvature of the mean loss over the recorded batch.
 
-        ``outputs``: the model output recorded by ``capture`` (still in the graph);
+        ``outputs``: the model output recorded by ``capture`` (still in the graph; cross-entropy
+        logits ``[N, T, C]`` count as ``N·T`` rows, :func:`curvature.likelihoods.as_rows`);
         ``targets``: needed for ``empirical_fisher`` and ``hessian``.
         """
         likelihoods.check_outputs_targets(self.loss, outputs, targets)
+        outputs, targets = likelihoods.as_rows(self.loss, outputs, targets)  # [N, T, C] logits: N·T rows
         if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
         missing = [n for n in self._modules if n not in capture.records]
@@ -193,8 +195,8 @@ class CurvatureEngine:
         of the recorded root output (of the first covered module's output when there is none).
         """
         if capture.outputs:
-            self.check_examples_align(capture.records, capture.outputs[0])
-        rows = (capture.outputs[0].shape[0] if capture.outputs
+            self.check_examples_align(capture.records, likelihoods.as_rows(self.loss, capture.outputs[0], None)[0])
+        rows = (likelihoods.loss_rows(self.loss, capture.outputs[0]) if capture.outputs
                 else next(iter(capture.records.values())).output.shape[0])
         s = float(loss_scale if loss_scale is not None else rows)
         grads = {}

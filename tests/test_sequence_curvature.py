@@ -239,3 +239,53 @@ def test_module_batches_that_do_not_divide_the_rows_are_refused() -> None:
     with pytest.raises(ValueError, match="N dividing the rows"):
         curvature.compute(model, x, y[:-1], kind="fisher", approx="diag",
                           output_selector=lambda out: _rows(out)[:-1])
+
+
+# ---- logits [N, T, C] straight into the loss (targets [N, T]): the same N·T rows -------------------
+@pytest.mark.parametrize("kind", ["fisher", "fisher_mc", "empirical_fisher", "hessian"])
+@pytest.mark.parametrize("approx", ["diag", "kfac"])
+def test_sequence_logits_without_reshaping_are_the_rows(kind: str, approx: str) -> None:
+    model, x, y = _setup("cross_entropy")
+    if kind == "hessian" and approx == "kfac":
+        pytest.skip("K-FAC of the Hessian is not implemented")
+    blocks = []
+    for out_sel, targets in ((_rows, y), (None, y.view(N, T))):
+        gen = torch.Generator().manual_seed(0)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            c = curvature.compute(model, x, targets, kind=kind, approx=approx, output_selector=out_sel,
+                                  generator=gen, skip_modules=["attn"] if kind == "hessian" else None)
+        blocks.append(c)
+    for name in blocks[0].blocks:
+        for a, b in zip(blocks[0].blocks[name].tensors(), blocks[1].blocks[name].tensors()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    if kind == "fisher" and approx == "diag":
+        brute = Brute(model, x, y, "cross_entropy")
+        _check_blocks(blocks[1], brute, brute.ggn(), "diag")
+
+
+def test_sequence_logits_in_the_optimizer_from_the_users_backward() -> None:
+    """Empirical Fisher from the user's backward of ``F.cross_entropy`` over every token of
+    ``[N, T, C]`` logits: the per-sequence definition, normalized by the N·T rows."""
+    model, x, y = _setup("cross_entropy")
+    brute = Brute(model, x, y, "cross_entropy")
+    ref = brute.empirical_fisher(T)
+    opt = SecondOrderOptimizer(model, lr=0.0, curvature="empirical_fisher", approx="diag")
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, C), y)
+        loss.backward()
+        return loss, out
+
+    opt.step(closure)
+    for s in brute.slices:
+        want = ref[s.start:s.stop, s.start:s.stop].diagonal()
+        torch.testing.assert_close(opt.running.blocks[s.name].diagonal, want, rtol=1e-8,
+                                   atol=1e-8 * float(want.abs().max()), msg=s.name)
+
+
+def test_sequence_logits_need_targets_of_their_shape_without_the_classes() -> None:
+    model, x, y = _setup("cross_entropy")
+    with pytest.raises(ValueError, match=r"targets of shape \[N, T\].*\(3, 4\).*got \(12,\)"):
+        curvature.compute(model, x, y, kind="empirical_fisher", approx="diag")

@@ -25,6 +25,7 @@ from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError
+from curvature import likelihoods
 from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
@@ -190,7 +191,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if len(cap.outputs) > 1:
                 raise ValueError(ACCUMULATION_NEEDS_TARGETS)
             if cap.outputs:
-                n = cap.outputs[0].shape[0]
+                n = likelihoods.loss_rows(engine.loss, cap.outputs[0])  # N, or N·T for [N, T, C] logits
                 scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
                 acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
         if acc.blocks is None and not acc.nonfinite:
