@@ -8,6 +8,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
@@ -289,3 +290,38 @@ def test_sequence_logits_need_targets_of_their_shape_without_the_classes() -> No
     model, x, y = _setup("cross_entropy")
     with pytest.raises(ValueError, match=r"targets of shape \[N, T\].*\(3, 4\).*got \(12,\)"):
         curvature.compute(model, x, y, kind="empirical_fisher", approx="diag")
+
+
+# ---- random sizes (hypothesis) ------------------------------------------------------------------
+class SizedLM(nn.Module):
+    """Embedding → LayerNorm → causal self-attention (residual) → Linear head, any sizes."""
+
+    def __init__(self, v: int, d: int, c: int) -> None:
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(v, d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 1, batch_first=True)
+        self.head = nn.Linear(d, c)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx)
+        q = self.ln(h)
+        mask = torch.triu(torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool), 1)
+        return self.head(h + self.attn(q, q, q, attn_mask=mask, need_weights=False)[0])
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 3), t=st.integers(1, 4), d=st.integers(2, 4), c=st.integers(2, 4),
+       loss=st.sampled_from(["cross_entropy", "mse"]), kind=st.sampled_from(["fisher", "empirical_fisher"]),
+       approx=st.sampled_from(["diag", "full"]), seed=st.integers(0, 2 ** 16))
+def test_sequence_blocks_random_sizes(n: int, t: int, d: int, c: int, loss: str, kind: str, approx: str,
+                                      seed: int) -> None:
+    torch.manual_seed(seed)
+    model = SizedLM(5, d, c).double().eval()
+    x = torch.randint(0, 5, (n, t))
+    y = torch.randint(0, c, (n * t,)) if loss == "cross_entropy" else torch.randn(n * t, c, dtype=torch.float64)
+    brute = Brute(model, x, y, loss)
+    ref = brute.ggn() if kind == "fisher" else brute.empirical_fisher(t)
+    got = curvature.compute(model, x, y, loss=loss, kind=kind, approx=approx, output_selector=_rows)
+    _check_blocks(got, brute, ref, approx)
+    for _, blk in brute.blocks(got.dense()):  # PSD
+        assert float(torch.linalg.eigvalsh(blk).min()) > -1e-10 * max(1.0, float(blk.abs().max()))
