@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -177,13 +177,17 @@ class CurvatureEngine:
         return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
 
     def _per_position_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor,
-                                  per_example: int) -> Iterator[Dict[str, Tensor]]:
+                                  per_example: int) -> Iterator[Tuple[Dict[str, Tensor], Tensor]]:
         """:meth:`output_grad_chunks` of the ``K·T`` per-position vectors
         (:func:`curvature.sequence.per_position_vectors`), built and backpropagated a chunk at a time."""
         per_vector = sum(capture.records[n].output.numel() for n in self._modules)
         group = max(1, _GRAD_CHUNK_ELEMENTS // max(1, per_vector))
-        for part in sequence.per_position_vectors(vectors, per_example, group):
-            yield from self.output_grad_chunks(capture, outputs, part)
+        for part, positions in sequence.per_position_vectors(vectors, per_example, group):
+            done = 0
+            for grads in self.output_grad_chunks(capture, outputs, part):
+                k = next(iter(grads.values())).shape[0]
+                yield grads, positions[done:done + k]  # the positions let blocks skip the sum over T
+                done += k
 
     def estimate_from_backward(self, capture: Capture, batch_size: Optional[int] = None,
                                loss_scale: Optional[float] = None) -> Dict[str, Block]:
@@ -288,10 +292,11 @@ class CurvatureEngine:
         """Per-module blocks from recorded inputs and output gradients ``[K, N, *out]``."""
         return self.blocks_from_grad_chunks(records, [grads], batch_size)
 
-    def blocks_from_grad_chunks(self, records: Dict[str, ModuleRecord], chunks: Iterable[Dict[str, Tensor]],
+    def blocks_from_grad_chunks(self, records: Dict[str, ModuleRecord], chunks: Iterable[Any],
                                 batch_size: int) -> Dict[str, Block]:
         """Per-module blocks from output gradients that arrive in chunks ``{module: [k, N, *out]}``
-        of the ``K`` backpropagated vectors.
+        of the ``K`` backpropagated vectors (or ``(chunk, positions [k])`` for per-position vectors:
+        :func:`curvature.sequence.localized`).
 
         Every Fisher-type block is a sum over the K vectors (``G`` of K-FAC, the diagonal, the
         full block), so each chunk adds its part and is dropped: the ``[K, N, *out]`` gradients
@@ -329,7 +334,9 @@ class CurvatureEngine:
                 a = normal_input(name, dt) if fam.output_factor_needs_input else None
                 sums[key][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, a, g, names)
 
-        for grads in chunks:
+        for item in chunks:
+            # per-position vectors come with their positions (curvature.sequence.localized)
+            grads, positions = item if isinstance(item, tuple) else (item, None)
             for name, lay in self.layouts.items():
                 fam, mod = lay.family, lay.module
                 g = fam.normal_output_grad(mod, grads[name].detach())
@@ -348,7 +355,9 @@ class CurvatureEngine:
                          for u, gu in zip(lay.tied, use_grads)]
                     part = tied_per_example_sum(lay, shape, uses, _EXAMPLE_CHUNK)
                 else:
-                    part = self._per_example_sum(lay, shape, normal_input(name, dt), g)
+                    a = normal_input(name, dt)
+                    local = None if positions is None else sequence.localized(a, g, positions)
+                    part = self._per_example_sum(lay, shape, *(local if local is not None else (a, g)))
                 if name in sums:
                     sums[name][0] += part
                 else:

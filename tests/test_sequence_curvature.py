@@ -325,3 +325,36 @@ def test_sequence_blocks_random_sizes(n: int, t: int, d: int, c: int, loss: str,
     _check_blocks(got, brute, ref, approx)
     for _, blk in brute.blocks(got.dense()):  # PSD
         assert float(torch.linalg.eigvalsh(blk).min()) > -1e-10 * max(1.0, float(blk.abs().max()))
+
+
+@pytest.mark.parametrize("module", ["fc1", "ln2", "emb"])
+@pytest.mark.parametrize("approx", ["diag", "full"])
+def test_position_local_blocks_skip_the_sum_over_positions(module: str, approx: str) -> None:
+    """For per-position vectors whose gradient at a module is zero off their own position,
+    :func:`curvature.sequence.localized` makes every (vector, example) one example of one position;
+    the block is the same as from the ``[k, N, T, d]`` gradients. One gradient entry off position
+    (what attention before the module's output would leave) makes it decline."""
+    from curvature.engine import CurvatureEngine
+    from curvature.options import Approx
+    from curvature.sequence import localized
+
+    model, x, _ = _setup("cross_entropy")
+    eng = CurvatureEngine(model, kind="fisher", approx=approx)
+    lay = eng.layouts[module]
+    with eng.capture() as cap:
+        model(x)
+    rec = cap.records[module]
+    a = lay.family.normal_input(lay.module, rec.inputs, rec.output)
+    k = 5
+    positions = torch.tensor([0, 3, 1, 3, 2])
+    g = torch.zeros((k,) + tuple(rec.output.shape), dtype=torch.float64)
+    for j, t in enumerate(positions.tolist()):
+        g[j, :, t] = torch.randn(g.shape[1:2] + g.shape[3:], dtype=torch.float64)
+    g = lay.family.normal_output_grad(lay.module, g)
+    local = localized(a, g, positions)
+    assert local is not None and local[0].shape[:2] == (k * N, 1)
+    shape = Approx(approx)
+    torch.testing.assert_close(eng._per_example_sum(lay, shape, *local), eng._per_example_sum(lay, shape, a, g),
+                               rtol=1e-12, atol=1e-14)
+    g[0, 0, 2, 0] = 1e-3
+    assert localized(a, g, positions) is None
