@@ -194,3 +194,17 @@ def test_bad_kfac_approx_is_a_value_error_naming_it(make) -> None:
     model, _, _ = _pooled(2, 3, 4, 2)
     with pytest.raises(ValueError, match=r"kfac_approx='shrink'.*'expand', 'reduce'"):
         make(model)
+
+
+def test_reduce_is_exact_for_a_conv_behind_global_average_pooling() -> None:
+    """Conv2d's patches are its weight-sharing positions: behind a global average pool and mse the
+    per-example gradient is ``ĝ āᵀ`` (mean patch, summed output gradient), so reduce is the GGN block."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten()).double()
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    y = torch.randn(3, 3, dtype=torch.float64)
+    ref = _ggn(model, x, y, "mse")
+    c = curvature.compute(model, x, y, loss="mse", kind="fisher", approx="kfac", kfac_approx="reduce")
+    _close(c.dense(), ref)
+    e = curvature.compute(model, x, y, loss="mse", kind="fisher", approx="kfac")
+    assert float((e.dense() - ref).abs().max()) > 0.1 * float(ref.abs().max())
