@@ -18,6 +18,8 @@ The per-example quantity is the sequence: with ``ℓ_nt`` the loss of row ``(n, 
 * ``empirical_fisher``: ``(1/R) Σ_n g_n g_nᵀ`` with ``g_n = ∇_θ Σ_t ℓ_nt`` the gradient of the
   sequence's summed token losses (one backward pass; for ``T = 1`` the usual definition). Its K-FAC
   blocks are K-FAC-expand of that (``G`` sums ``∂(Σ_t ℓ_nt)/∂s_nt'`` outer products over positions ``t'``).
+  Taken from the user's own backward (the optimizers' ``empirical_fisher`` without targets) the
+  row layout cannot be checked (no backward pass of the engine's own).
 * ``fisher_mc`` keeps one vector per sample: the sampled rows' gradients are independent and
   zero-mean, so the cross terms vanish in expectation (unbiased, not exact).
 """
