@@ -110,6 +110,7 @@ def test_settings_check_compares_layer_shapes() -> None:
     ("sso", [dict(adaptive_damping=False), dict(adaptive_damping=True)]),
     ("vi", [dict(num_mc_samples=1), dict(num_mc_samples=2)]),
     ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
+    ("sso", [dict(kfac_approx="expand"), dict(kfac_approx="reduce")]),
 ])
 def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
     """The construction-time check of the native faces, on 2 ranks played by 2 threads."""

@@ -124,6 +124,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         output_selector: for a model whose forward returns a tuple, dict or output object: a
             callable giving the tensor the loss is computed from (``lambda out: out[0]``,
             ``lambda out: out["logits"]``); the curvature is taken there. Default: the output.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``: K-FAC of Linear-like layers applied over
+            positions (``[N, T, d]`` inputs, attention projections): every position an example, or
+            each sequence's inputs averaged and output gradients summed over ``T`` first
+            (Eschenhagen et al., 2023; :class:`curvature.options.KFACApprox`).
         use_adaptive_learning_rate, use_adaptive_momentum: kfac-jax's adaptive mode
             (:mod:`torchsso2.optim.adaptive`, ``docs/adaptive.md``): the update is
             ``θ ← θ − a·Δ + μ·δ_prev`` (``Δ = (C + λI)⁻¹ d``, ``δ_prev`` the previous update) with
@@ -160,7 +164,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  grad_worker_fraction: Any = "comm_opt", assignment_strategy: Any = "compute",
                  low_rank_solve: bool = True, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
-                 use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False) -> None:
+                 use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False,
+                 kfac_approx: str = "expand") -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
         check_number("lr", lr, low=0.0, high=MAX_LR)
         if not isinstance(low_rank_solve, bool):
