@@ -9,6 +9,7 @@ plain autograd in float64, and its minimiser compared with the step the optimize
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -336,3 +337,20 @@ def test_benchmark_quick_grid_writes_its_table(tmp_path):
     assert "seeds reaching" in report["grid_table"]
     run = saved["grid"][0]
     assert run["epochs"] is None or run["final_accuracy"] >= 0.97
+
+
+def test_kl_clip_default_is_a_sentinel_off_in_adaptive_mode_and_an_explicit_value_is_refused():
+    """The signature default of kl_clip is a sentinel: DEFAULT_KL_CLIP without adaptive
+    coefficients, off with them; any value the user passes (DEFAULT_KL_CLIP itself included)
+    counts as explicit and is refused in adaptive mode, kl_clip=None is accepted."""
+    from torchsso2.optim.second_order import DEFAULT_KL_CLIP
+    model = nn.Sequential(*_mlp()).float()
+    assert SecondOrderOptimizer(model).kl_clip == DEFAULT_KL_CLIP
+    assert SecondOrderOptimizer(model, kl_clip=DEFAULT_KL_CLIP).kl_clip == DEFAULT_KL_CLIP
+    for flags in (dict(use_adaptive_learning_rate=True), dict(use_adaptive_momentum=True)):
+        assert SecondOrderOptimizer(model, **flags).kl_clip is None
+        assert SecondOrderOptimizer(model, kl_clip=None, **flags).kl_clip is None
+        for explicit in (DEFAULT_KL_CLIP, 1e-3, 0.01):
+            with pytest.raises(ValueError, match=f"kl_clip={explicit!r} cannot be combined"):
+                SecondOrderOptimizer(model, kl_clip=explicit, **flags)
+    assert "default" in repr(inspect.signature(SecondOrderOptimizer).parameters["kl_clip"].default)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,19 @@ DEFAULT_DAMPING = 0.1
 DEFAULT_KL_CLIP = 1e-3
 
 
+class _DefaultKLClip:
+    """The signature default of ``kl_clip``: :data:`DEFAULT_KL_CLIP` without adaptive
+    coefficients, off with them (their step length comes from the quadratic model). A sentinel,
+    so that any value the user passes, ``DEFAULT_KL_CLIP`` itself included, counts as explicit."""
+
+    def __repr__(self) -> str:
+        return f"<default: {DEFAULT_KL_CLIP:g}, off with adaptive lr/momentum>"
+
+
+#: the sentinel ``kl_clip`` defaults to (see :class:`_DefaultKLClip`)
+KL_CLIP_DEFAULT = _DefaultKLClip()
+
+
 def _as_float(value: Any) -> float:
     """A loss as a Python float (detached first: no autograd warning for a loss that requires grad)."""
     return float(value.detach()) if isinstance(value, Tensor) else float(value)
@@ -85,7 +98,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         kl_clip: kfac_pytorch-style KL clipping of the preconditioned update: the update is scaled
             by ``ν`` so that ``Σ lr²·Δᵀd`` (twice the KL divergence the step implies under the
             curvature) stays at most ``kl_clip``. Default :data:`DEFAULT_KL_CLIP` = 1e-3
-            (kfac_pytorch's default); ``None`` turns it off.
+            (kfac_pytorch's default) when not passed; ``None`` turns it off. With adaptive lr/momentum
+            the default is off and an explicit value is refused (``ValueError``).
         adaptive_damping: Levenberg–Marquardt rule every ``damping_adaptation_interval`` steps
             (needs a closure that can be called again; the extra call re-evaluates the loss). Its
             quadratic model is ``C + λI`` with either ``kfac_method`` (Martens & Grosse 2015 also
@@ -132,8 +146,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             An adapted coefficient ignores the group's ``lr`` / ``momentum``; one not adapted is
             fixed to it. Costs about two extra forward passes per step; combine with
             ``adaptive_damping=True`` (then fed the quadratic model's predicted change) for a
-            run with neither lr nor damping to tune. The default KL clip is off in this mode; an explicit
-            ``kl_clip`` is refused, and so are several processes.
+            run with neither lr nor damping to tune. The default KL clip is off in this mode and an explicit
+            ``kl_clip`` (other than ``None``) is refused.
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -150,7 +164,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  curvature: str = "fisher_mc", approx: Any = "kfac", damping: float = DEFAULT_DAMPING,
                  kfac_method: str = "eigen",
                  ema_decay: float = 0.95, curv_update_interval: int = 1, inv_update_interval: int = 1,
-                 loss: str = "cross_entropy", mc_samples: int = 1, kl_clip: Optional[float] = DEFAULT_KL_CLIP,
+                 loss: str = "cross_entropy", mc_samples: int = 1, kl_clip: Union[float, None, _DefaultKLClip] = KL_CLIP_DEFAULT,
                  adaptive_damping: bool = False, damping_adaptation_interval: int = 5,
                  damping_adaptation_decay: float = 0.95, min_damping: float = 1e-8,
                  on_nonfinite: str = "skip", skip_modules: Any = None,
@@ -168,8 +182,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
         self.damping = check_number("damping", damping, low=0.0)
-        if (use_adaptive_learning_rate is True or use_adaptive_momentum is True) and kl_clip is DEFAULT_KL_CLIP:
-            kl_clip = None  # adaptive mode takes its step length from the quadratic model: no default clip
+        adaptive = use_adaptive_learning_rate is True or use_adaptive_momentum is True
+        if isinstance(kl_clip, _DefaultKLClip):  # not passed: off in adaptive mode (the quadratic model sets the step)
+            kl_clip = None if adaptive else DEFAULT_KL_CLIP
+        elif adaptive and kl_clip is not None:
+            raise ValueError(f"kl_clip={kl_clip!r} cannot be combined with use_adaptive_learning_rate/"
+                             "use_adaptive_momentum: the step length comes from the quadratic model; leave kl_clip "
+                             "at its default (off in adaptive mode) or pass kl_clip=None")
         self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
         if not isinstance(adaptive_damping, bool):
             raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
@@ -343,9 +362,6 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if not (learning_rate or momentum):
             return None
-        if self.kl_clip is not None:
-            raise ValueError(f"kl_clip={self.kl_clip} cannot be combined with use_adaptive_learning_rate/"
-                             "use_adaptive_momentum: the step length comes from the quadratic model; pass kl_clip=None")
         if self.comm.world_size > 1:
             raise NotImplementedError("adaptive learning rate/momentum with several processes is not implemented")
         param_names(self.model, [p for g in self.param_groups for p in g["params"]])
