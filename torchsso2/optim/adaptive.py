@@ -27,6 +27,11 @@ The model inputs of the closure's forward are recorded (a forward pre-hook, see
 :class:`InputRecorder`) and the model is run again in forward mode with
 ``torch.func.functional_call``, with copies of its buffers (BatchNorm running statistics are not
 updated twice) and, on CPU, the global RNG state of the original forward (the same dropout mask).
+
+With several processes each rank computes ``vᵢᵀ G vⱼ`` on its own examples and the ``[k, k]``
+Gram is averaged over the ranks (:func:`mean_over_ranks`; one allreduce of k² numbers per
+step), so every rank solves the same coefficients: W ranks on W equal shards equal one process
+on the whole batch.
 """
 from __future__ import annotations
 
@@ -159,6 +164,22 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
     return 0.5 * (gram + gram.t())
 
 
+def mean_over_ranks(comm: Any, gram: Tensor, device: torch.device) -> Tensor:
+    """``gram`` ([k, k] float64) averaged over the ranks of ``comm`` (itself with one rank).
+
+    Each rank's Gram is that of the mean loss over its own examples; the objective of several
+    processes is the mean of the ranks' mean losses (the gradients are averaged the same way), so
+    its curvature is the mean of the ranks' curvatures. The linear terms ``b = vᵀd`` and the
+    damping and weight-decay terms are already equal on every rank (averaged gradients, equal
+    directions), so after this the solved coefficients are too: W ranks on W equal shards take
+    the step of one process on the whole batch."""
+    if comm.world_size <= 1:
+        return gram
+    box = gram.detach().to(device=device, dtype=torch.float64).clone()
+    comm.allreduce([box], op="mean")
+    return box.cpu()
+
+
 def _flat64(vs: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.detach().reshape(-1) for t in vs]).double()
 
@@ -259,6 +280,7 @@ class AdaptiveCoefficients:
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output)
+        gram = mean_over_ranks(opt.comm, gram, params[0].device)
         wds = [float(g["weight_decay"]) for g in groups]
         vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
         a = gram + opt.damping * (vmat @ vmat.t())

@@ -362,7 +362,5 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if not (learning_rate or momentum):
             return None
-        if self.comm.world_size > 1:
-            raise NotImplementedError("adaptive learning rate/momentum with several processes is not implemented")
         param_names(self.model, [p for g in self.param_groups for p in g["params"]])
         return AdaptiveCoefficients(learning_rate, momentum)
