@@ -354,3 +354,30 @@ def test_kl_clip_default_is_a_sentinel_off_in_adaptive_mode_and_an_explicit_valu
             with pytest.raises(ValueError, match=f"kl_clip={explicit!r} cannot be combined"):
                 SecondOrderOptimizer(model, kl_clip=explicit, **flags)
     assert "default" in repr(inspect.signature(SecondOrderOptimizer).parameters["kl_clip"].default)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_lm_decay_is_per_step_so_one_adjustment_moves_by_decay_to_the_interval(adaptive):
+    """kfac-jax's convention: ``damping_adaptation_decay`` is per step, an adjustment every
+    ``interval`` steps multiplies or divides the damping by ``decay ** interval``, at exactly the
+    steps where ``(step + 1) % interval == 0``; in between the damping does not move."""
+    model = nn.Sequential(*_mlp(act=nn.ReLU)).float()
+    x, y = _data()
+    decay, interval = 0.9, 3
+    kw = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True) if adaptive else dict(kl_clip=None, lr=0.1)
+    opt = SecondOrderOptimizer(model, curvature="fisher", approx="kfac", damping=1.0, adaptive_damping=True,
+                               damping_adaptation_interval=interval, damping_adaptation_decay=decay, **kw)
+    omega = decay ** interval
+    closure = make_closure(opt, model, x.float(), y)
+    moved = 0
+    for step in range(12):
+        lam = opt.damping
+        opt.step(closure)
+        if (step + 1) % interval:
+            assert opt.damping == lam
+            continue
+        rho = opt.lm.last_rho
+        expected = lam * omega if rho > 0.75 else (lam / omega if rho < 0.25 else lam)
+        assert opt.damping == pytest.approx(expected, rel=1e-12), (step, rho)
+        moved += opt.damping != lam
+    assert moved >= 2
