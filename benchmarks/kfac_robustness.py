@@ -55,6 +55,7 @@ from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, write_json  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
+from torchsso2.optim.skips import NonFiniteError  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "kfac_robustness.json"
 DEFAULT_PLOT = ROOT / "docs" / "kfac_robustness.png"
@@ -112,6 +113,7 @@ def train(name: str, lr: Optional[float], damping: Optional[float], seed: int, d
     acc = loss_value = float("nan")
     batch_losses: List[float] = []
     seconds = 0.0
+    stalled = False
     for epoch in range(1, epochs + 1):
         perm = torch.randperm(len(y), generator=gen)
         start = time.perf_counter()
@@ -125,19 +127,26 @@ def train(name: str, lr: Optional[float], damping: Optional[float], seed: int, d
                 loss.backward()
                 return loss, out
 
-            if isinstance(opt, SecondOrderOptimizer):
-                loss, _ = opt.step(closure)
-            else:
-                loss, _ = closure()
-                opt.step()
+            try:
+                if isinstance(opt, SecondOrderOptimizer):
+                    loss, _ = opt.step(closure)
+                else:
+                    loss, _ = closure()
+                    opt.step()
+            except NonFiniteError:  # max_consecutive_skips skipped steps in a row: the run diverged
+                stalled = True
+                break
             batch_losses.append(float(loss.detach()))
         seconds += time.perf_counter() - start
+        if stalled:
+            acc = loss_value = float("nan")
+            break
         with torch.no_grad():
             acc = float((model(data["x_test"]).argmax(1) == data["y_test"]).float().mean())
             loss_value = float(F.cross_entropy(model(x), y))
         if reached is None and acc >= target:
             reached, reached_s = epoch, seconds
-    finite = all(math.isfinite(v) for v in batch_losses + [loss_value])
+    finite = not stalled and all(math.isfinite(v) for v in batch_losses + [loss_value])
     ratio = max(batch_losses) / batch_losses[0] if finite and batch_losses and batch_losses[0] > 0 else math.inf
     return {"seed": seed, "reached_epoch": reached, "seconds_to_target": reached_s, "final_accuracy": acc,
             "final_train_loss": loss_value if math.isfinite(loss_value) else None, "train_seconds": seconds,
