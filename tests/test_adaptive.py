@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from torch import nn
 from curvature.likelihoods import sqrt_output_hessian
 from curvature.options import LossType
 from torchsso2.optim import SecondOrderOptimizer
-from torchsso2.optim.adaptive import InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic
+from torchsso2.optim.adaptive import (InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic,
+                                     within_objective)
 
 from optim_helpers import flat, make_closure, nll, param_vec
 
@@ -381,3 +383,45 @@ def test_lm_decay_is_per_step_so_one_adjustment_moves_by_decay_to_the_interval(a
         assert opt.damping == pytest.approx(expected, rel=1e-12), (step, rho)
         moved += opt.damping != lam
     assert moved >= 2
+
+
+def test_within_objective_scales_the_step_to_a_predicted_decrease_of_at_most_the_objective():
+    """``t = 1 − √(1 − objective/|M*|)`` puts ``M(t·w*) = −objective`` exactly (``w*`` the minimiser
+    of ``M(w) = ½wᵀAw + bᵀw``); a model promising no more than the objective is left alone."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    a, b = q @ q.t() + 0.1 * torch.eye(2, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)
+    w, value = solve_quadratic(a, b, [None, None])
+    model = lambda c: float(0.5 * torch.tensor(c, dtype=torch.float64) @ a @ torch.tensor(c, dtype=torch.float64)
+                            + b @ torch.tensor(c, dtype=torch.float64))
+    assert value == pytest.approx(model(w), rel=1e-12) and value < 0
+    for frac in (0.9, 0.5, 0.01):
+        objective = -value * frac
+        scaled, new = within_objective(w, value, objective)
+        t = 1 - math.sqrt(1 - frac)
+        assert scaled == pytest.approx([t * c for c in w], rel=1e-12)
+        assert new == pytest.approx(-objective, rel=1e-12) and model(scaled) == pytest.approx(new, rel=1e-10)
+    for objective in (-value, -value * 2, None):
+        assert within_objective(w, value, objective) == (list(w), value)
+
+
+def test_adaptive_step_never_promises_more_than_the_loss():
+    """Digits MLP, pixels / 16, damping 1e-3: the first adaptive step's quadratic model (one-batch
+    K-FAC direction, exact GGN) promises a decrease of 2.5 from a loss of 2.3; the step is scaled
+    so the promise is the loss itself, and training no longer blows up."""
+    from benchmarks.kfac_robustness import load_data
+    data = load_data(standardize=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=1e-3, seed=0, use_adaptive_learning_rate=True,
+                               use_adaptive_momentum=True, adaptive_damping=True)
+    x, y = data["x_train"][:512], data["y_train"][:512]
+    closure = make_closure(opt, model, x, y)
+    losses = []
+    for step in range(20):
+        loss, _ = opt.step(closure)
+        losses.append(float(loss.detach()))
+        assert opt.adaptive.last["quad_model"] >= -losses[-1] * (1 + 1e-9), step
+        if step == 0:
+            assert opt.adaptive.last["quad_model"] == pytest.approx(-losses[0], rel=1e-9)  # the cap acted
+    assert opt.num_skipped == 0 and max(losses) <= losses[0] * 2 and losses[-1] < 0.1 * losses[0]

@@ -299,10 +299,25 @@ class AdaptiveCoefficients:
         self.last = {k: (int(v) if k == "steps" else float(v)) for k, v in state.items()}
 
 
+def within_objective(w: Sequence[float], value: float, objective: Optional[float]) -> Tuple[List[float], float]:
+    """Scale the solved coefficients ``w`` (model value ``M(w) = value < 0``) by the ``t ∈ (0, 1]``
+    that keeps the predicted decrease at most ``objective`` (the current loss plus weight decay,
+    ≥ 0): ``M(t·w) = value·(2t − t²)`` (``w`` minimises ``M``), so ``t = 1 − √(1 − objective/|value|)``
+    when ``|value| > objective``. The objective cannot go below 0, so a model promising more is
+    being used far outside the region where it describes the loss. An exact quadratic model of a
+    non-negative objective never promises more than the objective itself: there ``t = 1``.
+    Returns ``(t·w, M(t·w))``; ``w`` and ``value`` unchanged when ``objective`` is None."""
+    if objective is None or not value < -objective or not math.isfinite(objective):
+        return list(w), value
+    t = 1.0 - math.sqrt(max(0.0, 1.0 - objective / -value))
+    return [t * c for c in w], value * (2.0 * t - t * t)
+
+
 def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
-                  targets: Optional[Tensor]) -> Optional[float]:
+                  targets: Optional[Tensor], loss: Optional[float] = None) -> Optional[float]:
     """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
-    :class:`SecondOrderOptimizer` in adaptive mode). Returns the quadratic model's value ``M``
+    :class:`SecondOrderOptimizer` in adaptive mode). ``loss``: the batch loss before the step (the
+    mean over ranks), for :func:`within_objective`. Returns the quadratic model's value ``M``
     (the predicted change of the loss), or None (nothing changed) when the step is not finite or
     the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
@@ -326,6 +341,9 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
             raise
         logger.warning("step %d: %s; no update", opt.num_steps, err)
         return None
+    if loss is not None:
+        objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum()) for p, wd in zip(params, wds) if wd)
+        w, value = within_objective(w, value, objective)
     alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
     if not all(math.isfinite(x) for x in (alpha, mu, value)):
         return None

@@ -275,7 +275,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         old = [p.detach().clone() for p in params] if self._adapt_now() else None
         predicted = None
         if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
-            predicted = adaptive_step(self, params, groups, targets)
+            predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             applied = predicted is not None
         else:
             applied = self._apply_update(params, groups)
