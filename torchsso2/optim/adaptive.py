@@ -19,8 +19,10 @@ For the Hessian: one Hessian-vector product (double backward) per direction.
 
 ``w = −A⁻¹ b`` (free coefficients only: a fixed one enters ``b``); on the first step (no
 ``δ_prev``) only ``α``. ``α`` comes out negative (``Δ`` is an ascent direction): the step
-``θ ← θ + αΔ + μ·δ_prev`` is a descent with learning rate ``−α``. ``M(w)`` at the solution is
-the predicted change of the loss that the Levenberg–Marquardt damping rule
+``θ ← θ + αΔ + μ·δ_prev`` is a descent with learning rate ``−α``. When ``M(w) < −L`` (the model
+promises more decrease than the objective ``L`` = loss + weight-decay term, which cannot go
+below 0, holds) ``w`` is scaled so that ``M = −L`` (:func:`within_objective`). ``M(w)`` at the
+(scaled) solution is the predicted change of the loss that the Levenberg–Marquardt damping rule
 (:class:`torchsso2.optim.damping.LMDamping`) compares with the actual change.
 
 The model inputs of the closure's forward are recorded (a forward pre-hook, see
