@@ -56,3 +56,15 @@ def test_summary_counts_a_never_reaching_seed_as_infinite():
     assert s["reached"] and s["median_epochs"] == 5 and s["median_seconds"] == 0.5
     s = kfac_robustness.summarize(runs[1:] + [dict(runs[1])])
     assert not s["reached"] and s["median_epochs"] is None and s["median_seconds"] is None
+
+
+def test_readme_section_is_what_the_json_gives():
+    """README's "K-FAC robustness" table is exactly ``--readme``'s block of the published JSON
+    (after a rerun: ``python benchmarks/kfac_robustness.py --readme`` and paste)."""
+    from pathlib import Path
+    root = Path(kfac_robustness.__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    report = json.loads((root / "benchmarks" / "results" / "kfac_robustness.json").read_text())
+    block = kfac_robustness.readme_block(report)
+    assert block in readme
+    assert readme.index("## K-FAC robustness") < readme.index(block) < readme.index("## Known gaps")
