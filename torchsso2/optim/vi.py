@@ -259,6 +259,9 @@ class VIOptimizer(CurvatureOptimizer):
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         if self.reparam:
             self._check_reparam()
+        if self.noise.learned and self.comm.world_size > 1:
+            raise NotImplementedError("noise_variance='learned' averages this process's residuals only; with several "
+                                      "processes pass a float noise_variance")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
