@@ -308,61 +308,114 @@ def _ivon_version(vi_src: Source, others: Sequence[Source]) -> Optional[str]:
     return None
 
 
+#: the methods of benchmarks/vi.py, in table order, with their README labels (IVON's gets its version)
+VI_LABELS = {"vi-diag": "VIOptimizer diag", "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)", "ivon": "IVON",
+             "adam": "Adam", "sgd": "SGD"}
+VI_TASKS = {"digits-mlp": "digits MLP 64-128-10", "digits-cnn": "digits CNN", "diabetes": "diabetes MLP 10-50-1"}
+
+
+def _vi_source(sources: Sequence[Source]) -> Optional[Source]:
+    """The most recent ``vi*.json`` written by today's benchmarks/vi.py (per-task ``quality`` records)."""
+    return next((s for s in sources if isinstance(s[1].get("quality"), dict)
+                 and any("methods" in t for t in s[1]["quality"].values())), None)
+
+
+def vi_entropies(report: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """``{method: {"entropy_test", "entropy_ood"}}`` of a benchmarks/vi.py report (digits MLP, seed 0)."""
+    methods = report.get("quality", {}).get("digits-mlp", {}).get("methods", {})
+    return {m: r["entropy"] for m, r in methods.items() if "entropy" in r}
+
+
+def _pm(s: Dict[str, Any], key: str, pct: bool = False) -> str:
+    m, sd = s[key]["mean"], s[key]["std"]
+    return f"{100 * m:.2f} ± {100 * sd:.2f}%" if pct else f"{m:.3f} ± {sd:.3f}"
+
+
+def _vi_quality_table(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
+    regression = "noise_var" in res
+    head = ["method", "lr", "NLL", "RMSE"] if regression else ["method", "lr", "accuracy", "NLL", "ECE"]
+    rows = []
+    for m, label in labels.items():
+        r = res["methods"].get(m)
+        if r is None or "summary" not in r:
+            continue
+        s = r["summary"]
+        vals = [_pm(s, "nll"), f"{s['rmse']['mean']:.1f} ± {s['rmse']['std']:.1f}"] if regression else \
+            [_pm(s, "accuracy", True), _pm(s, "nll"), _pm(s, "ece", True)]
+        rows.append([label, f"{r['chosen_lr']:g}"] + vals)
+    t = res.get("targets", {})
+    verdict = "; ".join(_target_text(k, v) for k, v in t.items() if isinstance(v, dict))
+    return [markdown_table(head, rows, "lr" + "r" * (len(head) - 2)), "",
+            f"VI diag's targets: {verdict}." if verdict else "", ""]
+
+
+def _target_text(key: str, v: Dict[str, Any]) -> str:
+    """One target of benchmarks/vi_quality.check_targets as prose: ``NLL ≤ IVON's and Adam's: met (by 0.012)``."""
+    refs = " and ".join({"ivon": "IVON's", "adam": "Adam's"}.get(r, r) for r in key.split("_le_")[-1].split("_and_"))
+    if key.startswith("accuracy"):
+        what, margin = "accuracy ≥ Adam's − 0.5 pp", f"{100 * abs(v['margin']):.2f} pp"
+    elif key.startswith("ece"):
+        what, margin = f"ECE ≤ {refs}", f"{100 * abs(v['margin']):.2f} pp"
+    else:
+        what, margin = f"NLL ≤ {refs}", f"{abs(v['margin']):.3f}"
+    return f"{what}: {'met' if v['met'] else 'missed'} (by {margin})"
+
+
 def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
+    src = _vi_source(sources)
+    if src is None:
+        return []
+    path, rep, t = src
+    cfg = rep["config"]
+    ivon = _ivon_version(src, peer_sources)
+    labels = dict(VI_LABELS, ivon=f"IVON (ivon-opt {ivon})" if ivon else "IVON")
     out: List[str] = []
-    chosen = _freshest_rows(sources, "timing")
-    rows, used, stale = [], {}, set()
-    cols = ("adam+noise (floor)", "vi-diag", "vi-diag ef", "vi-diag 10/10", "vi-diag 10/100", "vi-kfac",
-            "vi-kfac 10/100", "ivon")
-    for key in _model_order(chosen):
-        src = chosen[key]
-        by_opt = {r["optimizer"]: r for r in src[1]["timing"] if (r["model"], r["batch"]) == key}
-        cells = []
-        for c in cols:
-            why = stale_reason(c, src[2]) if c in by_opt else None
-            if why:
-                stale.add(why)
-            cells.append("—" if why else "" if c not in by_opt else _x(by_opt[c]["ratio_adam_min"]))
-        rows.append([MODEL_NAMES.get(key[0], key[0]), key[1], *cells])
-        used.setdefault(src[0], (src, []))[1].append(f"{key[0]} B={key[1]}")
-    present = [i for i, c in enumerate(cols) if any(r[2 + i] for r in rows)]  # drop columns no source measured
-    cols = tuple(cols[i] for i in present)
-    rows = [r[:2] + [r[2 + i] for i in present] for r in rows]
-    if rows:
-        out += ["**VI step time vs Adam** (× an Adam step, min over repeats; 1 MC sample; `10/100` = curvature every "
-                "10 steps, decomposition every 100; `ef` = empirical Fisher from the user's backward, VOGN's "
-                "per-example squared gradients; `adam+noise` = Adam that also draws and adds weight noise each "
-                "step, the floor of any one-sample VI step)", "",
-                markdown_table(["model", "batch", *("IVON" if c == "ivon" else c for c in cols)], rows,
-                               "lr" + "r" * len(cols)),
-                "", _source_note(used)]
-        for why in sorted(stale):
-            out += ["", f"`—`: {why}."]
-        out.append("")
-    qsrc = next((s for s in sources if s[1].get("quality")), None)
-    if qsrc is None:
-        return out
-    q, cfg = qsrc[1]["quality"], qsrc[1]["config"]
-    ivon = _ivon_version(qsrc, peer_sources)
-    labels = {"sgd": "SGD", "adam": "Adam", "vi-diag": "VIOptimizer diag (VOGN)",
-              "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)", "ivon": f"IVON (ivon-opt {ivon})" if ivon else "IVON"}
-    rows = [[labels[k], f"{100 * v['accuracy']:.2f}%", f"{v['nll']:.3f}", f"{100 * v['ece']:.2f}%", f"{v['brier']:.3f}"]
-            for k, v in q.items() if k in labels]
-    out += [f"**Bayesian deep learning on digits** (Bayesian model average over {cfg['mc_samples']} samples; "
-            f"`examples/bayesian_digits.py`; `{qsrc[0].name}`, {_date(qsrc[2])})", "",
-            markdown_table(["method", "accuracy", "NLL", "ECE", "Brier"], rows, "lrrrr"), "",
-            "VI rows use a tempered posterior (temperature 0.1; the untempered rows are in docs/results.md)."
-            + (" Reliability diagrams of these predictions: [docs/reliability_digits.png](docs/reliability_digits.png)."
-               if qsrc[1].get("config", {}).get("plot") else ""), ""]
-    out += _entropy(q, labels)
+    timing = rep.get("timing") or []
+    if timing:
+        models = list(dict.fromkeys(r["model"] for r in timing))
+        cols = [m for m in [*VI_LABELS, "adam+noise (floor)"] if m != "adam" and any(r["optimizer"] == m for r in timing)]
+        rows = []
+        for model in models:
+            by = {r["optimizer"]: r for r in timing if r["model"] == model}
+            rows.append([VI_TASKS.get(model, model), by[next(iter(by))]["batch"],
+                         *(f"{_x(by[c]['ratio_adam_min'])} / {_x(by[c]['ratio_adam_median'])}" if c in by else ""
+                           for c in cols)])
+        out += [f"**VI step time vs Adam** (× an Adam step, min / median over {cfg['repeats']} round-robin windows, "
+                f"{_threads(rep)}, each method at its default lr; VIOptimizer at its defaults: diag = IVON's curvature "
+                "estimate from the same backward, K-FAC = Monte-Carlo Fisher every step; `adam+noise` = Adam that also "
+                f"draws and adds weight noise, the floor of a one-sample VI step; `{path.name}`, {_date(t)}, {_load(src)})",
+                "", markdown_table(["model", "batch", *(labels.get(c, c) for c in cols)], rows, "lr" + "r" * len(cols)),
+                ""]
+    quality = rep.get("quality") or {}
+    if quality:
+        out += [f"**VI quality at the library defaults except lr** (`benchmarks/vi.py`: lr per method from a small grid "
+                f"by validation NLL, then {cfg['seeds']} seeds, mean ± std on the test split; VI and IVON predict with "
+                f"the Bayesian model average of {cfg['mc_samples']} samples; `{path.name}`, {_date(t)})", ""]
+        for task, res in quality.items():
+            n = res["n"]
+            extra = ("; VI learns the noise variance (`noise_variance=\"learned\"`), IVON/Adam/SGD get the training "
+                     "split's OLS residual variance, Adam/SGD predict with their validation residual variance"
+                     if "noise_var" in res else "")
+            out += [f"*{VI_TASKS.get(task, task)}* ({n['train']}/{n['val']}/{n['test']} train/val/test, "
+                    f"{res['epochs']} epochs{extra}):", ""]
+            out += _vi_quality_table(res, labels)
+        if cfg.get("plot"):
+            out += ["Reliability diagrams of the digits-MLP test predictions (seed 0): "
+                    "[docs/reliability_digits.png](docs/reliability_digits.png).", ""]
+    long = rep.get("long") or {}
+    for task, res in long.items():
+        out += [f"*{VI_TASKS.get(task, task)}, {res['epochs']} epochs* (the long run: lr chosen again by validation at "
+                f"this length, {max(len(r.get('seeds', [])) for r in res['methods'].values())} seeds):", ""]
+        out += _vi_quality_table(res, labels)
+    out += _entropy(vi_entropies(rep), labels)
     return out
 
 
-def entropy_verdicts(quality: Dict[str, Any]) -> Dict[str, Dict[str, bool]]:
-    """method -> {OOD set: mean predictive entropy there > on the test digits} for every method of a
-    ``vi*.json`` quality record that has entropies (older reports have none: empty)."""
+def entropy_verdicts(entropies: Dict[str, Any]) -> Dict[str, Dict[str, bool]]:
+    """method -> {OOD set: mean predictive entropy there > on the test digits}, from
+    ``{method: {"entropy_test", "entropy_ood"}}`` (:func:`vi_entropies`)."""
     return {k: {o: e > v["entropy_test"] for o, e in v["entropy_ood"].items()}
-            for k, v in quality.items() if "entropy_test" in v and v.get("entropy_ood")}
+            for k, v in entropies.items() if "entropy_test" in v and v.get("entropy_ood")}
 
 
 def _entropy(q: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
@@ -378,9 +431,9 @@ def _entropy(q: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
         low = [o for o in sets if not v[o]]
         said.append(f"{labels[k]}: " + ("higher on all of them" if not low else
                                         f"not higher on {', '.join(low)}"))
-    return [f"**Mean predictive entropy** (nats; log 10 = 2.303 is the maximum) on the test digits and on "
-            f"out-of-distribution inputs built from them ({', '.join(sets)}; `examples/bayesian_digits.py`'s "
-            "`ood_sets`)", "",
+    return [f"**Mean predictive entropy** (nats; log 10 = 2.303 is the maximum) of the digits-MLP runs above (seed 0) "
+            f"on the test digits and on out-of-distribution inputs built from them ({', '.join(sets)}; "
+            "`examples/bayesian_digits.py`'s `ood_sets` on the standardized images)", "",
             markdown_table(["method", "test digits", *sets], rows, "l" + "r" * (len(sets) + 1)), "",
             "Entropy against the test digits — " + "; ".join(said) + ".", ""]
 

@@ -1,4 +1,8 @@
-"""Predictive quality of VIOptimizer at its library defaults against IVON, Adam and SGD (issue 27).
+"""The quality part of ``benchmarks/vi.py``: VIOptimizer at its library defaults against IVON, Adam and SGD.
+
+This module holds the tasks, the training and the metrics; ``benchmarks/vi.py`` runs them (one
+run, one JSON: ``benchmarks/results/vi.json``). ``python -m benchmarks.vi_quality ARGS`` is an
+alias of ``python -m benchmarks.vi --skip-timing ARGS``.
 
 Methods (every argument at its library default except the learning rate):
 
@@ -28,37 +32,32 @@ samples (``VIOptimizer.predict`` / ``IVON.sampled_params``); Adam and SGD with t
 The step time (median over all training steps of the 5 seeds, including the batch's forward and
 backward) is reported as a ratio to Adam's in the same run.
 
-Regression likelihood. ``VIOptimizer(loss="mse")`` is the unit-variance Gaussian likelihood
-``½‖y − f‖²`` (its curvature and its label sampling assume variance 1) and has no learned noise.
-The benchmark therefore uses a **given** noise variance ``σ²``: the residual variance of an
-ordinary-least-squares fit on the training split (``RSS / (n − p − 1)``, standardized units), and
-trains VI and IVON on the rescaled targets ``y/σ`` with ``½(y/σ − f)²`` (the Gaussian likelihood
-with variance ``σ²`` in the original units, exactly). Their predictive distribution is the
-moment-matched Gaussian of the samples: mean ``σ·mean_s f_s``, variance ``σ² + σ²·var_s f_s``.
-Adam and SGD train the same objective and predict ``N(σ·f, v)`` with ``v`` the residual variance of
-their predictions on the validation split (a point estimate with its validation error as
+Regression likelihood. VI uses ``VIOptimizer(loss="mse", noise_variance="learned")`` on the
+standardized targets: ``σ²`` is learned from its own training residuals at the weight samples, and
+``predict(x, return_variance=True)`` gives the predictive mean and variance (the samples' spread
+plus ``σ²``). IVON has no noise model, so it gets a **given** ``σ²``: the residual variance of an
+ordinary-least-squares fit on the training split (``RSS / (n − p − 1)``, standardized units); it
+trains on ``½(y/σ − f)²`` (the Gaussian likelihood with variance ``σ²``, exactly) and predicts the
+moment-matched Gaussian of its samples (mean ``σ·mean_s f_s``, variance ``σ² + σ²·var_s f_s``).
+Adam and SGD train the same objective and predict ``N(σ·f, v)`` with ``v`` the residual variance
+of their predictions on the validation split (a point estimate with its validation error as
 variance).
 
 Examples::
 
-    OMP_NUM_THREADS=1 python -m benchmarks.vi_quality           # writes benchmarks/results/vi_defaults_quality.json
-    python -m benchmarks.vi_quality --quick                      # smoke run, JSON into a temp dir
-    python -m benchmarks.vi_quality --tasks digits-mlp --methods vi-diag adam --seeds 2
+    OMP_NUM_THREADS=1 python -m benchmarks.vi --skip-timing --tasks digits-mlp --methods vi-diag adam --seeds 2
 """
 from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 import math
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,19 +65,18 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks.common import load_average, machine_info, machine_line, markdown_table, try_import, write_json  # noqa: E402
+from benchmarks.common import markdown_table  # noqa: E402
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-DEFAULT_JSON = RESULTS_DIR / "vi_defaults_quality.json"  # (vi_quality.json holds benchmarks/vi.py's quality run)
 
 TASKS: Tuple[str, ...] = ("digits-mlp", "digits-cnn", "diabetes")
 #: the methods of a default run
 METHODS: Tuple[str, ...] = ("vi-diag", "vi-kfac", "ivon", "adam", "sgd")
-#: ``--methods`` also accepts ``vi-reparam``: ``VIOptimizer(curvature="reparam")``, IVON's curvature
-#: estimator from the step's own backward (not the default curvature, so not in a default run)
-ALL_METHODS: Tuple[str, ...] = METHODS + ("vi-reparam",)
+#: ``--methods`` also accepts ``vi-fisher-mc``: ``VIOptimizer(curvature="fisher_mc")``, the Monte-Carlo
+#: Fisher from a second backward (the diag default is ``"reparam"``, so not in a default run)
+ALL_METHODS: Tuple[str, ...] = METHODS + ("vi-fisher-mc",)
 
 #: VIOptimizer's default lr (read from its signature, so the grid follows the library)
 VI_DEFAULT_LR: float = float(inspect.signature(VIOptimizer.__init__).parameters["lr"].default)
@@ -92,11 +90,12 @@ def _around(center: float) -> Tuple[float, ...]:
 #: the learning-rate grid of each method: 5 values spanning 100× around its default (VIOptimizer's
 #: signature default; IVON has none, 0.1 is its paper's and README's usual value; Adam's torch default
 #: 1e-3; SGD with momentum 0.9: 0.03). With 3 values spanning 10× (the first full run), 12 of the
-#: 15 chosen lrs were at an end of their grid
+#: 15 chosen lrs were at an end of their grid. VI gets one more value above (0.32): its digits-MLP
+#: choice was the top of the 100× grid (0.1)
 LR_GRIDS: Dict[str, Tuple[float, ...]] = {
-    "vi-diag": _around(VI_DEFAULT_LR),
-    "vi-kfac": _around(VI_DEFAULT_LR),
-    "vi-reparam": _around(VI_DEFAULT_LR),
+    "vi-diag": _around(VI_DEFAULT_LR) + (float(f"{VI_DEFAULT_LR * 10 ** 1.5:.2g}"),),
+    "vi-kfac": _around(VI_DEFAULT_LR) + (float(f"{VI_DEFAULT_LR * 10 ** 1.5:.2g}"),),
+    "vi-fisher-mc": _around(VI_DEFAULT_LR) + (float(f"{VI_DEFAULT_LR * 10 ** 1.5:.2g}"),),
     "ivon": _around(0.1),
     "adam": _around(1e-3),
     "sgd": _around(0.03),
@@ -229,12 +228,13 @@ class Trained:
 def make_optimizer(method: str, model: nn.Module, lr: float, n_train: int, regression: bool, seed: int,
                    ivon_mod: Any) -> Any:
     """The method's optimizer at its library defaults except ``lr`` (see the module docstring)."""
-    if method in ("vi-diag", "vi-kfac", "vi-reparam"):
+    if method in ("vi-diag", "vi-kfac", "vi-fisher-mc"):
         kw: Dict[str, Any] = {"approx": "kfac"} if method == "vi-kfac" else {}
-        if method == "vi-reparam":
-            kw["curvature"] = "reparam"
-        if regression:
+        if method == "vi-fisher-mc":
+            kw["curvature"] = "fisher_mc"
+        if regression:  # the Gaussian likelihood needs a noise variance: learned from the residuals
             kw["loss"] = "mse"
+            kw["noise_variance"] = "learned"
         return VIOptimizer(model, dataset_size=n_train, lr=lr, seed=seed, **kw)
     if method == "ivon":
         if ivon_mod is None:
@@ -261,8 +261,10 @@ def train(task: str, method: str, split: Split, lr: float, seed: int, epochs: in
     model = make_model(task)
     n = len(split.y_train)
     opt = make_optimizer(method, model, lr, n, split.regression, seed, ivon_mod)
-    # regression: targets in units of the noise std (the Gaussian likelihood of variance σ², see docstring)
-    y_train = split.y_train / math.sqrt(split.noise_var) if split.regression else split.y_train
+    # regression: VI learns σ² itself; the others train on targets in units of the given noise std
+    # (the Gaussian likelihood of variance σ², see the module docstring)
+    scaled = split.regression and not isinstance(opt, VIOptimizer)
+    y_train = split.y_train / math.sqrt(split.noise_var) if scaled else split.y_train
     gen = torch.Generator().manual_seed(1000 + seed)
     times: List[float] = []
     last = float("nan")
@@ -280,7 +282,7 @@ def train(task: str, method: str, split: Split, lr: float, seed: int, epochs: in
                     loss = _loss(out, y, split.regression)
                     loss.backward()
                     return loss, out
-                loss, _ = opt.step(closure)
+                loss, _ = opt.step(closure, targets=y if split.regression else None)
             elif method == "ivon":
                 with opt.sampled_params(train=True):
                     opt.zero_grad()
@@ -338,6 +340,10 @@ def gaussian_nll(mean: Tensor, var: Tensor, y: Tensor) -> float:
 @torch.no_grad()
 def regression_predictive(run: Trained, split: Split, x: Tensor, num_samples: int) -> Tuple[Tensor, Tensor]:
     """Predictive mean and variance ``[N, 1]`` in standardized target units (see the module docstring)."""
+    if isinstance(run.opt, VIOptimizer):  # the learned σ² and the BMA's moments
+        run.model.eval()
+        return run.opt.predict(x, num_samples=num_samples, generator=torch.Generator().manual_seed(10_000 + run.seed),
+                               return_variance=True)
     sigma = math.sqrt(split.noise_var)
     samples = output_samples(run, x, num_samples) * sigma  # [S, N, 1]
     mean = samples.mean(0)
@@ -359,6 +365,22 @@ def evaluate(run: Trained, split: Split, which: str, num_samples: int) -> Dict[s
         return metrics.evaluate(class_probs(run, x, num_samples), y)
     except ValueError:  # non-finite probabilities: a diverged run
         return {"accuracy": 0.0, "nll": math.inf, "ece": math.nan, "brier": math.nan}
+
+
+def entropies(run: Trained, split: Split, num_samples: int) -> Tuple[Dict[str, Any], Any]:
+    """Mean predictive entropy (nats) of ``run``'s predictions on the test split and on
+    out-of-distribution inputs built from it (``examples/bayesian_digits.py``'s ``ood_sets``:
+    rotated 90°, flipped, uniform and Gaussian noise; applied to the standardized 8×8 images), and
+    the reliability-diagram data of the same test probabilities."""
+    from examples.bayesian_digits import ood_sets
+
+    images = split.x_test.reshape(-1, 1, 8, 8)
+    sets = ood_sets(images, 0, gaussian_noise=True)
+    probs = class_probs(run, split.x_test, num_samples)
+    rel = metrics.reliability_diagram_data(probs, split.y_test)
+    ood = {k: float(metrics.predictive_entropy(class_probs(run, v.reshape(split.x_test.shape), num_samples)).mean())
+           for k, v in sets.items()}
+    return {"entropy_test": float(metrics.predictive_entropy(probs).mean()), "entropy_ood": ood}, rel
 
 
 def choose_lr(val_nll: Mapping[float, float]) -> Optional[float]:
@@ -400,6 +422,9 @@ def run_method(task: str, method: str, split: Split, args: argparse.Namespace, i
     runs = [grid_runs[chosen]] + [train(task, method, split, chosen, s, epochs, batch, ivon_mod)
                                   for s in range(1, args.seeds)]
     del grid_runs
+    if task in getattr(args, "entropy_tasks", ()):  # seed 0: predictive entropy in and out of distribution
+        out["entropy"], rel = entropies(runs[0], split, args.mc_samples)
+        getattr(args, "reliability", {}).setdefault(task, {})[method] = rel
     per_seed = [{"seed": r.seed, "skipped_steps": r.skipped, **evaluate(r, split, "test", args.mc_samples)} for r in runs]
     keys = [k for k in per_seed[0] if k not in ("seed", "skipped_steps")]
     out["seeds"] = per_seed
@@ -439,20 +464,20 @@ def _fmt(s: Mapping[str, Any], key: str, pct: bool = False, digits: int = 3) -> 
     return f"{100 * m:.2f} ± {100 * sd:.2f}%" if pct else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-def format_tables(report: Dict[str, Any]) -> str:
-    lines = [machine_line(report)]
-    c = report["config"]
-    for task, res in report["tasks"].items():
+def format_tables(tasks: Mapping[str, Any], mc_samples: int) -> str:
+    """The quality tables of :func:`run_tasks`'s result (one per task), with the targets' verdicts."""
+    lines: List[str] = []
+    for task, res in tasks.items():
         n = res["n"]
-        lines += ["", f"{task}: {n['train']} train / {n['val']} val / {n['test']} test, {c['epochs'][task]} epochs, "
-                  f"batch {BATCH_SIZE[task]}, {c['seeds']} seeds; lr chosen by validation NLL; VI/IVON: BMA of "
-                  f"{c['mc_samples']} samples" + (f"; noise variance σ² = {res['noise_var']:.3f} (standardized, OLS "
-                                                   "on train)" if "noise_var" in res else "")]
+        seeds = max((len(r.get("seeds", [])) for r in res["methods"].values()), default=0)
+        lines += ["", f"{task}: {n['train']} train / {n['val']} val / {n['test']} test, {res['epochs']} epochs, "
+                  f"batch {BATCH_SIZE[task]}, {seeds} seeds; lr chosen by validation NLL; VI/IVON: BMA of "
+                  f"{mc_samples} samples" + (f"; IVON/Adam/SGD: given noise variance σ² = {res['noise_var']:.3f} "
+                                             "(standardized, OLS on train); VI: learned" if "noise_var" in res else "")]
         regression = "noise_var" in res
         head = ["method", "lr", "NLL", "RMSE"] if regression else ["method", "lr", "accuracy", "NLL", "ECE", "Brier"]
-        head += ["step x Adam", "skipped"]
+        head += ["skipped"]
         rows = []
-        adam_ms = res["methods"].get("adam", {}).get("step_ms_median")
         for m, r in res["methods"].items():
             if "summary" not in r:
                 rows.append([m, "", r.get("error", r.get("skipped", ""))] + [""] * (len(head) - 3))
@@ -460,9 +485,8 @@ def format_tables(report: Dict[str, Any]) -> str:
             s = r["summary"]
             vals = [_fmt(s, "nll"), _fmt(s, "rmse", digits=1)] if regression else \
                 [_fmt(s, "accuracy", True), _fmt(s, "nll"), _fmt(s, "ece", True), _fmt(s, "brier")]
-            ratio = f"{r['step_ms_median'] / adam_ms:.2f}x" if adam_ms else ""
             edge = " (edge)" if r.get("chosen_at_grid_edge") else ""
-            rows.append([m, f"{r['chosen_lr']:g}{edge}"] + vals + [ratio, r["skipped_steps"]])
+            rows.append([m, f"{r['chosen_lr']:g}{edge}"] + vals + [r["skipped_steps"]])
         lines.append(markdown_table(head, rows))
         grid_skips = {m: sum(g["skipped_steps"] for g in r["grid"]) for m, r in res["methods"].items()}
         if any(grid_skips.values()):
@@ -474,26 +498,17 @@ def format_tables(report: Dict[str, Any]) -> str:
             lines.append("vi-diag targets: " + "; ".join(parts))
         else:
             lines.append(f"vi-diag targets not evaluated: {t.get('why')}")
-    for what, why in report["skipped"].items():
-        lines.append(f"\nskipped {what}: {why}")
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    ivon_mod, why = try_import("ivon")
-    skipped: Dict[str, str] = {}
-    methods = list(args.methods)
-    if "ivon" in methods and ivon_mod is None:
-        skipped["ivon"] = f"`import ivon` failed ({why}); pip install ivon-opt"
-        print(f"IVON skipped: {skipped['ivon']}", flush=True)
-        methods.remove("ivon")
-    load_before = load_average()
-    start = time.perf_counter()
-    tasks: Dict[str, Any] = {}
-    for task in args.tasks:
+def run_tasks(args: argparse.Namespace, ivon_mod: Any, tasks: Sequence[str], methods: Sequence[str]
+              ) -> Dict[str, Any]:
+    """``{task: {"n", "methods": {method: run_method(...)}, "targets", ["noise_var", "y_scale"]}}``."""
+    out: Dict[str, Any] = {}
+    for task in tasks:
         split = load_task(task)
         res: Dict[str, Any] = {"n": {"train": len(split.y_train), "val": len(split.y_val), "test": len(split.y_test)},
-                               "methods": {}}
+                               "epochs": args.epochs[task], "methods": {}}
         if split.regression:
             res["noise_var"] = split.noise_var
             res["y_scale"] = split.y_scale
@@ -501,81 +516,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             t0 = time.perf_counter()
             res["methods"][method] = run_method(task, method, split, args, ivon_mod)
             r = res["methods"][method]
-            print(f"  {task} {method:8s} lr {r['chosen_lr']}  "
+            print(f"  {task} ({args.epochs[task]} ep) {method:8s} lr {r['chosen_lr']}  "
                   f"{ {k: round(v['mean'], 4) for k, v in r.get('summary', {}).items()} }  ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
         res["targets"] = check_targets(task, res["methods"])
-        tasks[task] = res
-    return {"machine": machine_info(),
-            "config": {"quick": args.quick, "tasks": list(args.tasks), "methods": list(args.methods),
-                       "seeds": args.seeds, "epochs": dict(args.epochs), "batch_size": BATCH_SIZE,
-                       "lr_grids": {m: list(g) for m, g in args.grids.items()}, "mc_samples": args.mc_samples,
-                       "threads": args.threads, "vi_default_lr": VI_DEFAULT_LR,
-                       "ivon": getattr(ivon_mod, "__version__", "installed") if ivon_mod else None,
-                       "selection": "lr with the smallest validation NLL of one seed-0 run per grid value",
-                       "regression_noise": "given: OLS residual variance on the training split; VI/IVON train on y/σ "
-                                           "with ½(y/σ − f)²; Adam/SGD predictive variance = validation residual variance",
-                       "load_average_before": load_before, "load_average_after": load_average(),
-                       "seconds": time.perf_counter() - start},
-            "tasks": tasks, "skipped": skipped}
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.vi_quality",
-        description="Issue 27's quality benchmark: VIOptimizer (diag, kfac) at its defaults except lr against IVON, "
-        "Adam and SGD on the digits MLP, a digits CNN and diabetes regression; lr per method by validation NLL, "
-        "then several seeds; accuracy / NLL / ECE / Brier (Gaussian NLL / RMSE) and step time vs Adam.")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 1 epoch (diabetes 3), 2 seeds, 4 samples; JSON into a temp dir unless --json")
-    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    p.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=list(METHODS),
-                   help=f"default: {' '.join(METHODS)} (vi-reparam: VIOptimizer(curvature='reparam'), on request)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds at the chosen lr (default 5; quick 2)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help=f"epochs for every task (default per task: {EPOCHS}; quick: 1, diabetes 3)")
-    p.add_argument("--grid", type=float, nargs="+", default=None, metavar="LR",
-                   help="one lr grid for every method (default: per method, see LR_GRIDS)")
-    p.add_argument("--mc-samples", type=int, default=None, help="posterior samples per prediction (default 32; quick 4)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help=f"where the JSON goes (default {DEFAULT_JSON.relative_to(ROOT)}; quick: a new temp dir)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.seeds = args.seeds or 2
-        args.mc_samples = args.mc_samples or 4
-        epochs = {t: (3 if t == "diabetes" else 1) for t in TASKS}
-        if args.json is None:
-            args.json = Path(tempfile.mkdtemp(prefix="vi_quality_")) / "vi_quality.json"
-        elif Path(args.json).resolve().parent == RESULTS_DIR.resolve():
-            p.error(f"--quick never writes into {RESULTS_DIR.relative_to(ROOT)} (got --json {args.json})")
-    else:
-        args.seeds = args.seeds or 5
-        args.mc_samples = args.mc_samples or 32
-        epochs = dict(EPOCHS)
-        args.json = args.json or DEFAULT_JSON
-    if args.epochs is not None:
-        epochs = {t: args.epochs for t in TASKS}
-    args.epochs = epochs
-    args.grids = {m: tuple(args.grid) if args.grid else LR_GRIDS[m] for m in ALL_METHODS}
-    if args.seeds < 1 or args.mc_samples < 2 or min(epochs.values()) < 1:
-        p.error("--seeds and --epochs must be >= 1 and --mc-samples >= 2")
-    if any(lr <= 0 for g in args.grids.values() for lr in g):
-        p.error("learning rates must be > 0")
-    return args
+        out[task] = res
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.getLogger("torchsso2").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(args.threads)
-    report = run(args)
-    print()
-    print(format_tables(report))
-    write_json(args.json, report)
-    print(f"\nwrote {args.json}")
-    return 0
+    """Alias: ``python -m benchmarks.vi --skip-timing ARGS``."""
+    from benchmarks import vi
+
+    return vi.main(["--skip-timing", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

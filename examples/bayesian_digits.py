@@ -54,7 +54,7 @@ METHODS = ("sgd", "adam", "vi-diag", "vi-kfac")
 ALL_METHODS = METHODS + ("ivon",)
 
 #: IVON's learning rate in this example (its other arguments at their defaults; ess = N): the value
-#: benchmarks/vi_quality.py's grid (0.032, 0.1, 0.32) picks by validation NLL on the digits MLP
+#: benchmarks/vi.py's grid (0.032, 0.1, 0.32) picks by validation NLL on the digits MLP
 IVON_LR = 0.3
 
 

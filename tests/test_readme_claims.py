@@ -44,21 +44,23 @@ def test_results_block_is_generated_from_the_jsons() -> None:
 
 
 def _quality() -> dict:
-    src = next(s for s in summary.load_sources(RESULTS, "vi*.json") if s[1].get("quality"))
+    src = summary._vi_source(summary.load_sources(RESULTS, "vi*.json"))
+    assert src is not None, "benchmarks/results holds benchmarks/vi.py's JSON"
     return src[1]
 
 
 def test_entropy_sentence_states_what_the_json_shows() -> None:
     report = _quality()
-    verdicts = summary.entropy_verdicts(report["quality"])
+    entropies = summary.vi_entropies(report)
+    verdicts = summary.entropy_verdicts(entropies)
     assert {"vi-diag", "vi-kfac"} <= set(verdicts), "the quality run records predictive entropies"
     text = _flat(_block(README))
-    labels = {"vi-diag": "VIOptimizer diag (VOGN)", "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)"}
+    labels = {"vi-diag": summary.VI_LABELS["vi-diag"], "vi-kfac": summary.VI_LABELS["vi-kfac"]}
     for method, label in labels.items():
         low = [o for o, higher in verdicts[method].items() if not higher]
         said = "higher on all of them" if not low else f"not higher on {', '.join(low)}"
         assert f"{label}: {said}" in text
-        q = report["quality"][method]
+        q = entropies[method]
         for o in low:  # the claim is the numbers: an OOD entropy at or below the test-digit entropy
             assert q["entropy_ood"][o] <= q["entropy_test"]
     assert "higher than on test digits for both VI methods" not in text or \
@@ -118,21 +120,35 @@ def test_kfac_pytorch_bound_is_the_tested_tolerance() -> None:
     assert tol and float(tol.group(1)) <= float(m.group(1))
 
 
-def test_reliability_png_uses_the_table_predictions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/vi.py draws the reliability diagrams from the same probabilities its ECE column
-    (and so README's table) is computed from."""
-    pytest.importorskip("sklearn")
-    import argparse
+def test_vi_table_states_the_json_numbers_and_targets() -> None:
+    """Each VI diag quality cell of README is the JSON's mean, and each target verdict is the JSON's."""
+    report = _quality()
+    text = _flat(_block(README))
+    for task, res in report["quality"].items():
+        s = res["methods"]["vi-diag"]["summary"]
+        assert f"{s['nll']['mean']:.3f} ± {s['nll']['std']:.3f}" in text, task
+        for key, v in res["targets"].items():
+            if isinstance(v, dict):
+                assert summary._target_text(key, v) in text, (task, key)
 
+
+def test_reliability_png_uses_the_table_predictions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/vi.py draws the reliability diagrams from the same probabilities as the seed-0 ECE of its
+    digits-MLP table."""
+    pytest.importorskip("sklearn")
     import torchsso2.plotting
     from benchmarks import vi
 
     drawn = {}
     monkeypatch.setattr(torchsso2.plotting, "save_reliability_diagram",
                         lambda data, path, title=None: drawn.update(data) or Path(path))
-    args = argparse.Namespace(epochs=1, mc_samples=2, seed=0, threads=1, plot=tmp_path / "r.png")
-    quality = vi.run_quality(args, None)
-    assert set(drawn) == {"sgd", "adam", "vi-diag", "vi-kfac"}
+    out = tmp_path / "v.json"
+    vi.main(["--quick", "--skip-timing", "--tasks", "digits-mlp", "--methods", "vi-diag", "sgd", "--seeds", "1",
+             "--mc-samples", "2", "--long-epochs", "0", "--grid", "0.01", "--plot", str(tmp_path / "r.png"),
+             "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert set(drawn) == {"vi-diag", "sgd"}
     for name, rel in drawn.items():
-        assert float(rel.ece) == pytest.approx(quality[name]["ece"], abs=1e-12)
-        assert quality[name]["entropy_ood"].keys() == {"rotated90", "flipped", "noise"}
+        seed0 = report["quality"]["digits-mlp"]["methods"][name]["seeds"][0]
+        assert float(rel.ece) == pytest.approx(seed0["ece"], abs=1e-12)
+    assert report["config"]["plot"] == str(tmp_path / "r.png")

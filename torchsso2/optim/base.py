@@ -149,9 +149,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
         watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY,
                              self.__dict__.setdefault("_misuse", {}))
-        if not estimate:
-            with torch.enable_grad(), watch:
-                loss, output = unpack_closure_result(closure())
+        if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
+            hook = self.model.register_forward_hook(
+                lambda _m, _i, out: watch.observe_output(out if self.engine.output_selector is None
+                                                         else self.engine.output_selector(out))) \
+                if watch.check_output else None
+            try:
+                with torch.enable_grad(), watch:
+                    loss, output = unpack_closure_result(closure())
+            finally:
+                if hook is not None:
+                    hook.remove()
             watch.after()
             return loss, output, None
         engine = self.engine

@@ -13,7 +13,8 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
 1. draw ``num_mc_samples`` weight samples ``θ_s = μ + ε_s``, ``ε_s ~ N(0, τ·Λ⁻¹)``;
 2. run the closure at each sample (forward + backward) and average gradients ``ḡ`` and curvature;
 3. restore ``μ``; fold the curvature into the EMA and decompose ``Λ``;
-   (the EMA starts at ``curvature_init·I``, default 1: IVON's ``hess_init``);
+   (the EMA starts at ``curvature_init·I``, default 1: IVON's ``hess_init``; ``ema_decay`` default
+   0.99999, IVON's ``beta2``: on runs of ≲ 10⁵ steps ``C`` stays near its start);
 4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − ν·lr·Λ⁻¹ m`` (``ν``: the KL clip, default 0.1; VOGN; ``diag`` = VOGN,
    ``kfac`` = noisy K-FAC, ``full`` = full covariance per module). The buffer in ``state`` holds
    ``m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
@@ -34,7 +35,7 @@ independent of the label sampling, and the same on every rank that draws sample 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -54,17 +55,30 @@ from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_diagonal, reparam_ema_
+from .noise import ObservationNoise
 from .vi_start import isotropic_blocks
 
 #: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
 #: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
 #: ≈ 1/√N (0.024 on the digits) and the first mean steps are ≈ ``lr·m``, SGD with momentum at
-#: ``lr``; the slow EMA (``ema_decay`` 0.999) then moves C to the data's curvature. Starting
+#: ``lr``; the slow EMA (``ema_decay`` 0.99999) keeps C near the start on runs of ≲ 10⁵ steps. Starting
 #: from the first batch's estimate instead (``curvature_init=None``) gave
 #: steps ``N/(τδ)`` times the gradient along its near-zero directions: non-finite losses after
 #: ~45 steps at lr 1e-2 on the digits MLP. 0.1 diverged at lr 0.1 (loss 3.9e4); 1 trains for
 #: lr from 1e-3 to 0.3 (tests/test_defaults.py).
 DEFAULT_CURVATURE_INIT = 1.0
+
+#: Default decay of the curvature EMA (IVON's ``beta2``): the start ``curvature_init·I`` keeps the
+#: weight ``ema_decay^t`` after t steps (0.97 after 3400 steps, 0.37 after 10⁵). The data's
+#: per-example curvature is far below the start (digits MLP: ~1e-3 against 1), and the posterior
+#: it implies (Λ ≈ N·1e-3 + δ per weight: samples of std ~0.7 around weights of rms 0.3) predicts
+#: worse than the start's narrow one. With 0.999 the start had faded to 0.034 after 200 epochs
+#: (3400 steps) of the digits MLP and VI fell behind (validation NLL 0.59–0.85 for lr ≥ 1e-2,
+#: test NLL 0.165 at the best lr against IVON's 0.145 and Adam's 0.153, ECE 3.5% against 1.7%);
+#: with 0.99999 the best validation NLL (seed 0, lr 0.1) is 0.105 at 40 epochs and 0.102 at 200
+#: (benchmarks/vi.py, docs/defaults.md). On runs much longer than 10⁵ steps the data's
+#: curvature takes over; pass a smaller ``ema_decay`` to let it shape the posterior sooner.
+DEFAULT_VI_EMA_DECAY = 0.99999
 
 #: Default learning rate of the mean: the middle of the 100× range (1e-3 … 1e-1) in which the
 #: defaults train the digits MLP without a skipped step; with ``curvature_init`` = 1 the first
@@ -123,6 +137,12 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
         self.means = []
 
 
+def default_is_reparam(approx: Any, curvature_init: Optional[float], grad_scaler: Any) -> bool:
+    """Whether ``curvature=None`` (the default) means ``"reparam"``: for ``approx="diag"`` with a starting
+    curvature and no grad scaler (one process; otherwise, and for ``"kfac"``/``"full"``, ``"fisher_mc"``)."""
+    return isinstance(approx, str) and approx == "diag" and curvature_init is not None and grad_scaler is None
+
+
 class VIOptimizer(CurvatureOptimizer):
     """Bayesian deep learning by natural-gradient VI; a real ``torch.optim.Optimizer``.
 
@@ -131,10 +151,14 @@ class VIOptimizer(CurvatureOptimizer):
         dataset_size: N, the number of training examples (>= 1).
         lr: step size of the mean (and of nothing else: the precision is an EMA). Default
             :data:`DEFAULT_VI_LR` = 1e-2 (the defaults train for lr in 1e-3 … 1e-1, see there).
-        curvature: kind of curvature (default ``"fisher_mc"``); ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
+        curvature: kind of curvature; ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
             ``"reparam"`` (with ``approx="diag"``): IVON's estimator ``ĥ = g ⊙ ε/σ²`` from the gradient
             at the weight sample, no second backward pass (:mod:`torchsso2.optim.reparam`); its EMA
-            uses IVON's positivity-preserving update.
+            uses IVON's positivity-preserving update. Default ``None``: ``"reparam"`` for
+            ``approx="diag"`` (the curvature costs no second backward; on the digits tasks its quality
+            equals ``fisher_mc``'s, docs/defaults.md), ``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts,
+            and also for diag with ``curvature_init=None``, a ``grad_scaler`` or several processes,
+            where ``"reparam"`` is not available.
         prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
             precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
             so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
@@ -152,10 +176,16 @@ class VIOptimizer(CurvatureOptimizer):
         kl_weighting: τ > 0, weight of the KL term; the posterior covariance is τ·(N·C + τδ + damping)⁻¹
             (τ < 1: a cold, narrower posterior).
         kl_clip: bound on the mean's step, see :data:`DEFAULT_VI_KL_CLIP` (default 0.1; ``None``: off).
-        momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD), 0.999 (a
-            slow EMA, as IVON's β₂: the posterior's curvature averages over ~1000 steps of weight
-            samples and batches), 0.0 (the prior alone keeps Λ positive definite).
-        loss: ``"cross_entropy"`` or ``"mse"``.
+        momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD),
+            :data:`DEFAULT_VI_EMA_DECAY` = 0.99999 (IVON's β₂; see there why), 0.0 (the prior alone
+            keeps Λ positive definite).
+        loss: ``"cross_entropy"`` or ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``).
+        noise_variance: observation noise ``σ²`` of the Gaussian likelihood (``loss="mse"`` only;
+            :mod:`torchsso2.optim.noise`): a float > 0, or ``"learned"`` (the running mean of the
+            squared residuals at the weight samples, the ELBO's maximiser over ``σ²``; needs
+            ``step(closure, targets=y)``). The gradient and the curvature are scaled by ``1/σ²``
+            (``N/σ²`` replaces ``N`` everywhere), and ``predict(x, return_variance=True)`` adds
+            ``σ²`` to the spread of the samples. Default ``None``: ``σ² = 1``.
         seed: seed of the sampling generator (saved in state_dict).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
             :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
@@ -176,10 +206,10 @@ class VIOptimizer(CurvatureOptimizer):
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = DEFAULT_VI_LR, *,
-                 curvature: str = "fisher_mc", approx: Any = "diag", prior_precision: Optional[float] = None,
+                 curvature: Optional[str] = None, approx: Any = "diag", prior_precision: Optional[float] = None,
                  prior_variance: Optional[float] = None, init_precision: Optional[float] = None,
                  num_mc_samples: int = 1, kl_weighting: float = 1.0, momentum: float = 0.9,
-                 ema_decay: float = 0.999, damping: float = 0.0, loss: str = "cross_entropy",
+                 ema_decay: float = DEFAULT_VI_EMA_DECAY, damping: float = 0.0, loss: str = "cross_entropy",
                  mc_samples: int = 1, curv_update_interval: int = 1, inv_update_interval: int = 1,
                  on_nonfinite: str = "skip", skip_modules: Any = None, params: Any = None,
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
@@ -188,7 +218,8 @@ class VIOptimizer(CurvatureOptimizer):
                  mc_parallel: int = 1, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
                  curvature_init: Optional[float] = DEFAULT_CURVATURE_INIT,
-                 kl_clip: Optional[float] = DEFAULT_VI_KL_CLIP, kfac_approx: str = "expand") -> None:
+                 kl_clip: Optional[float] = DEFAULT_VI_KL_CLIP, kfac_approx: str = "expand",
+                 noise_variance: Union[float, str, None] = None) -> None:
         check_not_pytorch_sso_call(lr, "VIOptimizer")
         self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)
         check_number("lr", lr, low=0.0, high=MAX_LR)
@@ -210,16 +241,28 @@ class VIOptimizer(CurvatureOptimizer):
         self.damping = check_number("damping", damping, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         defaults = dict(lr=lr, momentum=momentum)
+        if noise_variance is not None and loss != "mse":
+            raise ValueError(f"noise_variance is the variance of the Gaussian likelihood of loss='mse'; got "
+                             f"noise_variance={noise_variance!r} with loss={loss!r}")
+        #: σ² of the Gaussian likelihood (1 unless loss="mse" with noise_variance=...)
+        self.noise = ObservationNoise(1.0 if noise_variance is None else noise_variance)
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
-        self.reparam = curvature == "reparam"
-        settings = CurvatureSettings.from_arguments(locals(), curvature="fisher" if self.reparam else curvature)
+        self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init,
+                                                                                            grad_scaler))
+        kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
+        settings = CurvatureSettings.from_arguments(locals(), curvature=kind)
         super().__init__(model, params, defaults, settings)
+        if curvature is None and self.reparam and self.placement.active:
+            self.reparam = False  # reparam is one process's estimator (see _check_reparam): the default falls back
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         if self.reparam:
             self._check_reparam()
+        if self.noise.learned and self.comm.world_size > 1:
+            raise NotImplementedError("noise_variance='learned' averages this process's residuals only; with several "
+                                      "processes pass a float noise_variance")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -248,6 +291,8 @@ class VIOptimizer(CurvatureOptimizer):
                for p, s, f in zip(params, shifts, factors if factors is not None else shifts)}
         out: Dict[str, Tensor] = {}
         for name, lay in self.engine.layouts.items():
+            if any(id(p) not in eps for p in lay.params):  # frozen (not sampled): its curvature is kept
+                continue
             if self._decomposed:
                 prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] / self.kl_weighting)
             else:
@@ -258,6 +303,12 @@ class VIOptimizer(CurvatureOptimizer):
         return out
 
     # ---- the posterior ---------------------------------------------------------------------
+    @property
+    def likelihood_size(self) -> float:
+        """``N/σ²``: the weight of the unit-variance loss's gradient and curvature in the posterior
+        (``N`` = dataset_size; ``σ² = 1`` unless ``noise_variance`` is given or learned)."""
+        return self.dataset_size / self.noise.variance
+
     @property
     def precision_shift(self) -> float:
         """``τ·δ + damping``: what is added to ``N·C`` on the diagonal."""
@@ -275,7 +326,7 @@ class VIOptimizer(CurvatureOptimizer):
         if self.init_precision is not None:
             return self.init_precision
         if self.curvature_init is not None:
-            return (self.dataset_size * self.curvature_init + self.precision_shift) / self.kl_weighting
+            return (self.likelihood_size * self.curvature_init + self.precision_shift) / self.kl_weighting
         return None
 
     def _covered(self) -> List[nn.Parameter]:
@@ -464,13 +515,22 @@ class VIOptimizer(CurvatureOptimizer):
         return shifted_params(*shift)
 
     @torch.no_grad()
-    def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None) -> Tensor:
+    def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None,
+                return_variance: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
         """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse).
+
+        With ``return_variance=True`` (``loss="mse"`` only) it returns ``(mean, variance)``, both of the
+        output's shape (e.g. ``[B, K]``): the mean and the variance of the predictive mixture
+        ``(1/S)·Σ_s N(f_s(x), σ²)``, i.e. ``mean_s f_s`` and ``mean_s (f_s − mean)² + σ²`` (the
+        samples' population variance plus the observation noise ``σ²``, see ``noise_variance``).
 
         The model is evaluated in ``eval()`` mode (BatchNorm uses its running statistics and leaves them
         unchanged, dropout is off) and given back its own ``training`` flags. Before the first ``step()``
         (no posterior yet, and no ``init_precision``) it raises ``RuntimeError``."""
         check_int("num_samples", num_samples)
+        if return_variance and self.engine.loss is not LossType.MSE:
+            raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
+                             f"loss is {self.engine.loss.value!r}")
         if not self._decomposed and self.init_precision is None:
             raise RuntimeError("predict() before the first step(): there is no posterior yet, so every sample would "
                                "be the mean weights (point predictions). Call step() first, or pass "
@@ -481,13 +541,17 @@ class VIOptimizer(CurvatureOptimizer):
                 with self.sampled_params(generator):
                     out = self.engine.select_output(self.model(x))
                 outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
-        return torch.stack(outs).mean(0)
+        stacked = torch.stack(outs)
+        mean = stacked.mean(0)
+        if return_variance:
+            return mean, (stacked - mean).square().mean(0) + self.noise.variance
+        return mean
 
     def posterior_precision(self) -> Tensor:
         """Dense ``[P, P]`` block-diagonal posterior precision ``(N·C + τδ + damping)/τ`` over the covered params."""
         if not self.running.blocks:
             raise RuntimeError("no curvature estimate yet: call step() first")
-        mats = [blk.dense() * self.dataset_size for blk in self.running.blocks.values()]
+        mats = [blk.dense() * self.likelihood_size for blk in self.running.blocks.values()]
         dense = torch.block_diag(*mats)
         return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)) / self.kl_weighting
 
@@ -503,12 +567,17 @@ class VIOptimizer(CurvatureOptimizer):
         losses = []
         output = None
         hats: Dict[str, Tensor] = {}
+        residuals: List[float] = []  # noise_variance="learned": each sample's mean squared residual
+        if self.noise.learned and targets is None:
+            raise ValueError("noise_variance='learned' estimates σ² from the residuals: call step(closure, targets=y)")
         if self.reparam:  # the curvature comes from the samples' own gradients: no capture, no second backward
             curvature = None
         for noise in self._step_noise():
             with self._perturbed(noise):
                 loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
             losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
+            if self.noise.learned:
+                residuals.append(ObservationNoise.mean_squared_residual(output, targets))
             if self.reparam and estimate:
                 for name, h in self._reparam_sample(noise).items():
                     hats[name] = hats[name] + h if name in hats else h
@@ -533,24 +602,30 @@ class VIOptimizer(CurvatureOptimizer):
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
         if hats:
-            fresh = {name: DiagBlock(self.engine.layouts[name], h / len(losses)) for name, h in hats.items()}
+            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / len(losses))
+                                          for name, h in hats.items()})
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
+        if residuals:  # σ² of this step includes this batch (its 1/σ² scales the update below)
+            self.noise.update(sum(residuals) / len(residuals))
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                 self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
             if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
+                missing = {n: b for n, b in fresh.items() if n not in self.running.blocks}  # frozen at the start
+                if missing:
+                    self.running.blocks.update(isotropic_blocks(missing, self.curvature_init))
                 for name, blk in fresh.items():
                     run = self.running.blocks[name].diagonal
                     reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
-                                 self.precision_shift / float(self.dataset_size))
+                                 self.precision_shift / self.likelihood_size)
                 self.running.num_updates += 1
             else:
                 self.running.update(fresh, self.ema_decay)
         if self.num_steps % self.inv_update_interval == 0 or not self._decomposed:
-            if not self._decompose(self.precision_shift, scale=float(self.dataset_size)) and not self._decomposed:
+            if not self._decompose(self.precision_shift, scale=self.likelihood_size) and not self._decomposed:
                 self.num_steps += 1
                 return mean_loss, output
         self._follow_param_dtypes(params)
@@ -563,7 +638,7 @@ class VIOptimizer(CurvatureOptimizer):
         """``m ← momentum·m + (g + τδ/N·μ)`` (the momentum of the mean loss's gradient; ``N·m`` is VOGN's
         ``m`` of the summed loss); ``μ ← μ − ν·lr·Λ⁻¹ N·m`` (covered), ``μ ← μ − ν·lr·m`` (others), ``ν`` the KL
         clip's factor over all of them (1 with ``kl_clip=None``, which takes the fused path)."""
-        n, tau_delta = float(self.dataset_size), self.kl_weighting * self.prior_precision
+        n, tau_delta = self.likelihood_size, self.kl_weighting * self.prior_precision
         plan = self._plans.get(params, groups, self.running.blocks)
         with torch.no_grad():
             bufs = natural_momentum_([self.state[p] for p in params], grads, params, tau_delta / n,
@@ -592,11 +667,19 @@ class VIOptimizer(CurvatureOptimizer):
         if momentum is not None and not isinstance(momentum, str):
             raise ValueError("checkpoint entry ['torchsso2']['extra']['momentum'] must be a string; "
                              "the optimizer is unchanged")
+        noise = state.get("noise")
+        if noise is not None:
+            if not isinstance(noise, dict):
+                raise ValueError(f"checkpoint entry ['torchsso2']['extra']['noise'] must be a dict, got {noise!r}; "
+                                 "the optimizer is unchanged")
+            ObservationNoise("learned").load(noise)  # validates on a throwaway copy
 
     def _extra_state(self) -> Dict[str, Any]:
-        return {"momentum": "mean-loss"}  # momentum buffers of the mean loss's gradient (since 2026-11-24)
+        # momentum buffers of the mean loss's gradient (since 2026-11-24); the learned σ²'s running mean
+        return {"momentum": "mean-loss", "noise": self.noise.state()}
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
+        self.noise.load(state.get("noise"))
         if state.get("momentum") != "mean-loss":  # an older checkpoint kept N·m (VOGN's summed-loss momentum)
             with torch.no_grad():
                 for p in (q for g in self.param_groups for q in g["params"]):

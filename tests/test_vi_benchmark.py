@@ -1,4 +1,6 @@
-"""benchmarks/vi_quality.py: the quick mode's JSON, and that the lr is chosen from validation data only."""
+"""benchmarks/vi.py (with its task module benchmarks/vi_quality.py): the quick mode's one JSON (step
+time, quality, long run), that the lr is chosen from validation data only, and that every method runs
+at its library defaults except the lr."""
 from __future__ import annotations
 
 import json
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import vi
 from benchmarks import vi_quality as q
 
 
@@ -34,7 +37,7 @@ def test_run_method_chooses_by_validation_and_never_evaluates_test_before(monkey
 
     monkeypatch.setattr(q, "train", fake_train)
     monkeypatch.setattr(q, "evaluate", fake_evaluate)
-    args = q.parse_args(["--quick", "--grid", "0.1", "0.2", "0.3", "--seeds", "3"])
+    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "0.3", "--seeds", "3"])
     out = q.run_method("digits-mlp", "adam", None, args, None)
     assert out["chosen_lr"] == 0.2
     assert calls[:3] == [("val", 0.1, 0), ("val", 0.2, 0), ("val", 0.3, 0)]
@@ -60,32 +63,45 @@ def test_gaussian_nll_matches_torch() -> None:
     assert q.gaussian_nll(m, v, y) == pytest.approx(float(ref), rel=1e-6)
 
 
-def test_quick_run_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
     out_json = tmp_path / "vq.json"
-    assert q.main(["--quick", "--tasks", "digits-mlp", "diabetes", "--methods", "vi-diag", "adam",
-                   "--epochs", "1", "--seeds", "2", "--mc-samples", "2", "--json", str(out_json)]) == 0
+    assert vi.main(["--quick", "--tasks", "digits-mlp", "diabetes", "--methods", "vi-diag", "adam",
+                    "--epochs", "1", "--seeds", "2", "--mc-samples", "2", "--long-epochs", "1", "--repeats", "2",
+                    "--window", "1", "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
-    assert "| method | lr | accuracy | NLL | ECE | Brier | step x Adam | skipped |" in printed
+    assert "| method | lr | accuracy | NLL | ECE | Brier | skipped |" in printed
     report = json.loads(out_json.read_text())
     assert report["config"]["quick"] and report["config"]["seeds"] == 2
-    assert set(report["tasks"]) == {"digits-mlp", "diabetes"}
-    for task, res in report["tasks"].items():
+    timing = {(r["model"], r["optimizer"]): r for r in report["timing"]}
+    assert set(timing) == {(m, o) for m in vi.TIMING_TASKS for o in ("vi-diag", "adam", vi.FLOOR)}
+    for (model, name), r in timing.items():
+        assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"]
+        assert r["ratio_adam_min"] == pytest.approx(r["min_s"] / timing[(model, "adam")]["min_s"])
+        assert r["skipped_steps"] == 0
+    assert set(report["quality"]) == {"digits-mlp", "diabetes"}
+    for task, res in report["quality"].items():
         assert set(res["methods"]) == {"vi-diag", "adam"}
-        for r in res["methods"].values():
-            assert len(r["grid"]) == 5 and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
+        for m, r in res["methods"].items():
+            assert len(r["grid"]) == len(q.LR_GRIDS[m]) and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
             assert r["chosen_lr"] == min(r["grid"], key=lambda g: g["val_nll"])["lr"]
             assert [s["seed"] for s in r["seeds"]] == [0, 1]
-            assert r["step_ms_median"] > 0 and isinstance(r["chosen_at_grid_edge"], bool)
+            assert isinstance(r["chosen_at_grid_edge"], bool)
         keys = {"accuracy", "nll", "ece", "brier"} if task == "digits-mlp" else {"nll", "rmse"}
         assert set(res["methods"]["adam"]["summary"]) == keys
         assert res["targets"]["evaluated"] is True  # vi-diag and adam present; ivon not requested
-    assert "noise_var" in report["tasks"]["diabetes"]
+    ent = report["quality"]["digits-mlp"]["methods"]["vi-diag"]["entropy"]
+    assert set(ent["entropy_ood"]) == {"rotated90", "flipped", "noise", "gaussian_noise"}
+    assert "noise_var" in report["quality"]["diabetes"]
+    long = report["long"]["digits-mlp"]
+    assert long["epochs"] == 1 and set(long["methods"]) == {"vi-diag", "adam"}
+    assert all(len(r["seeds"]) == 1 for r in long["methods"].values())
 
 
-def test_quick_never_writes_into_results(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit):
-        q.parse_args(["--quick", "--json", str(q.RESULTS_DIR / "vi_quality.json")])
-    assert q.parse_args(["--quick"]).json.parent != q.RESULTS_DIR
+def test_quick_without_json_writes_into_a_temp_dir() -> None:
+    assert vi.parse_args(["--quick"]).json.parent != vi.RESULTS_DIR
+    assert vi.parse_args([]).json == vi.DEFAULT_JSON
+    assert vi.parse_args([]).long_epochs == 200 and vi.parse_args([]).seeds == 5
 
 
 def test_methods_at_library_defaults_except_lr() -> None:
@@ -95,12 +111,15 @@ def test_methods_at_library_defaults_except_lr() -> None:
     diag = q.make_optimizer("vi-diag", model, 0.05, 100, False, 0, None)
     ref = VIOptimizer(q.make_model("digits-mlp"), dataset_size=100)
     assert isinstance(diag, VIOptimizer) and diag.param_groups[0]["lr"] == 0.05 and diag.dataset_size == 100
-    for attr in ("prior_precision", "kl_weighting", "damping", "num_mc_samples", "ema_decay"):
+    for attr in ("prior_precision", "kl_weighting", "damping", "num_mc_samples", "ema_decay", "reparam",
+                 "curvature_init", "kl_clip"):
         assert getattr(diag, attr) == getattr(ref, attr), attr
+    assert diag.reparam  # the diag default: curvature from the same backward
     assert q.make_optimizer("vi-kfac", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).engine.approx != \
         diag.engine.approx
-    assert q.make_optimizer("vi-reparam", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).reparam
-    assert q.make_optimizer("vi-diag", q.make_model("diabetes"), 0.05, 100, True, 0, None).engine.loss.value == "mse"
-    assert "vi-reparam" not in q.parse_args([]).methods
+    assert not q.make_optimizer("vi-fisher-mc", q.make_model("digits-mlp"), 0.05, 100, False, 0, None).reparam
+    reg = q.make_optimizer("vi-diag", q.make_model("diabetes"), 0.05, 100, True, 0, None)
+    assert reg.engine.loss.value == "mse" and reg.noise.learned
+    assert "vi-fisher-mc" not in vi.parse_args([]).methods
     with pytest.raises(ValueError, match="method="):
         q.make_optimizer("lbfgs", model, 0.1, 100, False, 0, None)
