@@ -55,6 +55,7 @@ from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditione
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_diagonal, reparam_ema_
 from .vi_start import isotropic_blocks
+from .vi_flat import FlatDiagPath
 
 #: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
 #: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
@@ -215,6 +216,7 @@ class VIOptimizer(CurvatureOptimizer):
         super().__init__(model, params, defaults, settings)
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
+        self._flat = FlatDiagPath()  # curvature="reparam": the step on flat buffers (vi_flat.py)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         if self.reparam:
@@ -494,6 +496,10 @@ class VIOptimizer(CurvatureOptimizer):
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
+        if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
+            done = self._flat.step(self, closure, targets)
+            if done is not None:
+                return done
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
@@ -524,6 +530,12 @@ class VIOptimizer(CurvatureOptimizer):
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
+        return self._finish_step(snapshot, losses, output, hats, curvature)
+
+    def _finish_step(self, snapshot: Any, losses: List[Tensor], output: Any, hats: Dict[str, Tensor],
+                     curvature: Optional[BlockAverage]) -> Tuple[Tensor, Tensor]:
+        """The step after its closure calls (``p.grad`` holds the mean gradient over the samples):
+        the non-finite policy, the curvature EMA, the decomposition and the mean's update."""
         params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not self._unscale_grads():
