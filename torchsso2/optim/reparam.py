@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Union
 
+import torch
 from torch import Tensor
 
 __all__ = ["reparam_diagonal", "reparam_ema_"]
@@ -35,7 +36,11 @@ def reparam_ema_(running: Tensor, fresh: Tensor, decay: float, shift: float) -> 
     ``shift`` = the per-example precision added to ``C``, i.e. ``(τδ + damping)/N``).
 
     IVON's update of its Hessian estimate: with ``x = C + shift > 0`` and
-    ``d = (1 − β)(ĥ − C)/x`` the new ``C + shift`` is ``x·(½(1 + d)² + ½) > 0``."""
+    ``d = (1 − β)(ĥ − C)/x`` the new ``C + shift`` is ``x·(½(1 + d)² + ½) > 0``.
+
+    Computed as ``C ← C + e·((1 − β) + ½(1 − β)²·e/x)`` with ``e = ĥ − C``: the same expression
+    in four ops (``running`` of a float dtype; ``fresh`` of its dtype and shape)."""
     x = running + shift
-    diff = running - fresh
-    running.mul_(decay).add_(fresh, alpha=1.0 - decay).add_(diff.square_().div_(x), alpha=0.5 * (1.0 - decay) ** 2)
+    diff = torch.sub(fresh, running)
+    rate = torch.addcdiv(running.new_tensor(1.0 - decay), diff, x, value=0.5 * (1.0 - decay) ** 2)
+    running.addcmul_(diff, rate)

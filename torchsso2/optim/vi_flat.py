@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
-from curvature.blocks.base import all_finite, owned_all_finite
+from curvature.blocks.base import all_finite
 
 from .grid import noise_seed
 from .plan import params_with_grad
@@ -75,7 +75,7 @@ class _Link:
         self.inv = self.denom.reciprocal()      # as DiagBlock's cached 1/denom and 1/√denom
         self.inv_sqrt = self.inv.sqrt()
         self.noise = torch.empty_like(self.curv)
-        self.grad = torch.empty_like(self.curv)
+        self.eps = torch.empty_like(self.curv)
         self.hat = torch.empty_like(self.curv)
         self.step = torch.empty_like(self.curv)
         offset = 0
@@ -86,6 +86,7 @@ class _Link:
         self.inv_views: List[Tensor] = []
         self.inv_sqrt_views: List[Tensor] = []
         self.step_views: List[Tensor] = []
+        self.hat_views: List[Tensor] = []
         for blk, lay in zip(blocks, self.layouts):
             n = lay.numel
             blk.diagonal = self.curv.narrow(0, offset, n)
@@ -94,7 +95,7 @@ class _Link:
             self.decompositions.append(blk.decomposition)
             for views, flat in ((self.momentum_views, self.momentum), (self.noise_views, self.noise),
                                 (self.inv_views, self.inv), (self.inv_sqrt_views, self.inv_sqrt),
-                                (self.step_views, self.step)):
+                                (self.step_views, self.step), (self.hat_views, self.hat)):
                 views.extend(lay.unflatten(flat.narrow(0, offset, n)))
             offset += n
         for p, view in zip(params, self.momentum_views):
@@ -213,19 +214,19 @@ class FlatDiagPath:
         link = self._current(opt)
         if link is None:
             return None
-        from .vi import shifted_params  # the module that imports this one
-
         lr, mom = hyper
         n = float(opt.dataset_size)
         tau = opt.kl_weighting
-        snapshot = opt._snapshot()
+        # what a skipped step gives back: the norm layers' statistics (the sampling generator is not
+        # drawn from here: the noise has its own seeded stream and no labels are sampled)
+        snapshot = opt._undo.save(None)
         sample = opt.grid.samples(opt.comm.rank, 1)[0]
         gen = opt._noise_streams.seeded(noise_seed(opt.seed, opt.num_steps, sample), link.device)
         z = torch.randn(link.numel, generator=gen, out=link.noise)
         if tau != 1.0:
             z.mul_(opt._noise_scale)
         params = link.params
-        with shifted_params(params, link.noise_views, link.inv_sqrt_views):  # μ + z·√τ/√D, as _coloured_all
+        with _shifted_params()(params, link.noise_views, link.inv_sqrt_views):  # μ + z·√τ/√D, as _coloured_all
             loss, output, _ = opt._run_closure(closure, targets, False)
         mean_loss = loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss)
         grads = [p.grad for p in params]
@@ -235,11 +236,15 @@ class FlatDiagPath:
                 hats = opt._reparam_sample((params, link.noise_views, link.inv_sqrt_views))
                 return opt._finish_step(snapshot, [mean_loss], output, hats, None)
         with torch.no_grad():
-            grad = torch.cat([g.reshape(-1) for g in grads], out=link.grad)
-            eps = torch.mul(z, link.inv_sqrt, out=link.hat)  # ε = z·√τ/√D, the sample's shift
-            hat = eps.mul_(grad)  # ĥ = g ⊙ ε ⊙ D/τ (reparam_diagonal's order)
+            torch._foreach_copy_(link.hat_views, grads)
+            eps = torch.mul(z, link.inv_sqrt, out=link.eps)  # ε = z·√τ/√D, the sample's shift
+            hat = link.hat.mul_(eps)  # ĥ = g ⊙ ε ⊙ D/τ (reparam_diagonal's order)
             hat.mul_(link.denom if tau == 1.0 else link.denom / tau)
-            if not all_finite([mean_loss]) or not owned_all_finite([grad, hat]):
+            # ĥ is not finite wherever g is not (ε and D are finite): one sum checks both, with the
+            # loss; only a non-finite total (a bad element, or finite ones overflowing) is looked at
+            # element by element
+            total = float(hat.sum()) + (float(mean_loss) if mean_loss.numel() == 1 else math.inf)
+            if not math.isfinite(total) and (not all_finite([mean_loss]) or not bool(torch.isfinite(hat).all())):
                 fresh = {name: DiagBlock(lay, hat.narrow(0, off, lay.numel))
                          for name, lay, off in zip(link.names, link.layouts, _offsets(link.layouts))}
                 opt._nonfinite("loss, gradient or curvature", snapshot, opt._what_is_nonfinite(mean_loss, fresh))
@@ -273,6 +278,12 @@ class FlatDiagPath:
         opt._step_taken()
         opt.num_steps += 1
         return mean_loss, output
+
+
+def _shifted_params() -> Any:
+    """:class:`torchsso2.optim.vi.shifted_params` (that module imports this one)."""
+    from .vi import shifted_params
+    return shifted_params
 
 
 def _offsets(layouts: List[Any]) -> List[int]:
