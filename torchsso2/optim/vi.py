@@ -556,7 +556,7 @@ class VIOptimizer(CurvatureOptimizer):
                 for name, blk in fresh.items():
                     run = self.running.blocks[name].diagonal
                     reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
-                                 self.precision_shift / float(self.dataset_size))
+                                 self.precision_shift / float(self.dataset_size), self._scalars)
                 self.running.num_updates += 1
             else:
                 self.running.update(fresh, self.ema_decay)

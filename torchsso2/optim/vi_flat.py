@@ -250,7 +250,7 @@ class FlatDiagPath:
                 opt._nonfinite("loss, gradient or curvature", snapshot, opt._what_is_nonfinite(mean_loss, fresh))
                 return mean_loss, output
             shift = opt.precision_shift
-            reparam_ema_(link.curv, hat, opt.ema_decay, shift / n)
+            reparam_ema_(link.curv, hat, opt.ema_decay, shift / n, opt._scalars)
             opt.running.num_updates += 1
             denom = torch.mul(link.curv, n).add_(shift)  # DiagBlock.decompose: scale·C + damping
             low, high = torch.aminmax(denom)
