@@ -16,7 +16,9 @@ Models (1 thread by default, as the targets of issues 27 and 31 are stated):
   default: IVON's estimator from the step's own backward), ``vi-diag-reparam-general`` (the
   same with the flat-buffer step switched off: the block-by-block step it replaces),
   ``vi-diag-fisher_mc`` (a second backward for the Monte-Carlo Fisher every step) and
-  ``vi-kfac`` (``approx="kfac"``: noisy K-FAC, curvature and eigendecompositions every step).
+  ``vi-kfac`` (``approx="kfac", curvature="fisher_mc"``: noisy K-FAC, curvature and eigendecompositions
+  every step) and ``vi-kfac-10/100`` (the same with curvature every 10 and decompositions every 100
+  steps).
 * ``transformer``: ``examples/train_transformer.py``'s model (2 layers, d=64, 4 heads) on its
   generated text, batch 32 × 128 tokens. Variants: ``adamw`` (the example's lr 3e-3, weight
   decay 0.01), ``vi-diag-reparam`` (the example's VI settings with ``curvature="reparam"``) and
@@ -151,7 +153,9 @@ def digits_variants(n: int, ivon_mod: Any, skipped: Dict[str, str]) -> List[Vari
     variants += [("vi-diag-reparam", vi(curvature="reparam")),
                  ("vi-diag-reparam-general", vi(general=True, curvature="reparam")),
                  ("vi-diag-fisher_mc", vi(curvature="fisher_mc")),
-                 ("vi-kfac", vi(approx="kfac"))]
+                 ("vi-kfac", vi(approx="kfac", curvature="fisher_mc")),
+                 ("vi-kfac-10/100", vi(approx="kfac", curvature="fisher_mc", curv_update_interval=10,
+                                       inv_update_interval=100))]
     return variants
 
 
