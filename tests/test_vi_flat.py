@@ -300,3 +300,39 @@ def test_model_double_after_flat_steps_keeps_training():
         opt.step(make_closure(opt, model, x.double(), y))
     assert all(opt.state[p]["momentum_buffer"].dtype == torch.float64 for p in model.parameters())
     assert opt.num_skipped == 0
+
+
+def test_lr_schedule_and_changed_settings_are_read_at_every_step():
+    """A scheduler's lr, and momentum / kl_clip / ema_decay changed between steps, reach the flat
+    step as they reach the general one."""
+    (fm, fast, taken), (sm, slow) = _pair(tiny_mlp)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (fast, slow)]
+    for t in range(6):
+        if t == 3:
+            for o in (fast, slow):
+                o.param_groups[0]["momentum"] = 0.5
+                o.kl_clip = None
+                o.ema_decay = 0.9
+        _run(fm, fast, 1, seed0=t)
+        _run(sm, slow, 1, seed0=t)
+        for s in scheds:
+            s.step()
+        _assert_same(_state(fm, fast), _state(sm, slow))
+    assert taken[1:] == [True] * 5
+
+
+def test_autocast_closure_gives_the_general_result():
+    """Under CPU autocast (bfloat16 forward, float32 weights and gradients) the flat step equals the
+    general one."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    (fm, fast, taken), (sm, slow) = _pair(make)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(10, 6, generator=gen), torch.randint(0, 3, (10,), generator=gen)
+    for _ in range(4):
+        for model, opt in ((fm, fast), (sm, slow)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                opt.step(make_closure(opt, model, x, y))
+        _assert_same(_state(fm, fast), _state(sm, slow))
+    assert taken[1:] == [True] * 3
