@@ -336,3 +336,17 @@ def test_autocast_closure_gives_the_general_result():
                 opt.step(make_closure(opt, model, x, y))
         _assert_same(_state(fm, fast), _state(sm, slow))
     assert taken[1:] == [True] * 3
+
+
+def test_swapped_module_parameter_is_noticed():
+    """A module's parameter replaced after flat steps (``model.fc2.bias = nn.Parameter(...)``): the flat
+    buffers no longer back the model, so the general step runs, with the general step's result."""
+    (fm, fast, taken), (sm, slow) = _pair(tiny_mlp)
+    _run(fm, fast, 3)
+    _run(sm, slow, 3)
+    for model in (fm, sm):
+        model.fc2.bias = nn.Parameter(model.fc2.bias.detach().clone() + 0.1)
+    _run(fm, fast, 2, seed0=3)
+    _run(sm, slow, 2, seed0=3)
+    _assert_same(_state(fm, fast), _state(sm, slow))
+    assert taken[-2:] == [False, False]

@@ -63,7 +63,6 @@ class _Link:
         self.params = params
         self.group_params = group_params
         self.layouts = [opt.engine.layouts[n] for n in names]
-        self.layout_params = [tuple(lay.params) for lay in self.layouts]
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         self.numel = sum(p.numel() for p in params)
@@ -100,18 +99,25 @@ class _Link:
             offset += n
         for p, view in zip(params, self.momentum_views):
             state[p]["momentum_buffer"] = view
+        #: what :meth:`intact` compares by identity at every step
+        self.block_checks = list(zip(names, blocks, self.diagonals, self.decompositions))
+        owners = [(lay.module._parameters, pname) for lay in self.layouts for pname in lay.param_names]
+        self.param_checks = [(own, pname, p, view) for (own, pname), p, view
+                             in zip(owners, params, self.momentum_views)]
+        self.device_key = str(self.device)
 
     def intact(self, opt: Any) -> bool:
         """The optimizer's state is still the one these buffers back (nothing replaced from outside)."""
         running = opt.running.blocks
-        for name, blk, diag, dec in zip(self.names, self.blocks, self.diagonals, self.decompositions):
+        for name, blk, diag, dec in self.block_checks:
             if running.get(name) is not blk or blk.diagonal is not diag or blk.decomposition is not dec:
                 return False
-        for lay, ps in zip(self.layouts, self.layout_params):
-            own = lay.module._parameters
-            for name, p in zip(lay.param_names, ps):
-                if own.get(name) is not p:
-                    return False
+        state = opt.state
+        dtype, device = self.dtype, self.device
+        for own, pname, p, view in self.param_checks:
+            if own.get(pname) is not p or not p.requires_grad or p.dtype != dtype or p.device != device \
+                    or state[p].get("momentum_buffer") is not view:
+                return False
         mine = self.group_params
         i = 0
         for group in opt.param_groups:
@@ -119,15 +125,7 @@ class _Link:
                 if i >= len(mine) or p is not mine[i]:
                     return False
                 i += 1
-        if i != len(mine):
-            return False
-        state = opt.state
-        dtype, device = self.dtype, self.device
-        for p, view in zip(self.params, self.momentum_views):
-            if not p.requires_grad or p.dtype != dtype or p.device != device \
-                    or state[p].get("momentum_buffer") is not view:
-                return False
-        return True
+        return i == len(mine)
 
 
 class FlatDiagPath:
@@ -221,7 +219,7 @@ class FlatDiagPath:
         # drawn from here: the noise has its own seeded stream and no labels are sampled)
         snapshot = opt._undo.save(None)
         sample = opt.grid.samples(opt.comm.rank, 1)[0]
-        gen = opt._noise_streams.seeded(noise_seed(opt.seed, opt.num_steps, sample), link.device)
+        gen = opt._noise_streams.seeded(noise_seed(opt.seed, opt.num_steps, sample), link.device_key)
         z = torch.randn(link.numel, generator=gen, out=link.noise)
         if tau != 1.0:
             z.mul_(opt._noise_scale)
