@@ -117,7 +117,8 @@ def digits_data(batch_size: int) -> Tuple[List[Tuple[Tensor, Tensor]], int]:
     xt = torch.tensor(x, dtype=torch.float32)[perm]
     yt = torch.tensor(y)[perm]
     xt = (xt - xt.mean(0)) / xt.std(0).clamp_min(1e-6)
-    return [(xt[i:i + batch_size], yt[i:i + batch_size]) for i in range(0, len(yt) - batch_size + 1, batch_size)], len(yt)
+    starts = range(0, len(yt) - batch_size + 1, batch_size)
+    return [(xt[i:i + batch_size], yt[i:i + batch_size]) for i in starts], len(yt)
 
 
 def digits_mlp() -> nn.Module:
@@ -231,8 +232,8 @@ def with_ratios(results: Dict[str, Dict[str, Any]], reference: str) -> Dict[str,
 
 
 def table(results: Dict[str, Dict[str, Any]], reference: str) -> str:
-    rows = [[name, f"{r['min_ms']:.3f}", f"{r['median_ms']:.3f}", f"{r['ratio_min']:.2f}×", f"{r['ratio_median']:.2f}×",
-             "-" if r["skipped"] is None else r["skipped"]] for name, r in results.items()]
+    rows = [[name, f"{r['min_ms']:.3f}", f"{r['median_ms']:.3f}", f"{r['ratio_min']:.2f}×",
+             f"{r['ratio_median']:.2f}×", "-" if r["skipped"] is None else r["skipped"]] for name, r in results.items()]
     return markdown_table(["variant", "min ms", "median ms", f"min / {reference}", f"median / {reference}", "skipped"],
                           rows)
 
