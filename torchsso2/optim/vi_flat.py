@@ -11,7 +11,9 @@ posterior state is a few vectors over all ``P`` covered parameters, and this mod
 * ``D = N·C + τδ + damping`` (the decomposition): the blocks' ``decomposition["denom"]`` are views
   of it, and ``1/D``, ``1/√D`` are kept beside it;
 * ``m`` (the momentum): ``state[p]["momentum_buffer"]`` are views of it;
-* workspaces for the noise ``ε``, the flat gradient ``g``, ``ĥ = g ⊙ ε ⊙ D/τ`` and the step.
+* two workspaces: one holds the draw ``z``, then the noise ``ε`` (in place), then the step; the other
+  the flat gradient ``g``, then ``ĥ = g ⊙ ε ⊙ D/τ`` (so the flat state costs ``2·P`` numbers beyond
+  what the blocks keep anyway).
 
 A step is then: one seeded ``randn`` into ``ε`` and ``ε ⊙ √τ ⊙ 1/√D``; the closure at ``μ + ε``
 (one ``torch._foreach_add``); ``g`` by one ``cat``; ``ĥ`` in two ops; the finite check of ``g``
@@ -73,10 +75,9 @@ class _Link:
             self.momentum = torch.cat([state[p]["momentum_buffer"].reshape(-1) for p in params])
         self.inv = self.denom.reciprocal()      # as DiagBlock's cached 1/denom and 1/√denom
         self.inv_sqrt = self.inv.sqrt()
+        # workspaces: z, then ε = z·√τ/√D in place, then the step N·m/D; and the gradient, then ĥ
         self.noise = torch.empty_like(self.curv)
-        self.eps = torch.empty_like(self.curv)
         self.hat = torch.empty_like(self.curv)
-        self.step = torch.empty_like(self.curv)
         offset = 0
         self.decompositions: List[Dict[str, Tensor]] = []
         self.diagonals: List[Tensor] = []
@@ -84,7 +85,6 @@ class _Link:
         self.noise_views: List[Tensor] = []
         self.inv_views: List[Tensor] = []
         self.inv_sqrt_views: List[Tensor] = []
-        self.step_views: List[Tensor] = []
         self.hat_views: List[Tensor] = []
         for blk, lay in zip(blocks, self.layouts):
             n = lay.numel
@@ -94,7 +94,7 @@ class _Link:
             self.decompositions.append(blk.decomposition)
             for views, flat in ((self.momentum_views, self.momentum), (self.noise_views, self.noise),
                                 (self.inv_views, self.inv), (self.inv_sqrt_views, self.inv_sqrt),
-                                (self.step_views, self.step), (self.hat_views, self.hat)):
+                                (self.hat_views, self.hat)):
                 views.extend(lay.unflatten(flat.narrow(0, offset, n)))
             offset += n
         for p, view in zip(params, self.momentum_views):
@@ -235,7 +235,7 @@ class FlatDiagPath:
                 return opt._finish_step(snapshot, [mean_loss], output, hats, None)
         with torch.no_grad():
             torch._foreach_copy_(link.hat_views, grads)
-            eps = torch.mul(z, link.inv_sqrt, out=link.eps)  # ε = z·√τ/√D, the sample's shift
+            eps = z.mul_(link.inv_sqrt)  # ε = z·√τ/√D, the sample's shift
             hat = link.hat.mul_(eps)  # ĥ = g ⊙ ε ⊙ D/τ (reparam_diagonal's order)
             hat.mul_(link.denom if tau == 1.0 else link.denom / tau)
             # ĥ is not finite wherever g is not (ε and D are finite): one sum checks both, with the
@@ -269,10 +269,10 @@ class FlatDiagPath:
             if opt.kl_clip is None:  # preconditioned_descent_'s fused update
                 torch._foreach_addcmul_(params, link.momentum_views, link.inv_views, value=-lr * n)
             else:  # u = N·m/D; ν = min(1, √(kl_clip / (lr²·uᵀm)))
-                step = torch.mul(link.momentum, link.inv, out=link.step).mul_(n)
+                step = torch.mul(link.momentum, link.inv, out=link.noise).mul_(n)
                 vg = lr * lr * float(torch.dot(step, link.momentum))
                 nu = 1.0 if vg <= 0 else min(1.0, math.sqrt(opt.kl_clip / vg))
-                torch._foreach_add_(params, link.step_views, alpha=-(lr * nu))
+                torch._foreach_add_(params, link.noise_views, alpha=-(lr * nu))
         opt._step_taken()
         opt.num_steps += 1
         return mean_loss, output
