@@ -265,9 +265,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[512, 128], help="batch sizes of the step timing")
     ap.add_argument("--repeats", type=int, default=15, help="timed update cycles per optimizer (min/median over them)")
     ap.add_argument("--dampings", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1], help="initial dampings of the grid")
-    ap.add_argument("--damping-decays", type=float, nargs="+", default=[0.95, round(0.95 ** 5, 4)],
-                    help="damping_adaptation_decay values of the grid: the library default 0.95 per LM adjustment, "
-                         "and 0.95**5 (kfac-jax's per-adjustment factor with interval 5)")
+    ap.add_argument("--damping-decays", type=float, nargs="+", default=[0.95],
+                    help="damping_adaptation_decay values of the grid (per step, kfac-jax's convention: one LM "
+                         "adjustment every 5 steps moves the damping by decay**5; default: the library default 0.95)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the grid")
     ap.add_argument("--grid-batch", type=int, default=512, help="batch size of the grid")
     ap.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")

@@ -8,10 +8,10 @@
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .compute import compute
 from .engine import CurvatureEngine
-from .options import Approx, Kind, LossType
+from .options import Approx, Kind, KFACApprox, LossType
 from .result import Curvature
 from .running import RunningCurvature
 
 __all__ = ["compute", "Curvature", "CurvatureEngine", "RunningCurvature", "Block", "FullBlock", "DiagBlock",
-           "KFACBlock", "Layout", "Approx", "Kind", "LossType"]
+           "KFACBlock", "Layout", "Approx", "Kind", "KFACApprox", "LossType"]
 __version__ = "0.1.0"

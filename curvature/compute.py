@@ -29,8 +29,8 @@ def _check_inputs_match_model(model: nn.Module, args: Tuple[Tensor, ...]) -> Non
 def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets: Tensor, *,
             loss: str = "cross_entropy", kind: str = "fisher", approx: ApproxSpec = "full",
             mc_samples: int = 1, generator: Optional[torch.Generator] = None,
-            skip_modules: SkipSpec = None, output_selector: Optional[Callable[[Any], Tensor]] = None
-            ) -> Curvature:
+            skip_modules: SkipSpec = None, output_selector: Optional[Callable[[Any], Tensor]] = None,
+            kfac_approx: str = "expand") -> Curvature:
     """Curvature of the mean loss ``(1/N) Σ_n ℓ_n`` of ``model`` on one batch.
 
     Args:
@@ -46,12 +46,15 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
             its submodules.
         output_selector: maps the model's output to the tensor the loss is computed from, for
             models that return a tuple, dict or output object (e.g. ``lambda out: out[0]``).
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``: how K-FAC blocks of Linear-like layers
+            treat positions ``T`` of ``[N, T, d]`` inputs (:class:`curvature.options.KFACApprox`).
 
     Returns:
         :class:`Curvature` with ``.blocks`` and ``.dense()``.
     """
     engine = CurvatureEngine(model, kind=kind, approx=approx, loss=loss, mc_samples=mc_samples,
-                             skip_modules=skip_modules, output_selector=output_selector)
+                             skip_modules=skip_modules, output_selector=output_selector,
+                             kfac_approx=kfac_approx)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if not all(isinstance(x, Tensor) for x in args):
         raise TypeError("inputs must be a Tensor or a tuple of Tensors")

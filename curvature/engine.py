@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from . import likelihoods
+from . import likelihoods, sequence
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .blocks.base import compute_dtype
 from .capture import Capture, ModuleRecord, batch_norm_modules
@@ -22,7 +22,8 @@ from .cost import warn_full_blocks
 from .hessian import hessian_blocks
 from .modules import family_of
 from .modules.base import flat_per_example
-from .options import Approx, Kind, LossType, parse
+from .modules.linear import WeightMatrixFamily
+from .options import Approx, Kind, KFACApprox, LossType, parse
 from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
 from .tied import check_kfac_tied, combine_kfac, tied_per_example_sum
 
@@ -59,12 +60,16 @@ class CurvatureEngine:
             its submodules.
         output_selector: maps the model's forward output to the tensor the loss is computed
             from (for models that return a tuple, dict or output object); default: the output.
+        kfac_approx: ``"expand" | "reduce"``: K-FAC of Linear-like layers (Linear, Conv2d, the
+            attention in-projection) applied over positions ``T`` (:class:`curvature.options.KFACApprox`).
+            Embedding blocks are K-FAC-expand either way (their input factor is diagonal only there).
     """
 
     def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
                  loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None,
-                 output_selector: Optional[Callable[[Any], Tensor]] = None) -> None:
+                 output_selector: Optional[Callable[[Any], Tensor]] = None, kfac_approx: str = "expand") -> None:
         self.kind = parse(Kind, kind, "kind")
+        self.kfac_approx = parse(KFACApprox, kfac_approx, "kfac_approx")
         if output_selector is not None and not callable(output_selector):
             raise TypeError(f"output_selector must be a callable (model output -> Tensor), got {output_selector!r}")
         self.output_selector = output_selector
@@ -129,10 +134,12 @@ class CurvatureEngine:
                  generator: Optional[torch.Generator] = None) -> Dict[str, Block]:
         """Fresh blocks of the curvature of the mean loss over the recorded batch.
 
-        ``outputs``: the model output recorded by ``capture`` (still in the graph);
+        ``outputs``: the model output recorded by ``capture`` (still in the graph; cross-entropy
+        logits ``[N, T, C]`` count as ``N·T`` rows, :func:`curvature.likelihoods.as_rows`);
         ``targets``: needed for ``empirical_fisher`` and ``hessian``.
         """
         likelihoods.check_outputs_targets(self.loss, outputs, targets)
+        outputs, targets = likelihoods.as_rows(self.loss, outputs, targets)  # [N, T, C] logits: N·T rows
         if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
         missing = [n for n in self._modules if n not in capture.records]
@@ -155,11 +162,32 @@ class CurvatureEngine:
                     f"one of them ({err}). For F.scaled_dot_product_attention run the forward under "
                     "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
                     "differentiable; or use a Fisher kind") from err
-        self.check_examples_align(capture.records, outputs)
+        per_example = self.check_examples_align(capture.records, outputs)
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
-        chunks = self.output_grad_chunks(capture, outputs, vectors)
+        if per_example > 1:  # sequence outputs: rows inside module examples (curvature.sequence)
+            outs = {n: capture.records[n].output for n in self._modules
+                    if capture.records[n].output.dim() and capture.records[n].output.shape[0] != outputs.shape[0]}
+            with capture.frozen.on():
+                sequence.check_example_major_rows(outputs, outs, per_example)
+        if per_example > 1 and self.kind is Kind.FISHER:
+            chunks = self._per_position_grad_chunks(capture, outputs, vectors, per_example)
+        else:
+            chunks = self.output_grad_chunks(capture, outputs, vectors)
         return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
+
+    def _per_position_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor,
+                                  per_example: int) -> Iterator[Tuple[Dict[str, Tensor], Tensor]]:
+        """:meth:`output_grad_chunks` of the ``K·T`` per-position vectors
+        (:func:`curvature.sequence.per_position_vectors`), built and backpropagated a chunk at a time."""
+        per_vector = sum(capture.records[n].output.numel() for n in self._modules)
+        group = max(1, _GRAD_CHUNK_ELEMENTS // max(1, per_vector))
+        for part, positions in sequence.per_position_vectors(vectors, per_example, group):
+            done = 0
+            for grads in self.output_grad_chunks(capture, outputs, part):
+                k = next(iter(grads.values())).shape[0]
+                yield grads, positions[done:done + k]  # the positions let blocks skip the sum over T
+                done += k
 
     def estimate_from_backward(self, capture: Capture, batch_size: Optional[int] = None,
                                loss_scale: Optional[float] = None) -> Dict[str, Block]:
@@ -171,8 +199,8 @@ class CurvatureEngine:
         of the recorded root output (of the first covered module's output when there is none).
         """
         if capture.outputs:
-            self.check_examples_align(capture.records, capture.outputs[0])
-        rows = (capture.outputs[0].shape[0] if capture.outputs
+            self.check_examples_align(capture.records, likelihoods.as_rows(self.loss, capture.outputs[0], None)[0])
+        rows = (likelihoods.loss_rows(self.loss, capture.outputs[0]) if capture.outputs
                 else next(iter(capture.records.values())).output.shape[0])
         s = float(loss_scale if loss_scale is not None else rows)
         grads = {}
@@ -182,31 +210,22 @@ class CurvatureEngine:
             grads[name] = (sum(rec.backward_grads) * s).unsqueeze(0)
         return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size)
 
-    def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> None:
-        """ValueError when the exact or empirical Fisher would mix loss rows: both are sums over
-        examples of per-example products, taken at each covered module's batch dimension, so
-        each module example must hold exactly one row of the loss. A sequence model whose
-        ``[N, T, C]`` logits are reshaped to ``[N·T, C]`` has N module examples of T rows each, and
-        the product of a T-row sum is not the sum of the T per-row products (e.g. 2.4× off on the
-        diagonal of a 3×6-token model). The Monte-Carlo Fisher has no such cross terms in
-        expectation (independent zero-mean sampled gradients), so it is allowed. So are K-FAC
-        blocks: their ``G`` sums outer products of the output gradient at every position, which
-        for several loss rows per example is the K-FAC-expand convention (Eschenhagen et al.,
-        2023; curvlinops' ``KFACLinearOperator(kfac_approx="expand")``), normalized by the loss rows."""
-        if self.kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
-            return
-        rows = outputs.shape[0]
+    def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> int:
+        """How many loss rows each covered module example holds (``T``, see :mod:`curvature.sequence`).
+
+        The exact and the empirical Fisher are sums over examples of per-example products, taken at
+        each covered module's batch dimension. A sequence model whose ``[N, T, C]`` logits are
+        reshaped to ``[N·T, C]`` has N module examples of T rows each: the exact Fisher then
+        backpropagates its vectors per position (no products of a T-row sum), the empirical Fisher
+        takes the sequence's gradient as the per-example one. ValueError when the modules' batches do
+        not divide the rows (:func:`curvature.sequence.rows_per_example`). The Monte-Carlo Fisher has
+        no cross terms in expectation (independent zero-mean sampled gradients) and needs nothing.
+        K-FAC blocks sum outer products of the output gradient at every position, the K-FAC-expand
+        convention (Eschenhagen et al., 2023), normalized by the loss rows."""
         approx = {u.name: self.approx[lay.name] for lay in self.layouts.values() for u in lay.tied}
         approx.update(self.approx)  # a module using a tied parameter counts in the shape of its block
-        bad = {n: r.output.shape[0] for n, r in records.items()
-               if r.output.dim() and r.output.shape[0] != rows and approx.get(n) is not Approx.KFAC}
-        if bad:
-            raise ValueError(
-                f"kind={self.kind.value!r} sums per-example terms, but the loss has {rows} rows (output shape "
-                f"{tuple(outputs.shape)}) while covered modules see batches of {bad}: one module example holds several "
-                "loss rows (e.g. [N, T, C] sequence logits reshaped to [N*T, C]) and their per-example "
-                "products would mix rows. Use kind='fisher_mc' (unbiased for such models), approx='kfac' for "
-                "those modules (K-FAC expand), or skip them with skip_modules")
+        batches = {n: r.output.shape[0] for n, r in records.items() if r.output.dim()}
+        return sequence.rows_per_example(self.kind, outputs.shape[0], batches, approx)
 
     def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
         """Gradients of ``<outputs, v_k>`` w.r.t. each module output, in chunks ``{module: [k, N, *out]}``
@@ -273,10 +292,11 @@ class CurvatureEngine:
         """Per-module blocks from recorded inputs and output gradients ``[K, N, *out]``."""
         return self.blocks_from_grad_chunks(records, [grads], batch_size)
 
-    def blocks_from_grad_chunks(self, records: Dict[str, ModuleRecord], chunks: Iterable[Dict[str, Tensor]],
+    def blocks_from_grad_chunks(self, records: Dict[str, ModuleRecord], chunks: Iterable[Any],
                                 batch_size: int) -> Dict[str, Block]:
         """Per-module blocks from output gradients that arrive in chunks ``{module: [k, N, *out]}``
-        of the ``K`` backpropagated vectors.
+        of the ``K`` backpropagated vectors (or ``(chunk, positions [k])`` for per-position vectors:
+        :func:`curvature.sequence.localized`).
 
         Every Fisher-type block is a sum over the K vectors (``G`` of K-FAC, the diagonal, the
         full block), so each chunk adds its part and is dropped: the ``[K, N, *out]`` gradients
@@ -295,8 +315,18 @@ class CurvatureEngine:
                 inputs[name] = a.to(dt) if a.dtype.is_floating_point else a
             return inputs[name]
 
+        reduce = self.kfac_approx is KFACApprox.REDUCE
+
         def add_kfac(key: Any, name: str, fam: Any, mod: nn.Module, names: Any, g: Tensor, dt: torch.dtype) -> None:
             module_batch[key] = g.shape[1]
+            if reduce and isinstance(fam, WeightMatrixFamily):  # K-FAC-reduce: Σ_t g, mean_t a per example
+                g = g.sum(dim=2, keepdim=True)
+                if key not in sums:
+                    a = normal_input(name, dt).mean(dim=1, keepdim=True)
+                    sums[key] = list(fam.kfac_factors(mod, a, g, names))
+                else:
+                    sums[key][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, None, g, names)
+                return
             if key not in sums:
                 rec = records[name]
                 sums[key] = list(fam.kfac_factors_from_inputs(mod, rec.inputs, rec.output, g, names))
@@ -304,7 +334,9 @@ class CurvatureEngine:
                 a = normal_input(name, dt) if fam.output_factor_needs_input else None
                 sums[key][fam.kfac_names().index("G")] += fam.kfac_output_factor(mod, a, g, names)
 
-        for grads in chunks:
+        for item in chunks:
+            # per-position vectors come with their positions (curvature.sequence.localized)
+            grads, positions = item if isinstance(item, tuple) else (item, None)
             for name, lay in self.layouts.items():
                 fam, mod = lay.family, lay.module
                 g = fam.normal_output_grad(mod, grads[name].detach())
@@ -323,7 +355,9 @@ class CurvatureEngine:
                          for u, gu in zip(lay.tied, use_grads)]
                     part = tied_per_example_sum(lay, shape, uses, _EXAMPLE_CHUNK)
                 else:
-                    part = self._per_example_sum(lay, shape, normal_input(name, dt), g)
+                    a = normal_input(name, dt)
+                    local = None if positions is None else sequence.localized(a, g, positions)
+                    part = self._per_example_sum(lay, shape, *(local if local is not None else (a, g)))
                 if name in sums:
                     sums[name][0] += part
                 else:

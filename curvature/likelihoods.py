@@ -3,7 +3,9 @@
 Conventions (all per example ``n``; the loss of a batch is the MEAN over examples):
 
 * categorical (``cross_entropy``): ``ℓ_n = -log softmax(f_n)[y_n]``, outputs ``f`` of shape
-  ``[N, C]`` (logits), targets ``[N]`` integer class indices.
+  ``[N, C]`` (logits), targets ``[N]`` integer class indices. Sequence logits ``[N, T, C]`` (class
+  dimension last) with targets ``[N, T]`` are the ``N·T`` rows ``[N·T, C]`` (:func:`as_rows`): the
+  loss is the mean over every position, as ``F.cross_entropy(f.reshape(-1, C), y.reshape(-1))``.
 * Gaussian with unit variance (``mse``): ``ℓ_n = ½‖y_n − f_n‖²``, outputs ``[N, D]`` (or
   ``[N]``), targets of the same shape.
 
@@ -14,7 +16,7 @@ Every quantity the engine needs from a likelihood is a set of *output-space vect
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,19 +30,21 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
     if not isinstance(outputs, Tensor):
         raise TypeError(f"the model output must be a Tensor, got {type(outputs).__name__}")
     if loss is LossType.CROSS_ENTROPY:
-        if outputs.dim() != 2:
+        if outputs.dim() < 2:
             raise ValueError(
-                f"loss='cross_entropy' expects model outputs (logits) of shape [N, C], got {tuple(outputs.shape)}")
+                f"loss='cross_entropy' expects model outputs (logits) of shape [N, C] (or [N, T, C] for sequences, "
+                f"classes last), got {tuple(outputs.shape)}")
         if targets is None:
             return
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise ValueError(f"loss='cross_entropy' expects integer class targets, got dtype {targets.dtype}")
-        if targets.shape != outputs.shape[:1]:
+        if targets.shape != outputs.shape[:-1]:
+            what = "[N]" if outputs.dim() == 2 else "[N, T] (the logits' shape without the classes)"
+            raise ValueError(f"loss='cross_entropy' expects targets of shape {what}={tuple(outputs.shape[:-1])} "
+                             f"for logits {tuple(outputs.shape)}, got {tuple(targets.shape)}")
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= outputs.shape[-1]):
             raise ValueError(
-                f"loss='cross_entropy' expects targets of shape [N]={tuple(outputs.shape[:1])}, got {tuple(targets.shape)}")
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= outputs.shape[1]):
-            raise ValueError(
-                f"targets must be class indices in [0, {outputs.shape[1]}), got range "
+                f"targets must be class indices in [0, {outputs.shape[-1]}), got range "
                 f"[{int(targets.min())}, {int(targets.max())}]")
     else:
         if outputs.dim() < 1:
@@ -50,8 +54,25 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
                 f"loss='mse' expects targets of the output's shape {tuple(outputs.shape)}, got {tuple(targets.shape)}")
 
 
+def as_rows(loss: LossType, outputs: Tensor, targets: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Cross-entropy sequence logits ``[N, T, C]`` and targets ``[N, T]`` as the ``N·T`` loss rows
+    ``[N·T, C]`` / ``[N·T]`` (views, still in the graph); everything else unchanged."""
+    if loss is not LossType.CROSS_ENTROPY or outputs.dim() <= 2:
+        return outputs, targets
+    return outputs.reshape(-1, outputs.shape[-1]), None if targets is None else targets.reshape(-1)
+
+
+def loss_rows(loss: LossType, outputs: Tensor) -> int:
+    """The number of rows the loss averages over: ``N``, or ``N·T`` for cross-entropy logits ``[N, T, C]``."""
+    if loss is LossType.CROSS_ENTROPY and outputs.dim() > 2:
+        return outputs.numel() // outputs.shape[-1] if outputs.shape[-1] else 0
+    return outputs.shape[0]
+
+
 def per_example_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
-    """Per-example negative log-likelihood, shape ``[N]``."""
+    """Per-example negative log-likelihood, shape ``[N]`` (``[N·T]``, one per row, for cross-entropy
+    logits ``[N, T, C]``)."""
+    outputs, targets = as_rows(loss, outputs, targets)
     if loss is LossType.CROSS_ENTROPY:
         return F.cross_entropy(outputs, targets.long(), reduction="none")
     diff = (outputs - targets).reshape(outputs.shape[0], -1)

@@ -36,6 +36,21 @@ class Approx(str, Enum):
     KFAC = "kfac"
 
 
+class KFACApprox(str, Enum):
+    """How K-FAC treats a weight-sharing dimension ``T`` (sequence positions, conv patches) of a
+    Linear-like layer (Eschenhagen et al., NeurIPS 2023, "Kronecker-Factored Approximate Curvature
+    for Modern Neural Network Architectures").
+
+    * ``EXPAND``: every position is an example: ``A`` averages ``a_nt a_ntᵀ`` over all ``N·T``
+      positions, ``G`` sums ``g_nt g_ntᵀ`` over positions (divided by the loss rows).
+    * ``REDUCE``: each example's positions are reduced first: ``A`` averages ``ā_n ā_nᵀ`` with
+      ``ā_n = (1/T) Σ_t a_nt``, ``G`` sums ``ĝ_n ĝ_nᵀ`` with ``ĝ_n = Σ_t g_nt`` (divided by the loss rows).
+    """
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
+
+
 class LossType(str, Enum):
     """The likelihood: categorical on logits, or unit-variance Gaussian."""
 

@@ -9,6 +9,8 @@ plain autograd in float64, and its minimiser compared with the step the optimize
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 
 import pytest
 import torch
@@ -18,7 +20,8 @@ from torch import nn
 from curvature.likelihoods import sqrt_output_hessian
 from curvature.options import LossType
 from torchsso2.optim import SecondOrderOptimizer
-from torchsso2.optim.adaptive import InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic
+from torchsso2.optim.adaptive import (InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic,
+                                     within_objective)
 
 from optim_helpers import flat, make_closure, nll, param_vec
 
@@ -336,3 +339,89 @@ def test_benchmark_quick_grid_writes_its_table(tmp_path):
     assert "seeds reaching" in report["grid_table"]
     run = saved["grid"][0]
     assert run["epochs"] is None or run["final_accuracy"] >= 0.97
+
+
+def test_kl_clip_default_is_a_sentinel_off_in_adaptive_mode_and_an_explicit_value_is_refused():
+    """The signature default of kl_clip is a sentinel: DEFAULT_KL_CLIP without adaptive
+    coefficients, off with them; any value the user passes (DEFAULT_KL_CLIP itself included)
+    counts as explicit and is refused in adaptive mode, kl_clip=None is accepted."""
+    from torchsso2.optim.second_order import DEFAULT_KL_CLIP
+    model = nn.Sequential(*_mlp()).float()
+    assert SecondOrderOptimizer(model).kl_clip == DEFAULT_KL_CLIP
+    assert SecondOrderOptimizer(model, kl_clip=DEFAULT_KL_CLIP).kl_clip == DEFAULT_KL_CLIP
+    for flags in (dict(use_adaptive_learning_rate=True), dict(use_adaptive_momentum=True)):
+        assert SecondOrderOptimizer(model, **flags).kl_clip is None
+        assert SecondOrderOptimizer(model, kl_clip=None, **flags).kl_clip is None
+        for explicit in (DEFAULT_KL_CLIP, 1e-3, 0.01):
+            with pytest.raises(ValueError, match=f"kl_clip={explicit!r} cannot be combined"):
+                SecondOrderOptimizer(model, kl_clip=explicit, **flags)
+    assert "default" in repr(inspect.signature(SecondOrderOptimizer).parameters["kl_clip"].default)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_lm_decay_is_per_step_so_one_adjustment_moves_by_decay_to_the_interval(adaptive):
+    """kfac-jax's convention: ``damping_adaptation_decay`` is per step, an adjustment every
+    ``interval`` steps multiplies or divides the damping by ``decay ** interval``, at exactly the
+    steps where ``(step + 1) % interval == 0``; in between the damping does not move."""
+    model = nn.Sequential(*_mlp(act=nn.ReLU)).float()
+    x, y = _data()
+    decay, interval = 0.9, 3
+    kw = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True) if adaptive else dict(kl_clip=None, lr=0.1)
+    opt = SecondOrderOptimizer(model, curvature="fisher", approx="kfac", damping=1.0, adaptive_damping=True,
+                               damping_adaptation_interval=interval, damping_adaptation_decay=decay, **kw)
+    omega = decay ** interval
+    closure = make_closure(opt, model, x.float(), y)
+    moved = 0
+    for step in range(12):
+        lam = opt.damping
+        opt.step(closure)
+        if (step + 1) % interval:
+            assert opt.damping == lam
+            continue
+        rho = opt.lm.last_rho
+        expected = lam * omega if rho > 0.75 else (lam / omega if rho < 0.25 else lam)
+        assert opt.damping == pytest.approx(expected, rel=1e-12), (step, rho)
+        moved += opt.damping != lam
+    assert moved >= 2
+
+
+def test_within_objective_scales_the_step_to_a_predicted_decrease_of_at_most_the_objective():
+    """``t = 1 − √(1 − objective/|M*|)`` puts ``M(t·w*) = −objective`` exactly (``w*`` the minimiser
+    of ``M(w) = ½wᵀAw + bᵀw``); a model promising no more than the objective is left alone."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    a, b = q @ q.t() + 0.1 * torch.eye(2, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)
+    w, value = solve_quadratic(a, b, [None, None])
+    model = lambda c: float(0.5 * torch.tensor(c, dtype=torch.float64) @ a @ torch.tensor(c, dtype=torch.float64)
+                            + b @ torch.tensor(c, dtype=torch.float64))
+    assert value == pytest.approx(model(w), rel=1e-12) and value < 0
+    for frac in (0.9, 0.5, 0.01):
+        objective = -value * frac
+        scaled, new = within_objective(w, value, objective)
+        t = 1 - math.sqrt(1 - frac)
+        assert scaled == pytest.approx([t * c for c in w], rel=1e-12)
+        assert new == pytest.approx(-objective, rel=1e-12) and model(scaled) == pytest.approx(new, rel=1e-10)
+    for objective in (-value, -value * 2, None):
+        assert within_objective(w, value, objective) == (list(w), value)
+
+
+def test_adaptive_step_never_promises_more_than_the_loss():
+    """Digits MLP, pixels / 16, damping 1e-3: the first adaptive step's quadratic model (one-batch
+    K-FAC direction, exact GGN) promises a decrease of 2.5 from a loss of 2.3; the step is scaled
+    so the promise is the loss itself, and training no longer blows up."""
+    from benchmarks.kfac_robustness import load_data
+    data = load_data(standardize=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=1e-3, seed=0, use_adaptive_learning_rate=True,
+                               use_adaptive_momentum=True, adaptive_damping=True)
+    x, y = data["x_train"][:512], data["y_train"][:512]
+    closure = make_closure(opt, model, x, y)
+    losses = []
+    for step in range(20):
+        loss, _ = opt.step(closure)
+        losses.append(float(loss.detach()))
+        assert opt.adaptive.last["quad_model"] >= -losses[-1] * (1 + 1e-9), step
+        if step == 0:
+            assert opt.adaptive.last["quad_model"] == pytest.approx(-losses[0], rel=1e-9)  # the cap acted
+    assert opt.num_skipped == 0 and max(losses) <= losses[0] * 2 and losses[-1] < 0.1 * losses[0]

@@ -13,6 +13,7 @@ from torch import nn
 
 import torchsso2
 from torchsso2.compat.pytorch_sso import SecondOrderOptimizer, VIOptimizer, from_config
+from optim_helpers import make_closure
 
 
 def _mlp() -> nn.Module:
@@ -24,16 +25,6 @@ def _batches(k: int = 2, n: int = 6):
     gen = torch.Generator().manual_seed(1)
     return [(torch.randn(n, 3, dtype=torch.float64, generator=gen), torch.randint(0, 2, (n,), generator=gen))
             for _ in range(k)]
-
-
-def _closure(opt, model, x, y):
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    return closure
 
 
 def _forward_by_hand(ws, x, y):
@@ -79,7 +70,7 @@ def test_kfac_two_steps_equal_pytorch_sso_formula() -> None:
             delta = g_inv @ (grad + l2 * ws[i]) @ a_inv + wd * ws[i]
             bufs[i] = delta if bufs[i] is None else mom * bufs[i] + delta
             ws[i] = ws[i] - lr * bufs[i]
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
         got = [torch.cat([model[j].weight, model[j].bias[:, None]], 1).detach() for j in (0, 2)]
         for g_, w_ in zip(got, ws):
             torch.testing.assert_close(g_, w_, rtol=1e-9, atol=1e-12)
@@ -103,7 +94,7 @@ def test_vogn_step_equals_pytorch_sso_formula() -> None:
         fisher = torch.einsum("ni,nj->ij", e ** 2, a ** 2) / len(x)  # mean of squared per-example grads
         ema_grad = d * (grad + l2 * w)                            # (1-d)·0 + d·g, raw
         expected.append(w - lr * (ema_grad / (fisher + damping + l2) + wd * w))
-    opt.step(_closure(opt, model, x, y))
+    opt.step(make_closure(opt, model, x, y))
     got = [torch.cat([model[j].weight, model[j].bias[:, None]], 1).detach() for j in (0, 2)]
     for g_, w_ in zip(got, expected):
         torch.testing.assert_close(g_, w_, rtol=1e-9, atol=1e-12)
@@ -129,7 +120,7 @@ def test_noisy_kfac_step_equals_pytorch_sso_formula() -> None:
         a_inv = torch.linalg.inv(a + math.sqrt(lam) * pi * torch.eye(a.shape[0], dtype=torch.float64))
         g_inv = torch.linalg.inv(g + math.sqrt(lam) / pi * torch.eye(g.shape[0], dtype=torch.float64))
         expected.append(w - lr * g_inv @ (grad + l2 * w) @ a_inv)
-    opt.step(_closure(opt, model, x, y))
+    opt.step(make_closure(opt, model, x, y))
     got = [torch.cat([model[j].weight, model[j].bias[:, None]], 1).detach() for j in (0, 2)]
     for g_, w_ in zip(got, expected):
         torch.testing.assert_close(g_, w_, rtol=1e-9, atol=1e-12)
@@ -159,7 +150,7 @@ def test_vi_init_precision_is_the_per_example_curvature_start() -> None:
     torch.testing.assert_close(prec.diagonal(), torch.full((prec.shape[0],), expected, dtype=prec.dtype))
     assert opt.running.num_updates == 1  # the first batch is folded in with weight 0.01, not copied
     x, y = _batches(1)[0]
-    opt.step(_closure(opt, model, x, y))
+    opt.step(make_closure(opt, model, x, y))
     blk = opt.running.blocks["0"]
     assert float(blk.diagonal.min()) >= 0.99 * init
 
@@ -182,7 +173,7 @@ def test_noisy_kfac_config_builds_and_steps(caplog) -> None:
     assert opt.engine.kind.value == "fisher_mc" and opt.kl_weighting == 0.2
     assert "applied to the raw gradient" in caplog.text and "outside the momentum" in caplog.text
     for x, y in _batches(3):
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -283,7 +274,7 @@ def test_failed_factored_decomposition_follows_the_policy() -> None:
     (x, y), = _batches(1)
     for policy in ("raise", "skip"):
         opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Kron"}, {"damping": 1e-2}, on_nonfinite=policy)
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
         blk = opt.running.blocks["0"]
         before = blk.decomposition
         blk.left.fill_(float("nan"))

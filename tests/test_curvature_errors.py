@@ -97,11 +97,15 @@ def test_targets_needed(mlp) -> None:
     torch.testing.assert_close(c.dense(), ref.shaped("fisher", "diag"), rtol=0, atol=1e-10)
 
 
-def test_cross_entropy_needs_2d_logits() -> None:
+def test_cross_entropy_needs_logits_and_targets_of_their_shape() -> None:
+    """Logits ``[N, C]`` or sequence logits ``[N, T, C]`` (targets ``[N, T]``; tests/test_sequence_curvature.py)."""
     model = nn.Sequential(nn.Linear(3, 6), nn.Unflatten(1, (2, 3))).double()
     x = torch.randn(4, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"\[N, C\]"):
+    with pytest.raises(ValueError, match=r"targets of shape \[N, T\].*\(4, 2\)"):
         _compute(model, x, torch.zeros(4, dtype=torch.long))
+    flat = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)).double()
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        _compute(flat, x, torch.zeros(4, dtype=torch.long))
 
 
 def test_inputs_type_checked(mlp) -> None:

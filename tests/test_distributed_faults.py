@@ -110,6 +110,7 @@ def test_settings_check_compares_layer_shapes() -> None:
     ("sso", [dict(adaptive_damping=False), dict(adaptive_damping=True)]),
     ("vi", [dict(num_mc_samples=1), dict(num_mc_samples=2)]),
     ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
+    ("sso", [dict(kfac_approx="expand"), dict(kfac_approx="reduce")]),
 ])
 def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
     """The construction-time check of the native faces, on 2 ranks played by 2 threads."""
@@ -254,13 +255,6 @@ def test_readme_digits_demo_with_a_raising_rank_ends() -> None:
     assert elapsed < 60.0, (elapsed, out)
 
 
-def test_mpi_different_schedules_raise_on_every_rank() -> None:
-    code, out, elapsed = _launch(_mpiexec(WORKER, "kfac", "mismatch"), 60.0)
-    assert code != 0, out
-    assert "factor_update_steps (rank 0: 1, rank 1: 2)" in out, out
-    assert elapsed < 60.0, (elapsed, out)
-
-
 def test_torchrun_rank_that_hangs_times_out() -> None:
     """Under torchrun the survivor gives up after the configured timeout, not gloo's 300 s."""
     code, out, elapsed = _launch(_torchrun(WORKER, "sso", "hang"), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
@@ -269,18 +263,17 @@ def test_torchrun_rank_that_hangs_times_out() -> None:
     assert elapsed < 60.0, (elapsed, out)
 
 
-def test_torchrun_different_schedules_raise_on_every_rank() -> None:
-    code, out, elapsed = _launch(_torchrun(WORKER, "kfac", "mismatch"), 60.0)
+@pytest.mark.parametrize("launcher, face, mismatch", [
+    ("mpiexec", "kfac", "factor_update_steps (rank 0: 1, rank 1: 2)"),
+    ("torchrun", "kfac", "factor_update_steps (rank 0: 1, rank 1: 2)"),
+    # SecondOrderOptimizer (VIOptimizer shares the check, in their base class)
+    ("mpiexec", "sso", "curv_update_interval (rank 0: 1, rank 1: 2)"),
+])
+def test_different_schedules_raise_on_every_rank(launcher: str, face: str, mismatch: str) -> None:
+    launch = _mpiexec if launcher == "mpiexec" else _torchrun
+    code, out, elapsed = _launch(launch(WORKER, face, "mismatch"), 60.0)
     assert code != 0, out
-    assert "factor_update_steps (rank 0: 1, rank 1: 2)" in out, out
-    assert elapsed < 60.0, (elapsed, out)
-
-
-def test_mpi_native_optimizer_compares_its_schedule() -> None:
-    """SecondOrderOptimizer (VIOptimizer shares the check, in their base class)."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "mismatch"), 60.0)
-    assert code != 0, out
-    assert "curv_update_interval (rank 0: 1, rank 1: 2)" in out, out
+    assert mismatch in out, out
     assert elapsed < 60.0, (elapsed, out)
 
 

@@ -9,11 +9,11 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from curvature.linalg import LinalgError, get_backend
 from curvature.linalg.eigh_retry import EighRetryWarning
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from optim_helpers import make_closure
 
 REAL_EIGH = torch.linalg.eigh
 
@@ -80,16 +80,6 @@ def _mlp():
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
-def _closure(opt, model, x, y):
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    return closure
-
-
 def _data():
     g = torch.Generator().manual_seed(1)
     return torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
@@ -111,7 +101,7 @@ def test_optimizer_step_survives_a_float32_eigh_failure(monkeypatch, face):
             opt.decomposition_dtype = torch.float64  # the reference: decomposed in double from the start
         with pytest.warns(EighRetryWarning) if fail else _nothing():
             for _ in range(3):
-                opt.step(_closure(opt, model, x, y))
+                opt.step(make_closure(opt, model, x, y))
         monkeypatch.setattr(torch.linalg, "eigh", REAL_EIGH)
         assert opt.num_skipped == 0
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -133,7 +123,7 @@ def test_skip_message_says_whether_a_previous_decomposition_exists(monkeypatch, 
     monkeypatch.setattr(torch.linalg, "eigh", _fail_in({torch.float32, torch.float64}))
     before = [p.detach().clone() for p in model.parameters()]
     with caplog.at_level(logging.WARNING, logger="torchsso2.optim.base"):
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
     assert opt.num_skipped == 1
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     msg = caplog.records[-1].getMessage()
@@ -142,17 +132,17 @@ def test_skip_message_says_whether_a_previous_decomposition_exists(monkeypatch, 
     assert "decomposition_dtype=torch.float64" in msg
 
     monkeypatch.setattr(torch.linalg, "eigh", REAL_EIGH)
-    opt.step(_closure(opt, model, x, y))  # decomposes
+    opt.step(make_closure(opt, model, x, y))  # decomposes
     monkeypatch.setattr(torch.linalg, "eigh", _fail_in({torch.float32, torch.float64}))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="torchsso2.optim.base"):
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
     msg = caplog.records[-1].getMessage()
     assert "keeps its previous decomposition" in msg and "decomposition_dtype=torch.float64" in msg
 
     opt.decomposition_dtype = torch.float64  # already in double: only damping is left to suggest
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="torchsso2.optim.base"):
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
     msg = caplog.records[-1].getMessage()
     assert "increase damping" in msg and "decomposition_dtype" not in msg

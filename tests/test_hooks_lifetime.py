@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from optim_helpers import make_closure
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -39,16 +40,6 @@ def _make(face: str, model: nn.Module, kind: str):
     return VIOptimizer(model, dataset_size=100, lr=0.01, curvature=kind, prior_precision=1.0)
 
 
-def _closure(opt, model, x, y):
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    return closure
-
-
 def _fwd_bwd_ms(model: nn.Module, x, y, reps: int = 50) -> float:
     best = float("inf")
     for _ in range(3):
@@ -70,7 +61,7 @@ def test_two_hundred_dropped_optimizers_leave_no_hooks_and_are_freed(face):
     kinds = ["fisher", "fisher_mc", "empirical_fisher"]
     for i in range(200):
         opt = _make(face, model, kinds[i % 3])
-        opt.step(_closure(opt, model, x, y))
+        opt.step(make_closure(opt, model, x, y))
         assert hooks_on(model) == 0  # nothing stays registered between steps
         refs.append(weakref.ref(opt))
         del opt

@@ -25,18 +25,7 @@ from torchsso2.kfac.enums import AllreduceMethod, AssignmentStrategy, ComputeMet
 from torchsso2.kfac.hyperparams import exp_decay_factor_averaging
 from torchsso2.kfac.preconditioner import KFACPreconditioner
 from torchsso2.kfac.scheduler import LambdaParamScheduler
-
-
-class Tiny(nn.Module):
-    """Two Linear layers (the first without bias), as in kfac_pytorch's tests."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(10, 20, bias=False)
-        self.linear2 = nn.Linear(20, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.linear2(torch.relu(self.linear1(x))), dim=1)
+from dist_scripts.kfac_tiny import Tiny
 
 
 def tiny(seed: int = 0, dtype: torch.dtype = torch.float32) -> Tiny:

@@ -15,7 +15,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 kfacpt = pytest.importorskip("kfac")
 pytest.importorskip("kfac.preconditioner")
@@ -26,19 +25,10 @@ import kfac.preconditioner as pt_pre  # noqa: E402
 import kfac.scheduler as pt_sched  # noqa: E402
 
 import torchsso2.kfac as ours  # noqa: E402
+from dist_scripts.kfac_tiny import Tiny  # noqa: E402
 
 if getattr(kfacpt, "__file__", "") and "torchsso2" in kfacpt.__file__:  # the alias, not kfac_pytorch
     pytest.skip("'kfac' is torchsso2's alias here", allow_module_level=True)
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(10, 20, bias=False)
-        self.linear2 = nn.Linear(20, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.linear2(torch.relu(self.linear1(x))), dim=1)
 
 
 def tiny(seed: int = 0) -> Tiny:

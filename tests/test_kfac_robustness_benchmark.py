@@ -1,4 +1,4 @@
-"""benchmarks/kfac_robustness.py (issue 30, "defaults that are safe"): CLI and report format."""
+"""benchmarks/kfac_robustness.py (issue 30): CLI, report format, README block and plot."""
 from __future__ import annotations
 
 import json
@@ -12,19 +12,59 @@ def test_help_exits_cleanly(capsys):
     with pytest.raises(SystemExit) as info:
         kfac_robustness.main(["--help"])
     assert info.value.code == 0
-    assert "--epochs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--epochs" in out and "--quick" in out
 
 
-def test_one_epoch_run_writes_the_grid(tmp_path, capsys):
-    out = tmp_path / "r.json"
-    assert kfac_robustness.main(["--seeds", "0", "--epochs", "1", "--optimizers", "kfac", "sgd",
-                                 "--json", str(out)]) == 0
+def test_quick_run_writes_the_grid_the_table_and_the_plot(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert kfac_robustness.main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
+    assert report["config"]["epochs"] == 2 and report["config"]["scalings"] == ["standardize"]
     kfac = [p for p in report["points"] if p["optimizer"] == "kfac"]
-    assert [(p["lr"], p["damping"]) for p in kfac] == [(lr, d) for lr in kfac_robustness.LRS
-                                                       for d in kfac_robustness.DAMPINGS]
+    assert [(p["lr"], p["damping"], p["intervals"]) for p in kfac] == [
+        (lr, d, [10, 100]) for lr in kfac_robustness.LRS for d in kfac_robustness.DAMPINGS]
+    adaptive = [p for p in report["points"] if p["optimizer"] == "kfac_adaptive"]
+    assert [p["damping"] for p in adaptive] == list(kfac_robustness.DAMPINGS)
+    assert {p["optimizer"] for p in report["points"]} == {"sgd", "adam", "kfac", "kfac_adaptive"}
     assert report["kfac_points"] == 9 and 0 <= report["kfac_reached"] <= 9
     for p in report["points"]:
         run = p["runs"][0]
-        assert run["seed"] == 0 and 0.0 <= run["final_accuracy"] <= 1.0
-    assert "| kfac | 0.1 | 0.001 |" in capsys.readouterr().out
+        assert run["seed"] == 0 and 0.0 <= run["final_accuracy"] <= 1.0 and run["train_seconds"] > 0
+        assert (run["reached_epoch"] is None) == (run["seconds_to_target"] is None)
+    printed = capsys.readouterr().out
+    assert "| standardize | kfac 10/100 | 0.1 | 0.001 |" in printed
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    # README's block is rebuilt from the JSON alone
+    assert kfac_robustness.main(["--readme", "--json", str(out)]) == 0
+    block = capsys.readouterr().out
+    assert block.startswith("| inputs | optimizer (intervals) | points reaching 97% |")
+    assert "| standardize | kfac 10/100 |" in block
+
+
+def test_quick_without_paths_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(kfac_robustness, "DEFAULT_JSON", tmp_path / "never.json")
+    monkeypatch.setattr(kfac_robustness, "DEFAULT_PLOT", tmp_path / "never.png")
+    assert kfac_robustness.main(["--quick", "--optimizers", "sgd"]) == 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_summary_counts_a_never_reaching_seed_as_infinite():
+    runs = [dict(reached_epoch=e, seconds_to_target=None if e is None else e / 10, final_accuracy=0.97,
+                 final_train_loss=0.1, diverged=False, skipped=0) for e in (3, None, 5)]
+    s = kfac_robustness.summarize(runs)
+    assert s["reached"] and s["median_epochs"] == 5 and s["median_seconds"] == 0.5
+    s = kfac_robustness.summarize(runs[1:] + [dict(runs[1])])
+    assert not s["reached"] and s["median_epochs"] is None and s["median_seconds"] is None
+
+
+def test_readme_section_is_what_the_json_gives():
+    """README's "K-FAC robustness" table is exactly ``--readme``'s block of the published JSON
+    (after a rerun: ``python benchmarks/kfac_robustness.py --readme`` and paste)."""
+    from pathlib import Path
+    root = Path(kfac_robustness.__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    report = json.loads((root / "benchmarks" / "results" / "kfac_robustness.json").read_text())
+    block = kfac_robustness.readme_block(report)
+    assert block in readme
+    assert readme.index("## K-FAC robustness") < readme.index(block) < readme.index("## Known gaps")

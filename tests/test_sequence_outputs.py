@@ -3,9 +3,9 @@ logits are reshaped to ``[N·T, C]`` (the usual language-model loss), so every c
 sees N examples of T loss rows each.
 
 The Monte-Carlo Fisher stays unbiased there (sampled per-row gradients are independent and
-zero-mean, so the cross-row terms of a module example vanish in expectation); the exact and the
-empirical Fisher, sums of per-example products, would mix rows and raise a ValueError instead of
-returning a wrong matrix (before the check: 2.4× off on the diagonal of this model).
+zero-mean, so the cross-row terms of a module example vanish in expectation); the exact Fisher
+backpropagates its vectors per position and the empirical Fisher takes the sequence's gradient as
+the per-example one (curvature.sequence; more families in tests/test_sequence_curvature.py).
 """
 from __future__ import annotations
 
@@ -66,22 +66,31 @@ def _brute_ggn(model: nn.Module, x: Tensor, y: Tensor, loss: str) -> Tensor:
     return jac.t() @ h @ jac
 
 
-@pytest.mark.parametrize("kind", ["fisher", "empirical_fisher"])
 @pytest.mark.parametrize("approx", ["diag", "full"])
-def test_exact_and_empirical_fisher_refuse_rows_inside_examples(kind: str, approx: str) -> None:
+def test_exact_fisher_of_rows_inside_examples_is_the_ggn(approx: str) -> None:
+    """Summing the factor's vectors over a sequence's rows would be 2.4× off on this diagonal; the
+    per-position vectors give the GGN over the N·T rows."""
     model, x, y = _model_and_batch()
-    with pytest.raises(ValueError, match=r"loss has 18 rows.*fisher_mc"):
-        curvature.compute(model, x, y, kind=kind, approx=approx, output_selector=_rows)
+    ggn = _brute_ggn(model, x, y, "cross_entropy")
+    c = curvature.compute(model, x, y, kind="fisher", approx=approx, output_selector=_rows)
+    p0 = c.blocks["0"].dense().shape[0]
+    for got, ref in ((c.blocks["0"].dense(), ggn[:p0, :p0]), (c.blocks["2"].dense(), ggn[p0:, p0:])):
+        if approx == "diag":
+            ref = torch.diag(ref.diagonal())
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_empirical_fisher_from_the_users_backward_refuses_too() -> None:
-    """``curvature='empirical_fisher'`` without targets takes its blocks from the user's backward."""
+def test_empirical_fisher_from_the_users_backward_matches_the_targets_route() -> None:
+    """``curvature="empirical_fisher"`` without targets (blocks from the user's backward) gives the
+    per-sequence empirical Fisher, as ``curvature.compute`` with the targets does."""
     model, x, y = _model_and_batch()
     opt = SecondOrderOptimizer(model, curvature="empirical_fisher", approx={"Embedding": "kfac", "Linear": "diag"},
-                               output_selector=_rows)
-
-    with pytest.raises(ValueError, match="fisher_mc"):
-        opt.step(_rows_closure(opt, model, x, y))
+                               output_selector=_rows, lr=0.0)
+    opt.step(_rows_closure(opt, model, x, y))
+    c = curvature.compute(model, x, y, kind="empirical_fisher", approx={"Embedding": "kfac", "Linear": "diag"},
+                          output_selector=_rows)
+    torch.testing.assert_close(opt.running.blocks["2"].diagonal, c.blocks["2"].diagonal, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(opt.running.blocks["0"].G, c.blocks["0"].G, rtol=1e-10, atol=1e-12)
 
 
 def test_monte_carlo_fisher_is_unbiased_per_row() -> None:

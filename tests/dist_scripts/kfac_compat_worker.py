@@ -17,16 +17,7 @@ sys.path.insert(0, _HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(10, 20, bias=False)
-        self.linear2 = nn.Linear(20, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.linear2(torch.relu(self.linear1(x))), dim=1)
+from kfac_tiny import Tiny  # noqa: E402
 
 
 def scenarios(world_size: int) -> dict:

@@ -123,7 +123,7 @@ SUBCLASS_ATTRIBUTES = ("damping", "kl_clip", "damping_adaptation_interval", "dat
 def check_optimizer_settings(opt: Any) -> None:
     """:func:`check_same_settings` for a :class:`~torchsso2.optim.base.CurvatureOptimizer` under construction.
 
-    Compares the optimizer class, the curvature kind, loss and per-module approximation, the
+    Compares the optimizer class, the curvature kind, loss, per-module approximation and ``kfac_approx``, the
     update intervals, ``ema_decay``, ``mc_samples``, the non-finite policy, the decomposition
     dtype, ``grad_worker_fraction`` / ``assignment_strategy`` (passed through ``opt``), the
     defaults of the param groups (lr, momentum, ...), every group's parameter shapes, and the
@@ -138,6 +138,7 @@ def check_optimizer_settings(opt: Any) -> None:
         "loss": engine.loss,
         "mc_samples": engine.mc_samples,
         "modules": {name: approx for name, approx in engine.approx.items()},
+        "kfac_approx": engine.kfac_approx.value,
         "curv_update_interval": opt.curv_update_interval,
         "inv_update_interval": opt.inv_update_interval,
         "ema_decay": opt.ema_decay,

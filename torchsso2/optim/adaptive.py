@@ -19,14 +19,21 @@ For the Hessian: one Hessian-vector product (double backward) per direction.
 
 ``w = −A⁻¹ b`` (free coefficients only: a fixed one enters ``b``); on the first step (no
 ``δ_prev``) only ``α``. ``α`` comes out negative (``Δ`` is an ascent direction): the step
-``θ ← θ + αΔ + μ·δ_prev`` is a descent with learning rate ``−α``. ``M(w)`` at the solution is
-the predicted change of the loss that the Levenberg–Marquardt damping rule
+``θ ← θ + αΔ + μ·δ_prev`` is a descent with learning rate ``−α``. When ``M(w) < −L`` (the model
+promises more decrease than the objective ``L`` = loss + weight-decay term, which cannot go
+below 0, holds) ``w`` is scaled so that ``M = −L`` (:func:`within_objective`). ``M(w)`` at the
+(scaled) solution is the predicted change of the loss that the Levenberg–Marquardt damping rule
 (:class:`torchsso2.optim.damping.LMDamping`) compares with the actual change.
 
 The model inputs of the closure's forward are recorded (a forward pre-hook, see
 :class:`InputRecorder`) and the model is run again in forward mode with
 ``torch.func.functional_call``, with copies of its buffers (BatchNorm running statistics are not
 updated twice) and, on CPU, the global RNG state of the original forward (the same dropout mask).
+
+With several processes each rank computes ``vᵢᵀ G vⱼ`` on its own examples and the ``[k, k]``
+Gram is averaged over the ranks (:func:`mean_over_ranks`; one allreduce of k² numbers per
+step), so every rank solves the same coefficients: W ranks on W equal shards equal one process
+on the whole batch.
 """
 from __future__ import annotations
 
@@ -159,6 +166,22 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
     return 0.5 * (gram + gram.t())
 
 
+def mean_over_ranks(comm: Any, gram: Tensor, device: torch.device) -> Tensor:
+    """``gram`` ([k, k] float64) averaged over the ranks of ``comm`` (itself with one rank).
+
+    Each rank's Gram is that of the mean loss over its own examples; the objective of several
+    processes is the mean of the ranks' mean losses (the gradients are averaged the same way), so
+    its curvature is the mean of the ranks' curvatures. The linear terms ``b = vᵀd`` and the
+    damping and weight-decay terms are already equal on every rank (averaged gradients, equal
+    directions), so after this the solved coefficients are too: W ranks on W equal shards take
+    the step of one process on the whole batch."""
+    if comm.world_size <= 1:
+        return gram
+    box = gram.detach().to(device=device, dtype=torch.float64).clone()
+    comm.allreduce([box], op="mean")
+    return box.cpu()
+
+
 def _flat64(vs: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.detach().reshape(-1) for t in vs]).double()
 
@@ -259,6 +282,7 @@ class AdaptiveCoefficients:
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output)
+        gram = mean_over_ranks(opt.comm, gram, params[0].device)
         wds = [float(g["weight_decay"]) for g in groups]
         vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
         a = gram + opt.damping * (vmat @ vmat.t())
@@ -277,10 +301,25 @@ class AdaptiveCoefficients:
         self.last = {k: (int(v) if k == "steps" else float(v)) for k, v in state.items()}
 
 
+def within_objective(w: Sequence[float], value: float, objective: Optional[float]) -> Tuple[List[float], float]:
+    """Scale the solved coefficients ``w`` (model value ``M(w) = value < 0``) by the ``t ∈ (0, 1]``
+    that keeps the predicted decrease at most ``objective`` (the current loss plus weight decay,
+    ≥ 0): ``M(t·w) = value·(2t − t²)`` (``w`` minimises ``M``), so ``t = 1 − √(1 − objective/|value|)``
+    when ``|value| > objective``. The objective cannot go below 0, so a model promising more is
+    being used far outside the region where it describes the loss. An exact quadratic model of a
+    non-negative objective never promises more than the objective itself: there ``t = 1``.
+    Returns ``(t·w, M(t·w))``; ``w`` and ``value`` unchanged when ``objective`` is None."""
+    if objective is None or not value < -objective or not math.isfinite(objective):
+        return list(w), value
+    t = 1.0 - math.sqrt(max(0.0, 1.0 - objective / -value))
+    return [t * c for c in w], value * (2.0 * t - t * t)
+
+
 def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
-                  targets: Optional[Tensor]) -> Optional[float]:
+                  targets: Optional[Tensor], loss: Optional[float] = None) -> Optional[float]:
     """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
-    :class:`SecondOrderOptimizer` in adaptive mode). Returns the quadratic model's value ``M``
+    :class:`SecondOrderOptimizer` in adaptive mode). ``loss``: the batch loss before the step (the
+    mean over ranks), for :func:`within_objective`. Returns the quadratic model's value ``M``
     (the predicted change of the loss), or None (nothing changed) when the step is not finite or
     the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
@@ -304,6 +343,9 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
             raise
         logger.warning("step %d: %s; no update", opt.num_steps, err)
         return None
+    if loss is not None:
+        objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum()) for p, wd in zip(params, wds) if wd)
+        w, value = within_objective(w, value, objective)
     alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
     if not all(math.isfinite(x) for x in (alpha, mu, value)):
         return None

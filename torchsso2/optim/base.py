@@ -25,6 +25,7 @@ from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError
+from curvature import likelihoods
 from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
@@ -86,7 +87,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.model = model
         self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
-                                      output_selector=settings.output_selector)
+                                      output_selector=settings.output_selector, kfac_approx=settings.kfac_approx)
         self.ema_decay = settings.ema_decay
         self.curv_update_interval = settings.curv_update_interval
         self.inv_update_interval = settings.inv_update_interval
@@ -190,7 +191,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if len(cap.outputs) > 1:
                 raise ValueError(ACCUMULATION_NEEDS_TARGETS)
             if cap.outputs:
-                n = cap.outputs[0].shape[0]
+                n = likelihoods.loss_rows(engine.loss, cap.outputs[0])  # N, or N·T for [N, T, C] logits
                 scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
                 acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
         if acc.blocks is None and not acc.nonfinite:

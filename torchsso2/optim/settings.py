@@ -7,13 +7,13 @@ forwarding ~20 keywords by hand. The checks that need nothing but the values run
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping, Optional
 
 import torch
 
 from curvature.linalg import get_backend
-from curvature.options import Kind
+from curvature.options import Kind, KFACApprox, parse
 
 from .misuse import check_option
 from .validation import check_choice, check_int, check_number
@@ -42,9 +42,11 @@ class CurvatureSettings:
     assignment_strategy: Any
     output_selector: Any
     max_consecutive_skips: Optional[int]
+    kfac_approx: Any = "expand"
 
     def __post_init__(self) -> None:
         check_option(Kind, self.curvature, "curvature")
+        self.kfac_approx = parse(KFACApprox, self.kfac_approx, "kfac_approx").value
         self.ema_decay = check_number("ema_decay", self.ema_decay, low=0.0, high=1.0, high_open=True)
         self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval)
         self.inv_update_interval = check_int("inv_update_interval", self.inv_update_interval)
@@ -59,8 +61,10 @@ class CurvatureSettings:
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], **overrides: Any) -> "CurvatureSettings":
-        """The fields taken by name from ``arguments`` (a face's ``locals()``), ``overrides`` first."""
-        return cls(**{f.name: overrides[f.name] if f.name in overrides else arguments[f.name]
+        """The fields taken by name from ``arguments`` (a face's ``locals()``), ``overrides`` first;
+        a field with a default may be missing (KeyError for a missing field without one)."""
+        return cls(**{f.name: overrides[f.name] if f.name in overrides else
+                      (arguments[f.name] if f.default is MISSING else arguments.get(f.name, f.default))
                       for f in fields(cls)})
 
 

@@ -171,6 +171,7 @@ class VIOptimizer(CurvatureOptimizer):
             × R sample groups (shard the data with ``num_replicas=opt.data_parallel_size,
             rank=opt.data_parallel_rank``). Default 1: pure data parallelism.
         output_selector: as in :class:`SecondOrderOptimizer` (also used by :meth:`predict`).
+        kfac_approx: ``"expand" | "reduce"``, as in :class:`SecondOrderOptimizer` (K-FAC blocks only).
         on_nonfinite, max_consecutive_skips: as in :class:`SecondOrderOptimizer` (a skipped step
             leaves the step count, hence the weight noise and the schedule, unchanged).
     """
@@ -188,7 +189,7 @@ class VIOptimizer(CurvatureOptimizer):
                  mc_parallel: int = 1, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
                  curvature_init: Optional[float] = DEFAULT_CURVATURE_INIT,
-                 kl_clip: Optional[float] = DEFAULT_VI_KL_CLIP) -> None:
+                 kl_clip: Optional[float] = DEFAULT_VI_KL_CLIP, kfac_approx: str = "expand") -> None:
         check_not_pytorch_sso_call(lr, "VIOptimizer")
         self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)
         check_number("lr", lr, low=0.0, high=MAX_LR)

@@ -1,0 +1,123 @@
+"""Sequence outputs: loss rows that are positions inside the covered modules' examples.
+
+A language model's ``[N, T, C]`` logits reshaped to ``[N·T, C]`` (``out.reshape(-1, C)``, in the
+model or with ``output_selector``) give the loss ``R = N·T`` rows while every covered module sees
+``N`` examples (its output ``[N, T, d]``). Row ``r`` belongs to module example ``r // T``
+(example-major rows, as ``reshape`` of a batch-first output gives them; checked with one backward
+pass, :func:`check_example_major_rows`).
+
+The per-example quantity is the sequence: with ``ℓ_nt`` the loss of row ``(n, t)`` and the loss
+``(1/R) Σ_{n,t} ℓ_nt`` (the mean over rows, as ``F.cross_entropy`` computes it),
+
+* ``fisher`` (= GGN): ``(1/R) Σ_n Σ_t J_ntᵀ H_nt J_nt``, exact. The ``K`` columns ``s_k`` of each
+  row's output-Hessian factor are backpropagated *per position*: vector ``(k, t)`` holds ``s_k`` at
+  the rows of position ``t`` and zeros elsewhere (:func:`per_position_vectors`), so an example's
+  gradient for it is ``J_ntᵀ s_ntk`` alone, never a sum over its rows: ``T·K`` backward passes
+  (BackPACK backpropagates the same ``T·C`` columns for a sequence cross-entropy). K-FAC blocks of the
+  exact Fisher use the same vectors (K-FAC-expand of the GGN: no cross terms between rows).
+* ``empirical_fisher``: ``(1/R) Σ_n g_n g_nᵀ`` with ``g_n = ∇_θ Σ_t ℓ_nt`` the gradient of the
+  sequence's summed token losses (one backward pass; for ``T = 1`` the usual definition). Its K-FAC
+  blocks are K-FAC-expand of that (``G`` sums ``∂(Σ_t ℓ_nt)/∂s_nt'`` outer products over positions ``t'``).
+  Taken from the user's own backward (the optimizers' ``empirical_fisher`` without targets) the
+  row layout cannot be checked (no backward pass of the engine's own).
+* ``fisher_mc`` keeps one vector per sample: the sampled rows' gradients are independent and
+  zero-mean, so the cross terms vanish in expectation (unbiased, not exact).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, Iterator, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .options import Approx, Kind
+
+
+def rows_per_example(kind: Kind, rows: int, batches: Mapping[str, int], approx: Mapping[str, Optional[Approx]]) -> int:
+    """How many loss rows each module example holds (``T``; 1 when every module example is one row).
+
+    ``batches``: each recorded covered module's batch (first) dimension. For the kinds that are sums
+    of per-example products (``fisher``, ``empirical_fisher``) the modules whose batch differs from
+    ``rows`` must share one batch ``N`` dividing ``rows``; ValueError otherwise. Modules in K-FAC
+    shape under the empirical Fisher keep the per-row K-FAC-expand convention (any batch)."""
+    if kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
+        return 1
+    other = {n: b for n, b in batches.items() if b != rows}
+    if kind is Kind.EMPIRICAL_FISHER:
+        other = {n: b for n, b in other.items() if approx.get(n) is not Approx.KFAC}
+    if not other:
+        return 1
+    counts = Counter(other.values())
+    n = max(counts, key=lambda b: (counts[b], b))  # the batch most of those modules see
+    bad = {m: b for m, b in other.items() if b != n}
+    if bad or n == 0 or rows % n:
+        raise ValueError(
+            f"kind={kind.value!r} with {rows} loss rows needs every covered module to see either one example per "
+            f"row or the same number N of examples with N dividing the rows (sequence logits [N, T, C] reshaped "
+            f"to [N*T, C]); the covered modules see batches of {bad or other}. A module called without the batch "
+            "dimension (e.g. a position embedding on torch.arange(T), broadcast over the batch) has no per-example "
+            "gradients: call it on the batch (pos(torch.arange(T).expand(N, T))) or skip it with skip_modules; "
+            "or use kind='fisher_mc'")
+    return rows // n
+
+
+def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor], per_example: int) -> None:
+    """ValueError unless the first ``per_example`` loss rows reach only the first example of every
+    module in ``module_outputs`` (their batch is ``rows // per_example``): one backward pass of the
+    ones vector on those rows. Catches rows that are not example-major (a seq-first ``[T, N, C]``
+    output reshaped to rows, or a model mixing its examples)."""
+    names = [n for n, o in module_outputs.items() if o.requires_grad and o.shape[0] > 1]
+    if not names:
+        return
+    v = torch.zeros_like(outputs)
+    v[:per_example] = 1
+    grads = torch.autograd.grad(outputs, [module_outputs[n] for n in names], grad_outputs=v,
+                                retain_graph=True, allow_unused=True)
+    leaked = [n for n, g in zip(names, grads) if g is not None and bool(g[1:].ne(0).any())]
+    if leaked:
+        raise ValueError(
+            f"the loss rows 0..{per_example - 1} (the first of {outputs.shape[0] // per_example} examples of "
+            f"{per_example} rows) reach other examples of modules {leaked}: the rows must be example-major, "
+            "row r belonging to example r // T (e.g. logits [N, T, C] of a batch-first model reshaped with "
+            "out.reshape(-1, C)), and the model must not mix its examples. Use kind='fisher_mc' otherwise")
+
+
+def per_position_vectors(vectors: Tensor, per_example: int, group: int) -> Iterator[Tuple[Tensor, Tensor]]:
+    """The ``K·T`` per-position vectors of ``vectors [K, R, *out]`` (``T = per_example``, rows
+    example-major), in chunks of at most ``group``: vector ``(k, t)`` is ``vectors[k]`` on the rows
+    ``{n·T + t}`` and zero elsewhere. Position-major order (all ``k`` of ``t = 0`` first). Yields
+    ``(chunk [j, R, *out], positions [j])``."""
+    k, rows = vectors.shape[0], vectors.shape[1]
+    n, t = rows // per_example, per_example
+    v = vectors.reshape(k, n, t, -1)
+    total = k * t
+    for s in range(0, total, max(1, group)):
+        idx = torch.arange(s, min(total, s + group), device=vectors.device)
+        ks, ts = idx % k, idx // k
+        out = v.new_zeros(idx.shape[0], n, t, v.shape[-1])
+        out[torch.arange(idx.shape[0], device=idx.device), :, ts, :] = v[ks, :, ts, :]
+        yield out.reshape((idx.shape[0],) + tuple(vectors.shape[1:])), ts
+
+
+def localized(a: Tensor, g: Tensor, positions: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """A position-local module's inputs and output gradients for per-position vectors, with every
+    ``(vector, example)`` pair as one example of one position: ``(a' [k·N, 1, ...], g' [1, k·N, 1, d])``,
+    or None when the module is not position-local for these vectors.
+
+    ``a [N, T, ...]`` and ``g [k, N, T, d]`` are a module's normal-form input and output gradients for
+    the per-position vectors at ``positions [k]``. When every vector's gradient is exactly zero at the
+    module's other positions (nothing between the module and the loss mixes positions: the head, the
+    MLP after the last attention), example ``n``'s gradient for vector ``j`` is the one term of position
+    ``positions[j]``, so the per-example sums need no sum over ``T`` (``T`` times less work)."""
+    k, n, t = g.shape[0], g.shape[1], g.shape[2] if g.dim() == 4 else 0
+    if t <= 1 or a.shape[:2] != (n, t) or positions.shape[0] != k:
+        return None
+    other = torch.ones(k, t, dtype=torch.bool, device=g.device)
+    other[torch.arange(k, device=g.device), positions] = False
+    if bool(g.pow(2).sum(dim=(1, 3))[other].ne(0).any()):  # one pass (a leak below √tiny would not count)
+        return None
+    g_own = g[torch.arange(k, device=g.device), :, positions, :]  # [k, N, d]
+    a_own = a[:, positions].transpose(0, 1)  # [k, N, ...]
+    return (a_own.reshape((k * n, 1) + tuple(a.shape[2:])),
+            g_own.reshape(1, k * n, 1, g.shape[-1]))
