@@ -16,9 +16,12 @@ generalized Gauss–Newton (a model linear in its parameters) this is the GGN di
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
+import torch
 from torch import Tensor
+
+from .plan import ScalarCache
 
 __all__ = ["reparam_diagonal", "reparam_ema_"]
 
@@ -30,12 +33,21 @@ def reparam_diagonal(grads: Sequence[Tensor], eps: Sequence[Tensor],
     return [g * e * p for g, e, p in zip(grads, eps, precisions)]
 
 
-def reparam_ema_(running: Tensor, fresh: Tensor, decay: float, shift: float) -> None:
+def reparam_ema_(running: Tensor, fresh: Tensor, decay: float, shift: float,
+                 scalars: Optional[ScalarCache] = None) -> None:
     """``C ← β·C + (1 − β)·ĥ + ½(1 − β)²·(C − ĥ)² / (C + shift)`` in place (``β = decay``,
     ``shift`` = the per-example precision added to ``C``, i.e. ``(τδ + damping)/N``).
 
     IVON's update of its Hessian estimate: with ``x = C + shift > 0`` and
-    ``d = (1 − β)(ĥ − C)/x`` the new ``C + shift`` is ``x·(½(1 + d)² + ½) > 0``."""
+    ``d = (1 − β)(ĥ − C)/x`` the new ``C + shift`` is ``x·(½(1 + d)² + ½) > 0``.
+
+    Computed as ``C ← C + e·((1 − β) + ½(1 − β)²·e/x)`` with ``e = ĥ − C``: the same expression
+    in four ops (``running`` of a float dtype; ``fresh`` of its dtype and shape). ``scalars`` (the
+    optimizer's cache of 0-dim tensors) saves building the 0-dim ``1 − β`` at every call."""
     x = running + shift
-    diff = running - fresh
-    running.mul_(decay).add_(fresh, alpha=1.0 - decay).add_(diff.square_().div_(x), alpha=0.5 * (1.0 - decay) ** 2)
+    diff = torch.sub(fresh, running)
+    rate0 = scalars.get(1.0 - decay, running) if scalars is not None else None
+    if not isinstance(rate0, Tensor):
+        rate0 = running.new_tensor(1.0 - decay)
+    rate = torch.addcdiv(rate0, diff, x, value=0.5 * (1.0 - decay) ** 2)
+    running.addcmul_(diff, rate)

@@ -57,6 +57,7 @@ from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, che
 from .reparam import reparam_diagonal, reparam_ema_
 from .noise import ObservationNoise
 from .vi_start import isotropic_blocks
+from .vi_flat import FlatDiagPath
 
 #: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
 #: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
@@ -256,6 +257,7 @@ class VIOptimizer(CurvatureOptimizer):
             self.reparam = False  # reparam is one process's estimator (see _check_reparam): the default falls back
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
+        self._flat = FlatDiagPath()  # curvature="reparam": the step on flat buffers (vi_flat.py)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         if self.reparam:
@@ -559,6 +561,10 @@ class VIOptimizer(CurvatureOptimizer):
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
+        if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
+            done = self._flat.step(self, closure, targets)
+            if done is not None:
+                return done
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
@@ -594,6 +600,13 @@ class VIOptimizer(CurvatureOptimizer):
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
+        return self._finish_step(snapshot, losses, output, hats, curvature, residuals)
+
+    def _finish_step(self, snapshot: Any, losses: List[Tensor], output: Any, hats: Dict[str, Tensor],
+                     curvature: Optional[BlockAverage], residuals: Sequence[float] = ()) -> Tuple[Tensor, Tensor]:
+        """The step after its closure calls (``p.grad`` holds the mean gradient over the samples):
+        the non-finite policy, the curvature EMA, the decomposition and the mean's update
+        (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``)."""
         params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not self._unscale_grads():
@@ -620,7 +633,7 @@ class VIOptimizer(CurvatureOptimizer):
                 for name, blk in fresh.items():
                     run = self.running.blocks[name].diagonal
                     reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
-                                 self.precision_shift / self.likelihood_size)
+                                 self.precision_shift / self.likelihood_size, self._scalars)
                 self.running.num_updates += 1
             else:
                 self.running.update(fresh, self.ema_decay)
