@@ -361,6 +361,17 @@ def _target_text(key: str, v: Dict[str, Any]) -> str:
     return f"{what}: {'met' if v['met'] else 'missed'} (by {margin})"
 
 
+def _timing_stamp(src: Source) -> str:
+    """Date and load of ``vi.json``'s step times: its own stamp, or, when a ``--skip-timing`` run kept the
+    timing of an earlier run, that run's (``config.timing_measured_at_unix``, ``timing_load_average_*``)."""
+    c = src[1].get("config", {})
+    if c.get("timing_measured_at_unix") is None:
+        return f"{_date(src[2])}, {_load(src)}"
+    before, after = c.get("timing_load_average_before"), c.get("timing_load_average_after")
+    load = f"1-min load average {before[0]:.1f} before, {after[0]:.1f} after" if before and after else "load not recorded"
+    return f"{_date(float(c['timing_measured_at_unix']))}, {load}"
+
+
 def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
     src = _vi_source(sources)
     if src is None:
@@ -383,7 +394,7 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
         out += [f"**VI step time vs Adam** (× an Adam step, min / median over {cfg['repeats']} round-robin windows, "
                 f"{_threads(rep)}, each method at its default lr; VIOptimizer at its defaults: diag = IVON's curvature "
                 "estimate from the same backward, K-FAC = Monte-Carlo Fisher every step; `adam+noise` = Adam that also "
-                f"draws and adds weight noise, the floor of a one-sample VI step; `{path.name}`, {_date(t)}, {_load(src)})",
+                f"draws and adds weight noise, the floor of a one-sample VI step; `{path.name}`, {_timing_stamp(src)})",
                 "", markdown_table(["model", "batch", *(labels.get(c, c) for c in cols)], rows, "lr" + "r" * len(cols)),
                 ""]
     quality = rep.get("quality") or {}

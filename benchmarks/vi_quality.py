@@ -29,6 +29,9 @@ are trained at the chosen lr and evaluated on the test split: accuracy, NLL, ECE
 over seeds. A chosen lr at an end of its grid is marked "(edge)" in the table (``chosen_at_grid_edge``
 in the JSON): a wider grid might have found a better one for that method. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
 samples (``VIOptimizer.predict`` / ``IVON.sampled_params``); Adam and SGD with their point estimate.
+Each run's prediction samples are seeded by its seed (VI: its own generator; IVON, which draws from
+torch's global generator: a forked global generator), so no method's numbers depend on the order in
+which runs are trained and evaluated.
 The step time (median over all training steps of the 5 seeds, including the batch's forward and
 backward) is reported as a ratio to Adam's in the same run.
 
@@ -313,11 +316,13 @@ def output_samples(run: Trained, x: Tensor, num_samples: int) -> Tensor:
             with run.opt.sampled_params(gen):
                 outs.append(run.model(x))
         return torch.stack(outs)
-    if run.method == "ivon":
-        outs = []
-        for _ in range(num_samples):
-            with run.opt.sampled_params():
-                outs.append(run.model(x))
+    if run.method == "ivon":  # IVON draws from torch's global generator: seeded per run, as VI's generator is,
+        outs = []             # so its samples do not depend on which runs were trained or evaluated before
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(10_000 + run.seed)
+            for _ in range(num_samples):
+                with run.opt.sampled_params():
+                    outs.append(run.model(x))
         return torch.stack(outs)
     return run.model(x).unsqueeze(0)
 

@@ -152,3 +152,20 @@ def test_reliability_png_uses_the_table_predictions(tmp_path: Path, monkeypatch:
         seed0 = report["quality"]["digits-mlp"]["methods"][name]["seeds"][0]
         assert float(rel.ece) == pytest.approx(seed0["ece"], abs=1e-12)
     assert report["config"]["plot"] == str(tmp_path / "r.png")
+
+
+def test_vi_step_time_header_names_when_and_under_which_load_the_step_times_were_measured() -> None:
+    """A ``--skip-timing`` re-run of benchmarks/vi.py that keeps an earlier run's step times stamps
+    them with that run's date and load (``config.timing_*``), not with the quality run's."""
+    quality_run = {"config": {"load_average_before": [9.4], "load_average_after": [3.5]}}
+    assert summary._timing_stamp((Path("vi.json"), quality_run, 1795591945.0)) == \
+        "2026-11-25 07:32 UTC, 1-min load average 9.4 before, 3.5 after"
+    kept = {"config": {"load_average_before": [9.4], "load_average_after": [3.5],
+                       "timing_measured_at_unix": 1795590299.0,
+                       "timing_load_average_before": [2.4], "timing_load_average_after": [10.1]}}
+    assert summary._timing_stamp((Path("vi.json"), kept, 1795591945.0)) == \
+        "2026-11-25 07:04 UTC, 1-min load average 2.4 before, 10.1 after"
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/vi.json").read_text())
+    if report.get("timing"):
+        assert summary._timing_stamp((Path("vi.json"), report, report["measured_at_unix"])) in readme.replace("\n", " ")

@@ -123,3 +123,23 @@ def test_methods_at_library_defaults_except_lr() -> None:
     assert "vi-fisher-mc" not in vi.parse_args([]).methods
     with pytest.raises(ValueError, match="method="):
         q.make_optimizer("lbfgs", model, 0.1, 100, False, 0, None)
+
+
+def test_ivon_predictions_do_not_depend_on_the_global_random_state() -> None:
+    """IVON samples its weights from torch's global generator; the benchmark seeds it per run (as VI's
+    own generator is seeded), so a run's BMA is the same whatever ran before it, and the caller's
+    global random state is left as it was."""
+    ivon = pytest.importorskip("ivon")
+    split = q.load_digits_split()
+    run = q.train("digits-mlp", "ivon", split, 0.1, 3, 1, 64, ivon)
+    torch.manual_seed(1)
+    first = q.output_samples(run, split.x_val, 4)
+    after_first = torch.rand(3)
+    torch.manual_seed(2)
+    torch.rand(100)  # another run's training or evaluation in between
+    second = q.output_samples(run, split.x_val, 4)
+    assert torch.equal(first, second)
+    assert not torch.equal(first[0], first[1])  # still four different weight samples
+    torch.manual_seed(1)
+    q.output_samples(run, split.x_val, 4)
+    assert torch.equal(torch.rand(3), after_first)  # the global generator is not advanced
