@@ -69,3 +69,25 @@ def test_quick_run_writes_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "time / SGD" in text and "<= 0.7x" in text and "FLOP floor" in text
     assert report["settings"][0]["model"] == "mlp"
+
+
+def test_readme_block_is_rendered_from_the_json_and_nothing_else_changes(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    bench.main(["--quick", "--json", str(out)])
+    report = json.loads(out.read_text())
+    readme = tmp_path / "README.md"
+    before, after = "# title\n\ntext before\n", "\n## next\ntext after\n"
+    readme.write_text(before + bench.README_BEGIN + "\nold\n" + bench.README_END + after)
+    bench.update_readme(readme, report)
+    text = readme.read_text()
+    assert text.startswith(before) and text.endswith(after) and "old" not in text
+    block = text[len(before):-len(after)]
+    assert block == bench.readme_section(report)
+    assert "| mlp B=512 | sgd | lr 0.1 |" in block and "of 8 met" in block and "FLOP floor" in block
+    with pytest.raises(ValueError, match="no"):
+        bench.update_readme(tmp_path / "t.json", report)
+
+
+def test_the_repository_readme_has_the_block():
+    text = (bench.ROOT / "README.md").read_text()
+    assert text.count(bench.README_BEGIN) == 1 and text.count(bench.README_END) == 1
