@@ -554,6 +554,11 @@ def save_plot(report: Dict[str, Any], path: Path) -> Path:
     return path
 
 
+def format_tables(report: Dict[str, Any]) -> str:
+    """Results, targets and step-cost tables (used by ``python -m benchmarks.run`` for docs/results.md)."""
+    return "\n\n".join([results_table(report), targets_table(report), costs_table(report)])
+
+
 def _print_report(report: Dict[str, Any]) -> None:
     c = report["config"]
     print()

@@ -91,3 +91,13 @@ def test_readme_block_is_rendered_from_the_json_and_nothing_else_changes(tmp_pat
 def test_the_repository_readme_has_the_block():
     text = (bench.ROOT / "README.md").read_text()
     assert text.count(bench.README_BEGIN) == 1 and text.count(bench.README_END) == 1
+
+
+def test_the_runner_finds_it_and_formats_its_json(tmp_path):
+    from benchmarks import run as bench_run
+
+    assert "kfac_time_to_accuracy" in bench_run.discover()
+    out = tmp_path / "t.json"
+    bench.main(["--quick", "--json", str(out)])
+    text = bench.format_tables(json.loads(out.read_text()))
+    assert "time / Adam" in text and "<= 0.7x" in text and "plain step" in text
