@@ -595,7 +595,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    logging.getLogger("torchsso2").setLevel(logging.ERROR)  # skipped steps are counted in the JSON
+    logging.getLogger("torchsso2").setLevel(logging.CRITICAL)  # skipped steps and stalls are in the JSON
     q = args.quick
     seeds = args.seeds or ([0] if q else [0, 1, 2])
     batches = args.batches or ([512] if q else [512, 128])
