@@ -77,10 +77,10 @@ def test_readme_block_is_rendered_from_the_json_and_nothing_else_changes(tmp_pat
     report = json.loads(out.read_text())
     readme = tmp_path / "README.md"
     before, after = "# title\n\ntext before\n", "\n## next\ntext after\n"
-    readme.write_text(before + bench.README_BEGIN + "\nold\n" + bench.README_END + after)
+    readme.write_text(before + bench.README_BEGIN + "\nSTALE-BLOCK-TEXT\n" + bench.README_END + after)
     bench.update_readme(readme, report)
     text = readme.read_text()
-    assert text.startswith(before) and text.endswith(after) and "old" not in text
+    assert text.startswith(before) and text.endswith(after) and "STALE-BLOCK-TEXT" not in text
     block = text[len(before):-len(after)]
     assert block == bench.readme_section(report)
     assert "| mlp B=512 | sgd | lr 0.1 |" in block and "comparisons" in block and "FLOP floor" in block
