@@ -57,6 +57,8 @@ class KFACBlock(Block):
         self.left = left.to(compute_dtype(left.dtype))
         self.right = right.to(compute_dtype(right.dtype))
         self._plan_cache = DerivedCache()  # :meth:`_solve_plan` of the current decomposition
+        self._eig_cache = DerivedCache()  # the factors' eigendecompositions (:meth:`_factor_eigs`)
+        self._eig_key: Tuple[Optional[str], Optional[torch.dtype]] = (None, None)
 
     # ---- names --------------------------------------------------------------------------
     @property
@@ -111,7 +113,7 @@ class KFACBlock(Block):
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None, method: str = "eigen") -> None:
         if method == "eigen":
-            (el, ql), (er, qr) = (self._eig(f, backend, dtype) for f in (self.left, self.right))
+            (el, ql), (er, qr) = self._factor_eigs(backend, dtype)
             denom = scale * torch.outer(el, er.to(el.dtype)) + damping
             check_positive(denom, f"K-FAC block {self.layout.name!r}")
             self.decomposition = {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
@@ -130,6 +132,19 @@ class KFACBlock(Block):
             self.decomposition = {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
         else:
             raise ValueError(f"method={method!r} is not supported; expected 'eigen' or 'inverse'")
+
+    def _factor_eigs(self, backend: Optional[str], dtype: Optional[torch.dtype]
+                     ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, Optional[Tensor]]]:
+        """``((λ_L, Q_L), (λ_R, Q_R))`` of the factors, kept while the factors are unchanged: a
+        decomposition with a new damping or scale only (the Levenberg–Marquardt rule, a checkpoint
+        load, a step that decomposes without a new curvature estimate) recomputes ``denom``
+        alone instead of two ``eigh`` (digits MLP: ~1.4 ms → ~0.02 ms). Recomputed when a factor
+        is replaced or written in place (``_version``), or the backend or dtype changes."""
+        key = (backend, dtype)
+        if key != self._eig_key:
+            self._eig_cache, self._eig_key = DerivedCache(), key
+        return self._eig_cache.get([self.left, self.right],
+                                   lambda: tuple(self._eig(f, backend, dtype) for f in (self.left, self.right)))
 
     @staticmethod
     def _eig(f: Tensor, backend: Optional[str], dtype: Optional[torch.dtype]) -> Tuple[Tensor, Optional[Tensor]]:

@@ -1,0 +1,103 @@
+"""benchmarks/kfac_time_to_accuracy.py (issue 30, speed): CLI, selection and target logic, report."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import kfac_time_to_accuracy as bench
+
+
+def test_help_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--help"])
+    assert info.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+def _summary(epochs, seconds):
+    return {"summary": bench.summarize([{"epochs": e, "seconds": s} for e, s in zip(epochs, seconds)])}
+
+
+def test_summarize_counts_a_missed_seed_as_infinite():
+    s = bench.summarize([{"epochs": 3, "seconds": 0.3}, {"epochs": None, "seconds": None},
+                         {"epochs": 5, "seconds": 0.2}])
+    assert s["median_epochs"] == 5 and s["median_seconds"] == 0.3 and s["reached"] == 2
+    s = bench.summarize([{"epochs": None, "seconds": None}, {"epochs": None, "seconds": None},
+                         {"epochs": 5, "seconds": 0.2}])
+    assert s["median_epochs"] is None and s["median_seconds"] is None
+
+
+def test_targets_compare_epochs_and_the_time_ratio():
+    best = {"sgd": _summary([30, 30, 30], [1.0, 1.0, 1.0]), "adam": _summary([4, 4, 4], [0.5, 0.5, 0.5]),
+            "kfac-fixed": _summary([5, 5, 5], [0.6, 0.6, 0.6]),
+            "kfac-adaptive": _summary([None, None, 2], [None, None, 0.1])}
+    rows = {(r["kfac"], r["baseline"]): r for r in bench.targets(best)}
+    sgd = rows[("kfac-fixed", "sgd")]
+    assert sgd["fewer_epochs"] and math.isclose(sgd["time_ratio"], 0.6) and sgd["time_target_met"]
+    adam = rows[("kfac-fixed", "adam")]
+    assert not adam["fewer_epochs"] and math.isclose(adam["time_ratio"], 1.2) and not adam["time_target_met"]
+    missed = rows[("kfac-adaptive", "sgd")]  # K-FAC that misses the target meets nothing
+    assert missed["time_ratio"] is None and not missed["fewer_epochs"] and not missed["time_target_met"]
+
+
+def test_a_run_stops_at_the_target_and_times_training_only():
+    data = bench.load_data()
+    run = bench.train("sgd", {"lr": 0.1}, "mlp", data, 512, 0, target=0.0, max_epochs=5)
+    assert run["epochs"] == 1 and len(run["curve"]) == 1 and run["seconds"] > 0
+    run = bench.train("kfac-fixed", {"lr": 0.1, "damping": 0.01, "curv": 1, "inv": 5}, "cnn", data, 512, 0,
+                      target=1.01, max_epochs=2)
+    assert run["epochs"] is None and run["seconds"] is None and len(run["curve"]) == 2
+    assert run["curve"][0][0] < run["curve"][1][0]  # cumulative training seconds
+
+
+def test_quick_run_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    report = bench.main(["--quick", "--json", str(out), "--plot", str(png)])
+    saved = json.loads(out.read_text())
+    assert png.stat().st_size > 1000
+    assert saved["config"]["load_average_before"] is not None
+    (setting,) = saved["settings"]
+    assert set(setting["best"]) == set(bench.METHODS)
+    assert len(setting["targets"]) == 4
+    costs = saved["step_costs"][0]
+    for key in ("sgd", "kfac_plain_eigen", "kfac_curvature_only", "kfac_curvature_and_eigh", "kfac_first_step",
+                "eigh_factors", "precondition_matmuls_eigen"):
+        assert costs[key]["min_ms"] > 0
+    assert costs["plain_step_over_floor"] > 0
+    text = capsys.readouterr().out
+    assert "time / SGD" in text and "<= 0.7x" in text and "FLOP floor" in text
+    assert report["settings"][0]["model"] == "mlp"
+
+
+def test_readme_block_is_rendered_from_the_json_and_nothing_else_changes(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    bench.main(["--quick", "--json", str(out)])
+    report = json.loads(out.read_text())
+    readme = tmp_path / "README.md"
+    before, after = "# title\n\ntext before\n", "\n## next\ntext after\n"
+    readme.write_text(before + bench.README_BEGIN + "\nSTALE-BLOCK-TEXT\n" + bench.README_END + after)
+    bench.update_readme(readme, report)
+    text = readme.read_text()
+    assert text.startswith(before) and text.endswith(after) and "STALE-BLOCK-TEXT" not in text
+    block = text[len(before):-len(after)]
+    assert block == bench.readme_section(report)
+    assert "| mlp B=512 | sgd | lr 0.1 |" in block and "comparisons" in block and "FLOP floor" in block
+    with pytest.raises(ValueError, match="no"):
+        bench.update_readme(tmp_path / "t.json", report)
+
+
+def test_the_repository_readme_has_the_block():
+    text = (bench.ROOT / "README.md").read_text()
+    assert text.count(bench.README_BEGIN) == 1 and text.count(bench.README_END) == 1
+
+
+def test_the_runner_finds_it_and_formats_its_json(tmp_path):
+    from benchmarks import run as bench_run
+
+    assert "kfac_time_to_accuracy" in bench_run.discover()
+    out = tmp_path / "t.json"
+    bench.main(["--quick", "--json", str(out)])
+    text = bench.format_tables(json.loads(out.read_text()))
+    assert "time / Adam" in text and "<= 0.7x" in text and "plain step" in text
