@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from curvature.blocks import KFACBlock
 from curvature.linalg.torch_backend import TorchBackend
 from torchsso2 import SecondOrderOptimizer
+from optim_helpers import make_closure
 
 
 @pytest.fixture
@@ -28,22 +28,12 @@ def eigh_calls(monkeypatch):
     return calls
 
 
-def _closure(opt, model, x, y):
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    return closure
-
-
 def _trained_opt(dtype=torch.float64, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
     x, y = torch.randn(32, 6, dtype=dtype), torch.randint(0, 3, (32,))
     opt = SecondOrderOptimizer(model, approx="kfac", lr=0.1, damping=0.1, kl_clip=None, seed=0, **kw)
-    return model, opt, _closure(opt, model, x, y), (x, y)
+    return model, opt, make_closure(opt, model, x, y), (x, y)
 
 
 def _fresh_copy(blk: KFACBlock) -> KFACBlock:
@@ -106,7 +96,7 @@ def test_training_with_lm_damping_equals_the_always_decomposing_path(monkeypatch
     model, opt, closure, (x, y) = _trained_opt(adaptive_damping=True, damping_adaptation_interval=2,
                                                curv_update_interval=10, inv_update_interval=100)
     model_ref, opt_ref = copy.deepcopy((model, opt))
-    closure_ref = _closure(opt_ref, model_ref, x, y)
+    closure_ref = make_closure(opt_ref, model_ref, x, y)
     dampings = []
     for _ in range(12):
         opt.step(closure)
