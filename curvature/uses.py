@@ -103,7 +103,9 @@ class UseWindows:
                 var = getattr(nxt, "variable", None)
                 if var is not None:  # AccumulateGrad of a leaf
                     entry = self.params.get(id(var))
-                    if entry is not None and not self._inside(int(node._sequence_nr()), entry[1]):
+                    # a holder never called is the engine's error ("covered modules ... not called")
+                    if entry is not None and any(h in self.windows for h in entry[1]) \
+                            and not self._inside(int(node._sequence_nr()), entry[1]):
                         outside.setdefault(entry[0], type(node).__name__)
                     continue
                 if id(nxt) not in seen:
