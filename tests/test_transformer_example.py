@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import launch_example
+from dist_utils import launch_example, require_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,16 +79,30 @@ def test_model_is_causal_and_ties() -> None:
 
 
 def test_tie_default_follows_library_support() -> None:
-    """--tie-weights is off by default; asking for tying where the library refuses it is an error."""
-    supported = tt.tying_supported()
-    assert tt.parse_args([]).tie_weights is False
+    """Tying is the default where the library supports tied parameters; --untie-weights (or
+    --no-tie-weights) opts out; asking for tying where the library refuses it is an error."""
+    assert tt.tying_supported()  # torchsso2 has one block per tied parameter (tests/test_tied_parameters.py)
+    assert tt.parse_args([]).tie_weights is True
+    assert tt.parse_args(["--untie-weights"]).tie_weights is False
     assert tt.parse_args(["--no-tie-weights"]).tie_weights is False
-    assert supported  # torchsso2 has one block per tied parameter (tests/test_tied_parameters.py)
     assert tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"]).tie_weights is True
-    if not supported:
-        with pytest.raises(SystemExit):
-            tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"])
-        assert tt.parse_args(["--tie-weights", "--optimizer", "adamw"]).tie_weights is True
+    assert tt.parse_args([], tie_default=False).tie_weights is False
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"], tie_default=False)
+    assert tt.parse_args(["--tie-weights", "--optimizer", "adamw"], tie_default=False).tie_weights is True
+
+
+def test_tied_embeddings_start_at_one_scale() -> None:
+    """The tied model's token and positional tables both start at the head's U(±1/√d) scale (a
+    positional table at N(0, 1) drowned the token signal and the tied model trained much more slowly)."""
+    torch.manual_seed(0)
+    d = 64
+    tied = tt.CharTransformer(len(tt.ALPHABET), d_model=d, max_len=128)
+    assert tied.head.weight is tied.tok.weight
+    for emb in (tied.tok, tied.pos):
+        assert float(emb.weight.abs().max()) <= d ** -0.5 and float(emb.weight.std()) > 0.5 * d ** -0.5 / 3 ** 0.5
+    untied = tt.CharTransformer(len(tt.ALPHABET), d_model=d, max_len=128, tie_weights=False)
+    assert untied.head.weight is not untied.tok.weight and float(untied.pos.weight.std()) > 0.5
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sso-kfac", "vi-diag"])
@@ -117,6 +131,21 @@ def test_torchrun_two_ranks_matches_one_process(tmp_path: Path) -> None:
                          "examples/train_transformer.py", *args, "--json", str(tmp_path / "two.json"),
                          timeout=240.0, finished_marker="final val loss")
     assert out.count("final val loss") == 1 and "on 2 ranks (torchrun)" in out
+    two = json.loads((tmp_path / "two.json").read_text())
+    v1, v2 = single["results"][0]["final_val_loss"], two["results"][0]["final_val_loss"]
+    assert v2 < 3.0 and abs(v1 - v2) < 0.15, (v1, v2)
+
+
+def test_mpiexec_two_ranks_matches_one_process(tmp_path: Path) -> None:
+    """The same data-parallel run under ``mpiexec -n 2`` (MPI communicator): one report, about the
+    validation loss of one process."""
+    mpiexec = require_mpiexec()
+    args = ["--optimizer", "sso-kfac", "--epochs", "1", *TINY]
+    _run(*args, "--json", str(tmp_path / "one.json"))
+    single = json.loads((tmp_path / "one.json").read_text())
+    out = launch_example([mpiexec, "-n", "2", sys.executable], "examples/train_transformer.py", *args,
+                         "--json", str(tmp_path / "two.json"), timeout=240.0, finished_marker="final val loss")
+    assert out.count("final val loss") == 1 and "on 2 ranks (mpiexec)" in out
     two = json.loads((tmp_path / "two.json").read_text())
     v1, v2 = single["results"][0]["final_val_loss"], two["results"][0]["final_val_loss"]
     assert v2 < 3.0 and abs(v1 - v2) < 0.15, (v1, v2)
