@@ -169,6 +169,14 @@ def test_benchmark_quick_run(tmp_path: Path) -> None:
     assert names == ["adamw", "sso-kfac 10/100", "vi-diag 10/100", "vi-diag (defaults)"]
     assert report["timing"][0]["ratio_adamw_min"] == 1.0 and all(r["min_s"] > 0 for r in report["timing"])
     q = report["quality"]
-    assert q["adamw"]["steps"] == q["budget_steps"] == 30
-    assert q["target_val_loss"] == q["adamw"]["final_val_loss"] < math.log(len(tt.ALPHABET))
-    assert q["sso-kfac"]["steps"] <= 30 and "| sso-kfac 10/100 |" in proc.stdout
+    assert q["budgets"] == [20, 30] and [r["seed"] for r in q["seeds"]] == [0]
+    r = q["seeds"][0]
+    assert [a["lr"] for a in r["adamw"]] == q["adamw_lrs"] == [3e-3, 5e-3]
+    assert all(a["steps"] == 30 for a in r["adamw"]) and r["sso-kfac"]["steps"] == 30
+    for b in r["budgets"]:  # the target is the best AdamW's validation loss after the budget's steps
+        at = {a["lr"]: next(c["val_loss"] for c in a["curve"] if c["step"] == b["budget_steps"]) for a in r["adamw"]}
+        assert b["target_val_loss"] == min(at.values()) == at[b["adamw_best_lr"]] < math.log(len(tt.ALPHABET))
+        assert b["adamw_steps_to_target"] <= b["budget_steps"]
+        reached = [c["step"] for c in r["sso-kfac"]["curve"] if c["val_loss"] <= b["target_val_loss"]]
+        assert b["kfac_steps_to_target"] == (reached[0] if reached else None)
+    assert "| sso-kfac 10/100 |" in proc.stdout and "K-FAC steps / s to target" in proc.stdout
