@@ -1,7 +1,7 @@
 """Transformer benchmark: step time of K-FAC and VI diag vs AdamW, and K-FAC's steps to AdamW's loss.
 
 The model and data are ``examples/train_transformer.py``'s (2 layers, d=64, 4 heads, generated
-character text, untied embedding/head unless the library supports tying), batch 32 × 128 tokens.
+character text, tied embedding/head when the library supports tying), batch 32 × 128 tokens.
 
 1. **Step time** (one thread; min and median over repeated windows, the optimizers timed
    round-robin so drifts of a shared machine hit all alike): AdamW; ``SecondOrderOptimizer``
@@ -9,21 +9,22 @@ character text, untied embedding/head unless the library supports tying), batch 
    inversion and ten curvature estimates); ``VIOptimizer`` diag with curvature every 10 steps
    (10/100) and at its defaults (every step). Ratios are to AdamW in the same run. Targets
    (issue 31): K-FAC ≤ 1.5× AdamW, VI diag ≤ 1.3× AdamW.
-2. **Quality**: AdamW trains for a fixed budget of steps; K-FAC (the example's settings) trains
-   from the same init on the same batches until its validation loss (checked every
-   ``--eval-every`` steps) reaches AdamW's final one, or the budget ends. Reported: steps and
-   training wall time (evaluation excluded) of both.
+2. **Quality** (per seed of ``--seeds``: text, init and batch order): AdamW at every lr of
+   ``--adamw-lrs`` and K-FAC (the example's settings) train from the same init on the same batches
+   for the longest of ``--budgets``, evaluated every ``--eval-every`` steps. For each budget B the
+   target is the best AdamW's validation loss after B steps (constant lr, so a B-step run is the
+   first B steps of the longer one); reported: steps and training wall time (evaluation excluded)
+   to the target of K-FAC and of that AdamW (its first evaluation at or below it).
 
-The quality part uses the example's K-FAC settings (lr 0.05, factored damping 0.3, momentum 0.8,
-10/100). A short grid over 200 steps on this model found nothing that reaches AdamW's loss: lr 0.1
-and 0.2 plateau at val loss 1.6-1.8 (0.2 diverges near step 200), damping 0.1 or 0.03 diverges in
-the first 25 steps, inverses every 10 steps change nothing, and the exactly damped eigen method (lr
-0.01, damping 0.01) is the best one tried (1.17 at step 200, against AdamW's 0.70); eigen with lr
-0.02, or with damping 0.003, diverges (steps 153 and 23).
+The K-FAC settings (examples/train_transformer.py ``KFAC_SETTINGS``, docs/guide.md "Transformers"):
+lr 0.1 with the default KL clip 1e-3 setting the step, damping 1e-3, momentum 0.8, curvature and
+eigendecompositions every 10 steps, ema_decay 0.7 (eigendecompositions every 30 steps were cheaper but
+reached the target later on seeds 1 and 2). With the library's default damping 0.1 the
+model sat on a 1.5-1.8 plateau for 200 steps.
 
 Examples::
 
-    python benchmarks/transformer.py            # writes benchmarks/results/transformer.json
+    python benchmarks/transformer.py            # writes benchmarks/results/transformer.json (~10 min)
     python benchmarks/transformer.py --quick    # smoke run (no file unless --json)
 """
 from __future__ import annotations
@@ -64,7 +65,9 @@ def timing_specs(train_tokens: int) -> List[tuple]:
     return [
         ("adamw", 20, lambda m: torch.optim.AdamW(m.parameters(), lr=tt.DEFAULT_LR["adamw"], weight_decay=0.01)),
         ("sso-kfac 10/100", 100, lambda m: SecondOrderOptimizer(m, lr=tt.DEFAULT_LR["sso-kfac"], seed=0,
-                                                                output_selector=tt.flat_logits, **tt.KFAC_SETTINGS)),
+                                                                output_selector=tt.flat_logits,
+                                                                **dict(tt.KFAC_SETTINGS, curv_update_interval=10,
+                                                                       inv_update_interval=100))),
         ("vi-diag 10/100", 100, lambda m: vi(m, 10, 100)),
         ("vi-diag (defaults)", 20, lambda m: vi(m, 1, 1)),
     ]
@@ -103,12 +106,15 @@ def run_timing(args: argparse.Namespace, data: tt.TextData, tie: bool) -> List[D
 
 
 def train_until(name: str, args: argparse.Namespace, data: tt.TextData, tie: bool, budget: int,
-                target: Optional[float]) -> Dict[str, Any]:
-    """Train ``name`` for up to ``budget`` steps (the example's settings), evaluating every ``--eval-every``
-    steps; stop at the first evaluation with validation loss <= ``target`` (None: run the budget)."""
-    model = build_model(args, tie)
-    opt = tt.make_optimizer(name, model, None, data.train_tokens, args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+                target: Optional[float], seed: int, lr: Optional[float] = None) -> Dict[str, Any]:
+    """Train ``name`` (the example's settings; ``lr`` None: its default) from seed ``seed``'s init and
+    batch order for up to ``budget`` steps, evaluating every ``--eval-every`` steps; stop at the first
+    evaluation with validation loss <= ``target`` (None: run the budget). ``wall_s`` counts the
+    optimizer steps only (evaluation excluded)."""
+    torch.manual_seed(seed)
+    model = tt.CharTransformer(len(tt.ALPHABET), args.d_model, args.heads, args.layers, args.seq_len, tie)
+    opt = tt.make_optimizer(name, model, lr, data.train_tokens, seed)
+    gen = torch.Generator().manual_seed(seed)
     curve: List[Dict[str, float]] = []
     wall, step, reached = 0.0, 0, None
     while step < budget and reached is None:
@@ -125,22 +131,62 @@ def train_until(name: str, args: argparse.Namespace, data: tt.TextData, tie: boo
                     break
             if step >= budget:
                 break
-    return {"optimizer": name, "steps": step, "wall_s": wall, "final_val_loss": curve[-1]["val_loss"],
-            "reached_target_at_step": reached, "curve": curve, "skipped_steps": getattr(opt, "num_skipped", 0)}
+    return {"optimizer": name, "lr": opt.param_groups[0]["lr"], "steps": step, "wall_s": wall,
+            "final_val_loss": curve[-1]["val_loss"], "reached_target_at_step": reached, "curve": curve,
+            "skipped_steps": getattr(opt, "num_skipped", 0)}
 
 
-def run_quality(args: argparse.Namespace, data: tt.TextData, tie: bool) -> Dict[str, Any]:
-    adamw = train_until("adamw", args, data, tie, args.budget, None)
-    target = adamw["final_val_loss"]
-    print(f"  adamw: {args.budget} steps, {adamw['wall_s']:.1f} s, final val loss {target:.4f}", flush=True)
-    kfac = train_until("sso-kfac", args, data, tie, args.budget, target)
-    at = kfac["reached_target_at_step"]
-    print(f"  sso-kfac: " + (f"reached {target:.4f} at step {at} ({kfac['wall_s']:.1f} s)" if at else
-                             f"did not reach {target:.4f} in {args.budget} steps (final {kfac['final_val_loss']:.4f}, "
-                             f"{kfac['wall_s']:.1f} s)"), flush=True)
-    return {"budget_steps": args.budget, "target_val_loss": target, "adamw": adamw, "sso-kfac": kfac,
-            "kfac_fewer_steps": at is not None and at < args.budget,
-            "kfac_less_wall_time": at is not None and kfac["wall_s"] < adamw["wall_s"]}
+def first_reach(curve: List[Dict[str, float]], target: float) -> Optional[Dict[str, float]]:
+    """The first evaluation of ``curve`` at or below ``target`` (None: never)."""
+    return next((c for c in curve if c["val_loss"] <= target), None)
+
+
+def at_step(curve: List[Dict[str, float]], step: int) -> Dict[str, float]:
+    """The evaluation of ``curve`` at ``step``."""
+    return next(c for c in curve if c["step"] == step)
+
+
+def compare_at_budget(adamw: List[Dict[str, Any]], kfac: Dict[str, Any], budget: int) -> Dict[str, Any]:
+    """AdamW with a budget of ``budget`` steps (constant lr: the first ``budget`` steps of the longer
+    runs): the best lr's validation loss there is the target; steps and wall time to it of the best
+    AdamW (its first evaluation at or below it) and of K-FAC."""
+    best = min(adamw, key=lambda r: at_step(r["curve"], budget)["val_loss"])
+    target = at_step(best["curve"], budget)["val_loss"]
+    a = first_reach(best["curve"], target)
+    k = first_reach(kfac["curve"], target)
+    assert a is not None
+    return {"budget_steps": budget, "target_val_loss": target, "adamw_best_lr": best["lr"],
+            "adamw_val_loss_by_lr": {f"{r['lr']:g}": at_step(r["curve"], budget)["val_loss"] for r in adamw},
+            "adamw_steps_to_target": int(a["step"]), "adamw_wall_s_to_target": a["wall_s"],
+            "kfac_steps_to_target": None if k is None else int(k["step"]),
+            "kfac_wall_s_to_target": None if k is None else k["wall_s"],
+            "kfac_fewer_steps": k is not None and k["step"] < a["step"],
+            "kfac_less_wall_time": k is not None and k["wall_s"] < a["wall_s"]}
+
+
+def run_quality_seed(args: argparse.Namespace, data: tt.TextData, tie: bool, seed: int) -> Dict[str, Any]:
+    """AdamW at every lr of ``--adamw-lrs`` and K-FAC (the example's settings) for the longest budget;
+    one comparison per budget of ``--budgets``."""
+    longest = max(args.budgets)
+    adamw = [train_until("adamw", args, data, tie, longest, None, seed, lr) for lr in args.adamw_lrs]
+    kfac = train_until("sso-kfac", args, data, tie, longest, None, seed)
+    budgets = [compare_at_budget(adamw, kfac, b) for b in args.budgets]
+    for b in budgets:
+        k = b["kfac_steps_to_target"]
+        print(f"  seed {seed}, budget {b['budget_steps']}: best AdamW lr {b['adamw_best_lr']:g} val "
+              f"{b['target_val_loss']:.4f} (step {b['adamw_steps_to_target']}, {b['adamw_wall_s_to_target']:.1f} s); "
+              + (f"K-FAC step {k}, {b['kfac_wall_s_to_target']:.1f} s" if k else "K-FAC: not reached"), flush=True)
+    return {"seed": seed, "adamw": adamw, "sso-kfac": kfac, "budgets": budgets}
+
+
+def run_quality(args: argparse.Namespace, data_by_seed: Dict[int, tt.TextData], tie: bool) -> Dict[str, Any]:
+    seeds = [run_quality_seed(args, data_by_seed[s], tie, s) for s in args.seeds]
+    return {"budgets": args.budgets, "eval_every": args.eval_every, "adamw_lrs": args.adamw_lrs,
+            "kfac_settings": {"lr": tt.DEFAULT_LR["sso-kfac"], **tt.KFAC_SETTINGS}, "seeds": seeds,
+            "kfac_fewer_steps": {str(b): all(r["budgets"][i]["kfac_fewer_steps"] for r in seeds)
+                                 for i, b in enumerate(args.budgets)},
+            "kfac_less_wall_time": {str(b): all(r["budgets"][i]["kfac_less_wall_time"] for r in seeds)
+                                    for i, b in enumerate(args.budgets)}}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -153,18 +199,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per optimizer")
     p.add_argument("--window-cap", type=int, default=0, help="cap on the steps of a timed window (0: none)")
-    p.add_argument("--budget", type=int, default=200, help="AdamW's step budget in the quality part")
+    p.add_argument("--budgets", type=int, nargs="+", default=[100, 150, 200],
+                   help="AdamW step budgets of the quality part (each a multiple of --eval-every)")
+    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 5e-3, 1e-2, 2e-2],
+                   help="AdamW learning rates of the quality part (the best final validation loss is the target)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="seeds of the quality part (text, init and batch order)")
     p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses of the quality part")
     p.add_argument("--train-chars", type=int, default=200_000, help="characters of training text")
     p.add_argument("--val-chars", type=int, default=16_384, help="characters of validation text")
-    p.add_argument("--seed", type=int, default=0, help="seed of text, init and batch order")
+    p.add_argument("--seed", type=int, default=0, help="seed of the timing part's text and init")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--quick", action="store_true", help="smoke run: d=32, 32 tokens, short windows and budget")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"where to write the report (default {DEFAULT_JSON.relative_to(ROOT)}; --quick: none)")
     args = p.parse_args(argv)
+    if args.eval_every < 1 or any(b < 1 or b % args.eval_every for b in args.budgets):
+        p.error(f"--budgets {args.budgets} must be positive multiples of --eval-every {args.eval_every}")
     if args.quick:
-        args.d_model, args.seq_len, args.repeats, args.window_cap, args.budget = 32, 32, 1, 10, 30
+        args.d_model, args.seq_len, args.repeats, args.window_cap, args.budgets = 32, 32, 1, 10, [20, 30]
+        args.adamw_lrs, args.seeds = args.adamw_lrs[:2], args.seeds[:1]
         args.train_chars, args.val_chars = 20_000, 4_000
     return args
 
@@ -179,8 +233,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"step time, batch {args.batch_size}x{args.seq_len}, d={args.d_model}, {args.layers} layers, "
           f"{'tied' if tie else 'untied'} embedding/head, {args.threads} thread(s):", flush=True)
     timing = run_timing(args, data, tie)
-    print("quality (steps to AdamW's final validation loss):", flush=True)
-    quality = run_quality(args, data, tie)
+    print("quality (steps to the best AdamW's final validation loss):", flush=True)
+    data_by_seed = {s: data if s == args.seed else tt.load_text_data(args.train_chars, args.val_chars, args.seq_len, s)
+                    for s in args.seeds}
+    quality = run_quality(args, data_by_seed, tie)
     report = {"machine": machine_info(),
               "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                          "tie_weights": tie, "load_average_before": load_before,
@@ -193,10 +249,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "" if r["target_ratio"] is None else f"≤ {r['target_ratio']}x"] for r in timing]))
     q = quality
     print()
-    print(markdown_table(["optimizer", "steps", "train wall s", "final val loss", "reached target at"],
-                         [[k, q[k]["steps"], f"{q[k]['wall_s']:.1f}", f"{q[k]['final_val_loss']:.4f}",
-                           q[k]["reached_target_at_step"] or ""] for k in ("adamw", "sso-kfac")]))
-    print(f"\ntarget: AdamW's final validation loss after {q['budget_steps']} steps = {q['target_val_loss']:.4f}")
+    print(markdown_table(["seed", "budget", "best AdamW lr", "target (its val loss)", "AdamW steps / s to target",
+                          "K-FAC steps / s to target"],
+                         [[r["seed"], b["budget_steps"], f"{b['adamw_best_lr']:g}", f"{b['target_val_loss']:.4f}",
+                           f"{b['adamw_steps_to_target']} / {b['adamw_wall_s_to_target']:.1f}",
+                           (f"{b['kfac_steps_to_target']} / {b['kfac_wall_s_to_target']:.1f}"
+                            if b["kfac_steps_to_target"] else "not reached")]
+                          for r in q["seeds"] for b in r["budgets"]]))
     print(machine_line(report))
     path = args.json if args.json is not None else (None if args.quick else DEFAULT_JSON)
     if path is not None:

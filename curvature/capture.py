@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
 from .modules.attention import attention_hook
+from .uses import UseWindows
 
 
 @dataclass
@@ -54,6 +55,10 @@ class Capture:
             ``root``); backward passes inside ``frozen.on()`` treat those statistics as constants.
         batch_norms: the BatchNorm modules under ``root`` (found there when not given; the engine
             passes the list it made once).
+        check_uses: with ``root``: after each forward, ``ValueError`` when the output depends on a
+            parameter of ``modules`` through a use outside their calls (a functional
+            ``F.linear(h, emb.weight)``), whose contribution no record would see
+            (:mod:`curvature.uses`).
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
@@ -62,7 +67,7 @@ class Capture:
                  select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None,
                  freeze_batch_stats: bool = False,
                  select_output: Optional[Callable[[Any], Tensor]] = None,
-                 batch_norms: Optional[Sequence[nn.Module]] = None) -> None:
+                 batch_norms: Optional[Sequence[nn.Module]] = None, check_uses: bool = False) -> None:
         if on_reuse not in ("raise", "count"):
             raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
@@ -81,6 +86,7 @@ class Capture:
         self.select_output = select_output
         #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
         self.frozen = FrozenMode()
+        self._uses: Optional[UseWindows] = UseWindows(modules) if check_uses and root is not None else None
 
     def __enter__(self) -> "Capture":
         if self.freeze_batch_stats and self.root is not None:
@@ -93,7 +99,9 @@ class Capture:
                 self._handles.append(module.register_forward_hook(attention_hook(self, name), with_kwargs=True))
                 continue
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
-        if self.root is not None and self.on_output is not None:
+        if self._uses is not None:  # after the recording hooks: a call's window covers what they compute
+            self._handles.extend(self._uses.attach())
+        if self.root is not None and (self.on_output is not None or self._uses is not None):
             self._handles.append(self.root.register_forward_hook(self._root_hook))
         return self
 
@@ -140,8 +148,11 @@ class Capture:
             return
         if self.select_output is not None:
             output = self.select_output(output)
+        if self._uses is not None:
+            self._uses.check(output)
+        if self.on_output is None:  # registered for the check alone
+            return
         self.outputs.append(output)
-        assert self.on_output is not None
         self.on_output(output)
 
 

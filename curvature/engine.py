@@ -127,7 +127,7 @@ class CurvatureEngine:
         own_backward = not record_backward and self.kind is not Kind.HESSIAN
         return Capture(self._modules, root=self.model, on_output=on_output, record_backward=record_backward,
                        freeze_batch_stats=own_backward and bool(self.batch_norms), select_output=self.select_output,
-                       batch_norms=self.batch_norms)
+                       batch_norms=self.batch_norms, check_uses=self.kind is not Kind.HESSIAN)
 
     # ---- estimation -------------------------------------------------------------------
     def estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,

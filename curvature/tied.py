@@ -15,8 +15,9 @@ holding it (its :class:`~curvature.blocks.Layout`; the other uses are ``layout.t
   like K-FAC itself it leaves out the cross terms between uses. Needs the owner's K-FAC matrix to be
   the tied parameter alone (e.g. an Embedding, or a bias-free Linear); otherwise NotImplementedError.
 
-A *functional* use (``F.linear(h, emb.weight)``) is not a module call and cannot be recorded: its
-contribution is missing from the Fisher-type blocks. Write the use as a module sharing the parameter
+A *functional* use (``F.linear(h, emb.weight)``) is not a module call and cannot be recorded, so the
+capture refuses it with a ``ValueError`` (:mod:`curvature.uses`) instead of building blocks that
+miss its contribution. Write the use as a module sharing the parameter
 (``head = nn.Linear(D, V, bias=False); head.weight = emb.weight``). The Hessian needs no recording and
 is exact either way.
 """

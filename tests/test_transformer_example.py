@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import launch_example
+from dist_utils import launch_example, require_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,16 +79,30 @@ def test_model_is_causal_and_ties() -> None:
 
 
 def test_tie_default_follows_library_support() -> None:
-    """--tie-weights is off by default; asking for tying where the library refuses it is an error."""
-    supported = tt.tying_supported()
-    assert tt.parse_args([]).tie_weights is False
+    """Tying is the default where the library supports tied parameters; --untie-weights (or
+    --no-tie-weights) opts out; asking for tying where the library refuses it is an error."""
+    assert tt.tying_supported()  # torchsso2 has one block per tied parameter (tests/test_tied_parameters.py)
+    assert tt.parse_args([]).tie_weights is True
+    assert tt.parse_args(["--untie-weights"]).tie_weights is False
     assert tt.parse_args(["--no-tie-weights"]).tie_weights is False
-    assert supported  # torchsso2 has one block per tied parameter (tests/test_tied_parameters.py)
     assert tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"]).tie_weights is True
-    if not supported:
-        with pytest.raises(SystemExit):
-            tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"])
-        assert tt.parse_args(["--tie-weights", "--optimizer", "adamw"]).tie_weights is True
+    assert tt.parse_args([], tie_default=False).tie_weights is False
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--tie-weights", "--optimizer", "sso-kfac"], tie_default=False)
+    assert tt.parse_args(["--tie-weights", "--optimizer", "adamw"], tie_default=False).tie_weights is True
+
+
+def test_tied_embeddings_start_at_one_scale() -> None:
+    """The tied model's token and positional tables both start at the head's U(±1/√d) scale (a
+    positional table at N(0, 1) drowned the token signal and the tied model trained much more slowly)."""
+    torch.manual_seed(0)
+    d = 64
+    tied = tt.CharTransformer(len(tt.ALPHABET), d_model=d, max_len=128)
+    assert tied.head.weight is tied.tok.weight
+    for emb in (tied.tok, tied.pos):
+        assert float(emb.weight.abs().max()) <= d ** -0.5 and float(emb.weight.std()) > 0.5 * d ** -0.5 / 3 ** 0.5
+    untied = tt.CharTransformer(len(tt.ALPHABET), d_model=d, max_len=128, tie_weights=False)
+    assert untied.head.weight is not untied.tok.weight and float(untied.pos.weight.std()) > 0.5
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sso-kfac", "vi-diag"])
@@ -122,6 +136,21 @@ def test_torchrun_two_ranks_matches_one_process(tmp_path: Path) -> None:
     assert v2 < 3.0 and abs(v1 - v2) < 0.15, (v1, v2)
 
 
+def test_mpiexec_two_ranks_matches_one_process(tmp_path: Path) -> None:
+    """The same data-parallel run under ``mpiexec -n 2`` (MPI communicator): one report, about the
+    validation loss of one process."""
+    mpiexec = require_mpiexec()
+    args = ["--optimizer", "sso-kfac", "--epochs", "1", *TINY]
+    _run(*args, "--json", str(tmp_path / "one.json"))
+    single = json.loads((tmp_path / "one.json").read_text())
+    out = launch_example([mpiexec, "-n", "2", sys.executable], "examples/train_transformer.py", *args,
+                         "--json", str(tmp_path / "two.json"), timeout=240.0, finished_marker="final val loss")
+    assert out.count("final val loss") == 1 and "on 2 ranks (mpiexec)" in out
+    two = json.loads((tmp_path / "two.json").read_text())
+    v1, v2 = single["results"][0]["final_val_loss"], two["results"][0]["final_val_loss"]
+    assert v2 < 3.0 and abs(v1 - v2) < 0.15, (v1, v2)
+
+
 def test_adamw_refused_under_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match="single-process"):
@@ -140,6 +169,14 @@ def test_benchmark_quick_run(tmp_path: Path) -> None:
     assert names == ["adamw", "sso-kfac 10/100", "vi-diag 10/100", "vi-diag (defaults)"]
     assert report["timing"][0]["ratio_adamw_min"] == 1.0 and all(r["min_s"] > 0 for r in report["timing"])
     q = report["quality"]
-    assert q["adamw"]["steps"] == q["budget_steps"] == 30
-    assert q["target_val_loss"] == q["adamw"]["final_val_loss"] < math.log(len(tt.ALPHABET))
-    assert q["sso-kfac"]["steps"] <= 30 and "| sso-kfac 10/100 |" in proc.stdout
+    assert q["budgets"] == [20, 30] and [r["seed"] for r in q["seeds"]] == [0]
+    r = q["seeds"][0]
+    assert [a["lr"] for a in r["adamw"]] == q["adamw_lrs"] == [3e-3, 5e-3]
+    assert all(a["steps"] == 30 for a in r["adamw"]) and r["sso-kfac"]["steps"] == 30
+    for b in r["budgets"]:  # the target is the best AdamW's validation loss after the budget's steps
+        at = {a["lr"]: next(c["val_loss"] for c in a["curve"] if c["step"] == b["budget_steps"]) for a in r["adamw"]}
+        assert b["target_val_loss"] == min(at.values()) == at[b["adamw_best_lr"]] < math.log(len(tt.ALPHABET))
+        assert b["adamw_steps_to_target"] <= b["budget_steps"]
+        reached = [c["step"] for c in r["sso-kfac"]["curve"] if c["val_loss"] <= b["target_val_loss"]]
+        assert b["kfac_steps_to_target"] == (reached[0] if reached else None)
+    assert "| sso-kfac 10/100 |" in proc.stdout and "K-FAC steps / s to target" in proc.stdout

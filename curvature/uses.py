@@ -1,0 +1,123 @@
+"""Detect uses of covered parameters outside the module calls a :class:`~curvature.capture.Capture` records.
+
+Fisher-type blocks are built from what the covered modules' calls record (their inputs and the
+gradients at their outputs). A covered parameter that the forward also uses elsewhere, e.g. a
+tied output head written functionally (``F.linear(h, emb.weight)``), contributes to the loss
+through a path no record sees, so its block would silently miss that contribution. This module
+finds such uses and raises a ``ValueError`` naming the parameter and the fix.
+
+How: every covered module call is a *window* of autograd sequence numbers (a probe node is
+created when the call starts and when its hooks have run; autograd numbers the nodes it creates
+in one thread in increasing order). After the forward, the graph of the model's output is walked
+once; every node that consumes a covered parameter directly (an edge to its ``AccumulateGrad``)
+must have been created inside a call of a module holding that parameter. Uses that do not reach
+the output (a module's discarded result, a regularizer added to the loss outside the model) are
+not in that graph and are not the likelihood's, so they are not reported.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["UseWindows"]
+
+
+class UseWindows:
+    """Sequence-number windows of the calls of ``modules`` (name -> module) in one forward.
+
+    ``attach()`` registers a pre-hook (first) and a forward hook (call it after every other hook
+    of the capture is registered, so the window also covers what those hooks compute) on every
+    module; ``check(output)`` raises for a covered parameter used outside its modules' calls.
+    """
+
+    def __init__(self, modules: Dict[str, nn.Module]) -> None:
+        #: id(param) -> (qualified name, names of the covered modules holding it)
+        self.params: Dict[int, Tuple[str, Set[str]]] = {}
+        for name, module in modules.items():
+            for pname, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                entry = self.params.setdefault(id(p), (f"{name}.{pname}" if name else pname, set()))
+                entry[1].add(name)
+        self.modules = modules
+        self.windows: Dict[str, List[Tuple[int, int]]] = {}
+        self._open: Dict[str, List[int]] = {}
+        self._probe = torch.zeros((), requires_grad=True)
+
+    def _seq(self) -> int:
+        """A fresh autograd sequence number (of a throw-away probe node)."""
+        node = (self._probe * 1.0).grad_fn
+        assert node is not None
+        return int(node._sequence_nr())
+
+    def attach(self) -> List[RemovableHandle]:
+        """Register the window hooks; returns their handles."""
+        handles: List[RemovableHandle] = []
+        for name, module in self.modules.items():
+            if not any(name in holders for _, holders in self.params.values()):
+                continue
+            handles.append(module.register_forward_pre_hook(self._opener(name), prepend=True))
+            handles.append(module.register_forward_hook(self._closer(name)))
+        return handles
+
+    def _opener(self, name: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, inputs: Tuple[object, ...]) -> None:
+            if torch.is_grad_enabled():
+                self._open.setdefault(name, []).append(self._seq())
+        return hook
+
+    def _closer(self, name: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, inputs: Tuple[object, ...], output: object) -> None:
+            starts = self._open.get(name)
+            if torch.is_grad_enabled() and starts:
+                self.windows.setdefault(name, []).append((starts.pop(), self._seq()))
+        return hook
+
+    def _inside(self, seq: int, holders: Set[str]) -> bool:
+        return any(a < seq < b for name in holders for a, b in self.windows.get(name, ()))
+
+    def check(self, output: Tensor) -> None:
+        """ValueError naming the covered parameters that ``output``'s graph uses outside a call
+        of a module holding them. The windows recorded so far are dropped (the next forward
+        of a gradient-accumulating closure starts afresh)."""
+        try:
+            self._check(output)
+        finally:
+            self.windows.clear()
+
+    def _check(self, output: Tensor) -> None:
+        root = output.grad_fn
+        if root is None or not self.params:
+            return
+        outside: Dict[str, Optional[str]] = {}
+        seen: Set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)
+                if var is not None:  # AccumulateGrad of a leaf
+                    entry = self.params.get(id(var))
+                    # a holder never called is the engine's error ("covered modules ... not called")
+                    if entry is not None and any(h in self.windows for h in entry[1]) \
+                            and not self._inside(int(node._sequence_nr()), entry[1]):
+                        outside.setdefault(entry[0], type(node).__name__)
+                    continue
+                if id(nxt) not in seen:
+                    seen.add(id(nxt))
+                    stack.append(nxt)
+        if outside:
+            names = sorted(outside)
+            holders = {n: sorted(e[1]) for e in self.params.values() for n in [e[0]] if n in outside}
+            raise ValueError(
+                f"covered parameter(s) {names} are used in the forward outside the module(s) holding them "
+                f"({', '.join(f'{n}: {holders[n]}' for n in names)}; first use seen in autograd node "
+                f"{', '.join(str(outside[n]) for n in names)}), e.g. a functional tied head F.linear(h, emb.weight). "
+                "The curvature records module calls only, so its blocks would miss that use's contribution. "
+                "Make the use a module call sharing the parameter (head = nn.Linear(d, V, bias=False); "
+                "head.weight = emb.weight), or leave the holding module(s) out with skip_modules=[...]")
