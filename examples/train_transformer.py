@@ -52,21 +52,21 @@ from torchsso2.distributed import shutdown  # noqa: E402
 
 OPTIMIZERS: Tuple[str, ...] = ("sso-kfac", "vi-diag", "adamw")
 
-#: default learning rate per optimizer. sso-kfac: large enough that the KL clip (the library's default
-#: kl_clip=1e-3) sets the step length at every step, so the lr itself hardly matters (0.1 and 0.3 gave the
+#: default learning rate per optimizer. sso-kfac: large enough that the KL clip (kl_clip=1e-3) sets the step length at every step, so the lr itself hardly matters (0.1 and 0.3 gave the
 #: same run); vi-diag: the library's default; adamw: the best of 3e-3, 5e-3, 1e-2, 2e-2 (benchmarks/transformer.py)
 DEFAULT_LR: Dict[str, float] = {"sso-kfac": 0.1,
                                  "vi-diag": float(inspect.signature(VIOptimizer.__init__).parameters["lr"].default),
                                  "adamw": 1e-2}
 
 #: K-FAC on this transformer (docs/guide.md, "Transformers"): the library's defaults (eigen method,
-#: fisher_mc, KL clip 1e-3) except a small damping, momentum 0.8, and a fresh curvature every 10 steps
+#: fisher_mc) except a KL clip of 1e-3 (the library's default at 1/1 intervals; with a decomposition every
+#: 10 steps its default would be 1e-3/√10), a small damping, momentum 0.8, and a fresh curvature every 10 steps
 #: that the running average forgets quickly (its decay is per estimate: 0.95 every 10 steps would remember
 #: ~200 steps), decomposed as often. 200 steps, untied, 10/10 intervals, val loss: damping 0.1 (the
 #: default) 1.52, 1e-2 0.52, 1e-3 0.43; momentum 0.9 0.43, 0.8 0.42, 0.6 0.45; ema_decay 0.95 0.45, 0.7 0.43;
 #: kl_clip 3e-3 at damping 1e-3 0.70. Tied, seed 0: decompositions every 10 / 30 / 100 steps 0.43 / 0.42 /
 #: 0.48, but over seeds 0-2 every 30 reached the best AdamW's loss later than every 10 (benchmarks/transformer.py)
-KFAC_SETTINGS: Dict[str, Any] = dict(damping=1e-3, momentum=0.8, ema_decay=0.7,
+KFAC_SETTINGS: Dict[str, Any] = dict(damping=1e-3, momentum=0.8, ema_decay=0.7, kl_clip=1e-3,
                                      curv_update_interval=10, inv_update_interval=10)
 
 #: VI diag: the library's defaults (one weight sample per step, curvature every step)
