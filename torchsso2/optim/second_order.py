@@ -113,6 +113,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             either way. Pick λ for the method: the same number damps much more under ``"inverse"``.
         ema_decay: in [0, 1): ``C ← ema_decay·C + (1 − ema_decay)·C_batch``.
         curv_update_interval, inv_update_interval: steps between curvature estimates / decompositions.
+        curv_warmup_steps: the first ``curv_warmup_steps`` steps (default 0) each estimate the
+            curvature and decompose it, whatever the intervals; the intervals apply from then on.
+            The curvature changes fastest at the start of training, where an estimate from the
+            initial weights reused for ``curv_update_interval`` steps preconditions badly (see
+            docs/guide.md "Transformers").
         loss: ``"cross_entropy"`` or ``"mse"``: the likelihood of the model's output.
         mc_samples: sampled labels per example for ``fisher_mc``.
         kl_clip: kfac_pytorch-style KL clipping of the preconditioned update: the update is scaled
@@ -203,8 +208,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  low_rank_solve: bool = True, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
                  use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False,
-                 kfac_approx: str = "expand") -> None:
+                 kfac_approx: str = "expand", curv_warmup_steps: int = 0) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
+        self.curv_warmup_steps = check_int("curv_warmup_steps", curv_warmup_steps, low=0)
         check_number("lr", lr, low=0.0, high=MAX_LR)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
@@ -250,7 +256,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
-        estimate = self.num_steps % self.curv_update_interval == 0
+        warmup = self.num_steps < self.curv_warmup_steps  # every step estimates and decomposes
+        estimate = warmup or self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                 self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
@@ -261,7 +268,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         params, groups = params_with_grad(self.param_groups)
         grads = [p.grad for p in params]
         agreed = self._average_over_ranks(grads, fresh, loss)
-        decompose = self.num_steps % self.inv_update_interval == 0 or not self._decomposed
+        decompose = warmup or self.num_steps % self.inv_update_interval == 0 or not self._decomposed
         # the gradients are checked here only when the curvature state would change before the
         # update (an EMA update or a decomposition); otherwise the finite check of the update
         # below catches them (a non-finite gradient makes its preconditioned update non-finite)
