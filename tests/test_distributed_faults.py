@@ -111,6 +111,7 @@ def test_settings_check_compares_layer_shapes() -> None:
     ("vi", [dict(num_mc_samples=1), dict(num_mc_samples=2)]),
     ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
     ("sso", [dict(kfac_approx="expand"), dict(kfac_approx="reduce")]),
+    ("sso", [dict(curv_warmup_steps=0), dict(curv_warmup_steps=10)]),
 ])
 def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
     """The construction-time check of the native faces, on 2 ranks played by 2 threads."""

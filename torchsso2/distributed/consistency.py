@@ -117,7 +117,7 @@ def _nccl(comm: Any) -> bool:
 #: damping_adaptation_interval; VIOptimizer: dataset_size, prior_precision, init_precision,
 #: num_mc_samples, kl_weighting, damping)
 SUBCLASS_ATTRIBUTES = ("damping", "kl_clip", "damping_adaptation_interval", "dataset_size", "prior_precision",
-                       "init_precision", "num_mc_samples", "kl_weighting")
+                       "init_precision", "num_mc_samples", "kl_weighting", "curv_warmup_steps")
 
 
 def check_optimizer_settings(opt: Any) -> None:
