@@ -113,3 +113,20 @@ def test_training_with_lm_damping_equals_the_always_decomposing_path(monkeypatch
     assert cached < len(eigh_calls)  # the cached run skipped some eigh
     for p, q in zip(model.parameters(), model_ref.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_deepcopied_cache_starts_empty():
+    """``copy.deepcopy`` restarts the copied sources' version counters, so a copied cache could take
+    a later in-place write of the copy for "unchanged" (a VIOptimizer twin used a stale eigenbasis)."""
+    import copy
+
+    from curvature.blocks.base import DerivedCache
+
+    src = torch.ones(3)
+    src.add_(1)  # version 1
+    cache = DerivedCache()
+    assert cache.get([src], lambda: float(src.sum())) == 6.0
+    src2, cache2 = copy.deepcopy((src, cache))
+    src2.add_(1)  # the copy's version counter is 1 again after this write
+    assert cache2.get([src2], lambda: float(src2.sum())) == 9.0
+    assert cache.get([src], lambda: float(src.sum())) == 6.0

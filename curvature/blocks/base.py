@@ -142,6 +142,16 @@ class DerivedCache:
         self._versions = tuple(None if t is None else t._version for t in sources)
         return self._value
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "DerivedCache":
+        """A copy starts empty: ``copy.deepcopy`` gives the copied sources new version counters
+        (starting again at 0), so copied ``_versions`` could match a later in-place write of the
+        copy and return a value derived from the sources as they were before it."""
+        return DerivedCache()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled empty, for the same reason (unpickled tensors' versions start again at 0)."""
+        return {"_sources": (), "_versions": (), "_value": None}
+
 
 def check_positive(evals: Tensor, what: str) -> None:
     """Raise LinalgError when a damped spectrum is not strictly positive or not finite."""
