@@ -123,10 +123,15 @@ def test_a_deepcopied_cache_starts_empty():
     from curvature.blocks.base import DerivedCache
 
     src = torch.ones(3)
-    src.add_(1)  # version 1
+    for _ in range(3):
+        src.add_(1)  # the source's version counter: 3
     cache = DerivedCache()
-    assert cache.get([src], lambda: float(src.sum())) == 6.0
+    assert cache.get([src], lambda: float(src.sum())) == 12.0
     src2, cache2 = copy.deepcopy((src, cache))
-    src2.add_(1)  # the copy's version counter is 1 again after this write
-    assert cache2.get([src2], lambda: float(src2.sum())) == 9.0
-    assert cache.get([src], lambda: float(src.sum())) == 6.0
+    assert src2._version < src._version  # the copy's counter restarts
+    writes = 0
+    while src2._version < src._version:  # in-place writes of the copy until its counter is the cached one
+        src2.add_(1)
+        writes += 1
+    assert cache2.get([src2], lambda: float(src2.sum())) == 3.0 * (4 + writes)
+    assert cache.get([src], lambda: float(src.sum())) == 12.0
