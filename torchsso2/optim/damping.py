@@ -15,6 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: the LM rule's lower bound on the damping. Once the training loss of a classifier is near zero,
+#: ρ stays near 1 and the damping decays by ω every adjustment. Adaptive K-FAC on the digits MLP
+#: and CNN at batch 128 (initial damping 0.01 and 0.1, 3 seeds, 80 epochs) reached 97% test
+#: accuracy in 2-20 epochs at every bound; with kfac-jax's 1e-8 the damping then reached the bound
+#: and the steps along near-null curvature grew (MLP parameter norm 20 → 2000): the runs ended at
+#: 61-97% test accuracy. At a bound of 1e-6, 6 of the 12 runs stopped with NonFiniteError (20
+#: skipped steps in a row). At 1e-4 all 12 ended at 96.4-98.6% with the training loss ≤ 3e-7.
+DEFAULT_MIN_DAMPING = 1e-4
+
 
 def per_adjustment_decay(decay: float, interval: int) -> float:
     """``ω = decay ** interval``: the factor of one adjustment every ``interval`` steps for a
@@ -28,7 +37,7 @@ class LMDamping:
 
     damping: float
     decay: float = 0.95
-    min_damping: float = 1e-8
+    min_damping: float = DEFAULT_MIN_DAMPING
     max_damping: float = 1e4
     last_rho: float = float("nan")
 

@@ -28,7 +28,7 @@ from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
 from .base import Closure, CurvatureOptimizer
-from .damping import LMDamping, per_adjustment_decay
+from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
@@ -130,7 +130,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             (needs a closure that can be called again; the extra call re-evaluates the loss).
             ``damping_adaptation_decay`` is per step (kfac-jax's convention): each adjustment
             multiplies or divides the damping by ``damping_adaptation_decay ** damping_adaptation_interval``
-            (0.95⁵ ≈ 0.774 at the defaults). Its
+            (0.95⁵ ≈ 0.774 at the defaults), never below ``min_damping`` (default
+            :data:`~torchsso2.optim.damping.DEFAULT_MIN_DAMPING` = 1e-4: lower, long runs whose
+            loss goes to zero diverged or stalled). Its
             quadratic model is ``C + λI`` with either ``kfac_method`` (Martens & Grosse 2015 also
             adapt λ on that model while preconditioning with factored damping).
         on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
@@ -199,7 +201,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  ema_decay: float = 0.95, curv_update_interval: int = 1, inv_update_interval: int = 1,
                  loss: str = "cross_entropy", mc_samples: int = 1, kl_clip: Union[float, None, _DefaultKLClip] = KL_CLIP_DEFAULT,
                  adaptive_damping: bool = False, damping_adaptation_interval: int = 5,
-                 damping_adaptation_decay: float = 0.95, min_damping: float = 1e-8,
+                 damping_adaptation_decay: float = 0.95, min_damping: float = DEFAULT_MIN_DAMPING,
                  on_nonfinite: str = "skip", skip_modules: Any = None,
                  params: Optional[Iterable[Any]] = None, linalg: Optional[str] = None,
                  communicator: Any = "auto", seed: Optional[int] = None,
