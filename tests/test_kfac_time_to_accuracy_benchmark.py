@@ -42,6 +42,16 @@ def test_targets_compare_epochs_and_the_time_ratio():
     assert missed["time_ratio"] is None and not missed["fewer_epochs"] and not missed["time_target_met"]
 
 
+def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
+    adaptive = bench.grids(False)["kfac-adaptive"]
+    assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (5, 50), (10, 100)}
+    assert len(adaptive) <= 6  # the full run stays short
+    model = bench.make_model("mlp", 0)
+    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "curv": 5, "inv": 50}, model, 0)
+    assert (opt.curv_update_interval, opt.inv_update_interval) == (5, 50)
+    assert bench.point_text({"damping": 0.01, "curv": 5, "inv": 50}) == "damping 0.01, intervals 5/50"
+
+
 def test_a_run_stops_at_the_target_and_times_training_only():
     data = bench.load_data()
     run = bench.train("sgd", {"lr": 0.1}, "mlp", data, 512, 0, target=0.0, max_epochs=5)
