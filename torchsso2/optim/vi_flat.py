@@ -48,6 +48,7 @@ from curvature.blocks.base import all_finite
 from .grid import noise_seed
 from .plan import params_with_grad
 from .reparam import reparam_ema_
+from .steps import kl_clip_scale
 from .validation import as_loss_tensor
 
 __all__ = ["FlatDiagPath"]
@@ -245,8 +246,8 @@ class FlatDiagPath:
             # element by element
             total = float(hat.sum()) + (float(mean_loss) if mean_loss.numel() == 1 else math.inf)
             if not math.isfinite(total) and (not all_finite([mean_loss]) or not bool(torch.isfinite(hat).all())):
-                fresh = {name: DiagBlock(lay, hat.narrow(0, off, lay.numel))
-                         for name, lay, off in zip(link.names, link.layouts, _offsets(link.layouts))}
+                fresh = {name: DiagBlock(lay, hat.narrow(0, *opt._noise_spans[name]))  # the blocks' (offset, numel)
+                         for name, lay in zip(link.names, link.layouts)}
                 opt._nonfinite("loss, gradient or curvature", snapshot, opt._what_is_nonfinite(mean_loss, fresh))
                 return mean_loss, output
             shift = opt.precision_shift
@@ -272,8 +273,7 @@ class FlatDiagPath:
                 torch._foreach_addcmul_(params, link.momentum_views, link.inv_views, value=-lr * n)
             else:  # u = N·m/D; ν = min(1, √(kl_clip / (lr²·uᵀm)))
                 step = torch.mul(link.momentum, link.inv, out=link.noise).mul_(n)
-                vg = lr * lr * float(torch.dot(step, link.momentum))
-                nu = 1.0 if vg <= 0 else min(1.0, math.sqrt(opt.kl_clip / vg))
+                nu = kl_clip_scale(lr * lr * float(torch.dot(step, link.momentum)), opt.kl_clip)
                 torch._foreach_add_(params, link.noise_views, alpha=-(lr * nu))
         opt._step_taken()
         opt.num_steps += 1
@@ -284,11 +284,3 @@ def _shifted_params() -> Any:
     """:class:`torchsso2.optim.vi.shifted_params` (that module imports this one)."""
     from .vi import shifted_params
     return shifted_params
-
-
-def _offsets(layouts: List[Any]) -> List[int]:
-    out, offset = [], 0
-    for lay in layouts:
-        out.append(offset)
-        offset += lay.numel
-    return out
