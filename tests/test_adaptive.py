@@ -100,15 +100,21 @@ def _data(seed: int = 1):
     return torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
 
 
-def test_ggn_gram_is_jt_h_j_of_brute_force():
+def _recorded_mlp(dirs_seed: int):
+    """The MLP, its batch, parameters and names, its recorded forward and two random directions."""
     model, (x, y) = _mlp(), _data()
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     rec = InputRecorder()
     with rec.record(model):
         model(x)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(dirs_seed)
     dirs = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params] for _ in range(2)]
+    return model, x, y, params, names, rec, dirs
+
+
+def test_ggn_gram_is_jt_h_j_of_brute_force():
+    model, x, y, params, names, rec, dirs = _recorded_mlp(dirs_seed=3)
     gram = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
     theta = param_vec(model)
     jac = torch.autograd.functional.jacobian(
@@ -159,14 +165,7 @@ def test_output_hessian_inner_matches_its_square_root():
 
 
 def test_hessian_gram_is_the_hessian_of_brute_force():
-    model, (x, y) = _mlp(), _data()
-    params = list(model.parameters())
-    names = [n for n, _ in model.named_parameters()]
-    rec = InputRecorder()
-    with rec.record(model):
-        model(x)
-    g = torch.Generator().manual_seed(4)
-    dirs = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params] for _ in range(2)]
+    model, x, y, params, names, rec, dirs = _recorded_mlp(dirs_seed=4)
     gram = hessian_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o, y)
     hess = torch.autograd.functional.hessian(lambda v: _loss_at(model, v, x, y, "cross_entropy"), param_vec(model))
     vs = torch.stack([flat(d) for d in dirs])
