@@ -149,13 +149,13 @@ def test_empirical_fisher_is_the_per_sequence_gradient_outer_product(loss: str, 
     assert float((per_row.diagonal() - ref.diagonal()).abs().max()) > 1e-3 * float(ref.diagonal().abs().max())
 
 
-def test_empirical_fisher_from_the_users_backward_is_per_sequence() -> None:
-    """The optimizer's empirical Fisher without targets (blocks from the user's own backward of the
-    mean token loss) equals the per-sequence definition."""
+def _check_users_backward_empirical_fisher(**optimizer_kwargs) -> None:
+    """SecondOrderOptimizer's diagonal empirical Fisher from the user's backward of the mean token
+    loss equals the brute-force per-sequence definition."""
     model, x, y = _setup("cross_entropy")
     brute = Brute(model, x, y, "cross_entropy")
     ref = brute.empirical_fisher(T)
-    opt = SecondOrderOptimizer(model, lr=0.0, curvature="empirical_fisher", approx="diag", output_selector=_rows)
+    opt = SecondOrderOptimizer(model, lr=0.0, curvature="empirical_fisher", approx="diag", **optimizer_kwargs)
 
     def closure():
         opt.zero_grad()
@@ -169,6 +169,12 @@ def test_empirical_fisher_from_the_users_backward_is_per_sequence() -> None:
         want = ref[s.start:s.stop, s.start:s.stop].diagonal()
         torch.testing.assert_close(opt.running.blocks[s.name].diagonal, want, rtol=1e-8,
                                    atol=1e-8 * float(want.abs().max()), msg=s.name)
+
+
+def test_empirical_fisher_from_the_users_backward_is_per_sequence() -> None:
+    """The optimizer's empirical Fisher without targets (blocks from the user's own backward of the
+    mean token loss) equals the per-sequence definition."""
+    _check_users_backward_empirical_fisher(output_selector=_rows)
 
 
 def test_exact_fisher_kfac_of_sequence_logits_has_no_cross_row_terms() -> None:
@@ -267,23 +273,7 @@ def test_sequence_logits_without_reshaping_are_the_rows(kind: str, approx: str) 
 def test_sequence_logits_in_the_optimizer_from_the_users_backward() -> None:
     """Empirical Fisher from the user's backward of ``F.cross_entropy`` over every token of
     ``[N, T, C]`` logits: the per-sequence definition, normalized by the N·T rows."""
-    model, x, y = _setup("cross_entropy")
-    brute = Brute(model, x, y, "cross_entropy")
-    ref = brute.empirical_fisher(T)
-    opt = SecondOrderOptimizer(model, lr=0.0, curvature="empirical_fisher", approx="diag")
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = nn.functional.cross_entropy(out.reshape(-1, C), y)
-        loss.backward()
-        return loss, out
-
-    opt.step(closure)
-    for s in brute.slices:
-        want = ref[s.start:s.stop, s.start:s.stop].diagonal()
-        torch.testing.assert_close(opt.running.blocks[s.name].diagonal, want, rtol=1e-8,
-                                   atol=1e-8 * float(want.abs().max()), msg=s.name)
+    _check_users_backward_empirical_fisher()  # [N, T, C] logits straight into the optimizer
 
 
 def test_sequence_logits_need_targets_of_their_shape_without_the_classes() -> None:
