@@ -345,8 +345,13 @@ def _vi_quality_table(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
         rows.append([label, f"{r['chosen_lr']:g}"] + vals)
     t = res.get("targets", {})
     verdict = "; ".join(_target_text(k, v) for k, v in t.items() if isinstance(v, dict))
-    return [markdown_table(head, rows, "lr" + "r" * (len(head) - 2)), "",
-            f"VI diag's targets: {verdict}." if verdict else "", ""]
+    out = [markdown_table(head, rows, "lr" + "r" * (len(head) - 2)), "",
+           f"VI diag's targets: {verdict}." if verdict else "", ""]
+    if res.get("paired"):  # benchmarks/vi.py's paired extra: more seeds at the same lrs
+        from benchmarks.vi_paired import paired_text
+
+        out += [paired_text(res["paired"]), ""]
+    return out
 
 
 def _target_text(key: str, v: Dict[str, Any]) -> str:

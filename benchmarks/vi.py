@@ -26,6 +26,10 @@ Parts, all in one process:
 3. **Long run** (``long``): the digits MLP over ``--long-epochs`` (200) epochs for VI diag, IVON and
    Adam (``--long-seeds`` seeds, lr chosen again by validation at that length): a short run hides
    how the curvature average moves away from its start.
+4. **Paired extra** (``paired`` in each digits task's record, :mod:`benchmarks.vi_paired`): VI diag,
+   IVON and Adam at the lrs chosen in 2./3. on ``--paired-seeds`` (20) seeds, the protocol's seeds
+   among them, with the per-seed differences VI diag − IVON / − Adam (mean ± standard error). It does
+   not replace the 5-seed numbers and verdicts; it says whether a small ECE margin is more than seed noise.
 
 Details of the tasks, splits, grids and the regression likelihood: ``benchmarks/vi_quality.py``.
 
@@ -52,6 +56,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+from benchmarks import vi_paired  # noqa: E402
 from benchmarks import vi_quality as vq  # noqa: E402
 from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
                                time_training_steps, try_import, write_json)
@@ -145,6 +150,19 @@ def _quality_args(args: argparse.Namespace, epochs: Dict[str, int], seeds: int, 
                               entropy_tasks=tuple(entropy_tasks), reliability=args.reliability)
 
 
+def _add_paired(tasks: Dict[str, Any], qargs: argparse.Namespace, seeds: int, ivon_mod: Any) -> None:
+    """Adds :func:`benchmarks.vi_paired.run_paired`'s record as ``"paired"`` to each classification task of ``tasks``."""
+    for task, res in tasks.items():
+        if "noise_var" in res:  # regression: no ECE, no paired extra
+            continue
+        t0 = time.perf_counter()
+        paired = vi_paired.run_paired(task, res, qargs, ivon_mod, seeds)
+        if paired:
+            res["paired"] = paired
+            print(f"  {task} ({qargs.epochs[task]} ep) paired extra, {seeds} seeds "
+                  f"({time.perf_counter() - t0:.1f} s): {vi_paired.paired_text(paired)}", flush=True)
+
+
 def format_tables(report: Dict[str, Any]) -> str:
     lines = [machine_line(report)]
     c = report["config"]
@@ -194,7 +212,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--mc-samples", type=int, default=None, help="posterior samples per prediction (default 32; quick 4)")
     p.add_argument("--long-epochs", type=int, default=None,
                    help="epochs of the long digits-MLP run (default 200; quick 2; 0: no long run)")
-    p.add_argument("--long-seeds", type=int, default=None, help="seeds of the long run (default 2; quick 1)")
+    p.add_argument("--long-seeds", type=int, default=None,
+                   help="seeds of the long run (default 5, issue 27's protocol; quick 1)")
+    p.add_argument("--paired-seeds", type=int, default=None,
+                   help="seeds of the paired extra (VI diag, IVON, Adam at their chosen lrs; digits tasks and the "
+                        "long run; default 20; quick 3; 0: none)")
     p.add_argument("--repeats", type=int, default=None, help="round-robin timing rounds (default 30; quick 2)")
     p.add_argument("--window", type=int, default=None, help="steps per timed window (default 20; quick 3)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -208,7 +230,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     q = args.quick
     args.seeds = args.seeds or (2 if q else 5)
     args.mc_samples = args.mc_samples or (4 if q else 32)
-    args.long_seeds = args.long_seeds or (1 if q else 2)
+    args.long_seeds = args.long_seeds or (1 if q else 5)
+    args.paired_seeds = args.paired_seeds if args.paired_seeds is not None else (3 if q else 20)
     args.long_epochs = args.long_epochs if args.long_epochs is not None else (2 if q else 200)
     args.repeats = args.repeats or (2 if q else 30)
     args.window = args.window or (3 if q else 20)
@@ -221,8 +244,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.json = args.json or DEFAULT_JSON
     args.grids = {m: tuple(args.grid) if args.grid else vq.LR_GRIDS[m] for m in vq.ALL_METHODS}
     if args.seeds < 1 or args.mc_samples < 2 or min(epochs.values()) < 1 or args.long_epochs < 0 \
-            or args.repeats < 1 or args.window < 1:
-        p.error("--seeds, --epochs, --repeats, --window must be >= 1, --long-epochs >= 0 and --mc-samples >= 2")
+            or args.paired_seeds < 0 or args.repeats < 1 or args.window < 1:
+        p.error("--seeds, --epochs, --repeats, --window must be >= 1, --long-epochs and --paired-seeds >= 0 and "
+                "--mc-samples >= 2")
     if any(lr <= 0 for g in args.grids.values() for lr in g):
         p.error("learning rates must be > 0")
     args.reliability = {}
@@ -248,11 +272,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quality: Dict[str, Any] = {}
     long: Dict[str, Any] = {}
     if not args.skip_quality:
-        quality = vq.run_tasks(_quality_args(args, args.epochs, args.seeds, ("digits-mlp",)), ivon_mod,
-                               args.tasks, methods)
+        qargs = _quality_args(args, args.epochs, args.seeds, ("digits-mlp",))
+        quality = vq.run_tasks(qargs, ivon_mod, args.tasks, methods)
+        _add_paired(quality, qargs, args.paired_seeds, ivon_mod)
         if args.long_epochs and "digits-mlp" in args.tasks:
-            long = vq.run_tasks(_quality_args(args, {"digits-mlp": args.long_epochs}, args.long_seeds, ()), ivon_mod,
-                                ["digits-mlp"], [m for m in LONG_METHODS if m in methods])
+            largs = _quality_args(args, {"digits-mlp": args.long_epochs}, args.long_seeds, ())
+            long = vq.run_tasks(largs, ivon_mod, ["digits-mlp"], [m for m in LONG_METHODS if m in methods])
+            _add_paired(long, largs, args.paired_seeds, ivon_mod)
     if args.plot is not None and args.reliability.get("digits-mlp"):
         from torchsso2.plotting import save_reliability_diagram
 
@@ -265,6 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "epochs": dict(args.epochs), "batch_size": vq.BATCH_SIZE,
                          "lr_grids": {m: list(args.grids[m]) for m in methods}, "mc_samples": args.mc_samples,
                          "long_epochs": args.long_epochs, "long_seeds": args.long_seeds,
+                         "paired_seeds": args.paired_seeds,
                          "repeats": args.repeats, "window": args.window, "threads": args.threads,
                          "timing_lrs": {m: DEFAULT_LRS[m] for m in methods if m in DEFAULT_LRS},
                          "vi_default_lr": vq.VI_DEFAULT_LR,

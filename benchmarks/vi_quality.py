@@ -503,6 +503,10 @@ def format_tables(tasks: Mapping[str, Any], mc_samples: int) -> str:
             lines.append("vi-diag targets: " + "; ".join(parts))
         else:
             lines.append(f"vi-diag targets not evaluated: {t.get('why')}")
+        if res.get("paired"):  # benchmarks/vi.py's paired extra over more seeds
+            from benchmarks.vi_paired import paired_text
+
+            lines.append(paired_text(res["paired"]))
     return "\n".join(lines)
 
 
