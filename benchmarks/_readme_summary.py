@@ -349,24 +349,6 @@ def _vi_quality_table(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
             f"VI diag's targets: {verdict}." if verdict else "", ""]
 
 
-def vi_splits_lines(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
-    """benchmarks/vi_splits.py's part of vi.json: test NLL over random diabetes splits and the paired
-    differences VI diag − reference (mean ± standard error over splits); nothing when absent."""
-    used = res.get("splits_used") or []
-    if not used:
-        return []
-    rows = [[labels.get(m, m), f"{s['val_nll']['mean']:.4f}", f"{s['test_nll']['mean']:.4f} ± {s['test_nll']['std']:.4f}"]
-            for m, s in res["summary"].items()]
-    said = [f"{labels.get(ref, ref)}: {p['test']['mean']:+.4f} ± {p['test']['se']:.4f} on test "
-            f"(VI diag at least as good on {p['test']['vi_at_least_as_good']} of {p['test']['n']} splits), "
-            f"{p['val']['mean']:+.4f} ± {p['val']['se']:.4f} on validation"
-            for ref, p in res.get("paired", {}).items()]
-    return [f"*diabetes over {len(used)} random splits* (one seed per split, lr chosen per split by its validation "
-            f"NLL, {res['epochs']} epochs; the table above has 5 seeds on one split): NLL, mean over splits "
-            "(test: ± std)", "", markdown_table(["method", "validation NLL", "test NLL"], rows, "lrr"), "",
-            "VI diag − each method, paired over the same splits (mean ± standard error): " + "; ".join(said) + ".", ""]
-
-
 def _target_text(key: str, v: Dict[str, Any]) -> str:
     """One target of benchmarks/vi_quality.check_targets as prose: ``NLL ≤ IVON's and Adam's: met (by 0.012)``."""
     refs = " and ".join({"ivon": "IVON's", "adam": "Adam's"}.get(r, r) for r in key.split("_le_")[-1].split("_and_"))
@@ -388,6 +370,24 @@ def _timing_stamp(src: Source) -> str:
     before, after = c.get("timing_load_average_before"), c.get("timing_load_average_after")
     load = f"1-min load average {before[0]:.1f} before, {after[0]:.1f} after" if before and after else "load not recorded"
     return f"{_date(float(c['timing_measured_at_unix']))}, {load}"
+
+
+def vi_splits_lines(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
+    """benchmarks/vi_splits.py's part of vi.json: test NLL over random diabetes splits and the paired
+    differences VI diag − reference (mean ± standard error over splits); nothing when absent."""
+    used = res.get("splits_used") or []
+    if not used:
+        return []
+    rows = [[labels.get(m, m), f"{s['val_nll']['mean']:.4f}", f"{s['test_nll']['mean']:.4f} ± {s['test_nll']['std']:.4f}"]
+            for m, s in res["summary"].items()]
+    said = [f"{labels.get(ref, ref)}: {p['test']['mean']:+.4f} ± {p['test']['se']:.4f} on test "
+            f"(VI diag at least as good on {p['test']['vi_at_least_as_good']} of {p['test']['n']} splits), "
+            f"{p['val']['mean']:+.4f} ± {p['val']['se']:.4f} on validation"
+            for ref, p in res.get("paired", {}).items()]
+    return [f"*diabetes over {len(used)} random splits* (one seed per split, lr chosen per split by its validation "
+            f"NLL, {res['epochs']} epochs; the table above has 5 seeds on one split): NLL, mean over splits "
+            "(test: ± std)", "", markdown_table(["method", "validation NLL", "test NLL"], rows, "lrr"), "",
+            "VI diag − each method, paired over the same splits (mean ± standard error): " + "; ".join(said) + ".", ""]
 
 
 def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:

@@ -23,11 +23,11 @@ Parts, all in one process:
    Brier; Gaussian NLL and RMSE for diabetes), with issue 27's targets checked for VI diag. On the
    digits MLP also the mean predictive entropy on the test digits and on out-of-distribution inputs
    (seed 0), and with ``--plot`` the reliability diagrams of the same test predictions.
-3. **Diabetes over random splits** (``regression_splits``, ``benchmarks/vi_splits.py``): the diabetes
-   protocol on ``--regression-splits`` (20) random splits, one seed each, with the paired differences
-   VI diag − IVON / Adam / SGD over splits (mean ± standard error): the main table's 5 seeds share one
+   Diabetes also over random splits (``regression_splits``, ``benchmarks/vi_splits.py``): the same
+   protocol with one seed on each of ``--regression-splits`` (20) splits, and the paired differences
+   VI diag − IVON / Adam / SGD over splits (mean ± standard error); the 5 seeds above share one
    89-example test split.
-4. **Long run** (``long``): the digits MLP over ``--long-epochs`` (200) epochs for VI diag, IVON and
+3. **Long run** (``long``): the digits MLP over ``--long-epochs`` (200) epochs for VI diag, IVON and
    Adam (``--long-seeds`` seeds, lr chosen again by validation at that length): a short run hides
    how the curvature average moves away from its start.
 
@@ -199,9 +199,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid", type=float, nargs="+", default=None, metavar="LR",
                    help="one lr grid for every method (default: per method, see benchmarks/vi_quality.py LR_GRIDS)")
     p.add_argument("--mc-samples", type=int, default=None, help="posterior samples per prediction (default 32; quick 4)")
-    p.add_argument("--regression-splits", type=int, default=None,
-                   help="random diabetes splits of the paired comparison (default 20; quick 2; 0: none; "
-                        "benchmarks/vi_splits.py)")
     p.add_argument("--long-epochs", type=int, default=None,
                    help="epochs of the long digits-MLP run (default 200; quick 2; 0: no long run)")
     p.add_argument("--long-seeds", type=int, default=None, help="seeds of the long run (default 2; quick 1)")
@@ -214,12 +211,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also save the reliability diagrams of the digits-MLP test predictions (seed 0)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"where the JSON goes (default {DEFAULT_JSON.relative_to(ROOT)}; quick: a new temp dir)")
+    p.add_argument("--regression-splits", type=int, default=None,
+                   help="random diabetes splits of the paired comparison (default 20; quick 2; 0: none; "
+                        "benchmarks/vi_splits.py)")
     args = p.parse_args(argv)
     q = args.quick
     args.seeds = args.seeds or (2 if q else 5)
     args.mc_samples = args.mc_samples or (4 if q else 32)
     args.long_seeds = args.long_seeds or (1 if q else 2)
-    args.regression_splits = args.regression_splits if args.regression_splits is not None else (2 if q else 20)
     args.long_epochs = args.long_epochs if args.long_epochs is not None else (2 if q else 200)
     args.repeats = args.repeats or (2 if q else 30)
     args.window = args.window or (3 if q else 20)
@@ -232,12 +231,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.json = args.json or DEFAULT_JSON
     args.grids = {m: tuple(args.grid) if args.grid else vq.LR_GRIDS[m] for m in vq.ALL_METHODS}
     if args.seeds < 1 or args.mc_samples < 2 or min(epochs.values()) < 1 or args.long_epochs < 0 \
-            or args.repeats < 1 or args.window < 1 or args.regression_splits < 0:
-        p.error("--seeds, --epochs, --repeats, --window must be >= 1, --long-epochs and --regression-splits >= 0 "
-                "and --mc-samples >= 2")
+            or args.repeats < 1 or args.window < 1:
+        p.error("--seeds, --epochs, --repeats, --window must be >= 1, --long-epochs >= 0 and --mc-samples >= 2")
     if any(lr <= 0 for g in args.grids.values() for lr in g):
         p.error("learning rates must be > 0")
     args.reliability = {}
+    args.regression_splits = args.regression_splits if args.regression_splits is not None else (2 if q else 20)
+    if args.regression_splits < 0:
+        p.error(f"--regression-splits must be >= 0, got {args.regression_splits}")
     return args
 
 
@@ -259,14 +260,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     timing = [] if args.skip_timing else run_timing(args, ivon_mod)
     quality: Dict[str, Any] = {}
     long: Dict[str, Any] = {}
-    splits: Dict[str, Any] = {}
     if not args.skip_quality:
         quality = vq.run_tasks(_quality_args(args, args.epochs, args.seeds, ("digits-mlp",)), ivon_mod,
                                args.tasks, methods)
-        split_methods = [m for m in ("vi-diag", *vi_splits.REFERENCES) if m in methods]
-        if args.regression_splits and "diabetes" in args.tasks and "vi-diag" in split_methods:
-            splits = vi_splits.run_splits(_quality_args(args, args.epochs, 1, ()), ivon_mod, split_methods,
-                                          args.regression_splits)
         if args.long_epochs and "digits-mlp" in args.tasks:
             long = vq.run_tasks(_quality_args(args, {"digits-mlp": args.long_epochs}, args.long_seeds, ()), ivon_mod,
                                 ["digits-mlp"], [m for m in LONG_METHODS if m in methods])
@@ -277,17 +273,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  title=f"digits MLP, {args.epochs['digits-mlp']} epochs, seed 0 (lr chosen by "
                                  "validation NLL; VI/IVON: Bayesian model average)")
         print(f"wrote {args.plot}")
+    splits = _regression_splits(args, ivon_mod, methods)
     report = {"machine": machine_info(),
               "config": {"quick": args.quick, "tasks": list(args.tasks), "methods": methods, "seeds": args.seeds,
                          "epochs": dict(args.epochs), "batch_size": vq.BATCH_SIZE,
                          "lr_grids": {m: list(args.grids[m]) for m in methods}, "mc_samples": args.mc_samples,
-                         "long_epochs": args.long_epochs, "regression_splits": args.regression_splits, "long_seeds": args.long_seeds,
+                         "long_epochs": args.long_epochs, "long_seeds": args.long_seeds,
                          "repeats": args.repeats, "window": args.window, "threads": args.threads,
                          "timing_lrs": {m: DEFAULT_LRS[m] for m in methods if m in DEFAULT_LRS},
                          "vi_default_lr": vq.VI_DEFAULT_LR,
                          "ivon": getattr(ivon_mod, "__version__", "installed") if ivon_mod else None,
                          "plot": str(args.plot) if args.plot is not None and quality else None,
                          "selection": "lr with the smallest validation NLL of one seed-0 run per grid value",
+                         "regression_splits": args.regression_splits,
                          "regression_noise": "VI: noise_variance='learned'; IVON/Adam/SGD: given OLS residual variance "
                                              "on the training split, trained on y/σ; Adam/SGD predictive variance = "
                                              "validation residual variance",
@@ -300,6 +298,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     write_json(args.json, report)
     print(f"\nwrote {args.json}")
     return 0
+
+
+def _regression_splits(args: argparse.Namespace, ivon_mod: Any, methods: Sequence[str]) -> Dict[str, Any]:
+    """:func:`benchmarks.vi_splits.run_splits` for VI diag, IVON, Adam and SGD (those run), or ``{}`` when
+    it is off (``--regression-splits 0``, ``--skip-quality``, no diabetes task or no VI diag)."""
+    split_methods = [m for m in ("vi-diag", *vi_splits.REFERENCES) if m in methods]
+    if args.skip_quality or not args.regression_splits or "diabetes" not in args.tasks or "vi-diag" not in split_methods:
+        return {}
+    return vi_splits.run_splits(_quality_args(args, args.epochs, 1, ()), ivon_mod, split_methods, args.regression_splits)
 
 
 if __name__ == "__main__":
