@@ -377,6 +377,24 @@ def _timing_stamp(src: Source) -> str:
     return f"{_date(float(c['timing_measured_at_unix']))}, {load}"
 
 
+def vi_splits_lines(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
+    """benchmarks/vi_splits.py's part of vi.json: test NLL over random diabetes splits and the paired
+    differences VI diag − reference (mean ± standard error over splits); nothing when absent."""
+    used = res.get("splits_used") or []
+    if not used:
+        return []
+    rows = [[labels.get(m, m), f"{s['val_nll']['mean']:.4f}", f"{s['test_nll']['mean']:.4f} ± {s['test_nll']['std']:.4f}"]
+            for m, s in res["summary"].items()]
+    said = [f"{labels.get(ref, ref)}: {p['test']['mean']:+.4f} ± {p['test']['se']:.4f} on test "
+            f"(VI diag at least as good on {p['test']['vi_at_least_as_good']} of {p['test']['n']} splits), "
+            f"{p['val']['mean']:+.4f} ± {p['val']['se']:.4f} on validation"
+            for ref, p in res.get("paired", {}).items()]
+    return [f"*diabetes over {len(used)} random splits* (one seed per split, lr chosen per split by its validation "
+            f"NLL, {res['epochs']} epochs; the table above has 5 seeds on one split): NLL, mean over splits "
+            "(test: ± std)", "", markdown_table(["method", "validation NLL", "test NLL"], rows, "lrr"), "",
+            "VI diag − each method, paired over the same splits (mean ± standard error): " + "; ".join(said) + ".", ""]
+
+
 def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
     src = _vi_source(sources)
     if src is None:
@@ -415,6 +433,7 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
             out += [f"*{VI_TASKS.get(task, task)}* ({n['train']}/{n['val']}/{n['test']} train/val/test, "
                     f"{res['epochs']} epochs{extra}):", ""]
             out += _vi_quality_table(res, labels)
+        out += vi_splits_lines(rep.get("regression_splits") or {}, labels)
         if cfg.get("plot"):
             out += ["Reliability diagrams of the digits-MLP test predictions (seed 0): "
                     "[docs/reliability_digits.png](docs/reliability_digits.png).", ""]

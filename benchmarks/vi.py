@@ -23,6 +23,10 @@ Parts, all in one process:
    Brier; Gaussian NLL and RMSE for diabetes), with issue 27's targets checked for VI diag. On the
    digits MLP also the mean predictive entropy on the test digits and on out-of-distribution inputs
    (seed 0), and with ``--plot`` the reliability diagrams of the same test predictions.
+   Diabetes also over random splits (``regression_splits``, ``benchmarks/vi_splits.py``): the same
+   protocol with one seed on each of ``--regression-splits`` (20) splits, and the paired differences
+   VI diag − IVON / Adam / SGD over splits (mean ± standard error); the 5 seeds above share one
+   89-example test split.
 3. **Long run** (``long``): the digits MLP over ``--long-epochs`` (200) epochs for VI diag, IVON and
    Adam (``--long-seeds`` seeds, lr chosen again by validation at that length): a short run hides
    how the curvature average moves away from its start.
@@ -58,6 +62,7 @@ import torch  # noqa: E402
 
 from benchmarks import vi_paired  # noqa: E402
 from benchmarks import vi_quality as vq  # noqa: E402
+from benchmarks import vi_splits  # noqa: E402
 from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
                                time_training_steps, try_import, write_json)
 from torchsso2 import VIOptimizer  # noqa: E402
@@ -185,6 +190,8 @@ def format_tables(report: Dict[str, Any]) -> str:
             lines.append(markdown_table(["method", "test", *sets],
                                         [[m, f"{e['entropy_test']:.3f}", *(f"{e['entropy_ood'][o]:.3f}" for o in sets)]
                                          for m, e in ent.items()]))
+    if report.get("regression_splits"):
+        lines.append(vi_splits.format_splits(report["regression_splits"]))
     if report.get("long"):
         lines += ["", "Long run:" + vq.format_tables(report["long"], c["mc_samples"])]
     for what, why in report["skipped"].items():
@@ -226,6 +233,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also save the reliability diagrams of the digits-MLP test predictions (seed 0)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"where the JSON goes (default {DEFAULT_JSON.relative_to(ROOT)}; quick: a new temp dir)")
+    p.add_argument("--regression-splits", type=int, default=None,
+                   help="random diabetes splits of the paired comparison (default 20; quick 2; 0: none; "
+                        "benchmarks/vi_splits.py)")
     args = p.parse_args(argv)
     q = args.quick
     args.seeds = args.seeds or (2 if q else 5)
@@ -250,6 +260,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if any(lr <= 0 for g in args.grids.values() for lr in g):
         p.error("learning rates must be > 0")
     args.reliability = {}
+    args.regression_splits = args.regression_splits if args.regression_splits is not None else (2 if q else 20)
+    if args.regression_splits < 0:
+        p.error(f"--regression-splits must be >= 0, got {args.regression_splits}")
     return args
 
 
@@ -286,6 +299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  title=f"digits MLP, {args.epochs['digits-mlp']} epochs, seed 0 (lr chosen by "
                                  "validation NLL; VI/IVON: Bayesian model average)")
         print(f"wrote {args.plot}")
+    splits = _regression_splits(args, ivon_mod, methods)
     report = {"machine": machine_info(),
               "config": {"quick": args.quick, "tasks": list(args.tasks), "methods": methods, "seeds": args.seeds,
                          "epochs": dict(args.epochs), "batch_size": vq.BATCH_SIZE,
@@ -298,17 +312,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "ivon": getattr(ivon_mod, "__version__", "installed") if ivon_mod else None,
                          "plot": str(args.plot) if args.plot is not None and quality else None,
                          "selection": "lr with the smallest validation NLL of one seed-0 run per grid value",
+                         "regression_splits": args.regression_splits,
                          "regression_noise": "VI: noise_variance='learned'; IVON/Adam/SGD: given OLS residual variance "
                                              "on the training split, trained on y/σ; Adam/SGD predictive variance = "
                                              "validation residual variance",
                          "load_average_before": load_before, "load_average_after": load_average(),
                          "seconds": time.perf_counter() - start},
-              "timing": timing, "quality": quality, "long": long, "skipped": skipped}
+              "timing": timing, "quality": quality, "regression_splits": splits, "long": long,
+              "skipped": skipped}
     print()
     print(format_tables(report))
     write_json(args.json, report)
     print(f"\nwrote {args.json}")
     return 0
+
+
+def _regression_splits(args: argparse.Namespace, ivon_mod: Any, methods: Sequence[str]) -> Dict[str, Any]:
+    """:func:`benchmarks.vi_splits.run_splits` for VI diag, IVON, Adam and SGD (those run), or ``{}`` when
+    it is off (``--regression-splits 0``, ``--skip-quality``, no diabetes task or no VI diag)."""
+    split_methods = [m for m in ("vi-diag", *vi_splits.REFERENCES) if m in methods]
+    if args.skip_quality or not args.regression_splits or "diabetes" not in args.tasks or "vi-diag" not in split_methods:
+        return {}
+    return vi_splits.run_splits(_quality_args(args, args.epochs, 1, ()), ivon_mod, split_methods, args.regression_splits)
 
 
 if __name__ == "__main__":

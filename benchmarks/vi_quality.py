@@ -28,7 +28,8 @@ are trained at the chosen lr and evaluated on the test split: accuracy, NLL, ECE
 (classification), Gaussian NLL and RMSE (regression, in the target's original units) — mean ± std
 over seeds. A chosen lr at an end of its grid is marked "(edge)" in the table (``chosen_at_grid_edge``
 in the JSON): a wider grid might have found a better one for that method. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
-samples (``VIOptimizer.predict`` / ``IVON.sampled_params``); Adam and SGD with their point estimate.
+samples (``VIOptimizer.predict``, whose default draws them as antithetic pairs ``μ ± ε`` / independent
+draws of ``IVON.sampled_params``); Adam and SGD with their point estimate.
 Each run's prediction samples are seeded by its seed (VI: its own generator; IVON, which draws from
 torch's global generator: a forked global generator), so no method's numbers depend on the order in
 which runs are trained and evaluated.

@@ -169,3 +169,18 @@ def test_vi_step_time_header_names_when_and_under_which_load_the_step_times_were
     report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/vi.json").read_text())
     if report.get("timing"):
         assert summary._timing_stamp((Path("vi.json"), report, report["measured_at_unix"])) in readme.replace("\n", " ")
+
+
+def test_vi_regression_splits_lines_state_the_paired_differences() -> None:
+    """The README renders benchmarks/vi_splits.py's paired differences from the JSON, and nothing when a
+    vi.json has no ``regression_splits`` part."""
+    from benchmarks import vi_splits
+
+    rows = [{"split": k, "methods": {"vi-diag": {"lr": 1e-3, "val_nll": 5.40 + 0.01 * k, "test_nll": 5.44 + 0.02 * k},
+                                     "adam": {"lr": 1e-3, "val_nll": 5.41, "test_nll": 5.45}}} for k in range(3)]
+    res = {"num_splits": 3, "epochs": 50, "splits": rows, **vi_splits.summarize_splits(rows)}
+    text = "\n".join(summary.vi_splits_lines(res, dict(summary.VI_LABELS)))
+    assert "diabetes over 3 random splits" in text
+    # VI − Adam on test: -0.01, +0.01, +0.03: mean +0.0100, se 0.02/sqrt(3) = 0.0115; VI <= Adam on 1 of 3
+    assert f"{summary.VI_LABELS['adam']}: +0.0100 ± 0.0115 on test (VI diag at least as good on 1 of 3 splits)" in text
+    assert summary.vi_splits_lines({}, dict(summary.VI_LABELS)) == []

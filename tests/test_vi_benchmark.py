@@ -93,15 +93,66 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
     ent = report["quality"]["digits-mlp"]["methods"]["vi-diag"]["entropy"]
     assert set(ent["entropy_ood"]) == {"rotated90", "flipped", "noise", "gaussian_noise"}
     assert "noise_var" in report["quality"]["diabetes"]
+    splits = report["regression_splits"]  # quick: 2 random diabetes splits, one seed each
+    assert splits["splits_used"] == [0, 1] and set(splits["summary"]) == {"vi-diag", "adam"}
+    assert set(splits["paired"]) == {"adam"} and splits["paired"]["adam"]["test"]["n"] == 2
+    assert "diabetes over 2 random splits" in printed
     long = report["long"]["digits-mlp"]
     assert long["epochs"] == 1 and set(long["methods"]) == {"vi-diag", "adam"}
     assert all(len(r["seeds"]) == 1 for r in long["methods"].values())
+
+
+def test_regression_splits_choose_by_validation_on_each_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/vi_splits.py: split k is ``load_diabetes_split(seed=k)``; on each split every method's lr
+    is the one with the smallest validation NLL of that split, its test NLL is that run's, and the paired
+    differences are VI diag − reference over the same splits (mean, standard error, count of VI ≤ ref)."""
+    from benchmarks import vi_splits
+
+    loaded = []
+    val = {("vi-diag", 0): {0.1: 1.0, 0.2: 0.5}, ("adam", 0): {0.1: 0.4, 0.2: 0.9},
+           ("vi-diag", 1): {0.1: 0.3, 0.2: 0.5}, ("adam", 1): {0.1: 0.8, 0.2: 0.6}}
+    test = {("vi-diag", 0, 0.2): 2.0, ("adam", 0, 0.1): 2.5, ("vi-diag", 1, 0.1): 3.0, ("adam", 1, 0.2): 2.0}
+
+    def fake_load(seed: int = 0) -> q.Split:
+        loaded.append(seed)
+        t = torch.full((1, 1), float(seed))
+        return q.Split(t, t, t, t, t, t, regression=True)
+
+    def fake_train(task, method, split, lr, seed, epochs, batch, ivon_mod):  # noqa: ANN001
+        assert seed == 0 and task == "diabetes"
+        return q.Trained(method, lr, int(split.x_train), torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0)
+
+    def fake_evaluate(run, split, which, num_samples):  # noqa: ANN001
+        k = int(split.x_train)
+        nll = val[(run.method, k)][run.lr] if which == "val" else test[(run.method, k, run.lr)]
+        return {"nll": nll, "rmse": 1.0}
+
+    monkeypatch.setattr(q, "load_diabetes_split", fake_load)
+    monkeypatch.setattr(q, "train", fake_train)
+    monkeypatch.setattr(q, "evaluate", fake_evaluate)
+    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2"])
+    res = vi_splits.run_splits(args, None, ["vi-diag", "adam"], 2)
+    assert loaded == [0, 1]
+    assert [{m: v["lr"] for m, v in r["methods"].items()} for r in res["splits"]] == \
+        [{"vi-diag": 0.2, "adam": 0.1}, {"vi-diag": 0.1, "adam": 0.2}]
+    p = res["paired"]["adam"]
+    assert p["test"]["mean"] == pytest.approx(0.25) and p["test"]["se"] == pytest.approx(0.75)  # diffs -0.5, +1.0
+    assert p["test"]["vi_at_least_as_good"] == 1 and p["val"]["mean"] == pytest.approx(-0.1)  # +0.1, -0.3
+    assert res["summary"]["adam"]["test_nll"]["mean"] == pytest.approx(2.25)
+    with pytest.raises(ValueError, match="num_splits"):
+        vi_splits.run_splits(args, None, ["vi-diag"], 0)
+
+
+def test_diabetes_split_seeds_give_different_test_examples() -> None:
+    a, b = q.load_diabetes_split(seed=0), q.load_diabetes_split(seed=1)
+    assert a.x_test.shape == b.x_test.shape and not torch.equal(a.x_test, b.x_test)
 
 
 def test_quick_without_json_writes_into_a_temp_dir() -> None:
     assert vi.parse_args(["--quick"]).json.parent != vi.RESULTS_DIR
     assert vi.parse_args([]).json == vi.DEFAULT_JSON
     assert vi.parse_args([]).long_epochs == 200 and vi.parse_args([]).seeds == 5
+    assert vi.parse_args([]).regression_splits == 20 and vi.parse_args(["--quick"]).regression_splits == 2
 
 
 def test_methods_at_library_defaults_except_lr() -> None:

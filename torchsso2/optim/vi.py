@@ -100,6 +100,14 @@ DEFAULT_VI_KL_CLIP = 0.1
 Shift = Tuple[List[nn.Parameter], List[Tensor], Optional[List[Tensor]]]
 
 
+def negated(shift: Optional[Shift]) -> Optional[Shift]:
+    """The antithetic sample of ``shift``: ``θ − shift`` (``θ − shift ⊙ factor``); None stays None."""
+    if shift is None:
+        return None
+    params, shifts, factors = shift
+    return params, [-t for t in shifts], factors
+
+
 class shifted_params:  # noqa: N801  (used like a function: ``with shifted_params(params, shifts):``)
     """The body sees ``θ + shift`` (``θ + shift ⊙ factor`` with ``factors``) in every parameter
     (shapes as the parameters); ``θ`` is back after.
@@ -518,13 +526,20 @@ class VIOptimizer(CurvatureOptimizer):
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None,
-                return_variance: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                return_variance: bool = False, antithetic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
         """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse).
 
         With ``return_variance=True`` (``loss="mse"`` only) it returns ``(mean, variance)``, both of the
         output's shape (e.g. ``[B, K]``): the mean and the variance of the predictive mixture
         ``(1/S)·Σ_s N(f_s(x), σ²)``, i.e. ``mean_s f_s`` and ``mean_s (f_s − mean)² + σ²`` (the
         samples' population variance plus the observation noise ``σ²``, see ``noise_variance``).
+
+        With ``antithetic=True`` (the default) the samples come in pairs ``μ + ε``, ``μ − ε`` from one
+        draw of ``ε ~ N(0, τΛ⁻¹)`` (an odd ``num_samples`` ends with one unpaired draw). Every sample is
+        still a posterior sample, so the average stays unbiased; a pair's average ``f(μ) + O(ε²)``
+        cancels the part of the Monte-Carlo error that is linear in ``ε``, which is most of it for
+        samples as narrow as the posterior's (on diabetes regression 32 antithetic samples match 1024
+        independent ones, see docs/defaults.md). ``antithetic=False`` draws every sample independently.
 
         The model is evaluated in ``eval()`` mode (BatchNorm uses its running statistics and leaves them
         unchanged, dropout is off) and given back its own ``training`` flags. Before the first ``step()``
@@ -537,10 +552,15 @@ class VIOptimizer(CurvatureOptimizer):
             raise RuntimeError("predict() before the first step(): there is no posterior yet, so every sample would "
                                "be the mean weights (point predictions). Call step() first, or pass "
                                "init_precision=... to sample from an isotropic Gaussian around the weights")
+        if not isinstance(antithetic, bool):
+            raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__} {antithetic!r}")
+        gen = generator if generator is not None else self.generator
         outs = []
+        shift: Optional[Shift] = None
         with eval_mode(self.model):
-            for _ in range(num_samples):
-                with self.sampled_params(generator):
+            for i in range(num_samples):
+                shift = negated(shift) if antithetic and i % 2 == 1 else self._draw_noise(gen)
+                with self._perturbed(shift):
                     out = self.engine.select_output(self.model(x))
                 outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
         stacked = torch.stack(outs)
