@@ -50,6 +50,8 @@ from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import mean_nll
 from curvature.options import Kind, LossType
 
+from . import sequential_jvp
+
 logger = logging.getLogger(__name__)
 
 #: a recorded forward call: (positional args, keyword args, CPU RNG state before the forward)
@@ -112,26 +114,47 @@ def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor) -> Tensor
     return u
 
 
+def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call,
+               primals: Sequence[Tensor], directions: Sequence[Sequence[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
+    """The output of a recorded forward and ``J v`` (flattened) for every direction: one
+    forward-mode pass (dual numbers) per direction, with the forward's RNG state and buffer copies."""
+    f = _functional(model, names, select, call)
+    jvs = []
+    out = None
+    for v in directions:
+        with _rng_of(call), fwAD.dual_level():
+            res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
+            out, jv = fwAD.unpack_dual(res)
+        if jv is None:  # the output does not depend on the optimized parameters
+            jv = torch.zeros_like(out)
+        jvs.append(jv.reshape(-1))
+    assert out is not None
+    return out, jvs
+
+
 def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
-             directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor]) -> Tensor:
+             directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
+             identity_select: bool = False) -> Tensor:
     """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
-    forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward."""
+    forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward,
+    or, when ``identity_select`` (the model output is the loss input) and the model is a plain
+    ``nn.Sequential`` (:mod:`torchsso2.optim.sequential_jvp`), one hand-written pass for all
+    directions."""
     k = len(directions)
     gram = torch.zeros(k, k, dtype=torch.float64)
     total = 0
     primals = [p.detach() for p in params]
+    tangents: Optional[Dict[int, Tensor]] = None
     for call in calls:
-        f = _functional(model, names, select, call)
-        jvs = []
-        out = None
-        for v in directions:
-            with _rng_of(call), fwAD.dual_level():
-                res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
-                out, jv = fwAD.unpack_dual(res)
-            if jv is None:  # the output does not depend on the optimized parameters
-                jv = torch.zeros_like(out)
-            jvs.append(jv.reshape(-1))
-        assert out is not None
+        if identity_select and sequential_jvp.supports(model, call[0], call[1]):
+            # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
+            if tangents is None:
+                tangents = {id(p): torch.stack([v[i].detach().to(p.dtype) for v in directions])
+                            for i, p in enumerate(params)}  # keyed by the model's own parameters
+            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents)
+            jvs = [j.reshape(-1) for j in stacked]
+        else:
+            out, jvs = _dual_jvps(model, names, select, call, primals, directions)
         total += out.shape[0]
         jmat = torch.stack(jvs)  # [k, N·out]
         hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
@@ -281,7 +304,7 @@ class AdaptiveCoefficients:
                                 opt.engine.select_output, targets)
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
-                            opt.engine.select_output)
+                            opt.engine.select_output, identity_select=opt.engine.output_selector is None)
         gram = mean_over_ranks(opt.comm, gram, params[0].device)
         wds = [float(g["weight_decay"]) for g in groups]
         vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
