@@ -27,6 +27,7 @@ from curvature.blocks.base import owned_all_finite
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
+from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
@@ -360,8 +361,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         with torch.enable_grad():
             new_loss, _ = closure()
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
-        self.damping = self.lm.update(actual, predicted)
-        self._decomposed = False  # re-decompose with the new damping at the next step
+        old_damping, self.damping = self.damping, self.lm.update(actual, predicted)
+        # a changed damping: K-FAC eigen decompositions take it in place (torchsso2/optim/redamp.py),
+        # other decompositions are redone at the next step
+        if self.damping != old_damping and (self.placement.active
+                                            or not redamp(self.running.blocks, old_damping, self.damping)):
+            self._decomposed = False
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
 
     face_name = "SecondOrderOptimizer"
