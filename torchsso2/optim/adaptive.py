@@ -106,11 +106,13 @@ def _rng_of(call: Call) -> Iterator[None]:
         yield
 
 
-def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor) -> Tensor:
-    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``."""
+def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
+    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``.
+    ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (``outputs`` may have
+    size-1 leading dimensions that broadcast against ``u``, e.g. [1, N, C] against [k, N, C])."""
     if loss is LossType.CROSS_ENTROPY:
-        p = torch.softmax(outputs.detach(), dim=1)
-        return p * u - p * (p * u).sum(1, keepdim=True)
+        p = torch.softmax(outputs.detach(), dim=class_dim)
+        return p * u - p * (p * u).sum(class_dim, keepdim=True)
     return u
 
 
@@ -151,13 +153,14 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
             if tangents is None:
                 tangents = {id(p): torch.stack([v[i].detach().to(p.dtype) for v in directions])
                             for i, p in enumerate(params)}  # keyed by the model's own parameters
-            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents)
-            jvs = [j.reshape(-1) for j in stacked]
+            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents)  # [k, N, ...]
+            jmat = stacked.reshape(k, -1)
+            hmat = output_hessian_product(loss, out.unsqueeze(0), stacked, class_dim=2).reshape(k, -1)
         else:
             out, jvs = _dual_jvps(model, names, select, call, primals, directions)
+            jmat = torch.stack(jvs)  # [k, N·out]
+            hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
         total += out.shape[0]
-        jmat = torch.stack(jvs)  # [k, N·out]
-        hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
         gram += (jmat @ hmat.t()).double()
     return 0.5 * (gram + gram.t()) / max(total, 1)
 
@@ -378,7 +381,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
             return None
         for p, s, t in zip(params, states, new):
             p.add_(t.to(p.dtype))
-            s["adaptive_delta"] = t.detach().clone()
+            s["adaptive_delta"] = t  # a new tensor of this step (not a view of Δ or δ_prev)
     ada.last = {"learning_rate": -alpha, "momentum": mu, "quad_model": value, "steps": ada.last["steps"] + 1}
     logger.debug("adaptive step: learning_rate=%.4g momentum=%.4g M=%.4g", -alpha, mu, value)
     return value
