@@ -266,9 +266,12 @@ class AdaptiveCoefficients:
     and here ``last`` (the last coefficients, quadratic-model value and step count).
     """
 
-    def __init__(self, learning_rate: bool, momentum: bool) -> None:
+    def __init__(self, learning_rate: bool, momentum: bool, interval: int = 1) -> None:
         self.learning_rate = learning_rate
         self.momentum = momentum
+        #: solve the coefficients every ``interval`` adaptive steps (and at the first two steps and
+        #: every Levenberg–Marquardt step); reuse the last ones in between (:meth:`reused`)
+        self.interval = interval
         self.recorder = InputRecorder()
         self._names: Optional[Tuple[Tuple[int, ...], List[str]]] = None
         #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
@@ -284,6 +287,22 @@ class AdaptiveCoefficients:
             raise ValueError(f"a fixed {what} with adaptive coefficients needs one value over all param groups, "
                              f"got {sorted(set(values))}")
         return float(values[0])
+
+    def reused(self, opt: Any, groups: List[Dict[str, Any]], first: bool) -> Optional[List[float]]:
+        """``[α, μ]`` to take again at this step without solving, or None when this step solves.
+
+        With ``interval`` k > 1 the coefficients are solved at every k-th adaptive step, at the
+        first two (``α`` alone, then ``α`` and ``μ``; also at a ``first`` step without ``δ_prev``)
+        and at every step the Levenberg–Marquardt rule runs after (it compares the loss change with
+        this step's quadratic model); the steps between take the last step's adapted coefficients
+        (after :func:`within_objective`) with the new ``Δ`` and ``δ_prev``, and have no model value
+        (``last["quad_model"]`` is NaN). A coefficient that is not adapted is the group's current one."""
+        steps = int(self.last["steps"])
+        if self.interval == 1 or first or steps < 2 or steps % self.interval == 0 or opt._adapt_now():
+            return None
+        alpha = -self.last["learning_rate"] if self.learning_rate else -self._one([g["lr"] for g in groups], "lr")
+        mu = self.last["momentum"] if self.momentum else self._one([g["momentum"] for g in groups], "momentum")
+        return [alpha, mu]
 
     def coefficients(self, opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
                      deltas: List[Tensor], vecs: List[Tensor], prev: Optional[List[Tensor]],
@@ -346,8 +365,8 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
     :class:`SecondOrderOptimizer` in adaptive mode). ``loss``: the batch loss before the step (the
     mean over ranks), for :func:`within_objective`. Returns the quadratic model's value ``M``
-    (the predicted change of the loss), or None (nothing changed) when the step is not finite or
-    the quadratic model has no minimum."""
+    (the predicted change of the loss; NaN at a step that reused the last coefficients), or None
+    (nothing changed) when the step is not finite or the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
     plan = opt._plans.get(params, groups, opt.running.blocks)
     wds = plan.values("weight_decay")
@@ -362,18 +381,23 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     prev: Optional[List[Tensor]] = [s.get("adaptive_delta", torch.zeros_like(p)) for s, p in zip(states, params)]
     if all("adaptive_delta" not in s for s in states):
         prev = None  # the first step: no previous update, only α
-    try:
-        (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
-    except ValueError as err:
-        if "positive definite" not in str(err):
-            raise
-        logger.warning("step %d: %s; no update", opt.num_steps, err)
-        return None
-    if loss is not None:
-        objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum()) for p, wd in zip(params, wds) if wd)
-        w, value = within_objective(w, value, objective)
+    reused = ada.reused(opt, groups, prev is None)
+    if reused is not None:  # adaptive_coefficients_interval > 1: the last coefficients, no model value
+        w, value = reused, math.nan
+    else:
+        try:
+            (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
+        except ValueError as err:
+            if "positive definite" not in str(err):
+                raise
+            logger.warning("step %d: %s; no update", opt.num_steps, err)
+            return None
+        if loss is not None:
+            objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum())
+                                   for p, wd in zip(params, wds) if wd)
+            w, value = within_objective(w, value, objective)
     alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
-    if not all(math.isfinite(x) for x in (alpha, mu, value)):
+    if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None
     with torch.no_grad():
         new = [d * alpha if prev is None else d * alpha + q * mu for d, q in zip(deltas, prev or deltas)]
