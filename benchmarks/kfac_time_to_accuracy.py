@@ -120,6 +120,8 @@ def make_optimizer(method: str, point: Dict[str, Any], model: nn.Module, seed: i
                                     **extra)
     if method == "kfac-adaptive":
         intervals = {"curv_update_interval": point["curv"], "inv_update_interval": point["inv"]} if "curv" in point else {}
+        if "coef" in point:  # the adaptive coefficients solved every `coef` steps, reused in between
+            intervals["adaptive_coefficients_interval"] = point["coef"]
         return SecondOrderOptimizer(model, approx="kfac", damping=point["damping"], adaptive_damping=True,
                                     use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=seed,
                                     **intervals)
@@ -130,6 +132,9 @@ def point_text(point: Dict[str, Any]) -> str:
     parts = []
     for k, v in point.items():
         if k == "inv":
+            continue
+        if k == "coef":
+            parts.append(f"coefficients every {v}")
             continue
         parts.append(f"intervals {v}/{point['inv']}" if k == "curv" else f"{k} {'off' if v is None else format(v, 'g')}")
     return ", ".join(parts)

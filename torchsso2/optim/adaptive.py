@@ -378,9 +378,9 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     else:
         deltas = plan.precondition(vecs, solved=opt._low_rank_solve(plan, vecs, wds))
     states = [opt.state[p] for p in params]
-    prev: Optional[List[Tensor]] = [s.get("adaptive_delta", torch.zeros_like(p)) for s, p in zip(states, params)]
-    if all("adaptive_delta" not in s for s in states):
-        prev = None  # the first step: no previous update, only α
+    prev: Optional[List[Tensor]] = None  # the first step: no previous update, only α
+    if any("adaptive_delta" in s for s in states):
+        prev = [s["adaptive_delta"] if "adaptive_delta" in s else torch.zeros_like(p) for s, p in zip(states, params)]
     reused = ada.reused(opt, groups, prev is None)
     if reused is not None:  # adaptive_coefficients_interval > 1: the last coefficients, no model value
         w, value = reused, math.nan
@@ -400,7 +400,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None
     with torch.no_grad():
-        new = [d * alpha if prev is None else d * alpha + q * mu for d, q in zip(deltas, prev or deltas)]
+        new = [d * alpha if prev is None else (d * alpha).add_(q, alpha=mu) for d, q in zip(deltas, prev or deltas)]
         if not owned_all_finite(new):
             return None
         for p, s, t in zip(params, states, new):
