@@ -125,6 +125,8 @@ def make_optimizer(method: str, point: Dict[str, Any], model: nn.Module, seed: i
         intervals = {"curv_update_interval": point["curv"], "inv_update_interval": point["inv"]} if "curv" in point else {}
         if "coef" in point:  # the adaptive coefficients solved every `coef` steps, reused in between
             intervals["adaptive_coefficients_interval"] = point["coef"]
+        if "kfac_method" in point:
+            intervals["kfac_method"] = point["kfac_method"]
         return SecondOrderOptimizer(model, approx="kfac", damping=point["damping"], adaptive_damping=True,
                                     use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=seed,
                                     **intervals)
@@ -139,7 +141,8 @@ def point_text(point: Dict[str, Any]) -> str:
         if k == "coef":
             parts.append(f"coefficients every {v}")
             continue
-        parts.append(f"intervals {v}/{point['inv']}" if k == "curv" else f"{k} {'off' if v is None else format(v, 'g')}")
+        value = "off" if v is None else (v if isinstance(v, str) else format(v, "g"))
+        parts.append(f"intervals {v}/{point['inv']}" if k == "curv" else f"{k} {value}")
     return ", ".join(parts)
 
 

@@ -54,6 +54,9 @@ def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     assert opt.adaptive.interval == 3
     assert bench.point_text({"damping": 0.01, "curv": 5, "inv": 5, "coef": 3}) == \
         "damping 0.01, intervals 5/5, coefficients every 3"
+    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "kfac_method": "inverse"}, model, 0)
+    assert opt.kfac_method == "inverse"
+    assert bench.point_text({"damping": 0.01, "kfac_method": "inverse"}) == "damping 0.01, kfac_method inverse"
 
 
 def test_a_run_stops_at_the_target_and_times_training_only():
