@@ -11,7 +11,9 @@ stratified split, pixels standardized with the training set's statistics), one t
   lr / damping / intervals ("kfac-fixed"), and K-FAC in adaptive mode
   (``use_adaptive_learning_rate=True, use_adaptive_momentum=True``, ``adaptive_damping=True``,
   docs/adaptive.md) over its initial damping at intervals 1/1, and at damping 0.01 over longer
-  curvature/decomposition intervals 1/10, 5/50, 10/100 ("kfac-adaptive");
+  curvature/decomposition intervals 1/10, 5/5, 5/20 ("kfac-adaptive"; a point may also set
+  ``"coef": k``, ``adaptive_coefficients_interval=k``, which is not in the grid: reusing the
+  coefficients cost epochs on both models);
 * per run: the first epoch whose test accuracy reaches the target and the *training* wall time
   up to the end of that epoch (the evaluation after each epoch is not timed); a run stops at the
   target or after ``--max-epochs`` (or ``--time-cap`` training seconds, which count as a miss).
@@ -102,9 +104,10 @@ def grids(quick: bool) -> Dict[str, List[Dict[str, Any]]]:
                        for lr, d, (c, i) in itertools.product((0.1, 0.3), (1e-2, 3e-2),
                                                               ((1, 1), (1, 5), (5, 50), (10, 100)))],
         # adaptive: the initial damping at intervals 1/1, and the smallest one at longer intervals (the
-        # step size and momentum are still solved every step; only the curvature work is spread out)
+        # step size and momentum are still solved every step; only the curvature work is spread out;
+        # an LM damping change re-damps the last decomposition, so 5/20 decomposes every 20 steps)
         "kfac-adaptive": [{"damping": d} for d in (1e-2, 1e-1, 1.0)]
-                         + [{"damping": 1e-2, "curv": c, "inv": i} for c, i in ((1, 10), (5, 50), (10, 100))],
+                         + [{"damping": 1e-2, "curv": c, "inv": i} for c, i in ((1, 10), (5, 5), (5, 20))],
     }
 
 
@@ -120,6 +123,10 @@ def make_optimizer(method: str, point: Dict[str, Any], model: nn.Module, seed: i
                                     **extra)
     if method == "kfac-adaptive":
         intervals = {"curv_update_interval": point["curv"], "inv_update_interval": point["inv"]} if "curv" in point else {}
+        if "coef" in point:  # the adaptive coefficients solved every `coef` steps, reused in between
+            intervals["adaptive_coefficients_interval"] = point["coef"]
+        if "kfac_method" in point:
+            intervals["kfac_method"] = point["kfac_method"]
         return SecondOrderOptimizer(model, approx="kfac", damping=point["damping"], adaptive_damping=True,
                                     use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=seed,
                                     **intervals)
@@ -131,7 +138,11 @@ def point_text(point: Dict[str, Any]) -> str:
     for k, v in point.items():
         if k == "inv":
             continue
-        parts.append(f"intervals {v}/{point['inv']}" if k == "curv" else f"{k} {'off' if v is None else format(v, 'g')}")
+        if k == "coef":
+            parts.append(f"coefficients every {v}")
+            continue
+        value = "off" if v is None else (v if isinstance(v, str) else format(v, "g"))
+        parts.append(f"intervals {v}/{point['inv']}" if k == "curv" else f"{k} {value}")
     return ", ".join(parts)
 
 
@@ -498,7 +509,7 @@ def readme_section(report: Dict[str, Any]) -> str:
              f"time (evaluation excluded) to {c['target']:.0%} test accuracy, best point of each method's grid by "
              f"median time (SGD momentum 0.9 and Adam over lr; K-FAC fixed over lr × damping × intervals at the "
              f"default KL clip, 1e-3/√(decomposition interval); K-FAC adaptive: `use_adaptive_learning_rate=True, use_adaptive_momentum=True, "
-             f"adaptive_damping=True` over the initial damping at intervals 1/1, and damping 0.01 at 1/10, 5/50 and 10/100). "
+             f"adaptive_damping=True` over the initial damping at intervals 1/1, and damping 0.01 at 1/10, 5/5 and 5/20). "
              f"`{_when(report)}`, load average "
              f"{'n/a' if load is None else format(load[0], '.1f')} on {report['machine']['cores']} cores "
              f"(`OMP_NUM_THREADS=1 python benchmarks/kfac_time_to_accuracy.py`, "

@@ -44,12 +44,19 @@ def test_targets_compare_epochs_and_the_time_ratio():
 
 def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     adaptive = bench.grids(False)["kfac-adaptive"]
-    assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (5, 50), (10, 100)}
+    assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (1, 10), (5, 5), (5, 20)}
     assert len(adaptive) <= 6  # the full run stays short
     model = bench.make_model("mlp", 0)
-    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "curv": 5, "inv": 50}, model, 0)
-    assert (opt.curv_update_interval, opt.inv_update_interval) == (5, 50)
-    assert bench.point_text({"damping": 0.01, "curv": 5, "inv": 50}) == "damping 0.01, intervals 5/50"
+    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "curv": 5, "inv": 20}, model, 0)
+    assert (opt.curv_update_interval, opt.inv_update_interval) == (5, 20) and opt.adaptive.interval == 1
+    assert bench.point_text({"damping": 0.01, "curv": 5, "inv": 20}) == "damping 0.01, intervals 5/20"
+    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "curv": 5, "inv": 5, "coef": 3}, model, 0)
+    assert opt.adaptive.interval == 3
+    assert bench.point_text({"damping": 0.01, "curv": 5, "inv": 5, "coef": 3}) == \
+        "damping 0.01, intervals 5/5, coefficients every 3"
+    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "kfac_method": "inverse"}, model, 0)
+    assert opt.kfac_method == "inverse"
+    assert bench.point_text({"damping": 0.01, "kfac_method": "inverse"}) == "damping 0.01, kfac_method inverse"
 
 
 def test_a_run_stops_at_the_target_and_times_training_only():

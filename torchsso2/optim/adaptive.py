@@ -50,6 +50,8 @@ from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import mean_nll
 from curvature.options import Kind, LossType
 
+from . import sequential_jvp
+
 logger = logging.getLogger(__name__)
 
 #: a recorded forward call: (positional args, keyword args, CPU RNG state before the forward)
@@ -104,37 +106,61 @@ def _rng_of(call: Call) -> Iterator[None]:
         yield
 
 
-def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor) -> Tensor:
-    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``."""
+def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
+    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``.
+    ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (``outputs`` may have
+    size-1 leading dimensions that broadcast against ``u``, e.g. [1, N, C] against [k, N, C])."""
     if loss is LossType.CROSS_ENTROPY:
-        p = torch.softmax(outputs.detach(), dim=1)
-        return p * u - p * (p * u).sum(1, keepdim=True)
+        p = torch.softmax(outputs.detach(), dim=class_dim)
+        return p * u - p * (p * u).sum(class_dim, keepdim=True)
     return u
 
 
+def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call,
+               primals: Sequence[Tensor], directions: Sequence[Sequence[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
+    """The output of a recorded forward and ``J v`` (flattened) for every direction: one
+    forward-mode pass (dual numbers) per direction, with the forward's RNG state and buffer copies."""
+    f = _functional(model, names, select, call)
+    jvs = []
+    out = None
+    for v in directions:
+        with _rng_of(call), fwAD.dual_level():
+            res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
+            out, jv = fwAD.unpack_dual(res)
+        if jv is None:  # the output does not depend on the optimized parameters
+            jv = torch.zeros_like(out)
+        jvs.append(jv.reshape(-1))
+    assert out is not None
+    return out, jvs
+
+
 def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
-             directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor]) -> Tensor:
+             directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
+             identity_select: bool = False) -> Tensor:
     """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
-    forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward."""
+    forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward,
+    or, when ``identity_select`` (the model output is the loss input) and the model is a plain
+    ``nn.Sequential`` (:mod:`torchsso2.optim.sequential_jvp`), one hand-written pass for all
+    directions."""
     k = len(directions)
     gram = torch.zeros(k, k, dtype=torch.float64)
     total = 0
     primals = [p.detach() for p in params]
+    tangents: Optional[Dict[int, Tensor]] = None
     for call in calls:
-        f = _functional(model, names, select, call)
-        jvs = []
-        out = None
-        for v in directions:
-            with _rng_of(call), fwAD.dual_level():
-                res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
-                out, jv = fwAD.unpack_dual(res)
-            if jv is None:  # the output does not depend on the optimized parameters
-                jv = torch.zeros_like(out)
-            jvs.append(jv.reshape(-1))
-        assert out is not None
+        if identity_select and sequential_jvp.supports(model, call[0], call[1]):
+            # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
+            if tangents is None:
+                tangents = {id(p): torch.stack([v[i].detach().to(p.dtype) for v in directions])
+                            for i, p in enumerate(params)}  # keyed by the model's own parameters
+            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents)  # [k, N, ...]
+            jmat = stacked.reshape(k, -1)
+            hmat = output_hessian_product(loss, out.unsqueeze(0), stacked, class_dim=2).reshape(k, -1)
+        else:
+            out, jvs = _dual_jvps(model, names, select, call, primals, directions)
+            jmat = torch.stack(jvs)  # [k, N·out]
+            hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
         total += out.shape[0]
-        jmat = torch.stack(jvs)  # [k, N·out]
-        hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
         gram += (jmat @ hmat.t()).double()
     return 0.5 * (gram + gram.t()) / max(total, 1)
 
@@ -240,9 +266,12 @@ class AdaptiveCoefficients:
     and here ``last`` (the last coefficients, quadratic-model value and step count).
     """
 
-    def __init__(self, learning_rate: bool, momentum: bool) -> None:
+    def __init__(self, learning_rate: bool, momentum: bool, interval: int = 1) -> None:
         self.learning_rate = learning_rate
         self.momentum = momentum
+        #: solve the coefficients every ``interval`` adaptive steps (and at the first two steps and
+        #: every Levenberg–Marquardt step); reuse the last ones in between (:meth:`reused`)
+        self.interval = interval
         self.recorder = InputRecorder()
         self._names: Optional[Tuple[Tuple[int, ...], List[str]]] = None
         #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
@@ -258,6 +287,22 @@ class AdaptiveCoefficients:
             raise ValueError(f"a fixed {what} with adaptive coefficients needs one value over all param groups, "
                              f"got {sorted(set(values))}")
         return float(values[0])
+
+    def reused(self, opt: Any, groups: List[Dict[str, Any]], first: bool) -> Optional[List[float]]:
+        """``[α, μ]`` to take again at this step without solving, or None when this step solves.
+
+        With ``interval`` k > 1 the coefficients are solved at every k-th adaptive step, at the
+        first two (``α`` alone, then ``α`` and ``μ``; also at a ``first`` step without ``δ_prev``)
+        and at every step the Levenberg–Marquardt rule runs after (it compares the loss change with
+        this step's quadratic model); the steps between take the last step's adapted coefficients
+        (after :func:`within_objective`) with the new ``Δ`` and ``δ_prev``, and have no model value
+        (``last["quad_model"]`` is NaN). A coefficient that is not adapted is the group's current one."""
+        steps = int(self.last["steps"])
+        if self.interval == 1 or first or steps < 2 or steps % self.interval == 0 or opt._adapt_now():
+            return None
+        alpha = -self.last["learning_rate"] if self.learning_rate else -self._one([g["lr"] for g in groups], "lr")
+        mu = self.last["momentum"] if self.momentum else self._one([g["momentum"] for g in groups], "momentum")
+        return [alpha, mu]
 
     def coefficients(self, opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
                      deltas: List[Tensor], vecs: List[Tensor], prev: Optional[List[Tensor]],
@@ -281,7 +326,7 @@ class AdaptiveCoefficients:
                                 opt.engine.select_output, targets)
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
-                            opt.engine.select_output)
+                            opt.engine.select_output, identity_select=opt.engine.output_selector is None)
         gram = mean_over_ranks(opt.comm, gram, params[0].device)
         wds = [float(g["weight_decay"]) for g in groups]
         vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
@@ -320,8 +365,8 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
     :class:`SecondOrderOptimizer` in adaptive mode). ``loss``: the batch loss before the step (the
     mean over ranks), for :func:`within_objective`. Returns the quadratic model's value ``M``
-    (the predicted change of the loss), or None (nothing changed) when the step is not finite or
-    the quadratic model has no minimum."""
+    (the predicted change of the loss; NaN at a step that reused the last coefficients), or None
+    (nothing changed) when the step is not finite or the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
     plan = opt._plans.get(params, groups, opt.running.blocks)
     wds = plan.values("weight_decay")
@@ -333,29 +378,34 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     else:
         deltas = plan.precondition(vecs, solved=opt._low_rank_solve(plan, vecs, wds))
     states = [opt.state[p] for p in params]
-    prev: Optional[List[Tensor]] = [s.get("adaptive_delta", torch.zeros_like(p)) for s, p in zip(states, params)]
-    if all("adaptive_delta" not in s for s in states):
-        prev = None  # the first step: no previous update, only α
-    try:
-        (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
-    except ValueError as err:
-        if "positive definite" not in str(err):
-            raise
-        logger.warning("step %d: %s; no update", opt.num_steps, err)
-        return None
-    if loss is not None:
-        objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum()) for p, wd in zip(params, wds) if wd)
-        w, value = within_objective(w, value, objective)
+    prev: Optional[List[Tensor]] = None  # the first step: no previous update, only α
+    if any("adaptive_delta" in s for s in states):
+        prev = [s["adaptive_delta"] if "adaptive_delta" in s else torch.zeros_like(p) for s, p in zip(states, params)]
+    reused = ada.reused(opt, groups, prev is None)
+    if reused is not None:  # adaptive_coefficients_interval > 1: the last coefficients, no model value
+        w, value = reused, math.nan
+    else:
+        try:
+            (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
+        except ValueError as err:
+            if "positive definite" not in str(err):
+                raise
+            logger.warning("step %d: %s; no update", opt.num_steps, err)
+            return None
+        if loss is not None:
+            objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum())
+                                   for p, wd in zip(params, wds) if wd)
+            w, value = within_objective(w, value, objective)
     alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
-    if not all(math.isfinite(x) for x in (alpha, mu, value)):
+    if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None
     with torch.no_grad():
-        new = [d * alpha if prev is None else d * alpha + q * mu for d, q in zip(deltas, prev or deltas)]
+        new = [d * alpha if prev is None else (d * alpha).add_(q, alpha=mu) for d, q in zip(deltas, prev or deltas)]
         if not owned_all_finite(new):
             return None
         for p, s, t in zip(params, states, new):
             p.add_(t.to(p.dtype))
-            s["adaptive_delta"] = t.detach().clone()
+            s["adaptive_delta"] = t  # a new tensor of this step (not a view of Δ or δ_prev)
     ada.last = {"learning_rate": -alpha, "momentum": mu, "quad_model": value, "steps": ada.last["steps"] + 1}
     logger.debug("adaptive step: learning_rate=%.4g momentum=%.4g M=%.4g", -alpha, mu, value)
     return value

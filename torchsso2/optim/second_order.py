@@ -27,6 +27,7 @@ from curvature.blocks.base import owned_all_finite
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
+from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
@@ -183,6 +184,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             ``adaptive_damping=True`` (then fed the quadratic model's predicted change) for a
             run with neither lr nor damping to tune. The default KL clip is off in this mode and an explicit
             ``kl_clip`` (other than ``None``) is refused.
+        adaptive_coefficients_interval: with adaptive coefficients, solve them every this many steps
+            (and at the first two and at every LM damping step) and reuse the last ones in between,
+            which then cost no JVP (default 1: every step).
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -210,7 +214,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  low_rank_solve: bool = True, output_selector: Any = None,
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
                  use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False,
-                 kfac_approx: str = "expand", curv_warmup_steps: int = 0) -> None:
+                 kfac_approx: str = "expand", curv_warmup_steps: int = 0,
+                 adaptive_coefficients_interval: int = 1) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
         self.curv_warmup_steps = check_int("curv_warmup_steps", curv_warmup_steps, low=0)
         check_number("lr", lr, low=0.0, high=MAX_LR)
@@ -245,7 +250,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         settings = CurvatureSettings.from_arguments(locals(), approx=DEFAULT_APPROX if approx is None else approx)
         super().__init__(model, params, defaults, settings)
         self.kfac_method = kfac_method
-        self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum)
+        self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum,
+                                            adaptive_coefficients_interval)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
         self.low_rank: Optional[LowRankSolver] = None
@@ -360,8 +366,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         with torch.enable_grad():
             new_loss, _ = closure()
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
-        self.damping = self.lm.update(actual, predicted)
-        self._decomposed = False  # re-decompose with the new damping at the next step
+        old_damping, self.damping = self.damping, self.lm.update(actual, predicted)
+        # a changed damping: K-FAC eigen decompositions take it in place (torchsso2/optim/redamp.py),
+        # other decompositions are redone at the next step
+        if self.damping != old_damping and (self.placement.active
+                                            or not redamp(self.running.blocks, old_damping, self.damping)):
+            self._decomposed = False
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
 
     face_name = "SecondOrderOptimizer"
@@ -396,12 +406,16 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])
 
-    def _make_adaptive(self, learning_rate: Any, momentum: Any) -> Optional[AdaptiveCoefficients]:
+    def _make_adaptive(self, learning_rate: Any, momentum: Any, interval: Any = 1) -> Optional[AdaptiveCoefficients]:
         """Validate the adaptive-mode flags; the :class:`AdaptiveCoefficients` or None."""
         for name, flag in (("use_adaptive_learning_rate", learning_rate), ("use_adaptive_momentum", momentum)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_int("adaptive_coefficients_interval", interval)
         if not (learning_rate or momentum):
+            if interval != 1:
+                raise ValueError(f"adaptive_coefficients_interval={interval} needs use_adaptive_learning_rate=True "
+                                 "or use_adaptive_momentum=True")
             return None
         param_names(self.model, [p for g in self.param_groups for p in g["params"]])
-        return AdaptiveCoefficients(learning_rate, momentum)
+        return AdaptiveCoefficients(learning_rate, momentum, interval)

@@ -1,0 +1,87 @@
+"""The hand-written J·v of plain ``nn.Sequential`` models (torchsso2/optim/sequential_jvp.py) against
+torch.func.jvp (float64), and the adaptive step's Gram through it against the dual-number path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from curvature.options import LossType
+from torchsso2.optim import adaptive
+from torchsso2.optim.adaptive import InputRecorder, ggn_gram
+from torchsso2.optim.sequential_jvp import sequential_jvps, supports
+
+
+def _models():
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False), nn.Tanh(), nn.AvgPool2d(2),
+                        nn.Identity(), nn.Flatten(), nn.Linear(24, 5), nn.Sigmoid(), nn.Linear(5, 3, bias=False))
+    mlp = nn.Sequential(nn.Linear(64, 7), nn.ReLU(), nn.Linear(7, 3))
+    seq1d = nn.Sequential(nn.Unflatten(1, (2, 32)), nn.Conv1d(2, 3, 5, stride=2, padding=2),
+                          nn.ReLU(), nn.MaxPool1d(3, stride=2, padding=1), nn.AvgPool1d(2), nn.Flatten(),
+                          nn.Linear(12, 3))
+    return {"cnn": cnn.double(), "mlp": mlp.double(), "conv1d": seq1d.double()}
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "conv1d"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_sequential_jvps_equal_torch_func_jvp(name, frozen):
+    model = _models()[name]
+    x = torch.randn(10, 64, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    moving = {n: p for i, (n, p) in enumerate(params.items()) if not (frozen and i == 0)}
+    g = torch.Generator().manual_seed(1)
+    dirs = [{n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in moving.items()} for _ in range(3)]
+    assert supports(model, (x,), {})
+    out, jv = sequential_jvps(model, x, {id(p): torch.stack([d[n] for d in dirs]) for n, p in moving.items()})
+    assert jv.shape == (3, *out.shape)
+    for i, d in enumerate(dirs):
+        names = list(moving)
+        f = lambda *ps: torch.func.functional_call(model, dict(zip(names, ps)), (x,))  # noqa: E731
+        ref_out, ref_jv = torch.func.jvp(f, tuple(p.detach() for p in moving.values()), tuple(d[n] for n in names))
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(jv[i], ref_jv, rtol=1e-10, atol=1e-12)
+
+
+def test_unsupported_models_take_the_dual_number_path():
+    x = torch.randn(4, 6)
+    plain = nn.Sequential(nn.Linear(6, 3))
+    assert supports(plain, (x,), {})
+    assert not supports(nn.Sequential(nn.Linear(6, 3), nn.Dropout(0.5)), (x,), {})
+    assert not supports(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)), (x,), {})
+    assert not supports(nn.Sequential(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")), (x,), {})
+    assert not supports(nn.Linear(6, 3), (x,), {})  # not a Sequential
+    assert not supports(plain, (x, x), {}) and not supports(plain, (x,), {"y": 1})
+
+    class MyLinear(nn.Linear):  # a subclass may compute something else
+        pass
+    assert not supports(nn.Sequential(MyLinear(6, 3)), (x,), {})
+    hooked = nn.Sequential(nn.Linear(6, 3))
+    hooked[0].register_forward_hook(lambda m, i, o: o * 2)
+    assert not supports(hooked, (x,), {})
+    with pytest.raises(ValueError, match="at least one"):
+        sequential_jvps(plain, x, {})
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp"])
+@pytest.mark.parametrize("loss", [LossType.CROSS_ENTROPY, LossType.MSE])
+def test_gram_of_the_fast_path_equals_the_dual_number_path(name, loss, monkeypatch):
+    model = _models()[name]
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    rec = InputRecorder()
+    with rec.record(model):  # two recorded forwards (micro-batches), as a closure may run
+        model(torch.randn(9, 64, dtype=torch.float64))
+        model(torch.randn(5, 64, dtype=torch.float64))
+    g = torch.Generator().manual_seed(2)
+    dirs = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params] for _ in range(2)]
+    seen = []
+    original = adaptive.sequential_jvp.sequential_jvps
+    monkeypatch.setattr(adaptive.sequential_jvp, "sequential_jvps",
+                        lambda *a: seen.append(1) or original(*a))
+    fast = ggn_gram(model, rec.calls, names, params, dirs, loss, lambda o: o, identity_select=True)
+    assert len(seen) == 2  # the fast path ran, once per recorded forward
+    dual = ggn_gram(model, rec.calls, names, params, dirs, loss, lambda o: o)  # the default: dual numbers
+    assert len(seen) == 2
+    torch.testing.assert_close(fast, dual, rtol=1e-11, atol=1e-13)

@@ -1,0 +1,149 @@
+"""Jacobian–vector products of an ``nn.Sequential`` for several directions in one pass, by hand.
+
+The adaptive step (:mod:`torchsso2.optim.adaptive`) needs ``J vᵢ`` (``J`` the Jacobian of the
+model output with respect to the parameters) for two directions at every step. The generic path
+runs the model once per direction with ``torch.autograd.forward_ad`` dual numbers: each pass
+recomputes the forward, and on small models the dual-number dispatch costs more than the
+arithmetic (digits MLP 64-128-10 at batch 128, one thread: ~0.7 ms for two directions against
+~0.07 ms for a forward). For an ``nn.Sequential`` built only of the layers below, this module
+computes the same products with plain tensor operations: the forward once, and the tangents of
+all ``k`` directions stacked along a leading dimension (``[k, N, ...]``), the parameter-tangent
+terms of a layer as one matmul / convolution with the ``k`` weight tangents concatenated
+(~0.35 ms on that MLP). Same math as the dual numbers: the results agree to rounding.
+
+Supported children (exact types, no hooks): ``Linear``, ``Conv1d``/``Conv2d``, ``ReLU``, ``Tanh``,
+``Sigmoid``, ``MaxPool1d``/``MaxPool2d`` (the tangent at the pooled argmax, as forward mode
+takes it), ``AvgPool1d``/``AvgPool2d``, ``Flatten``, ``Unflatten``, ``Identity``; none of them
+draws random numbers or has buffers. Anything else (a subclass, BatchNorm, Dropout, a
+parametrized layer, a module with its own forward hooks) takes the generic path.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_PARAMETRIC = (nn.Linear, nn.Conv1d, nn.Conv2d)
+_ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid)
+_MAXPOOL = (nn.MaxPool1d, nn.MaxPool2d)
+_LINEAR_MAPS = (nn.AvgPool1d, nn.AvgPool2d, nn.Flatten, nn.Unflatten, nn.Identity)
+_SUPPORTED = frozenset(_PARAMETRIC + _ELEMENTWISE + _MAXPOOL + _LINEAR_MAPS)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def supports(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """True when :func:`sequential_jvps` applies to ``model(*args, **kwargs)``: an ``nn.Sequential``
+    (exact type, no hooks) of supported children called with one tensor."""
+    if type(model) is not nn.Sequential or _hooked(model) or kwargs or len(args) != 1 \
+            or not isinstance(args[0], Tensor):
+        return False
+    for child in model:
+        if type(child) not in _SUPPORTED or _hooked(child):
+            return False
+        if isinstance(child, (nn.Conv1d, nn.Conv2d)) and child.padding_mode != "zeros":
+            return False
+        if isinstance(child, _MAXPOOL) and child.return_indices:
+            return False
+    return True
+
+
+def _bias_view(tb: Tensor, ndim: int, channel_dim: int) -> Tensor:
+    """``[k, C]`` bias tangents shaped to broadcast against ``[k, *out]`` (``out`` of ``ndim``
+    dims with channels at ``channel_dim``)."""
+    shape = [tb.shape[0]] + [1] * ndim
+    shape[1 + channel_dim] = tb.shape[1]
+    return tb.view(shape)
+
+
+def _add(a: Optional[Tensor], b: Tensor) -> Tensor:
+    return b if a is None else a + b
+
+
+def _linear(mod: nn.Linear, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int
+            ) -> Tuple[Tensor, Optional[Tensor]]:
+    out = F.linear(h, mod.weight, mod.bias)
+    nt = None if t is None else torch.matmul(t, mod.weight.t())  # [k, ..., out]
+    tw = tangents.get(id(mod.weight))
+    if tw is not None:  # h [.., in] @ [k·out, in]ᵀ -> [.., k, out] -> [k, .., out]
+        y = torch.matmul(h, tw.reshape(-1, tw.shape[-1]).t())
+        nt = _add(nt, y.unflatten(-1, (k, -1)).movedim(-2, 0))
+    tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
+    if tb is not None:
+        nt = _add(nt, _bias_view(tb, out.dim(), out.dim() - 1).expand(k, *out.shape))
+    return out, nt
+
+
+def _conv(mod: nn.Module, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int
+          ) -> Tuple[Tensor, Optional[Tensor]]:
+    conv = mod._conv_forward  # type: ignore[operator]  # (input, weight, bias), with the module's settings
+    out = conv(h, mod.weight, mod.bias)
+    nt = None if t is None else conv(t.flatten(0, 1), mod.weight, None).unflatten(0, (k, -1))
+    tw = tangents.get(id(mod.weight))
+    if tw is not None:
+        if mod.groups == 1:  # the k weight tangents as k·out output channels of one convolution
+            y = conv(h, tw.flatten(0, 1), None).unflatten(1, (k, -1)).movedim(1, 0)
+        else:  # grouped: concatenated channels would cross the groups
+            y = torch.stack([conv(h, w, None) for w in tw])
+        nt = _add(nt, y)
+    tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
+    if tb is not None:
+        nt = _add(nt, _bias_view(tb, out.dim(), 1).expand(k, *out.shape))
+    return out, nt
+
+
+def _maxpool(mod: nn.Module, h: Tensor, t: Optional[Tensor], k: int) -> Tuple[Tensor, Optional[Tensor]]:
+    if isinstance(mod, nn.MaxPool2d):
+        if h.dim() == 4:  # the same values and indices; on CPU the channels-last kernel is ~3x faster here
+            h = h.contiguous(memory_format=torch.channels_last)
+        pool = F.max_pool2d_with_indices
+    else:
+        pool = F.max_pool1d_with_indices
+    out, idx = pool(h, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode)
+    out, idx = out.contiguous(), idx.contiguous()
+    if t is None:
+        return out, None
+    spatial = 2 if isinstance(mod, nn.MaxPool2d) else 1
+    flat_t = t.flatten(-spatial)  # indices are into the flattened spatial dims of each channel
+    flat_i = idx.flatten(-spatial).expand(k, *idx.shape[:-spatial], -1)
+    return out, flat_t.gather(-1, flat_i).view(k, *out.shape)
+
+
+def sequential_jvps(model: nn.Sequential, x: Tensor, tangents: Dict[int, Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(f(x), [J v_1, …, J v_k])`` for a model :func:`supports` accepts.
+
+    ``x``: the input [N, ...]; ``tangents``: ``{id(parameter): [k, *parameter.shape]}`` for the
+    parameters that move (the others are held fixed, as the generic path does). Returns the
+    output [N, ...] and the output tangents [k, N, ...] (zeros when no parameter moves)."""
+    if not tangents:
+        raise ValueError("sequential_jvps needs at least one parameter tangent")
+    k = next(iter(tangents.values())).shape[0]
+    h, t = x, None
+    with torch.no_grad():
+        for mod in model:
+            if isinstance(mod, nn.Linear):
+                h, t = _linear(mod, h, t, tangents, k)
+            elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+                h, t = _conv(mod, h, t, tangents, k)
+            elif isinstance(mod, _MAXPOOL):
+                h, t = _maxpool(mod, h, t, k)
+            elif isinstance(mod, nn.ReLU):
+                t = None if t is None else t * (h > 0)
+                h = F.relu(h)
+            elif isinstance(mod, nn.Tanh):
+                h = torch.tanh(h)
+                t = None if t is None else t * (1 - h * h)
+            elif isinstance(mod, nn.Sigmoid):
+                h = torch.sigmoid(h)
+                t = None if t is None else t * (h * (1 - h))
+            else:  # linear maps of the activation: pooling by averaging, reshapes
+                h_new = mod(h)
+                if t is not None:
+                    t = mod(t.flatten(0, 1)).unflatten(0, (k, -1)) if isinstance(mod, (nn.AvgPool1d, nn.AvgPool2d)) \
+                        else t.reshape(k, *h_new.shape)
+                h = h_new
+    return h, (torch.zeros(k, *h.shape, dtype=h.dtype, device=h.device) if t is None else t)
