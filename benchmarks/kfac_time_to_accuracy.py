@@ -29,10 +29,11 @@ tuned SGD and Adam and in <= 0.7x their wall time (medians over seeds).
 
 It also measures where a K-FAC step's time goes (``step_costs``): at each batch size on the MLP,
 a step that estimates the curvature and re-decomposes it (intervals 1/1), one that only estimates
-it, and a plain step (no curvature work), against an SGD step plus the FLOP floor of the
-preconditioning (the solve's matmuls timed alone), the cost of the first step and the bare
-decompositions (eigh / Cholesky) of the factors, and the optimizer's decomposition of new factors
-against one after a damping change alone (the factors' eigenbases are kept: only ``denom`` is new).
+it (Monte-Carlo Fisher, and empirical Fisher from the user's backward), and a plain step (no
+curvature work), against an SGD step plus the FLOP floor of the preconditioning (the solve's
+matmuls timed alone), the cost of the first step and the bare decompositions (eigh / Cholesky) of
+the factors, and the optimizer's decomposition of new factors against one after a damping change
+alone (the factors' eigenbases are kept: only ``denom`` is new).
 
 Usage::
 
@@ -293,11 +294,12 @@ def step_costs(data: Dict[str, Tensor], batch: int, repeats: int, model_kind: st
     preconditioning matmuls (the FLOP floor of a plain step beyond SGD)."""
     x, y = data["x_train"][:batch], data["y_train"][:batch]
     never = 10 ** 9
-    variants = {  # name -> (curv interval, inv interval, kfac_method); None: SGD
+    variants = {  # name -> (curv interval, inv interval, kfac_method[, curvature]); None: SGD
         "sgd": None,
         "kfac_curvature_and_eigh": (1, 1, "eigen"),
         "kfac_curvature_and_cholesky": (1, 1, "inverse"),
         "kfac_curvature_only": (1, never, "eigen"),
+        "kfac_curvature_only_empirical": (1, never, "eigen", "empirical_fisher"),
         "kfac_plain_eigen": (never, never, "eigen"),
         "kfac_plain_inverse": (never, never, "inverse"),
     }
@@ -307,7 +309,8 @@ def step_costs(data: Dict[str, Tensor], batch: int, repeats: int, model_kind: st
         model = make_model(model_kind, 0)
         opt: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if spec is None else \
             SecondOrderOptimizer(model, approx="kfac", lr=0.01, damping=0.1, curv_update_interval=spec[0],
-                                 inv_update_interval=spec[1], kfac_method=spec[2], seed=0)
+                                 inv_update_interval=spec[1], kfac_method=spec[2], seed=0,
+                                 curvature=spec[3] if len(spec) > 3 else "fisher_mc")
         runners[name] = _stepper(model, opt, x, y)
         opts[name] = opt
     times: Dict[str, List[float]] = {n: [] for n in variants}
@@ -336,6 +339,7 @@ def step_costs(data: Dict[str, Tensor], batch: int, repeats: int, model_kind: st
     # differences of minima of separately timed pieces (on a loaded machine the long steps are preempted more)
     out["redecomposition_overhead_ms"] = out["decompose_new_factors"]["min_ms"] - out["eigh_factors"]["min_ms"]
     out["curvature_overhead_ms"] = out["kfac_curvature_only"]["min_ms"] - plain
+    out["empirical_curvature_overhead_ms"] = out["kfac_curvature_only_empirical"]["min_ms"] - plain
     out["first_step_overhead_ms"] = out["kfac_first_step"]["min_ms"] - (
         out["kfac_curvature_only"]["min_ms"] + out["decompose_new_factors"]["min_ms"])
     out["batch"] = batch
@@ -487,6 +491,9 @@ def costs_table(report: Dict[str, Any]) -> str:
                   f"{c['redecomposition_overhead_ms']:.3f}"],
                  [f"B={c['batch']}", "curvature estimate (curvature-only − plain step)",
                   f"{c['curvature_overhead_ms']:.3f}"],
+                 *([[f"B={c['batch']}", "empirical-Fisher curvature estimate from the user's backward "
+                     "(curvature-only − plain step)", f"{c['empirical_curvature_overhead_ms']:.3f}"]]
+                   if "empirical_curvature_overhead_ms" in c else []),
                  [f"B={c['batch']}", "first step of a fresh optimizer (overhead over curvature-only step + decomposition)",
                   f"{ms('kfac_first_step')} (+{c['first_step_overhead_ms']:.3f})"]]
     return markdown_table(["batch", "what (MLP 64-128-10)", "ms, min / median"], rows, align="lll")
@@ -542,7 +549,10 @@ def readme_section(report: Dict[str, Any]) -> str:
             f"* K-FAC step on the MLP at batch {cost['batch']} (ms, min): plain step "
             f"{cost['kfac_plain_eigen']['min_ms']:.2f} against SGD {cost['sgd']['min_ms']:.2f} + preconditioning "
             f"matmuls {cost['precondition_matmuls_eigen']['min_ms']:.2f} = {cost['plain_step_over_floor']:.2f}x its "
-            f"FLOP floor; curvature estimate +{cost['curvature_overhead_ms']:.2f}; decomposition "
+            f"FLOP floor; curvature estimate +{cost['curvature_overhead_ms']:.2f}"
+            + (f" (empirical Fisher from the user's backward +{cost['empirical_curvature_overhead_ms']:.2f})"
+               if "empirical_curvature_overhead_ms" in cost else "")
+            + f"; decomposition "
             f"{cost['decompose_new_factors']['min_ms']:.2f} (bare eigh {cost['eigh_factors']['min_ms']:.2f}, "
             f"Cholesky inverses {cost['cholesky_inverse_factors']['min_ms']:.2f}), after a damping change only "
             f"{cost['decompose_new_damping']['min_ms']:.2f}; first step {cost['kfac_first_step']['min_ms']:.2f} "

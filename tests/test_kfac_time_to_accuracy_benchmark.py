@@ -135,11 +135,14 @@ def test_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert len(setting["targets"]) == 4
     costs = saved["step_costs"][0]
     for key in ("sgd", "kfac_plain_eigen", "kfac_curvature_only", "kfac_curvature_and_eigh", "kfac_first_step",
-                "eigh_factors", "precondition_matmuls_eigen"):
+                "eigh_factors", "precondition_matmuls_eigen", "kfac_curvature_only_empirical"):
         assert costs[key]["min_ms"] > 0
     assert costs["plain_step_over_floor"] > 0
+    assert "empirical_curvature_overhead_ms" in costs
     text = capsys.readouterr().out
     assert "time / SGD" in text and "<= 0.7x" in text and "FLOP floor" in text
+    assert "empirical-Fisher curvature estimate" in text
+    assert "empirical Fisher from the user's backward +" in bench.readme_section(saved)
     assert report["settings"][0]["model"] == "mlp"
 
 
