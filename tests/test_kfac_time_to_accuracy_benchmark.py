@@ -59,6 +59,68 @@ def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     assert bench.point_text({"damping": 0.01, "kfac_method": "inverse"}) == "damping 0.01, kfac_method inverse"
 
 
+def test_fixed_grid_has_empirical_fisher_points_and_the_optimizer_uses_them():
+    """The fixed grid holds points whose G factor comes from the user's own backward
+    (``curvature="empirical_fisher"``, no second backward); make_optimizer passes the point's
+    curvature, KL clip and method through, and the label shows them."""
+    fixed = bench.grids(False)["kfac-fixed"]
+    assert any(p.get("curvature") == "empirical_fisher" for p in fixed)
+    assert any("curvature" not in p for p in fixed)  # the default (Monte-Carlo Fisher) stays in
+    assert len(fixed) <= 16  # the full run stays short
+    point = {"lr": 0.3, "damping": 0.01, "curv": 10, "inv": 100, "curvature": "empirical_fisher", "kl_clip": 5e-5}
+    opt = bench.make_optimizer("kfac-fixed", point, bench.make_model("mlp", 0), 0)
+    assert opt.engine.kind.value == "empirical_fisher" and opt.kl_clip == 5e-5
+    assert (opt.curv_update_interval, opt.inv_update_interval) == (10, 100)
+    default = bench.make_optimizer("kfac-fixed", {"lr": 0.3, "damping": 0.01, "curv": 10, "inv": 100},
+                                   bench.make_model("mlp", 0), 0)
+    assert default.engine.kind.value == "fisher_mc"
+    assert bench.point_text(point) == ("lr 0.3, damping 0.01, intervals 10/100, curvature empirical_fisher, "
+                                       "kl_clip 5e-05")
+
+
+def test_empirical_fisher_kfac_factors_from_the_users_backward_equal_brute_force():
+    """What the empirical-Fisher grid points precondition with: after one step (float64 MLP, mean
+    cross-entropy), the Linear layers' K-FAC factors are ``A = (1/N) Σ_n ã_n ã_nᵀ`` (``ã``: the
+    input with a 1 for the bias) and ``G = (1/N) Σ_n (N ∂L/∂s_n)(N ∂L/∂s_n)ᵀ`` (``s``: the layer's
+    output, ``L`` the mean loss), each example's gradient from plain autograd."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    n = 7
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(n, 5, dtype=torch.float64), torch.randint(0, 3, (n,))
+    opt = bench.SecondOrderOptimizer(model, lr=0.0, curvature="empirical_fisher", approx="kfac",
+                                     curv_update_interval=10, inv_update_interval=100)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+
+    opt.step(closure)
+    inputs, outputs = {}, {}
+
+    def record(name):
+        def hook(_module, args, out):
+            inputs[name], outputs[name] = args[0], out
+        return hook
+
+    hooks = [model[int(k)].register_forward_hook(record(k)) for k in ("0", "2")]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    for h in hooks:
+        h.remove()
+    grads = dict(zip(outputs, torch.autograd.grad(loss, list(outputs.values()))))
+    for name in ("0", "2"):
+        a = torch.cat([inputs[name], torch.ones(n, 1, dtype=torch.float64)], 1)
+        g = grads[name] * n
+        block = opt.running.blocks[name]
+        torch.testing.assert_close(block.right, a.t() @ a / n, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(block.left, g.t() @ g / n, rtol=1e-10, atol=1e-12)
+
+
 def test_a_run_stops_at_the_target_and_times_training_only():
     data = bench.load_data()
     run = bench.train("sgd", {"lr": 0.1}, "mlp", data, 512, 0, target=0.0, max_epochs=5)
@@ -80,11 +142,14 @@ def test_quick_run_writes_json_and_plot(tmp_path, capsys):
     assert len(setting["targets"]) == 4
     costs = saved["step_costs"][0]
     for key in ("sgd", "kfac_plain_eigen", "kfac_curvature_only", "kfac_curvature_and_eigh", "kfac_first_step",
-                "eigh_factors", "precondition_matmuls_eigen"):
+                "eigh_factors", "precondition_matmuls_eigen", "kfac_curvature_only_empirical"):
         assert costs[key]["min_ms"] > 0
     assert costs["plain_step_over_floor"] > 0
+    assert "empirical_curvature_overhead_ms" in costs
     text = capsys.readouterr().out
     assert "time / SGD" in text and "<= 0.7x" in text and "FLOP floor" in text
+    assert "empirical-Fisher curvature estimate" in text
+    assert "empirical Fisher from the user's backward +" in bench.readme_section(saved)
     assert report["settings"][0]["model"] == "mlp"
 
 

@@ -50,17 +50,24 @@ def _windows(x: Tensor, kernel_size: Size2, dilation: Size2, padding: Size2, str
 
 def patch_rows(x: Tensor, kernel_size: Size2, dilation: Size2 = 1, padding: Size2 = 0, stride: Size2 = 1,
                ones_row: bool = False) -> Tensor:
-    """The unfolded patches feature-major, ``[C·kh·kw (+1), N·T]`` (rows as :func:`unfold_patches`,
-    columns example-major then position; with ``ones_row`` a last row of ones, the bias's input),
-    copied once from the strided windows into the result — the same matrix that
-    ``feature_rows`` of the normal-form input (with its ones row) builds in three copies
-    (unfold, feature-major move, ones ``cat``); digits CNN conv2 at batch 512: one pass over
-    ``[73, 8192]`` instead of three."""
-    v = _windows(x, kernel_size, dilation, padding, stride)
-    n, c, ho, wo, kh, kw = v.shape
+    """The unfolded patches feature-major, ``[C·kh·kw (+1), T·N]`` (rows as :func:`unfold_patches`;
+    columns position-major, then example: column ``t·N + n``; with ``ones_row`` a last row of ones,
+    the bias's input), copied once from strided windows into the result. Its Gram matrix is
+    the K-FAC input factor, whatever the column order.
+
+    The windows are taken of the input moved to ``[C, H, W, N]`` (one copy of the small, padded
+    input), so every run the copy moves is the N examples of one position, contiguous at both
+    ends; windows of ``[N, C, H, W]`` move runs of ``W_out`` (digits CNN conv2 at batch 128,
+    ``[73, 2048]`` from 4×4 maps: 0.30 → 0.08 ms)."""
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = _pair(kernel_size), _pair(dilation), _pair(padding), _pair(stride)
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    xt = x.permute(1, 2, 3, 0).contiguous()  # [C, Hp, Wp, N]
+    v = xt.unfold(1, dh * (kh - 1) + 1, sh).unfold(2, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]  # [C, Ho, Wo, N, kh, kw]
+    c, ho, wo, n = v.shape[:4]
     d = c * kh * kw
-    out = x.new_empty(d + int(ones_row), n * ho * wo)
-    out[:d].view(c, kh, kw, n, ho, wo).copy_(v.permute(1, 4, 5, 0, 2, 3))
+    out = x.new_empty(d + int(ones_row), ho * wo * n)
+    out[:d].view(c, kh, kw, ho, wo, n).copy_(v.permute(0, 4, 5, 1, 2, 3))
     if ones_row:
         out[d].fill_(1.0)
     return out

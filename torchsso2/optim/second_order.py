@@ -34,7 +34,8 @@ from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
 from .precision import full_precision_step
-from .steps import add_weight_decay, kl_clip_factor, momentum_step_
+from .clipped_update import clip_and_check
+from .steps import add_weight_decay, momentum_step_
 from .validation import MAX_LR, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
@@ -323,10 +324,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             updates = [direction[id(p)] for p in params]
         else:
             updates = plan.precondition(vecs, solved=self._low_rank_solve(plan, vecs, wds))
-        if self.kl_clip is not None:
-            nu = kl_clip_factor(updates, vecs, plan.values("lr"), self.kl_clip)
-            updates = [u * nu for u in updates]
-        if not owned_all_finite(updates):
+        if self.kl_clip is not None:  # the clip and the finite check in one pass (clipped_update.py)
+            clipped = clip_and_check(updates, vecs, plan.values("lr"), self.kl_clip)
+            if clipped is None:
+                return False
+            updates = clipped
+        elif not owned_all_finite(updates):
             return False
         momentum_step_(params, updates, [self.state[p] for p in params], plan.values("lr"),
                        plan.values("momentum"), self._scalars)
