@@ -89,9 +89,11 @@ def test_a_seed_with_non_finite_validation_nll_rules_its_lr_out(monkeypatch: pyt
     assert out["chosen_lr"] == 0.2 and out["grid"][0]["val_nll"] == math.inf
 
 
-def test_select_seeds_must_be_positive() -> None:
+def test_select_seeds_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    assert vi.parse_args(["--select-seeds", "1"]).select_seeds == 1  # one seed: the seed-0 selection
     with pytest.raises(SystemExit):
         vi.parse_args(["--select-seeds", "0"])
+    assert "--select-seeds" in capsys.readouterr().err.split("error:")[1]
 
 
 def test_splits_are_disjoint_and_standardized_on_train() -> None:
