@@ -422,8 +422,10 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
                 ""]
     quality = rep.get("quality") or {}
     if quality:
+        how = (f"by the mean validation NLL over seeds 0–{cfg['select_seeds'] - 1}" if cfg.get("select_seeds", 1) > 1
+               else "by validation NLL")
         out += [f"**VI quality at the library defaults except lr** (`benchmarks/vi.py`: lr per method from a small grid "
-                f"by validation NLL, then {cfg['seeds']} seeds, mean ± std on the test split; VI and IVON predict with "
+                f"{how}, then {cfg['seeds']} seeds, mean ± std on the test split; VI and IVON predict with "
                 f"the Bayesian model average of {cfg['mc_samples']} samples; `{path.name}`, {_date(t)})", ""]
         for task, res in quality.items():
             n = res["n"]

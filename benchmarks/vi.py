@@ -18,8 +18,9 @@ Parts, all in one process:
    floor of any one-sample VI step. Run it on a quiet core: step times depend on the load (the JSON
    records the load average before and after).
 2. **Quality** (``quality``): digits MLP (40 epochs), digits CNN (15 epochs), diabetes regression (50
-   epochs); per method the lr is chosen from a small grid by the validation NLL of a seed-0 run
-   (never by test data), then 5 seeds at that lr are evaluated on the test split (accuracy, NLL, ECE,
+   epochs); per method the lr is chosen from a small grid by the mean validation NLL over
+   ``--select-seeds`` (3) seeds per value (never by test data), then 5 seeds at that lr (the
+   selection's runs of seeds 0–2 reused) are evaluated on the test split (accuracy, NLL, ECE,
    Brier; Gaussian NLL and RMSE for diabetes), with issue 27's targets checked for VI diag. On the
    digits MLP also the mean predictive entropy on the test digits and on out-of-distribution inputs
    (seed 0), and with ``--plot`` the reliability diagrams of the same test predictions.
@@ -151,7 +152,8 @@ def run_timing(args: argparse.Namespace, ivon_mod: Any) -> List[Dict[str, Any]]:
 def _quality_args(args: argparse.Namespace, epochs: Dict[str, int], seeds: int, entropy_tasks: Sequence[str]
                   ) -> argparse.Namespace:
     """The namespace :func:`benchmarks.vi_quality.run_method` reads."""
-    return argparse.Namespace(epochs=epochs, seeds=seeds, mc_samples=args.mc_samples, grids=args.grids,
+    return argparse.Namespace(epochs=epochs, seeds=seeds, select_seeds=args.select_seeds, mc_samples=args.mc_samples,
+                              grids=args.grids,
                               entropy_tasks=tuple(entropy_tasks), reliability=args.reliability)
 
 
@@ -212,6 +214,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", choices=vq.ALL_METHODS, default=list(vq.METHODS),
                    help=f"default: {' '.join(vq.METHODS)} (vi-fisher-mc: VI diag with curvature='fisher_mc', on request)")
     p.add_argument("--seeds", type=int, default=None, help="seeds at the chosen lr (default 5; quick 2)")
+    p.add_argument("--select-seeds", type=int, default=None,
+                   help="seeds per grid value in the lr selection: the lr with the smallest mean validation NLL over "
+                        "seeds 0 … N−1 is chosen; those runs are reused as test seeds (default 3; quick 2)")
     p.add_argument("--epochs", type=int, default=None,
                    help=f"epochs for every task (default per task: {vq.EPOCHS}; quick: 1, diabetes 3)")
     p.add_argument("--grid", type=float, nargs="+", default=None, metavar="LR",
@@ -239,6 +244,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     args.seeds = args.seeds or (2 if q else 5)
+    args.select_seeds = args.select_seeds if args.select_seeds is not None else (2 if q else 3)
     args.mc_samples = args.mc_samples or (4 if q else 32)
     args.long_seeds = args.long_seeds or (1 if q else 5)
     args.paired_seeds = args.paired_seeds if args.paired_seeds is not None else (3 if q else 20)
@@ -253,9 +259,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.json = Path(tempfile.mkdtemp(prefix="vi_bench_")) / "vi.json"
     args.json = args.json or DEFAULT_JSON
     args.grids = {m: tuple(args.grid) if args.grid else vq.LR_GRIDS[m] for m in vq.ALL_METHODS}
-    if args.seeds < 1 or args.mc_samples < 2 or min(epochs.values()) < 1 or args.long_epochs < 0 \
+    if args.seeds < 1 or args.select_seeds < 1 or args.mc_samples < 2 or min(epochs.values()) < 1 or args.long_epochs < 0 \
             or args.paired_seeds < 0 or args.repeats < 1 or args.window < 1:
-        p.error("--seeds, --epochs, --repeats, --window must be >= 1, --long-epochs and --paired-seeds >= 0 and "
+        p.error("--seeds, --select-seeds, --epochs, --repeats, --window must be >= 1, --long-epochs and --paired-seeds >= 0 and "
                 "--mc-samples >= 2")
     if any(lr <= 0 for g in args.grids.values() for lr in g):
         p.error("learning rates must be > 0")
@@ -302,6 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     splits = _regression_splits(args, ivon_mod, methods)
     report = {"machine": machine_info(),
               "config": {"quick": args.quick, "tasks": list(args.tasks), "methods": methods, "seeds": args.seeds,
+                         "select_seeds": args.select_seeds,
                          "epochs": dict(args.epochs), "batch_size": vq.BATCH_SIZE,
                          "lr_grids": {m: list(args.grids[m]) for m in methods}, "mc_samples": args.mc_samples,
                          "long_epochs": args.long_epochs, "long_seeds": args.long_seeds,
@@ -311,7 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "vi_default_lr": vq.VI_DEFAULT_LR,
                          "ivon": getattr(ivon_mod, "__version__", "installed") if ivon_mod else None,
                          "plot": str(args.plot) if args.plot is not None and quality else None,
-                         "selection": "lr with the smallest validation NLL of one seed-0 run per grid value",
+                         "selection": f"lr with the smallest mean validation NLL over seeds 0-{args.select_seeds - 1} "
+                                      "per grid value",
                          "regression_splits": args.regression_splits,
                          "regression_noise": "VI: noise_variance='learned'; IVON/Adam/SGD: given OLS residual variance "
                                              "on the training split, trained on y/σ; Adam/SGD predictive variance = "

@@ -22,9 +22,11 @@ Tasks:
   features and target standardized on the training split.
 
 Protocol. For each task and method the learning rate is chosen from a small grid (:data:`LR_GRIDS`,
-5 values spanning 100× around the method's default) by the **validation** NLL of one run (seed 0) per value
-(:func:`choose_lr`; the test split is not looked at); then 5 seeds (the grid's seed-0 run among them)
-are trained at the chosen lr and evaluated on the test split: accuracy, NLL, ECE (15 bins), Brier
+5 values spanning 100× around the method's default) by the **mean validation NLL** over
+``--select-seeds`` (3) runs, seeds 0, 1, 2, per value (:func:`select_lr`, :func:`choose_lr`; the test
+split is not looked at; one seed's validation NLL is noisy enough to flip the choice between
+neighbouring grid values); then 5 seeds (the chosen value's selection runs among them, not
+retrained) are trained at the chosen lr and evaluated on the test split: accuracy, NLL, ECE (15 bins), Brier
 (classification), Gaussian NLL and RMSE (regression, in the target's original units) — mean ± std
 over seeds. A chosen lr at an end of its grid is marked "(edge)" in the table (``chosen_at_grid_edge``
 in the JSON): a wider grid might have found a better one for that method. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
@@ -394,7 +396,7 @@ def choose_lr(val_nll: Mapping[float, float]) -> Optional[float]:
     non-finite values are never chosen; None when no lr has a finite validation NLL.
 
     Args:
-        val_nll: ``{lr: validation NLL}`` of one run per grid value.
+        val_nll: ``{lr: validation NLL}`` per grid value (the mean over the selection seeds).
     """
     finite = [(v, i, lr) for i, (lr, v) in enumerate(val_nll.items()) if math.isfinite(v)]
     return min(finite)[2] if finite else None
@@ -408,26 +410,46 @@ def mean_std(values: Sequence[float]) -> Dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # the benchmark
 # ------------------------------------------------------------------------------------------------
-def run_method(task: str, method: str, split: Split, args: argparse.Namespace, ivon_mod: Any) -> Dict[str, Any]:
-    """Grid on the validation split (seed 0), then ``args.seeds`` seeds at the chosen lr on the test split."""
+def select_lr(task: str, method: str, split: Split, args: argparse.Namespace, ivon_mod: Any
+              ) -> Tuple[List[Dict[str, Any]], Optional[float], Dict[int, Trained]]:
+    """The lr selection: every grid value trained on seeds ``0 … args.select_seeds − 1`` and scored by
+    the **mean validation NLL** over those seeds (:func:`choose_lr`); the test split is not evaluated.
+
+    Returns ``(grid, chosen, runs)``: one record per grid value (``"val_nll"`` the mean,
+    ``"val_nll_seeds"`` the per-seed values), the chosen lr (None when no value has a finite mean), and
+    the chosen lr's selection runs ``{seed: run}``, which the test seeds reuse where they coincide.
+    """
     epochs, batch = args.epochs[task], BATCH_SIZE[task]
-    grid_runs: Dict[float, Trained] = {}
+    select_seeds = getattr(args, "select_seeds", 1)
+    grid_runs: Dict[float, Dict[int, Trained]] = {}
     grid: List[Dict[str, Any]] = []
     for lr in args.grids[method]:
-        run = train(task, method, split, lr, 0, epochs, batch, ivon_mod)
-        val = evaluate(run, split, "val", args.mc_samples)
-        grid_runs[lr] = run
-        grid.append({"lr": lr, "val_nll": val["nll"], "skipped_steps": run.skipped, "final_batch_loss": run.final_loss})
+        runs = {s: train(task, method, split, lr, s, epochs, batch, ivon_mod) for s in range(select_seeds)}
+        vals = [evaluate(r, split, "val", args.mc_samples)["nll"] for r in runs.values()]
+        mean = statistics.fmean(vals) if all(math.isfinite(v) for v in vals) else math.inf
+        grid_runs[lr] = runs
+        grid.append({"lr": lr, "val_nll": mean, "val_nll_seeds": vals,
+                     "skipped_steps": sum(r.skipped for r in runs.values()),
+                     "final_batch_loss": runs[0].final_loss})
     chosen = choose_lr({g["lr"]: g["val_nll"] for g in grid})
+    return grid, chosen, (grid_runs[chosen] if chosen is not None else {})
+
+
+def run_method(task: str, method: str, split: Split, args: argparse.Namespace, ivon_mod: Any) -> Dict[str, Any]:
+    """Grid on the validation split (:func:`select_lr`: mean validation NLL over ``args.select_seeds``
+    seeds), then ``args.seeds`` seeds at the chosen lr on the test split (the selection's runs of those
+    seeds are reused, not retrained)."""
+    epochs, batch = args.epochs[task], BATCH_SIZE[task]
+    grid, chosen, chosen_runs = select_lr(task, method, split, args, ivon_mod)
     out: Dict[str, Any] = {"grid": grid, "chosen_lr": chosen,
                            "chosen_at_grid_edge": chosen is not None and len(grid) > 1 and
                            chosen in (min(args.grids[method]), max(args.grids[method]))}
     if chosen is None:
         out["error"] = "no lr of the grid gave a finite validation NLL"
         return out
-    runs = [grid_runs[chosen]] + [train(task, method, split, chosen, s, epochs, batch, ivon_mod)
-                                  for s in range(1, args.seeds)]
-    del grid_runs
+    runs = [chosen_runs[s] if s in chosen_runs else train(task, method, split, chosen, s, epochs, batch, ivon_mod)
+            for s in range(args.seeds)]
+    del chosen_runs
     if task in getattr(args, "entropy_tasks", ()):  # seed 0: predictive entropy in and out of distribution
         out["entropy"], rel = entropies(runs[0], split, args.mc_samples)
         getattr(args, "reliability", {}).setdefault(task, {})[method] = rel

@@ -37,12 +37,63 @@ def test_run_method_chooses_by_validation_and_never_evaluates_test_before(monkey
 
     monkeypatch.setattr(q, "train", fake_train)
     monkeypatch.setattr(q, "evaluate", fake_evaluate)
-    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "0.3", "--seeds", "3"])
+    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "0.3", "--seeds", "3", "--select-seeds", "1"])
     out = q.run_method("digits-mlp", "adam", None, args, None)
     assert out["chosen_lr"] == 0.2
     assert calls[:3] == [("val", 0.1, 0), ("val", 0.2, 0), ("val", 0.3, 0)]
     assert calls[3:] == [("test", 0.2, 0), ("test", 0.2, 1), ("test", 0.2, 2)]
     assert out["summary"]["nll"]["mean"] == 9.0
+
+
+def test_lr_is_chosen_by_the_mean_validation_nll_over_the_selection_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--select-seeds 3`` every grid value is trained on seeds 0, 1, 2 and scored by the mean of
+    their validation NLLs: seed 0 alone would pick 0.1, the test split would pick 0.3, the mean picks
+    0.2. The test split is evaluated only after the choice, and only at the chosen lr; the selection's
+    runs of seeds 0–2 are reused as test seeds (not retrained), seeds 3 and 4 are trained."""
+    trained, calls = [], []
+    val_nll = {0.1: [0.10, 0.90, 0.90], 0.2: [0.30, 0.30, 0.30], 0.3: [0.50, 0.40, 0.60]}  # means 0.633 / 0.3 / 0.5
+    test_nll = {0.1: 5.0, 0.2: 7.0, 0.3: 0.01}
+
+    def fake_train(task, method, split, lr, seed, epochs, batch, ivon_mod):  # noqa: ANN001
+        trained.append((lr, seed))
+        return q.Trained(method, lr, seed, torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0)
+
+    def fake_evaluate(run, split, which, num_samples):  # noqa: ANN001
+        calls.append((which, run.lr, run.seed))
+        return {"nll": val_nll[run.lr][run.seed] if which == "val" else test_nll[run.lr] + run.seed}
+
+    monkeypatch.setattr(q, "train", fake_train)
+    monkeypatch.setattr(q, "evaluate", fake_evaluate)
+    args = vi.parse_args(["--grid", "0.1", "0.2", "0.3", "--seeds", "5"])
+    assert args.select_seeds == 3  # the default
+    out = q.run_method("digits-mlp", "adam", None, args, None)
+    assert out["chosen_lr"] == 0.2
+    assert [g["val_nll"] for g in out["grid"]] == pytest.approx([1.9 / 3, 0.3, 0.5])
+    assert [g["val_nll_seeds"] for g in out["grid"]] == [val_nll[lr] for lr in (0.1, 0.2, 0.3)]
+    n_val = 9
+    assert sorted(calls[:n_val]) == [("val", lr, s) for lr in (0.1, 0.2, 0.3) for s in range(3)]
+    assert calls[n_val:] == [("test", 0.2, s) for s in range(5)]  # test only after the choice, at the choice
+    assert trained == [(lr, s) for lr in (0.1, 0.2, 0.3) for s in range(3)] + [(0.2, 3), (0.2, 4)]
+    assert [r["seed"] for r in out["seeds"]] == [0, 1, 2, 3, 4]
+    assert out["summary"]["nll"]["mean"] == pytest.approx(7.0 + 2.0)
+
+
+def test_a_seed_with_non_finite_validation_nll_rules_its_lr_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    val_nll = {0.1: [0.1, math.inf], 0.2: [0.5, 0.5]}
+    monkeypatch.setattr(q, "train", lambda task, method, split, lr, seed, *a: q.Trained(
+        method, lr, seed, torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0))
+    monkeypatch.setattr(q, "evaluate", lambda run, split, which, n: {"nll": val_nll[run.lr][run.seed]
+                                                                     if which == "val" else 1.0})
+    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "--select-seeds", "2"])
+    out = q.run_method("digits-mlp", "adam", None, args, None)
+    assert out["chosen_lr"] == 0.2 and out["grid"][0]["val_nll"] == math.inf
+
+
+def test_select_seeds_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    assert vi.parse_args(["--select-seeds", "1"]).select_seeds == 1  # one seed: the seed-0 selection
+    with pytest.raises(SystemExit):
+        vi.parse_args(["--select-seeds", "0"])
+    assert "--select-seeds" in capsys.readouterr().err.split("error:")[1]
 
 
 def test_splits_are_disjoint_and_standardized_on_train() -> None:
@@ -72,7 +123,7 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
     printed = capsys.readouterr().out
     assert "| method | lr | accuracy | NLL | ECE | Brier | skipped |" in printed
     report = json.loads(out_json.read_text())
-    assert report["config"]["quick"] and report["config"]["seeds"] == 2
+    assert report["config"]["quick"] and report["config"]["seeds"] == 2 and report["config"]["select_seeds"] == 2
     timing = {(r["model"], r["optimizer"]): r for r in report["timing"]}
     assert set(timing) == {(m, o) for m in vi.TIMING_TASKS for o in ("vi-diag", "adam", vi.FLOOR)}
     for (model, name), r in timing.items():
@@ -85,6 +136,8 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
         for m, r in res["methods"].items():
             assert len(r["grid"]) == len(q.LR_GRIDS[m]) and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
             assert r["chosen_lr"] == min(r["grid"], key=lambda g: g["val_nll"])["lr"]
+            for g in r["grid"]:  # quick: the mean over 2 selection seeds
+                assert len(g["val_nll_seeds"]) == 2 and g["val_nll"] == pytest.approx(sum(g["val_nll_seeds"]) / 2)
             assert [s["seed"] for s in r["seeds"]] == [0, 1]
             assert isinstance(r["chosen_at_grid_edge"], bool)
         keys = {"accuracy", "nll", "ece", "brier"} if task == "digits-mlp" else {"nll", "rmse"}
@@ -100,6 +153,11 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
     long = report["long"]["digits-mlp"]
     assert long["epochs"] == 1 and set(long["methods"]) == {"vi-diag", "adam"}
     assert all(len(r["seeds"]) == 1 for r in long["methods"].values())
+    from benchmarks import _readme_summary as summary
+
+    readme = "\n".join(summary._vi([(out_json, report, 0.0)], []))  # the README's generated text states the selection
+    assert "lr per method from a small grid by the mean validation NLL over seeds 0–1, then 2 seeds" in \
+        " ".join(readme.split())
 
 
 def test_regression_splits_choose_by_validation_on_each_split(monkeypatch: pytest.MonkeyPatch) -> None:
