@@ -50,7 +50,7 @@ def run_splits(args: argparse.Namespace, ivon_mod: Any, methods: Sequence[str], 
     """
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    one_seed = argparse.Namespace(**{**vars(args), "seeds": 1, "entropy_tasks": ()})
+    one_seed = argparse.Namespace(**{**vars(args), "seeds": 1, "select_seeds": 1, "entropy_tasks": ()})
     rows: List[Dict[str, Any]] = []
     for k in range(num_splits):
         split = vq.load_diabetes_split(seed=k)
