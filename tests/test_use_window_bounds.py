@@ -19,6 +19,17 @@ from curvature.capture import Capture
 from curvature.uses import UseWindows
 
 
+class MLP(nn.Module):
+    """Linear → ReLU → Linear as a custom module (a plain nn.Sequential skips the check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
 class Tied(nn.Module):
     """``lin`` then (optionally) a functional use of ``lin.weight`` outside its call."""
 
@@ -84,9 +95,9 @@ def test_the_check_adds_no_nodes_to_the_forward() -> None:
     # probe bounds created two autograd nodes per covered call (sequence numbers used up, and an
     # allocation each); the counter creates none: a forward under the check uses as many numbers as without
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    model = MLP()
     x = torch.randn(6, 4)
-    modules = {"0": model[0], "2": model[2]}
+    modules = {"a": model.a, "b": model.b}
 
     def numbers_used(check_uses: bool) -> int:
         start = torch.autograd._get_sequence_nr()
@@ -99,9 +110,10 @@ def test_the_check_adds_no_nodes_to_the_forward() -> None:
 
 def test_capture_with_the_check_records_the_same_tensors() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    model = MLP()
     x = torch.randn(6, 4)
-    modules = {"0": model[0], "2": model[2]}
+    modules = {"a": model.a, "b": model.b}
+    assert Capture(modules, root=model, check_uses=True)._uses is not None
     with Capture(modules, root=model, check_uses=True, record_backward=True) as a:
         model(x).square().sum().backward()
     with Capture(modules, root=model, check_uses=False, record_backward=True) as b:
