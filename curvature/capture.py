@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
 from .modules.attention import attention_hook
 from .uses import UseWindows
+from .uses_static import uses_stay_inside
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Capture:
         check_uses: with ``root``: after each forward, ``ValueError`` when the output depends on a
             parameter of ``modules`` through a use outside their calls (a functional
             ``F.linear(h, emb.weight)``), whose contribution no record would see
-            (:mod:`curvature.uses`).
+            (:mod:`curvature.uses`); not run where such a use cannot occur (a plain ``nn.Sequential``
+            of torch layers, :mod:`curvature.uses_static`).
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
@@ -86,7 +88,9 @@ class Capture:
         self.select_output = select_output
         #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
         self.frozen = FrozenMode()
-        self._uses: Optional[UseWindows] = UseWindows(modules) if check_uses and root is not None else None
+        # left out where it provably passes (a plain nn.Sequential of torch layers: curvature/uses_static.py)
+        self._uses: Optional[UseWindows] = UseWindows(modules) if check_uses and root is not None \
+            and not uses_stay_inside(root, modules) else None
 
     def __enter__(self) -> "Capture":
         if self.freeze_batch_stats and self.root is not None:

@@ -1,0 +1,57 @@
+"""When the use check of :mod:`curvature.uses` cannot fail, so a capture may leave it out.
+
+The check finds a covered parameter used in the forward outside the calls of the covered modules
+holding it (a functional tied head ``F.linear(h, emb.weight)``). In a model that is a plain
+``nn.Sequential`` (nested ones allowed) of torch's own layers, with no forward hooks and no
+patched ``forward``, every parameter is used inside the call of the layer that holds it, since
+those layers' forwards touch only their own parameters and ``Sequential.forward`` only calls its
+children. So the check passes whenever every layer holding a covered parameter is itself covered.
+Everything else (custom modules, subclasses, parametrized layers, hooked modules, a covered
+parameter also held by an uncovered layer) keeps the check.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from torch import nn
+from torch.nn.modules import module as _module
+
+__all__ = ["uses_stay_inside"]
+
+#: torch layers whose forward uses only the module's own parameters (exact types)
+PLAIN_LAYERS = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU,
+    nn.ELU, nn.Softplus, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d, nn.Flatten, nn.Unflatten, nn.Identity, nn.Dropout,
+)
+
+
+def _plain(module: nn.Module) -> bool:
+    """No forward hooks on ``module`` and no ``forward`` set on the instance."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def uses_stay_inside(root: nn.Module, modules: Dict[str, nn.Module]) -> bool:
+    """True when ``root``'s forward provably uses every parameter of ``modules`` only inside the call
+    of a module of ``modules`` holding it (so :class:`curvature.uses.UseWindows` would never raise);
+    False when that is not known. Call it before the capture registers its own hooks."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    covered_modules = {id(m) for m in modules.values()}
+    covered_params = {id(p) for m in modules.values() for p in m.parameters(recurse=False)}
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if not _plain(m):
+            return False
+        if type(m) is nn.Sequential:
+            if next(m.parameters(recurse=False), None) is not None:
+                return False
+            stack.extend(c for c in m._modules.values() if c is not None)
+            continue
+        if type(m) not in PLAIN_LAYERS or m._modules:
+            return False
+        if id(m) not in covered_modules and any(id(p) in covered_params for p in m.parameters(recurse=False)):
+            return False  # a covered parameter also used by an uncovered layer: outside every window
+    return True
