@@ -142,8 +142,9 @@ def make_optimizer(method: str, point: Dict[str, Any], model: nn.Module, seed: i
         intervals = {"curv_update_interval": point["curv"], "inv_update_interval": point["inv"]} if "curv" in point else {}
         if "coef" in point:  # the adaptive coefficients solved every `coef` steps, reused in between
             intervals["adaptive_coefficients_interval"] = point["coef"]
-        if "kfac_method" in point:
-            intervals["kfac_method"] = point["kfac_method"]
+        for key in ("kfac_method", "curvature"):  # else the library default
+            if key in point:
+                intervals[key] = point[key]
         return SecondOrderOptimizer(model, approx="kfac", damping=point["damping"], adaptive_damping=True,
                                     use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=seed,
                                     **intervals)
