@@ -329,11 +329,13 @@ class AdaptiveCoefficients:
                             opt.engine.select_output, identity_select=opt.engine.output_selector is None)
         gram = mean_over_ranks(opt.comm, gram, params[0].device)
         wds = [float(g["weight_decay"]) for g in groups]
-        vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
+        k = len(dirs)
+        flat = _flat64([t for v in (*dirs, vecs) for t in v]).view(k + 1, -1)  # [k + 1, P]: the directions, d
+        vmat = flat[:k]  # [k, P]
         a = gram + opt.damping * (vmat @ vmat.t())
         if any(wds):
             a = a + inner_products(dirs, dirs, wds)
-        b = vmat @ _flat64(vecs)
+        b = vmat @ flat[k]
         return solve_quadratic(a, b, fixed)
 
     def state_dict(self) -> Dict[str, Any]:
