@@ -44,8 +44,8 @@ def test_targets_compare_epochs_and_the_time_ratio():
 
 def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     adaptive = bench.grids(False)["kfac-adaptive"]
-    assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (1, 10), (5, 5), (5, 20)}
-    assert len(adaptive) <= 6  # the full run stays short
+    assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (1, 10), (3, 12), (5, 5), (5, 20)}
+    assert len(adaptive) <= 7  # the full run stays short
     model = bench.make_model("mlp", 0)
     opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "curv": 5, "inv": 20}, model, 0)
     assert (opt.curv_update_interval, opt.inv_update_interval) == (5, 20) and opt.adaptive.interval == 1
@@ -57,6 +57,10 @@ def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "kfac_method": "inverse"}, model, 0)
     assert opt.kfac_method == "inverse"
     assert bench.point_text({"damping": 0.01, "kfac_method": "inverse"}) == "damping 0.01, kfac_method inverse"
+    # a point may set the curvature of the K-FAC factors (the quadratic model keeps the exact GGN)
+    opt = bench.make_optimizer("kfac-adaptive", {"damping": 0.01, "curvature": "empirical_fisher"}, model, 0)
+    assert opt.engine.kind.value == "empirical_fisher" and opt.adaptive is not None
+    assert bench.make_optimizer("kfac-adaptive", {"damping": 0.01}, model, 0).engine.kind.value == "fisher_mc"
 
 
 def test_fixed_grid_has_empirical_fisher_points_and_the_optimizer_uses_them():

@@ -44,6 +44,48 @@ def test_sequential_jvps_equal_torch_func_jvp(name, frozen):
         torch.testing.assert_close(jv[i], ref_jv, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["cnn", "mlp", "conv1d", "seq3d"])
+@pytest.mark.parametrize("moving_kind", ["weight", "bias", "alternate"])
+def test_sequential_jvps_with_only_some_parameters_moving_equal_torch_func_jvp(name, moving_kind):
+    """Every combination a layer can have: weight and bias tangents together (one addmm / one
+    convolution with the bias tangents as its bias), a weight tangent alone, a bias tangent alone
+    (broadcast), and none (only the incoming tangent); a Linear on a 3-d input takes the matmul path."""
+    models = _models()
+    torch.manual_seed(2)
+    models["seq3d"] = nn.Sequential(nn.Linear(64, 6), nn.ReLU(), nn.Linear(6, 4)).double()  # on [N, L, 64]
+    model = models[name]
+    x = torch.randn(10, 5, 64, dtype=torch.float64) if name == "seq3d" else torch.randn(10, 64, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    if moving_kind == "alternate":  # layer by layer: both, weight only, bias only, ...
+        moving = {n: p for i, (n, p) in enumerate(params.items()) if i % 3 != 2}
+    else:
+        moving = {n: p for n, p in params.items() if n.endswith(moving_kind)}
+    g = torch.Generator().manual_seed(3)
+    dirs = [{n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in moving.items()} for _ in range(2)]
+    assert supports(model, (x,), {})
+    out, jv = sequential_jvps(model, x, {id(p): torch.stack([d[n] for d in dirs]) for n, p in moving.items()})
+    names = list(moving)
+    f = lambda *ps: torch.func.functional_call(model, dict(zip(names, ps)), (x,))  # noqa: E731
+    for i, d in enumerate(dirs):
+        ref_out, ref_jv = torch.func.jvp(f, tuple(p.detach() for p in moving.values()), tuple(d[n] for n in names))
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(jv[i], ref_jv, rtol=1e-10, atol=1e-12)
+
+
+def test_relu_tangent_is_zero_where_the_input_is_not_positive():
+    """The ReLU tangent (relu's backward kernel): the incoming tangent where the pre-activation is
+    > 0, 0 where it is ≤ 0 (also at exactly 0, as forward mode takes it)."""
+    lin = nn.Linear(2, 3).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]))
+        lin.bias.zero_()
+    model = nn.Sequential(lin, nn.ReLU())
+    x = torch.tensor([[2.0, 1.0]], dtype=torch.float64)  # pre-activations 2, -2, 0
+    tw = torch.ones(1, 3, 2, dtype=torch.float64)
+    _, jv = sequential_jvps(model, x, {id(lin.weight): tw})
+    torch.testing.assert_close(jv, torch.tensor([[[3.0, 0.0, 0.0]]], dtype=torch.float64))
+
+
 def test_unsupported_models_take_the_dual_number_path():
     x = torch.randn(4, 6)
     plain = nn.Sequential(nn.Linear(6, 3))
@@ -85,3 +127,45 @@ def test_gram_of_the_fast_path_equals_the_dual_number_path(name, loss, monkeypat
     dual = ggn_gram(model, rec.calls, names, params, dirs, loss, lambda o: o)  # the default: dual numbers
     assert len(seen) == 2
     torch.testing.assert_close(fast, dual, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_adaptive_training_through_the_fast_path_equals_the_dual_number_path(name, monkeypatch):
+    """12 adaptive K-FAC steps (LM damping every 2 steps, curvature every 5) in float64: the fast
+    J·v path and the update applied with foreach calls give the parameters, coefficients and damping
+    of the dual-number path (the products every earlier version used) to rounding."""
+    from torchsso2.optim import SecondOrderOptimizer, sequential_jvp
+
+    def run(fast: bool):
+        if not fast:
+            monkeypatch.setattr(sequential_jvp, "supports", lambda *a, **k: False)
+        torch.manual_seed(0)
+        model = _models()["mlp"] if name == "mlp" else nn.Sequential(  # K-FAC takes groups=1 convolutions
+            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(24, 3)).double()
+        opt = SecondOrderOptimizer(model, approx="kfac", damping=0.01, adaptive_damping=True, seed=0,
+                                   use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                                   curv_update_interval=5, inv_update_interval=5, damping_adaptation_interval=2)
+        g = torch.Generator().manual_seed(4)
+        coefs = []
+        for _ in range(12):
+            x = torch.randn(16, 64, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 3, (16,), generator=g)
+
+            def closure():
+                opt.zero_grad()
+                out = model(x)
+                loss = torch.nn.functional.cross_entropy(out, y)
+                loss.backward()
+                return loss, out
+            opt.step(closure)
+            coefs += [opt.adaptive.last["learning_rate"], opt.adaptive.last["momentum"], opt.damping]
+        monkeypatch.undo()
+        return [p.detach().clone() for p in model.parameters()], coefs
+
+    fast_params, fast_coefs = run(True)
+    dual_params, dual_coefs = run(False)
+    for a, b in zip(fast_params, dual_params):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert fast_coefs == pytest.approx(dual_coefs, rel=1e-8)
+    assert len(set(fast_coefs[2::3])) > 1  # the LM rule moved the damping

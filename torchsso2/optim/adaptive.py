@@ -329,11 +329,13 @@ class AdaptiveCoefficients:
                             opt.engine.select_output, identity_select=opt.engine.output_selector is None)
         gram = mean_over_ranks(opt.comm, gram, params[0].device)
         wds = [float(g["weight_decay"]) for g in groups]
-        vmat = torch.stack([_flat64(v) for v in dirs])  # [k, P]
+        k = len(dirs)
+        flat = _flat64([t for v in (*dirs, vecs) for t in v]).view(k + 1, -1)  # [k + 1, P]: the directions, d
+        vmat = flat[:k]  # [k, P]
         a = gram + opt.damping * (vmat @ vmat.t())
         if any(wds):
             a = a + inner_products(dirs, dirs, wds)
-        b = vmat @ _flat64(vecs)
+        b = vmat @ flat[k]
         return solve_quadratic(a, b, fixed)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -399,13 +401,19 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
     if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None
-    with torch.no_grad():
-        new = [d * alpha if prev is None else (d * alpha).add_(q, alpha=mu) for d, q in zip(deltas, prev or deltas)]
+    with torch.no_grad():  # the same element-wise products as a loop over the tensors, in fewer calls
+        new = torch._foreach_mul(list(deltas), alpha)  # new tensors of this step (not views of Δ or δ_prev)
+        if prev is not None:
+            torch._foreach_add_(new, prev, alpha=mu)
         if not owned_all_finite(new):
             return None
-        for p, s, t in zip(params, states, new):
-            p.add_(t.to(p.dtype))
-            s["adaptive_delta"] = t  # a new tensor of this step (not a view of Δ or δ_prev)
+        if all(p.dtype == t.dtype for p, t in zip(params, new)):
+            torch._foreach_add_(params, new)
+        else:
+            for p, t in zip(params, new):
+                p.add_(t.to(p.dtype))
+        for s, t in zip(states, new):
+            s["adaptive_delta"] = t
     ada.last = {"learning_rate": -alpha, "momentum": mu, "quad_model": value, "steps": ada.last["steps"] + 1}
     logger.debug("adaptive step: learning_rate=%.4g momentum=%.4g M=%.4g", -alpha, mu, value)
     return value

@@ -8,8 +8,10 @@ arithmetic (digits MLP 64-128-10 at batch 128, one thread: ~0.7 ms for two direc
 ~0.07 ms for a forward). For an ``nn.Sequential`` built only of the layers below, this module
 computes the same products with plain tensor operations: the forward once, and the tangents of
 all ``k`` directions stacked along a leading dimension (``[k, N, ...]``), the parameter-tangent
-terms of a layer as one matmul / convolution with the ``k`` weight tangents concatenated
-(~0.35 ms on that MLP). Same math as the dual numbers: the results agree to rounding.
+terms of a layer as one matmul / convolution with the ``k`` weight tangents concatenated and the
+``k`` bias tangents as its bias (``addmm``, or the convolution's bias), the ReLU tangent by relu's
+backward kernel (one fused op) (~0.2 ms on that MLP). Same math as the dual numbers: the results
+agree to rounding.
 
 Supported children (exact types, no hooks): ``Linear``, ``Conv1d``/``Conv2d``, ``ReLU``, ``Tanh``,
 ``Sigmoid``, ``MaxPool1d``/``MaxPool2d`` (the tangent at the pooled argmax, as forward mode
@@ -67,14 +69,26 @@ def _add(a: Optional[Tensor], b: Tensor) -> Tensor:
 def _linear(mod: nn.Linear, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int
             ) -> Tuple[Tensor, Optional[Tensor]]:
     out = F.linear(h, mod.weight, mod.bias)
-    nt = None if t is None else torch.matmul(t, mod.weight.t())  # [k, ..., out]
     tw = tangents.get(id(mod.weight))
-    if tw is not None:  # h [.., in] @ [k·out, in]ᵀ -> [.., k, out] -> [k, .., out]
-        y = torch.matmul(h, tw.reshape(-1, tw.shape[-1]).t())
-        nt = _add(nt, y.unflatten(-1, (k, -1)).movedim(-2, 0))
     tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
+    y = None
+    if tw is not None:  # h [.., in] @ [k·out, in]ᵀ (+ the k bias tangents [k·out]) -> [.., k·out]
+        flat_w = tw.reshape(-1, tw.shape[-1]).t()
+        if tb is not None and h.dim() == 2:  # one addmm: the product and the bias tangents together
+            y = torch.addmm(tb.reshape(-1), h, flat_w)
+            tb = None
+        else:
+            y = torch.matmul(h, flat_w)
+        y = y.unflatten(-1, (k, -1)).movedim(-2, 0)  # [k, .., out] (a view)
+    if t is None:
+        nt = y
+    else:
+        nt = torch.matmul(t, mod.weight.t())  # [k, ..., out], a new tensor
+        if y is not None:
+            nt.add_(y)
     if tb is not None:
-        nt = _add(nt, _bias_view(tb, out.dim(), out.dim() - 1).expand(k, *out.shape))
+        bias = _bias_view(tb, out.dim(), out.dim() - 1)
+        nt = bias.expand(k, *out.shape) if nt is None else nt + bias
     return out, nt
 
 
@@ -82,17 +96,24 @@ def _conv(mod: nn.Module, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Te
           ) -> Tuple[Tensor, Optional[Tensor]]:
     conv = mod._conv_forward  # type: ignore[operator]  # (input, weight, bias), with the module's settings
     out = conv(h, mod.weight, mod.bias)
-    nt = None if t is None else conv(t.flatten(0, 1), mod.weight, None).unflatten(0, (k, -1))
     tw = tangents.get(id(mod.weight))
+    tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
+    y = None
     if tw is not None:
-        if mod.groups == 1:  # the k weight tangents as k·out output channels of one convolution
-            y = conv(h, tw.flatten(0, 1), None).unflatten(1, (k, -1)).movedim(1, 0)
+        if mod.groups == 1:  # the k weight tangents (and bias tangents) as k·out output channels of one convolution
+            y = conv(h, tw.flatten(0, 1), None if tb is None else tb.reshape(-1)).unflatten(1, (k, -1)).movedim(1, 0)
+            tb = None
         else:  # grouped: concatenated channels would cross the groups
             y = torch.stack([conv(h, w, None) for w in tw])
-        nt = _add(nt, y)
-    tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
+    if t is None:
+        nt = y
+    else:
+        nt = conv(t.flatten(0, 1), mod.weight, None).unflatten(0, (k, -1))  # a new tensor
+        if y is not None:
+            nt.add_(y)
     if tb is not None:
-        nt = _add(nt, _bias_view(tb, out.dim(), 1).expand(k, *out.shape))
+        bias = _bias_view(tb, out.dim(), 1)
+        nt = bias.expand(k, *out.shape) if nt is None else nt + bias
     return out, nt
 
 
@@ -131,8 +152,8 @@ def sequential_jvps(model: nn.Sequential, x: Tensor, tangents: Dict[int, Tensor]
                 h, t = _conv(mod, h, t, tangents, k)
             elif isinstance(mod, _MAXPOOL):
                 h, t = _maxpool(mod, h, t, k)
-            elif isinstance(mod, nn.ReLU):
-                t = None if t is None else t * (h > 0)
+            elif isinstance(mod, nn.ReLU):  # t where h > 0, else 0: relu's backward kernel, one fused op
+                t = None if t is None else torch.ops.aten.threshold_backward(t, h, 0)
                 h = F.relu(h)
             elif isinstance(mod, nn.Tanh):
                 h = torch.tanh(h)
