@@ -424,6 +424,9 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
     if quality:
         how = (f"by the mean validation NLL over seeds 0–{cfg['select_seeds'] - 1}" if cfg.get("select_seeds", 1) > 1
                else "by validation NLL")
+        if cfg.get("edge_extensions"):  # the grid-edge rule of benchmarks/vi_quality.select_lr
+            how += (f" (a choice at an end of the values tried adds one half-decade value beyond it, "
+                    f"at most {cfg['edge_extensions']} per end)")
         out += [f"**VI quality at the library defaults except lr** (`benchmarks/vi.py`: lr per method from a small grid "
                 f"{how}, then {cfg['seeds']} seeds, mean ± std on the test split; VI and IVON predict with "
                 f"the Bayesian model average of {cfg['mc_samples']} samples; `{path.name}`, {_date(t)})", ""]

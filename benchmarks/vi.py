@@ -19,7 +19,9 @@ Parts, all in one process:
    records the load average before and after).
 2. **Quality** (``quality``): digits MLP (40 epochs), digits CNN (15 epochs), diabetes regression (50
    epochs); per method the lr is chosen from a small grid by the mean validation NLL over
-   ``--select-seeds`` (3) seeds per value (never by test data), then 5 seeds at that lr (the
+   ``--select-seeds`` (3) seeds per value (never by test data; a choice at an end of the values
+   tried adds a half-decade value beyond it, at most ``--edge-extensions`` (2) per end), then 5
+   seeds at that lr (the
    selection's runs of seeds 0–2 reused) are evaluated on the test split (accuracy, NLL, ECE,
    Brier; Gaussian NLL and RMSE for diabetes), with issue 27's targets checked for VI diag. On the
    digits MLP also the mean predictive entropy on the test digits and on out-of-distribution inputs
@@ -153,7 +155,7 @@ def _quality_args(args: argparse.Namespace, epochs: Dict[str, int], seeds: int, 
                   ) -> argparse.Namespace:
     """The namespace :func:`benchmarks.vi_quality.run_method` reads."""
     return argparse.Namespace(epochs=epochs, seeds=seeds, select_seeds=args.select_seeds, mc_samples=args.mc_samples,
-                              grids=args.grids,
+                              grids=args.grids, edge_extensions=args.edge_extensions,
                               entropy_tasks=tuple(entropy_tasks), reliability=args.reliability)
 
 
@@ -221,6 +223,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"epochs for every task (default per task: {vq.EPOCHS}; quick: 1, diabetes 3)")
     p.add_argument("--grid", type=float, nargs="+", default=None, metavar="LR",
                    help="one lr grid for every method (default: per method, see benchmarks/vi_quality.py LR_GRIDS)")
+    p.add_argument("--edge-extensions", type=int, default=vq.EDGE_EXTENSIONS,
+                   help="grid-edge rule: while the chosen lr is at an end of the values tried, one more value a "
+                        "half-decade beyond that end is trained on the selection seeds and the choice is made again, "
+                        f"at most N times per end (default {vq.EDGE_EXTENSIONS}; 0: the grid only)")
     p.add_argument("--mc-samples", type=int, default=None, help="posterior samples per prediction (default 32; quick 4)")
     p.add_argument("--long-epochs", type=int, default=None,
                    help="epochs of the long digits-MLP run (default 200; quick 2; 0: no long run)")
@@ -267,6 +273,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("learning rates must be > 0")
     args.reliability = {}
     args.regression_splits = args.regression_splits if args.regression_splits is not None else (2 if q else 20)
+    if args.edge_extensions < 0:
+        p.error(f"--edge-extensions must be >= 0, got {args.edge_extensions}")
     if args.regression_splits < 0:
         p.error(f"--regression-splits must be >= 0, got {args.regression_splits}")
     return args
@@ -310,7 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "config": {"quick": args.quick, "tasks": list(args.tasks), "methods": methods, "seeds": args.seeds,
                          "select_seeds": args.select_seeds,
                          "epochs": dict(args.epochs), "batch_size": vq.BATCH_SIZE,
-                         "lr_grids": {m: list(args.grids[m]) for m in methods}, "mc_samples": args.mc_samples,
+                         "lr_grids": {m: list(args.grids[m]) for m in methods},
+                         "edge_extensions": args.edge_extensions, "mc_samples": args.mc_samples,
                          "long_epochs": args.long_epochs, "long_seeds": args.long_seeds,
                          "paired_seeds": args.paired_seeds,
                          "repeats": args.repeats, "window": args.window, "threads": args.threads,

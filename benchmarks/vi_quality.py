@@ -28,8 +28,12 @@ split is not looked at; one seed's validation NLL is noisy enough to flip the ch
 neighbouring grid values); then 5 seeds (the chosen value's selection runs among them, not
 retrained) are trained at the chosen lr and evaluated on the test split: accuracy, NLL, ECE (15 bins), Brier
 (classification), Gaussian NLL and RMSE (regression, in the target's original units) — mean ± std
-over seeds. A chosen lr at an end of its grid is marked "(edge)" in the table (``chosen_at_grid_edge``
-in the JSON): a wider grid might have found a better one for that method. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
+over seeds. Grid-edge rule (every method alike, validation only): while the chosen lr is the smallest
+(largest) value tried, one more value a half-decade beyond that end is trained on the selection seeds
+and the choice is made again, at most ``--edge-extensions`` (2) times per end; the JSON records every
+value tried (``grid``, the added ones with ``"extension": true``; ``lr_grid`` sorted). A chosen lr
+still at an end after the extensions is marked "(edge)" in the table (``chosen_at_grid_edge`` in the
+JSON): a wider grid might have found a better one for that method. VI and IVON predict with the Bayesian model average of ``--mc-samples`` (32) weight
 samples (``VIOptimizer.predict``, whose default draws them as antithetic pairs ``μ ± ε`` / independent
 draws of ``IVON.sampled_params``); Adam and SGD with their point estimate.
 Each run's prediction samples are seeded by its seed (VI: its own generator; IVON, which draws from
@@ -106,6 +110,10 @@ LR_GRIDS: Dict[str, Tuple[float, ...]] = {
     "adam": _around(1e-3),
     "sgd": _around(0.03),
 }
+
+#: grid-edge rule of :func:`select_lr`: at most this many half-decade values are added beyond each
+#: end of a method's grid while the chosen lr is at that end (validation only; all methods alike)
+EDGE_EXTENSIONS = 2
 
 #: epochs per task (bounded so that the whole run stays near 10 minutes on one thread). Diabetes: with
 #: 150 epochs every method chose the smallest lr of its grid by validation NLL (less training was
@@ -410,28 +418,62 @@ def mean_std(values: Sequence[float]) -> Dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # the benchmark
 # ------------------------------------------------------------------------------------------------
+def extend_beyond(lr: float, direction: int) -> float:
+    """The next grid value beyond ``lr`` in ``direction`` (−1: below, +1: above): one half-decade step
+    (``lr·10^(±1/2)``), rounded to 2 significant digits like :data:`LR_GRIDS`."""
+    if direction not in (-1, 1):
+        raise ValueError(f"direction must be -1 or +1, got {direction}")
+    return float(f"{lr * 10 ** (direction / 2):.2g}")
+
+
 def select_lr(task: str, method: str, split: Split, args: argparse.Namespace, ivon_mod: Any
               ) -> Tuple[List[Dict[str, Any]], Optional[float], Dict[int, Trained]]:
     """The lr selection: every grid value trained on seeds ``0 … args.select_seeds − 1`` and scored by
     the **mean validation NLL** over those seeds (:func:`choose_lr`); the test split is not evaluated.
 
-    Returns ``(grid, chosen, runs)``: one record per grid value (``"val_nll"`` the mean,
-    ``"val_nll_seeds"`` the per-seed values), the chosen lr (None when no value has a finite mean), and
-    the chosen lr's selection runs ``{seed: run}``, which the test seeds reuse where they coincide.
+    Grid-edge rule: while the chosen lr is the smallest (largest) value tried, one more value a
+    half-decade beyond that end (:func:`extend_beyond`) is trained on the same seeds and the choice is
+    made again, at most ``args.edge_extensions`` (default :data:`EDGE_EXTENSIONS`) times per end.
+
+    Returns ``(grid, chosen, runs)``: one record per value tried, the grid's first, then the extensions
+    (``"val_nll"`` the mean, ``"val_nll_seeds"`` the per-seed values, ``"extension"`` whether the value
+    was added by the grid-edge rule), the chosen lr (None when no value has a finite mean), and the
+    chosen lr's selection runs ``{seed: run}``, which the test seeds reuse where they coincide.
     """
     epochs, batch = args.epochs[task], BATCH_SIZE[task]
     select_seeds = getattr(args, "select_seeds", 1)
+    max_ext = getattr(args, "edge_extensions", EDGE_EXTENSIONS)
     grid_runs: Dict[float, Dict[int, Trained]] = {}
     grid: List[Dict[str, Any]] = []
-    for lr in args.grids[method]:
+
+    def score(lr: float, extension: bool) -> None:
         runs = {s: train(task, method, split, lr, s, epochs, batch, ivon_mod) for s in range(select_seeds)}
         vals = [evaluate(r, split, "val", args.mc_samples)["nll"] for r in runs.values()]
         mean = statistics.fmean(vals) if all(math.isfinite(v) for v in vals) else math.inf
         grid_runs[lr] = runs
-        grid.append({"lr": lr, "val_nll": mean, "val_nll_seeds": vals,
+        grid.append({"lr": lr, "val_nll": mean, "val_nll_seeds": vals, "extension": extension,
                      "skipped_steps": sum(r.skipped for r in runs.values()),
                      "final_batch_loss": runs[0].final_loss})
-    chosen = choose_lr({g["lr"]: g["val_nll"] for g in grid})
+
+    for lr in args.grids[method]:
+        score(lr, False)
+    extended = {-1: 0, 1: 0}
+    while True:
+        chosen = choose_lr({g["lr"]: g["val_nll"] for g in grid})
+        tried = sorted(grid_runs)
+        if chosen is None or len(tried) < 2:
+            break
+        end = -1 if chosen == tried[0] else (1 if chosen == tried[-1] else 0)
+        if end == 0 or extended[end] >= max_ext:
+            break
+        new = extend_beyond(chosen, end)
+        if new in grid_runs or new <= 0:
+            break
+        extended[end] += 1
+        score(new, True)
+    for lr in list(grid_runs):  # only the chosen value's runs are kept
+        if lr != chosen:
+            del grid_runs[lr]
     return grid, chosen, (grid_runs[chosen] if chosen is not None else {})
 
 
@@ -441,9 +483,10 @@ def run_method(task: str, method: str, split: Split, args: argparse.Namespace, i
     seeds are reused, not retrained)."""
     epochs, batch = args.epochs[task], BATCH_SIZE[task]
     grid, chosen, chosen_runs = select_lr(task, method, split, args, ivon_mod)
-    out: Dict[str, Any] = {"grid": grid, "chosen_lr": chosen,
+    tried = sorted(g["lr"] for g in grid)
+    out: Dict[str, Any] = {"grid": grid, "chosen_lr": chosen, "lr_grid": tried,
                            "chosen_at_grid_edge": chosen is not None and len(grid) > 1 and
-                           chosen in (min(args.grids[method]), max(args.grids[method]))}
+                           chosen in (tried[0], tried[-1])}
     if chosen is None:
         out["error"] = "no lr of the grid gave a finite validation NLL"
         return out

@@ -84,9 +84,74 @@ def test_a_seed_with_non_finite_validation_nll_rules_its_lr_out(monkeypatch: pyt
         method, lr, seed, torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0))
     monkeypatch.setattr(q, "evaluate", lambda run, split, which, n: {"nll": val_nll[run.lr][run.seed]
                                                                      if which == "val" else 1.0})
-    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "--select-seeds", "2"])
+    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "--select-seeds", "2", "--edge-extensions", "0"])
     out = q.run_method("digits-mlp", "adam", None, args, None)
     assert out["chosen_lr"] == 0.2 and out["grid"][0]["val_nll"] == math.inf
+
+
+def _stub_selection(monkeypatch: pytest.MonkeyPatch, val_nll, calls: list) -> None:  # noqa: ANN001
+    """Stub task: ``train`` records (lr, seed), ``evaluate`` gives ``val_nll(lr)`` on validation and
+    records every call; a test-split call during the selection would show up in ``calls``."""
+    def fake_train(task, method, split, lr, seed, epochs, batch, ivon_mod):  # noqa: ANN001
+        calls.append(("train", lr, seed))
+        return q.Trained(method, lr, seed, torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0)
+
+    def fake_evaluate(run, split, which, num_samples):  # noqa: ANN001
+        calls.append((which, run.lr, run.seed))
+        return {"nll": val_nll(run.lr) if which == "val" else 1.0}
+
+    monkeypatch.setattr(q, "train", fake_train)
+    monkeypatch.setattr(q, "evaluate", fake_evaluate)
+
+
+def test_extend_beyond_is_a_half_decade_step_rounded_like_the_grids() -> None:
+    assert q.extend_beyond(0.001, -1) == 0.00032 and q.extend_beyond(0.001, 1) == 0.0032
+    assert q.extend_beyond(0.32, 1) == 1.0 and q.extend_beyond(0.01, -1) == 0.0032
+    assert q.extend_beyond(q.extend_beyond(0.01, -1), -1) == 0.001
+    with pytest.raises(ValueError, match="direction"):
+        q.extend_beyond(0.1, 0)
+
+
+def test_grid_edge_rule_extends_the_low_end_twice_and_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation NLL falls with the lr everywhere: the grid's smallest value is chosen, so one
+    half-decade value below is added, chosen again, one more, and then the rule stops (2 per end):
+    the choice is the last extension and is still marked "(edge)". Only validation is read before the
+    choice; the test split only at the chosen lr."""
+    calls: list = []
+    _stub_selection(monkeypatch, lambda lr: lr, calls)
+    args = vi.parse_args(["--grid", "0.01", "0.032", "0.1", "--seeds", "3", "--select-seeds", "2"])
+    assert args.edge_extensions == 2  # the default
+    out = q.run_method("digits-mlp", "adam", None, args, None)
+    assert [g["lr"] for g in out["grid"]] == [0.01, 0.032, 0.1, 0.0032, 0.001]
+    assert [g["extension"] for g in out["grid"]] == [False, False, False, True, True]
+    assert out["lr_grid"] == [0.001, 0.0032, 0.01, 0.032, 0.1]
+    assert out["chosen_lr"] == 0.001 and out["chosen_at_grid_edge"] is True
+    n_sel = 5 * 2 * 2  # 5 values × 2 seeds × (train + val)
+    assert all(c[0] in ("train", "val") for c in calls[:n_sel])
+    assert {c[1] for c in calls[:n_sel]} == {0.01, 0.032, 0.1, 0.0032, 0.001}
+    assert [c for c in calls[n_sel:] if c[0] != "train"] == [("test", 0.001, s) for s in range(3)]
+
+
+def test_grid_edge_rule_stops_when_the_extension_is_worse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Best on validation just above the grid's top (0.5): the top 0.32 is chosen, 1.0 is added and is
+    worse, so 0.32 stays chosen, now inside the values tried: no more extension, no "(edge)"."""
+    calls: list = []
+    _stub_selection(monkeypatch, lambda lr: abs(math.log10(lr) - math.log10(0.5)), calls)
+    args = vi.parse_args(["--grid", "0.1", "0.32", "--seeds", "1", "--select-seeds", "1"])
+    out = q.run_method("digits-mlp", "sgd", None, args, None)
+    assert [g["lr"] for g in out["grid"]] == [0.1, 0.32, 1.0]
+    assert out["chosen_lr"] == 0.32 and out["chosen_at_grid_edge"] is False
+
+
+def test_grid_edge_rule_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list = []
+    _stub_selection(monkeypatch, lambda lr: lr, calls)
+    args = vi.parse_args(["--grid", "0.01", "0.1", "--seeds", "1", "--select-seeds", "1", "--edge-extensions", "0"])
+    out = q.run_method("digits-mlp", "adam", None, args, None)
+    assert [g["lr"] for g in out["grid"]] == [0.01, 0.1]
+    assert out["chosen_lr"] == 0.01 and out["chosen_at_grid_edge"] is True
+    with pytest.raises(SystemExit):
+        vi.parse_args(["--edge-extensions", "-1"])
 
 
 def test_select_seeds_must_be_positive(capsys: pytest.CaptureFixture) -> None:
@@ -134,7 +199,9 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
     for task, res in report["quality"].items():
         assert set(res["methods"]) == {"vi-diag", "adam"}
         for m, r in res["methods"].items():
-            assert len(r["grid"]) == len(q.LR_GRIDS[m]) and r["chosen_lr"] in [g["lr"] for g in r["grid"]]
+            base = [g["lr"] for g in r["grid"] if not g["extension"]]
+            assert base == list(q.LR_GRIDS[m]) and len(r["grid"]) <= len(base) + 4  # at most 2 per end
+            assert r["lr_grid"] == sorted(g["lr"] for g in r["grid"]) and r["chosen_lr"] in r["lr_grid"]
             assert r["chosen_lr"] == min(r["grid"], key=lambda g: g["val_nll"])["lr"]
             for g in r["grid"]:  # quick: the mean over 2 selection seeds
                 assert len(g["val_nll_seeds"]) == 2 and g["val_nll"] == pytest.approx(sum(g["val_nll_seeds"]) / 2)
@@ -156,8 +223,8 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
     from benchmarks import _readme_summary as summary
 
     readme = "\n".join(summary._vi([(out_json, report, 0.0)], []))  # the README's generated text states the selection
-    assert "lr per method from a small grid by the mean validation NLL over seeds 0–1, then 2 seeds" in \
-        " ".join(readme.split())
+    assert "lr per method from a small grid by the mean validation NLL over seeds 0–1 (a choice at an end of the " \
+        "values tried adds one half-decade value beyond it, at most 2 per end), then 2 seeds" in " ".join(readme.split())
 
 
 def test_regression_splits_choose_by_validation_on_each_split(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,7 +255,7 @@ def test_regression_splits_choose_by_validation_on_each_split(monkeypatch: pytes
     monkeypatch.setattr(q, "load_diabetes_split", fake_load)
     monkeypatch.setattr(q, "train", fake_train)
     monkeypatch.setattr(q, "evaluate", fake_evaluate)
-    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2"])
+    args = vi.parse_args(["--quick", "--grid", "0.1", "0.2", "--edge-extensions", "0"])  # 2 values: both ends
     res = vi_splits.run_splits(args, None, ["vi-diag", "adam"], 2)
     assert loaded == [0, 1]
     assert [{m: v["lr"] for m, v in r["methods"].items()} for r in res["splits"]] == \
