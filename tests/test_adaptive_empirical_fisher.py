@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from torchsso2.optim import SecondOrderOptimizer
+from optim_helpers import make_closure
 
 
 def _problem():
@@ -54,12 +55,7 @@ def test_adaptive_step_length_uses_the_ggn_with_empirical_fisher_factors(seqfast
         lambda v, i=i: nn.functional.cross_entropy(logits(v)[i:i + 1], y[i:i + 1]), theta) for i in range(len(y))])
     emp = per_example.t() @ per_example / len(y)
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = nn.functional.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
 
     opt.step(closure)  # the first step: only α, so the update u = αΔ with α = −Δᵀd / Δᵀ(G + λI)Δ
     u = _flat(p.detach() for p in model.parameters()) - theta

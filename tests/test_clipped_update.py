@@ -7,13 +7,13 @@ from typing import List, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from curvature.blocks.base import owned_all_finite
 from torchsso2 import SecondOrderOptimizer
 from torchsso2.optim.clipped_update import clip_and_check
 from torchsso2.optim.steps import kl_clip_factor
+from optim_helpers import make_closure
 
 
 def _three_passes(updates, vecs, lrs, kl_clip) -> Optional[List[torch.Tensor]]:
@@ -119,12 +119,7 @@ def test_kfac_training_equals_the_three_pass_step():
         for i in range(30):
             xb, yb = x[(i * 8) % 40:(i * 8) % 40 + 8], y[(i * 8) % 40:(i * 8) % 40 + 8]
 
-            def closure():
-                opt.zero_grad()
-                out = model(xb)
-                loss = F.cross_entropy(out, yb)
-                loss.backward()
-                return loss, out
+            closure = make_closure(opt, model, xb, yb)
 
             opt.step(closure)
         runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))

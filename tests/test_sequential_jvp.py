@@ -10,6 +10,7 @@ from curvature.options import LossType
 from torchsso2.optim import adaptive
 from torchsso2.optim.adaptive import InputRecorder, ggn_gram
 from torchsso2.optim.sequential_jvp import sequential_jvps, supports
+from optim_helpers import make_closure
 
 
 def _models():
@@ -152,12 +153,7 @@ def test_adaptive_training_through_the_fast_path_equals_the_dual_number_path(nam
             x = torch.randn(16, 64, generator=g, dtype=torch.float64)
             y = torch.randint(0, 3, (16,), generator=g)
 
-            def closure():
-                opt.zero_grad()
-                out = model(x)
-                loss = torch.nn.functional.cross_entropy(out, y)
-                loss.backward()
-                return loss, out
+            closure = make_closure(opt, model, x, y)
             opt.step(closure)
             coefs += [opt.adaptive.last["learning_rate"], opt.adaptive.last["momentum"], opt.damping]
         monkeypatch.undo()

@@ -14,6 +14,7 @@ from curvature.uses import UseWindows
 from curvature.uses_static import uses_stay_inside
 import curvature.capture as capture_module
 from torchsso2 import SecondOrderOptimizer
+from optim_helpers import make_closure
 
 
 def cnn() -> nn.Sequential:
@@ -118,12 +119,7 @@ def test_a_functional_tied_use_in_a_custom_model_still_raises_in_the_optimizer()
     opt = SecondOrderOptimizer(model, approx="kfac", curvature="empirical_fisher", lr=0.1, damping=0.1)
     x, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
 
     with pytest.raises(ValueError, match="emb.weight"):
         opt.step(closure)
@@ -140,12 +136,7 @@ def test_training_is_bit_equal_with_and_without_the_check(monkeypatch, curvature
         opt = SecondOrderOptimizer(model, approx="kfac", curvature=curvature, lr=0.1, damping=0.1,
                                    curv_update_interval=2, inv_update_interval=3, seed=0)
         for _ in range(6):
-            def closure():
-                opt.zero_grad()
-                out = model(x)
-                loss = F.cross_entropy(out, y)
-                loss.backward()
-                return loss, out
+            closure = make_closure(opt, model, x, y)
             opt.step(closure)
         return [p.detach().clone() for p in model.parameters()]
 
