@@ -21,7 +21,6 @@ optimizer never writes into the caller's checkpoint): :class:`CheckedCheckpoint`
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 

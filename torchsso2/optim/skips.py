@@ -15,7 +15,7 @@ training has stalled (the model produces non-finite values at every step) and th
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
