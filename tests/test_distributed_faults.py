@@ -112,6 +112,10 @@ def test_settings_check_compares_layer_shapes() -> None:
     ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
     ("sso", [dict(kfac_approx="expand"), dict(kfac_approx="reduce")]),
     ("sso", [dict(curv_warmup_steps=0), dict(curv_warmup_steps=10)]),
+    ("sso", [dict(use_adaptive_learning_rate=False, damping=0.1), dict(use_adaptive_learning_rate=True, damping=0.1)]),
+    ("sso", [dict(use_adaptive_momentum=True, damping=0.1), dict(use_adaptive_momentum=False, damping=0.1)]),
+    ("sso", [dict(adaptive_coefficients_interval=1, use_adaptive_learning_rate=True),
+             dict(adaptive_coefficients_interval=3, use_adaptive_learning_rate=True)]),
 ])
 def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
     """The construction-time check of the native faces, on 2 ranks played by 2 threads."""

@@ -114,10 +114,11 @@ def _nccl(comm: Any) -> bool:
 
 
 #: optimizer attributes compared when present (SecondOrderOptimizer: damping, kl_clip,
-#: damping_adaptation_interval; VIOptimizer: dataset_size, prior_precision, init_precision,
-#: num_mc_samples, kl_weighting, damping)
+#: damping_adaptation_interval, curv_warmup_steps, the adaptive-mode flags and interval; VIOptimizer:
+#: dataset_size, prior_precision, init_precision, num_mc_samples, kl_weighting, damping)
 SUBCLASS_ATTRIBUTES = ("damping", "kl_clip", "damping_adaptation_interval", "dataset_size", "prior_precision",
-                       "init_precision", "num_mc_samples", "kl_weighting", "curv_warmup_steps")
+                       "init_precision", "num_mc_samples", "kl_weighting", "curv_warmup_steps",
+                       "use_adaptive_learning_rate", "use_adaptive_momentum", "adaptive_coefficients_interval")
 
 
 def check_optimizer_settings(opt: Any) -> None:

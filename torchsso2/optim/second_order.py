@@ -233,6 +233,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                              "use_adaptive_momentum: the step length comes from the quadratic model; leave kl_clip "
                              "at its default (off in adaptive mode) or pass kl_clip=None")
         self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
+        # compared across ranks (distributed/consistency.py): adaptive mode all-reduces its 2×2 model
+        self.use_adaptive_learning_rate = use_adaptive_learning_rate
+        self.use_adaptive_momentum = use_adaptive_momentum
+        self.adaptive_coefficients_interval = adaptive_coefficients_interval
         if not isinstance(adaptive_damping, bool):
             raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
         self.lm: Optional[LMDamping] = None
