@@ -16,7 +16,7 @@ from typing import Dict
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["uses_stay_inside"]
+__all__ = ["plain_module", "no_global_forward_hooks", "uses_stay_inside"]
 
 #: torch layers whose forward uses only the module's own parameters (exact types)
 PLAIN_LAYERS = (
@@ -27,23 +27,29 @@ PLAIN_LAYERS = (
 )
 
 
-def _plain(module: nn.Module) -> bool:
-    """No forward hooks on ``module`` and no ``forward`` set on the instance."""
+def plain_module(module: nn.Module) -> bool:
+    """No forward hooks on ``module`` and no ``forward`` set on the instance: calling it runs its
+    class's ``forward`` and nothing else (with :func:`no_global_forward_hooks`)."""
     return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def no_global_forward_hooks() -> bool:
+    """No forward (pre-)hook registered for every module (``nn.modules.module.register_module_forward_hook``)."""
+    return not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 def uses_stay_inside(root: nn.Module, modules: Dict[str, nn.Module]) -> bool:
     """True when ``root``'s forward provably uses every parameter of ``modules`` only inside the call
     of a module of ``modules`` holding it (so :class:`curvature.uses.UseWindows` would never raise);
     False when that is not known. Call it before the capture registers its own hooks."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+    if not no_global_forward_hooks():
         return False
     covered_modules = {id(m) for m in modules.values()}
     covered_params = {id(p) for m in modules.values() for p in m.parameters(recurse=False)}
     stack = [root]
     while stack:
         m = stack.pop()
-        if not _plain(m):
+        if not plain_module(m):
             return False
         if type(m) is nn.Sequential:
             if next(m.parameters(recurse=False), None) is not None:

@@ -103,6 +103,15 @@ def test_unsupported_models_take_the_dual_number_path():
     hooked = nn.Sequential(nn.Linear(6, 3))
     hooked[0].register_forward_hook(lambda m, i, o: o * 2)
     assert not supports(hooked, (x,), {})
+    patched = nn.Sequential(nn.Linear(6, 3))  # a forward set on the instance replaces the class's
+    patched[0].forward = lambda h: torch.zeros(h.shape[0], 3)
+    assert not supports(patched, (x,), {})
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)  # global: runs in every call
+    try:
+        assert not supports(plain, (x,), {})
+    finally:
+        handle.remove()
+    assert supports(plain, (x,), {})
     with pytest.raises(ValueError, match="at least one"):
         sequential_jvps(plain, x, {})
 

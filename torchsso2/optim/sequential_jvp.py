@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from curvature.uses_static import no_global_forward_hooks, plain_module
+
 _PARAMETRIC = (nn.Linear, nn.Conv1d, nn.Conv2d)
 _ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid)
 _MAXPOOL = (nn.MaxPool1d, nn.MaxPool2d)
@@ -34,18 +36,15 @@ _LINEAR_MAPS = (nn.AvgPool1d, nn.AvgPool2d, nn.Flatten, nn.Unflatten, nn.Identit
 _SUPPORTED = frozenset(_PARAMETRIC + _ELEMENTWISE + _MAXPOOL + _LINEAR_MAPS)
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def supports(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     """True when :func:`sequential_jvps` applies to ``model(*args, **kwargs)``: an ``nn.Sequential``
-    (exact type, no hooks) of supported children called with one tensor."""
-    if type(model) is not nn.Sequential or _hooked(model) or kwargs or len(args) != 1 \
-            or not isinstance(args[0], Tensor):
+    (exact type, no hooks, no ``forward`` set on an instance, no global forward hooks) of supported
+    children called with one tensor."""
+    if type(model) is not nn.Sequential or not plain_module(model) or not no_global_forward_hooks() or kwargs \
+            or len(args) != 1 or not isinstance(args[0], Tensor):
         return False
     for child in model:
-        if type(child) not in _SUPPORTED or _hooked(child):
+        if type(child) not in _SUPPORTED or not plain_module(child):
             return False
         if isinstance(child, (nn.Conv1d, nn.Conv2d)) and child.padding_mode != "zeros":
             return False
