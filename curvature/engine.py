@@ -47,7 +47,6 @@ def prefers_batched_backward(model: nn.Module) -> bool:
     return not any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
-
 def _scaled_sum(tensors: List[Tensor], scale: float) -> Tensor:
     """``scale · Σ tensors`` (summed left to right) in one pass for a single tensor: the builtin
     ``sum`` starts with ``0 + t``, a copy of the whole output gradient (digits CNN conv1 at batch 128:
@@ -56,6 +55,7 @@ def _scaled_sum(tensors: List[Tensor], scale: float) -> Tensor:
     for t in tensors[1:]:
         total = total + t
     return total * scale
+
 
 class CurvatureEngine:
     """Capture and estimation of ``kind`` curvature in per-module shapes.
