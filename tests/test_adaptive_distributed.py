@@ -1,6 +1,6 @@
 """Adaptive lr/momentum (and LM damping) over several processes: ``mpiexec -n 2`` on two equal
 shards equals ONE process on the whole batch (float64, tight tolerance), because the quadratic
-model's [k, k] Gram is averaged over the ranks (torchsso2/optim/adaptive.py, mean_over_ranks).
+model's [k, k] Gram is averaged over the ranks (CurvatureOptimizer._mean_tensor_over_ranks, called from torchsso2/optim/adaptive.py).
 Configurations (tests/dist_scripts/adaptive_common.py): K-FAC with LM damping, full blocks with
 an adaptive lr only under MEM_OPT placement, diagonal blocks with the Hessian (targets), and
 K-FAC with curvature/inverse intervals 2/3.

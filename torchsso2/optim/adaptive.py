@@ -31,9 +31,12 @@ The model inputs of the closure's forward are recorded (a forward pre-hook, see
 updated twice) and, on CPU, the global RNG state of the original forward (the same dropout mask).
 
 With several processes each rank computes ``vᵢᵀ G vⱼ`` on its own examples and the ``[k, k]``
-Gram is averaged over the ranks (:func:`mean_over_ranks`; one allreduce of k² numbers per
-step), so every rank solves the same coefficients: W ranks on W equal shards equal one process
-on the whole batch.
+Gram is averaged over the ranks (one allreduce of k² numbers per step). Each rank's Gram is that
+of the mean loss over its own examples, and the objective of several processes is the mean of the
+ranks' mean losses (the gradients are averaged the same way), so its curvature is the mean of the
+ranks' curvatures; the linear terms ``b = vᵀd`` and the damping and weight-decay terms are already
+equal on every rank (averaged gradients, equal directions). So every rank solves the same
+coefficients: W ranks on W equal shards equal one process on the whole batch.
 """
 from __future__ import annotations
 
@@ -192,22 +195,6 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
     return 0.5 * (gram + gram.t())
 
 
-def mean_over_ranks(comm: Any, gram: Tensor, device: torch.device) -> Tensor:
-    """``gram`` ([k, k] float64) averaged over the ranks of ``comm`` (itself with one rank).
-
-    Each rank's Gram is that of the mean loss over its own examples; the objective of several
-    processes is the mean of the ranks' mean losses (the gradients are averaged the same way), so
-    its curvature is the mean of the ranks' curvatures. The linear terms ``b = vᵀd`` and the
-    damping and weight-decay terms are already equal on every rank (averaged gradients, equal
-    directions), so after this the solved coefficients are too: W ranks on W equal shards take
-    the step of one process on the whole batch."""
-    if comm.world_size <= 1:
-        return gram
-    box = gram.detach().to(device=device, dtype=torch.float64).clone()
-    comm.allreduce([box], op="mean")
-    return box.cpu()
-
-
 def _flat64(vs: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.detach().reshape(-1) for t in vs]).double()
 
@@ -327,7 +314,7 @@ class AdaptiveCoefficients:
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output, identity_select=opt.engine.output_selector is None)
-        gram = mean_over_ranks(opt.comm, gram, params[0].device)
+        gram = opt._mean_tensor_over_ranks(gram)  # the same coefficients on every rank (module docstring)
         wds = [float(g["weight_decay"]) for g in groups]
         k = len(dirs)
         flat = _flat64([t for v in (*dirs, vecs) for t in v]).view(k + 1, -1)  # [k + 1, P]: the directions, d

@@ -387,10 +387,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Mean of a Python float over all ranks (the value itself with one rank)."""
         if self.comm.world_size <= 1:
             return value
+        return float(self._mean_tensor_over_ranks(torch.tensor([value], dtype=torch.float64)).item())
+
+    def _mean_tensor_over_ranks(self, values: Tensor) -> Tensor:
+        """``values`` (any shape) averaged over all ranks in float64, on the CPU; ``values`` itself
+        with one rank. The allreduce runs on the model's device (CUDA for NCCL)."""
+        if self.comm.world_size <= 1:
+            return values
         dev = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        box = torch.tensor([value], dtype=torch.float64, device=dev)
+        box = values.detach().to(device=dev, dtype=torch.float64).clone()
         self.comm.allreduce([box], op="mean")
-        return float(box.item())
+        return box.cpu()
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
