@@ -236,7 +236,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # compared across ranks (distributed/consistency.py): adaptive mode all-reduces its 2×2 model
         self.use_adaptive_learning_rate = use_adaptive_learning_rate
         self.use_adaptive_momentum = use_adaptive_momentum
-        self.adaptive_coefficients_interval = adaptive_coefficients_interval
+        self.adaptive_coefficients_interval = check_int("adaptive_coefficients_interval", adaptive_coefficients_interval)
         if not isinstance(adaptive_damping, bool):
             raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
         self.lm: Optional[LMDamping] = None
@@ -256,7 +256,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         super().__init__(model, params, defaults, settings)
         self.kfac_method = kfac_method
         self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum,
-                                            adaptive_coefficients_interval)
+                                            self.adaptive_coefficients_interval)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be
         # rotated in low rank (torchsso2/optim/lowrank.py; guarded by a probe of p.grad)
         self.low_rank: Optional[LowRankSolver] = None
@@ -413,12 +413,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])
 
-    def _make_adaptive(self, learning_rate: Any, momentum: Any, interval: Any = 1) -> Optional[AdaptiveCoefficients]:
+    def _make_adaptive(self, learning_rate: Any, momentum: Any, interval: int = 1) -> Optional[AdaptiveCoefficients]:
         """Validate the adaptive-mode flags; the :class:`AdaptiveCoefficients` or None."""
         for name, flag in (("use_adaptive_learning_rate", learning_rate), ("use_adaptive_momentum", momentum)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        check_int("adaptive_coefficients_interval", interval)
         if not (learning_rate or momentum):
             if interval != 1:
                 raise ValueError(f"adaptive_coefficients_interval={interval} needs use_adaptive_learning_rate=True "
