@@ -165,3 +165,25 @@ def test_curvature_name_is_named_with_a_suggestion() -> None:
     import curvature
     with pytest.raises(ValueError, match=r"kind='Empirical Fisher'.*did you mean 'empirical_fisher'"):
         curvature.compute(_mlp(), X, Y, kind="Empirical Fisher")
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_closure_after_the_watch_runs_with_grad_and_checks_its_result(face: str) -> None:
+    """After the watched calls a step runs the closure without a watch: still with grad enabled (a step
+    called under ``torch.no_grad()`` trains), and a closure that does not return ``(loss, output)`` is
+    still a TypeError."""
+    from torchsso2.optim.misuse import CLOSURE_CHECKS
+
+    model = _mlp()
+    opt = _faces(model, curv_update_interval=2)[face]  # odd steps estimate nothing: the plain closure call
+    closure = _closure(opt, model, lambda out: F.cross_entropy(out, Y))
+    for _ in range(CLOSURE_CHECKS + 1):
+        opt.step(closure)
+    assert not opt._misuse["closure_checks_left"]
+    before = _vec(model)
+    with torch.no_grad():
+        opt.step(closure)
+        opt.step(closure)
+    assert not torch.equal(_vec(model), before)
+    with pytest.raises(TypeError, match=r"\(loss, output\)"):
+        opt.step(lambda: closure()[0])

@@ -321,6 +321,49 @@ def test_lr_schedule_and_changed_settings_are_read_at_every_step():
     assert taken[1:] == [True] * 5
 
 
+def test_changed_prior_damping_and_dataset_size_reach_the_flat_step():
+    """prior_precision, damping and dataset_size changed between steps reach the flat step (it keeps N,
+    τδ + damping, their ratio and 1 − β as cached 0-dim tensors: they are rebuilt when a value changes)."""
+    (fm, fast, taken), (sm, slow) = _pair(tiny_mlp)
+    changes = {2: ("prior_precision", 3.0), 3: ("damping", 0.25), 4: ("dataset_size", 40), 5: ("ema_decay", 0.5)}
+    for t in range(7):
+        if t in changes:
+            for o in (fast, slow):
+                setattr(o, *changes[t])
+        _run(fm, fast, 1, seed0=t)
+        _run(sm, slow, 1, seed0=t)
+        _assert_same(_state(fm, fast), _state(sm, slow))
+    assert taken[1:] == [True] * 6
+
+
+def test_flat_steps_after_a_failed_decomposition_equal_the_general_ones(caplog):
+    """The flat step writes the next decomposition beside the current one and swaps them once it is
+    checked: after a failed check the blocks keep the old one, and the next flat steps go on from it
+    as the general steps do."""
+    (fm, fast, taken), (sm, slow) = _pair(tiny_mlp, dataset_size=10 ** 6)
+    _run(fm, fast, 3)
+    _run(sm, slow, 3)
+    kept = {name: blk.decomposition["denom"].clone() for name, blk in fast.running.blocks.items()}
+    for opt in (fast, slow):
+        blk = next(iter(opt.running.blocks.values()))
+        with torch.no_grad():
+            blk.diagonal[0] = 1e303
+    with caplog.at_level(logging.WARNING):
+        _run(fm, fast, 1, seed0=3)
+        _run(sm, slow, 1, seed0=3)
+    for name, blk in fast.running.blocks.items():
+        assert torch.equal(blk.decomposition["denom"], kept[name])
+    for opt in (fast, slow):
+        blk = next(iter(opt.running.blocks.values()))
+        with torch.no_grad():
+            blk.diagonal[0] = 1.0
+    for t in range(4, 7):
+        _run(fm, fast, 1, seed0=t)
+        _run(sm, slow, 1, seed0=t)
+        _assert_same(_state(fm, fast), _state(sm, slow))
+    assert taken[-3:] == [True] * 3
+
+
 def test_autocast_closure_gives_the_general_result():
     """Under CPU autocast (bfloat16 forward, float32 weights and gradients) the flat step equals the
     general one."""

@@ -147,8 +147,12 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
         if closure is None or not callable(closure):
             raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
-        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY,
-                             self.__dict__.setdefault("_misuse", {}))
+        misuse = self.__dict__.setdefault("_misuse", {})
+        if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
+            with torch.enable_grad():
+                loss, output = unpack_closure_result(closure())
+            return loss, output, None
+        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             hook = self.model.register_forward_hook(
                 lambda _m, _i, out: watch.observe_output(out if self.engine.output_selector is None

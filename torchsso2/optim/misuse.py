@@ -89,6 +89,12 @@ class ClosureWatch:
         self.owner = owner
         self.check_output = cross_entropy and owner.get("output_checks_left", OUTPUT_CHECKS) > 0
 
+    @staticmethod
+    def watching(owner: dict) -> bool:
+        """Whether the optimizer owning ``owner`` still watches its closure calls (a watch built now
+        would be active); after :data:`CLOSURE_CHECKS` calls a step can skip building one."""
+        return owner.get("closure_checks_left", CLOSURE_CHECKS) > 0
+
     def observe_output(self, out: Tensor) -> None:
         """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
         if not self.check_output or not isinstance(out, Tensor) or not out.requires_grad or out.dim() < 2 \

@@ -11,17 +11,26 @@ posterior state is a few vectors over all ``P`` covered parameters, and this mod
 * ``D = N·C + τδ + damping`` (the decomposition): the blocks' ``decomposition["denom"]`` are views
   of it, and ``1/D``, ``1/√D`` are kept beside it;
 * ``m`` (the momentum): ``state[p]["momentum_buffer"]`` are views of it;
-* two workspaces: one holds the draw ``z``, then the noise ``ε`` (in place), then the step; the other
-  the flat gradient ``g``, then ``ĥ = g ⊙ ε ⊙ D/τ`` (so the flat state costs ``2·P`` numbers beyond
-  what the blocks keep anyway).
+* a second buffer of ``D``: the next decomposition is written there, checked, and the two swap
+  roles (no copy, and a decomposition that fails its check leaves the current one untouched);
+* three workspaces: one holds the draw ``z``, then the noise ``ε`` (in place), then the step; one
+  the flat gradient ``g``, then ``ĥ = g ⊙ ε ⊙ D/τ``, then the EMA's ``ĥ − C``; one the EMA's
+  other temporaries (so the flat state costs ``4·P`` numbers beyond what the blocks keep anyway).
 
-A step is then: one seeded ``randn`` into ``ε`` and ``ε ⊙ √τ ⊙ 1/√D``; the closure at ``μ + ε``
-(one ``torch._foreach_add``); ``g`` by one ``cat``; ``ĥ`` in two ops; the finite check of ``g``
-and ``ĥ`` in one kernel; IVON's EMA of ``C``; ``D``, its check and reciprocals on the flat vector;
-the momentum in one fused SGD kernel; the (KL-clipped) mean's step in one ``foreach`` op.
+A step is then: one seeded ``randn`` into ``z``; the closure at ``μ + z ⊙ √τ/√D`` (one
+``torch._foreach_addcmul``); ``g`` by one ``torch._foreach_copy_``; ``ε = z ⊙ √τ/√D`` in place;
+``ĥ`` in two ops; the finite check of ``g`` and ``ĥ`` in one kernel; IVON's EMA of ``C``; ``D``,
+its check and reciprocals on the flat vector; the momentum in one fused SGD kernel; the
+(KL-clipped) mean's step in one ``foreach`` op. The flat ops write into the buffers above (no
+allocation), the hyper-parameters enter as cached 0-dim tensors (rebuilt when a value changes;
+a Python scalar is wrapped into a tensor at every call), and the sample's weights are swapped in
+and out inline: on a small model (digits MLP, batch 64, 1 thread) this per-op overhead, not the
+arithmetic, is what a VI step costs beyond Adam's.
+
 The numbers are those of the general step: the same elementwise operations in the same order
-(the KL clip's ``Σ uᵀm`` is one dot product instead of one sum per parameter, so its rounding
-differs in the last bits); tests/test_vi_flat.py compares the two paths.
+(IVON's EMA is :func:`~torchsso2.optim.reparam.reparam_ema_`'s four ops, written out here to use
+the workspaces); the KL clip's ``Σ uᵀm`` is one dot product instead of one sum per parameter, so
+its rounding differs in the last bits. tests/test_vi_flat.py compares the two paths bit for bit.
 
 Everything the general step handles and this one does not falls back to it, checked at every
 step before anything is drawn: the first step (isotropic noise, no decomposition yet), several
@@ -47,7 +56,6 @@ from curvature.blocks.base import all_finite
 
 from .grid import noise_seed
 from .plan import params_with_grad
-from .reparam import reparam_ema_
 from .steps import kl_clip_scale
 from .validation import as_loss_tensor
 
@@ -76,11 +84,20 @@ class _Link:
             self.momentum = torch.cat([state[p]["momentum_buffer"].reshape(-1) for p in params])
         self.inv = self.denom.reciprocal()      # as DiagBlock's cached 1/denom and 1/√denom
         self.inv_sqrt = self.inv.sqrt()
+        # the next decomposition is written into ``spare`` and the two swap roles once it is checked
+        # (no copy; the old one stays intact when the check fails); ``work`` holds the EMA's temporaries
+        self.spare = torch.empty_like(self.denom)
+        self.work = torch.empty_like(self.curv)
+        #: the step's hyper-parameters as 0-dim tensors (see :meth:`scalars`)
+        self._scalar_key: Optional[Tuple[float, ...]] = None
+        self._scalar_values: Tuple[Tensor, ...] = ()
         # workspaces: z, then ε = z·√τ/√D in place, then the step N·m/D; and the gradient, then ĥ
         self.noise = torch.empty_like(self.curv)
         self.hat = torch.empty_like(self.curv)
         offset = 0
         self.decompositions: List[Dict[str, Tensor]] = []
+        #: each block's slice of the two decomposition buffers: ``denom_views[k][b]`` (k = 0: ``denom``, 1: ``spare``)
+        self.denom_views: Tuple[List[Tensor], List[Tensor]] = ([], [])
         self.diagonals: List[Tensor] = []
         self.momentum_views: List[Tensor] = []
         self.noise_views: List[Tensor] = []
@@ -91,6 +108,8 @@ class _Link:
             n = lay.numel
             blk.diagonal = self.curv.narrow(0, offset, n)
             blk.decomposition = {"denom": self.denom.narrow(0, offset, n)}
+            self.denom_views[0].append(blk.decomposition["denom"])
+            self.denom_views[1].append(self.spare.narrow(0, offset, n))
             self.diagonals.append(blk.diagonal)
             self.decompositions.append(blk.decomposition)
             for views, flat in ((self.momentum_views, self.momentum), (self.noise_views, self.noise),
@@ -106,6 +125,26 @@ class _Link:
         self.param_checks = [(own, pname, p, view) for (own, pname), p, view
                              in zip(owners, params, self.momentum_views)]
         self.device_key = str(self.device)
+
+    def scalars(self, n: float, shift: float, decay: float) -> Tuple[Tensor, ...]:
+        """``(N, τδ + damping, (τδ + damping)/N, 1 − β)`` as 0-dim tensors of the buffers' dtype, rebuilt
+        only when a value changes: an op with a Python scalar wraps it into a tensor at every call
+        (~1 µs each on CPU); the results are the same (the scalar is cast to the tensor's dtype either way)."""
+        key = (n, shift, decay)
+        if key != self._scalar_key:
+            self._scalar_values = tuple(torch.tensor(v, dtype=self.dtype, device=self.device)
+                                        for v in (n, shift, shift / n, 1.0 - decay))
+            self._scalar_key = key
+        return self._scalar_values
+
+    def swap_decomposition(self) -> None:
+        """Make ``spare`` (just written and checked) the decomposition the blocks hold, and the old one
+        the next step's ``spare``."""
+        self.denom, self.spare = self.spare, self.denom
+        views = self.denom_views[1]
+        self.denom_views = (views, self.denom_views[0])
+        for dec, view in zip(self.decompositions, views):
+            dec["denom"] = view
 
     def intact(self, opt: Any) -> bool:
         """The optimizer's state is still the one these buffers back (nothing replaced from outside)."""
@@ -227,8 +266,16 @@ class FlatDiagPath:
         if tau != 1.0:
             z.mul_(opt._noise_scale)
         params = link.params
-        with _shifted_params()(params, link.noise_views, link.inv_sqrt_views):  # μ + z·√τ/√D, as _coloured_all
+        # the closure at μ + z·√τ/√D (as shifted_params(params, ε, factors) of _coloured_all, inline:
+        # this runs at every step): the parameters point at the sampled tensors, then at their own again
+        means = [p.data for p in params]
+        try:
+            for p, w in zip(params, torch._foreach_addcmul(means, link.noise_views, link.inv_sqrt_views)):
+                p.data = w
             loss, output, _ = opt._run_closure(closure, targets, False)
+        finally:
+            for p, m in zip(params, means):
+                p.data = m
         mean_loss = loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss)
         grads = [p.grad for p in params]
         for g in grads:
@@ -236,6 +283,9 @@ class FlatDiagPath:
                 # a parameter without a gradient (or an unusual one): the general step takes over
                 hats = opt._reparam_sample((params, link.noise_views, link.inv_sqrt_views))
                 return opt._finish_step(snapshot, [mean_loss], output, hats, None)
+        shift = opt.precision_shift
+        decay = opt.ema_decay
+        n_t, shift_t, shift_n_t, rate0_t = link.scalars(n, shift, decay)
         with torch.no_grad():
             torch._foreach_copy_(link.hat_views, grads)
             eps = z.mul_(link.inv_sqrt)  # ε = z·√τ/√D, the sample's shift
@@ -250,10 +300,14 @@ class FlatDiagPath:
                          for name, lay in zip(link.names, link.layouts)}
                 opt._nonfinite("loss, gradient or curvature", snapshot, opt._what_is_nonfinite(mean_loss, fresh))
                 return mean_loss, output
-            shift = opt.precision_shift
-            reparam_ema_(link.curv, hat, opt.ema_decay, shift / n, opt._scalars)
+            # reparam_ema_(C, ĥ, β, shift/N): its four ops, with ĥ's buffer and ``work`` as the temporaries
+            curv = link.curv
+            x = torch.add(curv, shift_n_t, out=link.work)  # C + shift
+            diff = hat.sub_(curv)  # ĥ − C
+            rate = torch.addcdiv(rate0_t, diff, x, value=0.5 * (1.0 - decay) ** 2, out=link.work)
+            curv.addcmul_(diff, rate)
             opt.running.num_updates += 1
-            denom = torch.mul(link.curv, n).add_(shift)  # DiagBlock.decompose: scale·C + damping
+            denom = torch.mul(curv, n_t, out=link.spare).add_(shift_t)  # DiagBlock.decompose: scale·C + damping
             low, high = torch.aminmax(denom)
             if not (float(low) > 0.0 and float(high) < math.inf):  # check_positive's failure: its message, its policy
                 opt._decompose(shift, scale=n)
@@ -262,8 +316,8 @@ class FlatDiagPath:
                 opt._step_taken()
                 opt.num_steps += 1
                 return mean_loss, output
-            link.denom.copy_(denom)
-            torch.reciprocal(link.denom, out=link.inv)
+            link.swap_decomposition()  # the blocks' decomposition is now ``denom``
+            torch.reciprocal(denom, out=link.inv)
             torch.sqrt(link.inv, out=link.inv_sqrt)
             # m ← mom·m + (g + τδ/N·μ): natural_momentum_'s fused kernel
             torch._fused_sgd_(params, grads, link.momentum_views, weight_decay=tau * opt.prior_precision / n,
@@ -272,15 +326,9 @@ class FlatDiagPath:
             if opt.kl_clip is None:  # preconditioned_descent_'s fused update
                 torch._foreach_addcmul_(params, link.momentum_views, link.inv_views, value=-lr * n)
             else:  # u = N·m/D; ν = min(1, √(kl_clip / (lr²·uᵀm)))
-                step = torch.mul(link.momentum, link.inv, out=link.noise).mul_(n)
+                step = torch.mul(link.momentum, link.inv, out=link.noise).mul_(n_t)
                 nu = kl_clip_scale(lr * lr * float(torch.dot(step, link.momentum)), opt.kl_clip)
                 torch._foreach_add_(params, link.noise_views, alpha=-(lr * nu))
         opt._step_taken()
         opt.num_steps += 1
         return mean_loss, output
-
-
-def _shifted_params() -> Any:
-    """:class:`torchsso2.optim.vi.shifted_params` (that module imports this one)."""
-    from .vi import shifted_params
-    return shifted_params
