@@ -329,11 +329,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             updates = [direction[id(p)] for p in params]
         else:
             updates = plan.precondition(vecs, solved=self._low_rank_solve(plan, vecs, wds))
-        nu: Optional[float] = 1.0
+        nu = 1.0
         if self.kl_clip is not None:  # the clip and the finite check in one pass (clipped_update.py)
-            nu = clip_scale(updates, vecs, plan.values("lr"), self.kl_clip)
-            if nu is None:
+            clip = clip_scale(updates, vecs, plan.values("lr"), self.kl_clip)
+            if clip is None:
                 return False
+            nu = clip
         elif not owned_all_finite(updates):
             return False
         # the clip's ν folded into one fused momentum kernel (fused_momentum.py); the gradients are kept
