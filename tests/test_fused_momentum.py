@@ -129,3 +129,14 @@ def test_clip_scale_is_the_clip_factor():
                                                                            rel=1e-12)
     updates[1][0] = float("nan")
     assert clip_scale(updates, vecs, [0.1] * 4, 1e-3) is None
+
+
+def test_devices_without_the_kernel_take_the_foreach_ops(monkeypatch):
+    """Tensors on a device other than CPU/CUDA (here ``meta``) never reach ``torch._fused_sgd_``."""
+    calls = []
+    monkeypatch.setattr(torch, "_fused_sgd_", lambda *a, **k: calls.append(len(a[0])))
+    params = [torch.empty(s, device="meta") for s in SHAPES]
+    states = [{"momentum_buffer": torch.empty(s, device="meta")} for s in SHAPES]
+    updates = [torch.empty(s, device="meta") for s in SHAPES]
+    scaled_momentum_step_(params, updates, states, [0.1] * 4, [0.9] * 4, 1.0)
+    assert calls == []

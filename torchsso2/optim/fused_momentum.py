@@ -12,7 +12,8 @@ Same numbers up to float rounding: the kernel computes ``momentum·buf + u`` wit
 rounding (not bit for bit the foreach ops' ``buf·momentum`` then ``+ u``), and ``u / (1/ν)``
 instead of ``u·ν``. ``grad_scale`` is a float32 tensor, so a float64 update with a binding clip
 takes the foreach ops (a float32 ``1/ν`` would perturb it at float32 precision). A buffer's first
-use, momentum 0 and other dtypes also take :func:`torchsso2.optim.steps.momentum_step_`.
+use, momentum 0, other dtypes and devices other than CPU/CUDA also take
+:func:`torchsso2.optim.steps.momentum_step_`.
 """
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ from .plan import ScalarCache
 from .steps import FUSED_SGD_DTYPES, momentum_step_
 
 FusedKey = Tuple[float, float, torch.dtype, torch.device]
+#: devices with a ``torch._fused_sgd_`` kernel (as ``torch.optim.SGD(fused=True)``); others take the foreach ops
+FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
 
 def _fusable(p: Tensor, u: Tensor, buf: Optional[Tensor], scaled: bool) -> bool:
     """Whether parameter ``p``, update ``u`` and buffer ``buf`` can take the fused kernel."""
-    if buf is None or p.dtype not in FUSED_SGD_DTYPES or (scaled and p.dtype != torch.float32):
+    if buf is None or p.dtype not in FUSED_SGD_DTYPES or (scaled and p.dtype != torch.float32) \
+            or p.device.type not in FUSED_DEVICE_TYPES:
         return False
     return (u.dtype == p.dtype and buf.dtype == p.dtype and u.device == p.device and buf.device == p.device
             and p.is_contiguous() and u.is_contiguous() and buf.is_contiguous())
