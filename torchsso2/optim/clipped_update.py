@@ -35,6 +35,20 @@ def _inner(u: Tensor, d: Tensor) -> float:
     return float((u * d).sum())
 
 
+def clip_scale(updates: Sequence[Tensor], vecs: Sequence[Tensor], lrs: Sequence[float],
+               kl_clip: float) -> Optional[float]:
+    """The clip's ``ν = min(1, sqrt(kl_clip / Σ_p lr_p² u_pᵀd_p))`` (1 when the sum is <= 0), or
+    None when some update is not finite; the updates are not scaled (:func:`clip_and_check` scales
+    them; SecondOrderOptimizer folds ``ν`` into its fused momentum step,
+    :mod:`torchsso2.optim.fused_momentum`). Arguments as :func:`clip_and_check`'s."""
+    vg = 0.0
+    for r, u, d in zip(lrs, updates, vecs):  # a plain loop: this runs at every step
+        vg += r * r * _inner(u, d)
+    if not math.isfinite(vg) and not owned_all_finite(list(updates)):
+        return None
+    return kl_clip_scale(vg, kl_clip)
+
+
 def clip_and_check(updates: Sequence[Tensor], vecs: Sequence[Tensor], lrs: Sequence[float],
                    kl_clip: float) -> Optional[List[Tensor]]:
     """The updates scaled by ``ν = min(1, sqrt(kl_clip / Σ_p lr_p² u_pᵀd_p))`` (1 when the sum is
@@ -46,12 +60,9 @@ def clip_and_check(updates: Sequence[Tensor], vecs: Sequence[Tensor], lrs: Seque
         lrs: one learning rate per tensor.
         kl_clip: the clip (> 0).
     """
-    vg = 0.0
-    for r, u, d in zip(lrs, updates, vecs):  # a plain loop: this runs at every step
-        vg += r * r * _inner(u, d)
-    if not math.isfinite(vg) and not owned_all_finite(list(updates)):
+    nu = clip_scale(updates, vecs, lrs, kl_clip)
+    if nu is None:
         return None
-    nu = kl_clip_scale(vg, kl_clip)
     if nu == 1.0:
         return list(updates)
     return list(torch._foreach_mul(list(updates), nu))

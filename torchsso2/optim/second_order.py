@@ -34,8 +34,9 @@ from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .plan import UpdatePlan, params_with_grad
 from .precision import full_precision_step
-from .clipped_update import clip_and_check
-from .steps import add_weight_decay, momentum_step_
+from .clipped_update import clip_scale
+from .fused_momentum import scaled_momentum_step_
+from .steps import add_weight_decay
 from .validation import MAX_LR, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
@@ -328,15 +329,17 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             updates = [direction[id(p)] for p in params]
         else:
             updates = plan.precondition(vecs, solved=self._low_rank_solve(plan, vecs, wds))
+        nu = 1.0
         if self.kl_clip is not None:  # the clip and the finite check in one pass (clipped_update.py)
-            clipped = clip_and_check(updates, vecs, plan.values("lr"), self.kl_clip)
-            if clipped is None:
+            clip = clip_scale(updates, vecs, plan.values("lr"), self.kl_clip)
+            if clip is None:
                 return False
-            updates = clipped
+            nu = clip
         elif not owned_all_finite(updates):
             return False
-        momentum_step_(params, updates, [self.state[p] for p in params], plan.values("lr"),
-                       plan.values("momentum"), self._scalars)
+        # the clip's ν folded into one fused momentum kernel (fused_momentum.py); the gradients are kept
+        scaled_momentum_step_(params, updates, [self.state[p] for p in params], plan.values("lr"),
+                              plan.values("momentum"), nu, vecs, self._scalars)
         return True
 
     def _low_rank_solve(self, plan: UpdatePlan, vecs: List[Tensor], wds: List[float]) -> Dict[str, List[Tensor]]:
