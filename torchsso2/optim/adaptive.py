@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import mean_nll
 from curvature.options import Kind, LossType
+from curvature.uses_static import observer_hook
 
 from . import sequential_jvp
 
@@ -62,7 +63,9 @@ Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]
 
 
 class InputRecorder:
-    """Records the inputs of every forward of ``model`` while active (a forward pre-hook)."""
+    """Records the inputs of every forward of ``model`` while active (a forward pre-hook that only
+    records, :func:`curvature.uses_static.observer_hook`: a K-FAC capture in the same forward still
+    knows that a plain ``nn.Sequential`` cannot use a parameter outside its layers' calls)."""
 
     def __init__(self) -> None:
         self.calls: List[Call] = []
@@ -74,7 +77,7 @@ class InputRecorder:
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             self.calls.append((args, dict(kwargs), torch.get_rng_state()))
 
-        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        handle = model.register_forward_pre_hook(observer_hook(hook), with_kwargs=True)
         try:
             yield self
         finally:

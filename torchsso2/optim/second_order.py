@@ -297,7 +297,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if not self._decomposed:
                 self.num_steps += 1
                 return loss, output
-        old = [p.detach().clone() for p in params] if self._adapt_now() else None
+        adapt = self._adapt_now()  # the LM rule after the update; adaptive mode predicts without the old values
+        old = [p.detach().clone() for p in params] if adapt and self.adaptive is None else None
         predicted = None
         if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
             predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
@@ -307,7 +308,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not applied:
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        if old is not None:
+        if adapt:
             self._adapt_damping(closure, loss, params, grads, old, predicted)
         self._step_taken()
         self.num_steps += 1
@@ -352,12 +353,14 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         return self.lm is not None and (self.num_steps + 1) % self.damping_adaptation_interval == 0
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
-                       grads: List[Tensor], old: List[Tensor], predicted: Optional[float] = None) -> None:
+                       grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None) -> None:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
-        change when the caller has it (adaptive mode: exact curvature), else from ``C + λI``."""
+        change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
+        the update ``θ − old`` (``old``: the parameters before it)."""
         assert self.lm is not None
         with torch.no_grad():
             if predicted is None:  # the change predicted by C + λI
+                assert old is not None
                 deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
                 g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
                 quad = 0.0
