@@ -183,4 +183,4 @@ def test_adaptive_mode_records_its_inputs_without_turning_the_use_check_on(monke
         opt.step(make_closure(opt, model, x, y))
     checked = [c for c in made if c.root is model]
     assert checked and all(c._uses is None for c in checked)
-    assert not model._forward_pre_hooks  # the recorder's hook is gone after the step
+    assert not model._forward_pre_hooks and not model._forward_hooks  # the recorder's hooks are gone after the step

@@ -27,6 +27,7 @@ from curvature.blocks.base import owned_all_finite
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
+from .lm_forward import forward_only_closure
 from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
@@ -308,8 +309,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not applied:
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        if adapt:
-            self._adapt_damping(closure, loss, params, grads, old, predicted)
+        if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
+            lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
+            self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted)
         self._step_taken()
         self.num_steps += 1
         return loss, output
