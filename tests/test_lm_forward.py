@@ -144,3 +144,24 @@ def test_dropout_draws_as_the_closure_would() -> None:
 def test_mean_nll_is_the_loss_the_check_compares_with() -> None:
     out, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
     torch.testing.assert_close(mean_nll(LossType.CROSS_ENTROPY, out, y), F.cross_entropy(out, y), rtol=1e-15, atol=0)
+
+
+def test_with_several_ranks_the_way_is_agreed_over_the_ranks() -> None:
+    """Every rank takes the forward or the closure alike (a closure on some ranks only could wait for
+    a collective of the others): the flag is averaged over the ranks, the forward needs all of them."""
+    from types import SimpleNamespace
+    model, x, y = _problem()
+    opt = _optimizer(model)
+    calls: List[int] = []
+    closure = _closure(opt, model, x, y, calls)
+    opt.step(closure, targets=y)
+    with opt.adaptive.record(model):
+        loss, out = closure()
+    assert forward_only_closure(opt, y, loss, out) is not None
+    opt.comm = SimpleNamespace(world_size=2)
+    fed: List[float] = []
+    opt._mean_over_ranks = lambda v: fed.append(v) or v  # the other rank agrees
+    assert forward_only_closure(opt, y, loss, out) is not None and fed == [1.0]
+    opt._mean_over_ranks = lambda v: fed.append(v) or 0.5 * (v + 0.0)  # the other rank must call its closure
+    assert forward_only_closure(opt, y, loss, out) is None and fed == [1.0, 1.0]
+    assert forward_only_closure(opt, torch.roll(y, 1), loss, out) is None and fed[-1] == 0.0  # still joins

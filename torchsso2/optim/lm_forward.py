@@ -39,31 +39,44 @@ def forward_only_closure(opt: Any, targets: Optional[Tensor], loss: Any, output:
     """A closure returning ``(loss, output)`` at the current parameters by one forward (no grad) of
     the step's recorded input, or None where it would not equal the user's closure (module
     docstring). ``opt``: a :class:`SecondOrderOptimizer` in adaptive mode after its closure ran;
-    ``loss``, ``output``: what the closure returned at this step."""
+    ``loss``, ``output``: what the closure returned at this step. With several processes every
+    rank takes the same way (one all-reduce of a flag): a closure called on some ranks only could
+    wait for a collective of the others (a DDP backward)."""
     recorder = opt.adaptive.recorder if opt.adaptive is not None else None
-    if recorder is None or not isinstance(targets, Tensor) or len(recorder.calls) != 1 \
-            or len(recorder.outputs) != 1 or recorder.outputs[0] is not output or not isinstance(output, Tensor) \
-            or not isinstance(loss, Tensor) or loss.numel() != 1:
-        return None  # the closure's output must be the recorded forward's own output
-    calls = recorder.calls
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if not output.is_floating_point() or any(p.dtype != output.dtype for p in params):
+    ok = recorder is not None and _matches(opt, recorder, targets, loss, output)
+    if opt.comm.world_size > 1:
+        ok = opt._mean_over_ranks(1.0 if ok else 0.0) == 1.0
+    if not ok:
         return None
+    assert recorder is not None and targets is not None
+    args, kwargs, _ = recorder.calls[0]
     engine = opt.engine
-    with torch.no_grad():
-        try:
-            ref = float(mean_nll(engine.loss, engine.select_output(output.detach()), targets))
-        except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
-            return None
-    value = float(loss.detach())
-    if not abs(ref - value) <= LOSS_MATCH_RTOL * max(1.0, abs(value)):
-        logger.debug("LM rule: the closure's loss %.8g is not the mean NLL of its output (%.8g); "
-                     "it is called again", value, ref)
-        return None
-    args, kwargs, _ = calls[0]
 
     def closure() -> Tuple[Tensor, Tensor]:
         with torch.no_grad():
             out = opt.model(*args, **kwargs)
             return mean_nll(engine.loss, engine.select_output(out), targets), out
     return closure
+
+
+def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
+    """True when the closure ran the model once, returned that forward's output (in the parameters'
+    dtype) and a loss equal to the mean NLL of it and ``targets``."""
+    if not isinstance(targets, Tensor) or len(recorder.calls) != 1 or len(recorder.outputs) != 1 \
+            or recorder.outputs[0] is not output or not isinstance(output, Tensor) \
+            or not isinstance(loss, Tensor) or loss.numel() != 1:
+        return False
+    if not output.is_floating_point() or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
+        return False
+    engine = opt.engine
+    with torch.no_grad():
+        try:
+            ref = float(mean_nll(engine.loss, engine.select_output(output.detach()), targets))
+        except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
+            return False
+    value = float(loss.detach())
+    if not abs(ref - value) <= LOSS_MATCH_RTOL * max(1.0, abs(value)):
+        logger.debug("LM rule: the closure's loss %.8g is not the mean NLL of its output (%.8g); "
+                     "it is called again", value, ref)
+        return False
+    return True
