@@ -198,7 +198,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     Gradient accumulation (several forwards + backwards in one closure) works for every kind; kinds
     given ``targets`` take them as all micro-batches' targets concatenated in the closure's order,
     and ``"empirical_fisher"`` needs ``targets`` then (without them it reads the per-example
-    gradients of the closure's single backward).
+    gradients of the closure's single backward). In adaptive mode with ``adaptive_damping``, given
+    the batch's ``targets``, the LM rule takes the loss after the update from one forward instead of
+    a second closure call where that is the closure's loss (:mod:`torchsso2.optim.lm_forward`).
     """
 
     def __init__(self, model: nn.Module, lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, *,
