@@ -165,3 +165,37 @@ def test_with_several_ranks_the_way_is_agreed_over_the_ranks() -> None:
     opt._mean_over_ranks = lambda v: fed.append(v) or 0.5 * (v + 0.0)  # the other rank must call its closure
     assert forward_only_closure(opt, y, loss, out) is None and fed == [1.0, 1.0]
     assert forward_only_closure(opt, torch.roll(y, 1), loss, out) is None and fed[-1] == 0.0  # still joins
+
+
+def test_a_plain_sequential_cnn_takes_the_fast_forward_with_the_same_loss(monkeypatch) -> None:
+    """For a plain nn.Sequential the forward-only loss comes from sequential_forward (channels-last
+    max pooling): the same output as the model's own forward, and training equals the closure's."""
+    from torchsso2.optim import sequential_jvp
+
+    def cnn_problem():
+        g = torch.Generator().manual_seed(2)
+        x, y = torch.randn(16, 36, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Unflatten(1, (1, 6, 6)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(36, 3)).double()
+        return model, x, y
+
+    model, x, _ = cnn_problem()
+    with torch.no_grad():
+        assert torch.equal(sequential_jvp.sequential_forward(model, x), model(x))
+    fast = []
+    original = sequential_jvp.sequential_forward
+    monkeypatch.setattr(sequential_jvp, "sequential_forward", lambda *a: fast.append(1) or original(*a))
+    results = []
+    for targets in (False, True):
+        model, x, y = cnn_problem()
+        opt = _optimizer(model)
+        calls: List[int] = []
+        closure = _closure(opt, model, x, y, calls)
+        for _ in range(6):
+            opt.step(closure, targets=y) if targets else opt.step(closure)
+        results.append(([p.detach().clone() for p in model.parameters()], opt.damping, len(calls)))
+    (pa, da, ca), (pb, db, cb) = results
+    assert (ca, cb) == (9, 6) and len(fast) == 3 and da == pytest.approx(db, rel=1e-12)
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

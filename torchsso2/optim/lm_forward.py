@@ -8,11 +8,12 @@ digits CNN: ~1.7 ms, every ``damping_adaptation_interval`` steps).
 In adaptive mode the closure's forward is recorded (:class:`torchsso2.optim.adaptive.InputRecorder`).
 When the step is also given the batch's ``targets``, the closure returned the recorded forward's
 own output and its loss is the model's mean negative log-likelihood of them (checked on that
-output: equal to rounding), the loss
-after the update is that same function of one forward of the recorded input, without autograd:
-the same value as the closure's, at the cost of a forward. The forward draws random numbers and
-updates BatchNorm statistics as the closure's forward would (the closure's backward draws none).
-Unlike the closure it leaves the gradients (``p.grad``) at the step's own gradients.
+output: equal to rounding), the loss after the update is that same function of one forward of
+the recorded input, without autograd: the same value as the closure's, at the cost of a forward
+(for a plain ``nn.Sequential``: :func:`torchsso2.optim.sequential_jvp.sequential_forward`). The
+forward draws random numbers and updates BatchNorm statistics as the closure's forward would (the
+closure's backward draws none). Unlike the closure it leaves the gradients (``p.grad``) at the
+step's own gradients.
 
 Anywhere else (no targets, several forwards in the closure, a loss with other terms, an output
 in another dtype than the parameters, e.g. under autocast) the closure is called as before.
@@ -26,6 +27,8 @@ import torch
 from torch import Tensor
 
 from curvature.likelihoods import mean_nll
+
+from . import sequential_jvp
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,10 @@ def forward_only_closure(opt: Any, targets: Optional[Tensor], loss: Any, output:
 
     def closure() -> Tuple[Tensor, Tensor]:
         with torch.no_grad():
-            out = opt.model(*args, **kwargs)
+            if sequential_jvp.supports(opt.model, args, kwargs):  # a plain nn.Sequential: the faster forward
+                out = sequential_jvp.sequential_forward(opt.model, args[0])
+            else:
+                out = opt.model(*args, **kwargs)
             return mean_nll(engine.loss, engine.select_output(out), targets), out
     return closure
 
