@@ -20,6 +20,9 @@ stratified split, pixels standardized with the training set's statistics), one t
   ``"coef": k``, ``adaptive_coefficients_interval=k``, which is not in the grid: reusing the
   coefficients cost epochs on both models; and ``"curvature"``, e.g. ``"empirical_fisher"`` for the
   K-FAC factors, not in the grid: at batch 128 it took more epochs than the Monte-Carlo Fisher);
+  the adaptive steps are given the batch's labels (``opt.step(closure, targets=y)``), so the LM
+  rule takes the loss after the update from one forward instead of a second closure call
+  (``torchsso2/optim/lm_forward.py``; the same values);
 * per run: the first epoch whose test accuracy reaches the target and the *training* wall time
   up to the end of that epoch (the evaluation after each epoch is not timed); a run stops at the
   target or after ``--max-epochs`` (or ``--time-cap`` training seconds, which count as a miss).
@@ -196,7 +199,10 @@ def train(method: str, point: Dict[str, Any], model_kind: str, data: Dict[str, T
 
             if second_order:
                 try:
-                    opt.step(closure)
+                    if method == "kfac-adaptive":  # the labels: the LM rule's loss by one forward (lm_forward.py)
+                        opt.step(closure, targets=yb)
+                    else:
+                        opt.step(closure)
                 except NonFiniteError:  # stalled (max_consecutive_skips): the run failed
                     stalled = True
                     break

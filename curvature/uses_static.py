@@ -2,21 +2,22 @@
 
 The check finds a covered parameter used in the forward outside the calls of the covered modules
 holding it (a functional tied head ``F.linear(h, emb.weight)``). In a model that is a plain
-``nn.Sequential`` (nested ones allowed) of torch's own layers, with no forward hooks and no
-patched ``forward``, every parameter is used inside the call of the layer that holds it, since
-those layers' forwards touch only their own parameters and ``Sequential.forward`` only calls its
-children. So the check passes whenever every layer holding a covered parameter is itself covered.
-Everything else (custom modules, subclasses, parametrized layers, hooked modules, a covered
-parameter also held by an uncovered layer) keeps the check.
+``nn.Sequential`` (nested ones allowed) of torch's own layers, with no forward hooks (other than
+observers that only record, :func:`observer_hook`) and no patched ``forward``, every parameter is
+used inside the call of the layer that holds it, since those layers' forwards touch only their own
+parameters and ``Sequential.forward`` only calls its children. So the check passes whenever every
+layer holding a covered parameter is itself covered. Everything else (custom modules, subclasses,
+parametrized layers, hooked modules, a covered parameter also held by an uncovered layer) keeps the
+check.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Callable, Dict
 
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["plain_module", "no_global_forward_hooks", "uses_stay_inside"]
+__all__ = ["observer_hook", "plain_module", "no_global_forward_hooks", "uses_stay_inside"]
 
 #: torch layers whose forward uses only the module's own parameters (exact types)
 PLAIN_LAYERS = (
@@ -27,10 +28,23 @@ PLAIN_LAYERS = (
 )
 
 
+def observer_hook(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark a forward (pre-)hook as an observer: it returns None and computes nothing from the
+    module's parameters (it only records what it is given), so :func:`plain_module` ignores it."""
+    hook.observes_only = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _only_observers(hooks: Dict[int, Callable[..., Any]]) -> bool:
+    return all(getattr(h, "observes_only", False) is True for h in hooks.values())
+
+
 def plain_module(module: nn.Module) -> bool:
-    """No forward hooks on ``module`` and no ``forward`` set on the instance: calling it runs its
-    class's ``forward`` and nothing else (with :func:`no_global_forward_hooks`)."""
-    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    """No forward hooks on ``module`` (other than :func:`observer_hook` ones) and no ``forward`` set
+    on the instance: calling it runs its class's ``forward`` and nothing else (with
+    :func:`no_global_forward_hooks`)."""
+    return "forward" not in module.__dict__ and _only_observers(module._forward_hooks) \
+        and _only_observers(module._forward_pre_hooks)
 
 
 def no_global_forward_hooks() -> bool:

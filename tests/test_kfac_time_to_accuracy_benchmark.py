@@ -135,6 +135,17 @@ def test_a_run_stops_at_the_target_and_times_training_only():
     assert run["curve"][0][0] < run["curve"][1][0]  # cumulative training seconds
 
 
+def test_adaptive_runs_give_the_labels_so_the_lm_rule_needs_no_second_closure(monkeypatch):
+    import torchsso2.optim.second_order as so
+    made = []
+    original = so.forward_only_closure
+    monkeypatch.setattr(so, "forward_only_closure", lambda *a: made.append(original(*a)) or made[-1])
+    data = bench.load_data()
+    bench.train("kfac-adaptive", {"damping": 0.01, "curv": 3, "inv": 12}, "mlp", data, 512, 0, target=2.0,
+                max_epochs=2)
+    assert len(made) == 1 and made[0] is not None  # 6 steps, LM at the 5th: one forward-only evaluation
+
+
 def test_quick_run_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     report = bench.main(["--quick", "--json", str(out), "--plot", str(png)])

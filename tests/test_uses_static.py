@@ -145,3 +145,42 @@ def test_training_is_bit_equal_with_and_without_the_check(monkeypatch, curvature
     checked = run()
     for a, b in zip(skipped, checked):
         assert torch.equal(a, b)
+
+
+def test_an_observer_hook_keeps_the_model_plain_and_any_other_hook_does_not() -> None:
+    from curvature.uses_static import observer_hook, plain_module
+    model = cnn()
+    seen = []
+    handles = [model.register_forward_pre_hook(observer_hook(lambda m, a: seen.append(a[0].shape))),
+               model[1].register_forward_hook(observer_hook(lambda m, a, o: seen.append(o.shape)))]
+    assert plain_module(model) and plain_module(model[1])
+    assert uses_stay_inside(model, covered(model))
+    model(torch.randn(5, 36))
+    assert len(seen) == 2
+    other = model[1].register_forward_hook(lambda m, a, o: None)  # not marked: it could do anything
+    assert not plain_module(model[1]) and not uses_stay_inside(model, covered(model))
+    for h in handles + [other]:
+        h.remove()
+
+
+def test_adaptive_mode_records_its_inputs_without_turning_the_use_check_on(monkeypatch) -> None:
+    """The adaptive step's input recorder (a forward pre-hook on the model during the closure) is an
+    observer: the capture of a plain nn.Sequential still leaves the check out."""
+    made = []
+    original = Capture.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Capture, "__init__", init)
+    torch.manual_seed(0)
+    model = cnn()
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, use_adaptive_learning_rate=True,
+                               use_adaptive_momentum=True)
+    x, y = torch.randn(8, 36), torch.randint(0, 4, (8,))
+    for _ in range(2):
+        opt.step(make_closure(opt, model, x, y))
+    checked = [c for c in made if c.root is model]
+    assert checked and all(c._uses is None for c in checked)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # the recorder's hooks are gone after the step

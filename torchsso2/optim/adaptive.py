@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import mean_nll
 from curvature.options import Kind, LossType
+from curvature.uses_static import observer_hook
 
 from . import sequential_jvp
 
@@ -62,23 +63,33 @@ Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]
 
 
 class InputRecorder:
-    """Records the inputs of every forward of ``model`` while active (a forward pre-hook)."""
+    """Records the inputs of every forward of ``model`` while active (a forward pre-hook), and its
+    output (a forward hook; ``outputs[i]`` of ``calls[i]``). Both hooks only record
+    (:func:`curvature.uses_static.observer_hook`): a K-FAC capture in the same forward still knows
+    that a plain ``nn.Sequential`` cannot use a parameter outside its layers' calls."""
 
     def __init__(self) -> None:
         self.calls: List[Call] = []
+        self.outputs: List[Any] = []
 
     @contextlib.contextmanager
     def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
         self.calls = []
+        self.outputs = []
 
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             self.calls.append((args, dict(kwargs), torch.get_rng_state()))
 
-        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            self.outputs.append(output)
+
+        handles = [model.register_forward_pre_hook(observer_hook(hook), with_kwargs=True),
+                   model.register_forward_hook(observer_hook(out_hook))]
         try:
             yield self
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
 
 def output_hessian_inner(loss: LossType, outputs: Tensor, u: Tensor, w: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from curvature.blocks.base import owned_all_finite
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, param_names
+from .lm_forward import forward_only_closure
 from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
@@ -198,7 +199,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     Gradient accumulation (several forwards + backwards in one closure) works for every kind; kinds
     given ``targets`` take them as all micro-batches' targets concatenated in the closure's order,
     and ``"empirical_fisher"`` needs ``targets`` then (without them it reads the per-example
-    gradients of the closure's single backward).
+    gradients of the closure's single backward). In adaptive mode with ``adaptive_damping``, given
+    the batch's ``targets``, the LM rule takes the loss after the update from one forward instead of
+    a second closure call where that is the closure's loss (:mod:`torchsso2.optim.lm_forward`).
     """
 
     def __init__(self, model: nn.Module, lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, *,
@@ -298,7 +301,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if not self._decomposed:
                 self.num_steps += 1
                 return loss, output
-        old = [p.detach().clone() for p in params] if self._adapt_now() else None
+        adapt = self._adapt_now()  # the LM rule after the update; adaptive mode predicts without the old values
+        old = [p.detach().clone() for p in params] if adapt and self.adaptive is None else None
         predicted = None
         if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
             predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
@@ -308,8 +312,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not applied:
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        if old is not None:
-            self._adapt_damping(closure, loss, params, grads, old, predicted)
+        if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
+            lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
+            self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted)
         self._step_taken()
         self.num_steps += 1
         return loss, output
@@ -355,12 +360,14 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         return self.lm is not None and (self.num_steps + 1) % self.damping_adaptation_interval == 0
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
-                       grads: List[Tensor], old: List[Tensor], predicted: Optional[float] = None) -> None:
+                       grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None) -> None:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
-        change when the caller has it (adaptive mode: exact curvature), else from ``C + λI``."""
+        change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
+        the update ``θ − old`` (``old``: the parameters before it)."""
         assert self.lm is not None
         with torch.no_grad():
             if predicted is None:  # the change predicted by C + λI
+                assert old is not None
                 deltas = {id(p): p.detach() - o for p, o in zip(params, old)}
                 g = {id(p): gr.detach().clone() for p, gr in zip(params, grads)}
                 quad = 0.0
