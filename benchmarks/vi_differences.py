@@ -21,7 +21,7 @@ to IVON's and of all of them, paired against VI's settings (mean ± standard err
 then VIOptimizer, ``VIOptimizer(momentum_debias=True)`` and ``ivon.IVON`` themselves, paired against
 VIOptimizer, the last also per block of 20 seeds. The test split is never read.
 
-Run (about 13 minutes on one thread for the digits CNN and 80 seeds)::
+Run (9 minutes on one thread for the digits CNN and 80 seeds, at a load average of 2–4 on 2 cores)::
 
     OMP_NUM_THREADS=1 python -m benchmarks.vi_differences --tasks digits-cnn --seeds 80
 """
