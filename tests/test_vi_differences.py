@@ -91,7 +91,8 @@ def test_variants_swap_one_difference_each():
     assert v["vi"] == vd.VI_SETTINGS and v["ivon"] == vd.IVON_SETTINGS
     for name, change in vd.DIFFERENCES.items():
         swapped = v[f"swap {name}"]
-        differing = [f for f in vd.StepSettings.__dataclass_fields__ if getattr(swapped, f) != getattr(vd.VI_SETTINGS, f)]
+        differing = [f for f in vd.StepSettings.__dataclass_fields__
+                     if getattr(swapped, f) != getattr(vd.VI_SETTINGS, f)]
         assert differing == list(change), name
         assert all(getattr(swapped, k) == getattr(vd.IVON_SETTINGS, k) for k in change)
 
