@@ -45,8 +45,9 @@ from torch import Tensor, nn  # noqa: E402
 from benchmarks import vi_quality as vq  # noqa: E402
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
-#: the lr of each digits task as IVON's lr (the protocol's choices: VI 0.01 = 0.1·(1 − 0.9), IVON 0.1 on
-#: the CNN; VI 0.32 on the MLP)
+#: the lr of each digits task as IVON's lr, one for every variant: VI diag's choice in ``benchmarks/vi.py``
+#: (CNN: VI 0.01 = 0.1·(1 − 0.9), where IVON also chooses 0.1; MLP: VI 0.32, where IVON chooses 0.32 itself,
+#: a 10× shorter step, so ``ivon.IVON`` at 3.2 is not IVON at its own choice there: pass ``--lr``)
 DEFAULT_LR: Dict[str, float] = {"digits-cnn": 0.1, "digits-mlp": 3.2}
 MOMENTUM = 0.9
 
