@@ -98,8 +98,8 @@ DEFAULT_VI_KL_CLIP = 0.1
 #: Default of ``momentum_debias`` (IVON's and Adam's momentum bias correction, the lr of step t times
 #: ``1/(1 − momentum^t)``): off. The buffer ``m_t = Σ_k momentum^k g_{t−k}`` starts short, so without
 #: it the first ~20 steps are up to 10× shorter than the later ones (at momentum 0.9), a built-in
-#: warm-up. It is the one difference between VI diag's step and IVON's that moves the validation NLL
-#: on the digits tasks, and it moves it by little, in both directions (paired over seeds, same weight
+#: warm-up. It is the one difference between VI diag's step and IVON's that lowers the digits CNN's
+#: validation NLL, by little, and elsewhere it can raise it (paired over seeds, same weight
 #: noise): digits CNN −0.0012 ± 0.0007 (80 seeds, lr 1e-2), digits MLP +0.0025 ± 0.0009 (lr 0.1) and
 #: −0.005 ± 0.009 (lr 0.32), diabetes +0.0006 ± 0.0002 (lr 3.2e-3); docs/defaults.md.
 DEFAULT_VI_MOMENTUM_DEBIAS = False
