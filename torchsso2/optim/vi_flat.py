@@ -57,6 +57,7 @@ from curvature.blocks.base import all_finite
 from .grid import noise_seed
 from .plan import params_with_grad
 from .steps import kl_clip_scale
+from .vi_start import debias_factor
 from .validation import as_loss_tensor
 
 __all__ = ["FlatDiagPath"]
@@ -255,6 +256,8 @@ class FlatDiagPath:
         if link is None:
             return None
         lr, mom = hyper
+        if opt.momentum_debias:  # the lr of step t = num_steps + 1, as VIOptimizer._update_mean
+            lr = lr * debias_factor(mom, opt.num_steps + 1)
         n = float(opt.likelihood_size)  # N/σ² (N unless noise_variance is given or learned)
         tau = opt.kl_weighting
         # what a skipped step gives back: the norm layers' statistics (the sampling generator is not

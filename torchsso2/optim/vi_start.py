@@ -10,6 +10,10 @@
   ``lr·m/value``, SGD-like; the slow EMA then moves ``C`` towards the data's curvature.
 * :func:`clip_` — IVON's ``clip_radius``: each coordinate of the preconditioned step is
   clipped to ``[-radius, radius]`` before it is scaled by ``lr``.
+* :func:`debias_factor` — IVON's (and Adam's) momentum bias correction: the momentum buffer
+  ``m_t = Σ_k β^k g_{t−k}`` of step ``t`` holds ``(1 − β^t)/(1 − β)`` times a constant gradient, so
+  the first steps are up to ``1/(1 − β)`` (10 at β = 0.9) times shorter than the later ones; the
+  step's lr multiplied by ``1/(1 − β^t)`` makes every step as long as the steady state's.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from torch import Tensor
 from curvature.blocks import Block
 from curvature.blocks.base import DerivedCache
 
-__all__ = ["isotropic_blocks", "clip_"]
+__all__ = ["isotropic_blocks", "clip_", "debias_factor"]
 
 
 def isotropic_blocks(like: Dict[str, Block], value: float) -> Dict[str, Block]:
@@ -60,3 +64,13 @@ def clip_(steps: List[Tensor], radius: float) -> None:
     if radius != float("inf") and steps:
         for s in steps:
             s.clamp_(-radius, radius)
+
+
+def debias_factor(momentum: float, step: int) -> float:
+    """``1/(1 − momentum^step)``: the lr factor that removes the momentum buffer's start-up bias at step
+    ``step`` (``>= 1``, the number of gradients folded into the buffer); 1 for ``momentum`` 0."""
+    if step < 1:
+        raise ValueError(f"debias_factor needs step >= 1 (gradients in the momentum buffer), got {step}")
+    if momentum == 0.0:
+        return 1.0
+    return 1.0 / (1.0 - float(momentum) ** step)
