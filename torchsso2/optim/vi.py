@@ -208,7 +208,12 @@ class VIOptimizer(CurvatureOptimizer):
             squared residuals at the weight samples, the ELBO's maximiser over ``σ²``; needs
             ``step(closure, targets=y)``). The gradient and the curvature are scaled by ``1/σ²``
             (``N/σ²`` replaces ``N`` everywhere), and ``predict(x, return_variance=True)`` adds
-            ``σ²`` to the spread of the samples. Default ``None``: ``σ² = 1``.
+            ``σ²`` to the spread of the samples. Default ``None``: ``σ² = 1``. With several
+            processes a step's mean squared residual is the mean over all ranks (each rank's
+            mean over its shard and its samples; one all-reduce of one float per step), as the
+            gradients are averaged: W ranks on W equal shards learn the ``σ²`` of one process on
+            the whole batch (with ``mc_parallel = R``: of one process with ``R·m`` samples), and
+            every rank holds the same ``σ²``. Unequal shards count equally, as in the gradient.
         seed: seed of the sampling generator (saved in state_dict).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
             :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
@@ -273,6 +278,7 @@ class VIOptimizer(CurvatureOptimizer):
                              f"noise_variance={noise_variance!r} with loss={loss!r}")
         #: σ² of the Gaussian likelihood (1 unless loss="mse" with noise_variance=...)
         self.noise = ObservationNoise(1.0 if noise_variance is None else noise_variance)
+        self.noise_variance = noise_variance  # compared across ranks (distributed/consistency.py)
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init,
                                                                                             grad_scaler))
@@ -288,9 +294,6 @@ class VIOptimizer(CurvatureOptimizer):
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         if self.reparam:
             self._check_reparam()
-        if self.noise.learned and self.comm.world_size > 1:
-            raise NotImplementedError("noise_variance='learned' averages this process's residuals only; with several "
-                                      "processes pass a float noise_variance")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
@@ -650,6 +653,8 @@ class VIOptimizer(CurvatureOptimizer):
         if not self._unscale_grads():
             self.num_steps += 1
             return mean_loss, output
+        # noise_variance="learned": the samples' mean, then the mean over all ranks (every rank gets here)
+        residual = self._mean_over_ranks(sum(residuals) / len(residuals)) if residuals else None
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
         if hats:
@@ -659,8 +664,8 @@ class VIOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
-        if residuals:  # σ² of this step includes this batch (its 1/σ² scales the update below)
-            self.noise.update(sum(residuals) / len(residuals))
+        if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
+            self.noise.update(residual)
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                 self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
