@@ -176,8 +176,9 @@ class VIOptimizer(CurvatureOptimizer):
             uses IVON's positivity-preserving update. Default ``None``: ``"reparam"`` for
             ``approx="diag"`` (the curvature costs no second backward; on the digits tasks its quality
             equals ``fisher_mc``'s, docs/defaults.md), ``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts,
-            and also for diag with ``curvature_init=None``, a ``grad_scaler`` or several processes,
-            where ``"reparam"`` is not available.
+            and also for diag with ``curvature_init=None`` or several processes, where ``"reparam"``
+            is not available, and with a ``grad_scaler`` (pass ``curvature="reparam"`` to use it
+            there: ĥ takes the unscaled gradient, and an overflow skips the step as usual).
         prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
             precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
             so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
@@ -299,15 +300,14 @@ class VIOptimizer(CurvatureOptimizer):
                              "is positive definite")
 
     def _check_reparam(self) -> None:
-        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and one process's own noise."""
+        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and one process's own noise
+        (a ``grad_scaler`` is fine: the estimate is unscaled in :meth:`_finish_step`)."""
         shapes = {a.value for a in self.engine.approx.values()}
         if shapes - {"diag"}:
             raise ValueError(f"curvature='reparam' estimates a diagonal; it needs approx='diag', got blocks {sorted(shapes)}")
         if self.curvature_init is None:
             raise ValueError("curvature='reparam' needs curvature_init > 0: its estimate can be negative, so the "
                              "running curvature must start positive (got curvature_init=None)")
-        if self.grad_scaler is not None:
-            raise NotImplementedError("curvature='reparam' with a grad_scaler is not implemented")
         if self.placement.active:
             raise NotImplementedError("curvature='reparam' with grad_worker_fraction < 1 is not implemented")
 
@@ -650,7 +650,8 @@ class VIOptimizer(CurvatureOptimizer):
         (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``)."""
         params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        if not self._unscale_grads():
+        scale = float(self.grad_scaler.get_scale()) if hats and self.grad_scaler is not None else 1.0
+        if not self._unscale_grads():  # an overflow skips the step, reparam's estimate with it
             self.num_steps += 1
             return mean_loss, output
         # noise_variance="learned": the samples' mean, then the mean over all ranks (every rank gets here)
@@ -658,7 +659,8 @@ class VIOptimizer(CurvatureOptimizer):
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
         if hats:
-            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / len(losses))
+            # ĥ = g ⊙ ε/σ² came from the scaled gradient S·g (grad_scaler): divide by S·(number of samples)
+            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / (len(losses) * scale))
                                           for name, h in hats.items()})
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
