@@ -3,7 +3,9 @@
 W ranks on W equal shards (gloo with 2 and 4 ranks, ``mpiexec -n 2``) learn the same ``σ²``
 trajectory and take the same steps as ONE process on the whole batch (float64, tight tolerance),
 also with ``mc_parallel=2`` (the ranks of a shard draw different weight samples: one process with
-twice the samples); every rank holds the same ``σ²``, and a checkpoint keeps it.
+twice the samples); every rank holds the same ``σ²``, and a checkpoint keeps it. The same holds
+for ``curvature="reparam"`` (IVON's ĥ from each rank's shard gradient, averaged over the ranks
+like the other curvature kinds) with ``grad_worker_fraction="comm_opt"``, learned or given ``σ²``.
 """
 from __future__ import annotations
 
@@ -62,6 +64,9 @@ def mpi2(tmp_path_factory):
 def test_the_reference_learns_a_sigma2_far_from_one(reference):
     for name, ref in reference.items():
         assert ref["skipped"] == 0, name
+        if common.CONFIGS[name].get("noise_variance", "learned") != "learned":
+            assert ref["sigma2"].tolist() == [common.CONFIGS[name]["noise_variance"]] * common.STEPS
+            continue
         assert not torch.allclose(ref["sigma2"], torch.ones_like(ref["sigma2"]), rtol=0.1), (name, ref["sigma2"])
         assert len(set(ref["sigma2"].tolist())) == common.STEPS, (name, ref["sigma2"])  # it moves every step
 
@@ -70,7 +75,9 @@ def test_the_reference_learns_a_sigma2_far_from_one(reference):
 def test_ranks_on_shards_learn_the_sigma2_and_steps_of_one_process(job, reference, request):
     ranks = request.getfixturevalue(job)
     names = set(common.configs(len(ranks)))
-    assert {"diag", "diag-mc2"} <= names
+    assert {"diag", "diag-mc2", "diag-reparam", "diag-reparam-given"} <= names
+    for r, res in enumerate(ranks):  # reparam with fewer grad workers than ranks: still refused, with a reason
+        assert "grad_worker_fraction='comm_opt'" in res["mem_opt_reparam_error"], (job, r)
     for name in names:
         ref = reference[name]
         for r, res in enumerate(ranks):

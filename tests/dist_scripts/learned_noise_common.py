@@ -1,5 +1,6 @@
 """Shared by tests/test_distributed_learned_noise.py and its workers: ``VIOptimizer(loss="mse",
-noise_variance="learned")`` on a tiny float64 regression MLP, one process vs several.
+noise_variance="learned")`` (and ``curvature="reparam"``) on a tiny float64 regression MLP, one
+process vs several.
 
 Every rank trains for ``STEPS`` steps on its shard of a fixed global batch under each configuration of
 :data:`CONFIGS` and records, after every step, the flat parameters and the learned ``σ²``; then it
@@ -32,6 +33,9 @@ BASE = dict(dataset_size=240, lr=0.1, momentum=0.9, curvature="fisher", prior_pr
 CONFIGS: Dict[str, Dict[str, Any]] = {
     "diag": dict(approx="diag"),
     "kfac-2samples": dict(approx="kfac", num_mc_samples=2),
+    "diag-reparam": dict(approx="diag", curvature="reparam", curvature_init=1.0),
+    "diag-reparam-mc2": dict(approx="diag", curvature="reparam", curvature_init=1.0, mc_parallel=2),
+    "diag-reparam-given": dict(approx="diag", curvature="reparam", curvature_init=1.0, noise_variance=0.5),
     "diag-mc2": dict(approx="diag", mc_parallel=2),
     "full-mc2": dict(approx="full", mc_parallel=2),
 }
@@ -94,7 +98,14 @@ def train(cfg: Dict[str, Any], comm: Any, single: bool = False) -> Dict[str, Any
 
 
 def run_rank(comm: Any) -> Dict[str, Any]:
-    return {name: train(cfg, comm) for name, cfg in configs(comm.world_size).items()}
+    out: Dict[str, Any] = {name: train(cfg, comm) for name, cfg in configs(comm.world_size).items()}
+    try:  # reparam needs every decomposition on every rank: refused with fewer grad workers than ranks
+        VIOptimizer(build(), communicator=comm, **{**BASE, "approx": "diag", "curvature": "reparam",
+                                                   "curvature_init": 1.0, "grad_worker_fraction": "mem_opt"})
+        out["mem_opt_reparam_error"] = None
+    except NotImplementedError as err:
+        out["mem_opt_reparam_error"] = str(err)
+    return out
 
 
 def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:

@@ -57,6 +57,7 @@ from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditione
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_diagonal, reparam_ema_
 from .noise import ObservationNoise
+from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
 from .vi_flat import FlatDiagPath
 
@@ -176,9 +177,12 @@ class VIOptimizer(CurvatureOptimizer):
             uses IVON's positivity-preserving update. Default ``None``: ``"reparam"`` for
             ``approx="diag"`` (the curvature costs no second backward; on the digits tasks its quality
             equals ``fisher_mc``'s, docs/defaults.md), ``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts,
-            and also for diag with ``curvature_init=None`` or several processes, where ``"reparam"``
-            is not available, and with a ``grad_scaler`` (pass ``curvature="reparam"`` to use it
-            there: ĥ takes the unscaled gradient, and an overflow skips the step as usual).
+            and also for diag with ``curvature_init=None`` (where ``"reparam"`` is not available),
+            several processes or a ``grad_scaler``. Pass ``curvature="reparam"`` to use it there:
+            with a ``grad_scaler`` ĥ takes the unscaled gradient (an overflow skips the step as
+            usual); with several processes each rank's ĥ comes from its shard's gradient and is
+            averaged over the ranks like any curvature (W ranks on W shards equal one process),
+            which needs ``grad_worker_fraction="comm_opt"``.
         prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
             precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
             so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
@@ -300,16 +304,20 @@ class VIOptimizer(CurvatureOptimizer):
                              "is positive definite")
 
     def _check_reparam(self) -> None:
-        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and one process's own noise
-        (a ``grad_scaler`` is fine: the estimate is unscaled in :meth:`_finish_step`)."""
+        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and, with several processes,
+        every decomposition on every rank (the noise's variance); a ``grad_scaler`` is fine (the
+        estimate is unscaled in :meth:`_finish_step`)."""
         shapes = {a.value for a in self.engine.approx.values()}
         if shapes - {"diag"}:
             raise ValueError(f"curvature='reparam' estimates a diagonal; it needs approx='diag', got blocks {sorted(shapes)}")
         if self.curvature_init is None:
             raise ValueError("curvature='reparam' needs curvature_init > 0: its estimate can be negative, so the "
                              "running curvature must start positive (got curvature_init=None)")
-        if self.placement.active:
-            raise NotImplementedError("curvature='reparam' with grad_worker_fraction < 1 is not implemented")
+        if self.placement.active and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) \
+                < self.comm.world_size:
+            raise NotImplementedError(f"curvature='reparam' with several processes needs every rank to hold every "
+                                      f"decomposition (grad_worker_fraction='comm_opt'); got grad_worker_fraction="
+                                      f"{self.placement.grad_worker_fraction!r} on {self.comm.world_size} ranks")
 
     def _reparam_sample(self, noise: Optional[Shift]) -> Dict[str, Tensor]:
         """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (``g``: ``p.grad`` after the
