@@ -109,3 +109,19 @@ def test_one_shard_alone_learns_another_sigma2(reference):
 
     opt.step(closure, targets=y)
     assert abs(opt.noise.variance - reference["diag"]["sigma2"][0].item()) > 1e-3 * reference["diag"]["sigma2"][0].item()
+
+
+@pytest.mark.parametrize("job", ["gloo2", "mpi2"])
+def test_unequal_shards_count_equally(job, request):
+    """As in the gradient average, every rank's mean counts once: the first σ² of 2 ranks on 8 and
+    16 examples is the mean of the two shards' own first σ², not the mean over the 24 examples."""
+    ranks = request.getfixturevalue(job)
+    x, y = common.whole_batch(0)
+    k = common.UNEQUAL_SPLIT
+    alone = [common.first_sigma2(common.build(), LocalCommunicator(), x[:k], y[:k]),
+             common.first_sigma2(common.build(), LocalCommunicator(), x[k:], y[k:])]
+    whole = common.first_sigma2(common.build(), LocalCommunicator(), x, y)
+    expected = sum(alone) / 2
+    assert abs(expected - whole) > 1e-3 * whole  # the two definitions differ on this batch
+    for r, res in enumerate(ranks):
+        assert res["unequal_first_sigma2"] == pytest.approx(expected, rel=1e-12), (job, r)

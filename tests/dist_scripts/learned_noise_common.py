@@ -97,8 +97,31 @@ def train(cfg: Dict[str, Any], comm: Any, single: bool = False) -> Dict[str, Any
                 reloaded_sigma2=fresh.noise.variance)
 
 
+#: unequal shards (2 ranks): rank 0 reads the first UNEQUAL_SPLIT examples, rank 1 the rest
+UNEQUAL_SPLIT = 8
+
+
+def first_sigma2(model: nn.Module, comm: Any, x: Tensor, y: Tensor) -> float:
+    """The learned ``σ²`` after one step on ``(x, y)`` (approx="diag"): that step's mean squared residual."""
+    opt = VIOptimizer(model, communicator=comm, **{**BASE, "approx": "diag"})
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = 0.5 * (out - y).pow(2).sum(-1).mean()
+        loss.backward()
+        return loss, out
+
+    opt.step(closure, targets=y)
+    return opt.noise.variance
+
+
 def run_rank(comm: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {name: train(cfg, comm) for name, cfg in configs(comm.world_size).items()}
+    if comm.world_size == 2:
+        x, y = whole_batch(0)
+        part = slice(0, UNEQUAL_SPLIT) if comm.rank == 0 else slice(UNEQUAL_SPLIT, BATCH)
+        out["unequal_first_sigma2"] = first_sigma2(build(), comm, x[part], y[part])
     try:  # reparam needs every decomposition on every rank: refused with fewer grad workers than ranks
         VIOptimizer(build(), communicator=comm, **{**BASE, "approx": "diag", "curvature": "reparam",
                                                    "curvature_init": 1.0, "grad_worker_fraction": "mem_opt"})
