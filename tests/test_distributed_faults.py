@@ -110,6 +110,7 @@ def test_settings_check_compares_layer_shapes() -> None:
     ("sso", [dict(adaptive_damping=False), dict(adaptive_damping=True)]),
     ("vi", [dict(num_mc_samples=1), dict(num_mc_samples=2)]),
     ("vi", [dict(dataset_size=100), dict(dataset_size=50)]),
+    ("vi", [dict(noise_variance="learned", loss="mse"), dict(noise_variance=0.5, loss="mse")]),
     ("sso", [dict(kfac_approx="expand"), dict(kfac_approx="reduce")]),
     ("sso", [dict(curv_warmup_steps=0), dict(curv_warmup_steps=10)]),
     ("sso", [dict(use_adaptive_learning_rate=False, damping=0.1), dict(use_adaptive_learning_rate=True, damping=0.1)]),

@@ -115,9 +115,9 @@ def _nccl(comm: Any) -> bool:
 
 #: optimizer attributes compared when present (SecondOrderOptimizer: damping, kl_clip,
 #: damping_adaptation_interval, curv_warmup_steps, the adaptive-mode flags and interval; VIOptimizer:
-#: dataset_size, prior_precision, init_precision, num_mc_samples, kl_weighting, damping)
+#: dataset_size, prior_precision, init_precision, num_mc_samples, kl_weighting, damping, noise_variance)
 SUBCLASS_ATTRIBUTES = ("damping", "kl_clip", "damping_adaptation_interval", "dataset_size", "prior_precision",
-                       "init_precision", "num_mc_samples", "kl_weighting", "curv_warmup_steps",
+                       "init_precision", "num_mc_samples", "kl_weighting", "noise_variance", "curv_warmup_steps",
                        "use_adaptive_learning_rate", "use_adaptive_momentum", "adaptive_coefficients_interval")
 
 

@@ -11,6 +11,9 @@ spread of the sampled outputs.
 squared residual ``mean((y − f(θ_s))²)`` at the step's weight samples (``θ_s ~ q``), with decay
 :data:`NOISE_EMA_DECAY`. That average is the maximiser of the ELBO over ``σ²``
 (``E_q[mean (y − f)²]``, variational EM), so no data beyond the training batches are needed.
+With several processes :class:`VIOptimizer` folds in the mean over all ranks of each rank's mean
+squared residual (one all-reduce per step), so every rank holds the same ``σ²`` and W ranks on
+W equal shards learn the ``σ²`` of one process on the whole batch.
 """
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ class ObservationNoise:
         return float((targets.detach().to(output.dtype) - output.detach()).pow(2).mean())
 
     def update(self, mean_squared_residual: float) -> None:
-        """Fold one batch's mean squared residual (averaged over its weight samples) into the running mean."""
+        """Fold one batch's mean squared residual (averaged over its weight samples, and over the
+        ranks with several processes) into the running mean."""
         if not self.learned or not math.isfinite(mean_squared_residual):
             return
         self.ema = NOISE_EMA_DECAY * self.ema + (1.0 - NOISE_EMA_DECAY) * mean_squared_residual

@@ -57,6 +57,7 @@ from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditione
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_diagonal, reparam_ema_
 from .noise import ObservationNoise
+from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
 from .vi_flat import FlatDiagPath
 
@@ -176,8 +177,12 @@ class VIOptimizer(CurvatureOptimizer):
             uses IVON's positivity-preserving update. Default ``None``: ``"reparam"`` for
             ``approx="diag"`` (the curvature costs no second backward; on the digits tasks its quality
             equals ``fisher_mc``'s, docs/defaults.md), ``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts,
-            and also for diag with ``curvature_init=None``, a ``grad_scaler`` or several processes,
-            where ``"reparam"`` is not available.
+            and also for diag with ``curvature_init=None`` (where ``"reparam"`` is not available),
+            several processes or a ``grad_scaler``. Pass ``curvature="reparam"`` to use it there:
+            with a ``grad_scaler`` ĥ takes the unscaled gradient (an overflow skips the step as
+            usual); with several processes each rank's ĥ comes from its shard's gradient and is
+            averaged over the ranks like any curvature (W ranks on W shards equal one process),
+            which needs ``grad_worker_fraction="comm_opt"``.
         prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
             precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
             so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
@@ -208,7 +213,12 @@ class VIOptimizer(CurvatureOptimizer):
             squared residuals at the weight samples, the ELBO's maximiser over ``σ²``; needs
             ``step(closure, targets=y)``). The gradient and the curvature are scaled by ``1/σ²``
             (``N/σ²`` replaces ``N`` everywhere), and ``predict(x, return_variance=True)`` adds
-            ``σ²`` to the spread of the samples. Default ``None``: ``σ² = 1``.
+            ``σ²`` to the spread of the samples. Default ``None``: ``σ² = 1``. With several
+            processes a step's mean squared residual is the mean over all ranks (each rank's
+            mean over its shard and its samples; one all-reduce of one float per step), as the
+            gradients are averaged: W ranks on W equal shards learn the ``σ²`` of one process on
+            the whole batch (with ``mc_parallel = R``: of one process with ``R·m`` samples), and
+            every rank holds the same ``σ²``. Unequal shards count equally, as in the gradient.
         seed: seed of the sampling generator (saved in state_dict).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
             :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
@@ -273,6 +283,7 @@ class VIOptimizer(CurvatureOptimizer):
                              f"noise_variance={noise_variance!r} with loss={loss!r}")
         #: σ² of the Gaussian likelihood (1 unless loss="mse" with noise_variance=...)
         self.noise = ObservationNoise(1.0 if noise_variance is None else noise_variance)
+        self.noise_variance = noise_variance  # compared across ranks (distributed/consistency.py)
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init,
                                                                                             grad_scaler))
@@ -288,25 +299,25 @@ class VIOptimizer(CurvatureOptimizer):
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         if self.reparam:
             self._check_reparam()
-        if self.noise.learned and self.comm.world_size > 1:
-            raise NotImplementedError("noise_variance='learned' averages this process's residuals only; with several "
-                                      "processes pass a float noise_variance")
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
             raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              "is positive definite")
 
     def _check_reparam(self) -> None:
-        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and one process's own noise."""
+        """``curvature="reparam"`` needs diagonal blocks, a starting curvature and, with several processes,
+        every decomposition on every rank (the noise's variance); a ``grad_scaler`` is fine (the
+        estimate is unscaled in :meth:`_finish_step`)."""
         shapes = {a.value for a in self.engine.approx.values()}
         if shapes - {"diag"}:
             raise ValueError(f"curvature='reparam' estimates a diagonal; it needs approx='diag', got blocks {sorted(shapes)}")
         if self.curvature_init is None:
             raise ValueError("curvature='reparam' needs curvature_init > 0: its estimate can be negative, so the "
                              "running curvature must start positive (got curvature_init=None)")
-        if self.grad_scaler is not None:
-            raise NotImplementedError("curvature='reparam' with a grad_scaler is not implemented")
-        if self.placement.active:
-            raise NotImplementedError("curvature='reparam' with grad_worker_fraction < 1 is not implemented")
+        if self.placement.active and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) \
+                < self.comm.world_size:
+            raise NotImplementedError(f"curvature='reparam' with several processes needs every rank to hold every "
+                                      f"decomposition (grad_worker_fraction='comm_opt'); got grad_worker_fraction="
+                                      f"{self.placement.grad_worker_fraction!r} on {self.comm.world_size} ranks")
 
     def _reparam_sample(self, noise: Optional[Shift]) -> Dict[str, Tensor]:
         """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (``g``: ``p.grad`` after the
@@ -647,20 +658,24 @@ class VIOptimizer(CurvatureOptimizer):
         (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``)."""
         params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        if not self._unscale_grads():
+        scale = float(self.grad_scaler.get_scale()) if hats and self.grad_scaler is not None else 1.0
+        if not self._unscale_grads():  # an overflow skips the step, reparam's estimate with it
             self.num_steps += 1
             return mean_loss, output
+        # noise_variance="learned": the samples' mean, then the mean over all ranks (every rank gets here)
+        residual = self._mean_over_ranks(sum(residuals) / len(residuals)) if residuals else None
         grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
         if hats:
-            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / len(losses))
+            # ĥ = g ⊙ ε/σ² came from the scaled gradient S·g (grad_scaler): divide by S·(number of samples)
+            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / (len(losses) * scale))
                                           for name, h in hats.items()})
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
-        if residuals:  # σ² of this step includes this batch (its 1/σ² scales the update below)
-            self.noise.update(sum(residuals) / len(residuals))
+        if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
+            self.noise.update(residual)
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                 self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
