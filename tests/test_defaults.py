@@ -171,11 +171,14 @@ def test_vi_defaults_train_digits_mlp_for_lr_in_a_100x_range(lr, approx):
 
 def test_vi_default_curvature_is_reparam_for_diag_and_fisher_mc_otherwise():
     """The diag default estimates the curvature from the step's own backward (IVON's ĥ = g·ε/σ²);
+    so does diag with a grad scaler (several processes: tests/test_distributed_learned_noise.py);
     K-FAC/full, and diag without a starting curvature, keep the Monte-Carlo Fisher; an explicit
     ``curvature=`` is honoured."""
     from torchsso2 import VIOptimizer
 
     assert VIOptimizer(mlp(), dataset_size=100).reparam
+    # with a grad scaler too (ĥ takes the unscaled gradient: tests/test_vi_reparam_grad_scaler.py)
+    assert VIOptimizer(mlp(), dataset_size=100, grad_scaler=torch.amp.GradScaler("cpu")).reparam
     kfac = VIOptimizer(mlp(), dataset_size=100, approx="kfac")
     assert not kfac.reparam and kfac.settings.curvature == "fisher_mc"
     assert not VIOptimizer(mlp(), dataset_size=100, approx="full").reparam

@@ -5,7 +5,8 @@ trajectory and take the same steps as ONE process on the whole batch (float64, t
 also with ``mc_parallel=2`` (the ranks of a shard draw different weight samples: one process with
 twice the samples); every rank holds the same ``σ²``, and a checkpoint keeps it. The same holds
 for ``curvature="reparam"`` (IVON's ĥ from each rank's shard gradient, averaged over the ranks
-like the other curvature kinds) with ``grad_worker_fraction="comm_opt"``, learned or given ``σ²``.
+like the other curvature kinds) with ``grad_worker_fraction="comm_opt"``, learned or given ``σ²``,
+and it is the default curvature of ``approx="diag"`` there as on one process.
 """
 from __future__ import annotations
 
@@ -75,9 +76,12 @@ def test_the_reference_learns_a_sigma2_far_from_one(reference):
 def test_ranks_on_shards_learn_the_sigma2_and_steps_of_one_process(job, reference, request):
     ranks = request.getfixturevalue(job)
     names = set(common.configs(len(ranks)))
-    assert {"diag", "diag-mc2", "diag-reparam", "diag-reparam-given"} <= names
+    assert {"diag", "diag-mc2", "diag-reparam", "diag-reparam-given", "diag-default"} <= names
+    # the default curvature of approx="diag" is IVON's estimator on one process and on several alike
+    assert reference["diag-default"]["reparam"] and all(res["diag-default"]["reparam"] for res in ranks), job
     for r, res in enumerate(ranks):  # reparam with fewer grad workers than ranks: still refused, with a reason
         assert "grad_worker_fraction='comm_opt'" in res["mem_opt_reparam_error"], (job, r)
+        assert res["mem_opt_default_reparam"] is False, (job, r)  # the default falls back to "fisher_mc" there
     for name in names:
         ref = reference[name]
         for r, res in enumerate(ranks):

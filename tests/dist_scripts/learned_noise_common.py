@@ -36,6 +36,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "diag-reparam": dict(approx="diag", curvature="reparam", curvature_init=1.0),
     "diag-reparam-mc2": dict(approx="diag", curvature="reparam", curvature_init=1.0, mc_parallel=2),
     "diag-reparam-given": dict(approx="diag", curvature="reparam", curvature_init=1.0, noise_variance=0.5),
+    # the default curvature (None): "reparam" for diag, on one process and on several alike
+    "diag-default": dict(approx="diag", curvature=None, curvature_init=1.0),
     "diag-mc2": dict(approx="diag", mc_parallel=2),
     "full-mc2": dict(approx="full", mc_parallel=2),
 }
@@ -94,7 +96,7 @@ def train(cfg: Dict[str, Any], comm: Any, single: bool = False) -> Dict[str, Any
     fresh = make(cfg, build(), comm, single)
     fresh.load_state_dict(opt.state_dict())
     return dict(params=torch.stack(rows), sigma2=torch.tensor(sigma2, dtype=DT), skipped=opt.num_skipped,
-                reloaded_sigma2=fresh.noise.variance)
+                reloaded_sigma2=fresh.noise.variance, reparam=opt.reparam)
 
 
 #: unequal shards (2 ranks): rank 0 reads the first UNEQUAL_SPLIT examples, rank 1 the rest
@@ -128,6 +130,9 @@ def run_rank(comm: Any) -> Dict[str, Any]:
         out["mem_opt_reparam_error"] = None
     except NotImplementedError as err:
         out["mem_opt_reparam_error"] = str(err)
+    # ... while the default curvature falls back to "fisher_mc" there
+    out["mem_opt_default_reparam"] = VIOptimizer(build(), communicator=comm, **{
+        **BASE, "approx": "diag", "curvature": None, "curvature_init": 1.0, "grad_worker_fraction": "mem_opt"}).reparam
     return out
 
 

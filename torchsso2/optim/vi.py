@@ -157,10 +157,11 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
         self.means = []
 
 
-def default_is_reparam(approx: Any, curvature_init: Optional[float], grad_scaler: Any) -> bool:
+def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
     """Whether ``curvature=None`` (the default) means ``"reparam"``: for ``approx="diag"`` with a starting
-    curvature and no grad scaler (one process; otherwise, and for ``"kfac"``/``"full"``, ``"fisher_mc"``)."""
-    return isinstance(approx, str) and approx == "diag" and curvature_init is not None and grad_scaler is None
+    curvature (``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts; with several processes also where the
+    grad workers are fewer than the ranks, see :meth:`VIOptimizer._check_reparam`)."""
+    return isinstance(approx, str) and approx == "diag" and curvature_init is not None
 
 
 class VIOptimizer(CurvatureOptimizer):
@@ -177,12 +178,12 @@ class VIOptimizer(CurvatureOptimizer):
             uses IVON's positivity-preserving update. Default ``None``: ``"reparam"`` for
             ``approx="diag"`` (the curvature costs no second backward; on the digits tasks its quality
             equals ``fisher_mc``'s, docs/defaults.md), ``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts,
-            and also for diag with ``curvature_init=None`` (where ``"reparam"`` is not available),
-            several processes or a ``grad_scaler``. Pass ``curvature="reparam"`` to use it there:
-            with a ``grad_scaler`` ĥ takes the unscaled gradient (an overflow skips the step as
-            usual); with several processes each rank's ĥ comes from its shard's gradient and is
-            averaged over the ranks like any curvature (W ranks on W shards equal one process),
-            which needs ``grad_worker_fraction="comm_opt"``.
+            and also for diag with ``curvature_init=None`` (where ``"reparam"`` is not available) or
+            with several processes and ``grad_worker_fraction < 1``. With a ``grad_scaler`` ĥ takes
+            the unscaled gradient (an overflow skips the step as usual); with several processes
+            each rank's ĥ comes from its shard's gradient and is averaged over the ranks like any
+            curvature (W ranks on W shards equal one process at the same defaults), which needs
+            every decomposition on every rank (``grad_worker_fraction="comm_opt"``, the default).
         prior_precision / prior_variance: isotropic Gaussian prior (give at most one). Default
             precision δ = 1 (unit prior variance: wider than a standard initialisation's weights,
             so the data decide; Λ ≥ τδ keeps the posterior proper along directions the data
@@ -285,13 +286,13 @@ class VIOptimizer(CurvatureOptimizer):
         self.noise = ObservationNoise(1.0 if noise_variance is None else noise_variance)
         self.noise_variance = noise_variance  # compared across ranks (distributed/consistency.py)
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
-        self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init,
-                                                                                            grad_scaler))
+        self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
         settings = CurvatureSettings.from_arguments(locals(), curvature=kind)
         super().__init__(model, params, defaults, settings)
-        if curvature is None and self.reparam and self.placement.active:
-            self.reparam = False  # reparam is one process's estimator (see _check_reparam): the default falls back
+        if curvature is None and self.reparam and self.placement.active \
+                and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) < self.comm.world_size:
+            self.reparam = False  # reparam needs every decomposition on every rank (_check_reparam): the default falls back
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
         self._flat = FlatDiagPath()  # curvature="reparam": the step on flat buffers (vi_flat.py)
