@@ -3,7 +3,8 @@
 For every covered module the hook records its inputs (detached) and its output tensor
 (kept in the graph, so gradients w.r.t. it can be taken). The module's output is replaced
 by a clone so that an in-place op right after the layer (``nn.ReLU(inplace=True)``) cannot
-overwrite the recorded tensor. Optionally, tensor hooks also record the gradient w.r.t.
+overwrite the recorded tensor (except for the ``shape_only`` modules of a ``record_backward``
+capture, whose output values nothing reads). Optionally, tensor hooks also record the gradient w.r.t.
 the output during the user's own ``backward()`` (empirical-Fisher / kfac_pytorch style).
 
 Models are ordinary ``nn.Module``s: functional activations, residual additions, pooling,
@@ -17,7 +18,7 @@ gets a routing node after its output (:mod:`curvature.frozen_norm`): backward pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +62,13 @@ class Capture:
             ``F.linear(h, emb.weight)``), whose contribution no record would see
             (:mod:`curvature.uses`); not run where such a use cannot occur (a plain ``nn.Sequential``
             of torch layers, :mod:`curvature.uses_static`).
+        shape_only: with ``record_backward``, names of modules whose recorded output nothing reads
+            but its shape (and the gradient hook): their output is returned as is, without the
+            clone. An in-place op after such a layer (``nn.ReLU(inplace=True)``) then changes the
+            recorded tensor's values, but the gradient hook, registered before it, still receives
+            the gradient with respect to the value before the in-place op (PyTorch's rule for
+            tensor hooks). Ignored without ``record_backward`` (a capture whose owner runs its
+            own backward passes through the recorded outputs needs them unchanged).
     """
 
     def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None,
@@ -69,7 +77,8 @@ class Capture:
                  select: Optional[Callable[[str, nn.Module, Tuple[object, ...]], bool]] = None,
                  freeze_batch_stats: bool = False,
                  select_output: Optional[Callable[[Any], Tensor]] = None,
-                 batch_norms: Optional[Sequence[nn.Module]] = None, check_uses: bool = False) -> None:
+                 batch_norms: Optional[Sequence[nn.Module]] = None, check_uses: bool = False,
+                 shape_only: Collection[str] = ()) -> None:
         if on_reuse not in ("raise", "count"):
             raise ValueError(f"on_reuse={on_reuse!r}; expected 'raise' or 'count'")
         self.modules = modules
@@ -86,6 +95,8 @@ class Capture:
         self.freeze_batch_stats = freeze_batch_stats
         self.batch_norms = batch_norms
         self.select_output = select_output
+        #: with ``record_backward``: modules whose recorded output is read for its shape only (no clone)
+        self.shape_only = frozenset(shape_only) if record_backward else frozenset()
         #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
         self.frozen = FrozenMode()
         # left out where it provably passes (a plain nn.Sequential of torch layers: curvature/uses_static.py)
@@ -138,7 +149,7 @@ class Capture:
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
                 output.register_hook(_appender(rec.backward_grads))
-            return output.clone() if output.requires_grad else None
+            return output.clone() if output.requires_grad and name not in self.shape_only else None
         return hook
 
     def _route_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:

@@ -57,3 +57,46 @@ def test_kfac_factors_equal_the_general_path(geometry, bias: bool, dtype) -> Non
     a = unfold_patches(x, k, dilation=d, padding=p, stride=s).transpose(1, 2)
     a = ones_column(a) if bias else a
     torch.testing.assert_close(fast[1], sum_outer(a, 1.0 / (a.shape[0] * a.shape[1])), rtol=1e-5, atol=1e-6)
+
+
+# (C_in, C_out, kernel, stride, padding, N, H, W, takes the bias-row split)
+SPLIT_CASES = [
+    (8, 16, 3, 1, 1, 128, 4, 4, True),     # the digits CNN's conv2 at batch 128: [72 (+1), 2048]
+    (16, 4, 2, 2, 0, 32, 16, 16, True),    # d = 64, stride 2: [64 (+1), 2048]
+    (8, 16, 3, 1, 1, 4, 4, 4, False),      # d = 72 but 64 columns: the ones row stays
+    (1, 8, 3, 1, 1, 128, 8, 8, False),     # d = 9: the ones row stays
+    (7, 4, 3, 1, 1, 128, 4, 4, False),     # d = 63: not a multiple of 8
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"d{c[0] * c[2] ** 2}-split{c[-1]}" for c in SPLIT_CASES])
+def test_input_factor_with_and_without_the_bias_row_split_equals_brute_force(case) -> None:
+    """Both branches of the patch Gram (:func:`gram_with_ones_row` for large ``d % 8 == 0`` factors,
+    the stacked ones row otherwise) against the float64 definition ``Σ ã ãᵀ / (N·T)``."""
+    from curvature.modules.conv import patch_columns, split_bias_row
+
+    cin, cout, k, s, p, n, h, w, split = case
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, k, stride=s, padding=p)
+    x = torch.randn(n, cin, h, w)
+    out = conv(x)
+    m = patch_rows(x, k, padding=p, stride=s)
+    assert patch_columns(x, conv) == m.shape[1]
+    assert split_bias_row(m.shape[0], m.shape[1]) is split
+    fam = Conv2dFamily()
+    gn = fam.normal_output_grad(conv, torch.randn((1,) + tuple(out.shape)))
+    a_fast = fam.kfac_factors_from_inputs(conv, (x,), out, gn, ("weight", "bias"))[1]
+    a = ones_column(unfold_patches(x.double(), k, padding=p, stride=s).transpose(1, 2))
+    ref = sum_outer(a, 1.0 / (a.shape[0] * a.shape[1]))
+    assert a_fast.dtype == torch.float32 and a_fast.shape == ref.shape
+    torch.testing.assert_close(a_fast.double(), ref, rtol=1e-5, atol=1e-6)
+    assert float(a_fast[-1, -1]) == 1.0  # the ones row's own entry: exactly M / M
+
+
+def test_gram_with_ones_row_is_the_gram_of_the_stacked_matrix() -> None:
+    from curvature.modules.base import gram
+    from curvature.modules.conv import gram_with_ones_row
+
+    m = torch.randn(72, 300, dtype=torch.float64)
+    stacked = torch.cat([m, m.new_ones(1, 300)])
+    torch.testing.assert_close(gram_with_ones_row(m, 1 / 300), gram(stacked, 1 / 300), rtol=1e-13, atol=1e-14)

@@ -114,7 +114,10 @@ class KFACBlock(Block):
                   dtype: Optional[torch.dtype] = None, method: str = "eigen") -> None:
         if method == "eigen":
             (el, ql), (er, qr) = self._factor_eigs(backend, dtype)
-            denom = scale * torch.outer(el, er.to(el.dtype)) + damping
+            denom = torch.outer(el, er.to(el.dtype))  # scale·λ_L λ_Rᵀ + damping, in place (same rounding)
+            if scale != 1.0:
+                denom.mul_(scale)
+            denom.add_(damping)
             check_positive(denom, f"K-FAC block {self.layout.name!r}")
             self.decomposition = {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
         elif method == "inverse":
@@ -143,15 +146,22 @@ class KFACBlock(Block):
         key = (backend, dtype)
         if key != self._eig_key:
             self._eig_cache, self._eig_key = DerivedCache(), key
-        return self._eig_cache.get([self.left, self.right],
-                                   lambda: tuple(self._eig(f, backend, dtype) for f in (self.left, self.right)))
+
+        def eigs() -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, Optional[Tensor]]]:
+            lb = get_backend(backend)
+            return self._eig(self.left, lb, dtype), self._eig(self.right, lb, dtype)
+        return self._eig_cache.get([self.left, self.right], eigs)
 
     @staticmethod
-    def _eig(f: Tensor, backend: Optional[str], dtype: Optional[torch.dtype]) -> Tuple[Tensor, Optional[Tensor]]:
+    def _eig(f: Tensor, backend: Any, dtype: Optional[torch.dtype]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(λ clamped to >= 0, Q)`` of a dense factor, ``(f, None)`` of a diagonal one (``backend``:
+        a name, None or a resolved :class:`~curvature.linalg.Backend`). A dense
+        factor is a Gram matrix or an average of them, symmetric by construction: its lower
+        triangle is decomposed (``symmetric=True``, no ``(f + fᵀ)/2`` pass; still checked finite)."""
         if f.dim() == 1:
             return (f.to(dtype) if dtype is not None else f), None
-        evals, evecs = get_backend(backend).eigh(f, dtype=dtype)
-        return evals.clamp_min(0.0), evecs
+        evals, evecs = get_backend(backend).eigh(f, dtype=dtype, symmetric=True)
+        return evals.clamp_min_(0.0), evecs  # evals is the backend's fresh result
 
     # ---- use -------------------------------------------------------------------------------------
     @staticmethod

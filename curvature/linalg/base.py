@@ -50,13 +50,18 @@ class Backend(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
     # ------------------------------------------------------------------ public API
-    def eigh(self, a: Tensor, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    def eigh(self, a: Tensor, dtype: Optional[torch.dtype] = None, *, symmetric: bool = False
+             ) -> tuple[Tensor, Tensor]:
         """Eigendecomposition of the symmetric part of ``a``.
 
         Args:
             a: ``[..., n, n]`` real matrix; ``(a + aᵀ) / 2`` is decomposed.
             dtype: compute dtype (float32/float64); ``None`` means
                 ``max(float32, a.dtype)``. Use float64 for ill-conditioned factors.
+            symmetric: ``True`` when ``a`` is symmetric by construction (a Gram matrix, an
+                average of them): the ``(a + aᵀ) / 2`` pass is skipped and ``a``'s lower
+                triangle is decomposed, which differs from the symmetric part only by the
+                rounding of the Gram's two triangles. ``a`` is still checked finite.
 
         Returns:
             ``(evals, evecs)``: ``evals`` ``[..., n]`` in ascending order and
@@ -67,7 +72,7 @@ class Backend(abc.ABC):
         with a tiny diagonal jitter (:mod:`curvature.linalg.eigh_retry`); only when every
         attempt fails is :class:`~curvature.linalg.LinalgError` raised.
         """
-        a = prepare_symmetric(a, dtype, "eigh", self.name)
+        a = prepare_symmetric(a, dtype, "eigh", self.name, symmetrize=not symmetric)
         return eigh_with_retry(self._eigh, a, self.name)
 
     def cholesky(self, a: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:

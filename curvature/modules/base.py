@@ -31,6 +31,9 @@ class LayerFamily:
     module_types: Tuple[type, ...] = ()
     #: whether a K-FAC factorization is defined for this family
     supports_kfac: bool = False
+    #: whether :meth:`normal_input` / ``kfac_factors_from_inputs`` read the recorded output's values
+    #: (False: its shape at most; a capture of the user's backward then returns the output without a clone)
+    reads_output_values: bool = True
 
     # ---- parameters -------------------------------------------------------------------
     def covered_params(self, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:

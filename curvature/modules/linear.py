@@ -56,6 +56,7 @@ class WeightMatrixFamily(LayerFamily):
     """Shared math of a layer ``y_t = W a_t + b`` applied at ``T`` positions."""
 
     supports_kfac = True
+    reads_output_values = False  # inputs and output gradients only
 
     def weight_matrix_shape(self, module: nn.Module) -> Tuple[int, int]:
         w = module.weight

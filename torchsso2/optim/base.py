@@ -152,7 +152,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss, output = unpack_closure_result(closure())
             return loss, output, None
-        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse)
+        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             hook = self.model.register_forward_hook(
                 lambda _m, _i, out: watch.observe_output(out if self.engine.output_selector is None
