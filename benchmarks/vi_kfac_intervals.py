@@ -4,7 +4,8 @@ The question it answers: does estimating the curvature every ``k`` steps and eig
 K-FAC factors every ``m`` steps (instead of both at every step) keep the validation quality of
 noisy K-FAC on the tasks of :mod:`benchmarks.vi_quality`, and how much step time does it save?
 
-Quality. For each task (``digits-mlp``: 40 epochs, ``digits-cnn``: 15 epochs; the tasks, splits,
+Quality. For each task (``digits-mlp``: 40 epochs, ``digits-cnn``: 15 epochs, ``diabetes`` on request:
+50 epochs, Gaussian NLL and RMSE with the learned noise; the tasks, splits,
 training loop and metrics of :mod:`benchmarks.vi_quality`, reused, not copied), each lr in
 ``--lrs`` (default: the lr VI K-FAC chose in ``benchmarks/results/vi.json`` and its two grid
 neighbours) and each seed, every variant is trained from the same initialization with the same batch
@@ -20,8 +21,10 @@ Variants (``--variants``, names ``k/m`` or ``k/m/decay``): ``k`` = ``curv_update
 estimate then carries the weight of the ``k`` steps it stands for).
 
 Step time. The variants' steps on the digits MLP and the digits CNN (batch 64), round-robin in one
-process (the order rotates every round), min and median over ``--timing-steps`` timed steps, beside Adam
-(lr 1e-3) and VI diag at its defaults, as in ``benchmarks/vi_step_time.py``.
+process (the order rotates every round), min, median and mean over ``--timing-steps`` timed steps, beside
+Adam (lr 1e-3) and VI diag at its defaults, as in ``benchmarks/vi_step_time.py``. With intervals ``k/m``
+the min and the median are the plain steps; the mean includes the curvature steps and the
+decompositions (the cost per step over a run).
 
 One command (about 10 minutes on an idle core; the JSON goes to ``--out``, never into
 ``benchmarks/results``)::
@@ -56,6 +59,8 @@ from torchsso2.optim.vi import DEFAULT_VI_EMA_DECAY  # noqa: E402
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "torchsso2-bench" / "vi_kfac_intervals.json"
 DEFAULT_VARIANTS = ("1/1", "1/10", "10/100", "10/100/pow")
 KEYS = ("accuracy", "nll", "ece")
+#: the metrics of the regression task (Gaussian NLL and RMSE in the target's units)
+REGRESSION_KEYS = ("nll", "rmse")
 
 
 def variant_kwargs(name: str) -> Dict[str, Any]:
@@ -104,6 +109,7 @@ def neighbours(lr: float) -> List[float]:
 def quality(task: str, lrs: Sequence[float], variants: Sequence[str], seeds: Sequence[int],
             mc_samples: int) -> Dict[str, Any]:
     split = vq.load_task(task)
+    keys = REGRESSION_KEYS if split.regression else KEYS
     out: Dict[str, Any] = {}
     for lr in lrs:
         per: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
@@ -115,10 +121,11 @@ def quality(task: str, lrs: Sequence[float], variants: Sequence[str], seeds: Seq
                     row = vq.evaluate(run, split, "val", mc_samples)
                 row.update(seed=seed, skipped=run.skipped, seconds=time.perf_counter() - start)
                 per[v].append(row)
-                print(f"{task} lr={lr:g} seed={seed} {v}: acc {row['accuracy']:.4f} nll {row['nll']:.4f} "
-                      f"ece {row['ece']:.4f} skipped {run.skipped} ({row['seconds']:.1f}s)", flush=True)
-        means = {v: {k: statistics.fmean(r[k] for r in rows) for k in KEYS + ("skipped",)} for v, rows in per.items()}
-        diffs = {v: paired_differences({v: per[v], variants[0]: per[variants[0]]}, base=v)[variants[0]]
+                shown = " ".join(f"{k} {row[k]:.4f}" for k in keys)
+                print(f"{task} lr={lr:g} seed={seed} {v}: {shown} skipped {run.skipped} ({row['seconds']:.1f}s)",
+                      flush=True)
+        means = {v: {k: statistics.fmean(r[k] for r in rows) for k in keys + ("skipped",)} for v, rows in per.items()}
+        diffs = {v: paired_differences({v: per[v], variants[0]: per[variants[0]]}, base=v, keys=keys)[variants[0]]
                  for v in variants[1:]}
         out[f"{lr:g}"] = {"per_seed": per, "mean": means, f"minus_{variants[0]}": diffs}
     return out
@@ -157,39 +164,43 @@ def report_tables(rep: Dict[str, Any], variants: Sequence[str]) -> str:
     ref = variants[0]
     for task, by_lr in rep["quality"].items():
         for lr, r in by_lr.items():
+            keys = [k for k in KEYS + REGRESSION_KEYS if k in r["mean"][ref]]
+            keys = list(dict.fromkeys(keys))
+            pct = {"accuracy", "ece"}  # shown in percent / percentage points
             rows = []
             for v in variants:
                 m = r["mean"][v]
-                row = [v, f"{100 * m['accuracy']:.2f}", f"{m['nll']:.4f}", f"{100 * m['ece']:.2f}", f"{m['skipped']:g}"]
+                row = [v] + [f"{100 * m[k]:.2f}" if k in pct else f"{m[k]:.4f}" for k in keys] + [f"{m['skipped']:g}"]
                 if v != ref:
                     d = r[f"minus_{ref}"][v]
-                    row += [f"{100 * d['accuracy']['mean']:+.2f} ± {100 * d['accuracy']['stderr']:.2f}",
-                            f"{d['nll']['mean']:+.4f} ± {d['nll']['stderr']:.4f}",
-                            f"{100 * d['ece']['mean']:+.2f} ± {100 * d['ece']['stderr']:.2f}"]
+                    row += [f"{100 * d[k]['mean']:+.2f} ± {100 * d[k]['stderr']:.2f}" if k in pct else
+                            f"{d[k]['mean']:+.4f} ± {d[k]['stderr']:.4f}" for k in keys]
                 else:
-                    row += ["", "", ""]
+                    row += [""] * len(keys)
                 rows.append(row)
             lines.append(f"\n{task}, lr {lr}, validation, {len(r['per_seed'][ref])} seeds")
-            lines.append(markdown_table(["variant", "acc %", "NLL", "ECE %", "skipped", f"Δacc pp vs {ref}",
-                                         f"ΔNLL vs {ref}", f"ΔECE pp vs {ref}"], rows))
+            lines.append(markdown_table(["variant"] + [k + (" %" if k in pct else "") for k in keys] + ["skipped"]
+                                        + [f"Δ{k} vs {ref}" + (" (pp)" if k in pct else "") for k in keys], rows))
     for task, t in rep.get("timing", {}).items():
-        rows = [[name, f"{s['min_ms']:.3f}", f"{s['median_ms']:.3f}", f"{s['ratio_min']:.2f}×", f"{s['ratio_median']:.2f}×"]
-                for name, s in t["steps"].items()]
+        rows = [[name, f"{s['min_ms']:.3f}", f"{s['median_ms']:.3f}", f"{s['mean_ms']:.3f}", f"{s['ratio_min']:.2f}×",
+                 f"{s['ratio_median']:.2f}×", f"{s['ratio_mean']:.2f}×"] for name, s in t["steps"].items()]
         lines.append(f"\nstep time, {task}, batch 64 (load average before {t['load_average_before']}, "
                      f"after {t['load_average_after']})")
-        lines.append(markdown_table(["variant", "min ms", "median ms", "min / adam", "median / adam"], rows))
+        lines.append(markdown_table(["variant", "min ms", "median ms", "mean ms", "min / adam", "median / adam",
+                                     "mean / adam"], rows))
     return "\n".join(lines)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/vi_kfac_intervals.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
-    p.add_argument("--tasks", nargs="+", default=["digits-mlp", "digits-cnn"], choices=["digits-mlp", "digits-cnn"])
+    p.add_argument("--tasks", nargs="+", default=["digits-mlp", "digits-cnn"], choices=["digits-mlp", "digits-cnn", "diabetes"])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help="'k/m' or 'k/m/decay' ('pow': the default decay to the power k); the first is the reference")
     p.add_argument("--lrs", nargs="+", type=float, default=None,
                    help="learning rates (default: VI K-FAC's chosen lr in benchmarks/results/vi.json and its grid neighbours)")
-    p.add_argument("--seeds", type=int, default=5, help="paired seeds 0 … seeds−1 (default 5)")
+    p.add_argument("--seeds", type=int, default=5, help="paired seeds first-seed … first-seed+seeds−1 (default 5)")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--mc-samples", type=int, default=32, help="weight samples of the validation BMA (default 32)")
     p.add_argument("--timing-steps", type=int, default=300, help="timed round-robin steps per variant (0: no timing)")
     p.add_argument("--warmup", type=int, default=10)
@@ -210,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if lrs is None:
                 c = chosen_lr(task)
                 lrs = neighbours(c) if c is not None else [vq.VI_DEFAULT_LR]
-            rep["quality"][task] = quality(task, lrs, args.variants, range(args.seeds), args.mc_samples)
+            rep["quality"][task] = quality(task, lrs, args.variants, range(args.first_seed, args.first_seed + args.seeds),
+                                           args.mc_samples)
     if args.timing_steps:
         rep["timing"] = timing(args.variants, args.timing_steps, args.warmup)
     print(report_tables(rep, args.variants))

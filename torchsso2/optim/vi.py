@@ -60,6 +60,7 @@ from .noise import ObservationNoise
 from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
 from .vi_flat import FlatDiagPath
+from .vi_schedule import vi_schedule
 
 #: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
 #: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
@@ -243,8 +244,9 @@ class VIOptimizer(CurvatureOptimizer):
                  curvature: Optional[str] = None, approx: Any = "diag", prior_precision: Optional[float] = None,
                  prior_variance: Optional[float] = None, init_precision: Optional[float] = None,
                  num_mc_samples: int = 1, kl_weighting: float = 1.0, momentum: float = 0.9,
-                 ema_decay: float = DEFAULT_VI_EMA_DECAY, damping: float = 0.0, loss: str = "cross_entropy",
-                 mc_samples: int = 1, curv_update_interval: int = 1, inv_update_interval: int = 1,
+                 ema_decay: Optional[float] = None, damping: float = 0.0, loss: str = "cross_entropy",
+                 mc_samples: int = 1, curv_update_interval: Optional[int] = None,
+                 inv_update_interval: Optional[int] = None,
                  on_nonfinite: str = "skip", skip_modules: Any = None, params: Any = None,
                  linalg: Optional[str] = None, communicator: Any = "auto", seed: Optional[int] = None,
                  decomposition_dtype: Optional[torch.dtype] = None, grad_scaler: Any = None,
@@ -288,6 +290,9 @@ class VIOptimizer(CurvatureOptimizer):
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
+        # None: the defaults per approx, and the decay per step (torchsso2/optim/vi_schedule.py)
+        curv_update_interval, inv_update_interval, ema_decay = vi_schedule(
+            approx, curv_update_interval, inv_update_interval, ema_decay, DEFAULT_VI_EMA_DECAY)
         settings = CurvatureSettings.from_arguments(locals(), curvature=kind)
         super().__init__(model, params, defaults, settings)
         if curvature is None and self.reparam and self.placement.active \
