@@ -416,7 +416,8 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
                            for c in cols)])
         out += [f"**VI step time vs Adam** (× an Adam step, min / median over {cfg['repeats']} round-robin windows, "
                 f"{_threads(rep)}, each method at its default lr; VIOptimizer at its defaults: diag = IVON's curvature "
-                "estimate from the same backward, K-FAC = Monte-Carlo Fisher every step; `adam+noise` = Adam that also "
+                "estimate from the same backward, K-FAC = Monte-Carlo Fisher and decompositions every 10 steps; "
+                "`adam+noise` = Adam that also "
                 f"draws and adds weight noise, the floor of a one-sample VI step; `{path.name}`, {_timing_stamp(src)})",
                 "", markdown_table(["model", "batch", *(labels.get(c, c) for c in cols)], rows, "lr" + "r" * len(cols)),
                 ""]

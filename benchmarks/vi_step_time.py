@@ -19,7 +19,7 @@ Models (1 thread by default, as the targets of issues 27 and 31 are stated):
   same with the flat-buffer step switched off: the block-by-block step it replaces),
   ``vi-diag-fisher_mc`` (a second backward for the Monte-Carlo Fisher every step) and
   ``vi-kfac`` (``approx="kfac", curvature="fisher_mc"``: noisy K-FAC at its default intervals, curvature
-  every 10 and eigendecompositions every 100 steps) and ``vi-kfac-1/1`` (the same with both at every
+  and eigendecompositions every 10 steps) and ``vi-kfac-1/1`` (the same with both at every
   step; ``benchmarks/vi_kfac_intervals.py`` measures their quality).
 * ``transformer``: ``examples/train_transformer.py``'s model (2 layers, d=64, 4 heads) on its
   generated text, batch 32 × 128 tokens. Variants: ``adamw`` (the example's lr 3e-3, weight

@@ -1,7 +1,7 @@
 """VIOptimizer's default schedule per ``approx`` (torchsso2/optim/vi_schedule.py).
 
-noisy K-FAC (``approx="kfac"``) estimates the curvature every 10 steps and decomposes every 100 by
-default; ``approx="diag"`` (and ``"full"``, dicts) every step. The default EMA decay is per step
+noisy K-FAC (``approx="kfac"``) estimates the curvature every 10 steps and decomposes each estimate by
+default (10/10); ``approx="diag"`` (and ``"full"``, dicts) every step. The default EMA decay is per step
 (``0.99999 ** curv_update_interval`` per update). Explicit values are used as given.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _schedule(opt: VIOptimizer) -> tuple:
 
 @pytest.mark.parametrize("approx, expected", [
     ("diag", (1, 1, DEFAULT_VI_EMA_DECAY)),
-    ("kfac", (10, 100, DEFAULT_VI_EMA_DECAY ** 10)),
+    ("kfac", (10, 10, DEFAULT_VI_EMA_DECAY ** 10)),
     ("full", (1, 1, DEFAULT_VI_EMA_DECAY)),
     ({nn.Linear: "kfac"}, (1, 1, DEFAULT_VI_EMA_DECAY)),
 ], ids=["diag", "kfac", "full", "dict"])
@@ -57,15 +57,15 @@ def test_default_schedule_per_approx(approx, expected):
     assert (opt.settings.curv_update_interval, opt.settings.inv_update_interval) == expected[:2]
     if approx == "diag":  # bit for bit today's decay (the reparam flat step reads opt.ema_decay)
         assert opt.ema_decay == 0.99999 and opt.reparam
-    assert DEFAULT_VI_INTERVALS["kfac"] == (10, 100) and DEFAULT_VI_INTERVALS["diag"] == (1, 1)
+    assert DEFAULT_VI_INTERVALS["kfac"] == (10, 10) and DEFAULT_VI_INTERVALS["diag"] == (1, 1)
 
 
 @pytest.mark.parametrize("kwargs, expected", [
     (dict(curv_update_interval=1, inv_update_interval=1), (1, 1, DEFAULT_VI_EMA_DECAY)),
-    (dict(curv_update_interval=2), (2, 100, DEFAULT_VI_EMA_DECAY ** 2)),
+    (dict(curv_update_interval=2), (2, 10, DEFAULT_VI_EMA_DECAY ** 2)),
     (dict(inv_update_interval=7), (10, 7, DEFAULT_VI_EMA_DECAY ** 10)),
-    (dict(ema_decay=0.9), (10, 100, 0.9)),
-    (dict(ema_decay=DEFAULT_VI_EMA_DECAY), (10, 100, DEFAULT_VI_EMA_DECAY)),
+    (dict(ema_decay=0.9), (10, 10, 0.9)),
+    (dict(ema_decay=DEFAULT_VI_EMA_DECAY), (10, 10, DEFAULT_VI_EMA_DECAY)),
     (dict(curv_update_interval=5, inv_update_interval=50, ema_decay=0.5), (5, 50, 0.5)),
 ])
 def test_explicit_values_win(kwargs, expected):
@@ -77,7 +77,7 @@ def test_diag_with_an_explicit_interval_gets_the_per_step_decay():
     assert _schedule(opt) == (3, 1, DEFAULT_VI_EMA_DECAY ** 3)
 
 
-def test_kfac_default_estimates_every_10_and_decomposes_every_100_steps():
+def test_kfac_default_estimates_and_decomposes_every_10_steps():
     model = tiny_mlp()
     opt = VIOptimizer(model, dataset_size=N_DATA, approx="kfac", seed=0)
     decomposed_at: List[int] = []
@@ -87,25 +87,25 @@ def test_kfac_default_estimates_every_10_and_decomposes_every_100_steps():
         decomposed_at.append(opt.num_steps)
         return original(*args, **kw)
     opt._decompose = counting  # type: ignore[method-assign]
-    train(model, opt, 105)
-    # the isotropic start, then the estimates of steps 0, 10, …, 100
-    assert opt.running.num_updates == 1 + 11
-    assert decomposed_at == [0, 100]
+    train(model, opt, 35)
+    # the isotropic start, then the estimates of steps 0, 10, 20, 30, each decomposed at once
+    assert opt.running.num_updates == 1 + 4
+    assert decomposed_at == [0, 10, 20, 30]
     assert opt.num_skipped == 0
 
 
 def test_kfac_default_equals_its_documented_explicit_settings():
-    """The default is exactly ``curv_update_interval=10, inv_update_interval=100, ema_decay=0.99999**10``;
-    an explicit ``ema_decay=0.99999`` at 10/100 is a decay per update (a different run)."""
+    """The default is exactly ``curv_update_interval=10, inv_update_interval=10, ema_decay=0.99999**10``;
+    an explicit ``ema_decay=0.99999`` at 10/10 is a decay per update (a different run)."""
     runs = {}
     for name, kw in {"default": {},
-                     "explicit": dict(curv_update_interval=10, inv_update_interval=100,
+                     "explicit": dict(curv_update_interval=10, inv_update_interval=10,
                                       ema_decay=DEFAULT_VI_EMA_DECAY ** 10),
-                     "per-update": dict(curv_update_interval=10, inv_update_interval=100,
+                     "per-update": dict(curv_update_interval=10, inv_update_interval=10,
                                         ema_decay=DEFAULT_VI_EMA_DECAY)}.items():
         model = tiny_mlp()
         opt = VIOptimizer(model, dataset_size=N_DATA, approx="kfac", seed=0, lr=0.1, **kw)
-        runs[name] = (train(model, opt, 101), opt)
+        runs[name] = (train(model, opt, 31), opt)
     for a, b in zip(runs["default"][0], runs["explicit"][0]):
         assert torch.equal(a, b)
     da = runs["default"][1].running.blocks

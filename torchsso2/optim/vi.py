@@ -207,8 +207,21 @@ class VIOptimizer(CurvatureOptimizer):
             long as the later ones (the KL clip bounds the corrected step). Default
             :data:`DEFAULT_VI_MOMENTUM_DEBIAS` = False (see there why).
         momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD),
-            :data:`DEFAULT_VI_EMA_DECAY` = 0.99999 (IVON's β₂; see there why), 0.0 (the prior alone
-            keeps Λ positive definite).
+            :data:`DEFAULT_VI_EMA_DECAY` = 0.99999 **per step** (IVON's β₂; see there why), 0.0 (the
+            prior alone keeps Λ positive definite). The EMA is updated every ``curv_update_interval``
+            steps, so ``ema_decay=None`` (the default) decays by ``0.99999 ** curv_update_interval`` per
+            update: the start keeps the weight ``0.99999^t`` after ``t`` steps at any interval. An
+            explicit ``ema_decay`` is the decay per update.
+        curv_update_interval, inv_update_interval: estimate the curvature every that many steps and
+            decompose ``Λ`` every that many steps. Default ``None``: 1 and 1 for ``approx="diag"`` (its
+            ``"reparam"`` curvature comes from the step's own backward), 10 and 10 for ``"kfac"``
+            (the Monte-Carlo Fisher's second backward and the factors' eigendecompositions cost
+            several Adam steps: on the digits MLP at batch 64 a step costs about 2.4× an Adam step
+            over a run instead of 6.7×, with the validation accuracy, NLL and ECE of every-step
+            noisy K-FAC within noise on the digits MLP and CNN; decompositions every 100 steps were
+            worse on the CNN at a small lr; docs/defaults.md, ``benchmarks/vi_kfac_intervals.py``),
+            1 and 1 for ``"full"`` and dicts (:mod:`torchsso2.optim.vi_schedule`). Explicit values
+            are used as given.
         loss: ``"cross_entropy"`` or ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``).
         noise_variance: observation noise ``σ²`` of the Gaussian likelihood (``loss="mse"`` only;
             :mod:`torchsso2.optim.noise`): a float > 0, or ``"learned"`` (the running mean of the
