@@ -309,6 +309,17 @@ def _ivon_version(vi_src: Source, others: Sequence[Source]) -> Optional[str]:
 
 
 #: the methods of benchmarks/vi.py, in table order, with their README labels (IVON's gets its version)
+def _kfac_schedule(cfg: Dict[str, Any]) -> str:
+    """How often noisy K-FAC estimated and decomposed in a ``vi.json`` run (``config.vi_kfac_intervals``;
+    runs that did not record it were every step)."""
+    curv, inv = cfg.get("vi_kfac_intervals") or (1, 1)
+    if (curv, inv) == (1, 1):
+        return "Monte-Carlo Fisher every step"
+    if curv == inv:
+        return f"Monte-Carlo Fisher and decompositions every {curv} steps"
+    return f"Monte-Carlo Fisher every {curv} steps, decompositions every {inv}"
+
+
 VI_LABELS = {"vi-diag": "VIOptimizer diag", "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)", "ivon": "IVON",
              "adam": "Adam", "sgd": "SGD"}
 VI_TASKS = {"digits-mlp": "digits MLP 64-128-10", "digits-cnn": "digits CNN", "diabetes": "diabetes MLP 10-50-1"}
@@ -416,7 +427,7 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
                            for c in cols)])
         out += [f"**VI step time vs Adam** (× an Adam step, min / median over {cfg['repeats']} round-robin windows, "
                 f"{_threads(rep)}, each method at its default lr; VIOptimizer at its defaults: diag = IVON's curvature "
-                "estimate from the same backward, K-FAC = Monte-Carlo Fisher every step; `adam+noise` = Adam that also "
+                f"estimate from the same backward, K-FAC = {_kfac_schedule(cfg)}; `adam+noise` = Adam that also "
                 f"draws and adds weight noise, the floor of a one-sample VI step; `{path.name}`, {_timing_stamp(src)})",
                 "", markdown_table(["model", "batch", *(labels.get(c, c) for c in cols)], rows, "lr" + "r" * len(cols)),
                 ""]

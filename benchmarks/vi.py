@@ -70,6 +70,7 @@ from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_li
                                time_training_steps, try_import, write_json)
 from torchsso2 import VIOptimizer  # noqa: E402
 from torchsso2.optim.vi import shifted_params  # noqa: E402
+from torchsso2.optim.vi_schedule import DEFAULT_VI_INTERVALS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -325,6 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "repeats": args.repeats, "window": args.window, "threads": args.threads,
                          "timing_lrs": {m: DEFAULT_LRS[m] for m in methods if m in DEFAULT_LRS},
                          "vi_default_lr": vq.VI_DEFAULT_LR,
+                         "vi_kfac_intervals": list(DEFAULT_VI_INTERVALS["kfac"]),
                          "ivon": getattr(ivon_mod, "__version__", "installed") if ivon_mod else None,
                          "plot": str(args.plot) if args.plot is not None and quality else None,
                          "selection": f"lr with the smallest mean validation NLL over seeds 0-{args.select_seeds - 1} "

@@ -5,7 +5,9 @@ optimizer's update (for the sampling methods also drawing the weight noise and e
 closure at the sampled weights). Every variant trains its own copy of the model on the same
 batches; the variants take turns step by step (the order rotates every round), so a change in
 the machine's load hits all of them alike. Reported: min and median over the timed steps, and
-the ratio to Adam (AdamW on the transformer) of both.
+the ratio to Adam (AdamW on the transformer) of both; also the ratio of the means, the cost per step
+of a variant whose curvature or decompositions run every k-th step only (min and median show its
+plain steps).
 
 Models (1 thread by default, as the targets of issues 27 and 31 are stated):
 
@@ -16,9 +18,9 @@ Models (1 thread by default, as the targets of issues 27 and 31 are stated):
   default: IVON's estimator from the step's own backward), ``vi-diag-reparam-general`` (the
   same with the flat-buffer step switched off: the block-by-block step it replaces),
   ``vi-diag-fisher_mc`` (a second backward for the Monte-Carlo Fisher every step) and
-  ``vi-kfac`` (``approx="kfac", curvature="fisher_mc"``: noisy K-FAC, curvature and eigendecompositions
-  every step) and ``vi-kfac-10/100`` (the same with curvature every 10 and decompositions every 100
-  steps).
+  ``vi-kfac`` (``approx="kfac", curvature="fisher_mc"``: noisy K-FAC at its default intervals, curvature
+  and eigendecompositions every 10 steps) and ``vi-kfac-1/1`` (the same with both at every
+  step; ``benchmarks/vi_kfac_intervals.py`` measures their quality).
 * ``transformer``: ``examples/train_transformer.py``'s model (2 layers, d=64, 4 heads) on its
   generated text, batch 32 × 128 tokens. Variants: ``adamw`` (the example's lr 3e-3, weight
   decay 0.01), ``vi-diag-reparam`` (the example's VI settings with ``curvature="reparam"``) and
@@ -155,8 +157,8 @@ def digits_variants(n: int, ivon_mod: Any, skipped: Dict[str, str]) -> List[Vari
                  ("vi-diag-reparam-general", vi(general=True, curvature="reparam")),
                  ("vi-diag-fisher_mc", vi(curvature="fisher_mc")),
                  ("vi-kfac", vi(approx="kfac", curvature="fisher_mc")),
-                 ("vi-kfac-10/100", vi(approx="kfac", curvature="fisher_mc", curv_update_interval=10,
-                                       inv_update_interval=100))]
+                 ("vi-kfac-1/1", vi(approx="kfac", curvature="fisher_mc", curv_update_interval=1,
+                                    inv_update_interval=1))]
     return variants
 
 
@@ -218,6 +220,7 @@ def round_robin(variants: Sequence[Variant], batches: Sequence[Tuple[Tensor, Ten
     for name, step in built:
         opt = getattr(step, "optimizer", None)
         out[name] = {"min_ms": 1e3 * min(times[name]), "median_ms": 1e3 * statistics.median(times[name]),
+                     "mean_ms": 1e3 * statistics.fmean(times[name]),
                      "steps": len(times[name]), "last_loss": losses.get(name),
                      "skipped": None if opt is None else opt.num_skipped}
     return out
@@ -228,14 +231,16 @@ def with_ratios(results: Dict[str, Dict[str, Any]], reference: str) -> Dict[str,
     for row in results.values():
         row["ratio_min"] = row["min_ms"] / ref["min_ms"]
         row["ratio_median"] = row["median_ms"] / ref["median_ms"]
+        row["ratio_mean"] = row["mean_ms"] / ref["mean_ms"]
     return results
 
 
 def table(results: Dict[str, Dict[str, Any]], reference: str) -> str:
     rows = [[name, f"{r['min_ms']:.3f}", f"{r['median_ms']:.3f}", f"{r['ratio_min']:.2f}×",
-             f"{r['ratio_median']:.2f}×", "-" if r["skipped"] is None else r["skipped"]] for name, r in results.items()]
-    return markdown_table(["variant", "min ms", "median ms", f"min / {reference}", f"median / {reference}", "skipped"],
-                          rows)
+             f"{r['ratio_median']:.2f}×", f"{r['ratio_mean']:.2f}×", "-" if r["skipped"] is None else r["skipped"]]
+            for name, r in results.items()]
+    return markdown_table(["variant", "min ms", "median ms", f"min / {reference}", f"median / {reference}",
+                           f"mean / {reference}", "skipped"], rows)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -31,8 +31,10 @@ SHAPES = ("full", "diag", "kfac")
 
 SO_BASE = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, curvature="fisher", damping=1e-2, ema_decay=0.9,
                kl_clip=1e-2, seed=3)
+#: curvature and decompositions at every step for every approx (VIOptimizer's kfac default is 10/10;
+#: the cost model of tests/test_distributed_optim.py counts an estimate and a decomposition per step)
 VI_BASE = dict(dataset_size=240, lr=0.1, momentum=0.9, curvature="fisher", prior_precision=1.0,
-               init_precision=100.0, ema_decay=0.9, loss="mse", seed=5)
+               init_precision=100.0, ema_decay=0.9, loss="mse", seed=5, curv_update_interval=1, inv_update_interval=1)
 
 
 def build(face: str) -> nn.Module:
