@@ -308,7 +308,6 @@ def _ivon_version(vi_src: Source, others: Sequence[Source]) -> Optional[str]:
     return None
 
 
-#: the methods of benchmarks/vi.py, in table order, with their README labels (IVON's gets its version)
 def _kfac_schedule(cfg: Dict[str, Any]) -> str:
     """How often noisy K-FAC estimated and decomposed in a ``vi.json`` run (``config.vi_kfac_intervals``;
     runs that did not record it were every step)."""
@@ -320,6 +319,7 @@ def _kfac_schedule(cfg: Dict[str, Any]) -> str:
     return f"Monte-Carlo Fisher every {curv} steps, decompositions every {inv}"
 
 
+#: the methods of benchmarks/vi.py, in table order, with their README labels (IVON's gets its version)
 VI_LABELS = {"vi-diag": "VIOptimizer diag", "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)", "ivon": "IVON",
              "adam": "Adam", "sgd": "SGD"}
 VI_TASKS = {"digits-mlp": "digits MLP 64-128-10", "digits-cnn": "digits CNN", "diabetes": "diabetes MLP 10-50-1"}
