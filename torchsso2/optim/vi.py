@@ -216,7 +216,7 @@ class VIOptimizer(CurvatureOptimizer):
             decompose ``Λ`` every that many steps. Default ``None``: 1 and 1 for ``approx="diag"`` (its
             ``"reparam"`` curvature comes from the step's own backward), 10 and 10 for ``"kfac"``
             (the Monte-Carlo Fisher's second backward and the factors' eigendecompositions cost
-            several Adam steps: on the digits MLP at batch 64 a step costs about 2.5× an Adam step
+            several Adam steps: on the digits MLP at batch 64 a step costs about 2.5–3× an Adam step
             over a run instead of 6.8×, with the validation accuracy, NLL and ECE of every-step
             noisy K-FAC within noise on the digits MLP and CNN; decompositions every 100 steps were
             worse on the CNN at a small lr; docs/defaults.md, ``benchmarks/vi_kfac_intervals.py``),
