@@ -67,6 +67,17 @@ def make(cfg: Dict[str, Any], model: nn.Module, comm: Any, single: bool) -> VIOp
     return VIOptimizer(model, communicator=comm, **{**BASE, **kw})
 
 
+def mse_closure(opt: VIOptimizer, model: nn.Module, x: Tensor, y: Tensor):
+    """The closure of one step: ``½‖f(x) − y‖²`` averaged over the examples, returning ``(loss, output)``."""
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = 0.5 * (out - y).pow(2).sum(-1).mean()
+        loss.backward()
+        return loss, out
+    return closure
+
+
 def flat(model: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
@@ -82,15 +93,7 @@ def train(cfg: Dict[str, Any], comm: Any, single: bool = False) -> Dict[str, Any
             d, r = opt.data_parallel_size, opt.data_parallel_rank
             n = BATCH // d
             x, y = x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]
-
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            loss = 0.5 * (out - y).pow(2).sum(-1).mean()
-            loss.backward()
-            return loss, out
-
-        opt.step(closure, targets=y)
+        opt.step(mse_closure(opt, model, x, y), targets=y)
         rows.append(flat(model))
         sigma2.append(opt.noise.variance)
     fresh = make(cfg, build(), comm, single)
@@ -106,15 +109,7 @@ UNEQUAL_SPLIT = 8
 def first_sigma2(model: nn.Module, comm: Any, x: Tensor, y: Tensor) -> float:
     """The learned ``σ²`` after one step on ``(x, y)`` (approx="diag"): that step's mean squared residual."""
     opt = VIOptimizer(model, communicator=comm, **{**BASE, "approx": "diag"})
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = 0.5 * (out - y).pow(2).sum(-1).mean()
-        loss.backward()
-        return loss, out
-
-    opt.step(closure, targets=y)
+    opt.step(mse_closure(opt, model, x, y), targets=y)
     return opt.noise.variance
 
 
