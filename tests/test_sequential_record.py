@@ -31,6 +31,11 @@ def _models() -> Dict[str, nn.Sequential]:
         "conv1d": nn.Sequential(nn.Unflatten(1, (2, 32)), nn.Conv1d(2, 3, 5, stride=2, padding=2), nn.ReLU(),
                                 nn.MaxPool1d(3, stride=2, padding=1), nn.AvgPool1d(2), nn.Flatten(),
                                 nn.Linear(12, 3)).double(),
+        # a convolution straight into a max pooling and into a reshape, a Linear into a reshape then an
+        # in-place ReLU (which changes the Linear's output through the view; nothing reads that output)
+        "views": nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 3, 3, padding=1), nn.MaxPool2d(2),
+                               nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(8, 6), nn.Unflatten(1, (2, 3)),
+                               nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(6, 3)).double(),
         # an in-place ReLU after a Tanh changes the Tanh's output, whose values the tangent needs (the
         # backward would refuse it, but nothing stops a forward alone)
         "tanh_inplace": nn.Sequential(nn.Linear(64, 7), nn.Tanh(), nn.ReLU(inplace=True), nn.Linear(7, 3)).double(),
@@ -54,7 +59,7 @@ def _record(model: nn.Sequential, x: Tensor, backward: bool = True) -> Tuple[Inp
     return rec, out
 
 
-@pytest.mark.parametrize("name", ["cnn", "cnn_inplace", "conv1d"])
+@pytest.mark.parametrize("name", ["cnn", "cnn_inplace", "conv1d", "views"])
 def test_jvps_from_the_recorded_forward_equal_the_recomputed_ones_and_torch_func_jvp(name):
     model = _models()[name]
     x = torch.randn(10, 64, dtype=torch.float64)
