@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from curvature.options import LossType
 from optim_helpers import make_closure
 from torchsso2.optim import SecondOrderOptimizer, sequential_jvp, sequential_record
-from torchsso2.optim.adaptive import InputRecorder
+from torchsso2.optim.adaptive import InputRecorder, ggn_gram
 from torchsso2.optim.sequential_jvp import sequential_jvps
 
 
@@ -183,3 +184,26 @@ def test_adaptive_training_on_recorded_activations_equals_computing_the_forward_
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert rec_coefs == pytest.approx(new_coefs, rel=1e-9)
     assert len(set(rec_coefs[2::3])) > 1  # the LM rule moved the damping
+
+
+@pytest.mark.parametrize("loss", [LossType.CROSS_ENTROPY, LossType.MSE])
+def test_gram_of_two_recorded_forwards_equals_the_dual_number_path(loss, monkeypatch):
+    """A closure running two micro-batches: each forward's own record gives its J·v, and the Gram
+    over both equals the dual-number path's (float64)."""
+    model = _models()["cnn_inplace"]
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    rec = InputRecorder()
+    with rec.record(model):
+        for n in (9, 5):
+            model(torch.randn(n, 64, dtype=torch.float64)).square().sum().backward()
+    taken: List[bool] = []
+    original = sequential_jvp._reads_unchanged
+    monkeypatch.setattr(sequential_jvp, "_reads_unchanged", lambda m, r: taken.append(original(m, r)) or taken[-1])
+    g = torch.Generator().manual_seed(2)
+    dirs = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params] for _ in range(2)]
+    fast = ggn_gram(model, rec.calls, names, params, dirs, loss, lambda o: o, identity_select=True,
+                    activations=rec.activations)
+    assert taken == [True, True]
+    dual = ggn_gram(model, rec.calls, names, params, dirs, loss, lambda o: o)
+    torch.testing.assert_close(fast, dual, rtol=1e-11, atol=1e-13)
