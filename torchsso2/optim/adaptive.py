@@ -74,12 +74,15 @@ class InputRecorder:
         self.outputs: List[Any] = []
         #: for a model the hand-written J·v pass supports, its children's outputs in each forward
         self.activations: Optional[ActivationRecorder] = None
+        #: record them (off where the pass is not used: the Hessian, an ``output_selector``)
+        self.keep_activations = True
 
     @contextlib.contextmanager
     def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
         self.calls = []
         self.outputs = []
-        self.activations = ActivationRecorder() if sequential_jvp.supports_model(model) else None
+        self.activations = ActivationRecorder() if self.keep_activations and sequential_jvp.supports_model(model) \
+            else None
         child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
 
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -169,13 +172,13 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
     total = 0
     primals = [p.detach() for p in params]
     tangents: Optional[Dict[int, Tensor]] = None
-    for i, call in enumerate(calls):
+    for index, call in enumerate(calls):
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
             if tangents is None:
                 tangents = {id(p): torch.stack([v[i].detach().to(p.dtype) for v in directions])
                             for i, p in enumerate(params)}  # keyed by the model's own parameters
-            recorded = activations.usable(model, i) if activations is not None else None  # type: ignore[arg-type]
+            recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
             out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
             jmat = stacked.reshape(k, -1)
             hmat = output_hessian_product(loss, out.unsqueeze(0), stacked, class_dim=2).reshape(k, -1)
