@@ -59,11 +59,15 @@ def patch_rows(x: Tensor, kernel_size: Size2, dilation: Size2 = 1, padding: Size
     The windows are taken of the input moved to ``[C, H, W, N]`` (one copy of the small, padded
     input), so every run the copy moves is the N examples of one position, contiguous at both
     ends; windows of ``[N, C, H, W]`` move runs of ``W_out`` (digits CNN conv2 at batch 128,
-    ``[73, 2048]`` from 4×4 maps: 0.30 → 0.08 ms)."""
+    ``[73, 2048]`` from 4×4 maps: 0.30 → 0.08 ms). The input is copied into the interior of a zeroed
+    ``[C, Hp, Wp, N]`` buffer, not padded first (``F.pad`` is a second copy: 28 µs of [128, 8, 4, 4])."""
     (kh, kw), (dh, dw), (ph, pw), (sh, sw) = _pair(kernel_size), _pair(dilation), _pair(padding), _pair(stride)
+    n0, c0, h0, w0 = x.shape
     if ph or pw:
-        x = F.pad(x, (pw, pw, ph, ph))
-    xt = x.permute(1, 2, 3, 0).contiguous()  # [C, Hp, Wp, N]
+        xt = x.new_zeros(c0, h0 + 2 * ph, w0 + 2 * pw, n0)  # [C, Hp, Wp, N]
+        xt[:, ph:ph + h0, pw:pw + w0].copy_(x.permute(1, 2, 3, 0))
+    else:
+        xt = x.permute(1, 2, 3, 0).contiguous()  # [C, H, W, N]
     v = xt.unfold(1, dh * (kh - 1) + 1, sh).unfold(2, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]  # [C, Ho, Wo, N, kh, kw]
     c, ho, wo, n = v.shape[:4]
     d = c * kh * kw

@@ -55,6 +55,7 @@ from curvature.options import Kind, LossType
 from curvature.uses_static import observer_hook
 
 from . import sequential_jvp
+from .sequential_record import ActivationRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,23 @@ class InputRecorder:
     def __init__(self) -> None:
         self.calls: List[Call] = []
         self.outputs: List[Any] = []
+        #: for a model the hand-written J·v pass supports, its children's outputs in each forward
+        self.activations: Optional[ActivationRecorder] = None
+        #: record them (off where the pass is not used: the Hessian, an ``output_selector``)
+        self.keep_activations = True
 
     @contextlib.contextmanager
     def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
         self.calls = []
         self.outputs = []
+        self.activations = ActivationRecorder() if self.keep_activations and sequential_jvp.supports_model(model) \
+            else None
+        child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
 
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             self.calls.append((args, dict(kwargs), torch.get_rng_state()))
+            if self.activations is not None:
+                self.activations.start(module, args, kwargs)
 
         def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             self.outputs.append(output)
@@ -88,7 +98,7 @@ class InputRecorder:
         try:
             yield self
         finally:
-            for handle in handles:
+            for handle in handles + child_handles:
                 handle.remove()
 
 
@@ -150,24 +160,26 @@ def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], T
 
 def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
              directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
-             identity_select: bool = False) -> Tensor:
+             identity_select: bool = False, activations: Optional[ActivationRecorder] = None) -> Tensor:
     """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
     forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward,
     or, when ``identity_select`` (the model output is the loss input) and the model is a plain
     ``nn.Sequential`` (:mod:`torchsso2.optim.sequential_jvp`), one hand-written pass for all
-    directions."""
+    directions (taking the primal values from the recorded forward where ``activations`` has them:
+    :mod:`torchsso2.optim.sequential_record`)."""
     k = len(directions)
     gram = torch.zeros(k, k, dtype=torch.float64)
     total = 0
     primals = [p.detach() for p in params]
     tangents: Optional[Dict[int, Tensor]] = None
-    for call in calls:
+    for index, call in enumerate(calls):
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
             if tangents is None:
                 tangents = {id(p): torch.stack([v[i].detach().to(p.dtype) for v in directions])
                             for i, p in enumerate(params)}  # keyed by the model's own parameters
-            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents)  # [k, N, ...]
+            recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
+            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
             jmat = stacked.reshape(k, -1)
             hmat = output_hessian_product(loss, out.unsqueeze(0), stacked, class_dim=2).reshape(k, -1)
         else:
@@ -324,7 +336,9 @@ class AdaptiveCoefficients:
                                 opt.engine.select_output, targets)
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
-                            opt.engine.select_output, identity_select=opt.engine.output_selector is None)
+                            opt.engine.select_output, identity_select=opt.engine.output_selector is None,
+                            activations=self.recorder.activations)
+        self.recorder.activations = None  # the forward's activations are not kept past their use
         gram = opt._mean_tensor_over_ranks(gram)  # the same coefficients on every rank (module docstring)
         wds = [float(g["weight_decay"]) for g in groups]
         k = len(dirs)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
+from curvature.options import Kind
 
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -434,4 +435,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                                  "or use_adaptive_momentum=True")
             return None
         param_names(self.model, [p for g in self.param_groups for p in g["params"]])
-        return AdaptiveCoefficients(learning_rate, momentum, interval)
+        ada = AdaptiveCoefficients(learning_rate, momentum, interval)
+        # the activations recorded for the hand-written J·v pass serve the GGN of the model output only
+        ada.recorder.keep_activations = self.engine.kind is not Kind.HESSIAN and self.engine.output_selector is None
+        return ada

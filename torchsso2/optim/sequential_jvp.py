@@ -29,6 +29,8 @@ from torch import Tensor, nn
 
 from curvature.uses_static import no_global_forward_hooks, plain_module
 
+from .sequential_record import Activations
+
 _PARAMETRIC = (nn.Linear, nn.Conv1d, nn.Conv2d)
 _ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid)
 _MAXPOOL = (nn.MaxPool1d, nn.MaxPool2d)
@@ -40,8 +42,12 @@ def supports(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) ->
     """True when :func:`sequential_jvps` applies to ``model(*args, **kwargs)``: an ``nn.Sequential``
     (exact type, no hooks, no ``forward`` set on an instance, no global forward hooks) of supported
     children called with one tensor."""
-    if type(model) is not nn.Sequential or not plain_module(model) or not no_global_forward_hooks() or kwargs \
-            or len(args) != 1 or not isinstance(args[0], Tensor):
+    return len(args) == 1 and not kwargs and isinstance(args[0], Tensor) and supports_model(model)
+
+
+def supports_model(model: nn.Module) -> bool:
+    """The part of :func:`supports` that does not depend on the call's arguments."""
+    if type(model) is not nn.Sequential or not plain_module(model) or not no_global_forward_hooks():
         return False
     for child in model:
         if type(child) not in _SUPPORTED or not plain_module(child):
@@ -65,9 +71,11 @@ def _add(a: Optional[Tensor], b: Tensor) -> Tensor:
     return b if a is None else a + b
 
 
-def _linear(mod: nn.Linear, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int
-            ) -> Tuple[Tensor, Optional[Tensor]]:
-    out = F.linear(h, mod.weight, mod.bias)
+def _linear(mod: nn.Linear, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int,
+            out: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(output, tangent)`` of ``mod`` at ``h``; ``out``: the output the forward computed (else computed)."""
+    if out is None:
+        out = F.linear(h, mod.weight, mod.bias)
     tw = tangents.get(id(mod.weight))
     tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
     y = None
@@ -91,10 +99,12 @@ def _linear(mod: nn.Linear, h: Tensor, t: Optional[Tensor], tangents: Dict[int, 
     return out, nt
 
 
-def _conv(mod: nn.Module, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int
-          ) -> Tuple[Tensor, Optional[Tensor]]:
+def _conv(mod: nn.Module, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int,
+          out: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """As :func:`_linear` for a convolution."""
     conv = mod._conv_forward  # type: ignore[operator]  # (input, weight, bias), with the module's settings
-    out = conv(h, mod.weight, mod.bias)
+    if out is None:
+        out = conv(h, mod.weight, mod.bias)
     tw = tangents.get(id(mod.weight))
     tb = tangents.get(id(mod.bias)) if mod.bias is not None else None
     y = None
@@ -116,7 +126,13 @@ def _conv(mod: nn.Module, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Te
     return out, nt
 
 
-def _maxpool(mod: nn.Module, h: Tensor, t: Optional[Tensor], k: int) -> Tuple[Tensor, Optional[Tensor]]:
+def _maxpool(mod: nn.Module, h: Tensor, t: Optional[Tensor], k: int,
+             recorded: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(output, tangent)`` of a max pooling at ``h``: the tangent at the argmax. ``recorded``: the
+    output and argmax the forward computed (then ``h`` is not pooled again)."""
+    if recorded is not None:
+        out, idx = recorded
+        return out, None if t is None else _gather_at(t, idx, 2 if isinstance(mod, nn.MaxPool2d) else 1, k)
     if isinstance(mod, nn.MaxPool2d):
         if h.dim() == 4:  # the same values and indices; on CPU the channels-last kernel is ~3x faster here
             h = h.contiguous(memory_format=torch.channels_last)
@@ -128,10 +144,15 @@ def _maxpool(mod: nn.Module, h: Tensor, t: Optional[Tensor], k: int) -> Tuple[Te
         return plain(h, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode).contiguous(), None
     out, idx = pool(h, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode)
     out, idx = out.contiguous(), idx.contiguous()
-    spatial = 2 if isinstance(mod, nn.MaxPool2d) else 1
-    flat_t = t.flatten(-spatial)  # indices are into the flattened spatial dims of each channel
+    return out, _gather_at(t, idx, 2 if isinstance(mod, nn.MaxPool2d) else 1, k)
+
+
+def _gather_at(t: Tensor, idx: Tensor, spatial: int, k: int) -> Tensor:
+    """The tangents ``t [k, *in]`` at the argmax ``idx`` (``[*out]``, flat indices into the last
+    ``spatial`` dims of each channel, contiguous): ``[k, *out]``."""
+    flat_t = t.flatten(-spatial)
     flat_i = idx.flatten(-spatial).expand(k, *idx.shape[:-spatial], -1)
-    return out, flat_t.gather(-1, flat_i).view(k, *out.shape)
+    return flat_t.gather(-1, flat_i).view(k, *idx.shape)
 
 
 def sequential_forward(model: nn.Sequential, x: Tensor) -> Tensor:
@@ -145,35 +166,57 @@ def sequential_forward(model: nn.Sequential, x: Tensor) -> Tensor:
     return h
 
 
-def sequential_jvps(model: nn.Sequential, x: Tensor, tangents: Dict[int, Tensor]) -> Tuple[Tensor, Tensor]:
+def _reads_unchanged(model: nn.Sequential, rec: Activations) -> bool:
+    """Whether every recorded tensor :func:`sequential_jvps` reads from ``rec`` holds its recorded
+    values: the input of each Linear/convolution (and of a max pooling without a recorded argmax),
+    the output of each ReLU/Tanh/Sigmoid, and the model output (the others give only their shape)."""
+    reads = {len(model) - 1}
+    for i, mod in enumerate(model):
+        if isinstance(mod, _PARAMETRIC) or (isinstance(mod, _MAXPOOL) and i not in rec.indices):
+            reads.add(i - 1)
+        elif isinstance(mod, _ELEMENTWISE):
+            reads.add(i)
+    return all(rec.unchanged(i) for i in reads)
+
+
+def sequential_jvps(model: nn.Sequential, x: Tensor, tangents: Dict[int, Tensor],
+                    recorded: Optional[Activations] = None) -> Tuple[Tensor, Tensor]:
     """``(f(x), [J v_1, …, J v_k])`` for a model :func:`supports` accepts.
 
     ``x``: the input [N, ...]; ``tangents``: ``{id(parameter): [k, *parameter.shape]}`` for the
     parameters that move (the others are held fixed, as the generic path does). Returns the
-    output [N, ...] and the output tangents [k, N, ...] (zeros when no parameter moves)."""
+    output [N, ...] and the output tangents [k, N, ...] (zeros when no parameter moves).
+    ``recorded``: the activations of the model's own forward on ``x`` at the current parameters
+    (:meth:`torchsso2.optim.sequential_record.ActivationRecorder.usable`); the primal values are
+    then taken from it instead of computed (ReLU's tangent masked by its output: ``relu(h) > 0``
+    exactly where ``h > 0``), unless a tensor it reads was changed in place since it was recorded."""
     if not tangents:
         raise ValueError("sequential_jvps needs at least one parameter tangent")
+    if recorded is not None and (recorded.x is not x or not _reads_unchanged(model, recorded)):
+        recorded = None
     k = next(iter(tangents.values())).shape[0]
     h, t = x, None
     with torch.no_grad():
-        for mod in model:
+        for i, mod in enumerate(model):
+            out = None if recorded is None else recorded.outputs[i]
             if isinstance(mod, nn.Linear):
-                h, t = _linear(mod, h, t, tangents, k)
+                h, t = _linear(mod, h, t, tangents, k, out)
             elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
-                h, t = _conv(mod, h, t, tangents, k)
+                h, t = _conv(mod, h, t, tangents, k, out)
             elif isinstance(mod, _MAXPOOL):
-                h, t = _maxpool(mod, h, t, k)
+                idx = None if recorded is None else recorded.indices.get(i)
+                h, t = _maxpool(mod, h, t, k, None if out is None or idx is None else (out, idx))
             elif isinstance(mod, nn.ReLU):  # t where h > 0, else 0: relu's backward kernel, one fused op
+                h = F.relu(h) if out is None else out
                 t = None if t is None else torch.ops.aten.threshold_backward(t, h, 0)
-                h = F.relu(h)
             elif isinstance(mod, nn.Tanh):
-                h = torch.tanh(h)
+                h = torch.tanh(h) if out is None else out
                 t = None if t is None else t * (1 - h * h)
             elif isinstance(mod, nn.Sigmoid):
-                h = torch.sigmoid(h)
+                h = torch.sigmoid(h) if out is None else out
                 t = None if t is None else t * (h * (1 - h))
             else:  # linear maps of the activation: pooling by averaging, reshapes
-                h_new = mod(h)
+                h_new = mod(h) if out is None else out
                 if t is not None:
                     t = mod(t.flatten(0, 1)).unflatten(0, (k, -1)) if isinstance(mod, (nn.AvgPool1d, nn.AvgPool2d)) \
                         else t.reshape(k, *h_new.shape)
