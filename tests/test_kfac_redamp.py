@@ -137,3 +137,34 @@ def test_a_deepcopied_cache_starts_empty():
         writes += 1
     assert cache2.get([src2], lambda: float(src2.sum())) == 3.0 * (4 + writes)
     assert cache.get([src], lambda: float(src.sum())) == 12.0
+
+
+def test_a_new_damping_keeps_the_solve_plans_bases_and_solves_the_new_system():
+    """After a solve, a damping change (the LM rule's redamp: a new ``denom`` with the same
+    eigenbases) rebuilds only the damping-dependent part of the solve plan: the row-major copies of
+    the bases are the same tensors, and the solve is the dense solve with the new damping; new
+    factors give new bases."""
+    from torchsso2.optim.redamp import redamp
+    _, opt, closure, _ = _trained_opt()
+    opt.step(closure)
+    blocks = opt.running.blocks
+    for blk in blocks.values():
+        blk.decompose(0.1)
+    vecs = {n: [torch.randn_like(p) for p in blk.layout.params] for n, blk in blocks.items()}
+    before = {}
+    for n, blk in blocks.items():
+        blk.solve(vecs[n])
+        before[n] = blk._solve_plan(blk.decomposition)["direct"]
+    assert redamp(blocks, 0.1, 0.37)
+    for n, blk in blocks.items():
+        for got, want in zip(blk.solve(vecs[n]), _dense_solve(blk, 0.37, 1.0, vecs[n])):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+        plan = blk._solve_plan(blk.decomposition)
+        assert plan["direct"] is not before[n]  # the damping-dependent part is new
+        assert all(a is b for a, b in zip(plan["direct"][4], before[n][4]))  # the bases' columns are kept
+        blk.left = blk.left * 2.0  # new factors: new bases
+        blk.decompose(0.37)
+        fresh = blk._solve_plan(blk.decomposition)
+        assert not any(a is b for a, b in zip(fresh["direct"][4], before[n][4]))
+        for got, want in zip(blk.solve(vecs[n]), _dense_solve(blk, 0.37, 1.0, vecs[n])):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
