@@ -44,3 +44,21 @@ def test_gaussian_factor_is_identity() -> None:
     m = sqrt_output_hessian(LossType.MSE, f)
     assert m.shape == (3, 4, 3)
     torch.testing.assert_close(torch.einsum("kni,knj->nij", m, m), torch.eye(3, dtype=torch.float64).expand(4, 3, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("samples", [1, 3])
+def test_categorical_mc_vectors_are_softmax_minus_one_hot_of_the_draws_bit_for_bit(dtype, samples):
+    """fisher_mc's categorical vectors (p − onehot(ỹ)) / √S, written by a scatter of −1 into p, equal
+    the one-hot subtraction exactly, with the draws of the same generator stream."""
+    import math
+    import torch.nn.functional as F
+    from curvature.likelihoods import _categorical_mc_vectors
+    f = (torch.randn(50, 7, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    got = _categorical_mc_vectors(f, samples, torch.Generator().manual_seed(5))
+    wide = dtype in (torch.float32, torch.float64)
+    p = torch.softmax(f if wide else f.float(), dim=1)
+    draws = torch.multinomial(p, samples, replacement=True, generator=torch.Generator().manual_seed(5))
+    probs = p if wide else torch.softmax(f, dim=1)
+    want = (probs.unsqueeze(0) - F.one_hot(draws.t(), 7).to(probs.dtype)) * (1.0 if samples == 1 else 1 / math.sqrt(samples))
+    assert got.dtype == want.dtype and torch.equal(got, want)
