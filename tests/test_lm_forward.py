@@ -199,3 +199,17 @@ def test_a_plain_sequential_cnn_takes_the_fast_forward_with_the_same_loss(monkey
     assert (ca, cb) == (9, 6) and len(fast) == 3 and da == pytest.approx(db, rel=1e-12)
     for a, b in zip(pa, pb):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("classes", [2, 10, 15, 16, 40])
+def test_the_lm_loss_of_few_classes_is_the_cross_entropy(classes) -> None:
+    """_mean_nll: below 16 classes the log-softmax over the transposed view (faster on CPU), at or
+    above torch's cross-entropy; both the mean NLL of the float64 logits to rounding, row- or class-major."""
+    from torchsso2.optim.lm_forward import _mean_nll
+    g = torch.Generator().manual_seed(classes)
+    out = torch.randn(33, classes, generator=g, dtype=torch.float64) * 4
+    y = torch.randint(0, classes, (33,), generator=g)
+    expected = -torch.log_softmax(out, 1)[torch.arange(33), y].mean()
+    for logits in (out, out.t().contiguous().t()):
+        torch.testing.assert_close(_mean_nll(LossType.CROSS_ENTROPY, logits, y), expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(_mean_nll(LossType.CROSS_ENTROPY, out.float(), y), expected.float(), rtol=1e-6, atol=0)
