@@ -164,6 +164,29 @@ def test_output_hessian_inner_matches_its_square_root():
         torch.testing.assert_close(output_hessian_inner(loss, out, u, w), expected)
 
 
+@pytest.mark.parametrize("classes", [3, 10, 15, 16, 40])
+@pytest.mark.parametrize("class_major", [False, True])
+def test_output_hessian_product_equals_the_explicit_hessian(classes, class_major):
+    """``H_n u_n`` with ``H_n = diag(p_n) − p_n p_nᵀ`` built explicitly in float64, for logits stored
+    row-major or class-major (as the fast J·v leaves them), with few classes (the softmax then runs
+    over a leading dimension: adaptive.class_softmax) and many."""
+    from torchsso2.optim.adaptive import class_softmax, output_hessian_product
+    g = torch.Generator().manual_seed(classes)
+    out = torch.randn(9, classes, generator=g, dtype=torch.float64) * 3
+    if class_major:
+        out = out.t().contiguous().t()  # the same values, stored [C, N]
+    u = torch.randn(2, 9, classes, generator=g, dtype=torch.float64)
+    p = torch.softmax(out.contiguous(), dim=1)
+    torch.testing.assert_close(class_softmax(out, 1), p, rtol=1e-14, atol=0)
+    torch.testing.assert_close(class_softmax(out.float(), 1), p.float(), rtol=1e-6, atol=1e-7)
+    hess = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)  # [N, C, C]
+    expected = torch.einsum("ncd,knd->knc", hess, u)
+    torch.testing.assert_close(output_hessian_product(LossType.CROSS_ENTROPY, out.unsqueeze(0), u, class_dim=2),
+                               expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(output_hessian_product(LossType.CROSS_ENTROPY, out, u[0]), expected[0],
+                               rtol=1e-12, atol=1e-14)
+
+
 def test_hessian_gram_is_the_hessian_of_brute_force():
     model, x, y, params, names, rec, dirs = _recorded_mlp(dirs_seed=4)
     gram = hessian_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o, y)

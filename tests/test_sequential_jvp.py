@@ -174,3 +174,49 @@ def test_adaptive_training_through_the_fast_path_equals_the_dual_number_path(nam
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     assert fast_coefs == pytest.approx(dual_coefs, rel=1e-8)
     assert len(set(fast_coefs[2::3])) > 1  # the LM rule moved the damping
+
+
+@pytest.mark.parametrize("moving", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("order", ["kn", "nk", "absent"])
+def test_narrow_head_output_major_equals_the_row_major_products(moving, order):
+    """A narrow last Linear (fewer than NARROW outputs, 2-d input) is computed output-major
+    (``W hᵀ``, returned as transposed views): the same output and tangents as the row-major
+    ``_linear`` (float64, to rounding), for every combination of weight / bias tangents and an
+    incoming tangent stored in either memory order ([k, N, in] or [N, k, in]) or absent."""
+    from torchsso2.optim import sequential_jvp as sj
+    torch.manual_seed(4)
+    lin = nn.Linear(7, 3).double()
+    assert lin.out_features < sj.NARROW
+    h = torch.randn(6, 7, dtype=torch.float64)
+    k = 2
+    tangents = {}
+    if moving in ("both", "weight"):
+        tangents[id(lin.weight)] = torch.randn(k, 3, 7, dtype=torch.float64)
+    if moving in ("both", "bias"):
+        tangents[id(lin.bias)] = torch.randn(k, 3, dtype=torch.float64)
+    t = None
+    if order == "kn":
+        t = torch.randn(k, 6, 7, dtype=torch.float64)
+    elif order == "nk":
+        t = torch.randn(6, k, 7, dtype=torch.float64).transpose(0, 1)
+    if t is None and not tangents:
+        return  # nothing moves: the caller never gets here (sequential_jvps needs a tangent)
+    out, nt = sj._linear_head(lin, h, t, tangents, k)
+    ref_out, ref_nt = sj._linear(lin, h, t, tangents, k)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    assert nt.shape == ref_nt.shape == (k, 6, 3)
+    torch.testing.assert_close(nt, ref_nt, rtol=1e-12, atol=1e-12)
+
+
+def test_single_narrow_linear_jvps_equal_torch_func_jvp():
+    """The head is also the first layer (no incoming tangent): output-major products against torch.func.jvp."""
+    model = nn.Sequential(nn.Linear(5, 4)).double()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    dirs = [{n: torch.randn(p.shape, dtype=torch.float64) for n, p in model.named_parameters()} for _ in range(2)]
+    out, jv = sequential_jvps(model, x, {id(p): torch.stack([d[n] for d in dirs]) for n, p in model.named_parameters()})
+    names = [n for n, _ in model.named_parameters()]
+    f = lambda *ps: torch.func.functional_call(model, dict(zip(names, ps)), (x,))  # noqa: E731
+    for i, d in enumerate(dirs):
+        ref_out, ref_jv = torch.func.jvp(f, tuple(p.detach() for p in model.parameters()), tuple(d[n] for n in names))
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(jv[i], ref_jv, rtol=1e-10, atol=1e-12)
