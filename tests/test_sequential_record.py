@@ -226,3 +226,35 @@ def test_activations_are_recorded_only_where_the_pass_uses_them(setting, monkeyp
     for _ in range(2):
         opt.step(make_closure(opt, model, x, y), targets=y)
     assert len(attached) == (2 if setting == "ggn" else 0)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_the_recorded_activations_are_dropped_after_every_adaptive_step(interval):
+    """Solved or reused coefficients (``adaptive_coefficients_interval``): a step leaves no activations behind."""
+    model = _models()["cnn_inplace"]
+    x, y = torch.randn(16, 64, dtype=torch.float64), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, use_adaptive_learning_rate=True,
+                               use_adaptive_momentum=True, adaptive_coefficients_interval=interval)
+    closure = make_closure(opt, model, x, y)
+    for _ in range(6):
+        opt.step(closure, targets=y)
+        assert opt.adaptive.recorder.activations is None
+
+
+def test_an_adaptive_optimizer_deep_copies_after_a_step_and_the_copy_steps_alike():
+    """``copy.deepcopy((model, opt))`` after a step (the recorder held the closure's output, a non-leaf
+    tensor): the copy's recorder starts empty, and the copy and the original take the same next step."""
+    import copy
+
+    model = _models()["cnn_inplace"]
+    x, y = torch.randn(16, 64, dtype=torch.float64), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, use_adaptive_learning_rate=True,
+                               use_adaptive_momentum=True, adaptive_damping=True, damping_adaptation_interval=1)
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    model2, opt2 = copy.deepcopy((model, opt))
+    assert opt2.adaptive.recorder.calls == [] and opt2.adaptive.recorder.keep_activations
+    for m, o in ((model, opt), (model2, opt2)):
+        o.step(make_closure(o, m, x, y), targets=y)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert opt2.adaptive.last == opt.adaptive.last and opt2.damping == opt.damping

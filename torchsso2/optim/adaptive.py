@@ -77,6 +77,14 @@ class InputRecorder:
         #: record them (off where the pass is not used: the Hessian, an ``output_selector``)
         self.keep_activations = True
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "InputRecorder":
+        """A recorder with the same settings and nothing recorded: the last step's forward (its inputs,
+        its output and activations, which autograd's non-leaf tensors cannot deep-copy) is scratch of
+        that step, not optimizer state, and the next closure records its own."""
+        copy = InputRecorder()
+        copy.keep_activations = self.keep_activations
+        return copy
+
     @contextlib.contextmanager
     def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
         self.calls = []
@@ -179,27 +187,37 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
     directions (taking the primal values from the recorded forward where ``activations`` has them:
     :mod:`torchsso2.optim.sequential_record`)."""
     k = len(directions)
-    gram = torch.zeros(k, k, dtype=torch.float64)
+    gram: Optional[Tensor] = None
     total = 0
-    primals = [p.detach() for p in params]
+    primals: Optional[List[Tensor]] = None
     tangents: Optional[Dict[int, Tensor]] = None
     for index, call in enumerate(calls):
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
-            if tangents is None:
-                tangents = {id(p): torch.stack([v[i].detach().to(p.dtype) for v in directions])
-                            for i, p in enumerate(params)}  # keyed by the model's own parameters
+            if tangents is None:  # keyed by the model's own parameters
+                tangents = {id(p): _stacked([v[i] for v in directions], p.dtype) for i, p in enumerate(params)}
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
             out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
             jmat = stacked.reshape(k, -1)
             hmat = output_hessian_product(loss, out.unsqueeze(0), stacked, class_dim=2).reshape(k, -1)
         else:
+            if primals is None:
+                primals = [p.detach() for p in params]
             out, jvs = _dual_jvps(model, names, select, call, primals, directions)
             jmat = torch.stack(jvs)  # [k, N·out]
             hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
         total += out.shape[0]
-        gram += (jmat @ hmat.t()).double()
-    return 0.5 * (gram + gram.t()) / max(total, 1)
+        part = (jmat @ hmat.t()).double()
+        gram = part if gram is None else gram.add_(part)
+    if gram is None:
+        return torch.zeros(k, k, dtype=torch.float64)
+    return (gram + gram.t()).mul_(0.5 / max(total, 1))
+
+
+def _stacked(vs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """``[k, *shape]``: the tensors ``vs`` (detached) stacked, in ``dtype``."""
+    out = torch.stack([v.detach() for v in vs])
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
@@ -409,6 +427,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     reused = ada.reused(opt, groups, prev is None)
     if reused is not None:  # adaptive_coefficients_interval > 1: the last coefficients, no model value
         w, value = reused, math.nan
+        ada.recorder.activations = None  # no J·v at this step: the forward's activations are not needed
     else:
         try:
             (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
