@@ -34,11 +34,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, markdown_table, write_json  # noqa: E402
 from benchmarks.kfac_robustness import load_data  # noqa: E402
 from benchmarks.kfac_time_to_accuracy import make_model, make_optimizer  # noqa: E402
+from examples.common import make_closure  # noqa: E402
 from torchsso2.optim import sequential_jvp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,14 +59,7 @@ def stepper(method: str, point: Dict[str, Any], model_kind: str, x: torch.Tensor
         i = starts[position[0] % len(starts)]
         position[0] += 1
         xb, yb = x[i:i + batch], y[i:i + batch]
-
-        def closure() -> Tuple[torch.Tensor, torch.Tensor]:
-            opt.zero_grad()
-            out = model(xb)
-            loss = F.cross_entropy(out, yb)
-            loss.backward()
-            return loss, out
-
+        closure = make_closure(opt, model, xb, yb)
         if method == "kfac-adaptive":
             opt.step(closure, targets=yb)
         elif method == "kfac-fixed":

@@ -50,6 +50,15 @@ def _tangents(model: nn.Module, k: int, seed: int) -> Tuple[List[Dict[str, Tenso
     return dirs, {id(p): torch.stack([d[n] for d in dirs]) for n, p in params.items()}
 
 
+def _assert_torch_func_jvps(model: nn.Module, x: Tensor, dirs: List[Dict[str, Tensor]], jv: Tensor) -> None:
+    """``jv[i]`` is ``torch.func.jvp`` of the model at ``x`` along the parameter direction ``dirs[i]``."""
+    names = [n for n, _ in model.named_parameters()]
+    f = lambda *ps: torch.func.functional_call(model, dict(zip(names, ps)), (x,))  # noqa: E731
+    for i, d in enumerate(dirs):
+        _, ref = torch.func.jvp(f, tuple(p.detach() for p in model.parameters()), tuple(d[n] for n in names))
+        torch.testing.assert_close(jv[i], ref, rtol=1e-10, atol=1e-12)
+
+
 def _record(model: nn.Sequential, x: Tensor, backward: bool = True) -> Tuple[InputRecorder, Tensor]:
     """The model's forward with grad and a backward, as a closure runs it, under the adaptive recorder."""
     rec = InputRecorder()
@@ -76,11 +85,7 @@ def test_jvps_from_the_recorded_forward_equal_the_recomputed_ones_and_torch_func
     assert rec_out is acts.outputs[-1]
     torch.testing.assert_close(rec_out, new_out, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(rec_jv, new_jv, rtol=1e-12, atol=1e-13)
-    names = [n for n, _ in model.named_parameters()]
-    f = lambda *ps: torch.func.functional_call(model, dict(zip(names, ps)), (x,))  # noqa: E731
-    for i, d in enumerate(dirs):
-        _, ref = torch.func.jvp(f, tuple(p.detach() for p in model.parameters()), tuple(d[n] for n in names))
-        torch.testing.assert_close(rec_jv[i], ref, rtol=1e-10, atol=1e-12)
+    _assert_torch_func_jvps(model, x, dirs, rec_jv)
 
 
 def test_a_recorded_value_changed_in_place_is_not_used():
@@ -94,11 +99,7 @@ def test_a_recorded_value_changed_in_place_is_not_used():
     assert not sequential_jvp._reads_unchanged(model, acts)
     dirs, tangents = _tangents(model, 2, 2)
     _, jv = sequential_jvps(model, x, tangents, acts)
-    names = [n for n, _ in model.named_parameters()]
-    f = lambda *ps: torch.func.functional_call(model, dict(zip(names, ps)), (x,))  # noqa: E731
-    for i, d in enumerate(dirs):
-        _, ref = torch.func.jvp(f, tuple(p.detach() for p in model.parameters()), tuple(d[n] for n in names))
-        torch.testing.assert_close(jv[i], ref, rtol=1e-10, atol=1e-12)
+    _assert_torch_func_jvps(model, x, dirs, jv)
 
 
 def test_a_record_is_not_used_after_the_parameters_changed_or_for_another_call():
