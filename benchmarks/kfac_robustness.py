@@ -216,6 +216,11 @@ def format_table(points: List[Dict[str, Any]]) -> str:
     return "\n".join(TABLE_HEAD + [table_row(p) for p in points])
 
 
+def format_tables(report: Dict[str, Any]) -> str:
+    """docs/results.md's section (:mod:`benchmarks.run`): README's summary, then every point as a row."""
+    return readme_block(report) + "\n\n" + format_table(report["points"])
+
+
 def counts(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per input scaling and optimizer (K-FAC: per intervals): points reaching the target, diverged
     points, and the best and median (over reaching points) epochs and seconds."""

@@ -259,7 +259,7 @@ def _section(name: str, path: Path, docs_dir: Path) -> str:
     except Exception:  # noqa: BLE001
         pass
     table = None
-    for fn_name in ("format_table", "format_tables"):
+    for fn_name in ("format_tables", "format_table"):  # a whole report's tables, else one table of it
         fn = getattr(mod, fn_name, None)
         if fn is not None:
             try:
