@@ -126,6 +126,25 @@ def test_autocast_activations_are_not_used():
     assert rec.activations.usable(model, 0) is None
 
 
+def test_a_forward_with_grad_records_every_max_pooling_argmax_on_this_torch():
+    """The argmax is read from max_pool2d's autograd node (a private attribute): on the torch this
+    suite runs, every MaxPool2d of a forward with grad has it, equal to the indices max_pool2d returns.
+    A torch that renames the attribute makes the pass pool again (correct, slower): this test says so."""
+    model = _models()["cnn_inplace"]
+    x = torch.randn(6, 64, dtype=torch.float64)
+    rec, _ = _record(model, x)
+    acts = rec.activations.usable(model, 0)
+    pools = [i for i, m in enumerate(model) if isinstance(m, nn.MaxPool2d)]
+    assert acts is not None and sorted(acts.indices) == pools
+    h = x
+    with torch.no_grad():
+        for i, m in enumerate(model):
+            if i in pools:
+                _, idx = torch.nn.functional.max_pool2d(h, m.kernel_size, m.stride, return_indices=True)
+                torch.testing.assert_close(acts.indices[i], idx, rtol=0, atol=0)
+            h = m(h)
+
+
 def test_a_forward_without_grad_records_no_argmax_and_the_pass_pools_again():
     model = _models()["cnn"]
     x = torch.randn(6, 64, dtype=torch.float64)
