@@ -20,7 +20,8 @@ from torch import nn
 from curvature.likelihoods import sqrt_output_hessian
 from curvature.options import LossType
 from torchsso2.optim import SecondOrderOptimizer
-from torchsso2.optim.adaptive import (InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic,
+from torchsso2.optim.adaptive import (InputRecorder, _flat_rows64, _param_stacks, ggn_gram, hessian_gram,
+                                     output_hessian_inner, solve_quadratic,
                                      within_objective)
 
 from optim_helpers import flat, make_closure, nll, param_vec
@@ -153,6 +154,45 @@ def test_ggn_gram_reuses_the_dropout_mask_and_leaves_batchnorm_statistics_alone(
     ggn = torch.einsum("ncp,ncd,ndq->pq", jac, h, jac) / x.shape[0]
     vs = torch.stack([flat(d) for d in dirs])
     torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_param_stacks_and_flat_rows_equal_the_concatenated_vectors_bit_for_bit():
+    """The per-parameter stacks of the directions and d, and the [k + 1, P] float64 rows built from
+    them, against stacking each parameter and concatenating each vector's tensors (the former
+    ``torch.cat([...]).double()``): the same numbers exactly, also for parameters of mixed dtypes and
+    tensors that require grad (no history kept)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(6, 4), (6,), (3, 6), (3,)]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float64]
+    vecs = [[torch.randn(s, generator=g, dtype=dt) for s, dt in zip(shapes, dtypes)] for _ in range(3)]
+    vecs[0][0].requires_grad_(True)
+    stacks = _param_stacks(vecs)
+    assert [tuple(t.shape) for t in stacks] == [(3, *s) for s in shapes]
+    assert not any(t.requires_grad for t in stacks)
+    for i, t in enumerate(stacks):
+        for j in range(3):
+            assert torch.equal(t[j], vecs[j][i].detach().to(t.dtype))
+    flat = _flat_rows64(stacks)
+    ref = torch.cat([t.detach().reshape(-1).double() for v in vecs for t in v]).view(3, -1)
+    assert flat.dtype == torch.float64 and torch.equal(flat, ref)
+
+
+def test_ggn_gram_of_given_stacked_directions_equals_stacking_them_itself():
+    model, x, y, params, names, rec, dirs = _recorded_mlp(5)
+    stacked = [torch.stack([d[i] for d in dirs]) for i in range(len(params))]
+    for acts in (None, rec.activations):
+        own = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
+                       identity_select=True, activations=acts)
+        given = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
+                         identity_select=True, activations=acts, stacked=stacked)
+        assert torch.equal(own, given)
+    # directions in another dtype than the parameters are cast as the pass casts its own stacks
+    low = [torch.stack([d[i].float() for d in dirs]) for i in range(len(params))]
+    own = ggn_gram(model, rec.calls, names, params, [[t.float() for t in d] for d in dirs], LossType.CROSS_ENTROPY,
+                   lambda o: o, identity_select=True)
+    given = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
+                     identity_select=True, stacked=low)
+    assert torch.equal(own, given)
 
 
 def test_output_hessian_inner_matches_its_square_root():

@@ -179,13 +179,16 @@ def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], T
 
 def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
              directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
-             identity_select: bool = False, activations: Optional[ActivationRecorder] = None) -> Tensor:
+             identity_select: bool = False, activations: Optional[ActivationRecorder] = None,
+             stacked: Optional[Sequence[Tensor]] = None) -> Tensor:
     """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
     forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward,
     or, when ``identity_select`` (the model output is the loss input) and the model is a plain
     ``nn.Sequential`` (:mod:`torchsso2.optim.sequential_jvp`), one hand-written pass for all
     directions (taking the primal values from the recorded forward where ``activations`` has them:
-    :mod:`torchsso2.optim.sequential_record`)."""
+    :mod:`torchsso2.optim.sequential_record`). ``stacked``: the directions already stacked per
+    parameter (``stacked[i]`` [k, *params[i].shape], ``directions[j][i]`` at ``[j]``), for that pass;
+    else stacked here."""
     k = len(directions)
     gram: Optional[Tensor] = None
     total = 0
@@ -195,7 +198,9 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
             if tangents is None:  # keyed by the model's own parameters
-                tangents = {id(p): _stacked([v[i] for v in directions], p.dtype) for i, p in enumerate(params)}
+                tangents = {id(p): _stacked([v[i] for v in directions], p.dtype) for i, p in enumerate(params)} \
+                    if stacked is None else {id(p): t if t.dtype == p.dtype else t.to(p.dtype)
+                                             for p, t in zip(params, stacked)}
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
             out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
             jmat = stacked.reshape(k, -1)
@@ -247,8 +252,18 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
     return 0.5 * (gram + gram.t())
 
 
-def _flat64(vs: Sequence[Tensor]) -> Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in vs]).double()
+def _param_stacks(vectors: Sequence[Sequence[Tensor]]) -> List[Tensor]:
+    """``[m, *shape_i]`` for every parameter ``i``: its tensors of the ``m`` per-parameter lists
+    ``vectors`` stacked (``vectors[j][i]`` at ``[j]``; no autograd history; mixed dtypes promoted)."""
+    with torch.no_grad():
+        return [torch.stack(ts) for ts in zip(*vectors)]
+
+
+def _flat_rows64(stacks: Sequence[Tensor]) -> Tensor:
+    """``[m, P]`` float64: row ``j`` the concatenation over the parameters of ``stacks[i][j]``
+    flattened (``stacks``: :func:`_param_stacks` of ``m`` lists, ``P`` their total size)."""
+    m = stacks[0].shape[0]
+    return torch.cat([t.reshape(m, -1) for t in stacks], 1).double()
 
 
 def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]],
@@ -360,23 +375,26 @@ class AdaptiveCoefficients:
         if prev is not None:
             fixed.append(None if self.momentum else self._one([g["momentum"] for g in groups], "momentum"))
             dirs.append(prev)
+        k = len(dirs)
+        # per parameter [k + 1, *shape]: the directions and d, stacked once for the J·v pass's tangents
+        # (the first k rows) and for the inner products below (one cat of the parameters' rows)
+        stacks = _param_stacks([*dirs, vecs])
         if opt.engine.kind is Kind.HESSIAN:
             gram = hessian_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                                 opt.engine.select_output, targets)
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output, identity_select=opt.engine.output_selector is None,
-                            activations=self.recorder.activations)
+                            activations=self.recorder.activations, stacked=[t[:k] for t in stacks])
         self.recorder.activations = None  # the forward's activations are not kept past their use
         gram = opt._mean_tensor_over_ranks(gram)  # the same coefficients on every rank (module docstring)
         wds = [float(g["weight_decay"]) for g in groups]
-        k = len(dirs)
-        flat = _flat64([t for v in (*dirs, vecs) for t in v]).view(k + 1, -1)  # [k + 1, P]: the directions, d
-        vmat = flat[:k]  # [k, P]
-        a = gram + opt.damping * (vmat @ vmat.t())
+        flat = _flat_rows64(stacks)  # [k + 1, P]: the directions, d
+        inner = flat @ flat.t()  # [k + 1, k + 1]: vᵢᵀvⱼ and (last column) vᵢᵀd in one product
+        a = gram + opt.damping * inner[:k, :k]
         if any(wds):
             a = a + inner_products(dirs, dirs, wds)
-        b = vmat @ flat[k]
+        b = inner[:k, k]
         return solve_quadratic(a, b, fixed)
 
     def state_dict(self) -> Dict[str, Any]:
