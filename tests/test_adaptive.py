@@ -225,6 +225,37 @@ def test_output_hessian_gram_is_ut_h_u_of_the_explicit_hessian(layout, loss):
     torch.testing.assert_close(got, u.reshape(k, -1) @ prod.reshape(k, -1).t(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_coefficients_equal_solving_the_tensor_quadratic_model(weight_decay):
+    """coefficients() (a and b assembled in Python floats from one product of the stacked rows)
+    against the model built from tensors: a = gram + λ·VVᵀ (+ the weight-decay inner products),
+    b = V·d, solved by solve_quadratic."""
+    model, (x, y) = _mlp(), _data()
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.03, weight_decay=weight_decay,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    closure = make_closure(opt, model, x, y)
+    opt.step(closure, targets=y)
+    params = list(model.parameters())
+    groups = [opt.param_groups[0]] * len(params)
+    g = torch.Generator().manual_seed(11)
+    deltas, prev, vecs = ([torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params] for _ in range(3))
+    names = [n for n, _ in model.named_parameters()]
+    with opt.adaptive.record(model):
+        closure()
+    calls = list(opt.adaptive.recorder.calls)
+    w, value = opt.adaptive.coefficients(opt, params, groups, deltas, vecs, prev, y)
+    dirs = [deltas, prev]
+    gram = ggn_gram(model, calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
+    vmat = torch.stack([torch.cat([t.reshape(-1) for t in v]) for v in dirs]).double()
+    dvec = torch.cat([t.reshape(-1) for t in vecs]).double()
+    a = gram + opt.damping * (vmat @ vmat.t())
+    if weight_decay:
+        a = a + weight_decay * (vmat @ vmat.t())
+    w_ref, value_ref = solve_quadratic(a, vmat @ dvec, [None, None])
+    assert w == pytest.approx(w_ref, rel=1e-9, abs=1e-12)
+    assert value == pytest.approx(value_ref, rel=1e-9, abs=1e-12)
+
+
 def test_output_hessian_inner_matches_its_square_root():
     out = torch.randn(7, 4, dtype=torch.float64)
     u, w = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)

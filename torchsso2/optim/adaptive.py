@@ -307,7 +307,12 @@ def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> T
     if n not in (1, 2) or tuple(a.shape) != (n, n) or tuple(b.shape) != (n,):
         raise ValueError(f"expected 1 or 2 coefficients with a [{n}, {n}] and b [{n}], got {len(fixed)}, "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
-    am, bv = a.tolist(), b.tolist()
+    return _solve_lists(a.tolist(), b.tolist(), fixed)
+
+
+def _solve_lists(am: List[List[float]], bv: List[float], fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
+    """:func:`solve_quadratic` of ``a`` and ``b`` given as nested Python lists of floats (shapes unchecked)."""
+    n = len(fixed)
     w = [0.0 if c is None else float(c) for c in fixed]
     free = [i for i, c in enumerate(fixed) if c is None]
     if len(free) == 2:
@@ -413,12 +418,15 @@ class AdaptiveCoefficients:
         gram = opt._mean_tensor_over_ranks(gram)  # the same coefficients on every rank (module docstring)
         wds = [float(g["weight_decay"]) for g in groups]
         flat = _flat_rows64(stacks)  # [k + 1, P]: the directions, d
-        inner = flat @ flat.t()  # [k + 1, k + 1]: vᵢᵀvⱼ and (last column) vᵢᵀd in one product
-        a = gram + opt.damping * inner[:k, :k]
+        inner = (flat @ flat.t()).tolist()  # [k + 1, k + 1]: vᵢᵀvⱼ and (last column) vᵢᵀd in one product
+        # a = gram + λ·vᵢᵀvⱼ (+ the weight decay's), b = vᵢᵀd: the k ≤ 2 entries in float64 Python
+        # arithmetic, the same IEEE operations as on the [k, k] tensors, without their small ops
+        gl = gram.tolist()
+        a = [[gl[i][j] + opt.damping * inner[i][j] for j in range(k)] for i in range(k)]
         if any(wds):
-            a = a + inner_products(dirs, dirs, wds)
-        b = inner[:k, k]
-        return solve_quadratic(a, b, fixed)
+            decay = inner_products(dirs, dirs, wds).tolist()
+            a = [[a[i][j] + decay[i][j] for j in range(k)] for i in range(k)]
+        return _solve_lists(a, [inner[i][k] for i in range(k)], fixed)
 
     def state_dict(self) -> Dict[str, Any]:
         return dict(self.last)
