@@ -20,8 +20,8 @@ from torch import nn
 from curvature.likelihoods import sqrt_output_hessian
 from curvature.options import LossType
 from torchsso2.optim import SecondOrderOptimizer
-from torchsso2.optim.adaptive import (InputRecorder, _flat_rows64, _param_stacks, ggn_gram, hessian_gram,
-                                     output_hessian_gram, output_hessian_inner, output_hessian_product,
+from torchsso2.optim.adaptive import (InputRecorder, _flat_rows64, _foreach_scalar, _param_stacks, ggn_gram,
+                                     hessian_gram, output_hessian_gram, output_hessian_inner, output_hessian_product,
                                      solve_quadratic, within_objective)
 
 from optim_helpers import flat, make_closure, nll, param_vec
@@ -254,6 +254,19 @@ def test_coefficients_equal_solving_the_tensor_quadratic_model(weight_decay):
     w_ref, value_ref = solve_quadratic(a, vmat @ dvec, [None, None])
     assert w == pytest.approx(w_ref, rel=1e-9, abs=1e-12)
     assert value == pytest.approx(value_ref, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_foreach_scalar_gives_the_products_of_the_python_float_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(s, generator=g).to(dtype) for s in [(6, 4), (6,), (3, 6), (3,)]]
+    for value in (-0.3712345678901234, 1e-3 / 3, 12345.678901234567, -7.0):
+        factor = _foreach_scalar(value, tensors)
+        assert isinstance(factor, torch.Tensor) == (dtype in (torch.float32, torch.float64))
+        for got, want in zip(torch._foreach_mul(tensors, factor), torch._foreach_mul(tensors, value)):
+            assert got.dtype == dtype and torch.equal(got, want)
+    mixed = [tensors[0].double(), tensors[1].float()]  # mixed dtypes: the Python float
+    assert _foreach_scalar(0.5, mixed) == 0.5
 
 
 def test_output_hessian_inner_matches_its_square_root():

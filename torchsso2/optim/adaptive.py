@@ -452,6 +452,20 @@ def within_objective(w: Sequence[float], value: float, objective: Optional[float
     return [t * c for c in w], value * (2.0 * t - t * t)
 
 
+def _foreach_scalar(value: float, tensors: Sequence[Tensor]) -> Any:
+    """``value`` as the factor of ``torch._foreach_mul(tensors, ·)``: a 0-dim tensor of their dtype
+    when they are all float32 or all float64 CPU tensors, else the Python float. On CPU the list
+    form with a Python float wraps it into a tensor once per tensor (digits MLP, 4 tensors: ~10 µs
+    against ~6 µs with the 0-dim tensor, its creation included); the product is the same: the
+    kernel takes a Python scalar in the tensors' dtype for float32/float64 (in float for half
+    precision, hence the Python float there, as :class:`torchsso2.optim.plan.ScalarCache` does)."""
+    first = tensors[0] if tensors else None
+    if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.float64) \
+            or any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return value
+    return torch.scalar_tensor(value, dtype=first.dtype)
+
+
 def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
                   targets: Optional[Tensor], loss: Optional[float] = None) -> Optional[float]:
     """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
@@ -493,7 +507,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None
     with torch.no_grad():  # the same element-wise products as a loop over the tensors, in fewer calls
-        new = torch._foreach_mul(list(deltas), alpha)  # new tensors of this step (not views of Δ or δ_prev)
+        new = torch._foreach_mul(list(deltas), _foreach_scalar(alpha, deltas))  # new tensors of this step
         if prev is not None:
             torch._foreach_add_(new, prev, alpha=mu)
         if not owned_all_finite(new):

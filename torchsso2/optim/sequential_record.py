@@ -15,8 +15,9 @@ its ``_version`` is the one it had when recorded (an in-place op after the layer
 ``nn.ReLU(inplace=True)`` after a ``Tanh``, bumps it), the model's parameters are the tensors of
 the forward (none replaced) with the versions they had then (no in-place update in between), and
 every tensor has the input's dtype and device, which the parameters have too (not the
-lower-precision activations of an autocast forward, which the pass would compute in full precision). Otherwise :meth:`ActivationRecorder.usable`
-gives None and the pass computes the forward itself.
+lower-precision activations of an autocast forward, which the pass would compute in full
+precision). Otherwise :meth:`ActivationRecorder.usable` gives None and the pass computes the
+forward itself.
 """
 from __future__ import annotations
 
