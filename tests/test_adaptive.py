@@ -21,8 +21,7 @@ from curvature.likelihoods import sqrt_output_hessian
 from curvature.options import LossType
 from torchsso2.optim import SecondOrderOptimizer
 from torchsso2.optim.adaptive import (InputRecorder, _flat_rows64, _foreach_scalar, _param_stacks, ggn_gram,
-                                     hessian_gram, output_hessian_gram, output_hessian_inner, output_hessian_product,
-                                     solve_quadratic, within_objective)
+                                     hessian_gram, output_hessian_inner, solve_quadratic, within_objective)
 
 from optim_helpers import flat, make_closure, nll, param_vec
 
@@ -193,36 +192,6 @@ def test_ggn_gram_of_given_stacked_directions_equals_stacking_them_itself():
     given = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
                      identity_select=True, stacked=low)
     assert torch.equal(own, given)
-
-
-@pytest.mark.parametrize("layout", ["row_major", "class_major", "spatial", "many_classes"])
-@pytest.mark.parametrize("loss", [LossType.CROSS_ENTROPY, LossType.MSE])
-def test_output_hessian_gram_is_ut_h_u_of_the_explicit_hessian(layout, loss):
-    """Against ``Σ_n u_{i,n}ᵀ H_n u_{j,n}`` with every ``H_n`` formed (float64): tangents [k, N, C]
-    stored row-major and class-major (as the J·v pass's narrow head leaves them), outputs with a
-    spatial dimension after the classes, and more classes than the leading-dimension softmax takes."""
-    g = torch.Generator().manual_seed(7)
-    k, n = 3, 9
-    classes = 20 if layout == "many_classes" else 5
-    extra = (4,) if layout == "spatial" else ()
-    out = torch.randn(n, classes, *extra, generator=g, dtype=torch.float64)
-    u = torch.randn(k, n, classes, *extra, generator=g, dtype=torch.float64)
-    if layout == "class_major":
-        u = u.transpose(1, 2).contiguous().transpose(1, 2)
-        out = out.t().contiguous().t()
-    got = output_hessian_gram(loss, out, u)
-    rows = u.movedim(2, -1).reshape(k, -1, classes)  # [k, N·..., C]: classes last
-    logits = out.movedim(1, -1).reshape(-1, classes)
-    if loss is LossType.CROSS_ENTROPY:
-        p = torch.softmax(logits, 1)
-        hess = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)  # [N·..., C, C]
-    else:
-        hess = torch.eye(classes, dtype=torch.float64).expand(logits.shape[0], -1, -1)
-    ref = torch.einsum("imc,mcd,jmd->ij", rows, hess, rows)
-    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-    # the product route ggn_gram took before: u times output_hessian_product of it
-    prod = output_hessian_product(loss, out.unsqueeze(0), u, class_dim=2)
-    torch.testing.assert_close(got, u.reshape(k, -1) @ prod.reshape(k, -1).t(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])

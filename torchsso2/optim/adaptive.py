@@ -159,30 +159,6 @@ def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim
     return u
 
 
-def output_hessian_gram(loss: LossType, outputs: Tensor, u: Tensor) -> Tensor:
-    """``[k, k]`` matrix ``Σ_n u_{i,n}ᵀ H_n u_{j,n}`` (summed over the batch, in ``u``'s dtype) of the
-    ``k`` output tangents ``u`` ``[k, *outputs.shape]`` (classes at dim 1 of ``outputs``, dim 2 of
-    ``u``): categorical ``H = diag(p) − ppᵀ`` as ``(p ⊙ uᵢ)ᵀ uⱼ − sᵢᵀ sⱼ`` with ``s = Σ_c p ⊙ u``
-    ([k, N, ...]), Gaussian ``uᵢᵀ uⱼ``. The same numbers up to rounding as ``u`` times
-    :func:`output_hessian_product` of it, without that ``[k, N, ...]`` product: two matmuls of
-    ``u``'s rows. A ``[k, N, C]`` ``u`` stored class-major (the narrow head of the J·v pass
-    leaves it so) is taken as its contiguous ``[k, C, N]`` transpose: no copies (digits
-    [2, 128, 10]: ~35 -> ~21 µs)."""
-    k = u.shape[0]
-    if loss is not LossType.CROSS_ENTROPY:
-        rows = u.reshape(k, -1)
-        return rows @ rows.t()
-    class_dim = 2
-    if u.dim() == 3 and not u.is_contiguous() and u.transpose(1, 2).is_contiguous():
-        u, class_dim = u.transpose(1, 2), 1  # [k, C, N]; the sums over every (n, c) are the same
-        p = class_softmax(outputs.detach().t(), 0)  # [C, N]
-    else:
-        p = class_softmax(outputs.detach(), 1)
-    pu = p * u
-    s = pu.sum(class_dim).reshape(k, -1)  # [k, N·...]
-    return pu.reshape(k, -1) @ u.reshape(k, -1).t() - s @ s.t()
-
-
 def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call,
                primals: Sequence[Tensor], directions: Sequence[Sequence[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
     """The output of a recorded forward and ``J v`` (flattened) for every direction: one
@@ -226,16 +202,17 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
                     if stacked is None else {id(p): t if t.dtype == p.dtype else t.to(p.dtype)
                                              for p, t in zip(params, stacked)}
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
-            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
-            part = output_hessian_gram(loss, out, stacked).double()
+            out, jv = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
+            jmat = jv.reshape(k, -1)
+            hmat = output_hessian_product(loss, out.unsqueeze(0), jv, class_dim=2).reshape(k, -1)
         else:
             if primals is None:
                 primals = [p.detach() for p in params]
             out, jvs = _dual_jvps(model, names, select, call, primals, directions)
             jmat = torch.stack(jvs)  # [k, N·out]
             hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
-            part = (jmat @ hmat.t()).double()
         total += out.shape[0]
+        part = (jmat @ hmat.t()).double()
         gram = part if gram is None else gram.add_(part)
     if gram is None:
         return torch.zeros(k, k, dtype=torch.float64)
