@@ -58,20 +58,22 @@ def uses_stay_inside(root: nn.Module, modules: Dict[str, nn.Module]) -> bool:
     False when that is not known. Call it before the capture registers its own hooks."""
     if not no_global_forward_hooks():
         return False
+    # a module's own parameters straight from its ``_parameters`` dict (what ``parameters(recurse=False)``
+    # yields, less its generator machinery: this runs at every curvature step; digits MLP ~11 -> ~5 µs)
     covered_modules = {id(m) for m in modules.values()}
-    covered_params = {id(p) for m in modules.values() for p in m.parameters(recurse=False)}
+    covered_params = {id(p) for m in modules.values() for p in m._parameters.values() if p is not None}
     stack = [root]
     while stack:
         m = stack.pop()
         if not plain_module(m):
             return False
         if type(m) is nn.Sequential:
-            if next(m.parameters(recurse=False), None) is not None:
+            if any(p is not None for p in m._parameters.values()):
                 return False
             stack.extend(c for c in m._modules.values() if c is not None)
             continue
         if type(m) not in PLAIN_LAYERS or m._modules:
             return False
-        if id(m) not in covered_modules and any(id(p) in covered_params for p in m.parameters(recurse=False)):
+        if id(m) not in covered_modules and any(id(p) in covered_params for p in m._parameters.values()):
             return False  # a covered parameter also used by an uncovered layer: outside every window
     return True

@@ -20,8 +20,8 @@ from torch import nn
 from curvature.likelihoods import sqrt_output_hessian
 from curvature.options import LossType
 from torchsso2.optim import SecondOrderOptimizer
-from torchsso2.optim.adaptive import (InputRecorder, ggn_gram, hessian_gram, output_hessian_inner, solve_quadratic,
-                                     within_objective)
+from torchsso2.optim.adaptive import (InputRecorder, _flat_rows64, _foreach_scalar, _param_stacks, ggn_gram,
+                                     hessian_gram, output_hessian_inner, solve_quadratic, within_objective)
 
 from optim_helpers import flat, make_closure, nll, param_vec
 
@@ -153,6 +153,89 @@ def test_ggn_gram_reuses_the_dropout_mask_and_leaves_batchnorm_statistics_alone(
     ggn = torch.einsum("ncp,ncd,ndq->pq", jac, h, jac) / x.shape[0]
     vs = torch.stack([flat(d) for d in dirs])
     torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_param_stacks_and_flat_rows_equal_the_concatenated_vectors_bit_for_bit():
+    """The per-parameter stacks of the directions and d, and the [k + 1, P] float64 rows built from
+    them, against stacking each parameter and concatenating each vector's tensors (the former
+    ``torch.cat([...]).double()``): the same numbers exactly, also for parameters of mixed dtypes and
+    tensors that require grad (no history kept)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(6, 4), (6,), (3, 6), (3,)]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float64]
+    vecs = [[torch.randn(s, generator=g, dtype=dt) for s, dt in zip(shapes, dtypes)] for _ in range(3)]
+    vecs[0][0].requires_grad_(True)
+    stacks = _param_stacks(vecs)
+    assert [tuple(t.shape) for t in stacks] == [(3, *s) for s in shapes]
+    assert not any(t.requires_grad for t in stacks)
+    for i, t in enumerate(stacks):
+        for j in range(3):
+            assert torch.equal(t[j], vecs[j][i].detach().to(t.dtype))
+    flat = _flat_rows64(stacks)
+    ref = torch.cat([t.detach().reshape(-1).double() for v in vecs for t in v]).view(3, -1)
+    assert flat.dtype == torch.float64 and torch.equal(flat, ref)
+
+
+def test_ggn_gram_of_given_stacked_directions_equals_stacking_them_itself():
+    model, x, y, params, names, rec, dirs = _recorded_mlp(5)
+    stacked = [torch.stack([d[i] for d in dirs]) for i in range(len(params))]
+    for acts in (None, rec.activations):
+        own = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
+                       identity_select=True, activations=acts)
+        given = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
+                         identity_select=True, activations=acts, stacked=stacked)
+        assert torch.equal(own, given)
+    # directions in another dtype than the parameters are cast as the pass casts its own stacks
+    low = [torch.stack([d[i].float() for d in dirs]) for i in range(len(params))]
+    own = ggn_gram(model, rec.calls, names, params, [[t.float() for t in d] for d in dirs], LossType.CROSS_ENTROPY,
+                   lambda o: o, identity_select=True)
+    given = ggn_gram(model, rec.calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o,
+                     identity_select=True, stacked=low)
+    assert torch.equal(own, given)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_coefficients_equal_solving_the_tensor_quadratic_model(weight_decay):
+    """coefficients() (a and b assembled in Python floats from one product of the stacked rows)
+    against the model built from tensors: a = gram + λ·VVᵀ (+ the weight-decay inner products),
+    b = V·d, solved by solve_quadratic."""
+    model, (x, y) = _mlp(), _data()
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.03, weight_decay=weight_decay,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    closure = make_closure(opt, model, x, y)
+    opt.step(closure, targets=y)
+    params = list(model.parameters())
+    groups = [opt.param_groups[0]] * len(params)
+    g = torch.Generator().manual_seed(11)
+    deltas, prev, vecs = ([torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params] for _ in range(3))
+    names = [n for n, _ in model.named_parameters()]
+    with opt.adaptive.record(model):
+        closure()
+    calls = list(opt.adaptive.recorder.calls)
+    w, value = opt.adaptive.coefficients(opt, params, groups, deltas, vecs, prev, y)
+    dirs = [deltas, prev]
+    gram = ggn_gram(model, calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
+    vmat = torch.stack([torch.cat([t.reshape(-1) for t in v]) for v in dirs]).double()
+    dvec = torch.cat([t.reshape(-1) for t in vecs]).double()
+    a = gram + opt.damping * (vmat @ vmat.t())
+    if weight_decay:
+        a = a + weight_decay * (vmat @ vmat.t())
+    w_ref, value_ref = solve_quadratic(a, vmat @ dvec, [None, None])
+    assert w == pytest.approx(w_ref, rel=1e-9, abs=1e-12)
+    assert value == pytest.approx(value_ref, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_foreach_scalar_gives_the_products_of_the_python_float_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(s, generator=g).to(dtype) for s in [(6, 4), (6,), (3, 6), (3,)]]
+    for value in (-0.3712345678901234, 1e-3 / 3, 12345.678901234567, -7.0):
+        factor = _foreach_scalar(value, tensors)
+        assert isinstance(factor, torch.Tensor) == (dtype in (torch.float32, torch.float64))
+        for got, want in zip(torch._foreach_mul(tensors, factor), torch._foreach_mul(tensors, value)):
+            assert got.dtype == dtype and torch.equal(got, want)
+    mixed = [tensors[0].double(), tensors[1].float()]  # mixed dtypes: the Python float
+    assert _foreach_scalar(0.5, mixed) == 0.5
 
 
 def test_output_hessian_inner_matches_its_square_root():

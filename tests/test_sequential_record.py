@@ -116,6 +116,32 @@ def test_a_record_is_not_used_after_the_parameters_changed_or_for_another_call()
     assert sequential_jvps(model, x.clone(), tangents, acts)[0] is not acts.outputs[-1]
 
 
+def test_pass_params_are_the_model_parameters_of_every_supported_model():
+    for name, model in _models().items():
+        assert sequential_jvp.supports_model(model), name
+        got, want = sequential_record.pass_params(model), tuple(model.parameters())
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), name
+
+
+def test_a_record_is_not_used_after_a_parameter_was_replaced_even_at_the_same_version():
+    """A new ``nn.Parameter`` (other values) whose version counter happens to equal the old one's:
+    the versions alone would not see it; the record keeps the parameter tensors themselves."""
+    model = _models()["cnn"]
+    x = torch.randn(10, 64, dtype=torch.float64)
+    rec, _ = _record(model, x)
+    assert rec.activations.usable(model, 0) is not None
+    old = model[1].weight
+    new = nn.Parameter(old.detach() + 1.0)
+    with torch.no_grad():
+        while new._version < old._version:
+            new.mul_(1.0)
+    assert new._version == old._version
+    model[1].weight = new
+    assert rec.activations.usable(model, 0) is None
+    model[1].weight = old
+    assert rec.activations.usable(model, 0) is not None
+
+
 def test_autocast_activations_are_not_used():
     """An autocast forward's bfloat16 activations: the pass computes in the parameters' dtype."""
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))

@@ -184,3 +184,18 @@ def test_adaptive_mode_records_its_inputs_without_turning_the_use_check_on(monke
     checked = [c for c in made if c.root is model]
     assert checked and all(c._uses is None for c in checked)
     assert not model._forward_pre_hooks and not model._forward_hooks  # the recorder's hooks are gone after the step
+
+
+def test_a_parameter_of_the_sequential_itself_keeps_the_check_and_a_missing_bias_does_not() -> None:
+    """The modules' own parameters as ``_parameters`` holds them: an entry set to None (a layer
+    built with ``bias=False``) is no parameter; one registered on the ``nn.Sequential`` is (its
+    forward cannot use it, but a subclass-free model holding one is left to the full check)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 3))
+    assert model[0]._parameters["bias"] is None
+    assert uses_stay_inside(model, covered(model))
+    model.register_parameter("extra", nn.Parameter(torch.zeros(2)))
+    assert not uses_stay_inside(model, covered(model))
+    del model._parameters["extra"]
+    model.register_parameter("unset", None)  # a None entry on the Sequential: still no parameter
+    assert uses_stay_inside(model, covered(model))

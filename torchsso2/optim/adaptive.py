@@ -179,13 +179,16 @@ def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], T
 
 def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
              directions: Sequence[Sequence[Tensor]], loss: LossType, select: Callable[[Any], Tensor],
-             identity_select: bool = False, activations: Optional[ActivationRecorder] = None) -> Tensor:
+             identity_select: bool = False, activations: Optional[ActivationRecorder] = None,
+             stacked: Optional[Sequence[Tensor]] = None) -> Tensor:
     """``[k, k]`` float64 matrix ``v_iᵀ G v_j``, ``G = (1/N) Σ_n J_nᵀ H_n J_n`` over all recorded
     forwards (N examples in all): one forward-mode pass (dual numbers) per direction and forward,
     or, when ``identity_select`` (the model output is the loss input) and the model is a plain
     ``nn.Sequential`` (:mod:`torchsso2.optim.sequential_jvp`), one hand-written pass for all
     directions (taking the primal values from the recorded forward where ``activations`` has them:
-    :mod:`torchsso2.optim.sequential_record`)."""
+    :mod:`torchsso2.optim.sequential_record`). ``stacked``: the directions already stacked per
+    parameter (``stacked[i]`` [k, *params[i].shape], ``directions[j][i]`` at ``[j]``), for that pass;
+    else stacked here."""
     k = len(directions)
     gram: Optional[Tensor] = None
     total = 0
@@ -195,11 +198,13 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
             if tangents is None:  # keyed by the model's own parameters
-                tangents = {id(p): _stacked([v[i] for v in directions], p.dtype) for i, p in enumerate(params)}
+                tangents = {id(p): _stacked([v[i] for v in directions], p.dtype) for i, p in enumerate(params)} \
+                    if stacked is None else {id(p): t if t.dtype == p.dtype else t.to(p.dtype)
+                                             for p, t in zip(params, stacked)}
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
-            out, stacked = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
-            jmat = stacked.reshape(k, -1)
-            hmat = output_hessian_product(loss, out.unsqueeze(0), stacked, class_dim=2).reshape(k, -1)
+            out, jv = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
+            jmat = jv.reshape(k, -1)
+            hmat = output_hessian_product(loss, out.unsqueeze(0), jv, class_dim=2).reshape(k, -1)
         else:
             if primals is None:
                 primals = [p.detach() for p in params]
@@ -247,8 +252,18 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
     return 0.5 * (gram + gram.t())
 
 
-def _flat64(vs: Sequence[Tensor]) -> Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in vs]).double()
+def _param_stacks(vectors: Sequence[Sequence[Tensor]]) -> List[Tensor]:
+    """``[m, *shape_i]`` for every parameter ``i``: its tensors of the ``m`` per-parameter lists
+    ``vectors`` stacked (``vectors[j][i]`` at ``[j]``; no autograd history; mixed dtypes promoted)."""
+    with torch.no_grad():
+        return [torch.stack(ts) for ts in zip(*vectors)]
+
+
+def _flat_rows64(stacks: Sequence[Tensor]) -> Tensor:
+    """``[m, P]`` float64: row ``j`` the concatenation over the parameters of ``stacks[i][j]``
+    flattened (``stacks``: :func:`_param_stacks` of ``m`` lists, ``P`` their total size)."""
+    m = stacks[0].shape[0]
+    return torch.cat([t.reshape(m, -1) for t in stacks], 1).double()
 
 
 def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]],
@@ -269,7 +284,12 @@ def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> T
     if n not in (1, 2) or tuple(a.shape) != (n, n) or tuple(b.shape) != (n,):
         raise ValueError(f"expected 1 or 2 coefficients with a [{n}, {n}] and b [{n}], got {len(fixed)}, "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
-    am, bv = a.tolist(), b.tolist()
+    return _solve_lists(a.tolist(), b.tolist(), fixed)
+
+
+def _solve_lists(am: List[List[float]], bv: List[float], fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
+    """:func:`solve_quadratic` of ``a`` and ``b`` given as nested Python lists of floats (shapes unchecked)."""
+    n = len(fixed)
     w = [0.0 if c is None else float(c) for c in fixed]
     free = [i for i, c in enumerate(fixed) if c is None]
     if len(free) == 2:
@@ -360,24 +380,30 @@ class AdaptiveCoefficients:
         if prev is not None:
             fixed.append(None if self.momentum else self._one([g["momentum"] for g in groups], "momentum"))
             dirs.append(prev)
+        k = len(dirs)
+        # per parameter [k + 1, *shape]: the directions and d, stacked once for the J·v pass's tangents
+        # (the first k rows) and for the inner products below (one cat of the parameters' rows)
+        stacks = _param_stacks([*dirs, vecs])
         if opt.engine.kind is Kind.HESSIAN:
             gram = hessian_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                                 opt.engine.select_output, targets)
         else:
             gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output, identity_select=opt.engine.output_selector is None,
-                            activations=self.recorder.activations)
+                            activations=self.recorder.activations, stacked=[t[:k] for t in stacks])
         self.recorder.activations = None  # the forward's activations are not kept past their use
         gram = opt._mean_tensor_over_ranks(gram)  # the same coefficients on every rank (module docstring)
         wds = [float(g["weight_decay"]) for g in groups]
-        k = len(dirs)
-        flat = _flat64([t for v in (*dirs, vecs) for t in v]).view(k + 1, -1)  # [k + 1, P]: the directions, d
-        vmat = flat[:k]  # [k, P]
-        a = gram + opt.damping * (vmat @ vmat.t())
+        flat = _flat_rows64(stacks)  # [k + 1, P]: the directions, d
+        inner = (flat @ flat.t()).tolist()  # [k + 1, k + 1]: vᵢᵀvⱼ and (last column) vᵢᵀd in one product
+        # a = gram + λ·vᵢᵀvⱼ (+ the weight decay's), b = vᵢᵀd: the k ≤ 2 entries in float64 Python
+        # arithmetic, the same IEEE operations as on the [k, k] tensors, without their small ops
+        gl = gram.tolist()
+        a = [[gl[i][j] + opt.damping * inner[i][j] for j in range(k)] for i in range(k)]
         if any(wds):
-            a = a + inner_products(dirs, dirs, wds)
-        b = vmat @ flat[k]
-        return solve_quadratic(a, b, fixed)
+            decay = inner_products(dirs, dirs, wds).tolist()
+            a = [[a[i][j] + decay[i][j] for j in range(k)] for i in range(k)]
+        return _solve_lists(a, [inner[i][k] for i in range(k)], fixed)
 
     def state_dict(self) -> Dict[str, Any]:
         return dict(self.last)
@@ -401,6 +427,20 @@ def within_objective(w: Sequence[float], value: float, objective: Optional[float
         return list(w), value
     t = 1.0 - math.sqrt(max(0.0, 1.0 - objective / -value))
     return [t * c for c in w], value * (2.0 * t - t * t)
+
+
+def _foreach_scalar(value: float, tensors: Sequence[Tensor]) -> Any:
+    """``value`` as the factor of ``torch._foreach_mul(tensors, ·)``: a 0-dim tensor of their dtype
+    when they are all float32 or all float64 CPU tensors, else the Python float. On CPU the list
+    form with a Python float wraps it into a tensor once per tensor (digits MLP, 4 tensors: ~10 µs
+    against ~6 µs with the 0-dim tensor, its creation included); the product is the same: the
+    kernel takes a Python scalar in the tensors' dtype for float32/float64 (in float for half
+    precision, hence the Python float there, as :class:`torchsso2.optim.plan.ScalarCache` does)."""
+    first = tensors[0] if tensors else None
+    if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.float64) \
+            or any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return value
+    return torch.scalar_tensor(value, dtype=first.dtype)
 
 
 def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
@@ -444,7 +484,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None
     with torch.no_grad():  # the same element-wise products as a loop over the tensors, in fewer calls
-        new = torch._foreach_mul(list(deltas), alpha)  # new tensors of this step (not views of Δ or δ_prev)
+        new = torch._foreach_mul(list(deltas), _foreach_scalar(alpha, deltas))  # new tensors of this step
         if prev is not None:
             torch._foreach_add_(new, prev, alpha=mu)
         if not owned_all_finite(new):

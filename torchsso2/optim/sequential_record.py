@@ -12,11 +12,12 @@ pools again). Digits CNN at batch 128 (one thread): the pass without its forward
 
 Nothing is taken that the forward could have changed since: a recorded tensor is used only when
 its ``_version`` is the one it had when recorded (an in-place op after the layer, as
-``nn.ReLU(inplace=True)`` after a ``Tanh``, bumps it), the model's parameters have the versions
-they had at the forward (no in-place update in between), and every tensor has the input's dtype
-and device, which the parameters have too (not the lower-precision activations of an autocast
-forward, which the pass would compute in full precision). Otherwise :meth:`ActivationRecorder.usable`
-gives None and the pass computes the forward itself.
+``nn.ReLU(inplace=True)`` after a ``Tanh``, bumps it), the model's parameters are the tensors of
+the forward (none replaced) with the versions they had then (no in-place update in between), and
+every tensor has the input's dtype and device, which the parameters have too (not the
+lower-precision activations of an autocast forward, which the pass would compute in full
+precision). Otherwise :meth:`ActivationRecorder.usable` gives None and the pass computes the
+forward itself.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Activations:
     x: Tensor
     x_version: int
     param_versions: Tuple[int, ...]
+    #: the parameters whose versions ``param_versions`` holds (:func:`pass_params` at the forward)
+    params: Tuple[Tensor, ...] = ()
     outputs: List[Tensor] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     indices: Dict[int, Tensor] = field(default_factory=dict)
@@ -64,6 +67,15 @@ def _maxpool_indices(output: Tensor) -> Optional[Tensor]:
     if not isinstance(idx, Tensor) or idx.dtype != torch.int64 or idx.shape != output.shape:
         return None
     return idx
+
+
+def pass_params(model: nn.Module) -> Tuple[Tensor, ...]:
+    """The parameters the J·v pass reads of a model it supports: each child's own (``weight``,
+    ``bias``; the supported layers have no submodules and read nothing else), in child order. A
+    walk of the children's parameter dicts, ~1 µs against ~5 µs for ``tuple(model.parameters())``
+    (its generic module traversal); a layer listed twice gives its parameters twice."""
+    return tuple(p for child in model._modules.values() if child is not None
+                 for p in child._parameters.values() if p is not None)
 
 
 class ActivationRecorder:
@@ -104,7 +116,8 @@ class ActivationRecorder:
         if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
             self._current = None
         else:
-            self._current = Activations(args[0], args[0]._version, tuple(p._version for p in model.parameters()))
+            params = pass_params(model)
+            self._current = Activations(args[0], args[0]._version, tuple(p._version for p in params), params)
         self.records.append(self._current)
 
     def usable(self, model: nn.Sequential, call: int) -> Optional[Activations]:
@@ -117,8 +130,9 @@ class ActivationRecorder:
         rec = self.records[call]
         if rec is None or len(rec.outputs) != len(model):
             return None
-        params = list(model.parameters())
-        if tuple(p._version for p in params) != rec.param_versions:
+        params = pass_params(model)  # the same tensors, none written in place since the forward
+        if len(params) != len(rec.params) or any(p is not q for p, q in zip(params, rec.params)) \
+                or tuple(p._version for p in params) != rec.param_versions:
             return None
         dtype, device = rec.x.dtype, rec.x.device
         if any(p.dtype != dtype or p.device != device for p in params) \
