@@ -197,10 +197,9 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
     for index, call in enumerate(calls):
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
-            if tangents is None:  # keyed by the model's own parameters
-                tangents = {id(p): _stacked([v[i] for v in directions], p.dtype) for i, p in enumerate(params)} \
-                    if stacked is None else {id(p): t if t.dtype == p.dtype else t.to(p.dtype)
-                                             for p, t in zip(params, stacked)}
+            if tangents is None:  # keyed by the model's own parameters, in their dtypes
+                stacks = _param_stacks(directions) if stacked is None else stacked
+                tangents = {id(p): t if t.dtype == p.dtype else t.to(p.dtype) for p, t in zip(params, stacks)}
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
             out, jv = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
             jmat = jv.reshape(k, -1)
@@ -217,12 +216,6 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
     if gram is None:
         return torch.zeros(k, k, dtype=torch.float64)
     return (gram + gram.t()).mul_(0.5 / max(total, 1))
-
-
-def _stacked(vs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """``[k, *shape]``: the tensors ``vs`` (detached) stacked, in ``dtype``."""
-    out = torch.stack([v.detach() for v in vs])
-    return out if out.dtype == dtype else out.to(dtype)
 
 
 def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
