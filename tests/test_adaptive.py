@@ -530,3 +530,25 @@ def test_adaptive_step_never_promises_more_than_the_loss():
         if step == 0:
             assert opt.adaptive.last["quad_model"] == pytest.approx(-losses[0], rel=1e-9)  # the cap acted
     assert opt.num_skipped == 0 and max(losses) <= losses[0] * 2 and losses[-1] < 0.1 * losses[0]
+
+
+def test_use_adaptive_damping_is_kfac_jax_name_for_adaptive_damping():
+    """kfac-jax's three switches by their names: the same run as ``adaptive_damping=True``."""
+    x, y = _data()
+    runs = []
+    for kw in ({"adaptive_damping": True}, {"use_adaptive_damping": True},
+               {"adaptive_damping": True, "use_adaptive_damping": True}):
+        model = _mlp()
+        opt = SecondOrderOptimizer(model, damping=0.1, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                                   seed=3, **kw)
+        assert opt.lm is not None
+        _train(opt, model, x, y, 6)  # the LM rule acts at the 5th step
+        runs.append((torch.cat([p.detach().flatten() for p in model.parameters()]), opt.damping))
+    assert runs[0][1] != 0.1
+    for vec, damping in runs[1:]:
+        assert torch.equal(vec, runs[0][0]) and damping == runs[0][1]
+    assert SecondOrderOptimizer(_mlp(), use_adaptive_damping=False).lm is None
+    with pytest.raises(ValueError, match="contradict"):
+        SecondOrderOptimizer(_mlp(), adaptive_damping=True, use_adaptive_damping=False)
+    with pytest.raises(TypeError, match="use_adaptive_damping must be a bool"):
+        SecondOrderOptimizer(_mlp(), use_adaptive_damping="yes")

@@ -98,6 +98,21 @@ def _as_float(value: Any) -> float:
     return float(value.detach()) if isinstance(value, Tensor) else float(value)
 
 
+def _adaptive_damping(adaptive_damping: Any, use_adaptive_damping: Any) -> bool:
+    """``adaptive_damping``, or kfac-jax's ``use_adaptive_damping`` when that is given (not None);
+    ``TypeError`` for a non-bool, ``ValueError`` when both are given and differ."""
+    if not isinstance(adaptive_damping, bool):
+        raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
+    if use_adaptive_damping is None:
+        return adaptive_damping
+    if not isinstance(use_adaptive_damping, bool):
+        raise TypeError(f"use_adaptive_damping must be a bool or None, got {use_adaptive_damping!r}")
+    if adaptive_damping and not use_adaptive_damping:
+        raise ValueError("adaptive_damping=True and use_adaptive_damping=False contradict each other; "
+                         "use_adaptive_damping is kfac-jax's name for the same switch: pass one of them")
+    return use_adaptive_damping
+
+
 class SecondOrderOptimizer(CurvatureOptimizer):
     """Natural-gradient (second-order) optimizer; a real ``torch.optim.Optimizer``.
 
@@ -191,6 +206,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         adaptive_coefficients_interval: with adaptive coefficients, solve them every this many steps
             (and at the first two and at every LM damping step) and reuse the last ones in between,
             which then cost no JVP (default 1: every step).
+        use_adaptive_damping: kfac-jax's name for ``adaptive_damping`` (the same switch; passing
+            both with different values is a ``ValueError``).
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
@@ -221,7 +238,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  max_consecutive_skips: Optional[int] = DEFAULT_MAX_CONSECUTIVE_SKIPS,
                  use_adaptive_learning_rate: bool = False, use_adaptive_momentum: bool = False,
                  kfac_approx: str = "expand", curv_warmup_steps: int = 0,
-                 adaptive_coefficients_interval: int = 1) -> None:
+                 adaptive_coefficients_interval: int = 1, use_adaptive_damping: Optional[bool] = None) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
         self.curv_warmup_steps = check_int("curv_warmup_steps", curv_warmup_steps, low=0)
         check_number("lr", lr, low=0.0, high=MAX_LR)
@@ -242,8 +259,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self.use_adaptive_learning_rate = use_adaptive_learning_rate
         self.use_adaptive_momentum = use_adaptive_momentum
         self.adaptive_coefficients_interval = check_int("adaptive_coefficients_interval", adaptive_coefficients_interval)
-        if not isinstance(adaptive_damping, bool):
-            raise TypeError(f"adaptive_damping must be a bool, got {adaptive_damping!r}")
+        adaptive_damping = _adaptive_damping(adaptive_damping, use_adaptive_damping)
         self.lm: Optional[LMDamping] = None
         self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval)
         if adaptive_damping:
