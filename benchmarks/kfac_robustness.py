@@ -14,6 +14,12 @@ training set's per-pixel mean and std) and ``pixel16`` (pixels / 16, in [0, 1]).
   adaptive_damping=True`` from damping ∈ {1e-3, 1e-2, 1e-1} (no lr to set), intervals
   ``--adaptive-intervals`` (default 1/1 and 10/100).
 * **SGD** (momentum 0.9) and **Adam** at lr ∈ {0.01, 0.03, 0.1}.
+* **KFACPreconditioner** (the kfac_pytorch drop-in, ``kfac_preconditioner``): ``SGD(lr, momentum=0.9)``
+  preconditioned by ``KFACPreconditioner(model, factor_update_steps=c, inv_update_steps=i,
+  damping=damping, lr=lr)``, kfac_pytorch's defaults otherwise (``kl_clip=0.001``,
+  ``factor_decay=0.95``), on the same lr × damping × intervals grid; and kfac_pytorch's own
+  ``kfac.preconditioner.KFACPreconditioner`` the same way (``kfac_pytorch``; skipped with a message
+  when ``import kfac`` fails), which takes the same number of epochs seed by seed.
 
 Per grid point and seed: the first epoch whose test accuracy reaches the target, the training
 time (forward, backward and step; no evaluation) until then, the final test accuracy and
@@ -40,6 +46,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -54,7 +61,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, write_json  # noqa: E402
-from torchsso2 import SecondOrderOptimizer  # noqa: E402
+from torchsso2 import KFACPreconditioner, SecondOrderOptimizer  # noqa: E402
 from torchsso2.optim.skips import NonFiniteError  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "kfac_robustness.json"
@@ -63,10 +70,16 @@ LRS = (0.01, 0.03, 0.1)
 DAMPINGS = (1e-3, 1e-2, 1e-1)
 INTERVALS = ((10, 100), (2, 20), (1, 1))
 SCALINGS = ("standardize", "pixel16")
-OPTIMIZERS = ("sgd", "adam", "kfac", "kfac_adaptive")
+OPTIMIZERS = ("sgd", "adam", "kfac", "kfac_adaptive", "kfac_preconditioner", "kfac_pytorch")
+#: the drop-in and its original: SGD with momentum, preconditioned at kfac_pytorch's defaults
+DROP_INS = ("kfac_preconditioner", "kfac_pytorch")
+#: the grid optimizers with an lr × damping × intervals grid
+FIXED = ("kfac",) + DROP_INS
 #: a run diverged when a batch loss exceeds this multiple of the first batch loss (a transient
 #: spike of Adam at lr 0.1 reaches 2.7×; the blow-ups of unstable runs reach 1e7× or overflow)
 DIVERGED_LOSS_RATIO = 10.0
+#: the plot wraps its panels (one per optimizer and intervals) to at most this many a row
+PANELS_PER_ROW = 5
 
 
 def load_data(split_seed: int = 0, standardize: bool = True) -> Dict[str, Tensor]:
@@ -84,9 +97,47 @@ def load_data(split_seed: int = 0, standardize: bool = True) -> Dict[str, Tensor
     return {"x_train": (x[tr] - mean) / std, "y_train": y[tr], "x_test": (x[te] - mean) / std, "y_test": y[te]}
 
 
+class PreconditionedSGD:
+    """``SGD(lr, momentum=0.9)`` with a kfac_pytorch-style preconditioner: ``step()`` after the
+    user's backward runs ``preconditioner.step()`` (the gradients replaced by the preconditioned
+    ones), then the SGD step, as kfac_pytorch's examples do."""
+
+    def __init__(self, sgd: torch.optim.SGD, preconditioner: Any) -> None:
+        self.sgd, self.preconditioner = sgd, preconditioner
+
+    def zero_grad(self) -> None:
+        self.sgd.zero_grad()
+
+    def step(self) -> None:
+        self.preconditioner.step()
+        self.sgd.step()
+
+    @property
+    def num_skipped(self) -> int:
+        """Steps the preconditioner skipped (non-finite gradients; torchsso2's drop-in counts them)."""
+        return int(getattr(self.preconditioner, "num_skipped", 0))
+
+
+def kfac_pytorch_class() -> Any:
+    """kfac_pytorch's ``KFACPreconditioner`` (``import kfac``), or None when it is not installed."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from kfac.preconditioner import KFACPreconditioner as Peer
+    except Exception:  # noqa: BLE001 (any import failure: the peer is optional)
+        return None
+    return Peer
+
+
 def make_optimizer(name: str, model: nn.Module, lr: Optional[float], damping: Optional[float], seed: int,
-                   intervals: Sequence[int]) -> torch.optim.Optimizer:
+                   intervals: Sequence[int]) -> Any:
     """The optimizer of one grid point (``lr`` is unused by ``kfac_adaptive``, ``damping`` by SGD/Adam)."""
+    if name in DROP_INS:
+        cls = KFACPreconditioner if name == "kfac_preconditioner" else kfac_pytorch_class()
+        if cls is None:
+            raise RuntimeError("kfac_pytorch is not installed (see docs/benchmarks.md for installing it)")
+        pre = cls(model, factor_update_steps=intervals[0], inv_update_steps=intervals[1], damping=damping, lr=lr)
+        return PreconditionedSGD(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), pre)
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if name == "adam":
@@ -180,7 +231,7 @@ def grid_points(optimizers: Sequence[str], intervals: Sequence[Tuple[int, int]],
     for name in optimizers:
         if name in ("sgd", "adam"):
             points += [dict(optimizer=name, lr=lr, damping=None, intervals=None) for lr in LRS]
-        elif name == "kfac":
+        elif name in FIXED:
             points += [dict(optimizer=name, lr=lr, damping=d, intervals=list(iv))
                        for iv in intervals for lr in LRS for d in DAMPINGS]
         else:
@@ -270,12 +321,14 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     points = report["points"]
     scalings = list(dict.fromkeys(p["scaling"] for p in points))
     panels: List[Tuple[str, List[Dict[str, Any]], List[str], List[str], Any, Any]] = []
-    ivs = list(dict.fromkeys(tuple(p["intervals"]) for p in points if p["optimizer"] == "kfac"))
-    for iv in ivs:
-        panels.append((f"K-FAC fixed {iv[0]}/{iv[1]}", [], [f"lr {lr:g}" for lr in LRS],
-                       [f"λ {d:g}" for d in DAMPINGS],
-                       lambda p, iv=iv: p["optimizer"] == "kfac" and tuple(p["intervals"]) == iv,
-                       lambda p: (LRS.index(p["lr"]), DAMPINGS.index(p["damping"]))))
+    titles = {"kfac": "K-FAC fixed", "kfac_preconditioner": "KFACPreconditioner", "kfac_pytorch": "kfac_pytorch"}
+    for name, title in titles.items():
+        ivs = list(dict.fromkeys(tuple(p["intervals"]) for p in points if p["optimizer"] == name))
+        for iv in ivs:
+            panels.append((f"{title} {iv[0]}/{iv[1]}", [], [f"lr {lr:g}" for lr in LRS],
+                           [f"λ {d:g}" for d in DAMPINGS],
+                           lambda p, iv=iv, name=name: p["optimizer"] == name and tuple(p["intervals"]) == iv,
+                           lambda p: (LRS.index(p["lr"]), DAMPINGS.index(p["damping"]))))
     aivs = list(dict.fromkeys(tuple(p["intervals"]) for p in points if p["optimizer"] == "kfac_adaptive"))
     if aivs:
         panels.append(("K-FAC adaptive", [], [f"{a}/{b}" for a, b in aivs], [f"λ₀ {d:g}" for d in DAMPINGS],
@@ -286,12 +339,18 @@ def plot(report: Dict[str, Any], path: Path) -> None:
         panels.append(("SGD / Adam", [], base, [f"lr {lr:g}" for lr in LRS],
                        lambda p: p["optimizer"] in base,
                        lambda p: (base.index(p["optimizer"]), LRS.index(p["lr"]))))
-    fig, axes = plt.subplots(len(scalings), len(panels), figsize=(3.1 * len(panels), 2.8 * len(scalings)),
+    # one figure row per input scaling and at most PANELS_PER_ROW panels a row (wrapped)
+    wrap = -(-len(panels) // PANELS_PER_ROW)
+    ncols = -(-len(panels) // wrap)
+    fig, axes = plt.subplots(len(scalings) * wrap, ncols, figsize=(3.1 * ncols, 2.8 * len(scalings) * wrap),
                              squeeze=False)
+    for ax in axes.flat[:]:
+        ax.set_visible(False)
     epochs = report["config"]["epochs"]
     for r, scaling in enumerate(scalings):
         for c, (title, _, rows, cols, select, cell) in enumerate(panels):
-            ax = axes[r][c]
+            ax = axes[r * wrap + c // ncols][c % ncols]
+            ax.set_visible(True)
             grid = [[float("nan")] * len(cols) for _ in rows]
             text = [[""] * len(cols) for _ in rows]
             for p in points:
@@ -368,11 +427,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     logging.getLogger("torchsso2").setLevel(logging.ERROR)  # skipped steps are counted in the table instead
     load_before = load_average()
+    # kfac_pytorch registers full backward hooks on modules whose inputs need no gradient: torch warns once per run
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    optimizers = list(args.optimizers)
+    if "kfac_pytorch" in optimizers and kfac_pytorch_class() is None:
+        print("kfac_pytorch skipped: `import kfac` failed (not installed; docs/benchmarks.md says how to install "
+              "it from github:gpauloski/kfac-pytorch)", flush=True)
+        optimizers.remove("kfac_pytorch")
     points: List[Dict[str, Any]] = []
     print("\n".join(TABLE_HEAD), flush=True)
     for scaling in args.scalings:
         data = load_data(standardize=scaling == "standardize")
-        for point in grid_points(args.optimizers, args.intervals, args.adaptive_intervals):
+        for point in grid_points(optimizers, args.intervals, args.adaptive_intervals):
             runs = [train(point["optimizer"], point["lr"], point["damping"], s, data, args.epochs, args.batch_size,
                           args.target, point["intervals"] or (1, 1)) for s in args.seeds]
             points.append(dict(point, scaling=scaling, runs=runs, summary=summarize(runs)))
@@ -381,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = {"machine": machine_info(), "load_average_before": load_before, "load_average_after": load_average(),
               "config": {"seeds": args.seeds, "epochs": args.epochs, "batch_size": args.batch_size,
                          "target": args.target, "scalings": args.scalings,
-                         "intervals": [list(iv) for iv in args.intervals],
+                         "optimizers": optimizers, "intervals": [list(iv) for iv in args.intervals],
                          "adaptive_intervals": [list(iv) for iv in args.adaptive_intervals],
                          "model": "MLP 64-128-10", "data": "digits 1437/360 (stratified, seed 0)",
                          "command": "OMP_NUM_THREADS=1 python benchmarks/kfac_robustness.py" + (" --quick" if args.quick else "")},

@@ -26,7 +26,13 @@ def test_quick_run_writes_the_grid_the_table_and_the_plot(tmp_path, capsys):
         (lr, d, [10, 100]) for lr in kfac_robustness.LRS for d in kfac_robustness.DAMPINGS]
     adaptive = [p for p in report["points"] if p["optimizer"] == "kfac_adaptive"]
     assert [p["damping"] for p in adaptive] == list(kfac_robustness.DAMPINGS)
-    assert {p["optimizer"] for p in report["points"]} == {"sgd", "adam", "kfac", "kfac_adaptive"}
+    # the kfac_pytorch drop-in on the same grid; kfac_pytorch itself only where it is installed
+    peer = {"kfac_pytorch"} if kfac_robustness.kfac_pytorch_class() is not None else set()
+    assert {p["optimizer"] for p in report["points"]} == {"sgd", "adam", "kfac", "kfac_adaptive",
+                                                          "kfac_preconditioner"} | peer
+    for name in ("kfac_preconditioner", *peer):
+        assert [(p["lr"], p["damping"], p["intervals"]) for p in report["points"] if p["optimizer"] == name] == [
+            (lr, d, [10, 100]) for lr in kfac_robustness.LRS for d in kfac_robustness.DAMPINGS]
     assert report["kfac_points"] == 9 and 0 <= report["kfac_reached"] <= 9
     for p in report["points"]:
         run = p["runs"][0]
@@ -68,3 +74,36 @@ def test_readme_section_is_what_the_json_gives():
     block = kfac_robustness.readme_block(report)
     assert block in readme
     assert readme.index("## K-FAC robustness") < readme.index(block) < readme.index("## Known gaps")
+
+
+def test_the_drop_in_point_is_sgd_preconditioned_at_kfac_pytorch_defaults():
+    """``kfac_preconditioner``: SGD with momentum 0.9 at the point's lr, and KFACPreconditioner with the
+    point's intervals, damping and lr, every other argument at kfac_pytorch's defaults."""
+    import torch
+    from torch import nn
+
+    from torchsso2 import KFACPreconditioner
+
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    opt = kfac_robustness.make_optimizer("kfac_preconditioner", model, 0.03, 0.01, 0, (10, 100))
+    assert isinstance(opt.sgd, torch.optim.SGD) and isinstance(opt.preconditioner, KFACPreconditioner)
+    assert opt.sgd.defaults["lr"] == 0.03 and opt.sgd.defaults["momentum"] == 0.9
+    pre = opt.preconditioner
+    assert (pre.factor_update_steps, pre.inv_update_steps, pre.damping, pre.lr) == (10, 100, 0.01, 0.03)
+    assert (pre.kl_clip, pre.factor_decay) == (0.001, 0.95)  # kfac_pytorch's defaults
+    # step() preconditions, then steps SGD: the parameters move along the preconditioned gradient
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.num_skipped == 0 and all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_a_missing_kfac_pytorch_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(kfac_robustness, "kfac_pytorch_class", lambda: None)
+    out = tmp_path / "r.json"
+    assert kfac_robustness.main(["--quick", "--optimizers", "sgd", "kfac_pytorch", "--json", str(out)]) == 0
+    assert "kfac_pytorch skipped: `import kfac` failed" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert {p["optimizer"] for p in report["points"]} == {"sgd"} and report["config"]["optimizers"] == ["sgd"]
