@@ -193,9 +193,13 @@ def train(name: str, lr: Optional[float], damping: Optional[float], seed: int, d
         if stalled:
             acc = loss_value = float("nan")
             break
+        # evaluation in eval mode: kfac_pytorch records every training-mode forward, no_grad or not, into its
+        # input factors (docs/kfac.md); this MLP computes the same in either mode
+        model.eval()
         with torch.no_grad():
             acc = float((model(data["x_test"]).argmax(1) == data["y_test"]).float().mean())
             loss_value = float(F.cross_entropy(model(x), y))
+        model.train()
         if reached is None and acc >= target:
             reached, reached_s = epoch, seconds
     finite = not stalled and all(math.isfinite(v) for v in batch_losses + [loss_value])
