@@ -315,9 +315,10 @@ def readme_block(report: Dict[str, Any]) -> str:
 
 
 def plot(report: Dict[str, Any], path: Path) -> None:
-    """One row per input scaling: K-FAC fixed (lr × damping) per intervals, adaptive (intervals ×
-    damping) and SGD/Adam (optimizer × lr); cells: median epochs / seconds to the target (grey:
-    not reached, red: diverged)."""
+    """Per input scaling (rows of panels, wrapped at :data:`PANELS_PER_ROW`): K-FAC fixed (lr ×
+    damping) per intervals, adaptive (intervals × damping), SGD/Adam (optimizer × lr), then the
+    drop-in and kfac_pytorch (lr × damping) per intervals; cells: median epochs / seconds to the
+    target (grey: not reached, red: diverged)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -325,14 +326,15 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     points = report["points"]
     scalings = list(dict.fromkeys(p["scaling"] for p in points))
     panels: List[Tuple[str, List[Dict[str, Any]], List[str], List[str], Any, Any]] = []
-    titles = {"kfac": "K-FAC fixed", "kfac_preconditioner": "KFACPreconditioner", "kfac_pytorch": "kfac_pytorch"}
-    for name, title in titles.items():
-        ivs = list(dict.fromkeys(tuple(p["intervals"]) for p in points if p["optimizer"] == name))
-        for iv in ivs:
+
+    def fixed_panels(name: str, title: str) -> None:
+        for iv in dict.fromkeys(tuple(p["intervals"]) for p in points if p["optimizer"] == name):
             panels.append((f"{title} {iv[0]}/{iv[1]}", [], [f"lr {lr:g}" for lr in LRS],
                            [f"λ {d:g}" for d in DAMPINGS],
                            lambda p, iv=iv, name=name: p["optimizer"] == name and tuple(p["intervals"]) == iv,
                            lambda p: (LRS.index(p["lr"]), DAMPINGS.index(p["damping"]))))
+
+    fixed_panels("kfac", "K-FAC fixed")
     aivs = list(dict.fromkeys(tuple(p["intervals"]) for p in points if p["optimizer"] == "kfac_adaptive"))
     if aivs:
         panels.append(("K-FAC adaptive", [], [f"{a}/{b}" for a, b in aivs], [f"λ₀ {d:g}" for d in DAMPINGS],
@@ -343,6 +345,8 @@ def plot(report: Dict[str, Any], path: Path) -> None:
         panels.append(("SGD / Adam", [], base, [f"lr {lr:g}" for lr in LRS],
                        lambda p: p["optimizer"] in base,
                        lambda p: (base.index(p["optimizer"]), LRS.index(p["lr"]))))
+    fixed_panels("kfac_preconditioner", "KFACPreconditioner + SGD")
+    fixed_panels("kfac_pytorch", "kfac_pytorch + SGD")
     # one figure row per input scaling and at most PANELS_PER_ROW panels a row (wrapped)
     wrap = -(-len(panels) // PANELS_PER_ROW)
     ncols = -(-len(panels) // wrap)
@@ -381,7 +385,7 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     fig.suptitle(f"Digits MLP, batch {report['config']['batch_size']}: epochs / training seconds to "
                  f"{report['config']['target']:.0%} test accuracy (median of {len(report['config']['seeds'])} seeds; "
                  f"grey: not reached, with the final accuracy; red: a seed diverged)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the title
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
