@@ -19,7 +19,7 @@ training set's per-pixel mean and std) and ``pixel16`` (pixels / 16, in [0, 1]).
   damping=damping, lr=lr)``, kfac_pytorch's defaults otherwise (``kl_clip=0.001``,
   ``factor_decay=0.95``), on the same lr × damping × intervals grid; and kfac_pytorch's own
   ``kfac.preconditioner.KFACPreconditioner`` the same way (``kfac_pytorch``; skipped with a message
-  when ``import kfac`` fails), which takes the same number of epochs seed by seed.
+  when it is not installed), which takes the same number of epochs seed by seed.
 
 Per grid point and seed: the first epoch whose test accuracy reaches the target, the training
 time (forward, backward and step; no evaluation) until then, the final test accuracy and
@@ -60,6 +60,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from benchmarks._peer_utils import peer, skip_message  # noqa: E402
 from benchmarks.common import load_average, machine_info, write_json  # noqa: E402
 from torchsso2 import KFACPreconditioner, SecondOrderOptimizer  # noqa: E402
 from torchsso2.optim.skips import NonFiniteError  # noqa: E402
@@ -119,14 +120,10 @@ class PreconditionedSGD:
 
 
 def kfac_pytorch_class() -> Any:
-    """kfac_pytorch's ``KFACPreconditioner`` (``import kfac``), or None when it is not installed."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from kfac.preconditioner import KFACPreconditioner as Peer
-    except Exception:  # noqa: BLE001 (any import failure: the peer is optional)
-        return None
-    return Peer
+    """kfac_pytorch's ``KFACPreconditioner`` (:func:`benchmarks._peer_utils.peer`), or None when it
+    is not installed (or disabled for tests)."""
+    module = peer("kfac_pytorch")
+    return None if module is None else module.KFACPreconditioner
 
 
 def make_optimizer(name: str, model: nn.Module, lr: Optional[float], damping: Optional[float], seed: int,
@@ -135,7 +132,7 @@ def make_optimizer(name: str, model: nn.Module, lr: Optional[float], damping: Op
     if name in DROP_INS:
         cls = KFACPreconditioner if name == "kfac_preconditioner" else kfac_pytorch_class()
         if cls is None:
-            raise RuntimeError("kfac_pytorch is not installed (see docs/benchmarks.md for installing it)")
+            raise RuntimeError(skip_message("kfac_pytorch"))
         pre = cls(model, factor_update_steps=intervals[0], inv_update_steps=intervals[1], damping=damping, lr=lr)
         return PreconditionedSGD(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), pre)
     if name == "sgd":
@@ -352,7 +349,7 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     ncols = -(-len(panels) // wrap)
     fig, axes = plt.subplots(len(scalings) * wrap, ncols, figsize=(3.1 * ncols, 2.8 * len(scalings) * wrap),
                              squeeze=False)
-    for ax in axes.flat[:]:
+    for ax in axes.flat:
         ax.set_visible(False)
     epochs = report["config"]["epochs"]
     for r, scaling in enumerate(scalings):
@@ -439,8 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     optimizers = list(args.optimizers)
     if "kfac_pytorch" in optimizers and kfac_pytorch_class() is None:
-        print("kfac_pytorch skipped: `import kfac` failed (not installed; docs/benchmarks.md says how to install "
-              "it from github:gpauloski/kfac-pytorch)", flush=True)
+        print(f"kfac_pytorch skipped: {skip_message('kfac_pytorch')}", flush=True)
         optimizers.remove("kfac_pytorch")
     points: List[Dict[str, Any]] = []
     print("\n".join(TABLE_HEAD), flush=True)
