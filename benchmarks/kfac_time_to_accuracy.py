@@ -33,7 +33,7 @@ stratified split, pixels standardized with the training set's statistics), one t
 Targets (issue 30): K-FAC (adaptive, and the best fixed) reaches the target in fewer epochs than
 tuned SGD and Adam and in <= 0.7x their wall time (medians over seeds).
 
-It also measures where a K-FAC step's time goes (``step_costs``): at each batch size on the MLP,
+It also measures where a K-FAC step's time goes (``step_costs``): for each model and batch size,
 a step that estimates the curvature and re-decomposes it (intervals 1/1), one that only estimates
 it (Monte-Carlo Fisher, and empirical Fisher from the user's backward), and a plain step (no
 curvature work), against an SGD step plus the FLOP floor of the preconditioning (the solve's
@@ -491,29 +491,30 @@ def costs_table(report: Dict[str, Any]) -> str:
     for c in report["step_costs"]:
         def ms(k: str) -> str:
             return f"{c[k]['min_ms']:.3f} / {c[k]['median_ms']:.3f}"
-        rows += [[f"B={c['batch']}", "SGD step", ms("sgd")],
-                 [f"B={c['batch']}", "K-FAC plain step (eigen / inverse)",
+        at = f"{c.get('model', 'mlp').upper()} B={c['batch']}"
+        rows += [[at, "SGD step", ms("sgd")],
+                 [at, "K-FAC plain step (eigen / inverse)",
                   f"{ms('kfac_plain_eigen')}  ·  {ms('kfac_plain_inverse')}"],
-                 [f"B={c['batch']}", "FLOP floor: SGD + preconditioning matmuls (eigen)",
+                 [at, "FLOP floor: SGD + preconditioning matmuls (eigen)",
                   f"{c['plain_step_floor_ms']:.3f} (plain / floor {c['plain_step_over_floor']:.2f}x; "
                   f"inverse {c['plain_inverse_step_over_floor']:.2f}x)"],
-                 [f"B={c['batch']}", "K-FAC curvature-only step", ms("kfac_curvature_only")],
-                 [f"B={c['batch']}", "K-FAC curvature + eigh step (1/1)", ms("kfac_curvature_and_eigh")],
-                 [f"B={c['batch']}", "K-FAC curvature + Cholesky step (1/1, inverse)", ms("kfac_curvature_and_cholesky")],
-                 [f"B={c['batch']}", "bare eigh / Cholesky inverse of all factors",
+                 [at, "K-FAC curvature-only step", ms("kfac_curvature_only")],
+                 [at, "K-FAC curvature + eigh step (1/1)", ms("kfac_curvature_and_eigh")],
+                 [at, "K-FAC curvature + Cholesky step (1/1, inverse)", ms("kfac_curvature_and_cholesky")],
+                 [at, "bare eigh / Cholesky inverse of all factors",
                   f"{ms('eigh_factors')}  ·  {ms('cholesky_inverse_factors')}"],
-                 [f"B={c['batch']}", "optimizer decomposition: new factors / new damping only",
+                 [at, "optimizer decomposition: new factors / new damping only",
                   f"{ms('decompose_new_factors')}  ·  {ms('decompose_new_damping')}"],
-                 [f"B={c['batch']}", "decomposition overhead over bare eigh (new factors)",
+                 [at, "decomposition overhead over bare eigh (new factors)",
                   f"{c['redecomposition_overhead_ms']:.3f}"],
-                 [f"B={c['batch']}", "curvature estimate (curvature-only − plain step)",
+                 [at, "curvature estimate (curvature-only − plain step)",
                   f"{c['curvature_overhead_ms']:.3f}"],
-                 *([[f"B={c['batch']}", "empirical-Fisher curvature estimate from the user's backward "
+                 *([[at, "empirical-Fisher curvature estimate from the user's backward "
                      "(curvature-only − plain step)", f"{c['empirical_curvature_overhead_ms']:.3f}"]]
                    if "empirical_curvature_overhead_ms" in c else []),
-                 [f"B={c['batch']}", "first step of a fresh optimizer (overhead over curvature-only step + decomposition)",
+                 [at, "first step of a fresh optimizer (overhead over curvature-only step + decomposition)",
                   f"{ms('kfac_first_step')} (+{c['first_step_overhead_ms']:.3f})"]]
-    return markdown_table(["batch", "what (MLP 64-128-10)", "ms, min / median"], rows, align="lll")
+    return markdown_table(["model, batch", "what", "ms, min / median"], rows, align="lll")
 
 
 README_BEGIN = "<!-- kfac-time-to-accuracy:begin -->"
@@ -564,7 +565,7 @@ def readme_section(report: Dict[str, Any]) -> str:
     lines.append("")
     for cost in report["step_costs"]:
         lines.append(
-            f"* K-FAC step on the MLP at batch {cost['batch']} (ms, min): plain step "
+            f"* K-FAC step on the {cost.get('model', 'mlp').upper()} at batch {cost['batch']} (ms, min): plain step "
             f"{cost['kfac_plain_eigen']['min_ms']:.2f} against SGD {cost['sgd']['min_ms']:.2f} + preconditioning "
             f"matmuls {cost['precondition_matmuls_eigen']['min_ms']:.2f} = {cost['plain_step_over_floor']:.2f}x its "
             f"FLOP floor; curvature estimate +{cost['curvature_overhead_ms']:.2f}"
@@ -689,7 +690,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                   flush=True)
             settings.append(run_setting(model_kind, batch, data, grid, seeds, args.target, max_epochs, retime,
                                         lambda s: print(s, flush=True), time_cap))
-    costs = [step_costs(data, b, cost_repeats) for b in batches]
+    costs = [step_costs(data, b, cost_repeats, m) for m in models for b in batches]
     report: Dict[str, Any] = {
         "machine": machine_info(),
         "config": {"seeds": seeds, "batches": batches, "models": models, "max_epochs": max_epochs, "time_cap_s": time_cap,
