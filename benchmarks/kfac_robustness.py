@@ -432,21 +432,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     logging.getLogger("torchsso2").setLevel(logging.ERROR)  # skipped steps are counted in the table instead
     load_before = load_average()
-    # kfac_pytorch registers full backward hooks on modules whose inputs need no gradient: torch warns once per run
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     optimizers = list(args.optimizers)
     if "kfac_pytorch" in optimizers and kfac_pytorch_class() is None:
         print(f"kfac_pytorch skipped: {skip_message('kfac_pytorch')}", flush=True)
         optimizers.remove("kfac_pytorch")
     points: List[Dict[str, Any]] = []
     print("\n".join(TABLE_HEAD), flush=True)
-    for scaling in args.scalings:
-        data = load_data(standardize=scaling == "standardize")
-        for point in grid_points(optimizers, args.intervals, args.adaptive_intervals):
-            runs = [train(point["optimizer"], point["lr"], point["damping"], s, data, args.epochs, args.batch_size,
-                          args.target, point["intervals"] or (1, 1)) for s in args.seeds]
-            points.append(dict(point, scaling=scaling, runs=runs, summary=summarize(runs)))
-            print(table_row(points[-1]), flush=True)
+    with warnings.catch_warnings():  # the filter ends with the runs (main() is also called in-process)
+        # kfac_pytorch registers full backward hooks on modules whose inputs need no gradient: torch warns each run
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for scaling in args.scalings:
+            data = load_data(standardize=scaling == "standardize")
+            for point in grid_points(optimizers, args.intervals, args.adaptive_intervals):
+                runs = [train(point["optimizer"], point["lr"], point["damping"], s, data, args.epochs,
+                              args.batch_size, args.target, point["intervals"] or (1, 1)) for s in args.seeds]
+                points.append(dict(point, scaling=scaling, runs=runs, summary=summarize(runs)))
+                print(table_row(points[-1]), flush=True)
     kfac = [p for p in points if p["optimizer"] == "kfac"]
     report = {"machine": machine_info(), "load_average_before": load_before, "load_average_after": load_average(),
               "config": {"seeds": args.seeds, "epochs": args.epochs, "batch_size": args.batch_size,
