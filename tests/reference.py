@@ -46,8 +46,10 @@ def sample_labels(loss: str, outputs: Tensor, samples: int, seed: int) -> Tensor
     """The labels the engine draws with ``torch.Generator().manual_seed(seed)``: ``[S, N(, O)]``."""
     gen = torch.Generator().manual_seed(seed)
     f = outputs.detach()
-    if loss == "cross_entropy":
-        return torch.multinomial(torch.softmax(f, dim=1), samples, replacement=True, generator=gen).t()
+    if loss == "cross_entropy":  # inverse CDF: the first class whose cumulative probability exceeds u
+        probs = torch.softmax(f.t(), dim=0).t() if f.shape[1] < 16 else torch.softmax(f, dim=1)
+        u = torch.rand(f.shape[0], samples, generator=gen, dtype=torch.float64)
+        return torch.searchsorted(probs.double().cumsum(1), u, right=True).clamp(max=f.shape[1] - 1).t()
     return f.unsqueeze(0) + torch.randn((samples,) + tuple(f.shape), generator=gen, dtype=f.dtype)
 
 

@@ -1,6 +1,6 @@
 """Issue 30, "defaults that are safe": the KL clip used when ``kl_clip`` is not passed is
 ``DEFAULT_KL_CLIP / √inv_update_interval`` (torchsso2/optim/second_order.py, default_kl_clip),
-and at kfac_pytorch's intervals 10/100 it trains issue 30's grid point that the flat 1e-3 missed.
+and at kfac_pytorch's intervals 10/100 it trains issue 30's grid point better than the flat 1e-3.
 """
 from __future__ import annotations
 
@@ -31,15 +31,17 @@ def test_bad_interval_is_still_refused_by_its_own_check():
         SecondOrderOptimizer(torch.nn.Linear(3, 2), inv_update_interval=0)
 
 
-def test_default_clip_at_10_100_reaches_97_percent_where_the_flat_clip_did_not():
+def test_default_clip_at_10_100_reaches_97_percent_and_ends_above_the_flat_clip():
     """Issue 30's grid point lr 0.1, damping 1e-3 at intervals 10/100 (digits MLP, standardized
-    inputs, batch 512, momentum 0.9, 3 seeds, 15 epochs): with the default clip (1e-4 here) the
-    median seed reaches 97% test accuracy; with kl_clip=1e-3 (the flat default before) it does not:
-    the run fits the training set faster and settles below 97%."""
+    inputs, batch 512, momentum 0.9, 15 epochs): with the default clip (1e-4 here) the median of
+    seeds 0-2 reaches 97% test accuracy; with kl_clip=1e-3 (the flat default before) the run fits
+    the training set faster and settles lower: over seeds 0-5 its mean test accuracy after 15 epochs
+    is below the default clip's by more than 0.005 (about 2 of the 360 test digits; measured 0.948
+    against 0.961, and 3 against 6 of seeds 0-9 reaching 97%)."""
     data = kfac_robustness.load_data(standardize=True)
     torch.set_num_threads(1)
 
-    def median_reached(**kw):
+    def runs(seeds, **kw):
         orig = kfac_robustness.make_optimizer
 
         def make(name, model, lr, damping, seed, intervals):
@@ -47,11 +49,13 @@ def test_default_clip_at_10_100_reaches_97_percent_where_the_flat_clip_did_not()
                                         curv_update_interval=intervals[0], inv_update_interval=intervals[1], **kw)
         kfac_robustness.make_optimizer = make
         try:
-            runs = [kfac_robustness.train("kfac", 0.1, 1e-3, s, data, 15, 512, 0.97, (10, 100)) for s in (0, 1, 2)]
+            out = [kfac_robustness.train("kfac", 0.1, 1e-3, s, data, 15, 512, 0.97, (10, 100)) for s in seeds]
         finally:
             kfac_robustness.make_optimizer = orig
-        assert not any(r["diverged"] for r in runs)
-        return kfac_robustness.summarize(runs)["reached"]
+        assert not any(r["diverged"] for r in out)
+        return out
 
-    assert median_reached()
-    assert not median_reached(kl_clip=DEFAULT_KL_CLIP)
+    default, flat = runs(range(6)), runs(range(6), kl_clip=DEFAULT_KL_CLIP)
+    assert kfac_robustness.summarize(default[:3])["reached"]
+    mean = lambda rs: sum(r["final_accuracy"] for r in rs) / len(rs)  # noqa: E731
+    assert mean(default) > mean(flat) + 0.005, (mean(default), mean(flat))

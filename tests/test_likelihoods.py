@@ -57,8 +57,50 @@ def test_categorical_mc_vectors_are_softmax_minus_one_hot_of_the_draws_bit_for_b
     f = (torch.randn(50, 7, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     got = _categorical_mc_vectors(f, samples, torch.Generator().manual_seed(5))
     wide = dtype in (torch.float32, torch.float64)
-    p = torch.softmax(f if wide else f.float(), dim=1)
-    draws = torch.multinomial(p, samples, replacement=True, generator=torch.Generator().manual_seed(5))
-    probs = p if wide else torch.softmax(f, dim=1)
+    p = torch.softmax((f if wide else f.float()).t(), dim=0).t()  # 7 classes: the class-major kernel
+    u = torch.rand(50, samples, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    draws = torch.searchsorted(p.double().cumsum(1), u, right=True)  # inverse CDF: first class with CDF > u
+    probs = p if wide else torch.softmax(f.t(), dim=0).t()
     want = (probs.unsqueeze(0) - F.one_hot(draws.t(), 7).to(probs.dtype)) * (1.0 if samples == 1 else 1 / math.sqrt(samples))
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_draw_classes_has_the_distribution_of_each_row() -> None:
+    """draw_classes (inverse CDF) against the row probabilities: 200000 draws per row; each class
+    frequency within 5 standard errors of its probability (sd = √(p(1−p)/n) ≤ 0.0011; a false
+    failure has probability < 1e-5 per class); a class of probability 0 is never drawn."""
+    from curvature.likelihoods import draw_classes
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 0.0, 1.0],
+                          [0.999, 0.001, 0.0, 0.0]], dtype=torch.float64)
+    n = 200_000
+    draws = draw_classes(probs, n, torch.Generator().manual_seed(0))
+    assert draws.shape == (4, n) and draws.dtype == torch.int64
+    for row, p in zip(draws, probs):
+        freq = torch.bincount(row, minlength=4).double() / n
+        sd = (p * (1 - p) / n).sqrt()
+        assert torch.all((freq - p).abs() <= 5 * sd + 1e-12), (freq, p)
+        assert torch.all(freq[p == 0] == 0)
+
+
+def test_draw_classes_is_seeded_and_stays_in_range_when_the_cdf_rounds_below_one() -> None:
+    """The same generator seed gives the same classes; a row whose probabilities sum to less than 1
+    (float32 rounding) never yields an index past the last class."""
+    from curvature.likelihoods import draw_classes
+    probs = torch.softmax(torch.randn(64, 10, generator=torch.Generator().manual_seed(2)) * 4, dim=1)
+    a = draw_classes(probs, 3, torch.Generator().manual_seed(7))
+    b = draw_classes(probs, 3, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b) and a.shape == (64, 3)
+    short = torch.full((1, 4), 0.2)  # sums to 0.8: draws with u >= 0.8 are past the CDF
+    d = draw_classes(short, 10_000, torch.Generator().manual_seed(1))
+    assert int(d.max()) == 3 and int(d.min()) >= 0
+
+
+def test_sample_targets_and_fisher_mc_vectors_draw_the_same_labels() -> None:
+    """fisher_mc's categorical vectors are nll_grad at the labels sample_targets draws from the same
+    generator stream (bit for bit)."""
+    from curvature.likelihoods import _categorical_mc_vectors, nll_grad, sample_targets
+    f = torch.randn(40, 6, generator=torch.Generator().manual_seed(3)) * 2
+    ys = sample_targets(LossType.CROSS_ENTROPY, f, 2, torch.Generator().manual_seed(9))
+    v = _categorical_mc_vectors(f, 2, torch.Generator().manual_seed(9))
+    want = torch.stack([nll_grad(LossType.CROSS_ENTROPY, f, y) for y in ys]) * (1.0 / 2 ** 0.5)
+    assert torch.equal(v, want)

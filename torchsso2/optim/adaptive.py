@@ -50,7 +50,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
-from curvature.likelihoods import mean_nll
+from curvature.likelihoods import class_softmax, mean_nll
 from curvature.options import Kind, LossType
 from curvature.uses_static import observer_hook
 
@@ -136,17 +136,6 @@ def _rng_of(call: Call) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(call[2])
         yield
-
-
-def class_softmax(outputs: Tensor, dim: int) -> Tensor:
-    """``softmax(outputs, dim)``; on CPU with fewer than :data:`sequential_jvp.NARROW` classes by
-    torch's kernel over a leading dimension (of ``outputs.movedim(dim, 0)``, a view): its
-    last-dimension kernel has no vector path for so few classes (digits logits [128, 10]: ~23 µs,
-    against ~5 µs, ~2 µs when the logits are stored class-major as the fast J·v leaves them).
-    The same values up to rounding (the order of the sum over the classes)."""
-    if outputs.device.type == "cpu" and outputs.shape[dim] < sequential_jvp.NARROW:
-        return torch.softmax(outputs.movedim(dim, 0), 0).movedim(0, dim)
-    return torch.softmax(outputs, dim)
 
 
 def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
