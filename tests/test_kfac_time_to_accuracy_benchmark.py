@@ -42,6 +42,38 @@ def test_targets_compare_epochs_and_the_time_ratio():
     assert missed["time_ratio"] is None and not missed["fewer_epochs"] and not missed["time_target_met"]
 
 
+def test_finalists_are_the_fastest_points_within_the_span_and_the_retimed_best_is_reported(monkeypatch):
+    """The sweep's fastest points (at most FINALISTS, within FINALIST_SPAN of the fastest; none that
+    missed on the median seed) are timed again, and the point with the best retimed median wins even
+    when one sweep pass ranked it second."""
+    entries = [{"point": {"lr": lr}, **_summary([5, 5, 5], [t, t, t])} for lr, t in
+               ((0.1, 1.0), (0.2, 1.2), (0.3, 1.4), (0.4, 1.45), (0.5, 2.0))] + \
+              [{"point": {"lr": 0.6}, **_summary([None, None, 3], [None, None, 0.1])}]
+    picked = bench._finalists(entries)
+    assert [e["point"]["lr"] for e in picked] == [0.1, 0.2, 0.3]  # 1.45 is the fourth; 2.0 is past 1.5x
+    assert bench._finalists([entries[-1]]) == []
+
+    # one setting: the sweep ranks lr 0.1 first by a burst of load; retimed, lr 0.3 is faster
+    sweep_time = {0.1: 0.9, 0.3: 1.0, 1.0: 5.0}
+    retimed = {0.1: 0.8, 0.3: 0.5, 1.0: 5.0}
+    calls = []
+
+    def fake_train(method, point, model_kind, data, batch, seed, target, max_epochs, time_cap=math.inf):
+        lr = point["lr"]
+        first = not any(c == (method, lr, seed) for c in calls)
+        calls.append((method, lr, seed))
+        return {"seed": seed, "epochs": 4, "seconds": sweep_time[lr] if first else retimed[lr], "curve": [],
+                "skipped": 0, "stalled": False}
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    grid = {m: [{"lr": 0.1}, {"lr": 0.3}, {"lr": 1.0}] for m in bench.METHODS}
+    out = bench.run_setting("mlp", 128, {}, grid, [0, 1], 0.97, 5, 1, lambda s: None)
+    for m in bench.METHODS:
+        assert out["best"][m]["point"] == {"lr": 0.3}
+        assert out["best"][m]["summary"]["seconds_per_seed"] == [0.5, 0.5]
+    assert ("sgd", 1.0, 0) in calls and calls.count(("sgd", 1.0, 0)) == 1  # past the span: not retimed
+
+
 def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     adaptive = bench.grids(False)["kfac-adaptive"]
     assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (1, 10), (3, 12), (5, 5), (5, 20)}
