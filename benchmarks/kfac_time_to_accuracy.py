@@ -276,9 +276,6 @@ def run_setting(model_kind: str, batch: int, data: Dict[str, Tensor], grid: Dict
     # burst of load can rank a slower point first); each is timed again (``retime`` more
     # round-robin passes, a seed's time its fastest pass) and the best by that median is reported
     finalists = {m: _finalists([e for e in sweep if e["method"] == m]) for m in METHODS}
-    for entries in finalists.values():
-        for e in entries:
-            e["runs"] = [dict(r) for r in e["runs"]]
     for _ in range(retime):
         for seed_pos, seed in enumerate(seeds):
             for m in METHODS:
@@ -288,8 +285,8 @@ def run_setting(model_kind: str, batch: int, data: Dict[str, Tensor], grid: Dict
                     if again["seconds"] is not None and (first["seconds"] is None or again["seconds"] < first["seconds"]):
                         e["runs"][seed_pos] = {**first, "seconds": again["seconds"], "curve": again["curve"]}
     best: Dict[str, Dict[str, Any]] = {}
-    for m in METHODS:
-        entries = finalists[m] or [e for e in sweep if e["method"] == m][:1]  # none reached: the first point
+    for m in METHODS:  # no finalist (no point reached on the median seed): the point reaching on the most seeds
+        entries = finalists[m] or [e for e in sweep if e["method"] == m]
         best[m] = min(entries, key=lambda e: _rank(summarize(e["runs"])))
     result: Dict[str, Any] = {"model": model_kind, "batch": batch, "sweep": [
         {"method": e["method"], "point": e["point"], "summary": e["summary"]} for e in sweep], "best": {}}

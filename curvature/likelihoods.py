@@ -206,7 +206,8 @@ def _categorical_mc_vectors(outputs: Tensor, samples: int, generator: Optional[t
     probs = p if wide else class_softmax(f, 1)
     # p − onehot(ỹ): p with 1 subtracted at the drawn class (p + (−1) is p − 1 exactly), in place of a
     # copy: no one-hot tensor, its cast and a subtraction over every class (digits [128, 10]: ~11 -> ~5 µs);
-    # one sample writes into the softmax itself (a new tensor, no longer needed once drawn from)
+    # one sample needs no repeat: the softmax itself when contiguous (a new tensor, no longer needed once
+    # drawn from), else one contiguous copy of it (class_softmax's class-major result for few classes)
     v = probs.unsqueeze(0).contiguous() if samples == 1 else probs.unsqueeze(0).repeat(samples, 1, 1)
     v.scatter_add_(2, draws.t().unsqueeze(2), v.new_full((samples, f.shape[0], 1), -1.0))
     return v if samples == 1 else v.mul_(1.0 / math.sqrt(samples))

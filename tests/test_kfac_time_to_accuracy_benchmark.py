@@ -74,6 +74,21 @@ def test_finalists_are_the_fastest_points_within_the_span_and_the_retimed_best_i
     assert ("sgd", 1.0, 0) in calls and calls.count(("sgd", 1.0, 0)) == 1  # past the span: not retimed
 
 
+def test_a_method_that_misses_on_the_median_seed_reports_its_point_reaching_on_the_most_seeds(monkeypatch):
+    """No finalist (no point reaches the target on the median seed): the point with the most seeds
+    reaching it is reported, not the grid's first point."""
+    def fake_train(method, point, model_kind, data, batch, seed, target, max_epochs, time_cap=math.inf):
+        reached = point["lr"] == 0.3 and seed == 0  # one seed of three, at one point
+        return {"seed": seed, "epochs": 4 if reached else None, "seconds": 0.5 if reached else None, "curve": [],
+                "skipped": 0, "stalled": False}
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    grid = {m: [{"lr": 0.1}, {"lr": 0.3}, {"lr": 1.0}] for m in bench.METHODS}
+    out = bench.run_setting("mlp", 128, {}, grid, [0, 1, 2], 0.97, 5, 2, lambda s: None)
+    for m in bench.METHODS:
+        assert out["best"][m]["point"] == {"lr": 0.3} and out["best"][m]["summary"]["reached"] == 1
+
+
 def test_adaptive_grid_has_long_interval_points_and_the_optimizer_uses_them():
     adaptive = bench.grids(False)["kfac-adaptive"]
     assert {(p.get("curv", 1), p.get("inv", 1)) for p in adaptive} >= {(1, 1), (1, 10), (3, 12), (5, 5), (5, 20)}

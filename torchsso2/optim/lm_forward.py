@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from curvature.likelihoods import mean_nll
+from curvature.likelihoods import FEW_CLASSES, mean_nll
 from curvature.options import LossType
 
 from . import sequential_jvp
@@ -70,11 +70,12 @@ def forward_only_closure(opt: Any, targets: Optional[Tensor], loss: Any, output:
 
 def _mean_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
     """:func:`curvature.likelihoods.mean_nll`; cross-entropy of [N, C] logits with fewer than
-    ``sequential_jvp.NARROW`` classes on CPU by the log-softmax over a leading dimension (of the
-    transposed view): torch's last-dimension kernel has no vector path for so few classes (digits
+    :data:`curvature.likelihoods.FEW_CLASSES` classes on CPU by the log-softmax over a leading dimension
+    (of the transposed view; as :func:`curvature.likelihoods.class_softmax` for the softmax): torch's
+    last-dimension kernel has no vector path for so few classes (digits
     [128, 10]: ~27 µs -> ~10 µs). The same value up to rounding (the order of the sum over classes)."""
     if loss is LossType.CROSS_ENTROPY and outputs.dim() == 2 and outputs.device.type == "cpu" \
-            and outputs.shape[1] < sequential_jvp.NARROW and outputs.is_floating_point():
+            and outputs.shape[1] < FEW_CLASSES and outputs.is_floating_point():
         return F.nll_loss(torch.log_softmax(outputs.t(), 0).t(), targets.long())
     return mean_nll(loss, outputs, targets)
 
