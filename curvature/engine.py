@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -81,7 +81,8 @@ class CurvatureEngine:
 
     def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
                  loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None,
-                 output_selector: Optional[Callable[[Any], Tensor]] = None, kfac_approx: str = "expand") -> None:
+                 output_selector: Optional[Callable[[Any], Tensor]] = None, kfac_approx: str = "expand",
+                 include: Optional[AbstractSet[int]] = None) -> None:
         self.kind = parse(Kind, kind, "kind")
         self.kfac_approx = parse(KFACApprox, kfac_approx, "kfac_approx")
         if output_selector is not None and not callable(output_selector):
@@ -92,12 +93,14 @@ class CurvatureEngine:
             raise ValueError(f"mc_samples={mc_samples!r} is invalid; expected an int >= 1")
         self.mc_samples = mc_samples
         self.model = model
-        self.layouts, self.approx = select_layouts(model, approx, skip_modules)
+        self.layouts, self.approx = select_layouts(model, approx, skip_modules, include)
         #: backpropagate the K vectors in one vmapped backward (see :func:`prefers_batched_backward`)
         self.batched_backward = prefers_batched_backward(model)
         #: the BatchNorms a capture may route (found once, like the covered modules)
         self.batch_norms = batch_norm_modules(model)
         self._modules = {n: lay.module for n, lay in self.layouts.items()}
+        #: shape signatures whose module outputs were checked to hold the examples first
+        self._examples_checked: set = set()
         full = {n: sum(q.numel() for q in lay.params) for n, lay in self.layouts.items()
                 if self.approx[n] is Approx.FULL}
         if full:  # announce large full blocks (P² numbers, ~9P³ FLOPs a decomposition) before they are built
@@ -189,11 +192,34 @@ class CurvatureEngine:
                     if capture.records[n].output.dim() and capture.records[n].output.shape[0] != outputs.shape[0]}
             with capture.frozen.on():
                 sequence.check_example_major_rows(outputs, outs, per_example)
+        elif self.kind in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
+            self._check_examples_first(capture, outputs)
         if per_example > 1 and self.kind is Kind.FISHER:
             chunks = self._per_position_grad_chunks(capture, outputs, vectors, per_example)
         else:
             chunks = self.output_grad_chunks(capture, outputs, vectors)
         return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
+
+    def _check_examples_first(self, capture: Capture, outputs: Tensor) -> None:
+        """ValueError unless the first dimension of every covered module's output under a full or
+        diagonal block holds the examples: the exact and empirical Fisher sum per-example products
+        taken there, and a sequence-first ``[T, N, d]`` activation with ``T == N`` passes the size
+        check of :meth:`check_examples_align`. Where an output could be such a layout (its size ``N``
+        also at another dimension), one backward pass of the first example's loss rows
+        (:func:`curvature.sequence.check_example_major_rows`), once per shape signature; other
+        outputs cost nothing (K-FAC blocks sum over every position and need no check)."""
+        n = outputs.shape[0]
+        outs = {name: capture.records[name].output for name in self._modules
+                if self.approx[name] is not Approx.KFAC and capture.records[name].output.dim() > 1
+                and capture.records[name].output.shape[0] == n > 1 and n in capture.records[name].output.shape[1:]}
+        if not outs:
+            return
+        signature = (tuple(outputs.shape), tuple((n, tuple(o.shape)) for n, o in outs.items()))
+        if signature in self._examples_checked:
+            return
+        with capture.frozen.on():
+            sequence.check_example_major_rows(outputs, outs, 1)
+        self._examples_checked.add(signature)
 
     def _per_position_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor,
                                   per_example: int) -> Iterator[Tuple[Dict[str, Tensor], Tensor]]:

@@ -5,8 +5,9 @@ blocks are dropped, like every shape here). Cost of a full block: ``P_m`` Hessia
 (batched through ``is_grads_batched``), so use it on small models or layers; a block needing
 more than :data:`curvature.cost.HVP_WARN` products is announced with a logging warning first.
 The diagonal of a Linear/Conv2d block needs only ``d_out·T`` products in the layer's output space
-(:mod:`curvature.hessian_diag`) when no BatchNorm couples the examples; other diagonal blocks
-take the ``P_m`` rows and keep their diagonal.
+(:mod:`curvature.hessian_diag`) when no BatchNorm couples the examples and the checks there hold
+(the parameters used only by that call, no coupling of the output's first dimension); other
+diagonal blocks take the ``P_m`` rows and keep their diagonal.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .blocks import Block, DiagBlock, FullBlock, Layout
 from .blocks.base import compute_dtype
 from .cost import warn_hessian_products
 from .hvp import ProductRunner
-from .hessian_diag import diag_block, output_space_count, supports
+from .hessian_diag import diag_block, output_space_count, supports, uses_only_through
 from .options import Approx
 
 _CHUNK = 256
@@ -53,9 +54,13 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
         count = output_space_count(lay.module, rec.output)
         if count >= p:
             continue
-        warn_hessian_products(name, count, p, "diagonal")
+        if not uses_only_through(loss, rec.output, lay.params):  # a tied or functional other use
+            continue
         diag = diag_block(loss, lay.module, rec.inputs, rec.output, list(lay.param_names))
-        if diag is None:
+        if diag is None:  # the examples (rows of the output's first dimension) are coupled
+            continue
+        warn_hessian_products(name, count, p, "diagonal")
+        if diag.numel() == 0:
             diag = torch.zeros(p, dtype=loss.dtype, device=loss.device)
         fast[name] = DiagBlock(lay, diag.to(compute_dtype(diag.dtype)))
     names = [n for n in names if n not in fast]

@@ -15,11 +15,15 @@ example's block ``H_n`` at once. With ``B_o[n, s, t] = H_n[(o, s), (o, t)]``::
 Cost: ``d_out·T`` output-space products (``d_out`` for a Linear layer on ``[N, d_in]``), against
 ``d_out·d_in`` parameter-space products for the generic path. A model whose batch statistics
 couple the examples (a BatchNorm using batch statistics) does not satisfy the assumption: the
-caller then uses the generic path.
+caller then uses the generic path, and so it does wherever the assumptions are not checked to hold
+(:func:`uses_only_through`: the parameters reach the loss only through this call of the module,
+no tied or functional other use; :func:`rows_independent`: ``H_zz`` has no block coupling two
+indices of ``z``'s first dimension — examples coupled by functional batch statistics, a layer
+applied to sequence-first ``[T, N, d]`` activations whose positions are mixed afterwards).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -66,17 +70,61 @@ def _hvp(runner: ProductRunner, vectors: Tensor) -> Tensor:
     return runner.run(vectors)[0]
 
 
+def uses_only_through(loss: Tensor, z: Tensor, params: Iterable[Tensor]) -> bool:
+    """Whether ``loss`` depends on ``params`` only through ``z``: no path of ``loss``'s autograd graph
+    reaches a parameter's gradient accumulator without passing ``z``'s node (a tied module or a
+    functional use of the weight is such a path). A walk of the graph above ``z``."""
+    stop = z.grad_fn
+    if stop is None or loss.grad_fn is None:
+        return True
+    ids = {id(p) for p in params}
+    seen = {stop}
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in ids:
+            return False
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return True
+
+
+def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
+    """Whether ``H_zz`` (``runner``: products with it) couples no two indices of ``z``'s first dimension,
+    checked by two products with one random vector ``w`` under two random sign patterns ``s`` over
+    that dimension: without coupling ``s ⊙ H(s ⊙ w) = H_diag-blocks w`` whatever ``s``. A coupling
+    large enough to change the diagonal beyond rounding changes the two (the draws are seeded: the
+    same check every call)."""
+    n = z.shape[0]
+    if n < 2:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(z.shape, generator=gen, dtype=torch.float64).to(z.dtype)
+    signs = (torch.randint(0, 2, (2, n), generator=gen) * 2 - 1).to(z.dtype)
+    signs[1, 0] = -signs[0, 0]  # two patterns that differ (n >= 2)
+    view = (2, n) + (1,) * (z.dim() - 1)
+    hv = _hvp(runner, (signs.view(view) * w).to(z.device)) * signs.view(view).to(z.device)
+    scale = float(hv.abs().max())
+    if scale == 0.0:
+        return True
+    return float((hv[0] - hv[1]).abs().max()) <= 1e3 * torch.finfo(z.dtype).eps * scale
+
+
 def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: Tensor,
                names: List[str]) -> Optional[Tensor]:
     """The exact Hessian diagonal ``[P]`` (weight row-major, then bias) of ``module``'s ``names``
-    parameters, or None when ``z`` is not in ``loss``'s graph at second order.
+    parameters; a zero-size tensor when ``z`` is not in ``loss``'s graph at second order; None when
+    ``H_zz`` couples the indices of ``z``'s first dimension (:func:`rows_independent`: the caller
+    takes the generic path).
 
-    ``inputs``: the module's recorded inputs; ``z``: its recorded output (in the graph of ``loss``).
-    Assumes no cross-example coupling after the module (see the module docstring).
+    ``inputs``: the module's recorded inputs; ``z``: its recorded output (in the graph of ``loss``,
+    the only way the parameters reach it: :func:`uses_only_through`).
     """
     (gz,) = torch.autograd.grad(loss, z, create_graph=True, allow_unused=True)
     if gz is None or not gz.requires_grad:
-        return None
+        return z.new_zeros(0)
     zn = _to_ntd(module, z.detach())                               # [N, T, d]
     n, t, d = zn.shape
     if isinstance(module, nn.Conv2d):
@@ -89,6 +137,8 @@ def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: T
         a = x.reshape(n, t, x.shape[-1])
     a = a.to(gz.dtype)
     runner = ProductRunner(gz, [z])
+    if not rows_independent(runner, z):
+        return None
     cols = [(o, s) for o in range(d) for s in range(t)]           # column (channel o, position s)
     b = torch.empty(d, n, t, t, dtype=gz.dtype, device=gz.device)  # B_o[n, s', s]
     for start in range(0, len(cols), CHUNK):

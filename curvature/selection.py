@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
@@ -39,8 +39,8 @@ def _default_approx(module: nn.Module) -> Approx:
     return Approx.KFAC if fam is not None and fam.supports_kfac else Approx.DIAG
 
 
-def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None
-                   ) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
+def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None,
+                   include: Optional[AbstractSet[int]] = None) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
     """Covered modules (``named_modules`` order) with their layouts and shapes.
 
     A module matched by ``skip_modules`` is left out with all its submodules: a parent may
@@ -54,6 +54,9 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     :attr:`~curvature.blocks.Layout.tied` and contribute their part (see
     :meth:`curvature.engine.CurvatureEngine.blocks_from_grad_chunks`). Their other parameters form
     their own layout (a module whose only parameter is tied has none).
+
+    ``include``: the ``id`` of the parameters to cover (an optimizer's own parameters); the others
+    are treated as frozen. None: every trainable parameter.
 
     Raises ValueError for a module holding trainable parameters of an unsupported type
     (unless skipped) and for a model with no supported layer.
@@ -78,17 +81,34 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         if any(_matches(k, name, module) for k in skip):
             skipped.append(name)
             continue
-        direct = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        direct = [(n, p) for n, p in module.named_parameters(recurse=False)
+                  if p.requires_grad and (include is None or id(p) in include)]
         if not direct:
             continue
         fam = family_of(module)
+        if fam is None and any(True for _ in module.children()):
+            # a container holding parameters itself (a ViT's cls_token, a learned temperature): skipping
+            # it would skip its layers too
+            qualified = [f"{name}.{n}" if name else n for n, _ in direct]
+            names, as_set = ", ".join(qualified), ", ".join(map(repr, qualified))
+            raise ValueError(
+                f"module {name!r} of type {type(module).__name__} holds trainable parameters itself ({names}) "
+                "outside any layer with curvature support (Linear, Conv2d, BatchNorm1d/2d, LayerNorm, Embedding, "
+                "MultiheadAttention); skip_modules would skip its layers too. Leave them out of the optimizer's "
+                f"params (params=[p for n, p in model.named_parameters() if n not in {{{as_set}}}]) and add them "
+                "afterwards with opt.add_param_group({'params': [...]}) for the plain (momentum SGD) update, "
+                "give them to another torch.optim optimizer, or freeze them")
         if fam is None:
             raise ValueError(
                 f"module {name!r} of type {type(module).__name__} has trainable parameters "
                 f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
                 "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
                 "(by name regex or type) or freeze its parameters")
-        fam.validate(module)
+        try:
+            fam.validate(module)
+        except ValueError as err:
+            raise ValueError(f"module {name!r} ({type(module).__name__}): {err}; or leave the module to the "
+                             f"plain update with skip_modules=[{'^' + re.escape(name) + '$'!r}]") from err
         own = []
         for local, p in direct:
             if id(p) in owner:  # tied: the first module (named_parameters order) holds the block

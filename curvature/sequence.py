@@ -75,6 +75,13 @@ def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor],
     grads = torch.autograd.grad(outputs, [module_outputs[n] for n in names], grad_outputs=v,
                                 retain_graph=True, allow_unused=True)
     leaked = [n for n, g in zip(names, grads) if g is not None and bool(g[1:].ne(0).any())]
+    if leaked and per_example == 1:
+        raise ValueError(
+            f"the loss of the first example reaches other entries of the first dimension of modules {leaked}: "
+            "the exact and the empirical Fisher (full and diagonal blocks) take that dimension as the "
+            "examples, so it must hold them (e.g. not a sequence-first [T, N, d] activation of a batch-first "
+            "model) and the model must not mix its examples. Use approx='kfac' for those modules, or "
+            "kind='fisher_mc'")
     if leaked:
         raise ValueError(
             f"the loss rows 0..{per_example - 1} (the first of {outputs.shape[0] // per_example} examples of "

@@ -11,7 +11,7 @@ from torch import nn
 
 from curvature.blocks.base import owned_all_finite
 from torchsso2 import SecondOrderOptimizer
-from torchsso2.optim.clipped_update import clip_and_check
+from torchsso2.optim.clipped_update import clip_and_check, clip_scale
 from torchsso2.optim.steps import kl_clip_factor
 from optim_helpers import make_closure
 
@@ -68,14 +68,18 @@ def test_a_non_finite_update_is_found(bad, zero_grad_there, lr):
     assert _three_passes(updates, vecs, [lr] * 4, 1e-3) is None
 
 
-def test_finite_updates_whose_inner_product_overflows_are_kept_as_before():
-    """A finite update with an overflowing ``vg`` (inf) is checked element by element: finite, so it
-    is applied with ``ν = 0`` as the three passes did."""
+def test_finite_updates_whose_inner_product_overflows_take_the_float64_clip():
+    """A finite update with an overflowing float32 ``vg`` (inf) is checked element by element: finite,
+    so ``vg`` is summed again in float64 and the update scaled by that ``ν`` (both paths)."""
     updates, vecs = _tensors(4, scale=1e20)
     got, want = clip_and_check(updates, vecs, [1.0] * 4, 1e-3), _three_passes(updates, vecs, [1.0] * 4, 1e-3)
     assert got is not None and want is not None
-    for a, b in zip(got, want):
-        assert torch.equal(a, b) and not a.abs().sum()
+    vg = sum(float((u.double() * d.double()).sum()) for u, d in zip(updates, vecs))
+    nu = math.sqrt(1e-3 / vg)
+    for a, b, u in zip(got, want, updates):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, u * nu)
+        assert torch.isfinite(a).all() and a.abs().sum() > 0
 
 
 def test_mixed_dtypes_and_non_contiguous_tensors():
@@ -124,3 +128,32 @@ def test_kfac_training_equals_the_three_pass_step():
             opt.step(closure)
         runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_products_overflowing_float32_are_summed_again_in_float64() -> None:
+    """Finite float32 updates whose ``lr²·uᵀd`` overflows float32 (found by an audit: ν became 0 and
+    the fused step divided by it, or NaN turned the clip off): ν is taken from the float64 sum."""
+    u, d = torch.full((10,), 1e20), torch.full((10,), 1e20)
+    nu = clip_scale([u], [d], [0.05], 1e-3)
+    assert nu == pytest.approx(math.sqrt(1e-3 / (0.05 ** 2 * 10 * 1e40)), rel=1e-6)
+    assert clip_scale([torch.tensor([1e30, 1e30])], [torch.tensor([1e30, -1e30])], [0.05], 1e-3) == 1.0  # uᵀd = 0
+    huge = torch.tensor([1e200], dtype=torch.float64)
+    assert clip_scale([huge], [huge], [1.0], 1e-3) is None  # beyond float64: not a usable step
+
+
+@pytest.mark.parametrize("approx, interval", [("diag", 2), ("kfac", 2), ("full", 1)])
+def test_a_huge_but_finite_batch_takes_a_bounded_step(approx: str, interval: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    opt = SecondOrderOptimizer(model, lr=0.05, approx=approx, curv_update_interval=interval,
+                               inv_update_interval=interval, seed=3)
+
+    for _ in range(3):
+        opt.step(make_closure(opt, model, x, y))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(make_closure(opt, model, x * 1e20, y))
+    moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before)])
+    assert torch.isfinite(moved).all()
+    # the step bounded by the clip (momentum 0.9 adds at most 10x the previous steps' size)
+    assert float(moved.abs().max()) < 1.0

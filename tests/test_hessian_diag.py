@@ -123,7 +123,8 @@ def test_train_mode_batchnorm_uses_the_generic_exact_path(fast_calls: list) -> N
 
 
 def test_diagonal_needs_output_space_products_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Linear(64 -> 10) head: 10 products for its 650 parameters (the full block needs 650)."""
+    """A Linear(64 -> 10) head: 10 products for its 650 parameters (the full block needs 650), and the
+    2 of the check that the examples are independent."""
     products = []
     real = hessian_diag._hvp
     monkeypatch.setattr(hessian_diag, "_hvp", lambda runner, v: products.append(v.shape[0]) or real(runner, v))
@@ -131,7 +132,7 @@ def test_diagonal_needs_output_space_products_only(monkeypatch: pytest.MonkeyPat
     model = nn.Sequential(nn.Linear(64, 10))
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     curvature.compute(model, x, y, kind="hessian", approx="diag")
-    assert sum(products) == 10
+    assert sum(products) == 10 + 2
 
 
 def test_expensive_hessian_blocks_are_announced(caplog: pytest.LogCaptureFixture,
@@ -159,3 +160,89 @@ def test_large_full_blocks_are_announced(caplog: pytest.LogCaptureFixture) -> No
     msgs = [r.getMessage() for r in caplog.records]
     assert any("'0'" in m and "2600x2600 = 6,760,000 elements" in m and "MiB" in m for m in msgs), msgs
     assert not any("'2'" in m for m in msgs)
+
+
+class _SeqFirst(nn.Module):
+    """A batch-first model whose first Linear runs on sequence-first ``[T, N, d]`` activations:
+    the output's first dimension is the position, and the positions are mixed by the mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x.transpose(0, 1))).mean(0))
+
+
+class _Coupled(nn.Module):
+    """Examples coupled without an nn.BatchNorm: functional batch statistics, or centering."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = F.batch_norm(h, None, None, training=True) if self.how == "batch_norm" else h - h.mean(0)
+        return self.fc2(torch.tanh(h))
+
+
+class _Tied(nn.Module):
+    """Two Linear modules sharing one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.fc2.weight = self.fc1.weight
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class _Reused(nn.Module):
+    """A module call and a functional use of the same weight (the Hessian sees every use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.out = nn.Linear(4, 4, bias=False), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(F.linear(torch.tanh(self.fc1(x)), self.fc1.weight)))
+
+
+@pytest.mark.parametrize("build, shape, fast", [
+    (_SeqFirst, (4, 3, 6), "called"), (lambda: _Coupled("batch_norm"), (5, 6), "called"),
+    (lambda: _Coupled("center"), (5, 6), "called"), (_Tied, (5, 4), "not called"), (_Reused, (5, 4), "not called")])
+def test_fast_path_refuses_what_breaks_its_assumptions(build, shape, fast: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output-space path assumes the weight reaches the loss only through the module's call and
+    no coupling of the output's first dimension; where either fails the block comes from the
+    generic path, equal to the brute force (found by an audit: these were off by 10-100%)."""
+    torch.manual_seed(0)
+    model = build().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.randint(0, 3, (shape[0],))
+    params = {n: p.detach() for n, p in model.named_parameters() if n.startswith("fc1.")}
+
+    def loss(p: dict) -> torch.Tensor:
+        return F.cross_entropy(functional_call(model, p, (x,)), y)
+
+    h = hessian(loss)(params)
+    brute = torch.cat([h[n][n].reshape(params[n].numel(), -1).diagonal() for n in params])
+    called, real = [], hessian_diag.diag_block
+    monkeypatch.setattr(curvature.hessian, "diag_block", lambda loss, module, *a: called.append(module) or
+                        real(loss, module, *a))
+    c = curvature.compute(model, x, y, kind="hessian", approx="diag")
+    torch.testing.assert_close(c.blocks["fc1"].dense().diagonal(), brute, rtol=1e-9, atol=1e-12)
+    assert any(m is model.fc1 for m in called) == (fast == "called")  # called: its check refused
+
+
+def test_independence_check_passes_independent_rows() -> None:
+    """The check itself: a per-example loss passes, a centred one does not."""
+    z = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    for coupled in (False, True):
+        h = z - z.mean(0) if coupled else z
+        (gz,) = torch.autograd.grad(h.tanh().pow(2).sum(), z, create_graph=True)
+        assert hessian_diag.rows_independent(hessian_diag.ProductRunner(gz, [z]), z) is (not coupled)

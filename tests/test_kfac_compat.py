@@ -249,17 +249,19 @@ def test_scheduler_multiplies_the_hyperparameters():
     pre = KFACPreconditioner(tiny(), factor_update_steps=1, inv_update_steps=1, damping=1, factor_decay=1,
                              kl_clip=1, lr=1)
     sched = LambdaParamScheduler(pre, factor_update_steps_lambda=_scaled(2), inv_update_steps_lambda=_scaled(3),
-                                 damping_lambda=_scaled(5), factor_decay_lambda=_scaled(7),
+                                 damping_lambda=_scaled(5), factor_decay_lambda=_scaled(0.5),
                                  kl_clip_lambda=_scaled(9), lr_lambda=_scaled(11))
     for steps in range(1, 6):
         pre._steps = steps
         sched.step()
         assert (pre.factor_update_steps, pre.inv_update_steps) == (2 ** steps, 3 ** steps)
-        assert (pre.damping, pre.factor_decay, pre.kl_clip, pre.lr) == (5 ** steps, 7 ** steps, 9 ** steps,
+        assert (pre.damping, pre.factor_decay, pre.kl_clip, pre.lr) == (5 ** steps, 0.5 ** steps, 9 ** steps,
                                                                           11 ** steps)
     sched = LambdaParamScheduler(pre, damping_lambda=_scaled(5, constant=False))
-    sched.step(step=0)  # the step passed overrides preconditioner.steps
-    assert pre.damping == 0
+    sched.step(step=2)  # the step passed overrides preconditioner.steps (5)
+    assert pre.damping == 5 ** 5 * 10
+    with pytest.raises(ValueError, match="damping must be a float > 0.*got 0 .*LambdaParamScheduler at step 0"):
+        sched.step(step=0)  # a value out of range is refused (kfac_pytorch sets it)
     pre = KFACPreconditioner(tiny(), inv_update_steps=10)
     LambdaParamScheduler(pre, inv_update_steps_lambda=lambda s: 0.55).step()
     assert pre.inv_update_steps == 5 and isinstance(pre.inv_update_steps, int)

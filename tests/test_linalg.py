@@ -419,8 +419,10 @@ def test_bad_names_raise(monkeypatch):
     monkeypatch.setenv(ENV, "tensorflow")
     with pytest.raises(ValueError, match=f"'tensorflow'.*{ENV}"):
         get_backend()
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="linalg must be a backend name.*int 3"):
         get_backend(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'lapack' \\(from the linalg argument\\)"):
+        get_backend("lapack")
 
 
 def test_cupy_missing_says_so_and_suggests_torch(monkeypatch):

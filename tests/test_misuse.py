@@ -30,7 +30,7 @@ def _vec(model: nn.Module) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("face", ["sso", "vi"])
-@pytest.mark.parametrize("zero", ["none", "zeros", "no_zero_grad"])
+@pytest.mark.parametrize("zero", ["none", "none_after_a_step", "zeros", "no_zero_grad"])
 def test_closure_without_backward_raises(face: str, zero: str) -> None:
     model = _mlp()
     opt = _faces(model)[face]
@@ -43,7 +43,7 @@ def test_closure_without_backward_raises(face: str, zero: str) -> None:
         return loss, out
 
     def no_backward():
-        if zero == "none":
+        if zero.startswith("none"):
             opt.zero_grad(set_to_none=True)
         elif zero == "zeros":
             opt.zero_grad(set_to_none=False)
@@ -51,7 +51,7 @@ def test_closure_without_backward_raises(face: str, zero: str) -> None:
         return F.cross_entropy(out, Y), out
 
     if zero != "none":
-        opt.step(good)  # gradients exist from an earlier step: stale ones must not pass either
+        opt.step(good)  # gradients exist from an earlier step: stale ones (or .grad set to None) must not pass
     before = _vec(model)
     with pytest.raises(RuntimeError, match="did not call backward"):
         opt.step(no_backward)

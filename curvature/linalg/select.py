@@ -40,18 +40,19 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
 
     Raises:
         ValueError: unknown name (the message names it and the choices).
+        TypeError: neither a name, None nor a Backend.
         ImportError: ``"cupy"`` requested but CuPy is not installed.
         RuntimeError: ``"cupy"`` requested but no CUDA device is usable.
     """
     if isinstance(name, Backend):
         return name
-    source = "argument name"
+    source = "the linalg argument"
     if name is None:
         env = os.environ.get(ENV_VAR, "").strip()
         name, source = (env, f"environment variable {ENV_VAR}") if env else (DEFAULT_BACKEND, "default")
     if not isinstance(name, str):
-        raise ValueError(
-            f"linalg backend must be a name in {BACKEND_NAMES}, None or a Backend, got {name!r}"
+        raise TypeError(
+            f"linalg must be a backend name in {BACKEND_NAMES}, None or a Backend, got {type(name).__name__} {name!r}"
         )
     key = name.strip().lower()
     factories: dict[str, Callable[[], Backend]] = {

@@ -148,4 +148,6 @@ class LinearFamily(WeightMatrixFamily):
         return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, 1, -1)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        if g.dim() == 2:  # an unbatched input [in] gave an output [out]: one example, one position
+            return g.reshape(g.shape[0], 1, 1, g.shape[-1])
         return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])

@@ -21,7 +21,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
-from .hyperparams import Schedule, check_schedule, evaluate
+from .hyperparams import Schedule, as_number, check_schedule, evaluate
 
 __all__ = ["BaseKFACPreconditioner"]
 
@@ -94,9 +94,14 @@ class BaseKFACPreconditioner:
         stacklevel: int = 3,
     ) -> None:
         """Check and store the hyper-parameters; set the step counters to 0."""
+        factor_update_steps, inv_update_steps, damping, factor_decay, kl_clip, lr = (
+            as_number(v) for v in (factor_update_steps, inv_update_steps, damping, factor_decay, kl_clip, lr))
         for name, value in (("factor_update_steps", factor_update_steps), ("inv_update_steps", inv_update_steps),
                             ("damping", damping), ("factor_decay", factor_decay), ("kl_clip", kl_clip), ("lr", lr)):
             check_schedule(name, value)
+        accumulation_steps = as_number(accumulation_steps)
+        if isinstance(accumulation_steps, float) and accumulation_steps.is_integer():  # 2.0, as factor_update_steps
+            accumulation_steps = int(accumulation_steps)
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, numbers.Integral):
             raise TypeError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
         if accumulation_steps < 1:

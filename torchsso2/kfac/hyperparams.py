@@ -16,7 +16,9 @@ import math
 import numbers
 from typing import Callable, Union
 
-__all__ = ["Schedule", "check_schedule", "evaluate", "exp_decay_factor_averaging"]
+import torch
+
+__all__ = ["Schedule", "as_number", "check_schedule", "check_value", "evaluate", "exp_decay_factor_averaging"]
 
 Schedule = Union[Callable[[int], float], float, int]
 
@@ -38,6 +40,14 @@ CALLABLE_RULES = {
 }
 
 
+def as_number(value: object) -> object:
+    """A one-element tensor (``damping=torch.tensor(0.01)``, an lr kept as a tensor by torch.optim)
+    as its Python number; anything else unchanged."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        return value.item()
+    return value
+
+
 def _check_number(name: str, value: object, from_callable: bool = False) -> None:
     pred, expected, integer = CALLABLE_RULES.get(name, RULES[name]) if from_callable else RULES[name]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -46,6 +56,12 @@ def _check_number(name: str, value: object, from_callable: bool = False) -> None
         raise TypeError(f"{name} must be {expected} or a callable of the step, got {value!r}")
     if not math.isfinite(float(value)) or not pred(value):
         raise ValueError(f"{name} must be {expected} or a callable of the step, got {value!r}")
+
+
+def check_value(name: str, value: object, from_callable: bool = False) -> None:
+    """Check one value of hyper-parameter ``name`` (``from_callable``: the rules for a value a
+    callable or a scheduler produced)."""
+    _check_number(name, value, from_callable)
 
 
 def check_schedule(name: str, value: object) -> None:
@@ -59,10 +75,11 @@ def check_schedule(name: str, value: object) -> None:
 
 
 def evaluate(name: str, value: Schedule, step: int) -> float:
-    """The value of ``value`` at ``step`` (calls it if callable), checked."""
+    """The value of ``value`` at ``step`` (calls it if callable), checked; a one-element tensor as its
+    Python number."""
     if not callable(value):
         return value  # type: ignore[return-value]
-    out = value(step)
+    out = as_number(value(step))
     if name == "kl_clip" and out is None:
         return out  # type: ignore[return-value]
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from collections import defaultdict
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -199,6 +200,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                               self.inv_dtype, self.backend)
             self.layers[name] = layer
             logger.log(self.loglevel, "Registered name=%r: %r", name, layer)
+        holders: Dict[int, str] = {}
+        for name, layer in self.layers.items():
+            for p in layer.params:
+                if id(p) in holders:
+                    warnings.warn(f"KFACPreconditioner: layers {holders[id(p)]!r} and {name!r} share a parameter "
+                                  f"(tied weights); each preconditions the shared gradient with its own factors and "
+                                  f"the last registered layer's result is kept (kfac_pytorch keeps the first's). "
+                                  f"Leave one of them out with skip_layers", stacklevel=2)
+                holders.setdefault(id(p), name)
         if not self.layers:
             warnings.warn("KFACPreconditioner: the model has no nn.Linear / nn.Conv2d layer to precondition "
                           "(after skip_layers); step() will leave the gradients unchanged", stacklevel=2)
@@ -214,9 +224,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._init_layers({layer.module: (name, layer) for name, layer in self.layers.items()}, self.assignment,
                           self.comm, self._defaults_for_repr())
         self._updated: set = set()
+        #: per layer, the recorded calls of this step whose output gradient has not come yet
+        self._awaiting: Dict[str, int] = defaultdict(int)
         self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
+        self._handles += attach_forward_hooks(self, [model], "_model_forward_hook")
+        #: forwards of the whole model recorded in this step (the micro-batches, for the fold in the hooks)
+        self._micro_batches = 0
 
     def _defaults_for_repr(self) -> Dict[str, Any]:
         return {
@@ -237,15 +252,40 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return
         if self._steps % self.factor_update_steps != 0:
             return
-        layer = self._by_module[module]
+        layer = self._by_module.get(module)
+        if layer is None:  # not one of ours: a deep copy of the model carries our hook to its own layers
+            return
         self._mini_steps[layer.name] += 1
+        self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
         output.register_hook(weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
 
+    def _reset_step_counts(self) -> None:
+        """Forget the calls recorded in this step (after a step, a skip, a loaded checkpoint)."""
+        self._mini_steps.clear()
+        self._awaiting.clear()
+        self._micro_batches = 0
+
+    def _model_forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+        if module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0:
+            self._micro_batches += 1
+
+    def _fold_in_hook(self, layer: KFACLayer, mini_step: int) -> bool:
+        """Whether this gradient completes the step's batches of ``layer``: the ``accumulation_steps``-th
+        micro-batch (forwards of the whole model; the layer's ``mini_step``-th call where the model's
+        forward is not seen) and no earlier call of the layer still awaiting its gradient (a layer
+        called several times per forward gets them in reverse order). What no hook folds is folded
+        at the start of :meth:`step`."""
+        if self._awaiting[layer.name]:
+            return False
+        count = self._micro_batches if self._micro_batches else mini_step
+        return count % self._accumulation_steps == 0
+
     def _grad_hook(self, layer: KFACLayer, inputs: Tuple[Any, ...], mini_step: int, grad: Tensor) -> None:
+        self._awaiting[layer.name] -= 1
         with torch.no_grad():
             layer.accumulate(inputs, grad.detach(), grad_scale_of(self.grad_scaler))
-            if self.update_factors_in_hook and mini_step % self._accumulation_steps == 0:
+            if self.update_factors_in_hook and self._fold_in_hook(layer, mini_step):
                 if layer.update_factors(self.factor_decay):
                     self._updated.add(layer.name)
 
@@ -267,10 +307,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         ``optimizer.step()``).
         """
         layers = list(self.layers.values())
-        if not self.update_factors_in_hook and self._steps % self.factor_update_steps == 0:
+        if self._steps % self.factor_update_steps == 0:
+            # every batch of the step, or (factors updated in the hooks) those no hook folded
+            # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)
             decay = self.factor_decay
             for layer in layers:
-                if layer.update_factors(decay):
+                if (not self.update_factors_in_hook or layer.batch_count) and layer.update_factors(decay):
                     self._updated.add(layer.name)
         self._kaisa.allreduce_factors([layer for layer in layers if layer.name in self._updated])
         if self._skip_nonfinite(layers, nonfinite_entries(layers, self._updated, self.grad_scaler is None)):
@@ -311,7 +353,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             layer.keep_folds()
         self._skips.passed()
         self._steps += 1
-        self._mini_steps.clear()
+        self._reset_step_counts()
 
     def _skip_nonfinite(self, layers: List[KFACLayer], entries: List[str],
                         previous: Optional[Dict[str, Any]] = None) -> bool:
@@ -324,7 +366,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if previous is not None:
             restore_decompositions(layers, previous)
         self._updated.clear()
-        self._mini_steps.clear()
+        self._reset_step_counts()
         self._skips.skipped(self._steps, entries)
         return True
 
@@ -404,7 +446,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             layer.keep_folds()
             if staged.factors is not None:
                 layer.a_factor, layer.g_factor = staged.factors[layer.name]
-        self._mini_steps.clear()
+        self._reset_step_counts()
         self._updated.clear()
         if staged.decompositions is not None:
             for layer in self.layers.values():

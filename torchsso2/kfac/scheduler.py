@@ -13,9 +13,12 @@ Each ``<name>_lambda(step)`` returns a *factor*: :meth:`LambdaParamScheduler.ste
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Dict, Optional
 
 from .base_preconditioner import HYPERPARAMS, BaseKFACPreconditioner
+from .hyperparams import as_number, check_value
 
 __all__ = ["LambdaParamScheduler"]
 
@@ -80,5 +83,11 @@ class LambdaParamScheduler:
             current = getattr(pre, f"_{name}")
             if callable(current):
                 raise ValueError(f"preconditioner.{name} became a callable; the scheduler cannot update it")
-            value = current * fn(at)
-            setattr(pre, f"_{name}", int(value) if name in _INTEGER else value)
+            value = as_number(current * as_number(fn(at)))
+            if name in _INTEGER and isinstance(value, numbers.Real) and math.isfinite(value):
+                value = int(value)
+            try:  # the checks a callable's value gets (kfac_pytorch checks none)
+                check_value(name, value, from_callable=True)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (set by LambdaParamScheduler at step {at})") from None
+            setattr(pre, f"_{name}", value)

@@ -42,7 +42,7 @@ from .misuse import ClosureWatch, check_model_argument
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
 from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
-from .validation import MAX_LR, check_nonempty_batch, unpack_closure_result
+from .validation import MAX_LR, check_int, check_nonempty_batch, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,22 @@ class BlockAverage:
         return self.blocks
 
 
+def _listed_groups(params: Iterable[Any]) -> List[Any]:
+    """torch.optim's ``params`` (tensors, or dicts of groups) as a list whose groups hold lists, so that
+    it can be read before ``torch.optim.Optimizer`` reads it (generators are consumed once)."""
+    if isinstance(params, Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                        f"but got {torch.typename(params)}")
+    out: List[Any] = []
+    for g in params:
+        if isinstance(g, dict) and "params" in g and not isinstance(g["params"], Tensor):
+            g = {**g, "params": list(g["params"])}
+        elif isinstance(g, dict) and isinstance(g.get("params"), Tensor):
+            g = {**g, "params": [g["params"]]}
+        out.append(g)
+    return out
+
+
 class CurvatureOptimizer(torch.optim.Optimizer):
     """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
 
@@ -85,9 +101,14 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         check_model_argument(model, type(self).__name__)
         self.settings = settings
         self.model = model
+        include = None
+        if params is not None:  # only the optimizer's own parameters get curvature (and, VI, weight noise)
+            params = _listed_groups(params)
+            include = {id(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])}
         self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
-                                      output_selector=settings.output_selector, kfac_approx=settings.kfac_approx)
+                                      output_selector=settings.output_selector, kfac_approx=settings.kfac_approx,
+                                      include=include)
         self.ema_decay = settings.ema_decay
         self.curv_update_interval = settings.curv_update_interval
         self.inv_update_interval = settings.inv_update_interval
@@ -112,6 +133,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # (rank 0 keeps `seed`, so one process is unchanged).
         self.placement = Placement(self.comm, settings.grad_worker_fraction, settings.assignment_strategy)
         check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
+        if seed is not None:
+            check_int("seed", seed, low=0, high=2 ** 63 - 1)
         self.seed = agree_on_start(self.comm, model,
                                    int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
         self.generator = torch.Generator()
@@ -147,6 +170,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
         if closure is None or not callable(closure):
             raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
+        self._check_group_values()
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
@@ -353,6 +377,20 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
                          "VIOptimizer), lower lr, or restore a checkpoint.", streak)
 
+    def _decomposition_failed(self, error: object) -> None:
+        """Apply the policy to a failed decomposition: raise, or count a skipped step and warn (at 1, 2,
+        5, 10, 20, ... skips). Without an earlier decomposition the step cannot update the parameters,
+        so it extends the streak of skipped steps (``max_consecutive_skips`` raises at its limit)."""
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
+        self.num_skipped += 1
+        in_float64 = self.decomposition_dtype == torch.float64 or all(
+            p.dtype == torch.float64 for p in self.engine.params)
+        (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
+            "%s", decomposition_failed(self.num_steps, error, self._decomposed, torch.float64 if in_float64 else None))
+        if not self._decomposed:
+            self._streak.skipped(self.num_steps, "or failed decomposition", str(error))
+
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
         if self.placement.active:  # [issue #7] each rank decomposes its share of blocks, then broadcasts
@@ -362,11 +400,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                                                                  kfac_method=self.kfac_method),
                 dtype=self.decomposition_dtype, kfac_method=self.kfac_method)
             if error is not None:
-                if self.on_nonfinite == "raise":
-                    raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
-                self.num_skipped += 1
-                logger.warning("%s", decomposition_failed(self.num_steps, error, self._decomposed,
-                                                          self.decomposition_dtype))
+                self._decomposition_failed(error)
                 return False
             self._decomposed = True
             return True
@@ -374,10 +408,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype,
                                    kfac_method=self.kfac_method)
         except LinalgError as err:
-            if self.on_nonfinite == "raise":
-                raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {err}") from err
-            self.num_skipped += 1
-            logger.warning("%s", decomposition_failed(self.num_steps, err, self._decomposed, self.decomposition_dtype))
+            self._decomposition_failed(err)
             return False
         self._decomposed = True
         return True
@@ -463,6 +494,31 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     #: the kind of optimizer a checkpoint is tagged with (a checkpoint loads only into the same kind)
     face_name = "CurvatureOptimizer"
+
+    #: the param group hyperparameters checked in every group: (key, upper bound, bound excluded)
+    _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", math.inf, False))
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` with the group's ``lr``, ``momentum`` and
+        ``weight_decay`` checked as the constructor checks its arguments (ValueError/TypeError naming
+        the value); the constructor's groups pass here too."""
+        if isinstance(param_group, dict):
+            for key, high, high_open in self._GROUP_RANGES:
+                if key in param_group:
+                    check_number(f"param group {key!r}", param_group[key], low=0.0, high=high, high_open=high_open)
+        super().add_param_group(param_group)
+
+    def _check_group_values(self) -> None:
+        """Every group's ``lr``, ``momentum`` and ``weight_decay`` as :meth:`add_param_group` accepts
+        them, at every step: a scheduler or a hand-set value (``LambdaLR`` returning NaN) raises a
+        ValueError naming the group before it reaches the parameters."""
+        for i, group in enumerate(self.param_groups):
+            for key, high, high_open in self._GROUP_RANGES:
+                v = group.get(key, 0.0)
+                if type(v) is float and 0.0 <= v <= high and not (high_open and v == high):
+                    continue  # the common case, without the call
+                if key in group:
+                    check_number(f"param_groups[{i}][{key!r}]", v, low=0.0, high=high, high_open=high_open)
 
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""

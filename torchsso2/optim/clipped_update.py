@@ -9,7 +9,7 @@ check of the copies costs three passes over the updates (digits MLP at batch 128
 * a finite ``vg`` proves every update finite (a non-finite element of ``u_p`` makes its term, and
   the sum, inf or NaN — whatever ``d`` or ``lr`` is), so the separate check runs only when ``vg`` is
   not finite (a bad update, or finite terms overflowing: then the updates are checked one by one,
-  as before);
+  and finite ones get ``vg`` summed again in float64; a ``vg`` beyond float64 skips the step);
 * ``ν = 1`` (the clip not binding) leaves the updates as they are; otherwise one
   ``torch._foreach_mul`` scales them (new tensors: an update may be ``p.grad`` itself).
 
@@ -44,8 +44,14 @@ def clip_scale(updates: Sequence[Tensor], vecs: Sequence[Tensor], lrs: Sequence[
     vg = 0.0
     for r, u, d in zip(lrs, updates, vecs):  # a plain loop: this runs at every step
         vg += r * r * _inner(u, d)
-    if not math.isfinite(vg) and not owned_all_finite(list(updates)):
-        return None
+    if not math.isfinite(vg):
+        if not owned_all_finite(list(updates)):
+            return None
+        # finite updates whose products overflow the working precision: the sum again in float64;
+        # beyond float64 too, the step is not usable (skipped like a non-finite one)
+        vg = sum(r * r * float((u.double() * d.double()).sum()) for r, u, d in zip(lrs, updates, vecs))
+        if not math.isfinite(vg):
+            return None
     return kl_clip_scale(vg, kl_clip)
 
 

@@ -131,7 +131,8 @@ class ClosureWatch:
         if not self.active:
             return
         now = [p.grad for p in self.params]
-        replaced = any(g is not then for g, (then, _) in zip(now, self.before))  # new .grad tensors
+        # new .grad tensors (zero_grad() setting .grad to None is not one)
+        replaced = any(g is not None and g is not then for g, (then, _) in zip(now, self.before))
         changed = replaced or any(g is not None and g._version != v for g, (_, v) in zip(now, self.before))
         backward = self.accumulated or replaced if self.handles else changed
         if self.params and not backward:

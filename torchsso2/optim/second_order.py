@@ -165,6 +165,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         skip_modules: module names (regex), class names or types left to plain SGD, each with its
             submodules.
         params: optional torch.optim-style param groups (default: all trainable params of model).
+            Curvature is estimated for these only; the model's other parameters are left alone.
         linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator.
             Selecting MPI installs the process-wide fault handlers (an uncaught exception calls

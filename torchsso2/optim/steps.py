@@ -47,11 +47,17 @@ def kl_clip_factor(updates: Sequence[Tensor], grads: Sequence[Tensor], lr: Union
     one value per tensor (param groups with different learning rates).
     """
     lrs = [float(lr)] * len(updates) if isinstance(lr, (int, float)) else [float(x) for x in lr]
-    return kl_clip_scale(sum(r * r * float((u * g).sum()) for r, u, g in zip(lrs, updates, grads)), kl_clip)
+    vg = sum(r * r * float((u * g).sum()) for r, u, g in zip(lrs, updates, grads))
+    if not math.isfinite(vg):  # products overflowing the working precision: the sum again in float64
+        vg = sum(r * r * float((u.double() * g.double()).sum()) for r, u, g in zip(lrs, updates, grads))
+    return kl_clip_scale(vg, kl_clip)
 
 
 def kl_clip_scale(vg: float, kl_clip: float) -> float:
-    """``ν = min(1, sqrt(kl_clip / vg))`` for ``vg = Σ_p lr_p² u_pᵀg_p`` (1 when ``vg <= 0``)."""
+    """``ν = min(1, sqrt(kl_clip / vg))`` for ``vg = Σ_p lr_p² u_pᵀg_p`` (1 when ``vg <= 0``; 0 when
+    ``vg`` is inf or NaN: an update too large to measure is not taken)."""
+    if not math.isfinite(vg):
+        return 0.0
     if vg <= 0:
         return 1.0
     return min(1.0, math.sqrt(kl_clip / vg))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional, Tuple
 
 import torch
@@ -32,9 +33,11 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
 
 
 def check_int(name: str, value: Any, *, low: int = 1, high: Optional[int] = None) -> int:
-    """An int >= ``low`` (and <= ``high`` when given; bool is rejected)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int >= ``low`` (and <= ``high`` when given; bool is rejected; a NumPy integer is taken as
+    its Python int)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < low:
         raise ValueError(f"{name}={value!r} is invalid; expected an int >= {low}")
     if high is not None and value > high:

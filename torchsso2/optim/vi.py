@@ -251,6 +251,10 @@ class VIOptimizer(CurvatureOptimizer):
         kfac_approx: ``"expand" | "reduce"``, as in :class:`SecondOrderOptimizer` (K-FAC blocks only).
         on_nonfinite, max_consecutive_skips: as in :class:`SecondOrderOptimizer` (a skipped step
             leaves the step count, hence the weight noise and the schedule, unchanged).
+        params: optional torch.optim-style param groups (default: all trainable parameters of
+            ``model``). Only these have a posterior: the model's other parameters are neither
+            sampled nor updated (a Bayesian last layer: ``params=model.head.parameters()``).
+        mc_samples, linalg, decomposition_dtype, grad_scaler: as in :class:`SecondOrderOptimizer`.
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = DEFAULT_VI_LR, *,
@@ -316,6 +320,13 @@ class VIOptimizer(CurvatureOptimizer):
         self._flat = FlatDiagPath()  # curvature="reparam": the step on flat buffers (vi_flat.py)
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
+        #: the padding row of each covered Embedding weight with a ``padding_idx``: torch keeps it fixed
+        #: (no gradient), so it is not sampled either
+        self._padding_rows: Dict[int, int] = {
+            id(lay.module.weight): int(lay.module.padding_idx) % lay.module.num_embeddings
+            for lay in self.engine.layouts.values()
+            if isinstance(lay.module, nn.Embedding) and lay.module.padding_idx is not None
+            and "weight" in lay.param_names}
         if self.reparam:
             self._check_reparam()
         if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
@@ -517,12 +528,22 @@ class VIOptimizer(CurvatureOptimizer):
             if all(p.dtype == z.dtype and f.dtype == z.dtype for p, f in zip(params, factors)):
                 if self.kl_weighting != 1.0:
                     z.mul_(self._noise_scale)
+                self._unsample_padding(params, eps)  # eps are views of z
                 return params, eps, factors
             params, eps = [], []
         for name, blk in blocks.items():
             params.extend(blk.layout.params)
             eps.extend(self._coloured(name, blk, z))
+        self._unsample_padding(params, eps)
         return params, eps, None
+
+    def _unsample_padding(self, params: List[nn.Parameter], eps: List[Tensor]) -> None:
+        """Zero the noise of every Embedding's padding row (``eps[i]`` the noise of ``params[i]``)."""
+        if self._padding_rows:
+            for p, e in zip(params, eps):
+                row = self._padding_rows.get(id(p))
+                if row is not None:
+                    e[row].zero_()
 
     def _live_blocks(self) -> Dict[str, Any]:
         """The running blocks whose module has a trainable parameter (a module frozen with
@@ -542,6 +563,7 @@ class VIOptimizer(CurvatureOptimizer):
                 continue
             params.extend(lay.params)
             eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
+        self._unsample_padding(params, eps)
         return params, eps, None
 
     def _draw_noise(self, generator: torch.Generator) -> Optional[Shift]:

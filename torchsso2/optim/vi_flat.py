@@ -193,12 +193,13 @@ class FlatDiagPath:
 
     @staticmethod
     def _step_qualifies(opt: Any) -> bool:
-        """This step samples once, in one process, estimates and decomposes, without a grad scaler or a
-        learned noise variance."""
+        """This step samples once, in one process, estimates and decomposes, without a grad scaler, a
+        learned noise variance or an Embedding padding row."""
         t = opt.num_steps
         return (opt._decomposed and opt.num_mc_samples == 1 and opt.comm.world_size == 1
                 and opt.grad_scaler is None and not opt.placement.active
                 and not opt.noise.learned  # the general step collects the residuals that learn σ²
+                and not opt._padding_rows  # the general step leaves Embedding padding rows unsampled
                 and t % opt.curv_update_interval == 0 and t % opt.inv_update_interval == 0)
 
     def _current(self, opt: Any) -> Optional[_Link]:
@@ -330,7 +331,10 @@ class FlatDiagPath:
                 torch._foreach_addcmul_(params, link.momentum_views, link.inv_views, value=-lr * n)
             else:  # u = N·m/D; ν = min(1, √(kl_clip / (lr²·uᵀm)))
                 step = torch.mul(link.momentum, link.inv, out=link.noise).mul_(n_t)
-                nu = kl_clip_scale(lr * lr * float(torch.dot(step, link.momentum)), opt.kl_clip)
+                vg = float(torch.dot(step, link.momentum))
+                if not math.isfinite(vg):  # overflowing the working precision: again in float64
+                    vg = float(torch.dot(step.double(), link.momentum.double()))
+                nu = kl_clip_scale(lr * lr * vg, opt.kl_clip)
                 torch._foreach_add_(params, link.noise_views, alpha=-(lr * nu))
         opt._step_taken()
         opt.num_steps += 1
