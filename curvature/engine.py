@@ -209,8 +209,9 @@ class CurvatureEngine:
         (:func:`curvature.sequence.check_example_major_rows`), once per shape signature; other
         outputs cost nothing (K-FAC blocks sum over every position and need no check)."""
         n = outputs.shape[0]
+        approx = self._module_approx()
         outs = {name: capture.records[name].output for name in self._modules
-                if self.approx[name] is not Approx.KFAC and capture.records[name].output.dim() > 1
+                if approx[name] is not Approx.KFAC and capture.records[name].output.dim() > 1
                 and capture.records[name].output.shape[0] == n > 1 and n in capture.records[name].output.shape[1:]}
         if not outs:
             return
@@ -267,10 +268,15 @@ class CurvatureEngine:
         no cross terms in expectation (independent zero-mean sampled gradients) and needs nothing.
         K-FAC blocks sum outer products of the output gradient at every position, the K-FAC-expand
         convention (Eschenhagen et al., 2023), normalized by the loss rows."""
-        approx = {u.name: self.approx[lay.name] for lay in self.layouts.values() for u in lay.tied}
-        approx.update(self.approx)  # a module using a tied parameter counts in the shape of its block
         batches = {n: r.output.shape[0] for n, r in records.items() if r.output.dim()}
-        return sequence.rows_per_example(self.kind, outputs.shape[0], batches, approx)
+        return sequence.rows_per_example(self.kind, outputs.shape[0], batches, self._module_approx())
+
+    def _module_approx(self) -> Dict[str, Approx]:
+        """The shape of every recorded module's block: a module using a tied parameter counts in the
+        shape of the block holding it."""
+        approx = {u.name: self.approx[lay.name] for lay in self.layouts.values() for u in lay.tied}
+        approx.update(self.approx)
+        return approx
 
     def output_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor) -> Iterator[Dict[str, Tensor]]:
         """Gradients of ``<outputs, v_k>`` w.r.t. each module output, in chunks ``{module: [k, N, *out]}``

@@ -10,7 +10,9 @@ How: every covered module call is a *window* of autograd sequence numbers (the t
 sequence number is read when the call starts and when its hooks have run; autograd numbers the
 nodes it creates in one thread in increasing order). After the forward, the graph of the model's output is walked
 once; every node that consumes a covered parameter directly (an edge to its ``AccumulateGrad``)
-must have been created inside a call of a module holding that parameter. Uses that do not reach
+must have been created inside a call of a module holding that parameter. A dtype cast of the
+parameter (autocast's cached low-precision copy, which may have been made elsewhere first) is
+looked through: its consumers are the uses. Uses that do not reach
 the output (a module's discarded result, a regularizer added to the loss outside the model) are
 not in that graph and are not the likelihood's, so they are not reported.
 """
@@ -24,6 +26,8 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["UseWindows"]
 
+#: autograd nodes of a dtype cast (autocast's cached copies of the parameters)
+_CASTS = frozenset({"ToCopyBackward0"})
 #: the thread's next autograd sequence number, without creating a node (None: older torch)
 _next_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)
 
@@ -86,6 +90,15 @@ class UseWindows:
                 self.windows.setdefault(name, []).append((starts.pop(), self._seq(False)))
         return hook
 
+    def _use(self, node: object, var: Tensor, outside: Dict[str, Optional[str]]) -> None:
+        """Record ``var`` in ``outside`` when it is a covered parameter and ``node`` (a node using it)
+        was created outside every call of the modules holding it."""
+        entry = self.params.get(id(var))
+        # a holder never called is the engine's error ("covered modules ... not called")
+        if entry is not None and any(h in self.windows for h in entry[1]) \
+                and not self._inside(int(node._sequence_nr()), entry[1]):  # type: ignore[attr-defined]
+            outside.setdefault(entry[0], type(node).__name__)
+
     def _inside(self, seq: int, holders: Set[str]) -> bool:
         return any(a < seq < b for name in holders for a, b in self.windows.get(name, ()))
 
@@ -107,17 +120,22 @@ class UseWindows:
         stack = [root]
         while stack:
             node = stack.pop()
+            cast = type(node).__name__ in _CASTS
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
                 var = getattr(nxt, "variable", None)
                 if var is not None:  # AccumulateGrad of a leaf
-                    entry = self.params.get(id(var))
-                    # a holder never called is the engine's error ("covered modules ... not called")
-                    if entry is not None and any(h in self.windows for h in entry[1]) \
-                            and not self._inside(int(node._sequence_nr()), entry[1]):
-                        outside.setdefault(entry[0], type(node).__name__)
+                    if cast:  # checked at the cast's consumers (below)
+                        continue
+                    self._use(node, var, outside)
                     continue
+                if type(nxt).__name__ in _CASTS:
+                    # autocast casts a parameter once and caches the copy (the first cast may be made
+                    # elsewhere, e.g. in nn.MultiheadAttention's own forward): the use is the consumer's
+                    for leaf, _ in nxt.next_functions:
+                        if leaf is not None and getattr(leaf, "variable", None) is not None:
+                            self._use(node, leaf.variable, outside)
                 if id(nxt) not in seen:
                     seen.add(id(nxt))
                     stack.append(nxt)

@@ -212,7 +212,8 @@ def test_coefficients_equal_solving_the_tensor_quadratic_model(weight_decay):
     with opt.adaptive.record(model):
         closure()
     calls = list(opt.adaptive.recorder.calls)
-    w, value = opt.adaptive.coefficients(opt, params, groups, deltas, vecs, prev, y)
+    w, value, base, fixed = opt.adaptive.coefficients(opt, params, groups, deltas, vecs, prev, y)
+    assert base == 0.0 and fixed == [None, None]
     dirs = [deltas, prev]
     gram = ggn_gram(model, calls, names, params, dirs, LossType.CROSS_ENTROPY, lambda o: o)
     vmat = torch.stack([torch.cat([t.reshape(-1) for t in v]) for v in dirs]).double()
@@ -552,3 +553,54 @@ def test_use_adaptive_damping_is_kfac_jax_name_for_adaptive_damping():
         SecondOrderOptimizer(_mlp(), adaptive_damping=True, use_adaptive_damping=False)
     with pytest.raises(TypeError, match="use_adaptive_damping must be a bool"):
         SecondOrderOptimizer(_mlp(), use_adaptive_damping="yes")
+
+
+@pytest.mark.parametrize("fixed", [[None, 0.9], [-0.05, None]])
+def test_within_objective_keeps_a_fixed_coefficient_and_reports_the_model_there(fixed):
+    """One coefficient adapted: only it is scaled (the group's momentum, or −lr, stays), and the value
+    returned is the model's at the scaled point (an audit found μ = 0.9 scaled to 0.56 and M off by 16%)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    a, b = q @ q.t() + 0.1 * torch.eye(2, dtype=torch.float64), 3 * torch.randn(2, generator=g, dtype=torch.float64)
+    model = lambda c: float(0.5 * torch.tensor(c, dtype=torch.float64) @ a @ torch.tensor(c, dtype=torch.float64)
+                            + b @ torch.tensor(c, dtype=torch.float64))
+    w, value = solve_quadratic(a, b, fixed)
+    base = model([0.0 if c is None else c for c in fixed])
+    i = fixed.index(None)
+    for objective in (-(value + base) / 2, max(0.0, -base) + 1e-3):  # between M(fixed part) and M(w), or beyond it
+        if not value < -objective:
+            continue
+        scaled, new = within_objective(w, value, objective, fixed, base)
+        assert scaled[1 - i] == fixed[1 - i]
+        assert new == pytest.approx(model(scaled), rel=1e-10, abs=1e-12)
+        if base + objective >= 0:
+            assert new == pytest.approx(-objective, rel=1e-10)
+        else:  # the fixed part alone promises more: the free coefficient goes to 0
+            assert scaled[i] == 0.0 and new == pytest.approx(base, rel=1e-12)
+
+
+def test_learning_rate_alone_keeps_the_groups_momentum_when_the_step_is_scaled():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 5) * 4, torch.randint(0, 4, (32,))
+    opt = SecondOrderOptimizer(model, momentum=0.9, damping=1e-6, use_adaptive_learning_rate=True, seed=0)
+    scaled = 0
+    for step in range(8):
+        loss, _ = opt.step(make_closure(opt, model, x, y), targets=y)
+        assert opt.adaptive.last["momentum"] == (0.9 if step else 0.0)  # the first step has no previous update
+        scaled += step > 0 and opt.adaptive.last["quad_model"] == pytest.approx(-float(loss), rel=1e-9)
+    assert scaled  # the rescaling acted at least once
+
+
+def test_lm_ratio_counts_the_weight_decay_the_model_predicts():
+    """Linear model, mse, weight decay 0.5: the quadratic model of loss + ½·wd·‖θ‖² is exact (up to
+    the damping term), so ρ ≈ 1 at every step; the change of the loss alone gave 0.7, 1.1, 7 and −38."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 5, dtype=torch.float64), torch.randn(64, 3, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, damping=1e-3, loss="mse", curvature="fisher", weight_decay=0.5,
+                               adaptive_damping=True, damping_adaptation_interval=1, min_damping=1e-4,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    for _ in range(4):
+        opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
+        assert opt.lm.last_rho == pytest.approx(1.0, abs=0.01)

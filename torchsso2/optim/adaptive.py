@@ -50,7 +50,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
-from curvature.likelihoods import class_softmax, mean_nll
+from curvature.likelihoods import class_softmax, loss_rows, mean_nll
 from curvature.options import Kind, LossType
 from curvature.uses_static import observer_hook
 
@@ -112,10 +112,11 @@ class InputRecorder:
 
 def output_hessian_inner(loss: LossType, outputs: Tensor, u: Tensor, w: Tensor) -> Tensor:
     """``Σ_n u_nᵀ H_n w_n`` (a 0-dim tensor, summed over the batch) with ``H_n = ∂²ℓ_n/∂f_n²`` at
-    ``outputs`` ([N, C] logits for cross_entropy, [N, ...] for mse); ``u, w`` of the outputs' shape."""
+    ``outputs`` ([N, C] or [N, T, C] logits for cross_entropy, classes last; [N, ...] for mse);
+    ``u, w`` of the outputs' shape."""
     if loss is LossType.CROSS_ENTROPY:
-        p = torch.softmax(outputs.detach(), dim=1)
-        return (p * u * w).sum() - ((p * u).sum(1) * (p * w).sum(1)).sum()
+        p = torch.softmax(outputs.detach(), dim=-1)
+        return (p * u * w).sum() - ((p * u).sum(-1) * (p * w).sum(-1)).sum()
     return (u * w).sum()
 
 
@@ -140,8 +141,9 @@ def _rng_of(call: Call) -> Iterator[None]:
 
 def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
     """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``.
-    ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (``outputs`` may have
-    size-1 leading dimensions that broadcast against ``u``, e.g. [1, N, C] against [k, N, C])."""
+    ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (the last for [N, T, C]
+    sequence logits; ``outputs`` may have size-1 leading dimensions that broadcast against ``u``,
+    e.g. [1, N, C] against [k, N, C])."""
     if loss is LossType.CROSS_ENTROPY:
         p = class_softmax(outputs.detach(), class_dim)
         return p * u - p * (p * u).sum(class_dim, keepdim=True)
@@ -192,14 +194,15 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
             out, jv = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
             jmat = jv.reshape(k, -1)
-            hmat = output_hessian_product(loss, out.unsqueeze(0), jv, class_dim=2).reshape(k, -1)
+            hmat = output_hessian_product(loss, out.unsqueeze(0), jv, class_dim=out.dim()).reshape(k, -1)
         else:
             if primals is None:
                 primals = [p.detach() for p in params]
             out, jvs = _dual_jvps(model, names, select, call, primals, directions)
             jmat = torch.stack(jvs)  # [k, N·out]
-            hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out)).reshape(-1) for j in jvs])
-        total += out.shape[0]
+            hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out), class_dim=out.dim() - 1).reshape(-1)
+                                for j in jvs])
+        total += loss_rows(loss, out)  # N, or N·T for cross-entropy logits [N, T, C] (the rows the loss averages)
         part = (jmat @ hmat.t()).double()
         gram = part if gram is None else gram.add_(part)
     if gram is None:
@@ -347,9 +350,11 @@ class AdaptiveCoefficients:
 
     def coefficients(self, opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
                      deltas: List[Tensor], vecs: List[Tensor], prev: Optional[List[Tensor]],
-                     targets: Optional[Tensor]) -> Tuple[List[float], float]:
-        """``([α, μ], M)`` for the directions ``deltas`` (Δ) and ``prev`` (δ_prev, None on the first
-        step) with the gradient ``vecs`` (d)."""
+                     targets: Optional[Tensor]) -> Tuple[List[float], float, float, List[Optional[float]]]:
+        """``([α, μ], M, M_fixed, fixed)`` for the directions ``deltas`` (Δ) and ``prev`` (δ_prev, None on
+        the first step) with the gradient ``vecs`` (d): the coefficients, the model's value there, its
+        value at the fixed coefficients alone (the free ones 0; 0 when all are free) and which are
+        fixed (a value) or solved (None)."""
         key = tuple(map(id, params))
         if self._names is None or self._names[0] != key:  # the parameters' names, kept while they are the same
             self._names = (key, param_names(opt.model, params))
@@ -385,7 +390,11 @@ class AdaptiveCoefficients:
         if any(wds):
             decay = inner_products(dirs, dirs, wds).tolist()
             a = [[a[i][j] + decay[i][j] for j in range(k)] for i in range(k)]
-        return _solve_lists(a, [inner[i][k] for i in range(k)], fixed)
+        w, value = _solve_lists(a, [inner[i][k] for i in range(k)], fixed)
+        f = [0.0 if c is None else float(c) for c in fixed]  # the fixed part alone: M there, for within_objective
+        base = 0.5 * sum(f[i] * a[i][j] * f[j] for i in range(k) for j in range(k)) \
+            + sum(f[i] * inner[i][k] for i in range(k))
+        return w, value, base, fixed
 
     def state_dict(self) -> Dict[str, Any]:
         return dict(self.last)
@@ -397,18 +406,27 @@ class AdaptiveCoefficients:
         self.last = {k: (int(v) if k == "steps" else float(v)) for k, v in state.items()}
 
 
-def within_objective(w: Sequence[float], value: float, objective: Optional[float]) -> Tuple[List[float], float]:
-    """Scale the solved coefficients ``w`` (model value ``M(w) = value < 0``) by the ``t ∈ (0, 1]``
-    that keeps the predicted decrease at most ``objective`` (the current loss plus weight decay,
-    ≥ 0): ``M(t·w) = value·(2t − t²)`` (``w`` minimises ``M``), so ``t = 1 − √(1 − objective/|value|)``
-    when ``|value| > objective``. The objective cannot go below 0, so a model promising more is
-    being used far outside the region where it describes the loss. An exact quadratic model of a
-    non-negative objective never promises more than the objective itself: there ``t = 1``.
-    Returns ``(t·w, M(t·w))``; ``w`` and ``value`` unchanged when ``objective`` is None."""
+def within_objective(w: Sequence[float], value: float, objective: Optional[float],
+                     fixed: Optional[Sequence[Optional[float]]] = None, base: float = 0.0) -> Tuple[List[float], float]:
+    """Scale the solved free coefficients of ``w`` (model value ``M(w) = value < 0``) by the
+    ``t ∈ [0, 1]`` that keeps the predicted decrease at most ``objective`` (the current loss plus
+    weight decay, ≥ 0). The objective cannot go below 0, so a model promising more is being used
+    far outside the region where it describes the loss; an exact quadratic model of a non-negative
+    objective never promises more than the objective itself (there ``t = 1``).
+
+    ``fixed``: as for :func:`solve_quadratic` (a coefficient with a value is fixed and not scaled;
+    default: all free); ``base``: ``M`` at the fixed coefficients with the free ones 0 (0 when all
+    are free). With ``u`` the free part, ``w`` minimises ``M`` along it, so
+    ``M(t) = base − q·t + ½q·t²`` with ``q = 2(base − value) ≥ 0``: ``t = 1 − √(1 − 2(base + objective)/q)``
+    (all free: ``1 − √(1 − objective/|value|)``, ``M(t·w) = value·(2t − t²)``), and ``t = 0`` when the
+    fixed part alone promises more than ``objective``.
+    Returns ``(w with its free entries times t, M there)``; unchanged when ``objective`` is None."""
     if objective is None or not value < -objective or not math.isfinite(objective):
         return list(w), value
-    t = 1.0 - math.sqrt(max(0.0, 1.0 - objective / -value))
-    return [t * c for c in w], value * (2.0 * t - t * t)
+    free = [True] * len(w) if fixed is None else [c is None for c in fixed]
+    q = 2.0 * (base - value)
+    t = 1.0 - math.sqrt(max(0.0, 1.0 - 2.0 * (base + objective) / q)) if base + objective >= 0 and q > 0 else 0.0
+    return [t * c if f else c for c, f in zip(w, free)], base + q * (0.5 * t * t - t)
 
 
 def _foreach_scalar(value: float, tensors: Sequence[Tensor]) -> Any:
@@ -423,6 +441,12 @@ def _foreach_scalar(value: float, tensors: Sequence[Tensor]) -> Any:
             or any(t.dtype != first.dtype or t.device != first.device for t in tensors):
         return value
     return torch.scalar_tensor(value, dtype=first.dtype)
+
+
+def decay_term(params: Sequence[Tensor], wds: Sequence[float]) -> float:
+    """``Σ_p ½·wd_p·‖θ_p‖²``: the weight decay's part of the objective the quadratic model describes
+    (its gradient ``wd·θ`` is in ``d``, its curvature in ``A``), in float64."""
+    return sum(0.5 * wd * float(p.detach().double().pow(2).sum()) for p, wd in zip(params, wds) if wd)
 
 
 def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
@@ -452,16 +476,15 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
         ada.recorder.activations = None  # no J·v at this step: the forward's activations are not needed
     else:
         try:
-            (w, value) = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
+            w, value, base, fixed = ada.coefficients(opt, params, groups, deltas, vecs, prev, targets)
         except ValueError as err:
             if "positive definite" not in str(err):
                 raise
             logger.warning("step %d: %s; no update", opt.num_steps, err)
             return None
         if loss is not None:
-            objective = loss + sum(0.5 * wd * float(p.detach().double().pow(2).sum())
-                                   for p, wd in zip(params, wds) if wd)
-            w, value = within_objective(w, value, objective)
+            objective = loss + decay_term(params, wds)
+            w, value = within_objective(w, value, objective, fixed, base)
     alpha, mu = w[0], (w[1] if len(w) > 1 else 0.0)
     if not all(math.isfinite(x) for x in (alpha, mu)) or (reused is None and not math.isfinite(value)):
         return None

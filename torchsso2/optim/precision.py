@@ -55,7 +55,11 @@ def with_autocast(state: AutocastState) -> Iterator[None]:
 
 def full_precision_step(step: F) -> F:
     """Decorate an optimizer's ``step(closure, ...)``: its body runs without autocast, the closure
-    under the autocast settings of the caller (a step outside any autocast context is unchanged)."""
+    under the autocast settings of the caller (a step outside any autocast context is unchanged).
+    Inside an autocast context each closure call starts, and the step ends, by clearing autocast's
+    cache of low-precision weight copies: the parameters change in place (the update; VIOptimizer's
+    weight samples), and a context spanning the training loop would otherwise run the next
+    forwards on copies of old weights (torch clears the cache only when the outermost context exits)."""
     @functools.wraps(step)
     def wrapper(self: Any, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         state = autocast_state()
@@ -65,8 +69,12 @@ def full_precision_step(step: F) -> F:
             user_closure = closure
 
             def closure() -> Any:
+                torch.clear_autocast_cache()  # weights changed since the last forward (a sampled VI weight)
                 with with_autocast(state):
                     return user_closure()
-        with without_autocast(state):
-            return step(self, closure, *args, **kwargs)
+        try:
+            with without_autocast(state):
+                return step(self, closure, *args, **kwargs)
+        finally:
+            torch.clear_autocast_cache()
     return wrapper  # type: ignore[return-value]

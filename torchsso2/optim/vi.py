@@ -142,6 +142,10 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
         self.means = [p.data for p in self.params]
         if not self.params:  # nothing covered: the foreach ops refuse empty lists
             return
+        # autocast keeps its low-precision copy of a parameter until its outermost context exits, and
+        # the parameter object stays the same here: a forward inside one context (predict under
+        # autocast) would run every sample on the first one's copy
+        torch.clear_autocast_cache()
         with torch.no_grad():
             sampled = torch._foreach_add(self.means, self.shifts) if self.factors is None else \
                 torch._foreach_addcmul(self.means, self.shifts, self.factors)
@@ -155,6 +159,8 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
     def __exit__(self, *exc: Any) -> None:
         for p, m in zip(self.params, self.means):
             p.data = m
+        if self.means:
+            torch.clear_autocast_cache()
         self.means = []
 
 
