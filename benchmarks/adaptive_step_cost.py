@@ -128,7 +128,7 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
+    parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"], help='models to measure (default: mlp cnn)')
     parser.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
     parser.add_argument("--intervals", nargs="+", default=["5/5", "1/10", "3/12", "5/20"],
                         help="curvature/decomposition intervals of adaptive K-FAC (default 5/5 1/10 3/12 5/20)")

@@ -409,7 +409,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="K-FAC fixed curv_update_interval/inv_update_interval (default: 10/100 2/20 1/1)")
     p.add_argument("--adaptive-intervals", type=_intervals, nargs="+", default=[(1, 1), (10, 100)],
                    metavar="CURV/INV", help="intervals of adaptive K-FAC (default: 1/1 10/100)")
-    p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS, help='optimizers of the grid (default: all)')
     p.add_argument("--quick", action="store_true",
                    help="smoke run: seed 0, 2 epochs, standardized inputs, intervals 10/100 only; "
                         "writes files only where --json / --plot say")

@@ -125,15 +125,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"models {' '.join(QUICK_MODELS)}, batch 32, short timing budget")
     mode.add_argument("--full", action="store_true", help=f"models {' '.join(FULL_MODELS)}, batch 128 (the default)")
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None)
-    p.add_argument("--quantities", nargs="+", choices=QUANTITIES, default=list(QUANTITIES))
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None, help='models (default: the --full set; --quick a smaller one)')
+    p.add_argument("--quantities", nargs="+", choices=QUANTITIES, default=list(QUANTITIES), help='curvature quantities to compare (default: all)')
     p.add_argument("--batch", type=int, default=None, help="batch size N (default 128; --quick 64)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed calls per measurement after one warm-up (3 to 30 calls; "
                    "default 1.0, --quick 0.3); dense P×P computations get one timed call")
     p.add_argument("--dense-max-params", type=int, default=None,
                    help="largest model (parameters) for the dense comparisons (default 4000; --quick 2000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help='seed of the models and data (default 0)')
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for the run (default: torch's choice, one per core); the "
                    "ratios depend on it: BackPACK's few large batched ops gain more from a second thread "
@@ -142,7 +142,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="write the JSON report here (default benchmarks/results/peers_curvature.json when all "
                    "default models and quantities run with the default threads; none with --quick, --models, "
                    "--quantities or --threads)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help='log progress (INFO)')
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         p.error(f"--threads {a.threads}: expected an int >= 1")

@@ -71,16 +71,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="MLP, 1 seed, 2 epochs (a smoke run: the target is "
                       "usually not reached)")
     mode.add_argument("--full", action="store_true", help="MLP and CNN, 3 seeds (MLP) / 1 seed (CNN), up to 40 epochs")
-    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
-    p.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=None)
-    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS), help='optimizers (default: all; a peer that is not installed is skipped)')
+    p.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=None, help='models (default: mlp; --full mlp cnn)')
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help='seeds (default 0 1 2; --quick 0)')
     p.add_argument("--epochs", type=int, default=None, help="max epochs per run")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help='batch size (default 64)')
     p.add_argument("--target", type=float, default=TARGET, help="test accuracy to reach")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="write the JSON report here (default benchmarks/results/peers_training.json with --full, "
                    "the run README's table needs; none otherwise)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help='log progress (INFO)')
     a = p.parse_args(argv)
     if a.json is None and a.full and not a.models and a.optimizers == list(OPTIMIZERS):
         a.json = Path(__file__).resolve().parent / "results" / "peers_training.json"

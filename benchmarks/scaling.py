@@ -57,7 +57,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="world sizes to spawn (default 1 2; ignored under torchrun/mpiexec)")
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS,
                    help="so = SecondOrderOptimizer, vi = VIOptimizer")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES, help='curvature shapes (default: all)')
     p.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS + ("hybrid_opt",),
                    help="KAISA grad_worker_fraction (comm_opt: every rank holds every decomposition; "
                    "mem_opt: one rank per block, preconditioned gradients broadcast)")
@@ -69,13 +69,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--quick", action="store_true", help="small model and few steps (a smoke run)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"JSON report (default {DEFAULT_JSON})")
+    p.add_argument("--json", type=Path, default=None,
+                   help=f"JSON report (default {DEFAULT_JSON}; with --quick none unless given: a smoke run "
+                   "does not replace the published rows)")
     p.add_argument("--no-json", action="store_true", help="do not write the JSON report")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a spawned job is killed")
     args = p.parse_args(argv)
     args.global_batch = args.global_batch or (64 if args.quick else 256)
     args.width = args.width or (64 if args.quick else 256)
     args.steps = args.steps or (4 if args.quick else 10)
+    if args.json is None:
+        args.json = DEFAULT_JSON
+        args.no_json = args.no_json or args.quick
     return args
 
 

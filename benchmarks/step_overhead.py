@@ -529,7 +529,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",
                    help=f"save the accuracy-vs-time plot here (default {DEFAULT_PLOT.relative_to(ROOT)}; none with --quick)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help='log progress (INFO)')
     args = p.parse_args(argv)
     args.mode = "quick" if args.quick else ("full" if args.full else "default")
     if args.repeats is None:

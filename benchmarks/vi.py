@@ -213,7 +213,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 epoch (diabetes 3), 2 seeds, 4 samples, 2 timing rounds, a 2-epoch long run; "
                         "JSON into a temp dir unless --json")
-    p.add_argument("--tasks", nargs="+", choices=vq.TASKS, default=list(vq.TASKS))
+    p.add_argument("--tasks", nargs="+", choices=vq.TASKS, default=list(vq.TASKS), help='tasks (default: all)')
     p.add_argument("--methods", nargs="+", choices=vq.ALL_METHODS, default=list(vq.METHODS),
                    help=f"default: {' '.join(vq.METHODS)} (vi-fisher-mc: VI diag with curvature='fisher_mc', on request)")
     p.add_argument("--seeds", type=int, default=None, help="seeds at the chosen lr (default 5; quick 2)")
@@ -239,7 +239,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="round-robin timing rounds (default 30; quick 2)")
     p.add_argument("--window", type=int, default=None, help="steps per timed window (default 20; quick 3)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--skip-timing", action="store_true", help='only the quality tables, no step timing')
     p.add_argument("--skip-quality", action="store_true", help="no quality and no long run")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG",
                    help="also save the reliability diagrams of the digits-MLP test predictions (seed 0)")

@@ -285,8 +285,8 @@ def run(task: str, seeds: int, lr: float, real: bool) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tasks", nargs="+", default=["digits-cnn"], choices=sorted(DEFAULT_LR))
-    p.add_argument("--seeds", type=int, default=80)
+    p.add_argument("--tasks", nargs="+", default=["digits-cnn"], choices=sorted(DEFAULT_LR), help='tasks (default: digits-cnn)')
+    p.add_argument("--seeds", type=int, default=80, help='paired seeds (default 80)')
     p.add_argument("--lr", type=float, default=None,
                    help="IVON's lr (VI's is lr·(1 − 0.9)); default: the protocol's choice")
     p.add_argument("--no-real", action="store_true", help="only the re-implementation (not VIOptimizer / ivon.IVON)")

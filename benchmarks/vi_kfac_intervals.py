@@ -196,7 +196,7 @@ def report_tables(rep: Dict[str, Any], variants: Sequence[str]) -> str:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/vi_kfac_intervals.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
-    p.add_argument("--tasks", nargs="+", default=["digits-mlp", "digits-cnn"], choices=["digits-mlp", "digits-cnn", "diabetes"])
+    p.add_argument("--tasks", nargs="+", default=["digits-mlp", "digits-cnn"], choices=["digits-mlp", "digits-cnn", "diabetes"], help='tasks (default: digits-mlp digits-cnn)')
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help="'k/m' or 'k/m/decay' ('pow': the default decay to the power k); the first is the reference")
     p.add_argument("--lrs", nargs="+", type=float, default=None,
@@ -205,8 +205,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--mc-samples", type=int, default=32, help="weight samples of the validation BMA (default 32)")
     p.add_argument("--timing-steps", type=int, default=300, help="timed round-robin steps per variant (0: no timing)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--warmup", type=int, default=10, help='untimed steps before the timing (default 10)')
+    p.add_argument("--skip-quality", action="store_true", help='only the step timing, no validation quality')
     return p.parse_args(argv)
 
 

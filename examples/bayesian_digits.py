@@ -21,8 +21,9 @@ Examples::
 The VI posterior is ``q(θ) = N(μ, P⁻¹)`` with ``P = (N/T)·C + δ·I`` (``C``: Fisher estimate,
 ``δ``: prior precision, ``T``: temperature). ``--temperature T`` < 1 is a "cold" posterior,
 implemented by passing ``dataset_size = N / T`` to :class:`torchsso2.VIOptimizer` (the
-likelihood raised to 1/T). On this small dataset the untempered posterior (T = 1) is
-under-confident and less accurate (see docs/benchmarks.md); T = 0.1 is the default.
+likelihood raised to 1/T). T = 0.1 is the default: on this split (seed 0, the default 10 epochs)
+it gives vi-diag 97.3% accuracy / NLL 0.101 / ECE 1.2% and vi-kfac 97.8% / 0.099 / 1.2%, the
+untempered posterior (T = 1) 97.6% / 0.108 / 2.2% and 96.9% / 0.112 / 1.6%.
 The predictions of the VI models are Bayesian model averages over ``--mc-samples`` weight samples.
 """
 from __future__ import annotations

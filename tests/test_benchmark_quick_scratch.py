@@ -60,3 +60,13 @@ def test_quick_run_leaves_published_files_unchanged(tmp_path: Path, monkeypatch:
     [scratch] = list(tmp_path.glob("torchsso2-bench-quick-*"))
     assert (scratch / "results" / "linalg.json").exists()
     assert (scratch / "docs" / "results.md").exists()
+
+
+def test_scaling_quick_writes_no_published_json(tmp_path: Path) -> None:
+    """``benchmarks/scaling.py --quick`` wrote its smoke rows over the published scaling.json."""
+    from benchmarks import scaling
+    assert scaling.parse_args(["--quick"]).no_json
+    full = scaling.parse_args([])
+    assert not full.no_json and full.json == scaling.DEFAULT_JSON
+    chosen = scaling.parse_args(["--quick", "--json", str(tmp_path / "s.json")])
+    assert not chosen.no_json and chosen.json == tmp_path / "s.json"

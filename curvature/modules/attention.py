@@ -30,7 +30,7 @@ dropout. Not supported (ValueError at selection): separate ``kdim``/``vdim``, ``
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -171,7 +171,7 @@ _ARG_NAMES = ("query", "key", "value", "key_padding_mask", "need_weights", "attn
               "average_attn_weights", "is_causal")
 
 
-def attention_hook(capture: Any, name: str):
+def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], Any]:
     """A ``with_kwargs`` forward hook for :class:`~curvature.capture.Capture`: records ``x``/``z`` of
     the in-projection as the module's :class:`~curvature.capture.ModuleRecord` and returns the
     recomputed output (see the module docstring)."""
