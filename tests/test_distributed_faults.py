@@ -117,6 +117,15 @@ def test_settings_check_compares_layer_shapes() -> None:
     ("sso", [dict(use_adaptive_momentum=True, damping=0.1), dict(use_adaptive_momentum=False, damping=0.1)]),
     ("sso", [dict(adaptive_coefficients_interval=1, use_adaptive_learning_rate=True),
              dict(adaptive_coefficients_interval=3, use_adaptive_learning_rate=True)]),
+    # found unchecked by an audit (an MPI abort at the first broadcast, or replicas drifting apart)
+    ("sso", [dict(kfac_method="eigen"), dict(kfac_method="inverse")]),
+    ("sso", [dict(damping_adaptation_decay=0.95, adaptive_damping=True),
+             dict(damping_adaptation_decay=0.5, adaptive_damping=True)]),
+    ("sso", [dict(min_damping=1e-4, adaptive_damping=True), dict(min_damping=1e-6, adaptive_damping=True)]),
+    ("vi", [dict(reparam=True), dict(reparam=False)]),  # the default reparam estimator vs the exact Fisher
+    ("vi", [dict(momentum_debias=True), dict(momentum_debias=False)]),
+    ("vi", [dict(curvature_init=1.0), dict(curvature_init=2.0)]),
+    ("vi", [dict(mc_parallel=1), dict(mc_parallel=2)]),
 ])
 def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
     """The construction-time check of the native faces, on 2 ranks played by 2 threads."""
@@ -130,8 +139,11 @@ def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List
         try:
             if face == "sso":
                 SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
-            else:
-                VIOptimizer(model, **{"dataset_size": 100, **kwargs[rank]}, communicator=ThreadComm(pair, rank))
+            else:  # reparam=True/False: curvature="reparam" (the estimator) or the exact Fisher, same kind
+                kw = dict(kwargs[rank])
+                if "reparam" in kw:
+                    kw = {"curvature": "reparam" if kw.pop("reparam") else "fisher"}
+                VIOptimizer(model, **{"dataset_size": 100, **kw}, communicator=ThreadComm(pair, rank))
         except BaseException as exc:  # noqa: BLE001 - collected for the test
             errors[rank] = exc
 

@@ -114,11 +114,14 @@ def _nccl(comm: Any) -> bool:
 
 
 #: optimizer attributes compared when present (SecondOrderOptimizer: damping, kl_clip,
-#: damping_adaptation_interval, curv_warmup_steps, the adaptive-mode flags and interval; VIOptimizer:
-#: dataset_size, prior_precision, init_precision, num_mc_samples, kl_weighting, damping, noise_variance)
+#: damping_adaptation_interval, decay and min_damping, curv_warmup_steps, kfac_method, the adaptive-mode flags and
+#: interval; VIOptimizer: dataset_size, prior_precision, init_precision, num_mc_samples, kl_weighting,
+#: damping, noise_variance, the reparam estimator, momentum_debias, curvature_init, mc_parallel)
 SUBCLASS_ATTRIBUTES = ("damping", "kl_clip", "damping_adaptation_interval", "dataset_size", "prior_precision",
                        "init_precision", "num_mc_samples", "kl_weighting", "noise_variance", "curv_warmup_steps",
-                       "use_adaptive_learning_rate", "use_adaptive_momentum", "adaptive_coefficients_interval")
+                       "use_adaptive_learning_rate", "use_adaptive_momentum", "adaptive_coefficients_interval",
+                       "kfac_method", "damping_adaptation_decay", "min_damping", "reparam", "momentum_debias",
+                       "curvature_init", "mc_parallel")
 
 
 def check_optimizer_settings(opt: Any) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -29,6 +30,7 @@ from curvature import likelihoods
 from curvature.options import Kind, LossType
 
 from ..distributed import get_communicator
+from ..distributed.assignment import grad_worker_count
 from ..distributed.consistency import check_optimizer_settings
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
@@ -123,7 +125,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.running = RunningCurvature()
         #: how K-FAC blocks are decomposed: "eigen" (exact damping) or "inverse" (factored; SecondOrderOptimizer)
-        self.kfac_method = "eigen"
+        self.__dict__.setdefault("kfac_method", "eigen")
         self._plans = PlanCache()      # per-step bookkeeping of the update (torchsso2/optim/plan.py)
         self._scalars = ScalarCache()  # hyperparameters as cached 0-dim tensors for foreach ops
         self.comm = communicator if not isinstance(communicator, (str, type(None))) else \
@@ -476,8 +478,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             self.num_skipped = checked.num_skipped
             self._decomposed = checked.decomposed
             self.seed = int(checked.seed) if checked.seed is not None else self.seed
-            if self.placement.active:  # [issue #7] the saving rank may lack some decompositions: redo them
-                self._decomposed = False
+            if self.placement.active and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) \
+                    < self.comm.world_size:  # [issue #7] the saving rank lacks some decompositions: redo them
+                self._decomposed = False  # (with every rank a grad worker, the saved ones are every rank's)
+            if self.comm.rank != 0:  # the saved label stream is the saving rank's: draw independently of it
+                self.generator.manual_seed(rank_seed(zlib.crc32(checked.generator.numpy().tobytes()), self.comm.rank))
             if any(isinstance(b, KFACBlock) and b.decomposition is not None
                    and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):
                 self._decomposed = False  # saved with the other kfac_method: decompose again at the next step

@@ -272,11 +272,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             # moves the damping by decay ** interval (torchsso2/optim/damping.py)
             self.lm = LMDamping(self.damping, per_adjustment_decay(decay, self.damping_adaptation_interval),
                                 min_damping=check_number("min_damping", min_damping, low=0.0))
-        check_choice("kfac_method", kfac_method, ("eigen", "inverse"))
+        self.kfac_method = check_choice("kfac_method", kfac_method, ("eigen", "inverse"))  # compared across ranks
+        self.damping_adaptation_decay = damping_adaptation_decay if adaptive_damping else None
+        self.min_damping = min_damping if adaptive_damping else None
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
         settings = CurvatureSettings.from_arguments(locals(), approx=DEFAULT_APPROX if approx is None else approx)
         super().__init__(model, params, defaults, settings)
-        self.kfac_method = kfac_method
         self.adaptive = self._make_adaptive(use_adaptive_learning_rate, use_adaptive_momentum,
                                             self.adaptive_coefficients_interval)
         # one process, no grad scaler: p.grad is the user's gᵀã, so wide Linear K-FAC blocks can be

@@ -316,6 +316,7 @@ class VIOptimizer(CurvatureOptimizer):
         # None: the defaults per approx, and the decay per step (torchsso2/optim/vi_schedule.py)
         curv_update_interval, inv_update_interval, ema_decay = vi_schedule(
             approx, curv_update_interval, inv_update_interval, ema_decay, DEFAULT_VI_EMA_DECAY)
+        self.mc_parallel = mc_parallel  # compared across ranks (checked below)
         settings = CurvatureSettings.from_arguments(locals(), curvature=kind)
         super().__init__(model, params, defaults, settings)
         if curvature is None and self.reparam and self.placement.active \
@@ -661,6 +662,10 @@ class VIOptimizer(CurvatureOptimizer):
             done = self._flat.step(self, closure, targets)
             if done is not None:
                 return done
+        if not self._decomposed and self.running.num_updates > 0:
+            # a posterior without its decomposition (loaded on ranks that hold only part of them): this
+            # step's weight noise is a sample of it, not of the isotropic start
+            self._decompose(self.precision_shift, scale=self.likelihood_size)
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
