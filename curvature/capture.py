@@ -139,9 +139,13 @@ class Capture:
             if name in self.records:
                 if self.on_reuse == "count":
                     return None
+                during_backward = torch._C._current_autograd_node() is not None
                 raise ValueError(
-                    f"module {name!r} ({type(module).__name__}) was called more than once in one forward; "
-                    "modules reused within a forward (shared layers) are not supported")
+                    f"module {name!r} ({type(module).__name__}) was called more than once in one forward"
+                    + ("; this call came during the backward pass: activation checkpointing "
+                       "(torch.utils.checkpoint) recomputes forwards, which the curvature capture does not "
+                       "support (VIOptimizer's default diagonal and KFACPreconditioner do)" if during_backward else
+                       "; modules reused within a forward (shared layers) are not supported"))
             if not isinstance(output, Tensor):
                 raise TypeError(f"module {name!r} returned {type(output).__name__}, expected a Tensor")
             rec = ModuleRecord(inputs=tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +59,21 @@ def _scaled_sum(tensors: List[Tensor], scale: float) -> Tensor:
     for t in tensors[1:]:
         total = total + t
     return total * scale
+
+
+def _check_reached(grads: Sequence[Optional[Tensor]], names: Sequence[str]) -> None:
+    """ValueError when the model output reaches none of the covered modules' recorded outputs (each
+    gradient None). A module the output does not use has zero blocks, but not every module: the
+    output came from another forward than the recorded calls, e.g. ``torch.compile(model)(x)`` inside
+    the closure of an optimizer built on ``model`` (its compiled graph does not run the modules'
+    recorded calls), which would silently give zero curvature."""
+    if grads and all(g is None for g in grads):
+        raise ValueError(
+            f"the model output does not depend on the recorded outputs of any covered module ({', '.join(names)}): "
+            "the closure's output did not come from the forward the optimizer recorded, e.g. a torch.compile'd "
+            "model called inside the closure of an optimizer built on the uncompiled one. Build the optimizer on "
+            "the module the closure calls (opt = SecondOrderOptimizer(compiled_model, ...)), or call the model "
+            "itself in the closure")
 
 
 class CurvatureEngine:
@@ -166,10 +181,12 @@ class CurvatureEngine:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
         missing = [n for n in self._modules if n not in capture.records]
         if missing:
-            raise ValueError(f"covered modules {missing} were not called in the forward pass; "
-                             "exclude them with skip_modules or freeze their parameters (if a parent module "
+            raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
+                             "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
                              "computes with their parameters itself, as nn.MultiheadAttention does with "
-                             "out_proj, skip the parent: its submodules are skipped with it)")
+                             "out_proj, skip the parent: its submodules are skipped with it). Reentrant activation "
+                             "checkpointing (torch.utils.checkpoint) runs them under torch.no_grad: the curvature "
+                             "capture does not support it")
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -249,11 +266,15 @@ class CurvatureEngine:
         rows = (likelihoods.loss_rows(self.loss, capture.outputs[0]) if capture.outputs
                 else next(iter(capture.records.values())).output.shape[0])
         s = float(loss_scale if loss_scale is not None else rows)
+        if capture.records and not any(rec.backward_grads for rec in capture.records.values()):
+            raise RuntimeError(f"no gradient was recorded for modules {list(capture.records)}; call backward() "
+                               "inside the closure")
         grads = {}
         for name, rec in capture.records.items():
-            if not rec.backward_grads:
-                raise RuntimeError(f"no gradient was recorded for module {name!r}; call backward() inside the closure")
-            grads[name] = _scaled_sum(rec.backward_grads, s).unsqueeze(0)
+            # a module the backward did not reach (frozen since construction, an unused branch) has zero
+            # output gradients, as the engine's own backward passes give it
+            grads[name] = _scaled_sum(rec.backward_grads, s).unsqueeze(0) if rec.backward_grads else \
+                rec.output.new_zeros((1,) + tuple(rec.output.shape))
         return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size)
 
     def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> int:
@@ -304,7 +325,7 @@ class CurvatureEngine:
         outs = [capture.records[n].output for n in names]
         if vectors.shape[0] > 1 and self.batched_backward:
             with capture.frozen.on():  # BatchNorm batch statistics as constants (curvature.frozen_norm)
-                batched = self._batched_output_grads(outputs, outs, vectors)
+                batched = self._batched_output_grads(outputs, outs, vectors, names)
             if batched is not None:
                 yield dict(zip(names, batched))
                 return
@@ -315,6 +336,8 @@ class CurvatureEngine:
             with capture.frozen.on():
                 g = torch.autograd.grad(outputs, outs, grad_outputs=vectors[k].to(outputs.dtype),
                                         retain_graph=True, allow_unused=True)
+            if k == 0:
+                _check_reached(g, names)
             pending.append([gi if gi is not None else torch.zeros_like(o) for gi, o in zip(g, outs)])
             if len(pending) == group or k == vectors.shape[0] - 1:
                 # a chunk of one vector (fisher_mc with one sample, empirical Fisher) is a view, not a copy
@@ -323,7 +346,8 @@ class CurvatureEngine:
                 pending = []
 
     @staticmethod
-    def _batched_output_grads(outputs: Tensor, outs: List[Tensor], vectors: Tensor) -> Optional[List[Tensor]]:
+    def _batched_output_grads(outputs: Tensor, outs: List[Tensor], vectors: Tensor,
+                              names: Optional[Sequence[str]] = None) -> Optional[List[Tensor]]:
         """All K backward passes as one vmapped backward (``is_grads_batched``), as BackPACK
         backpropagates the K columns of √H together; None when some op of the graph has no
         batching rule (the caller then loops over the K vectors)."""
@@ -335,6 +359,7 @@ class CurvatureEngine:
         except RuntimeError as err:  # an op without a batching rule, or an in-place op under vmap
             logger.debug("batched backward unavailable (%s); looping over %d vectors", err, vectors.shape[0])
             return None
+        _check_reached(g, names if names is not None else [f"#{i}" for i in range(len(outs))])
         k = vectors.shape[0]
         return [gi if gi is not None else o.new_zeros((k,) + tuple(o.shape)) for gi, o in zip(g, outs)]
 

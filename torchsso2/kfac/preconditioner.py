@@ -255,6 +255,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         layer = self._by_module.get(module)
         if layer is None:  # not one of ours: a deep copy of the model carries our hook to its own layers
             return
+        if output.dim() and output.shape[0] == 0:
+            raise ValueError(f"KFACPreconditioner: layer {layer.name!r} ran on an empty batch (output of shape "
+                             f"{list(output.shape)}); its factors would be undefined: skip empty batches in the "
+                             "training loop (e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`)")
         self._mini_steps[layer.name] += 1
         self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)

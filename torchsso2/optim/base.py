@@ -177,6 +177,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
                 loss, output = unpack_closure_result(closure())
+            self._check_nonempty(output)
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
@@ -190,6 +191,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             finally:
                 if hook is not None:
                     hook.remove()
+            self._check_nonempty(output)
             watch.after()
             return loss, output, None
         engine = self.engine
@@ -378,6 +380,18 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
                          "VIOptimizer), lower lr, or restore a checkpoint.", streak)
+
+    def _check_nonempty(self, output: Any) -> None:
+        """The empty-batch ``ValueError`` for a step that records nothing (the estimating steps check
+        every forward's output as it comes)."""
+        if isinstance(output, Tensor) and output.dim() and output.shape[0] == 0:
+            check_nonempty_batch(output)
+        elif self.engine.output_selector is not None and not isinstance(output, Tensor):
+            try:
+                selected = self.engine.output_selector(output)
+            except Exception:  # noqa: BLE001 - a closure output the selector does not take: not ours to judge here
+                return
+            check_nonempty_batch(selected)
 
     def _decomposition_failed(self, error: object) -> None:
         """Apply the policy to a failed decomposition: raise, or count a skipped step and warn (at 1, 2,

@@ -698,6 +698,8 @@ class VIOptimizer(CurvatureOptimizer):
                 if p.grad is not None:
                     g = p.grad.detach()
                     grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
+                    p.grad = None  # taken: the next sample's backward starts afresh (whether or not
+                    # its closure zeroes the gradients)
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None

@@ -157,7 +157,7 @@ class _Link:
         dtype, device = self.dtype, self.device
         for own, pname, p, view in self.param_checks:
             if own.get(pname) is not p or not p.requires_grad or p.dtype != dtype or p.device != device \
-                    or state[p].get("momentum_buffer") is not view:
+                    or state[p].get("momentum_buffer") is not view or not p.is_contiguous():
                 return False
         mine = self.group_params
         i = 0
@@ -237,7 +237,8 @@ class FlatDiagPath:
         for p in params:
             buf = state[p].get("momentum_buffer") if p in state else None
             if not p.requires_grad or p.dtype != dtype or p.device != device or buf is None \
-                    or buf.dtype != dtype or buf.device != device or buf.shape != p.shape:
+                    or buf.dtype != dtype or buf.device != device or buf.shape != p.shape \
+                    or not p.is_contiguous():  # the fused kernels pair the flat views by memory position
                 return None
         for blk in chosen:
             for t in (blk.diagonal, blk.decomposition["denom"]):
