@@ -232,7 +232,7 @@ class CurvatureEngine:
                 and capture.records[name].output.shape[0] == n > 1 and n in capture.records[name].output.shape[1:]}
         if not outs:
             return
-        signature = (tuple(outputs.shape), tuple((n, tuple(o.shape)) for n, o in outs.items()))
+        signature = (tuple(outputs.shape), tuple((name, tuple(o.shape)) for name, o in outs.items()))
         if signature in self._examples_checked:
             return
         with capture.frozen.on():

@@ -11,6 +11,7 @@ form given.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
@@ -41,6 +42,7 @@ class Curvature:
     kind: str
     approx: Dict[str, str]
     _damping: Any = field(default=None, init=False, repr=False)  # damping of the blocks' decompositions
+    _made: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # the decompositions solve() made
 
     # ---- parameters -------------------------------------------------------------------------
     @property
@@ -102,13 +104,21 @@ class Curvature:
         their eigenbases, ``(L ⊗ R + λI)⁻¹``). The decompositions are kept for further solves with
         the same ``damping``. Raises ``curvature.linalg.LinalgError`` when ``C + damping·I`` is
         not positive definite (``damping=0`` on a singular ``C``)."""
-        if not isinstance(damping, (int, float)) or isinstance(damping, bool) or not math.isfinite(damping) \
-                or damping < 0:
+        if isinstance(damping, Tensor) and damping.numel() == 1 and not damping.is_complex():
+            damping = damping.item()
+        if not isinstance(damping, numbers.Real) or isinstance(damping, bool):
+            raise TypeError(f"damping must be a real number >= 0, got {type(damping).__name__} {damping!r}")
+        damping = float(damping)
+        if not math.isfinite(damping) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
-        if self._damping != damping or any(b.decomposition is None for b in self.blocks.values()):
+        # the decompositions made here, at this damping (a block decomposed since, e.g. through its own
+        # decompose(), is decomposed again)
+        if self._damping != damping or any(b.decomposition is None or b.decomposition is not self._made.get(n)
+                                           for n, b in self.blocks.items()):
             for blk in self.blocks.values():
-                blk.decompose(float(damping))
+                blk.decompose(damping)
             self._damping = damping
+            self._made = {n: b.decomposition for n, b in self.blocks.items()}
         return self._blockwise(v, lambda blk, parts: blk.solve(parts))
 
     def to_scipy(self) -> Any:
@@ -122,7 +132,17 @@ class Curvature:
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _blockwise(self, v: Vector, op: Any) -> Vector:
+        if not isinstance(v, (Tensor, list, tuple)):
+            raise TypeError(f"expected a tensor [{self.numel}] or [{self.numel}, k], or a list of tensors shaped "
+                            f"like the parameters, got {type(v).__name__}")
+        for t in ([v] if isinstance(v, Tensor) else v):
+            if isinstance(t, Tensor) and (not t.is_floating_point() or t.is_complex()):
+                raise TypeError(f"expected real floating-point vectors, got dtype {t.dtype} (integer, bool and "
+                                "complex vectors would be cast and lose their values)")
         if isinstance(v, Tensor):
+            if v.dim() == 2 and v.shape[0] != self.numel:
+                raise ValueError(f"expected a flat vector of shape [{self.numel}] (or [{self.numel}, k]), "
+                                 f"got {tuple(v.shape)}")
             if v.dim() == 2:
                 return torch.stack([self._blockwise(col, op) for col in v.t()], dim=1)
             if v.shape != (self.numel,):
