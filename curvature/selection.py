@@ -63,7 +63,16 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(skip_modules, str):  # a list is iterated; a string would be taken character by character
+        raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
+                        f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")
     skip = list(skip_modules or [])
+    for key in skip:
+        if isinstance(key, str):  # a class name is a valid regex too
+            try:
+                re.compile(key)
+            except re.error as err:
+                raise ValueError(f"skip_modules entry {key!r} is not a valid regular expression ({err})") from err
     if isinstance(approx, Mapping):
         rules = [(k, parse(Approx, v, f"approx[{k!r}]")) for k, v in approx.items()]
         default: Optional[Approx] = None
@@ -137,7 +146,8 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         layouts[owner_name].tied = tuple(uses)
     if not layouts:
         raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
-                         "LayerNorm, Embedding, MultiheadAttention) and trainable parameters")
+                         "LayerNorm, Embedding, MultiheadAttention) and trainable parameters"
+                         + (f" left after skip_modules={skip!r} (skipped: {skipped})" if skipped else ""))
     return layouts, shapes
 
 

@@ -175,3 +175,25 @@ def test_parameters_of_a_container_take_the_route_the_error_names(face: str) -> 
     for _ in range(3):
         opt.step(closure)
     assert not torch.equal(model.token.detach(), token)  # the plain update moves it
+
+
+def test_skip_modules_as_a_string_or_a_bad_regex_is_named() -> None:
+    """A string was split into characters, each a regex ('fc' skipped 'encoder' through its 'c')."""
+    with pytest.raises(TypeError, match=r"got the string 'fc'; pass skip_modules=\['fc'\]"):
+        SecondOrderOptimizer(_model(), skip_modules="fc")
+    with pytest.raises(ValueError, match=r"skip_modules entry '\*x' is not a valid regular expression"):
+        SecondOrderOptimizer(_model(), skip_modules=["*x"])
+    with pytest.raises(ValueError, match=r"left after skip_modules=\['0', '2'\]"):
+        SecondOrderOptimizer(_model(), skip_modules=["0", "2"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_probabilities_are_accepted_by_the_metrics(dtype) -> None:
+    from torchsso2 import metrics
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(256, 10) * 3, dim=1).to(dtype)
+    labels = torch.randint(0, 10, (256,))
+    assert abs(metrics.ece(probs, labels) - metrics.ece(probs.float() / probs.float().sum(1, keepdim=True),
+                                                        labels)) < 0.02
+    with pytest.raises(ValueError, match="not logits"):
+        metrics.ece(torch.rand(8, 10).to(dtype), torch.randint(0, 10, (8,)))  # positive, rows far from 1

@@ -647,7 +647,11 @@ class VIOptimizer(CurvatureOptimizer):
         return mean
 
     def posterior_precision(self) -> Tensor:
-        """Dense ``[P, P]`` block-diagonal posterior precision ``(N·C + τδ + damping)/τ`` over the covered params."""
+        """Dense ``[P, P]`` block-diagonal posterior precision ``(N·C + τδ + damping)/τ`` over the covered params,
+        from the running curvature ``C``. The weight samples (``sampled_params``, ``predict``, the steps)
+        use its last decomposition, redone every ``inv_update_interval`` steps: between two, ``C`` may
+        have moved on (``curv_update_interval`` < ``inv_update_interval``) and the samples follow the
+        precision of the last decomposition step."""
         if not self.running.blocks:
             raise RuntimeError("no curvature estimate yet: call step() first")
         mats = [blk.dense() * self.likelihood_size for blk in self.running.blocks.values()]
