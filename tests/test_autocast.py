@@ -166,14 +166,7 @@ def test_one_autocast_context_around_the_loop_trains_as_one_per_step(face: str) 
         model = _Custom()
         opt = SecondOrderOptimizer(model, lr=0.1, seed=0) if face == "sso" else \
             VIOptimizer(model, dataset_size=32, lr=0.01, seed=0)
-
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            loss = F.cross_entropy(out.float(), y)
-            loss.backward()
-            return loss, out
-
+        closure = make_closure(opt, model, x, y)  # cross-entropy runs in float32 under autocast
         if one_context:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 for _ in range(4):

@@ -13,13 +13,14 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
+sys.path.insert(0, os.path.dirname(_HERE))  # tests/: optim_helpers
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from torchsso2 import SecondOrderOptimizer, VIOptimizer  # noqa: E402
 from torchsso2.distributed import get_communicator  # noqa: E402
+from optim_helpers import make_closure  # noqa: E402
 
 CONFIGS = {
     "vi-kfac": ("vi", dict(dataset_size=100, seed=0, approx="kfac", curvature="fisher",
@@ -48,14 +49,7 @@ def main() -> None:
                 g = torch.Generator().manual_seed(step)
                 x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
                 x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
-
-                def closure():
-                    opt.zero_grad()
-                    out = model(x)
-                    loss = F.cross_entropy(out, y)
-                    loss.backward()
-                    return loss, out
-                opt.step(closure)
+                opt.step(make_closure(opt, model, x, y))
 
         model, opt = make()
         run(model, opt, 0, 6)
