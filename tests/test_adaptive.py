@@ -55,7 +55,8 @@ def test_adaptive_step_is_the_exact_minimiser_of_the_damped_quadratic_model(appr
     opt = SecondOrderOptimizer(model, lr=0.3, momentum=0.4, weight_decay=wd, curvature="fisher", approx=approx,
                                loss="mse", damping=lam, ema_decay=0.0,
                                use_adaptive_learning_rate=mode in ("both", "lr"),
-                               use_adaptive_momentum=mode in ("both", "momentum"))
+                               use_adaptive_momentum=mode in ("both", "momentum"),
+                               kl_clip=None)  # momentum alone keeps the clip by default; here the plain model
     closure = make_closure(opt, model, x, y, "mse")
     f = lambda v: _loss_at(model, v, x, y, "mse")  # noqa: E731
     prev = None
@@ -448,19 +449,40 @@ def test_benchmark_quick_grid_writes_its_table(tmp_path):
 
 
 def test_kl_clip_default_is_a_sentinel_off_in_adaptive_mode_and_an_explicit_value_is_refused():
-    """The signature default of kl_clip is a sentinel: DEFAULT_KL_CLIP without adaptive
-    coefficients, off with them; any value the user passes (DEFAULT_KL_CLIP itself included)
-    counts as explicit and is refused in adaptive mode, kl_clip=None is accepted."""
+    """The signature default of kl_clip is a sentinel: DEFAULT_KL_CLIP without an adaptive
+    learning rate, off with one; any value the user passes (DEFAULT_KL_CLIP itself included)
+    counts as explicit and is refused with an adaptive lr, kl_clip=None is accepted. With adaptive
+    momentum alone the fixed lr sets the step: the clip stays (default and explicit)."""
     from torchsso2.optim.second_order import DEFAULT_KL_CLIP
     model = nn.Sequential(*_mlp()).float()
     assert SecondOrderOptimizer(model).kl_clip == DEFAULT_KL_CLIP
     assert SecondOrderOptimizer(model, kl_clip=DEFAULT_KL_CLIP).kl_clip == DEFAULT_KL_CLIP
-    for flags in (dict(use_adaptive_learning_rate=True), dict(use_adaptive_momentum=True)):
+    for flags in (dict(use_adaptive_learning_rate=True), dict(use_adaptive_learning_rate=True,
+                                                            use_adaptive_momentum=True)):
         assert SecondOrderOptimizer(model, **flags).kl_clip is None
         assert SecondOrderOptimizer(model, kl_clip=None, **flags).kl_clip is None
         for explicit in (DEFAULT_KL_CLIP, 1e-3, 0.01):
             with pytest.raises(ValueError, match=f"kl_clip={explicit!r} cannot be combined"):
                 SecondOrderOptimizer(model, kl_clip=explicit, **flags)
+    assert SecondOrderOptimizer(model, use_adaptive_momentum=True).kl_clip == DEFAULT_KL_CLIP
+    assert SecondOrderOptimizer(model, use_adaptive_momentum=True, kl_clip=0.01).kl_clip == 0.01
+
+
+def test_adaptive_momentum_alone_clips_the_fixed_lr_step():
+    """A fixed lr 0.1 on an exact-damping full block at damping 0.01: unclipped, the loss went 1.9,
+    105, 5e8, 4e29 (the default clip had been switched off with adaptive momentum alone); clipped,
+    its step along Δ has lr²·νΔᵀd = kl_clip, and training proceeds as in the plain mode."""
+    losses = {}
+    for clip in ("default", None):
+        torch.manual_seed(964)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        x, y = torch.randn(12, 8), torch.randn(12, 4)
+        kw = {} if clip == "default" else {"kl_clip": None}
+        opt = SecondOrderOptimizer(model, lr=0.1, approx="full", damping=0.01, kfac_method="inverse", ema_decay=0.0,
+                                   loss="mse", seed=0, use_adaptive_momentum=True, **kw)
+        losses[clip] = [float(opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)[0]) for _ in range(4)]
+    assert max(losses["default"]) <= losses["default"][0] * 1.5, losses
+    assert not max(losses[None]) < 10 * losses[None][0], losses  # the same run without the clip blows up
     assert "default" in repr(inspect.signature(SecondOrderOptimizer).parameters["kl_clip"].default)
 
 

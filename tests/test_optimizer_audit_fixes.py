@@ -197,3 +197,20 @@ def test_half_precision_probabilities_are_accepted_by_the_metrics(dtype) -> None
                                                         labels)) < 0.02
     with pytest.raises(ValueError, match="not logits"):
         metrics.ece(torch.rand(8, 10).to(dtype), torch.randint(0, 10, (8,)))  # positive, rows far from 1
+
+
+def test_vi_decompositions_that_keep_failing_count_once_per_step_and_predict_says_why() -> None:
+    """An indefinite diagonal Hessian without damping: every decomposition fails. A step counts one
+    skip (a retry at the start of every step had counted two), and predict names the cause instead
+    of "before the first step"."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(64, 4))
+    x, y = torch.randn(12, 2, 8, 8), torch.randint(0, 4, (12,))
+    opt = VIOptimizer(model, dataset_size=100, curvature="hessian", approx="diag", curvature_init=None,
+                      prior_variance=1.0, damping=0.0)
+    for step in range(3):
+        opt.step(make_closure(opt, model, x, y), targets=y)
+        assert opt.num_skipped == step + 1
+    with pytest.raises(RuntimeError, match="none of whose decompositions of the posterior precision succeeded"):
+        opt.predict(x, num_samples=4)

@@ -503,6 +503,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if any(b.decomposition is None for b in self.running.blocks.values()):
                 self._decomposed = False
             self._load_extra_state(checked.extra)
+            #: a posterior loaded without (all) its decompositions: VIOptimizer redoes them before its next noise
+            self._loaded_undecomposed = not self._decomposed and self.running.num_updates > 0
         except BaseException:  # not expected after the checks; the optimizer is left as it was anyway
             self.__dict__.clear()
             self.__dict__.update(saved_attrs)

@@ -82,11 +82,11 @@ def default_kl_clip(inv_update_interval: Any) -> float:
 
 class _DefaultKLClip:
     """The signature default of ``kl_clip``: :func:`default_kl_clip` (``DEFAULT_KL_CLIP /
-    √inv_update_interval``) without adaptive coefficients, off with them (their step length comes from the quadratic model). A sentinel,
+    √inv_update_interval``) without an adaptive learning rate, off with one (the step length then comes from the quadratic model). A sentinel,
     so that any value the user passes, ``DEFAULT_KL_CLIP`` itself included, counts as explicit."""
 
     def __repr__(self) -> str:
-        return f"<default: {DEFAULT_KL_CLIP:g}/sqrt(inv_update_interval), off with adaptive lr/momentum>"
+        return f"<default: {DEFAULT_KL_CLIP:g}/sqrt(inv_update_interval), off with an adaptive lr>"
 
 
 #: the sentinel ``kl_clip`` defaults to (see :class:`_DefaultKLClip`)
@@ -144,8 +144,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             by ``ν`` so that ``Σ lr²·Δᵀd`` (twice the KL divergence the step implies under the
             curvature) stays at most ``kl_clip``. Default (when not passed): :data:`DEFAULT_KL_CLIP` = 1e-3
             (kfac_pytorch's default) divided by ``√inv_update_interval`` (:func:`default_kl_clip`: a
-            decomposition reused for longer is trusted less far; 1e-4 at interval 100); ``None`` turns it off. With adaptive lr/momentum
-            the default is off and an explicit value is refused (``ValueError``).
+            decomposition reused for longer is trusted less far; 1e-4 at interval 100); ``None`` turns it off. With an adaptive
+            learning rate the default is off and an explicit value is refused (``ValueError``); with adaptive
+            momentum alone the fixed lr's step along Δ is clipped (``Δ ← ν·Δ``) before ``μ`` is solved.
         adaptive_damping: Levenberg–Marquardt rule every ``damping_adaptation_interval`` steps
             (needs a closure that can be called again; the extra call re-evaluates the loss).
             ``damping_adaptation_decay`` is per step (kfac-jax's convention): each adjustment
@@ -202,8 +203,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             An adapted coefficient ignores the group's ``lr`` / ``momentum``; one not adapted is
             fixed to it. Costs about two extra forward passes per step; combine with
             ``adaptive_damping=True`` (then fed the quadratic model's predicted change) for a
-            run with neither lr nor damping to tune. The default KL clip is off in this mode and an explicit
-            ``kl_clip`` (other than ``None``) is refused.
+            run with neither lr nor damping to tune. With an adaptive learning rate the default KL clip
+            is off and an explicit ``kl_clip`` (other than ``None``) is refused; with adaptive momentum
+            alone the clip (default on) bounds the fixed lr's step along Δ.
         adaptive_coefficients_interval: with adaptive coefficients, solve them every this many steps
             (and at the first two and at every LM damping step) and reuse the last ones in between,
             which then cost no JVP (default 1: every step).
@@ -248,13 +250,15 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
         self.damping = check_number("damping", damping, low=0.0)
-        adaptive = use_adaptive_learning_rate is True or use_adaptive_momentum is True
-        if isinstance(kl_clip, _DefaultKLClip):  # not passed: off in adaptive mode (the quadratic model sets the step)
-            kl_clip = None if adaptive else default_kl_clip(inv_update_interval)
-        elif adaptive and kl_clip is not None:
-            raise ValueError(f"kl_clip={kl_clip!r} cannot be combined with use_adaptive_learning_rate/"
-                             "use_adaptive_momentum: the step length comes from the quadratic model; leave kl_clip "
-                             "at its default (off in adaptive mode) or pass kl_clip=None")
+        # an adaptive learning rate sets the step length from the quadratic model: no clip; with adaptive
+        # momentum alone the fixed lr does, and its step along Δ is clipped as in the plain mode
+        adaptive_lr = use_adaptive_learning_rate is True
+        if isinstance(kl_clip, _DefaultKLClip):  # not passed: off with an adaptive lr
+            kl_clip = None if adaptive_lr else default_kl_clip(inv_update_interval)
+        elif adaptive_lr and kl_clip is not None:
+            raise ValueError(f"kl_clip={kl_clip!r} cannot be combined with use_adaptive_learning_rate: the step "
+                             "length comes from the quadratic model; leave kl_clip at its default (off with an "
+                             "adaptive learning rate) or pass kl_clip=None")
         self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
         # compared across ranks (distributed/consistency.py): adaptive mode all-reduces its 2×2 model
         self.use_adaptive_learning_rate = use_adaptive_learning_rate

@@ -626,6 +626,10 @@ class VIOptimizer(CurvatureOptimizer):
             raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
                              f"loss is {self.engine.loss.value!r}")
         if not self._decomposed and self.init_precision is None:
+            if self.num_steps > 0:
+                raise RuntimeError(f"predict() after {self.num_steps} step(s) none of whose decompositions of the "
+                                   "posterior precision succeeded (see the logged warnings): there is nothing to sample "
+                                   "from. Increase damping or prior_precision (the curvature is not positive definite)")
             raise RuntimeError("predict() before the first step(): there is no posterior yet, so every sample would "
                                "be the mean weights (point predictions). Call step() first, or pass "
                                "init_precision=... to sample from an isotropic Gaussian around the weights")
@@ -666,9 +670,9 @@ class VIOptimizer(CurvatureOptimizer):
             done = self._flat.step(self, closure, targets)
             if done is not None:
                 return done
-        if not self._decomposed and self.running.num_updates > 0:
-            # a posterior without its decomposition (loaded on ranks that hold only part of them): this
-            # step's weight noise is a sample of it, not of the isotropic start
+        if self.__dict__.pop("_loaded_undecomposed", False) and not self._decomposed:
+            # a loaded posterior without its decompositions (saved on a rank that held only part of them):
+            # this step's weight noise is a sample of it, not of the isotropic start
             self._decompose(self.precision_shift, scale=self.likelihood_size)
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
