@@ -56,7 +56,7 @@ from curvature.uses_static import observer_hook
 
 from . import sequential_jvp
 from .sequential_record import ActivationRecorder
-from .steps import kl_clip_scale
+from .clipped_update import clip_scale
 
 logger = logging.getLogger(__name__)
 
@@ -471,9 +471,8 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
         # adaptive momentum alone: the fixed lr sets the step along Δ, clipped as in the plain mode
         # (ν = min(1, √(kl_clip / Σ lr²·Δᵀd))) before μ is solved for it
         lr = ada._one([g["lr"] for g in groups], "lr")
-        vg = lr * lr * sum(float((dl.double() * v.double()).sum()) for dl, v in zip(deltas, vecs))
-        nu = kl_clip_scale(vg, opt.kl_clip)
-        if nu != 1.0:
+        nu = clip_scale(deltas, vecs, [lr] * len(deltas), opt.kl_clip)
+        if nu is not None and nu != 1.0:  # None: a non-finite Δ, refused below like any
             deltas = [dl * nu for dl in deltas]
     states = [opt.state[p] for p in params]
     prev: Optional[List[Tensor]] = None  # the first step: no previous update, only α

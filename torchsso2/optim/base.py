@@ -543,11 +543,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
-        high = {"lr": MAX_LR, "momentum": 1.0}.get(key, math.inf)
+        high, high_open = next(((h, o) for k, h, o in self._GROUP_RANGES if k == key), (math.inf, False))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) \
-                or not 0.0 <= float(value) <= high or (key == "momentum" and float(value) >= 1.0):
+                or not 0.0 <= float(value) <= high or (high_open and float(value) >= high):
             raise ValueError(f"checkpoint entry {entry} is {value!r}, expected a finite number in "
-                             f"[0, {high}{')' if key == 'momentum' else ']'}; the optimizer is unchanged")
+                             f"[0, {high}{')' if high_open else ']'}; the optimizer is unchanged")
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         """Check the face's own checkpoint entries (ValueError naming the entry)."""

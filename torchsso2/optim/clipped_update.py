@@ -25,7 +25,7 @@ from torch import Tensor
 
 from curvature.blocks.base import owned_all_finite
 
-from .steps import kl_clip_scale
+from .steps import kl_clip_scale, kl_sum_float64
 
 
 def _inner(u: Tensor, d: Tensor) -> float:
@@ -49,7 +49,7 @@ def clip_scale(updates: Sequence[Tensor], vecs: Sequence[Tensor], lrs: Sequence[
             return None
         # finite updates whose products overflow the working precision: the sum again in float64;
         # beyond float64 too, the step is not usable (skipped like a non-finite one)
-        vg = sum(r * r * float((u.double() * d.double()).sum()) for r, u, d in zip(lrs, updates, vecs))
+        vg = kl_sum_float64(updates, vecs, lrs)
         if not math.isfinite(vg):
             return None
     return kl_clip_scale(vg, kl_clip)

@@ -327,11 +327,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         adapt = self._adapt_now()  # the LM rule after the update; adaptive mode predicts without the old values
         old = [p.detach().clone() for p in params] if adapt and self.adaptive is None else None
         predicted = None
-        decay_before = 0.0
+        decay: Optional[Tuple[List[float], float]] = None
         if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
             if adapt:  # the model predicts the change of loss + weight decay: ρ compares the same
-                decay_before = decay_term(params, self._plans.get(params, groups, self.running.blocks).values(
-                    "weight_decay"))
+                wds = self._plans.get(params, groups, self.running.blocks).values("weight_decay")
+                decay = (wds, decay_term(params, wds))
             predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             applied = predicted is not None
         else:
@@ -341,8 +341,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             return loss, output
         if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
             lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
-            self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted,
-                                decay_before if self.adaptive is not None else None, groups)
+            self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
         self._step_taken()
         self.num_steps += 1
         return loss, output
@@ -389,12 +388,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
                        grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None,
-                       decay_before: Optional[float] = None, groups: Optional[List[Dict[str, Any]]] = None) -> None:
+                       decay: Optional[Tuple[List[float], float]] = None) -> None:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
         change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
-        the update ``θ − old`` (``old``: the parameters before it). ``decay_before``: in adaptive
-        mode, the weight-decay term ``Σ ½·wd·‖θ‖²`` before the update (``groups``: each parameter's
-        group): the model predicts the change of loss plus that term, so the actual change includes it."""
+        the update ``θ − old`` (``old``: the parameters before it). ``decay``: in adaptive mode, each
+        parameter's weight decay and the term ``Σ ½·wd·‖θ‖²`` before the update: the model predicts
+        the change of loss plus that term, so the actual change includes it."""
         assert self.lm is not None
         with torch.no_grad():
             if predicted is None:  # the change predicted by C + λI
@@ -414,9 +413,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         with torch.enable_grad():
             new_loss, _ = closure()
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
-        if decay_before is not None and groups is not None:  # equal on every rank (the same parameters)
-            actual += decay_term(params, self._plans.get(params, groups, self.running.blocks).values(
-                "weight_decay")) - decay_before
+        if decay is not None:  # equal on every rank (the same parameters)
+            actual += decay_term(params, decay[0]) - decay[1]
         old_damping, self.damping = self.damping, self.lm.update(actual, predicted)
         # a changed damping: K-FAC eigen decompositions take it in place (torchsso2/optim/redamp.py),
         # other decompositions are redone at the next step

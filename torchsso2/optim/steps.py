@@ -48,9 +48,16 @@ def kl_clip_factor(updates: Sequence[Tensor], grads: Sequence[Tensor], lr: Union
     """
     lrs = [float(lr)] * len(updates) if isinstance(lr, (int, float)) else [float(x) for x in lr]
     vg = sum(r * r * float((u * g).sum()) for r, u, g in zip(lrs, updates, grads))
-    if not math.isfinite(vg):  # products overflowing the working precision: the sum again in float64
-        vg = sum(r * r * float((u.double() * g.double()).sum()) for r, u, g in zip(lrs, updates, grads))
+    if not math.isfinite(vg):  # products overflowing the working precision
+        vg = kl_sum_float64(updates, grads, lrs)
     return kl_clip_scale(vg, kl_clip)
+
+
+def kl_sum_float64(updates: Sequence[Tensor], vecs: Sequence[Tensor], lrs: Sequence[float]) -> float:
+    """``Σ_p lr_p² u_pᵀd_p`` summed in float64: the KL clip's sum again where the working precision
+    overflowed (finite float32 updates of ~1e20); inf or NaN when the updates are not finite or the
+    sum is beyond float64 too."""
+    return sum(r * r * float((u.double() * d.double()).sum()) for r, u, d in zip(lrs, updates, vecs))
 
 
 def kl_clip_scale(vg: float, kl_clip: float) -> float:

@@ -56,7 +56,7 @@ from curvature.blocks.base import all_finite
 
 from .grid import noise_seed
 from .plan import params_with_grad
-from .steps import kl_clip_scale
+from .steps import kl_clip_scale, kl_sum_float64
 from .vi_start import debias_factor
 from .validation import as_loss_tensor
 
@@ -332,10 +332,10 @@ class FlatDiagPath:
                 torch._foreach_addcmul_(params, link.momentum_views, link.inv_views, value=-lr * n)
             else:  # u = N·m/D; ν = min(1, √(kl_clip / (lr²·uᵀm)))
                 step = torch.mul(link.momentum, link.inv, out=link.noise).mul_(n_t)
-                vg = float(torch.dot(step, link.momentum))
-                if not math.isfinite(vg):  # overflowing the working precision: again in float64
-                    vg = float(torch.dot(step.double(), link.momentum.double()))
-                nu = kl_clip_scale(lr * lr * vg, opt.kl_clip)
+                vg = lr * lr * float(torch.dot(step, link.momentum))
+                if not math.isfinite(vg):  # overflowing the working precision
+                    vg = kl_sum_float64([step], [link.momentum], [lr])
+                nu = kl_clip_scale(vg, opt.kl_clip)
                 torch._foreach_add_(params, link.noise_views, alpha=-(lr * nu))
         opt._step_taken()
         opt.num_steps += 1
