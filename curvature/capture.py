@@ -133,19 +133,18 @@ class Capture:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
             if not torch.is_grad_enabled():
                 return None
+            if name in self.calls and torch._C._current_autograd_node() is not None:
+                # a forward recomputed during the backward pass (non-reentrant activation checkpointing):
+                # the record of the original call stands; the recomputed output is what autograd saves
+                return None
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.select is not None and not self.select(name, module, inputs):
                 return None
             if name in self.records:
                 if self.on_reuse == "count":
                     return None
-                during_backward = torch._C._current_autograd_node() is not None
-                raise ValueError(
-                    f"module {name!r} ({type(module).__name__}) was called more than once in one forward"
-                    + ("; this call came during the backward pass: activation checkpointing "
-                       "(torch.utils.checkpoint) recomputes forwards, which the curvature capture does not "
-                       "support (VIOptimizer's default diagonal and KFACPreconditioner do)" if during_backward else
-                       "; modules reused within a forward (shared layers) are not supported"))
+                raise ValueError(f"module {name!r} ({type(module).__name__}) was called more than once in one "
+                                 "forward; modules reused within a forward (shared layers) are not supported")
             if not isinstance(output, Tensor):
                 raise TypeError(f"module {name!r} returned {type(output).__name__}, expected a Tensor")
             rec = ModuleRecord(inputs=tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs),

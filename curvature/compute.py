@@ -64,11 +64,13 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     if targets is not None and not isinstance(targets, Tensor):
         raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets), got "
                         f"{type(targets).__name__}")
+    # the estimate's backward passes run with the capture's hooks in place: a region under non-reentrant
+    # activation checkpointing is recomputed then, and must repeat the recorded forward's ops
     with torch.enable_grad(), engine.capture() as cap:
         outputs = engine.select_output(model(*args))
-    if outputs.dim() == 0 or outputs.shape[0] == 0:
-        raise ValueError(f"the model ran on an empty batch (output of shape {list(outputs.shape)}); the curvature "
-                         "of an empty batch is undefined")
-    blocks = engine.estimate(cap, outputs, targets, generator)
+        if outputs.dim() == 0 or outputs.shape[0] == 0:
+            raise ValueError(f"the model ran on an empty batch (output of shape {list(outputs.shape)}); the "
+                             "curvature of an empty batch is undefined")
+        blocks = engine.estimate(cap, outputs, targets, generator)
     return Curvature(blocks=blocks, layouts=engine.layouts, kind=engine.kind.value,
                      approx={n: a.value for n, a in engine.approx.items()})

@@ -162,7 +162,11 @@ class CurvatureEngine:
         shape_only = [n for n, m in self._modules.items()
                       if not (self.layouts[n].family if n in self.layouts else family_of(m)).reads_output_values] \
             if record_backward and HOOKS_SEE_VALUE_BEFORE_INPLACE else ()
+        # the Hessian differentiates the loss itself and sees every call of a module (a layer reused in the
+        # forward, as in an unrolled RNN): the first call's record serves its fast diagonal path only where
+        # the parameters have no other use (curvature.hessian_diag.uses_only_through)
         return Capture(self._modules, root=self.model, on_output=on_output, record_backward=record_backward,
+                       on_reuse="count" if self.kind is Kind.HESSIAN else "raise",
                        freeze_batch_stats=own_backward and bool(self.batch_norms), select_output=self.select_output,
                        batch_norms=self.batch_norms, check_uses=self.kind is not Kind.HESSIAN, shape_only=shape_only)
 
@@ -185,8 +189,8 @@ class CurvatureEngine:
                              "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
                              "computes with their parameters itself, as nn.MultiheadAttention does with "
                              "out_proj, skip the parent: its submodules are skipped with it). Reentrant activation "
-                             "checkpointing (torch.utils.checkpoint) runs them under torch.no_grad: the curvature "
-                             "capture does not support it")
+                             "checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) runs them under "
+                             "torch.no_grad, which the curvature capture cannot see: use use_reentrant=False")
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)

@@ -128,10 +128,10 @@ def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: T
     zn = _to_ntd(module, z.detach())                               # [N, T, d]
     n, t, d = zn.shape
     if isinstance(module, nn.Conv2d):
-        from .modules.conv import unfold_patches
+        from .modules.conv import numeric_padding, unfold_patches
         x = inputs[0].detach()
         a = unfold_patches(x if x.dim() == 4 else x.unsqueeze(0), module.kernel_size, dilation=module.dilation,
-                           padding=module.padding, stride=module.stride).transpose(1, 2)  # [N, T, C·kh·kw]
+                           padding=numeric_padding(module), stride=module.stride).transpose(1, 2)  # [N, T, C·kh·kw]
     else:
         x = inputs[0].detach()
         a = x.reshape(n, t, x.shape[-1])

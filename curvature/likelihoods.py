@@ -40,8 +40,12 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
             raise ValueError(f"loss='cross_entropy' expects integer class targets, got dtype {targets.dtype}")
         if targets.shape != outputs.shape[:-1]:
             what = "[N]" if outputs.dim() == 2 else "[N, T] (the logits' shape without the classes)"
+            torch_layout = outputs.dim() > 2 and targets.shape == outputs.shape[:1] + outputs.shape[2:]
             raise ValueError(f"loss='cross_entropy' expects targets of shape {what}={tuple(outputs.shape[:-1])} "
-                             f"for logits {tuple(outputs.shape)}, got {tuple(targets.shape)}")
+                             f"for logits {tuple(outputs.shape)}, got {tuple(targets.shape)}"
+                             + ("; these are F.cross_entropy's layout with the classes at dim 1, and the curvature "
+                                "takes the classes last: pass output_selector=lambda out: out.movedim(1, -1)"
+                                if torch_layout else ""))
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= outputs.shape[-1]):
             raise ValueError(
                 f"targets must be class indices in [0, {outputs.shape[-1]}), got range "

@@ -46,7 +46,10 @@ def test_cost_rule() -> None:
     assert offset_factor_pays(nn.Conv2d(64, 64, 3, padding=1), (32, 32))
     assert not offset_factor_pays(nn.Conv2d(64, 64, 1), (32, 32))          # 1×1: nothing to share
     assert not offset_factor_pays(nn.Conv2d(64, 64, 3, stride=2, padding=1), (32, 32))  # stride 2
-    assert not offset_factor_pays(nn.Conv2d(4, 4, 3, padding="same"), (16, 16))
+    # "same" is the numeric padding 1 here
+    assert offset_factor_pays(nn.Conv2d(4, 4, 3, padding="same"), (16, 16)) == \
+        offset_factor_pays(nn.Conv2d(4, 4, 3, padding=1), (16, 16))
+    assert not offset_factor_pays(nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), (16, 16))
     assert not offset_factor_pays(nn.Conv2d(8, 8, 3, padding=1), (8, 8))  # small image: overhead wins
 
 

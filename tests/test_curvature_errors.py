@@ -292,7 +292,7 @@ def test_hessian_kfac_not_implemented(mlp, approx) -> None:
 
 @pytest.mark.parametrize("conv,pattern", [
     (lambda: nn.Conv2d(2, 4, 3, groups=2), "groups=2"),
-    (lambda: nn.Conv2d(2, 4, 3, padding="same"), "padding='same'"),
+    (lambda: nn.Conv2d(2, 4, 2, padding="same"), "padding='same'"),  # asymmetric: a 2×2 kernel
     (lambda: nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
 ])
 def test_unsupported_conv_configurations(conv, pattern) -> None:
@@ -306,6 +306,7 @@ def test_unsupported_conv_configurations(conv, pattern) -> None:
 @pytest.mark.parametrize("make,pattern", [
     (lambda: nn.Embedding(5, 3, sparse=True), "sparse"),
     (lambda: nn.Embedding(5, 3, max_norm=1.0), "max_norm"),
+    (lambda: nn.Embedding(5, 3, scale_grad_by_freq=True), "scale_grad_by_freq"),
 ])
 def test_unsupported_embedding_configurations(make, pattern) -> None:
     model = nn.Sequential(make(), nn.Flatten(), nn.Linear(6, 3)).double()
@@ -362,3 +363,15 @@ def test_skip_parent_skips_submodules(skip, approx) -> None:
     ref_skip = [nn.MultiheadAttention] if skip == ["MultiheadAttention"] else skip
     ref = Reference(model, x, y, "cross_entropy", skip=ref_skip)
     torch.testing.assert_close(c.dense(), ref.shaped("fisher", approx), rtol=0, atol=1e-10)
+
+
+def test_cross_entropy_class_dim_1_layout_names_the_fix() -> None:
+    """Logits ``[N, C, H, W]`` with targets ``[N, H, W]`` (F.cross_entropy's layout): the curvature takes
+    the classes last, and the error says how to move them there; the fix then runs."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1)).double()
+    x = torch.randn(2, 1, 5, 6, dtype=torch.float64)
+    y = torch.randint(0, 4, (2, 5, 6))
+    with pytest.raises(ValueError, match=re.escape("output_selector=lambda out: out.movedim(1, -1)")):
+        curvature.compute(model, x, y)
+    c = curvature.compute(model, x, y, output_selector=lambda out: out.movedim(1, -1))
+    assert c.dense().abs().max() > 0

@@ -246,3 +246,34 @@ def test_independence_check_passes_independent_rows() -> None:
         h = z - z.mean(0) if coupled else z
         (gz,) = torch.autograd.grad(h.tanh().pow(2).sum(), z, create_graph=True)
         assert hessian_diag.rows_independent(hessian_diag.ProductRunner(gz, [z]), z) is (not coupled)
+
+
+class _Unrolled(nn.Module):
+    """One Linear called twice in the forward (an unrolled recurrence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.cell = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.cell(h))
+        return self.out(torch.tanh(self.cell(h)))
+
+
+@pytest.mark.parametrize("approx", ["full", "diag"])
+def test_hessian_of_a_module_called_twice(approx) -> None:
+    """The Hessian sees every call of a reused module (the Fisher kinds refuse it)."""
+    from reference import Reference
+    torch.manual_seed(0)
+    model = _Unrolled().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    expected = Reference(model, x, y, "cross_entropy").shaped("hessian", approx, None)
+    got = curvature.compute(model, x, y, kind="hessian", approx=approx).dense()
+    assert expected.abs().max() > 1e-2
+    assert (got - expected).abs().max() <= 1e-10
+    with pytest.raises(ValueError, match="called more than once"):
+        curvature.compute(model, x, y, kind="fisher", approx=approx)

@@ -180,14 +180,18 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         if not torch.is_grad_enabled():
             return None
+        call = dict(zip(_ARG_NAMES, args))
+        call.update(kwargs)
+        if name in capture.calls and torch._C._current_autograd_node() is not None:
+            # recomputed during the backward pass (non-reentrant activation checkpointing): the same ops as
+            # the recorded call (the saved tensors must match), nothing recorded
+            return recorded_forward(module, **call)[0]
         capture.calls[name] = capture.calls.get(name, 0) + 1
         if name in capture.records:
             if capture.on_reuse == "count":
                 return None
             raise ValueError(f"module {name!r} (MultiheadAttention) was called more than once in one forward; "
                              "modules reused within a forward (shared layers) are not supported")
-        call = dict(zip(_ARG_NAMES, args))
-        call.update(kwargs)
         result, x, z = recorded_forward(module, **call)
         rec = ModuleRecord(inputs=(x.detach(),), output=z)
         capture.records[name] = rec

@@ -5,7 +5,8 @@ major like ``weight.reshape(C_out, -1)``), ``g [K, N, T, C_out]``. K-FAC as for 
 (``G ⊗ A`` over row-major ``vec([W.reshape(C_out, -1) | b])``), exact when ``T = 1``; with
 stride 1 ``A`` is computed from offset correlations of the input instead of unfolded patches
 (:mod:`.conv_factor`, same numbers).
-Supports any stride, padding (numeric, zeros mode), dilation; ``groups=1`` only.
+Supports any stride, padding (numeric, ``"valid"``, or ``"same"`` where it is symmetric; zeros mode),
+dilation; ``groups=1`` only.
 Patches come from :func:`unfold_patches` (a strided view copied once), not ``F.unfold``.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
 from . import conv_factor
+from .conv_factor import numeric_padding
 from .base import gram
 from .linear import WeightMatrixFamily
 
@@ -95,7 +97,7 @@ def split_bias_row(d: int, columns: int) -> bool:
 def patch_columns(x: Tensor, module: nn.Conv2d) -> int:
     """``N · H_out · W_out``: the columns of :func:`patch_rows` of ``x [N, C, H, W]`` for ``module``."""
     (kh, kw), (dh, dw), (ph, pw), (sh, sw) = (_pair(module.kernel_size), _pair(module.dilation),
-                                              _pair(module.padding), _pair(module.stride))
+                                              numeric_padding(module), _pair(module.stride))
     ho = (x.shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     return x.shape[0] * ho * wo
@@ -118,8 +120,7 @@ class Conv2dFamily(WeightMatrixFamily):
     def validate(self, module: nn.Module) -> None:
         if module.groups != 1:
             raise ValueError(f"Conv2d with groups={module.groups} is not supported (groups=1 only)")
-        if isinstance(module.padding, str):
-            raise ValueError(f"Conv2d with padding={module.padding!r} is not supported; use numeric padding")
+        numeric_padding(module)  # "valid", "same" with a symmetric padding, or numbers
         if module.padding_mode != "zeros":
             raise ValueError(f"Conv2d with padding_mode={module.padding_mode!r} is not supported ('zeros' only)")
 
@@ -128,7 +129,7 @@ class Conv2dFamily(WeightMatrixFamily):
         if x.dim() == 3:
             x = x.unsqueeze(0)
         patches = unfold_patches(x, module.kernel_size, dilation=module.dilation,
-                                 padding=module.padding, stride=module.stride)  # [N, C·kh·kw, T]
+                                 padding=numeric_padding(module), stride=module.stride)  # [N, C·kh·kw, T]
         return patches.transpose(1, 2)
 
     def kfac_factors_from_inputs(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Optional[Tensor],
@@ -144,11 +145,11 @@ class Conv2dFamily(WeightMatrixFamily):
             bias = "bias" in names
             d = module.in_channels * module.kernel_size[0] * module.kernel_size[1]
             split = bias and split_bias_row(d, patch_columns(x, module))
-            m = patch_rows(x.to(g.dtype), module.kernel_size, dilation=module.dilation, padding=module.padding,
-                           stride=module.stride, ones_row=bias and not split)
+            m = patch_rows(x.to(g.dtype), module.kernel_size, dilation=module.dilation,
+                           padding=numeric_padding(module), stride=module.stride, ones_row=bias and not split)
             a = gram_with_ones_row(m, 1.0 / m.shape[1]) if split else gram(m, 1.0 / m.shape[1])
             return self.kfac_output_factor(module, None, g, names), a
-        big_a = conv_factor.conv_input_factor(x.to(g.dtype), module.kernel_size, module.dilation, module.padding,
+        big_a = conv_factor.conv_input_factor(x.to(g.dtype), module.kernel_size, module.dilation, numeric_padding(module),
                                               bias="bias" in names)
         return self.kfac_output_factor(module, None, g, names), big_a.div_(x.shape[0] * g.shape[2])
 

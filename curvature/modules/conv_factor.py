@@ -38,13 +38,32 @@ def _pair(v: object) -> Tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))  # type: ignore[index]
 
 
+def numeric_padding(module: nn.Conv2d) -> Tuple[int, int]:
+    """``module.padding`` as ``(ph, pw)``: ``"valid"`` is ``(0, 0)``; ``"same"`` (stride 1) is
+    ``dilation · (k − 1) / 2`` per side, where that is whole (torch pads an odd total one more at the
+    bottom / right, which symmetric padding cannot express: ``ValueError``)."""
+    padding = module.padding
+    if not isinstance(padding, str):
+        return _pair(padding)
+    if padding == "valid":
+        return 0, 0
+    pads = []
+    for k, d in zip(_pair(module.kernel_size), _pair(module.dilation)):
+        total = d * (k - 1)
+        if total % 2:
+            raise ValueError(f"Conv2d with padding='same', kernel_size={module.kernel_size} and dilation="
+                             f"{module.dilation} pads asymmetrically (a total of {total} per side pair), which is not "
+                             "supported; use an odd kernel size or numeric padding with F.pad before the layer")
+        pads.append(total // 2)
+    return pads[0], pads[1]
+
+
 def offset_factor_pays(module: nn.Conv2d, input_hw: Tuple[int, int]) -> bool:
     """Whether :func:`conv_input_factor` applies (stride 1, groups 1, numeric zero padding) and
     needs fewer FLOPs than the product of unfolded patches for an input of ``input_hw``."""
-    if _pair(module.stride) != (1, 1) or module.groups != 1 or isinstance(module.padding, str) \
-            or module.padding_mode != "zeros":
+    if _pair(module.stride) != (1, 1) or module.groups != 1 or module.padding_mode != "zeros":
         return False
-    (kh, kw), (dh, dw), (ph, pw) = _pair(module.kernel_size), _pair(module.dilation), _pair(module.padding)
+    (kh, kw), (dh, dw), (ph, pw) = _pair(module.kernel_size), _pair(module.dilation), numeric_padding(module)
     h, w = input_hw
     hp, wp = h + 2 * ph, w + 2 * pw
     ho, wo = hp - dh * (kh - 1), wp - dw * (kw - 1)

@@ -27,6 +27,10 @@ class EmbeddingFamily(LayerFamily):
             raise ValueError("Embedding(sparse=True) is not supported; use sparse=False")
         if module.max_norm is not None:
             raise ValueError("Embedding(max_norm=...) renormalizes weights in forward and is not supported")
+        if module.scale_grad_by_freq:
+            raise ValueError("Embedding(scale_grad_by_freq=True) divides each row's gradient by its token count in "
+                             "the batch, a gradient that is not the derivative of the loss (no curvature kind matches "
+                             "it); use scale_grad_by_freq=False")
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         idx = inputs[0].detach()
