@@ -13,6 +13,7 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 import logging
 import math
 import zlib
@@ -95,6 +96,13 @@ def _listed_groups(params: Iterable[Any]) -> List[Any]:
     return out
 
 
+#: instance attributes a deep copy does not take over (torch.optim's copies drop them too): the
+#: optimizer hooks, and the ``step`` wrapper an LR scheduler installs (it calls the original optimizer)
+_NOT_COPIED = frozenset({"step", "_opt_called", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                         "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"})
+
+
 class CurvatureOptimizer(torch.optim.Optimizer):
     """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
 
@@ -163,8 +171,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
+            if key in _NOT_COPIED:  # as torch.optim's copies: no hooks, no scheduler's wrapper of step
+                if key.endswith("_hooks"):
+                    new.__dict__[key] = OrderedDict()
+                continue
             new.__dict__[key] = copy.deepcopy(value, memo)
         return new
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(f"{type(self).__name__} cannot be pickled as an object (its curvature engine holds hooks "
+                        "on the model); save opt.state_dict() with torch.save and load it into a new optimizer "
+                        "with load_state_dict, or copy.deepcopy((model, opt)) within one process")
 
     # ---- capture + estimate -------------------------------------------------------------
     def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool

@@ -2,7 +2,8 @@
 
 An update needs, for the parameters that have a gradient this step: each one's param group (lr,
 momentum, weight decay are read from it at every step, so schedulers keep working), and the
-curvature blocks whose parameters all take part, with their parameters' positions in the list.
+curvature blocks of those parameters, with their positions in the list (a block with some parameters
+absent, frozen or unused, preconditions the others with zeros in their place: :class:`PartialBlock`).
 Rebuilding that with dictionaries at every step costs tens of µs on a small model (where a step
 is mostly per-op overhead); :class:`PlanCache` rebuilds it only when the parameters, their groups
 or the blocks change (compared by identity, so a swapped ``Parameter`` or a new block is seen).
@@ -23,7 +24,8 @@ Group = Dict[str, Any]
 @dataclass
 class UpdatePlan:
     """``params[i]`` belongs to ``groups[i]``; ``blocks`` lists ``(block, positions)`` for every
-    block whose covered parameters are all in ``params`` (``positions`` in the block's order);
+    block with a covered parameter in ``params`` (``positions`` in the block's order; a block of which
+    some parameters are absent, having no gradient, as a :class:`PartialBlock`);
     ``in_block[i]`` says whether ``params[i]`` is one of them; ``others`` lists the positions that are not."""
 
     params: List[nn.Parameter]
@@ -50,17 +52,56 @@ class UpdatePlan:
         return [g[key] for g in self.groups]
 
 
+class _PartialLayout:
+    """The ``name`` and ``params`` of a :class:`PartialBlock` (those of its block that take part)."""
+
+    def __init__(self, name: str, params: List[nn.Parameter]) -> None:
+        self.name = name
+        self.params = params
+
+
+class PartialBlock:
+    """A block of which only some covered parameters take part in this step; the others have no
+    gradient (frozen with ``requires_grad_(False)`` after construction, or unused this step).
+
+    ``solve`` preconditions ``[v | 0]`` — the absent parameters' entries zero — with the whole
+    block (its curvature and decomposition are the block's own) and returns the entries of the
+    parameters present; the absent ones are not updated. Everything else is the block's."""
+
+    def __init__(self, block: Block, present: Sequence[int]) -> None:
+        self.block = block
+        self.present = list(present)
+        every = block.layout.params
+        self.layout = _PartialLayout(block.layout.name, [every[j] for j in self.present])
+
+    def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:
+        """``[(C + λI)⁻¹ [v | 0]]`` at the present parameters (``vecs`` in their order)."""
+        every = self.block.layout.params
+        like = vecs[0]
+        full = [torch.zeros(p.shape, dtype=like.dtype, device=like.device) for p in every]
+        for j, v in zip(self.present, vecs):
+            full[j] = v
+        out = self.block.solve(full)
+        return [out[j] for j in self.present]
+
+    def __getattr__(self, name: str) -> Any:  # decomposition, dim, ... of the block
+        return getattr(self.__dict__["block"], name)
+
+
 def build_plan(params: Sequence[nn.Parameter], groups: Sequence[Group], blocks: Dict[str, Block]) -> UpdatePlan:
     pos = {id(p): i for i, p in enumerate(params)}
-    taken: List[Tuple[Block, List[int]]] = []
+    taken: List[Tuple[Any, List[int]]] = []
     in_block = [False] * len(params)
     for blk in blocks.values():
         ps = blk.layout.params
-        if all(id(q) in pos for q in ps):
-            idx = [pos[id(q)] for q in ps]
-            taken.append((blk, idx))
-            for i in idx:
-                in_block[i] = True
+        present = [j for j, q in enumerate(ps) if id(q) in pos]
+        if not present:
+            continue
+        view = blk if len(present) == len(ps) else PartialBlock(blk, present)
+        idx = [pos[id(ps[j])] for j in present]
+        taken.append((view, idx))
+        for i in idx:
+            in_block[i] = True
     return UpdatePlan(list(params), list(groups), taken, in_block)
 
 

@@ -34,7 +34,7 @@ from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
-from .plan import UpdatePlan, params_with_grad
+from .plan import PartialBlock, UpdatePlan, params_with_grad
 from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
@@ -379,7 +379,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         (:mod:`torchsso2.optim.lowrank`; weight-decayed blocks take the dense path)."""
         if self.low_rank is None:
             return {}
-        plain = {blk.layout.name: blk for blk, pos in plan.blocks if not any(wds[i] for i in pos)}
+        plain = {blk.layout.name: blk for blk, pos in plan.blocks
+                 if not isinstance(blk, PartialBlock) and not any(wds[i] for i in pos)}
         return self.low_rank.solve(plain, {id(p): v for p, v in zip(plan.params, vecs)})
 
     # ---- adaptive damping -----------------------------------------------------------------------

@@ -171,6 +171,17 @@ def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
     return isinstance(approx, str) and approx == "diag" and curvature_init is not None
 
 
+def _without_frozen(shift: Shift) -> Shift:
+    """``shift`` without the parameters that do not require grad (frozen after construction: they keep
+    their values, so they are not sampled; a frozen bias of a sampled Linear included)."""
+    params, eps, factors = shift
+    if all(p.requires_grad for p in params):
+        return shift
+    keep = [i for i, p in enumerate(params) if p.requires_grad]
+    return ([params[i] for i in keep], [eps[i] for i in keep],
+            None if factors is None else [factors[i] for i in keep])
+
+
 class VIOptimizer(CurvatureOptimizer):
     """Bayesian deep learning by natural-gradient VI; a real ``torch.optim.Optimizer``.
 
@@ -496,7 +507,7 @@ class VIOptimizer(CurvatureOptimizer):
                 row = order[name].index(s)
                 params.extend(self.running.blocks[name].layout.params)
                 eps.extend(t[row] for t in stacked)
-        return shifts
+        return [_without_frozen(shift) for shift in shifts]
 
     def _standard_normal(self, generator: torch.Generator) -> Tensor:
         """``z ~ N(0, I_P)`` over all ``P`` covered parameters, ``[P]`` (float64 when the model or the
@@ -536,13 +547,13 @@ class VIOptimizer(CurvatureOptimizer):
                 if self.kl_weighting != 1.0:
                     z.mul_(self._noise_scale)
                 self._unsample_padding(params, eps)  # eps are views of z
-                return params, eps, factors
+                return _without_frozen((params, eps, factors))
             params, eps = [], []
         for name, blk in blocks.items():
             params.extend(blk.layout.params)
             eps.extend(self._coloured(name, blk, z))
         self._unsample_padding(params, eps)
-        return params, eps, None
+        return _without_frozen((params, eps, None))
 
     def _unsample_padding(self, params: List[nn.Parameter], eps: List[Tensor]) -> None:
         """Zero the noise of every Embedding's padding row (``eps[i]`` the noise of ``params[i]``)."""
@@ -571,7 +582,7 @@ class VIOptimizer(CurvatureOptimizer):
             params.extend(lay.params)
             eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
         self._unsample_padding(params, eps)
-        return params, eps, None
+        return _without_frozen((params, eps, None))
 
     def _draw_noise(self, generator: torch.Generator) -> Optional[Shift]:
         """``ε ~ N(0, τ·Λ⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
@@ -791,6 +802,20 @@ class VIOptimizer(CurvatureOptimizer):
                 preconditioned_descent_(plan, params, bufs, lrs, n, 1.0)
 
     face_name = "VIOptimizer"
+
+    #: no weight decay: the prior (``prior_precision``) is VI's L2 term, so a group's ``weight_decay``
+    #: may only be 0 (a recipe's "no decay" group); anything else would be ignored
+    _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", 0.0, False))
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As :meth:`CurvatureOptimizer.add_param_group`; a non-zero ``weight_decay`` is a ValueError
+        (VI's L2 regulariser is the prior: ``prior_precision``)."""
+        if isinstance(param_group, dict) and param_group.get("weight_decay", 0.0) != 0.0:
+            raise ValueError(f"VIOptimizer has no weight decay (param group weight_decay="
+                             f"{param_group['weight_decay']!r}): its L2 regulariser is the Gaussian prior, set with "
+                             "prior_precision (weight decay wd on the mean loss corresponds to prior_precision = "
+                             "wd * dataset_size)")
+        super().add_param_group(param_group)
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         momentum = state.get("momentum")
