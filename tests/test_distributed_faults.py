@@ -9,6 +9,7 @@ settings comparison and of the timeout / opt-out configuration come first.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -159,6 +160,35 @@ def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List
     assert str(errors[0]) == str(errors[1])
 
 
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_model_dtypes_compared_across_ranks(face: str) -> None:
+    """A model in float32 on one rank and float64 on another: a ValueError naming the dtypes at
+    construction (the start's broadcast had corrupted the weights or aborted the job)."""
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+    pair = ThreadPair()
+    errors: List[Optional[BaseException]] = [None, None]
+
+    def run(rank: int) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        model.to(torch.float64 if rank else torch.float32)
+        try:
+            if face == "sso":
+                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank))
+            else:
+                VIOptimizer(model, dataset_size=100, communicator=ThreadComm(pair, rank))
+        except BaseException as exc:  # noqa: BLE001 - collected for the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert "param_dtypes (rank 0: ['torch.float32'], rank 1: ['torch.float64'])" in str(errors[0]), errors[0]
+
+
 def test_describe_is_stable_text() -> None:
     assert describe(torch.float32) == "torch.float32"
     assert describe([1, 2.5, None]) == "[1, 2.5, None]"
@@ -300,3 +330,22 @@ def test_mpi_job_without_failure_ends_normally() -> None:
     code, out, _ = _launch(_mpiexec(WORKER, "vi", "ok"), 120.0)
     assert code == 0, out
     assert "rank 0 done" in out and "rank 1 done" in out, out
+
+
+BRANCH_WORKER = str(Path(__file__).parent / "dist_scripts" / "branch_worker.py")
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "torchrun"])
+@pytest.mark.parametrize("face,mode", [("sso", "split"), ("vi", "split"), ("sso", "both")])
+def test_ranks_taking_different_branches_equal_one_process(launcher: str, face: str, mode: str) -> None:
+    """A parameter with a gradient on some ranks only is averaged with zeros from the others (as
+    DistributedDataParallel does): 2 ranks equal one process on both shards; before, the gradient
+    lists of the ranks were paired by position (head a's with head b's)."""
+    cmd = _mpiexec(BRANCH_WORKER, face, mode) if launcher == "mpi" else _torchrun(BRANCH_WORKER, face, mode)
+    code, out, _ = _launch(cmd, 120.0)
+    assert code == 0, out
+    number = r"(\d\.\d{3}e[+-]\d{2})"  # the ranks' lines may interleave
+    replicas = [float(v) for v in re.findall("REPLICAS " + number, out)]
+    diff = [float(v) for v in re.findall("MAXDIFF " + number, out)]
+    assert len(replicas) == 2 and max(replicas) == 0.0, out
+    assert len(diff) == 1 and diff[0] < 1e-12, out

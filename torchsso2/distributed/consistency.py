@@ -149,6 +149,9 @@ def check_optimizer_settings(opt: Any) -> None:
         "on_nonfinite": opt.on_nonfinite,
         "decomposition_dtype": opt.decomposition_dtype,
         "param_groups": [[list(p.shape) for p in g["params"]] for g in opt.param_groups],
+        # the start's broadcast and every all-reduce pair the ranks' tensors by position: a dtype that
+        # differs (float32 here, float64 there) would corrupt them, not raise
+        "param_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
     }
     placement = getattr(opt, "placement", None)
     if placement is not None:

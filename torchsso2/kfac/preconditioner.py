@@ -258,7 +258,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if output.dim() and output.shape[0] == 0:
             raise ValueError(f"KFACPreconditioner: layer {layer.name!r} ran on an empty batch (output of shape "
                              f"{list(output.shape)}); its factors would be undefined: skip empty batches in the "
-                             "training loop (e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`)")
+                             "training loop (e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with several "
+                             "processes every rank must skip the same steps, as drop_last=True with a "
+                             "DistributedSampler does)")
         self._mini_steps[layer.name] += 1
         self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)

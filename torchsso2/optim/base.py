@@ -297,12 +297,24 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         bad = (blocks is not None and not blocks) or \
             (isinstance(loss, Tensor) and not all_finite([loss]))
         dev = grads[0].device if grads else next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        flag = torch.tensor([1.0 if bad else 0.0], dtype=grads[0].dtype if grads else torch.float64, device=dev)
-        if self._average_gradients and grads:
-            self.comm.allreduce(list(grads) + [flag], op="mean")  # the flag rides in the gradients' bucket
+        dtype = grads[0].dtype if grads else torch.float64
+        if self._average_gradients:
+            # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
+            # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
+            # flag, so a parameter no rank has a gradient for keeps grad None
+            every = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p.requires_grad]
+            mine = [p.grad if p.grad is not None else torch.zeros_like(p) for p in every]
+            flag = torch.tensor([1.0 if bad else 0.0] + [0.0 if p.grad is None else 1.0 for p in every],
+                                dtype=dtype, device=dev)
+            self.comm.allreduce(mine + [flag], op="mean")  # the flag rides in the gradients' bucket
+            present = flag[1:]
+            for p, g, share in zip(every, mine, present.tolist() if len(mine) != len(grads) else ()):
+                if p.grad is None and share > 0:  # another rank's branch: this rank's zeros, averaged
+                    p.grad = g
         else:
+            flag = torch.tensor([1.0 if bad else 0.0], dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
-        if float(flag.item()) > 0:
+        if float(flag[0].item()) > 0:
             return False
         if blocks:
             sym = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if s]

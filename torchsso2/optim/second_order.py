@@ -308,6 +308,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         params, groups = params_with_grad(self.param_groups)
         grads = [p.grad for p in params]
         agreed = self._average_over_ranks(grads, fresh, loss)
+        if self.comm.world_size > 1:  # a parameter another rank's batch reached has its averaged gradient now
+            params, groups = params_with_grad(self.param_groups)
+            grads = [p.grad for p in params]
         decompose = warmup or self.num_steps % self.inv_update_interval == 0 or not self._decomposed
         # the gradients are checked here only when the curvature state would change before the
         # update (an EMA update or a decomposition); otherwise the finite check of the update

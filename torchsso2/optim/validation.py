@@ -77,4 +77,5 @@ def check_nonempty_batch(output: Any) -> None:
     if isinstance(output, torch.Tensor) and (output.dim() == 0 or output.shape[0] == 0):
         raise ValueError(f"the closure ran the model on an empty batch (output of shape {list(output.shape)}); "
                          "the curvature of an empty batch is undefined: skip empty batches in the training loop "
-                         "(e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`)")
+                         "(e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with several processes every rank "
+                         "must skip the same steps, as drop_last=True with a DistributedSampler does)")

@@ -744,6 +744,9 @@ class VIOptimizer(CurvatureOptimizer):
             fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / (len(losses) * scale))
                                           for name, h in hats.items()})
         agreed = self._average_over_ranks(grads, fresh, mean_loss)
+        if self.comm.world_size > 1:  # a parameter another rank's batch reached has its averaged gradient now
+            params, groups = params_with_grad(self.param_groups)
+            grads = [p.grad for p in params]
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
