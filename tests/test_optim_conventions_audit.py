@@ -126,3 +126,80 @@ def test_vi_group_weight_decay_is_refused():
     opt.param_groups[0]["weight_decay"] = 1e-4  # set by hand later: refused at the next step
     with pytest.raises(ValueError, match="weight_decay"):
         opt.step(_closure(model, opt))
+
+
+# ---- GradScaler: an overflowing step leaves no trace ---------------------------------------------
+def _amp_train(make, order, bad):
+    """Train on the batches ``order``; the batch ``bad`` overflows (its scaled loss times inf)."""
+    model = _mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10 ** 6)
+    opt = make(model, scaler)
+    for i in order:
+        g = torch.Generator().manual_seed(100 + i)
+        xb, yb = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+        def closure():
+            opt.zero_grad()
+            out = model(xb)
+            loss = F.cross_entropy(out, yb)
+            scaler.scale(loss * (float("inf") if i == bad else 1.0)).backward()
+            return loss, out
+        opt.step(closure)
+        scaler.update()
+        scaler.update(new_scale=1024.0)  # the same scale for both runs
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), opt
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, sc: SecondOrderOptimizer(m, lr=0.05, grad_scaler=sc, seed=0),  # fisher_mc: the label stream
+    lambda m, sc: SecondOrderOptimizer(m, lr=0.05, curvature="fisher", curv_update_interval=2,
+                                       inv_update_interval=2, grad_scaler=sc),  # the schedule
+    lambda m, sc: VIOptimizer(m, dataset_size=100, grad_scaler=sc, seed=0, momentum_debias=True),
+    lambda m, sc: VIOptimizer(m, dataset_size=100, approx="kfac", grad_scaler=sc, seed=0),
+], ids=["so-fisher_mc", "so-intervals", "vi-diag-debias", "vi-kfac"])
+def test_amp_overflow_is_as_if_the_batch_was_never_seen(make):
+    skipped, opt = _amp_train(make, range(6), 3)
+    omitted, _ = _amp_train(make, [0, 1, 2, 4, 5], None)
+    assert opt.num_amp_skipped == 1 and opt.num_steps == 5
+    assert torch.equal(skipped, omitted)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, sc: SecondOrderOptimizer(m, lr=0.05, grad_scaler=sc, curv_update_interval=10, inv_update_interval=100),
+    lambda m, sc: VIOptimizer(m, dataset_size=100, approx="kfac", grad_scaler=sc, seed=0),
+], ids=["so-10/100", "vi-kfac"])
+def test_amp_overflow_at_the_first_step(make):
+    """The usual fp16 start (the first scale overflows) with intervals > 1: the next step estimates
+    the curvature (it had raised 'no curvature estimate yet' at every later step)."""
+    first, opt = _amp_train(make, range(4), 0)
+    later, _ = _amp_train(make, [1, 2, 3], None)
+    assert opt.num_steps == 3 and opt.running.blocks
+    assert torch.equal(first, later)
+
+
+@pytest.mark.parametrize("face", ["second_order", "vi"])
+def test_amp_unscale_inside_the_closure_to_clip(face):
+    """torch's AMP clipping recipe: scaler.unscale_(opt) and clip_grad_norm_ in the closure; step()
+    does not unscale again (it had raised 'unscale_() has already been called')."""
+    model = _mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = SecondOrderOptimizer(model, grad_scaler=scaler) if face == "second_order" else \
+        VIOptimizer(model, dataset_size=100, grad_scaler=scaler, seed=0)
+    norms = []
+
+    def closure():
+        opt.zero_grad()
+        out = model(X)
+        loss = F.cross_entropy(out, Y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+        return loss, out
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    for _ in range(2):
+        opt.step(closure)
+        scaler.update()
+    grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert grad_norm <= 1e-3 * (1 + 1e-5) < norms[-1]  # the clipped, unscaled gradient reached the step
+    assert opt.num_amp_skipped == 0
+    assert (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).abs().max() > 0

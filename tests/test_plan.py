@@ -13,7 +13,7 @@ from torch import nn
 import curvature
 from curvature.blocks.base import all_finite
 from torchsso2 import SecondOrderOptimizer
-from torchsso2.optim.plan import PlanCache, ScalarCache, build_plan, params_with_grad
+from torchsso2.optim.plan import PartialBlock, PlanCache, ScalarCache, build_plan, params_with_grad
 from torchsso2.optim.steps import momentum_step_
 
 
@@ -34,12 +34,19 @@ def test_plan_maps_blocks_to_positions_and_groups() -> None:
     plan = build_plan(params, owners, blocks)
     assert [pos for _, pos in plan.blocks] == [[0, 1], [2, 3]]
     assert plan.values("lr") == [0.1, 0.1, 0.2, 0.2] and plan.in_block == [True] * 4
-    # a parameter without a gradient drops out, and so does its block (its update is not taken)
+    # a parameter without a gradient drops out; its block stays for the others, as a PartialBlock
+    # solving [v | 0] (the absent parameter's entries zero) with the whole block
     model[2].bias.grad = None
     params, owners = params_with_grad(groups)
     plan = build_plan(params, owners, blocks)
-    assert len(params) == 3 and [pos for _, pos in plan.blocks] == [[0, 1]]
-    assert plan.in_block == [True, True, False]
+    assert len(params) == 3 and [pos for _, pos in plan.blocks] == [[0, 1], [2]]
+    assert plan.in_block == [True, True, True]
+    partial = plan.blocks[1][0]
+    assert isinstance(partial, PartialBlock) and partial.block is blocks["2"]
+    blocks["2"].decompose(0.1)
+    v = torch.randn_like(model[2].weight)
+    expected = blocks["2"].solve([v, torch.zeros_like(model[2].bias)])[0]
+    assert torch.equal(partial.solve([v])[0], expected)
 
 
 def test_plan_cache_follows_parameters_groups_and_blocks() -> None:
@@ -59,10 +66,12 @@ def test_plan_cache_follows_parameters_groups_and_blocks() -> None:
     swapped = cache.get(params, owners, fresh)
     assert swapped is not again and swapped.blocks[0][0] is fresh["0"]
     # a Parameter swapped inside a covered module: the block's parameters change identity, and
-    # the old position no longer belongs to it (the block drops out: its parameters are not all given)
+    # the old position no longer belongs to it (the block keeps only the parameter still given)
     model[0].weight = nn.Parameter(model[0].weight.detach().clone())
     swapped_param = cache.get(params, owners, fresh)
-    assert swapped_param is not swapped and [b for b, _ in swapped_param.blocks] == [fresh["2"]]
+    assert swapped_param is not swapped and swapped_param.blocks[1][0] is fresh["2"]
+    assert isinstance(swapped_param.blocks[0][0], PartialBlock) and swapped_param.blocks[0][1] == [1]
+    assert swapped_param.in_block[0] is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

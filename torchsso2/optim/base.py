@@ -327,11 +327,19 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     def _unscale_grads(self) -> bool:
         """With a ``grad_scaler``: unscale ``p.grad`` in place (``scaler.unscale_``) and return False
-        when a gradient overflowed — the step is then skipped, as GradScaler expects (not a fault).
-        The user calls ``scaler.update()`` after ``step`` as usual (not ``scaler.step``)."""
+        when a gradient overflowed — the step is then skipped, as GradScaler expects (not a fault),
+        and leaves no trace: ``num_steps``, the curvature/decomposition schedule, momentum's step
+        count and the random streams stay as if the batch was never seen (like torch.optim.Adam's
+        ``step`` count under a skipped ``scaler.step``). The user calls ``scaler.update()`` after
+        ``step`` as usual (not ``scaler.step``). Gradients the closure already unscaled with
+        ``scaler.unscale_(opt)`` (to clip them) are not unscaled twice."""
         if self.grad_scaler is None:
             return True
-        self.grad_scaler.unscale_(self)
+        try:
+            self.grad_scaler.unscale_(self)
+        except RuntimeError as err:  # the closure unscaled them itself (to clip): torch's AMP recipe
+            if "already been called" not in str(err):
+                raise
         overflow = torch.tensor([0.0 if owned_all_finite([p.grad for p in params_with_grad(self.param_groups)[0]]) else 1.0])
         if self.comm.world_size > 1:  # every rank must skip together, or the replicas drift apart
             self.comm.allreduce([overflow], op="sum")

@@ -176,7 +176,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             compared at construction (``ValueError`` naming any that differ). See docs/distributed.md.
         seed: seed of the sampling generator (saved in state_dict).
         grad_scaler: a ``torch.amp.GradScaler``; the closure calls ``scaler.scale(loss).backward()``,
-            ``step`` unscales (skipping the step on overflow) and the user calls ``scaler.update()``.
+            ``step`` unscales (skipping the step on overflow, as if the batch was never seen:
+            ``num_steps`` and the schedules stay) and the user calls ``scaler.update()`` (not
+            ``scaler.step``). A closure may ``scaler.unscale_(opt)`` itself to clip (docs/guide.md).
         decomposition_dtype: ``torch.float64`` to decompose ill-conditioned curvature in double.
         grad_worker_fraction: KAISA placement over ranks (``docs/scaling.md``): a float in (0, 1],
             a ``DistributedStrategy`` or ``"comm_opt"`` (default: every rank holds every
@@ -302,8 +304,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                 self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
             loss, output, fresh = self._run_closure(closure, targets, estimate)
-        if not self._unscale_grads():
-            self.num_steps += 1
+        if not self._unscale_grads():  # an AMP overflow: as if the batch was never seen (num_steps stays)
+            snapshot.restore()
             return loss, output
         params, groups = params_with_grad(self.param_groups)
         grads = [p.grad for p in params]

@@ -732,8 +732,8 @@ class VIOptimizer(CurvatureOptimizer):
         params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         scale = float(self.grad_scaler.get_scale()) if hats and self.grad_scaler is not None else 1.0
-        if not self._unscale_grads():  # an overflow skips the step, reparam's estimate with it
-            self.num_steps += 1
+        if not self._unscale_grads():  # an AMP overflow skips the step, reparam's estimate with it, as if the
+            snapshot.restore()          # batch was never seen: num_steps, the schedules and the streams stay
             return mean_loss, output
         # noise_variance="learned": the samples' mean, then the mean over all ranks (every rank gets here)
         residual = self._mean_over_ranks(sum(residuals) / len(residuals)) if residuals else None
