@@ -144,3 +144,23 @@ def test_layers_sharing_a_weight_are_announced() -> None:
     model[2].weight = model[0].weight
     with pytest.warns(UserWarning, match="layers '0' and '2' share a parameter"):
         KFACPreconditioner(model)
+
+
+# ---- arguments kfac_pytorch accepts (second audit) ----------------------------------------------
+def test_numpy_bool_flags_and_skip_layer_sets_are_accepted():
+    """kfac_pytorch takes numpy bools for its flags and any iterable of patterns (strings or compiled)
+    for skip_layers; so does ours (a bare string stays a TypeError)."""
+    import re
+
+    import numpy as np
+    from torchsso2 import KFACPreconditioner
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    pre = KFACPreconditioner(model, symmetry_aware=np.True_, colocate_factors=np.True_,
+                             update_factors_in_hook=np.False_)
+    assert pre.symmetry_aware is True and pre.update_factors_in_hook is False
+    assert list(KFACPreconditioner(model).layers) == ["0", "2"]
+    for skip in ({"^2$"}, [re.compile("^2$")], frozenset(["^2$"])):
+        assert list(KFACPreconditioner(model, skip_layers=skip).layers) == ["0"]
+    with pytest.raises(TypeError, match="skip_layers"):
+        KFACPreconditioner(model, skip_layers="fc")

@@ -50,7 +50,7 @@ MPI_SIZE_ENV_VARS: tuple[str, ...] = (
 )
 """Environment variables through which MPI launchers announce the world size."""
 
-INSTALL_HINT = "`pip install mpi4py mpich` (or, from a checkout, `pip install -e \".[mpi]\"`)"
+INSTALL_HINT = "`pip install mpi4py mpich` (mpich: an MPI library with `mpiexec`; skip it where a system MPI is installed)"
 
 _ExceptHook = Callable[[type[BaseException], BaseException, Optional[TracebackType]], Any]  # runtime alias: 3.9-safe
 

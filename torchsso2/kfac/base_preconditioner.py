@@ -19,6 +19,7 @@ import warnings
 from collections import defaultdict
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import numpy as np
 from torch import nn
 
 from .hyperparams import Schedule, as_number, check_schedule, evaluate
@@ -280,8 +281,8 @@ def parse_flag(name: str, value: object) -> bool:
     Raises:
         TypeError: anything else (a string or a float would be truthy garbage).
     """
-    if isinstance(value, bool):
-        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
     if isinstance(value, numbers.Integral) and int(value) in (0, 1):
         return bool(value)
     raise TypeError(f"{name} must be a bool (or 0/1), got {type(value).__name__} {value!r}")

@@ -20,10 +20,16 @@ SUPPORTED_TYPES: Tuple[type, ...] = (nn.Linear, nn.Conv2d)
 
 
 def _compile(patterns: Sequence[str]) -> List["re.Pattern[str]"]:
-    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+    """The regexes of ``skip_layers``: a list, tuple or set of strings or compiled patterns (as
+    kfac_pytorch, which passes each to ``re.compile``); a bare string is refused (kfac_pytorch would
+    take each of its characters as a pattern)."""
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple, set, frozenset)):
         raise TypeError(f"skip_layers must be a list of regex strings, got {type(patterns).__name__} {patterns!r}")
     out = []
     for p in patterns:
+        if isinstance(p, re.Pattern):
+            out.append(p)
+            continue
         if not isinstance(p, str):
             raise TypeError(f"skip_layers entries must be regex strings, got {type(p).__name__} {p!r}")
         try:

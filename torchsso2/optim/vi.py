@@ -20,8 +20,9 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
    ``kfac`` = noisy K-FAC, ``full`` = full covariance per module). The buffer in ``state`` holds
    ``m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
 
-Parameters not covered by a block keep a point estimate: they get ``μ ← μ − lr·m/N`` with the
-same momentum (i.e. SGD on the mean loss plus the prior term), and are not sampled.
+Parameters not covered by a block keep a point estimate: they get ``μ ← μ − ν·lr·m/N`` with the
+same momentum (i.e. SGD on the mean loss plus the prior term, scaled by the KL clip's ``ν``, to whose
+sum they contribute; ``kl_clip=None``: ``ν = 1``), and are not sampled.
 Fixed point (lr = 1, τ = 1, exact Fisher, Bayesian linear regression): ``Λ = XᵀX + δI`` and
 ``μ = (XᵀX + δI)⁻¹ Xᵀy``, the closed-form posterior (tested).
 
