@@ -203,3 +203,28 @@ def test_amp_unscale_inside_the_closure_to_clip(face):
     assert grad_norm <= 1e-3 * (1 + 1e-5) < norms[-1]  # the clipped, unscaled gradient reached the step
     assert opt.num_amp_skipped == 0
     assert (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).abs().max() > 0
+
+
+# ---- state-dict hooks see the whole dict, as torch.optim's ---------------------------------------
+def test_state_dict_hooks_see_the_whole_dict():
+    model = _mlp()
+    two = SecondOrderOptimizer(model, lr=0.05, seed=0, params=[{"params": model[0].parameters()},
+                                                               {"params": model[2].parameters()}])
+    two.step(_closure(model, two))
+    seen = {}
+    two.register_state_dict_post_hook(lambda o, sd: seen.update(post=sorted(sd)))  # returns None: sd kept
+    checkpoint = two.state_dict()
+    assert seen["post"] == ["param_groups", "state", "torchsso2"]
+
+    def merge_groups(opt, sd):  # a migration hook: a 2-group checkpoint into a 1-group optimizer
+        seen["pre"] = sorted(sd)
+        g0, g1 = sd["param_groups"]
+        return {**sd, "param_groups": [{**g0, "params": g0["params"] + g1["params"]}]}
+    one = SecondOrderOptimizer(model, lr=0.05, seed=0)
+    one.register_load_state_dict_pre_hook(merge_groups)
+    loaded = []
+    one.register_load_state_dict_post_hook(lambda o: loaded.append(o.num_steps))
+    one.load_state_dict(checkpoint)
+    assert seen["pre"] == ["param_groups", "state", "torchsso2"] and loaded == [1]
+    assert len(one.param_groups) == 1 and one.num_steps == 1
+    one.step(_closure(model, one))

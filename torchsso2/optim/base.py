@@ -12,12 +12,13 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 import logging
 import math
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -101,6 +102,18 @@ def _listed_groups(params: Iterable[Any]) -> List[Any]:
 _NOT_COPIED = frozenset({"step", "_opt_called", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                          "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                          "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"})
+
+
+@contextlib.contextmanager
+def _hooks_held(opt: torch.optim.Optimizer, attr: str) -> Iterator["OrderedDict[int, Callable]"]:
+    """``opt.<attr>`` (a dict of torch.optim hooks) emptied for the block, so that a call of
+    torch.optim's method inside runs none of them; yields the hooks, put back after the block."""
+    hooks = getattr(opt, attr)
+    setattr(opt, attr, OrderedDict())
+    try:
+        yield hooks
+    finally:
+        setattr(opt, attr, hooks)
 
 
 class CurvatureOptimizer(torch.optim.Optimizer):
@@ -489,7 +502,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        sd = super().state_dict()
+        """``torch.optim``'s ``{"state", "param_groups"}`` plus ``"torchsso2"`` (curvature, streams,
+        counters); the state-dict post-hooks see (and may replace) the whole dict."""
+        with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = super().state_dict()
         sd["torchsso2"] = {
             "curvature": self.running.state_dict(),
             "generator": self.generator.get_state(),
@@ -502,6 +518,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             "param_shapes": self._param_shapes(),
             "extra": self._extra_state(),
         }
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def _param_shapes(self) -> List[List[int]]:
@@ -515,13 +535,22 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         one is refused with a ``ValueError`` naming the entry, before anything changes. Floating
         tensors are cast to the parameters' dtype and device (as ``torch.optim`` does); the loaded
         state tensors are copies (the optimizer never writes into ``state_dict``)."""
+        if isinstance(state_dict, dict):  # shallow copy, as torch.optim; the pre-hooks see the whole dict
+            state_dict = dict(state_dict)
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         checked = check_checkpoint(self, state_dict)
         saved_attrs = dict(self.__dict__)
         saved_running = (self.running.blocks, self.running.num_updates)
         saved_generator = self.generator.get_state()
         saved_extra = self._extra_snapshot()
         try:
-            super().load_state_dict(checked.optimizer_state)
+            # the pre-hooks ran above; the post-hooks run below, once everything is loaded
+            with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks"), \
+                    _hooks_held(self, "_optimizer_load_state_dict_post_hooks"):
+                super().load_state_dict(checked.optimizer_state)
             self.running.blocks = checked.blocks
             self.running.num_updates = checked.num_updates
             self.generator.set_state(checked.generator)
@@ -549,6 +578,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             self.generator.set_state(saved_generator)
             self._restore_extra(saved_extra)
             raise
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
     #: the kind of optimizer a checkpoint is tagged with (a checkpoint loads only into the same kind)
     face_name = "CurvatureOptimizer"
