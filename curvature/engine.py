@@ -7,6 +7,7 @@ belong to whoever uses the blocks (see :class:`curvature.running.RunningCurvatur
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -114,6 +115,10 @@ class CurvatureEngine:
         #: the BatchNorms a capture may route (found once, like the covered modules)
         self.batch_norms = batch_norm_modules(model)
         self._modules = {n: lay.module for n, lay in self.layouts.items()}
+        #: a covered module the forward did not call, and on whose parameters the output does not depend
+        #: (a multi-task head other batches use), is left out of the estimate instead of a ValueError;
+        #: the optimizers set it in one process (with several, the ranks' block sets must agree)
+        self.allow_uncalled = False
         #: shape signatures whose module outputs were checked to hold the examples first
         self._examples_checked: set = set()
         full = {n: sum(q.numel() for q in lay.params) for n, lay in self.layouts.items()
@@ -180,10 +185,14 @@ class CurvatureEngine:
         ``targets``: needed for ``empirical_fisher`` and ``hessian``.
         """
         likelihoods.check_outputs_targets(self.loss, outputs, targets)
+        given = outputs, targets
         outputs, targets = likelihoods.as_rows(self.loss, outputs, targets)  # [N, T, C] logits: N·T rows
         if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
         missing = [n for n in self._modules if n not in capture.records]
+        if missing and self.allow_uncalled and self._unused(missing, outputs):
+            with self._restricted_to(capture.records):  # the blocks of the modules this forward called
+                return self.estimate(capture, *given, generator=generator)
         if missing:
             raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
                              "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
@@ -220,6 +229,37 @@ class CurvatureEngine:
         else:
             chunks = self.output_grad_chunks(capture, outputs, vectors)
         return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
+
+    def _unused(self, names: Sequence[str], outputs: Tensor) -> bool:
+        """Whether the modules ``names`` (not called in the recorded forward) are plain covered modules
+        (no tied parameter) whose parameters ``outputs`` does not depend on (no ``AccumulateGrad`` of
+        them in its graph: no functional use, no reentrant checkpointing)."""
+        tied = {u.name for lay in self.layouts.values() for u in lay.tied}
+        if any(n not in self.layouts or self.layouts[n].tied or n in tied for n in names):
+            return False
+        ids = {id(p) for n in names for p in self.layouts[n].params}
+        seen, stack = set(), [outputs.grad_fn] if outputs.grad_fn is not None else []
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if id(getattr(node, "variable", None)) in ids:
+                return False
+            stack.extend(nxt for nxt, _ in node.next_functions)
+        return True
+
+    @contextlib.contextmanager
+    def _restricted_to(self, records: Dict[str, ModuleRecord]) -> Iterator[None]:
+        """The engine's covered modules, layouts and shapes restricted to those of ``records``."""
+        saved = self._modules, self.layouts, self.approx
+        self._modules = {n: m for n, m in self._modules.items() if n in records}
+        self.layouts = {n: lay for n, lay in self.layouts.items() if n in records}
+        self.approx = {n: a for n, a in self.approx.items() if n in records}
+        try:
+            yield
+        finally:
+            self._modules, self.layouts, self.approx = saved
 
     def _check_examples_first(self, capture: Capture, outputs: Tensor) -> None:
         """ValueError unless the first dimension of every covered module's output under a full or

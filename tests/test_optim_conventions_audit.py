@@ -228,3 +228,98 @@ def test_state_dict_hooks_see_the_whole_dict():
     assert seen["pre"] == ["param_groups", "state", "torchsso2"] and loaded == [1]
     assert len(one.param_groups) == 1 and one.num_steps == 1
     one.step(_closure(model, one))
+
+
+# ---- a covered module the forward does not call (multi-task heads) ----------------------------------
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head_a = nn.Linear(16, 3)
+        self.head_b = nn.Linear(16, 3)
+
+    def forward(self, x, task: str):
+        return (self.head_a if task == "a" else self.head_b)(torch.relu(self.body(x)))
+
+
+def _heads_step(opt, model, task):
+    def closure():
+        opt.zero_grad()
+        out = model(X, task)
+        loss = F.cross_entropy(out, Y)
+        loss.backward()
+        return loss, out
+    opt.step(closure)
+
+
+def test_second_order_head_not_called_keeps_its_curvature():
+    import curvature
+    torch.manual_seed(0)
+    model = _TwoHeads().double()
+    x64 = X.double()
+    opt = SecondOrderOptimizer(model, curvature="fisher", lr=0.05, curv_update_interval=1, inv_update_interval=10)
+
+    def step(task):
+        def closure():
+            opt.zero_grad()
+            out = model(x64, task)
+            loss = F.cross_entropy(out, Y)
+            loss.backward()
+            return loss, out
+        opt.step(closure)
+    b_before = [p.detach().clone() for p in model.head_b.parameters()]
+    step("a")
+    assert set(opt.running.blocks) == {"body", "head_a"}
+    assert all(torch.equal(p, q) for p, q in zip(model.head_b.parameters(), b_before))  # no gradient: unchanged
+    a_block = [t.clone() for t in opt.running.blocks["head_a"].tensors()]
+    # head b's block will be this step's estimate (its first): the curvature of the model calling head b
+    expected = curvature.compute(nn.Sequential(model.body, nn.ReLU(), model.head_b), x64, Y, kind="fisher",
+                                 approx="kfac").blocks["2"]
+    step("b")  # head_b's first estimate, decomposed at once although the interval is 10
+    assert set(opt.running.blocks) == {"body", "head_a", "head_b"}
+    assert all(torch.equal(t, u) for t, u in zip(opt.running.blocks["head_a"].tensors(), a_block))  # not decayed
+    assert opt.running.blocks["head_b"].decomposition is not None
+    assert not all(torch.equal(p, q) for p, q in zip(model.head_b.parameters(), b_before))
+    got = opt.running.blocks["head_b"]
+    torch.testing.assert_close(got.A, expected.A, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.G, expected.G, rtol=1e-12, atol=1e-14)
+
+
+def test_uncalled_head_with_gradient_accumulation_and_vi():
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = SecondOrderOptimizer(model, lr=0.05)
+
+    def closure():  # two micro-batches, one per head
+        opt.zero_grad()
+        total = 0.0
+        for task, (xs, ys) in zip("ab", zip(X.chunk(2), Y.chunk(2))):
+            out = model(xs, task)
+            loss = F.cross_entropy(out, ys) / 2
+            loss.backward()
+            total = total + loss.detach()
+        return total, out
+    opt.step(closure)
+    assert set(opt.running.blocks) == {"body", "head_a", "head_b"}
+    vi = VIOptimizer(_TwoHeads(), dataset_size=100, approx="kfac", seed=0, curv_update_interval=1, inv_update_interval=10)
+    for task in "aab":
+        _heads_step(vi, vi.model, task)
+    assert set(vi.running.blocks) == {"body", "head_a", "head_b"}
+    assert all(b.decomposition is not None for b in vi.running.blocks.values())
+
+
+def test_uncalled_module_used_functionally_is_still_an_error():
+    """A module not called whose parameters the output still depends on (a functional use) stays a
+    ValueError: its curvature would be missed, not zero."""
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(8, 16)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            return F.linear(torch.relu(self.body(x)), self.head.weight, self.head.bias)
+    model = Functional()
+    opt = SecondOrderOptimizer(model, lr=0.05)
+    with pytest.raises(ValueError, match="head"):
+        opt.step(_closure(model, opt))

@@ -61,18 +61,24 @@ class BlockAverage:
 
     def __init__(self) -> None:
         self.blocks: Optional[Dict[str, Block]] = None
-        self.count = 0
+        #: per block, the weight it has collected (a module a micro-batch did not call is left out of
+        #: that micro-batch's blocks, and averaged over the others)
+        self.counts: Dict[str, int] = {}
         self.nonfinite = False
 
     def add(self, blocks: Dict[str, Block], n: int) -> None:
         if self.blocks is None:
-            self.blocks, self.count = blocks, n
+            self.blocks, self.counts = dict(blocks), {name: n for name in blocks}
             return
-        total = self.count + n
-        for name, blk in self.blocks.items():
-            for mine, new in zip(blk.tensors(), blocks[name].tensors()):
-                mine.mul_(self.count / total).add_(new, alpha=n / total)
-        self.count = total
+        for name, new in blocks.items():
+            if name not in self.blocks:
+                self.blocks[name], self.counts[name] = new, n
+                continue
+            count = self.counts[name]
+            total = count + n
+            for mine, fresh in zip(self.blocks[name].tensors(), new.tensors()):
+                mine.mul_(count / total).add_(fresh, alpha=n / total)
+            self.counts[name] = total
 
     def result(self) -> Dict[str, Block]:
         if self.nonfinite:
@@ -155,6 +161,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         # all ranks start from rank 0's weights and seed; label sampling is decorrelated per rank
         # (rank 0 keeps `seed`, so one process is unchanged).
         self.placement = Placement(self.comm, settings.grad_worker_fraction, settings.assignment_strategy)
+        # a covered module a forward did not call (a head other batches use) keeps its curvature for that
+        # step; with several processes the ranks' fresh blocks are averaged by position, so there it stays
+        # an error (curvature/engine.py)
+        self.engine.allow_uncalled = self.comm.world_size == 1
         check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
         if seed is not None:
             check_int("seed", seed, low=0, high=2 ** 63 - 1)

@@ -322,7 +322,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if fresh is not None:
+            new = len(fresh) and any(name not in self.running.blocks for name in fresh)
             self.running.update(fresh, self.ema_decay)
+            if new and self._decomposed:  # a block seen for the first time (a head earlier batches did not call)
+                decompose = True
         if not self.running.blocks:
             raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
         if decompose and not self._decompose(self.damping):

@@ -753,13 +753,17 @@ class VIOptimizer(CurvatureOptimizer):
             return mean_loss, output
         if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
             self.noise.update(residual)
+        new = False
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                 self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
-            if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
-                missing = {n: b for n, b in fresh.items() if n not in self.running.blocks}  # frozen at the start
-                if missing:
+            # a block seen for the first time later (frozen at the start, a head earlier batches did not call)
+            missing = {n: b for n, b in fresh.items() if n not in self.running.blocks}
+            if missing:
+                new = True
+                if self.curvature_init is not None or self.reparam:  # its EMA starts at curvature_init·I too
                     self.running.blocks.update(isotropic_blocks(missing, self.curvature_init))
+            if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
                 for name, blk in fresh.items():
                     run = self.running.blocks[name].diagonal
                     reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
@@ -767,7 +771,7 @@ class VIOptimizer(CurvatureOptimizer):
                 self.running.num_updates += 1
             else:
                 self.running.update(fresh, self.ema_decay)
-        if self.num_steps % self.inv_update_interval == 0 or not self._decomposed:
+        if self.num_steps % self.inv_update_interval == 0 or not self._decomposed or new:
             if not self._decompose(self.precision_shift, scale=self.likelihood_size) and not self._decomposed:
                 self.num_steps += 1
                 return mean_loss, output
