@@ -90,6 +90,8 @@ class Capture:
         self.records: Dict[str, ModuleRecord] = {}
         #: forward calls per module while recording (grad mode on)
         self.calls: Dict[str, int] = {}
+        #: modules called with gradients disabled while recording (not recorded)
+        self.called_without_grad: set = set()
         self.outputs: List[Tensor] = []
         self._handles: List[RemovableHandle] = []
         self.freeze_batch_stats = freeze_batch_stats
@@ -131,7 +133,8 @@ class Capture:
 
     def _make_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():  # not recorded (reentrant activation checkpointing runs so)
+                self.called_without_grad.add(name)
                 return None
             if name in self.calls and torch._C._current_autograd_node() is not None:
                 # a forward recomputed during the backward pass (non-reentrant activation checkpointing):

@@ -27,6 +27,7 @@ from .modules.linear import WeightMatrixFamily
 from .options import Approx, Kind, KFACApprox, LossType, parse
 from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
 from .tied import check_kfac_tied, combine_kfac, tied_per_example_sum
+from .uses import reaches
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,8 @@ class CurvatureEngine:
         if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
         missing = [n for n in self._modules if n not in capture.records]
-        if missing and self.allow_uncalled and self._unused(missing, outputs):
+        if missing and self.allow_uncalled and not capture.called_without_grad.intersection(missing) \
+                and self._unused(missing, outputs):
             with self._restricted_to(capture.records):  # the blocks of the modules this forward called
                 return self.estimate(capture, *given, generator=generator)
         if missing:
@@ -237,17 +239,7 @@ class CurvatureEngine:
         tied = {u.name for lay in self.layouts.values() for u in lay.tied}
         if any(n not in self.layouts or self.layouts[n].tied or n in tied for n in names):
             return False
-        ids = {id(p) for n in names for p in self.layouts[n].params}
-        seen, stack = set(), [outputs.grad_fn] if outputs.grad_fn is not None else []
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if id(getattr(node, "variable", None)) in ids:
-                return False
-            stack.extend(nxt for nxt, _ in node.next_functions)
-        return True
+        return not reaches(outputs, [p for n in names for p in self.layouts[n].params])
 
     @contextlib.contextmanager
     def _restricted_to(self, records: Dict[str, ModuleRecord]) -> Iterator[None]:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .hvp import ProductRunner
 from .modules.linear import WeightMatrixFamily
+from .uses import reaches
 
 #: output-space unit vectors per batched Hessian-vector product
 CHUNK = 128
@@ -74,21 +75,9 @@ def uses_only_through(loss: Tensor, z: Tensor, params: Iterable[Tensor]) -> bool
     """Whether ``loss`` depends on ``params`` only through ``z``: no path of ``loss``'s autograd graph
     reaches a parameter's gradient accumulator without passing ``z``'s node (a tied module or a
     functional use of the weight is such a path). A walk of the graph above ``z``."""
-    stop = z.grad_fn
-    if stop is None or loss.grad_fn is None:
+    if z.grad_fn is None or loss.grad_fn is None:
         return True
-    ids = {id(p) for p in params}
-    seen = {stop}
-    todo = [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if id(getattr(node, "variable", None)) in ids:
-            return False
-        todo.extend(nxt for nxt, _ in node.next_functions)
-    return True
+    return not reaches(loss, params, stop=z.grad_fn)
 
 
 def rows_independent(runner: ProductRunner, z: Tensor) -> bool:

@@ -18,13 +18,30 @@ not in that graph and are not the likelihood's, so they are not reported.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["UseWindows"]
+__all__ = ["UseWindows", "reaches"]
+
+
+def reaches(output: Tensor, params: Iterable[Tensor], stop: Optional[Any] = None) -> bool:
+    """Whether ``output``'s autograd graph reaches the gradient accumulator of one of ``params``
+    (a walk of the graph from ``output.grad_fn``; ``stop``: a node not walked past)."""
+    ids = {id(p) for p in params}
+    seen = {stop} if stop is not None else set()
+    todo = [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in ids:
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return False
 
 #: autograd nodes of a dtype cast (autocast's cached copies of the parameters)
 _CASTS = frozenset({"ToCopyBackward0"})

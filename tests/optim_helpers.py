@@ -6,7 +6,7 @@ hand, gradients come from plain ``torch.autograd``, and reference curvature come
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,20 @@ def make_closure(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Ten
             after_backward()
         return val, out
     return closure
+
+
+def kfac_sgd_train(model: nn.Module, x: Tensor, y: Tensor, steps: int = 3, **kfac_kwargs: Any) -> Tensor:
+    """``steps`` steps of SGD (lr 0.1) preconditioned by ``KFACPreconditioner(model, **kfac_kwargs)``
+    on the batch ``(x, y)``; the flat parameters after them."""
+    from torchsso2 import KFACPreconditioner
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model, **kfac_kwargs)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    return param_vec(model)
 
 
 # ---- flat vectors ------------------------------------------------------------------------------

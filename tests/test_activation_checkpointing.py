@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import curvature
-from torchsso2 import KFACPreconditioner, SecondOrderOptimizer, VIOptimizer
+from optim_helpers import kfac_sgd_train, make_closure
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 X = torch.randn(6, 2, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 Y = torch.randint(0, 4, (6,), generator=torch.Generator().manual_seed(1))
@@ -66,13 +67,8 @@ def _net(mode: str = None, norm: str = "batch") -> Net:
 def _train(make_opt, mode: str, norm: str = "batch", steps: int = 3, targets: bool = False) -> Tensor:
     model = _net(mode, norm)
     opt = make_opt(model)
+    closure = make_closure(opt, model, X, Y)
     for _ in range(steps):
-        def closure():
-            opt.zero_grad()
-            out = model(X)
-            loss = F.cross_entropy(out, Y)
-            loss.backward()
-            return loss, out
         if targets:
             opt.step(closure, targets=Y)
         else:
@@ -147,13 +143,7 @@ def test_attention_inside_nonreentrant_checkpoint():
         model = Attn(ckpt).double()
         opt = SecondOrderOptimizer(model, approx="kfac", lr=0.1, damping=0.1)
         for _ in range(3):
-            def closure():
-                opt.zero_grad()
-                out = model(x)
-                loss = F.cross_entropy(out, y)
-                loss.backward()
-                return loss, out
-            opt.step(closure)
+            opt.step(make_closure(opt, model, x, y))
         result.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(result[0], result[1])
 
@@ -171,30 +161,16 @@ def test_module_called_twice_still_refused():
     model = Twice().double()
     opt = SecondOrderOptimizer(model, approx="kfac")
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
     with pytest.raises(ValueError, match="called more than once in one forward"):
-        opt.step(closure)
+        opt.step(make_closure(opt, model, x, y))
 
 
 @pytest.mark.parametrize("curv", ["fisher", "fisher_mc"])
 def test_reentrant_checkpointing_names_the_fix(curv):
     model = _net("reentrant")
     opt = SecondOrderOptimizer(model, approx="kfac", curvature=curv)
-
-    def closure():
-        opt.zero_grad()
-        out = model(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
     with pytest.raises(ValueError, match="use_reentrant=False"):
-        opt.step(closure)
+        opt.step(make_closure(opt, model, X, Y))
 
 
 @pytest.mark.parametrize("approx", ["kfac", "diag"])
@@ -207,15 +183,5 @@ def test_reentrant_checkpointing_with_empirical_fisher_from_backward(approx):
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
 def test_kfac_preconditioner_with_checkpointing(mode):
-    result = []
-    for m in (None, mode):
-        model = _net(m)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
-        for _ in range(3):
-            opt.zero_grad()
-            F.cross_entropy(model(X), Y).backward()
-            pre.step()
-            opt.step()
-        result.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    result = [kfac_sgd_train(_net(m), X, Y, factor_update_steps=1, inv_update_steps=2) for m in (None, mode)]
     assert torch.equal(result[0], result[1])

@@ -62,19 +62,11 @@ def test_asymmetric_same_padding_is_refused():
 
 
 def test_kfac_preconditioner_same_padding_equals_numeric():
-    import torch.nn.functional as F
-    from torchsso2 import KFACPreconditioner
+    from optim_helpers import kfac_sgd_train
     x, y = _batch()
     result = []
     for padding in ("same", 1):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=padding), nn.Tanh(), nn.Flatten(), nn.Linear(90, 3)).double()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
-        for _ in range(3):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            pre.step()
-            opt.step()
-        result.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        result.append(kfac_sgd_train(model, x, y, factor_update_steps=1, inv_update_steps=1))
     assert torch.equal(result[0], result[1])

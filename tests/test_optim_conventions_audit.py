@@ -242,10 +242,10 @@ class _TwoHeads(nn.Module):
         return (self.head_a if task == "a" else self.head_b)(torch.relu(self.body(x)))
 
 
-def _heads_step(opt, model, task):
+def _heads_step(opt, model, task, x=X):
     def closure():
         opt.zero_grad()
-        out = model(X, task)
+        out = model(x, task)
         loss = F.cross_entropy(out, Y)
         loss.backward()
         return loss, out
@@ -260,13 +260,7 @@ def test_second_order_head_not_called_keeps_its_curvature():
     opt = SecondOrderOptimizer(model, curvature="fisher", lr=0.05, curv_update_interval=1, inv_update_interval=10)
 
     def step(task):
-        def closure():
-            opt.zero_grad()
-            out = model(x64, task)
-            loss = F.cross_entropy(out, Y)
-            loss.backward()
-            return loss, out
-        opt.step(closure)
+        _heads_step(opt, model, task, x64)
     b_before = [p.detach().clone() for p in model.head_b.parameters()]
     step("a")
     assert set(opt.running.blocks) == {"body", "head_a"}

@@ -179,6 +179,7 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         if not torch.is_grad_enabled():
+            capture.called_without_grad.add(name)
             return None
         call = dict(zip(_ARG_NAMES, args))
         call.update(kwargs)
