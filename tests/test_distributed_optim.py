@@ -107,7 +107,8 @@ def _expected_bytes(world: int, name: str, res: Dict[str, Any]) -> int:
             dec += p * p + p if len(shapes[0]) == 2 else p
         else:  # kfac: ql, qr (2-D factors) + denom [n_L, n_R]
             dec += sum(s[0] * s[0] for s in shapes if len(s) == 2) + shapes[0][0] * shapes[1][0]
-    total = world * steps * ((numel + 1) + stat + 1) * e  # grads + flag, statistics, decomposition flag
+    tensors = len(list(common.build(cfg["face"]).parameters()))  # which parameters have a gradient, in the flag
+    total = world * steps * ((numel + 1 + tensors) + stat + 1) * e  # grads + flag, statistics, decomposition flag
     if g > 1:
         total += steps * dec * e
     if g < world:  # each of the g grad workers of a block broadcasts to its receiver group
