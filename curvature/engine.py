@@ -230,7 +230,10 @@ class CurvatureEngine:
             chunks = self._per_position_grad_chunks(capture, outputs, vectors, per_example)
         else:
             chunks = self.output_grad_chunks(capture, outputs, vectors)
-        return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0])
+        # the empirical Fisher's example is the sequence: a module that sees the N·T rows (a head on
+        # reshaped activations) sums its per-row gradients per sequence (the fisher kind localizes instead)
+        group = per_example if self.kind is Kind.EMPIRICAL_FISHER else 1
+        return self.blocks_from_grad_chunks(capture.records, chunks, outputs.shape[0], group_rows=group)
 
     def _unused(self, names: Sequence[str], outputs: Tensor) -> bool:
         """Whether the modules ``names`` (not called in the recorded forward) are plain covered modules
@@ -297,8 +300,10 @@ class CurvatureEngine:
         and the blocks are normalized by ``batch_size`` (default ``R``). ``R`` is the first dimension
         of the recorded root output (of the first covered module's output when there is none).
         """
+        group = 1
         if capture.outputs:
-            self.check_examples_align(capture.records, likelihoods.as_rows(self.loss, capture.outputs[0], None)[0])
+            group = self.check_examples_align(capture.records,
+                                              likelihoods.as_rows(self.loss, capture.outputs[0], None)[0])
         rows = (likelihoods.loss_rows(self.loss, capture.outputs[0]) if capture.outputs
                 else next(iter(capture.records.values())).output.shape[0])
         s = float(loss_scale if loss_scale is not None else rows)
@@ -311,7 +316,8 @@ class CurvatureEngine:
             # output gradients, as the engine's own backward passes give it
             grads[name] = _scaled_sum(rec.backward_grads, s).unsqueeze(0) if rec.backward_grads else \
                 rec.output.new_zeros((1,) + tuple(rec.output.shape))
-        return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size)
+        return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size,
+                                      group_rows=group)
 
     def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> int:
         """How many loss rows each covered module example holds (``T``, see :mod:`curvature.sequence`).
@@ -400,12 +406,12 @@ class CurvatureEngine:
         return [gi if gi is not None else o.new_zeros((k,) + tuple(o.shape)) for gi, o in zip(g, outs)]
 
     def blocks_from_grads(self, records: Dict[str, ModuleRecord], grads: Dict[str, Tensor],
-                          batch_size: int) -> Dict[str, Block]:
+                          batch_size: int, group_rows: int = 1) -> Dict[str, Block]:
         """Per-module blocks from recorded inputs and output gradients ``[K, N, *out]``."""
-        return self.blocks_from_grad_chunks(records, [grads], batch_size)
+        return self.blocks_from_grad_chunks(records, [grads], batch_size, group_rows)
 
     def blocks_from_grad_chunks(self, records: Dict[str, ModuleRecord], chunks: Iterable[Any],
-                                batch_size: int) -> Dict[str, Block]:
+                                batch_size: int, group_rows: int = 1) -> Dict[str, Block]:
         """Per-module blocks from output gradients that arrive in chunks ``{module: [k, N, *out]}``
         of the ``K`` backpropagated vectors (or ``(chunk, positions [k])`` for per-position vectors:
         :func:`curvature.sequence.localized`).
@@ -469,7 +475,9 @@ class CurvatureEngine:
                 else:
                     a = normal_input(name, dt)
                     local = None if positions is None else sequence.localized(a, g, positions)
-                    part = self._per_example_sum(lay, shape, *(local if local is not None else (a, g)))
+                    # a module seeing the loss rows while the example is a group of them (group_rows > 1)
+                    group = group_rows if group_rows > 1 and g.shape[1] == batch_size else 1
+                    part = self._per_example_sum(lay, shape, *(local if local is not None else (a, g)), group=group)
                 if name in sums:
                     sums[name][0] += part
                 else:
@@ -494,17 +502,22 @@ class CurvatureEngine:
         return blocks
 
     @staticmethod
-    def _per_example_sum(lay: Layout, shape: Approx, a: Tensor, g: Tensor) -> Tensor:
-        """``Σ_{k,n}`` of the squared (diag, ``[P]``) or outer (full, ``[P, P]``) per-example gradients."""
-        if shape is Approx.DIAG:
+    def _per_example_sum(lay: Layout, shape: Approx, a: Tensor, g: Tensor, group: int = 1) -> Tensor:
+        """``Σ_{k,n}`` of the squared (diag, ``[P]``) or outer (full, ``[P, P]``) per-example gradients;
+        with ``group > 1`` an example is ``group`` consecutive rows of ``a`` / ``g``, whose per-row
+        gradients are summed first (the sequence of ``[N·T, C]`` logits under the empirical Fisher)."""
+        if shape is Approx.DIAG and group == 1:
             fast = lay.family.diag_sum(lay.module, a, g, lay.param_names)
             if fast is not None:
                 return fast
         total: Optional[Tensor] = None
-        for s in range(0, a.shape[0], _EXAMPLE_CHUNK):
-            pe = lay.family.per_example_grads(lay.module, a[s:s + _EXAMPLE_CHUNK],
-                                              g[:, s:s + _EXAMPLE_CHUNK], lay.param_names)
-            flat = flat_per_example(pe, lay.param_names).reshape(-1, lay.numel)
+        step = max(group, _EXAMPLE_CHUNK // group * group)
+        for s in range(0, a.shape[0], step):
+            pe = lay.family.per_example_grads(lay.module, a[s:s + step], g[:, s:s + step], lay.param_names)
+            flat = flat_per_example(pe, lay.param_names)
+            if group > 1:
+                flat = flat.reshape(g.shape[0], -1, group, lay.numel).sum(2)
+            flat = flat.reshape(-1, lay.numel)
             part = flat.pow(2).sum(0) if shape is Approx.DIAG else flat.t() @ flat
             total = part if total is None else total + part
         assert total is not None

@@ -43,6 +43,8 @@ class Curvature:
     approx: Dict[str, str]
     _damping: Any = field(default=None, init=False, repr=False)  # damping of the blocks' decompositions
     _made: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # the decompositions solve() made
+    #: the statistics those decompositions were made of, with their version counters
+    _versions: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     # ---- parameters -------------------------------------------------------------------------
     @property
@@ -111,14 +113,16 @@ class Curvature:
         damping = float(damping)
         if not math.isfinite(damping) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
-        # the decompositions made here, at this damping (a block decomposed since, e.g. through its own
-        # decompose(), is decomposed again)
-        if self._damping != damping or any(b.decomposition is None or b.decomposition is not self._made.get(n)
-                                           for n, b in self.blocks.items()):
+        # the decompositions made here, at this damping, of the statistics as they are (a block decomposed
+        # since, e.g. through its own decompose(), or whose statistics changed in place, is decomposed again)
+        versions = {n: [(t, t._version) for t in b.tensors()] for n, b in self.blocks.items()}
+        if self._damping != damping or not _same_tensors(versions, self._versions) or any(
+                b.decomposition is None or b.decomposition is not self._made.get(n) for n, b in self.blocks.items()):
             for blk in self.blocks.values():
                 blk.decompose(damping)
             self._damping = damping
             self._made = {n: b.decomposition for n, b in self.blocks.items()}
+            self._versions = versions
         return self._blockwise(v, lambda blk, parts: blk.solve(parts))
 
     def to_scipy(self) -> Any:
@@ -167,3 +171,10 @@ class Curvature:
             out.extend(op(self.blocks[n], parts[i:i + k]))
             i += k
         return out
+
+
+def _same_tensors(now: Dict[str, Any], then: Dict[str, Any]) -> bool:
+    """Whether every block holds the same statistics tensors, unchanged in place, as ``then``."""
+    return now.keys() == then.keys() and all(
+        len(now[n]) == len(then[n]) and all(t is u and v == w for (t, v), (u, w) in zip(now[n], then[n]))
+        for n in now)

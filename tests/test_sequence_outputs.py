@@ -171,3 +171,53 @@ def test_empirical_fisher_kfac_factors_are_the_per_row_definition() -> None:
     run = opt.running.blocks["0"]
     torch.testing.assert_close(run.G, blk.G, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(run.A, blk.A, rtol=1e-10, atol=1e-12)
+
+
+class _HeadOnRows(nn.Module):
+    """Embedding → Linear → tanh on ``[N, T, ·]``, then a head on the reshaped ``[N·T, H]`` rows: the
+    head sees the loss rows while the other modules see the N sequences."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.l1 = nn.Linear(4, 5)
+        self.l2 = nn.Linear(5, 6)
+
+    def forward(self, ids):
+        return self.l2(torch.tanh(self.l1(self.emb(ids))).reshape(-1, 5))
+
+
+@pytest.mark.parametrize("approx", ["full", "diag"])
+def test_empirical_fisher_of_a_module_on_the_rows_takes_the_sequence_as_the_example(approx):
+    """Every module's empirical Fisher block is (1/R) Σ_n g_n g_nᵀ with g_n the gradient of sequence n's
+    summed token losses, the head on [N·T, H] rows included (it was the per-row sum, 75% off)."""
+    torch.manual_seed(0)
+    n, t = 3, 4
+    model = _HeadOnRows().double()
+    ids, y = torch.randint(0, 7, (n, t)), torch.randint(0, 6, (n * t,))
+    params = dict(model.named_parameters())
+    expected = {}
+    for name in ("l1", "l2"):
+        names = [k for k in params if k.startswith(name + ".")]
+
+        def rows(*ps):
+            return torch.nn.functional.cross_entropy(functional_call(model, dict(zip(names, ps)), (ids,)), y,
+                                                     reduction="none")
+        jac = jacrev(rows, argnums=tuple(range(len(names))))(*[params[k].detach() for k in names])
+        per_seq = torch.cat([j.reshape(n * t, -1) for j in jac], dim=1).reshape(n, t, -1).sum(1)
+        full = per_seq.t() @ per_seq / (n * t)
+        expected[name] = full if approx == "full" else torch.diag(torch.diagonal(full))
+        assert full.abs().max() > 1e-3
+    got = curvature.compute(model, ids, y, kind="empirical_fisher", approx=approx)
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher", approx=approx)
+
+    def closure():
+        opt.zero_grad()
+        out = model(ids)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    opt.step(closure)  # the empirical Fisher from the user's own backward: the same blocks
+    for name in ("l1", "l2"):
+        torch.testing.assert_close(got.blocks[name].dense(), expected[name], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(opt.running.blocks[name].dense(), expected[name], rtol=1e-10, atol=1e-12)

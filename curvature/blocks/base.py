@@ -86,9 +86,11 @@ class Block(ABC):
 
     @abstractmethod
     def colour(self, z: Tensor) -> List[Tensor]:
-        """``(scale·C + damping·I)^{-1/2} z`` for a standard normal ``z`` of shape ``[P]``,
-        parameter-shaped: a draw from ``N(0, (scale·C + damping·I)⁻¹)``. ``z`` is the caller's
-        and may be overwritten (the diagonal block scales it in place)."""
+        """``S z`` for a standard normal ``z`` of shape ``[P]``, with ``S Sᵀ = (scale·C + damping·I)⁻¹``,
+        parameter-shaped: a draw from ``N(0, (scale·C + damping·I)⁻¹)``. ``S`` is a square root of the
+        inverse, not necessarily the symmetric one (a K-FAC block reads ``z`` in its Kronecker order:
+        equal in distribution). ``z`` is the caller's and may be overwritten (the diagonal block scales
+        it in place)."""
 
     @abstractmethod
     def mvp(self, vecs: Sequence[Tensor]) -> List[Tensor]:
@@ -153,8 +155,13 @@ class DerivedCache:
         return {"_sources": (), "_versions": (), "_value": None}
 
 
-def check_positive(evals: Tensor, what: str) -> None:
-    """Raise LinalgError when a damped spectrum is not strictly positive or not finite."""
+def check_positive(evals: Tensor, what: str, size: int = 0) -> None:
+    """Raise LinalgError when a damped spectrum is not strictly positive or not finite.
+
+    ``size``: the order ``n`` of the matrix the eigenvalues come from, given where they carry its
+    rounding and nothing lifts them off zero (damping 0): an eigenvalue within ``n·eps·max|λ|`` of
+    zero is then a zero eigenvalue of a singular matrix (round-off made it tiny and positive) and
+    raises too; a solve would divide by it (a step of 1e18)."""
     from ..linalg import LinalgError
 
     if not evals.numel():
@@ -162,6 +169,8 @@ def check_positive(evals: Tensor, what: str) -> None:
     if not math.isfinite(float(evals.sum())) and not bool(torch.isfinite(evals).all()):  # exact check only on doubt
         raise LinalgError(f"{what}: non-finite eigenvalues")
     low = float(evals.min())
-    if low <= 0:
-        raise LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}); "
-                          "increase damping")
+    rounding = size * torch.finfo(evals.dtype).eps * float(evals.abs().max()) if size else 0.0
+    if low <= rounding:
+        raise LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}"
+                          + (f", within the rounding {rounding:.1e} of zero: singular" if low > 0 else "")
+                          + "); increase damping")

@@ -119,7 +119,8 @@ class KFACBlock(Block):
             if scale != 1.0:
                 denom.mul_(scale)
             denom.add_(damping)
-            check_positive(denom, f"K-FAC block {self.layout.name!r}")
+            check_positive(denom, f"K-FAC block {self.layout.name!r}",
+                           size=max(el.numel(), er.numel()) if damping == 0 else 0)
             self.decomposition = {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
         elif method == "inverse":
             lb = get_backend(backend)
@@ -131,6 +132,9 @@ class KFACBlock(Block):
                     check_positive(d, f"K-FAC factor of {self.layout.name!r}")
                     inv.append(1.0 / d)
                 else:
+                    if damping == 0:  # a Cholesky of a singular factor can succeed on round-off: look at its spectrum
+                        check_positive(torch.linalg.eigvalsh(scale * f.double()).to(f.dtype),  # f's rounding
+                                       f"K-FAC factor of {self.layout.name!r}", size=f.shape[0])
                     inv.append(lb.damped_inv(scale * f, damping, dtype=dtype))
                 scale = 1.0  # the scale multiplies the Kronecker product once
             self.decomposition = {"method": "inverse", "linv": inv[0], "rinv": inv[1]}

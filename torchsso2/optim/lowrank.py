@@ -10,7 +10,8 @@ costliest regime: small batches on wide layers). The rotation back stays dense.
 
 Safety: ``p.grad`` is what the optimizer must precondition, and a closure may change it after
 ``backward()`` (clipping, noise, accumulation). Each use is guarded by a probe: for a random
-vector ``r``, ``∇ r`` must equal ``gᵀ(ã r)`` to a relative ``PROBE_RTOL``; otherwise (or when
+vector ``r``, ``∇ r`` must equal ``gᵀ(ã r)`` to a relative ``PROBE_RTOL`` (8 units of the gradient's
+rounding for half precision: bfloat16 6e-2, float16 8e-3); otherwise (or when
 the hooks saw no single clean backward) the block takes the dense path. A residual that is
 orthogonal to ``r`` or below ``PROBE_RTOL`` of the gradient would go unnoticed; the probe is
 redrawn every step from the solver's own generator, so the optimizer's sampling stream is
@@ -93,7 +94,7 @@ class LowRankSolver:
         self.capture: Optional[Capture] = None
         self.generator = torch.Generator().manual_seed(seed)
         self.num_low_rank = 0   # blocks solved on the low-rank path
-        self.num_rejected = 0   # blocks whose probe failed (gradient changed after backward)
+        self.num_rejected = 0   # blocks whose probe failed (the gradient changed after backward)
 
     def record(self) -> Capture:
         """The capture to run the step's closure in (kept for :meth:`solve`)."""
@@ -134,7 +135,8 @@ class LowRankSolver:
             and blk.decomposition.get("method") == "eigen"
 
     def _probe(self, vecs: Sequence[Tensor], names: Sequence[str], g: Tensor, a: Tensor) -> bool:
-        dt = torch.promote_types(g.dtype, a.dtype)
+        # float32 or wider: a bfloat16 probe's own rounding (~4e-3) would exceed PROBE_RTOL
+        dt = torch.promote_types(torch.promote_types(g.dtype, a.dtype), torch.float32)
         r = torch.randn(a.shape[1], generator=self.generator, dtype=torch.float64).to(dt)
         by_name = dict(zip(names, vecs))
         w = by_name["weight"].reshape(g.shape[1], -1).to(dt)
@@ -143,4 +145,7 @@ class LowRankSolver:
             u = u + by_name["bias"].to(dt) * r[-1]
         v = g.to(dt).t() @ (a.to(dt) @ r)
         scale = max(float(u.norm()), float(v.norm()))
-        return bool(torch.isfinite(u).all()) and float((u - v).norm()) <= PROBE_RTOL * scale
+        # a half-precision gradient carries its own rounding (bfloat16: ~4e-3 of it): the tolerance is
+        # at least a few of its units, else the probe refuses every bfloat16 block
+        rtol = max(PROBE_RTOL, 8.0 * torch.finfo(by_name["weight"].dtype).eps)
+        return bool(torch.isfinite(u).all()) and float((u - v).norm()) <= rtol * scale
