@@ -283,3 +283,35 @@ def test_failed_factored_decomposition_follows_the_policy() -> None:
                 opt._decompose(opt.damping)
         else:
             assert opt._decompose(opt.damping) is False and blk.decomposition is before
+
+
+def test_example_configs_as_published():
+    """The example configs as PyTorch-SSO publishes them: lenet_noisykfac's prior_precision is taken as
+    prior_variance = 1/p; lenet_vogn's init_prec_ema (not an argument of PyTorch-SSO's class) names
+    init_precision; a MultiheadAttention absent from curv_shapes gets a full block like any layer."""
+    import torch.nn as nn
+    from torchsso2.compat.pytorch_sso import SecondOrderOptimizer as SSO, from_config
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(72, 3))
+    noisy = {"optim_name": "VIOptimizer",
+             "optim_args": {"curv_type": "Fisher", "curv_shapes": {"Conv2d": "Kron", "Linear": "Kron"}, "lr": 4e-3,
+                            "momentum": 0.9, "num_mc_samples": 4, "kl_weighting": 0.2, "prior_precision": 4},
+             "curv_args": {"damping": 1e-4, "ema_decay": 0.333}, "fisher_args": {"approx_type": "mc", "num_mc": 1}}
+    opt = from_config(noisy, model, dataset_size=50000)
+    assert opt.prior_precision == pytest.approx(4.0)
+    vogn = {"optim_name": "VIOptimizer", "optim_args": {"curv_type": "Cov", "init_prec_ema": 0.9}, "curv_args": {}}
+    with pytest.raises(ValueError, match="init_precision"):
+        from_config(vogn, model, dataset_size=100)
+
+    class TF(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, 7)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(h + self.attn(h, h, h, need_weights=False)[0])
+    opt = SSO(TF(), "Cov", {"Linear": "Kron"}, {})
+    assert {n: a.value for n, a in opt.engine.approx.items()} == {
+        "emb": "full", "attn": "full", "attn.out_proj": "full", "head": "kfac"}

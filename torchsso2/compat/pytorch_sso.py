@@ -288,7 +288,10 @@ def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optio
                 **native: Any) -> Any:
     """The optimizer of a PyTorch-SSO example config (``examples/classification/configs/*.json``,
     parsed): ``optim_name``, ``optim_args``, ``curv_args``, ``fisher_args``. ``dataset_size`` is
-    needed for ``VIOptimizer``; ``SGD``/``Adam`` configs build the torch optimizer."""
+    needed for ``VIOptimizer``; ``SGD``/``Adam`` configs build the torch optimizer. A VI config's
+    ``prior_precision`` (``lenet_noisykfac.json``) is taken as ``prior_variance = 1/prior_precision``;
+    ``init_prec_ema`` (``lenet_vogn.json``), which PyTorch-SSO's constructor does not take either, is a
+    ValueError naming ``init_precision``."""
     name = config.get("optim_name")
     args = dict(config.get("optim_args") or {})
     curv = config.get("curv_args") or {}
@@ -299,6 +302,18 @@ def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optio
     if name == "VIOptimizer":
         if dataset_size is None:
             raise ValueError("a VIOptimizer config needs dataset_size (the number of training examples)")
+        # keys of the example configs that PyTorch-SSO's constructor does not take under that name
+        if "prior_precision" in args:  # lenet_noisykfac.json: the prior as a precision
+            precision = args.pop("prior_precision")
+            if "prior_variance" in args:
+                raise ValueError("the config gives both prior_precision and prior_variance; give one")
+            if not isinstance(precision, (int, float)) or isinstance(precision, bool) or precision <= 0:
+                raise ValueError(f"prior_precision={precision!r} must be a number > 0")
+            args["prior_variance"] = 1.0 / precision
+        if "init_prec_ema" in args:  # lenet_vogn.json
+            raise ValueError(f"init_prec_ema={args['init_prec_ema']!r} is not an argument of PyTorch-SSO's "
+                             "VIOptimizer (the example config predates it): give the curvature's starting "
+                             "precision as init_precision")
         return VIOptimizer(model, dataset_size, args.pop("curv_type"), args.pop("curv_shapes", None), curv,
                            fisher_args=fisher, **args, **native)
     if name in ("SGD", "Adam", "AdamW"):

@@ -29,6 +29,8 @@ import logging
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from torch import nn
+
 logger = logging.getLogger(__name__)
 
 SHAPES = {"Kron": "kfac", "Diag": "diag", "": "full", "Full": "full"}
@@ -60,7 +62,8 @@ def curvature_kind(curv_type: str, fisher_args: Optional[Mapping[str, Any]]) -> 
 
 def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str, str]:
     """``approx`` dict by module class name: the given shapes converted, and ``'full'`` for every
-    other class of a leaf module with parameters (PyTorch-SSO's default when a class is absent)."""
+    other class of a leaf module with parameters, ``nn.MultiheadAttention`` included (PyTorch-SSO's
+    default when a class is absent)."""
     curv_shapes = dict(curv_shapes or {})
     out: Dict[str, str] = {}
     for cls, shape in curv_shapes.items():
@@ -68,7 +71,9 @@ def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str
             raise ValueError(f"curv_shapes[{cls!r}]={shape!r}; PyTorch-SSO's shapes are 'Kron', 'Diag' (or absent: full)")
         out[cls] = SHAPES[shape]
     for module in model.modules():
-        if not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
+        # leaf modules, and nn.MultiheadAttention (its in-projection is its own parameters; out_proj a child)
+        leaf = not list(module.children()) or isinstance(module, nn.MultiheadAttention)
+        if leaf and any(True for _ in module.parameters(recurse=False)):
             out.setdefault(type(module).__name__, "full")
     return out
 
