@@ -115,7 +115,7 @@ class Capture:
             if isinstance(module, nn.MultiheadAttention):  # recomputed to expose its projections
                 self._handles.append(module.register_forward_hook(attention_hook(self, name), with_kwargs=True))
                 continue
-            self._handles.append(module.register_forward_hook(self._make_hook(name)))
+            self._handles.append(module.register_forward_hook(self._make_hook(name), with_kwargs=True))
         if self._uses is not None:  # after the recording hooks: a call's window covers what they compute
             self._handles.extend(self._uses.attach())
         if self.root is not None and (self.on_output is not None or self._uses is not None):
@@ -132,7 +132,10 @@ class Capture:
         self.on_output = None
 
     def _make_hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
+        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], kwargs: Dict[str, Any],
+                 output: Tensor) -> Optional[Tensor]:
+            if not inputs and kwargs:  # called with its input as a keyword: lin(input=x)
+                inputs = tuple(kwargs.values())
             if not torch.is_grad_enabled():  # not recorded (reentrant activation checkpointing runs so)
                 self.called_without_grad.add(name)
                 return None

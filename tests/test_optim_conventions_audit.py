@@ -317,3 +317,30 @@ def test_uncalled_module_used_functionally_is_still_an_error():
     opt = SecondOrderOptimizer(model, lr=0.05)
     with pytest.raises(ValueError, match="head"):
         opt.step(_closure(model, opt))
+
+
+def test_layers_called_with_their_input_as_a_keyword():
+    """``self.fc(input=x)`` is legal PyTorch: the curvature capture and KFACPreconditioner's hooks take
+    the keyword input (an IndexError before), with the same result as the positional call."""
+    from optim_helpers import kfac_sgd_train, make_closure
+
+    class Net(nn.Module):
+        def __init__(self, keyword: bool) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.keyword = nn.Linear(8, 6), nn.Linear(6, 3), keyword
+
+        def forward(self, x):
+            h = torch.tanh(self.fc1(input=x) if self.keyword else self.fc1(x))
+            return self.fc2(input=h) if self.keyword else self.fc2(h)
+
+    result = {}
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        model = Net(keyword)
+        opt = SecondOrderOptimizer(model, lr=0.05, curvature="fisher")
+        for _ in range(2):
+            opt.step(make_closure(opt, model, X, Y))
+        torch.manual_seed(0)
+        result[keyword] = (torch.cat([p.detach().flatten() for p in model.parameters()]),
+                           kfac_sgd_train(Net(keyword), X, Y, factor_update_steps=1, inv_update_steps=1))
+    assert torch.equal(result[False][0], result[True][0]) and torch.equal(result[False][1], result[True][1])

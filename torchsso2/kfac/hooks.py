@@ -9,7 +9,7 @@ registers on a layer output for the backward pass holds a weak reference too.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -31,12 +31,12 @@ def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) 
     """
     ref = weakref.ref(owner)
 
-    def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+    def hook(module: nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         target = ref()
-        if target is not None:
-            getattr(target, method)(module, inputs, output)
+        if target is not None:  # a layer called with its input as a keyword (lin(input=x)) passes it in kwargs
+            getattr(target, method)(module, inputs if inputs else tuple(kwargs.values()), output)
 
-    handles = [m.register_forward_hook(hook) for m in modules]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     weakref.finalize(owner, _remove, handles)
     return handles
 
