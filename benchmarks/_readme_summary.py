@@ -170,7 +170,11 @@ def _machine_line(groups: Dict[str, List[Source]]) -> List[str]:
             continue
         m = sources[0][1].get("machine", {})
         key = (m.get("cores"), m.get("cpu"), m.get("gpu"), m.get("torch"))
-        machines.setdefault(key, {}).setdefault(m.get("torch_threads"), []).append(label)
+        # a group's sources may have run with different thread counts (peers_curvature: 2, peers_training: 1)
+        for threads in sorted({s[1].get("machine", {}).get("torch_threads") for s in sources}, key=str):
+            named = label if len({s[1].get("machine", {}).get("torch_threads") for s in sources}) == 1 else \
+                f"{label} ({', '.join(s[0].stem for s in sources if s[1].get('machine', {}).get('torch_threads') == threads)})"
+            machines.setdefault(key, {}).setdefault(threads, []).append(named)
     if not machines:
         return []
     clauses = []
@@ -321,7 +325,7 @@ def _kfac_schedule(cfg: Dict[str, Any]) -> str:
 
 #: the methods of benchmarks/vi.py, in table order, with their README labels (IVON's gets its version)
 VI_LABELS = {"vi-diag": "VIOptimizer diag", "vi-kfac": "VIOptimizer K-FAC (noisy K-FAC)", "ivon": "IVON",
-             "adam": "Adam", "sgd": "SGD"}
+             "adam": "Adam", "sgd": "SGD", "adam+noise (floor)": "adam+noise"}
 VI_TASKS = {"digits-mlp": "digits MLP 64-128-10", "digits-cnn": "digits CNN", "diabetes": "diabetes MLP 10-50-1"}
 
 
@@ -418,7 +422,7 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
     timing = rep.get("timing") or []
     if timing:
         models = list(dict.fromkeys(r["model"] for r in timing))
-        cols = [m for m in [*VI_LABELS, "adam+noise (floor)"] if m != "adam" and any(r["optimizer"] == m for r in timing)]
+        cols = [m for m in VI_LABELS if m != "adam" and any(r["optimizer"] == m for r in timing)]
         rows = []
         for model in models:
             by = {r["optimizer"]: r for r in timing if r["model"] == model}
@@ -428,7 +432,9 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
         out += [f"**VI step time vs Adam** (× an Adam step, min / median over {cfg['repeats']} round-robin windows, "
                 f"{_threads(rep)}, each method at its default lr; VIOptimizer at its defaults: diag = IVON's curvature "
                 f"estimate from the same backward, K-FAC = {_kfac_schedule(cfg)}; `adam+noise` = Adam that also "
-                f"draws and adds weight noise, the floor of a one-sample VI step; `{path.name}`, {_timing_stamp(src)})",
+                f"draws and adds weight noise per parameter tensor, a reference for a one-sample VI step's extra work "
+                f"(VIOptimizer draws its noise in one buffer and fuses its update, so it can take less); "
+                f"`{path.name}`, {_timing_stamp(src)})",
                 "", markdown_table(["model", "batch", *(labels.get(c, c) for c in cols)], rows, "lr" + "r" * len(cols)),
                 ""]
     quality = rep.get("quality") or {}
@@ -541,7 +547,8 @@ def _peers_curvature(sources: Sequence[Source], one_thread: Sequence[Source] = (
     out = [f"**Curvature vs the peers** (`benchmarks/peers_curvature.py`, {cfg['dtype']}, batch {cfg['batch']}, "
            f"{_threads(rep)}; `{path.name}`, {_date(t)}, {_load((path, rep, t))}): worst max relative difference over models "
            "(Monte-Carlo rows: median relative error to the exact value, ours / peer) and peer time ÷ torchsso2 "
-           "time (> 1: torchsso2 faster; min over repeats, range over models)", "",
+           "time (> 1: torchsso2 faster; min over repeats, range over models; curvlinops has no diagonal: its "
+           "diag_ggn row builds the dense P×P matrix, timed once, against our diagonal)", "",
            markdown_table(["quantity", "peer", "max rel diff", "peer time / ours", "models"], rows, "llrrl"), "",
            f"{rep.get('disagreements', 0)} disagreement(s) above {cfg['agree_tol']:g}; conventions (sum vs mean "
            "loss, bias placement, BackPACK's Conv2d K-FAC) in docs/results.md."]

@@ -13,7 +13,8 @@ reach 97 % within 15 epochs on the MLP (adam, sso-diag, ivon, kaisa/kfac_pytorch
 rate / damping were picked from a 2–3 point sweep on seed 0 — a light touch, not a tuning study):
 
 * ``sgd`` (momentum 0.9), ``adam`` — torch.optim;
-* ``ivon`` — ``ivon.IVON`` (ess = training-set size, 1 MC sample, evaluated at the mean);
+* ``ivon`` — ``ivon.IVON`` (ess = 10 × the training-set size, the tempered posterior of
+  ``examples/bayesian_digits.py``; 1 MC sample, evaluated at the mean);
 * ``sso-kfac`` / ``sso-diag`` — ``torchsso2.SecondOrderOptimizer`` (fisher_mc);
 * ``vi-diag`` / ``vi-kfac`` — ``torchsso2.VIOptimizer`` (evaluated at the posterior mean);
 * ``kaisa`` — ``torchsso2.KFACPreconditioner`` + SGD (the KAISA drop-in face);

@@ -63,6 +63,8 @@ ROOT = BENCH_DIR.parent
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_README = ROOT / "README.md"
 NOT_BENCHMARKS = {"__init__", "common", "_peer_utils", "run", "vi_quality"}  # vi_quality: part of vi
+#: studies run on their own (their own CLIs, no ``--json`` report of the suite's shape): not part of a suite run
+STANDALONE = {"sequence_curvature", "vi_differences", "vi_kfac_intervals", "vi_step_time"}
 #: run order (modules not listed run after these, alphabetically)
 ORDER = ("linalg", "step_overhead", "vi", "scaling", "peers_curvature", "peers_training", "memory", "width_scaling")
 #: a module's ``--plot`` file name where it is not ``<name>.png``
@@ -123,7 +125,8 @@ NOTES = """## How to read the peer comparisons
 
 def discover() -> List[str]:
     """Names of the benchmark modules in ``benchmarks/`` in run order."""
-    names = [p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in NOT_BENCHMARKS and not p.stem.startswith("_")]
+    names = [p.stem for p in BENCH_DIR.glob("*.py")
+             if p.stem not in NOT_BENCHMARKS | STANDALONE and not p.stem.startswith("_")]
     names = [n for n in names if "def main(" in (BENCH_DIR / f"{n}.py").read_text(encoding="utf-8")]
     return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 
@@ -230,6 +233,10 @@ def run_modules(names: Sequence[str], args: argparse.Namespace) -> Dict[str, Dic
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(name)
         source = (BENCH_DIR / f"{name}.py").read_text(encoding="utf-8")
+        if args.quick and '"--quick"' not in source:  # no smoke mode: a quick run leaves it out
+            print(f"\n===== {name}: skipped (no --quick mode; run it in full on its own)", flush=True)
+            status[name] = {"ok": True, "skipped": "no --quick mode", "argv": [], "wall_s": 0.0}
+            continue
         argv = module_argv(name, source, args)
         print(f"\n===== {name}: {' '.join(argv)}", flush=True)
         t0 = time.perf_counter()
@@ -341,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.report_only:
         status = run_modules(selected, args)
         for name, st in status.items():
-            print(f"{name:16s} {'ok' if st.get('ok') else 'FAILED'}  {st['wall_s']:.1f} s  {st.get('error', '')}")
+            print(f"{name:16s} {'ok' if st.get('ok') else 'FAILED'}  {st['wall_s']:.1f} s  {st.get('error', st.get('skipped', ''))}")
     if not args.no_report:
         write_report(args, names, status)
     if readme is not None:

@@ -262,6 +262,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 old = []
         key = lambda r: (r["optimizer"], r["shape"], r["placement"], r["ranks"])  # noqa: E731
         mine = {key(r) for r in rows}
+        now = time.time()
+        for r in rows:  # rows kept from an earlier run keep their own time stamp
+            r["measured_at_unix"] = now
         merged = [r for r in old if key(r) not in mine] + rows
         write_json(args.json, {"machine": machine_info(), "load_average": load_average(),
                                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -14,8 +14,10 @@ Parts, all in one process:
    method's default lr (VIOptimizer's signature default, IVON 0.1, Adam 1e-3, SGD 0.03). The
    optimizers are timed round-robin (one window of steps each per round, so drifts of the machine
    hit all alike), ``--repeats`` rounds; min and median of the per-step times, and their ratio to
-   Adam's in the same run. ``adam+noise (floor)``: Adam that also draws and adds weight noise, the
-   floor of any one-sample VI step. Run it on a quiet core: step times depend on the load (the JSON
+   Adam's in the same run. ``adam+noise (floor)``: Adam that also draws and adds weight noise per
+   parameter tensor, a reference for a one-sample VI step's extra work (VIOptimizer draws its noise
+   in one buffer and fuses its update, so it can take less; the JSON key keeps its old name). Run it
+   on a quiet core: step times depend on the load (the JSON
    records the load average before and after).
 2. **Quality** (``quality``): digits MLP (40 epochs), digits CNN (15 epochs), diabetes regression (50
    epochs); per method the lr is chosen from a small grid by the mean validation NLL over
@@ -89,8 +91,9 @@ LONG_METHODS = ("vi-diag", "ivon", "adam")
 
 class AdamWithWeightNoise(torch.optim.Adam):
     """Adam that also does what every sampling VI method does each step: draw ``ε ~ N(0, σ²)`` for all
-    weights, evaluate the closure at ``θ + ε`` and restore ``θ``; its time over Adam's is the floor of
-    a one-sample VI step on this machine (no curvature at all)."""
+    weights, evaluate the closure at ``θ + ε`` and restore ``θ``, one tensor at a time: a reference
+    for a one-sample VI step's extra work (no curvature at all; a VI step that draws its noise in one
+    buffer and fuses its update can take less)."""
 
     def __init__(self, params: Any, lr: float) -> None:
         super().__init__(params, lr=lr)

@@ -16,7 +16,8 @@ FLOP model per step (layers ``(d_in, d_out)``, ``p = d_out·(d_in + 1)``):
 
 * forward + backward of every optimizer: ``6·B·d_in·d_out``;
 * ``kfac``: factors ``2·B·(d_in² + d_out²)``, two eigendecompositions ``≈ 9·(d_in³ + d_out³)``,
-  preconditioning ``2·(d_out²·d_in + d_out·d_in²)`` (two matmuls with each eigenbasis, twice);
+  preconditioning ``4·(d_out²·d_in + d_out·d_in²)`` (into the eigenbases and back: two matmuls with
+  each, ``2·n·m·(n + m)`` multiply-adds, as step_overhead's eigen-basis floor);
 * ``diag``: per-example gradients and their squares ``3·B·p``;
 * ``full``: per-example outer products ``2·B·p²``, eigendecomposition ``≈ 9·p³``, solve ``4·p²``.
 
@@ -84,7 +85,7 @@ def model_flops(shape: str, d: int, batch: int) -> float:
         p = dout * (din + 1)
         if shape == "kfac":
             a = din + 1
-            total += 2.0 * batch * (a * a + dout * dout) + 9.0 * (a ** 3 + dout ** 3) + 2.0 * (dout ** 2 * a + dout * a ** 2)
+            total += 2.0 * batch * (a * a + dout * dout) + 9.0 * (a ** 3 + dout ** 3) + 4.0 * (dout ** 2 * a + dout * a ** 2)
         elif shape == "diag":
             total += 3.0 * batch * p
         elif shape == "full":
