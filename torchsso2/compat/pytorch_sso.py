@@ -209,11 +209,11 @@ class VIOptimizer(_NativeVI):
             raise ValueError(f"dataset_size={dataset_size!r} must be a whole number >= 1")
         kind, mc = conv.curvature_kind(curv_type, fisher_args)
         ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
-        lr_given = lr
+        lr_given, momentum_given = lr, momentum
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="raw")
         approx = conv.approx_map(model, curv_shapes)
-        if weight_decay and momentum:
+        if weight_decay and momentum_given:  # a gradient EMA (grad_ema_decay) takes the decay outside it there too
             logger.warning("weight_decay with momentum: the decoupled decay is applied outside the momentum here")
         # θ ← θ − lr·wd·θ with PyTorch-SSO's lr (a gradient EMA scaled the native lr by d)
         self.decoupled_weight_decay = float(weight_decay) * (lr_given / lr if lr else 1.0)
