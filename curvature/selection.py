@@ -39,6 +39,11 @@ def _default_approx(module: nn.Module) -> Approx:
     return Approx.KFAC if fam is not None and fam.supports_kfac else Approx.DIAG
 
 
+#: the parameter names of the supported layers (nn.MultiheadAttention's in-projection included); a covered
+#: module holding others has been reparametrized (the old weight_norm's weight_g / weight_v)
+_LAYER_PARAMETERS = frozenset({"weight", "bias", "in_proj_weight", "in_proj_bias"})
+
+
 def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None,
                    include: Optional[AbstractSet[int]] = None) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
     """Covered modules (``named_modules`` order) with their layouts and shapes.
@@ -95,6 +100,20 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         if not direct:
             continue
         fam = family_of(module)
+        if isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, spectral_norm, ... (new API)
+            layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+            raise ValueError(
+                f"module {layer!r} has a parametrized parameter ({name}: torch.nn.utils.parametrize, e.g. "
+                "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
+                f"formulas do not cover; skip it with skip_modules=[{'^' + re.escape(layer) + '$'!r}] (its parameters "
+                "then take the plain update) or remove the parametrization")
+        if fam is not None and {n for n, _ in direct} - _LAYER_PARAMETERS:
+            extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}) holds parameters {extra} that are not its layer's own "
+                "weight/bias: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, hook-based "
+                "API) computes the weight from them, which the curvature formulas do not cover; skip it with "
+                f"skip_modules=[{'^' + re.escape(name) + '$'!r}] or remove the reparametrization")
         if fam is None and any(True for _ in module.children()):
             # a container holding parameters itself (a ViT's cls_token, a learned temperature): skipping
             # it would skip its layers too

@@ -141,13 +141,16 @@ def test_predict_keeps_a_frozen_submodule_in_eval() -> None:
 
 
 def test_predict_before_any_step_raises() -> None:
+    """Before the first step predict() samples the isotropic start (the default curvature_init's, or an
+    explicit init_precision), as sampled_params() does; with neither there is nothing to sample."""
     model = _mlp()
-    opt = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag")
+    opt = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag", curvature_init=None)
     with pytest.raises(RuntimeError, match="before the first step"):
         opt.predict(X, num_samples=2)
-    sampled = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag", init_precision=10.0)
-    probs = sampled.predict(X, num_samples=2)  # an explicit isotropic start is a posterior to sample
-    assert probs.shape == (16, 3)
+    for kwargs in (dict(init_precision=10.0), {}):
+        sampled = VIOptimizer(model, dataset_size=50, lr=0.01, approx="diag", **kwargs)
+        probs = sampled.predict(X, num_samples=2)  # an isotropic start is a posterior to sample
+        assert probs.shape == (16, 3)
 
 
 @pytest.mark.parametrize("cls", [SecondOrderOptimizer, VIOptimizer])

@@ -250,6 +250,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
+        if torch._C._functorch.is_functorch_wrapped_tensor(output):
+            # a forward inside torch.func (vmap / grad of functional_call, e.g. per-sample gradients): its
+            # tensors live only inside the transform; recording them would break every later step
+            return
         if self._steps % self.factor_update_steps != 0:
             return
         layer = self._by_module.get(module)
@@ -273,7 +277,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._micro_batches = 0
 
     def _model_forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
-        if module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0:
+        if module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0 \
+                and not (isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output)):
             self._micro_batches += 1
 
     def _fold_in_hook(self, layer: KFACLayer, mini_step: int) -> bool:

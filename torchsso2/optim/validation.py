@@ -26,8 +26,8 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     too_low = v <= low if low_open else v < low
     too_high = v >= high if high_open else v > high
     if too_low or too_high:
-        lb = "(" if low_open else "["
-        rb = ")" if high_open else "]"
+        lb = "(" if low_open or low == -math.inf else "["  # the infinities themselves are refused above
+        rb = ")" if high_open or high == math.inf else "]"
         raise ValueError(f"{name}={value!r} is out of range; expected a value in {lb}{low}, {high}{rb}")
     return v
 

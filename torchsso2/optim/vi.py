@@ -49,7 +49,7 @@ from curvature.options import LossType
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
 from .misuse import eval_mode
-from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
+from .grid import NoiseStreams, SampleGrid, mix_seed, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .plan import params_with_grad
 from .settings import CurvatureSettings
@@ -601,10 +601,18 @@ class VIOptimizer(CurvatureOptimizer):
 
     @contextlib.contextmanager
     def sampled_params(self, generator: Optional[torch.Generator] = None) -> Iterator[None]:
-        """Temporarily replace the covered weights by one posterior sample (restored on exit)."""
-        gen = generator if generator is not None else self.generator
+        """Temporarily replace the covered weights by one posterior sample (restored on exit).
+        Without ``generator`` the sample comes from :meth:`sampling_generator` (not the training streams)."""
+        gen = generator if generator is not None else self.sampling_generator()
         with self._perturbed(self._draw_noise(gen)):
             yield
+
+    def sampling_generator(self) -> torch.Generator:
+        """The default generator of :meth:`predict` and :meth:`sampled_params`: seeded from ``seed`` and
+        the step count, apart from the streams training draws from (``fisher_mc``'s labels, the weight
+        noise), so evaluating between steps leaves the training run unchanged; at one step every call
+        draws the same samples (reproducible; pass ``generator=`` for others)."""
+        return torch.Generator(device=self._noise_device).manual_seed(mix_seed(self.seed, 0x9EED, self.num_steps))
 
     @staticmethod
     def _perturbed(shift: Optional[Shift]) -> ContextManager[None]:
@@ -632,22 +640,25 @@ class VIOptimizer(CurvatureOptimizer):
 
         The model is evaluated in ``eval()`` mode (BatchNorm uses its running statistics and leaves them
         unchanged, dropout is off) and given back its own ``training`` flags. Before the first ``step()``
-        (no posterior yet, and no ``init_precision``) it raises ``RuntimeError``."""
+        it samples the isotropic start (``init_precision``, or the default ``curvature_init``'s); with
+        neither it raises ``RuntimeError``. Without ``generator`` the samples come from
+        :meth:`sampling_generator`: a call leaves the training streams, and so the run, unchanged."""
         check_int("num_samples", num_samples)
         if return_variance and self.engine.loss is not LossType.MSE:
             raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
                              f"loss is {self.engine.loss.value!r}")
-        if not self._decomposed and self.init_precision is None:
+        if not self._decomposed and self._first_precision is None:
             if self.num_steps > 0:
                 raise RuntimeError(f"predict() after {self.num_steps} step(s) none of whose decompositions of the "
                                    "posterior precision succeeded (see the logged warnings): there is nothing to sample "
                                    "from. Increase damping or prior_precision (the curvature is not positive definite)")
-            raise RuntimeError("predict() before the first step(): there is no posterior yet, so every sample would "
-                               "be the mean weights (point predictions). Call step() first, or pass "
-                               "init_precision=... to sample from an isotropic Gaussian around the weights")
+            raise RuntimeError("predict() before the first step() with curvature_init=None and no init_precision: "
+                               "there is no posterior yet, so every sample would be the mean weights (point "
+                               "predictions). Call step() first, or pass init_precision=... (or keep the default "
+                               "curvature_init) to sample from an isotropic Gaussian around the weights")
         if not isinstance(antithetic, bool):
             raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__} {antithetic!r}")
-        gen = generator if generator is not None else self.generator
+        gen = generator if generator is not None else self.sampling_generator()
         outs = []
         shift: Optional[Shift] = None
         with eval_mode(self.model):
