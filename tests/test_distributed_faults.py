@@ -106,6 +106,36 @@ def test_settings_check_compares_layer_shapes() -> None:
     assert "layers (rank 0: {fc: {A: 5, G: 3}}, rank 1: {fc: {A: 6, G: 3}})" in str(errors[0])
 
 
+def _construct_on_two_ranks(face: str, kwargs: List[Dict[str, Any]],
+                            dtypes: Sequence[torch.dtype] = (torch.float32, torch.float32)) -> List[Optional[BaseException]]:
+    """Build the face on 2 ranks played by 2 threads (rank r: ``kwargs[r]``, a model in ``dtypes[r]``);
+    the exception each rank's constructor raised."""
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+    pair = ThreadPair()
+    errors: List[Optional[BaseException]] = [None, None]
+
+    def run(rank: int) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).to(dtypes[rank])
+        try:
+            if face == "sso":
+                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
+            else:  # reparam=True/False: curvature="reparam" (the estimator) or the exact Fisher, same kind
+                kw = dict(kwargs[rank])
+                if "reparam" in kw:
+                    kw = {"curvature": "reparam" if kw.pop("reparam") else "fisher"}
+                VIOptimizer(model, **{"dataset_size": 100, **kw}, communicator=ThreadComm(pair, rank))
+        except BaseException as exc:  # noqa: BLE001 - collected for the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
 @pytest.mark.parametrize("face,kwargs", [
     ("sso", [dict(damping=1e-3), dict(damping=1e-2)]),
     ("sso", [dict(adaptive_damping=False), dict(adaptive_damping=True)]),
@@ -130,29 +160,7 @@ def test_settings_check_compares_layer_shapes() -> None:
 ])
 def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
     """The construction-time check of the native faces, on 2 ranks played by 2 threads."""
-    from torchsso2 import SecondOrderOptimizer, VIOptimizer
-
-    pair = ThreadPair()
-    errors: List[Optional[BaseException]] = [None, None]
-
-    def run(rank: int) -> None:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
-        try:
-            if face == "sso":
-                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
-            else:  # reparam=True/False: curvature="reparam" (the estimator) or the exact Fisher, same kind
-                kw = dict(kwargs[rank])
-                if "reparam" in kw:
-                    kw = {"curvature": "reparam" if kw.pop("reparam") else "fisher"}
-                VIOptimizer(model, **{"dataset_size": 100, **kw}, communicator=ThreadComm(pair, rank))
-        except BaseException as exc:  # noqa: BLE001 - collected for the test
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = _construct_on_two_ranks(face, kwargs)
     assert all(isinstance(e, ValueError) for e in errors), errors
     name = next(iter(kwargs[0]))
     values = [describe(k[name]) for k in kwargs]
@@ -164,27 +172,7 @@ def test_native_optimizer_settings_compared_across_ranks(face: str, kwargs: List
 def test_model_dtypes_compared_across_ranks(face: str) -> None:
     """A model in float32 on one rank and float64 on another: a ValueError naming the dtypes at
     construction (the start's broadcast had corrupted the weights or aborted the job)."""
-    from torchsso2 import SecondOrderOptimizer, VIOptimizer
-
-    pair = ThreadPair()
-    errors: List[Optional[BaseException]] = [None, None]
-
-    def run(rank: int) -> None:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
-        model.to(torch.float64 if rank else torch.float32)
-        try:
-            if face == "sso":
-                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank))
-            else:
-                VIOptimizer(model, dataset_size=100, communicator=ThreadComm(pair, rank))
-        except BaseException as exc:  # noqa: BLE001 - collected for the test
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = _construct_on_two_ranks(face, [{}, {}], (torch.float32, torch.float64))
     assert all(isinstance(e, ValueError) for e in errors), errors
     assert "param_dtypes (rank 0: ['torch.float32'], rank 1: ['torch.float64'])" in str(errors[0]), errors[0]
 
