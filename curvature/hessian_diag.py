@@ -28,6 +28,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .blocks.base import compute_dtype
 from .hvp import ProductRunner
 from .modules.linear import WeightMatrixFamily
 from .uses import reaches
@@ -98,6 +99,8 @@ def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
     scale = float(hv.abs().max())
     if scale == 0.0:
         return True
+    if torch.finfo(z.dtype).bits < 32:  # half precision: its rounding (1e3·eps ≈ 1–8) would hide any coupling
+        return False
     return float((hv[0] - hv[1]).abs().max()) <= 1e3 * torch.finfo(z.dtype).eps * scale
 
 
@@ -124,12 +127,13 @@ def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: T
     else:
         x = inputs[0].detach()
         a = x.reshape(n, t, x.shape[-1])
-    a = a.to(gz.dtype)
+    wide = compute_dtype(gz.dtype)  # the squares and sums in float32 or wider (x² overflows float16 at |x| > 256)
+    a = a.to(wide)
     runner = ProductRunner(gz, [z])
     if not rows_independent(runner, z):
         return None
     cols = [(o, s) for o in range(d) for s in range(t)]           # column (channel o, position s)
-    b = torch.empty(d, n, t, t, dtype=gz.dtype, device=gz.device)  # B_o[n, s', s]
+    b = torch.empty(d, n, t, t, dtype=wide, device=gz.device)  # B_o[n, s', s]
     for start in range(0, len(cols), CHUNK):
         chunk = cols[start:start + CHUNK]
         v = torch.zeros(len(chunk), n, t, d, dtype=gz.dtype, device=gz.device)

@@ -50,7 +50,7 @@ def sample_labels(loss: str, outputs: Tensor, samples: int, seed: int) -> Tensor
         probs = torch.softmax(f.t(), dim=0).t() if f.shape[1] < 16 else torch.softmax(f, dim=1)
         u = torch.rand(f.shape[0], samples, generator=gen, dtype=torch.float64)
         return torch.searchsorted(probs.double().cumsum(1), u, right=True).clamp(max=f.shape[1] - 1).t()
-    return f.unsqueeze(0) + torch.randn((samples,) + tuple(f.shape), generator=gen, dtype=f.dtype)
+    return f.unsqueeze(0) + torch.randn((samples,) + tuple(f.shape), generator=gen, dtype=torch.float64).to(f.dtype)
 
 
 # ---- covered parameters ------------------------------------------------------------------------

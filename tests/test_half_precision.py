@@ -7,11 +7,14 @@ and VIOptimizer steps on float16/bfloat16 parameters follow a float64 reference 
 rounding error."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import curvature
 from curvature.blocks.base import all_finite, owned_all_finite
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.optim.steps import FUSED_SGD_DTYPES, natural_momentum_
@@ -114,3 +117,65 @@ def test_half_precision_steps_follow_the_float64_reference(face, approx, dtype, 
     got = _train(face, approx, dtype)
     # measured: 0.1% (float16) and 0.8% (bfloat16) of the distance moved; the fused momentum kernel: 27-43%
     assert (got - ref).norm() < tol * moved
+
+
+# ---- found by an audit of half-precision models (no autocast) ---------------------------------------
+def _half_mlp(dtype, scale=1.0, centre=False):
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = self.l1(x)
+            if centre:  # couples the examples (not a BatchNorm)
+                h = h - h.mean(0)
+            return self.l2(torch.tanh(h))
+    model = Net()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)) * scale
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    return model, model.to(dtype), x.to(dtype), y
+
+
+def test_hessian_diagonal_of_a_float16_model_with_large_inputs_is_finite():
+    """x² overflows float16 at |x| > 256: the fast diagonal squares in float32 (it had 30 of 53 inf/nan)."""
+    _, model, x, y = _half_mlp(torch.float16, scale=300.0)
+    diag = curvature.compute(model, x, y, kind="hessian", approx="diag").dense().diagonal()
+    full = curvature.compute(model, x, y, kind="hessian", approx="full").dense().diagonal()
+    assert torch.isfinite(diag).all()
+    assert (diag - full).abs().max() <= 2e-2 * full.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hessian_diagonal_of_a_half_model_sees_coupled_examples(dtype):
+    """A model centring over the batch couples the examples; in half precision the coupling probe's
+    tolerance hid it and the diagonal came out all zeros: now the generic path (its own rounding)."""
+    ref_model, model, x, y = _half_mlp(dtype, centre=True)
+    ref_model = copy.deepcopy(model).double()
+    expected = curvature.compute(ref_model, x.double(), y, kind="hessian", approx="diag").blocks["l1"].dense()
+    got = curvature.compute(model, x, y, kind="hessian", approx="diag").blocks["l1"].dense().double()
+    assert expected.abs().max() > 1e-2
+    assert (got - expected).abs().max() <= 5e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mse_monte_carlo_fisher_of_a_half_model_with_large_outputs(dtype):
+    """The Gaussian MC vectors are −ε (not f − (f + ε), which rounds ε to f's ulp: 31% off in bfloat16 for
+    outputs near 300), drawn in float64 (a float32 model and its float64 copy draw the same numbers)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.bias.fill_(300.0)
+    x = torch.randn(16, 3, generator=torch.Generator().manual_seed(1))
+    exact = curvature.compute(copy.deepcopy(model).double(), x.double(), torch.zeros(16, 2, dtype=torch.float64),
+                              loss="mse", kind="fisher", approx="full").dense()
+    mc = curvature.compute(copy.deepcopy(model).to(dtype), x.to(dtype), torch.zeros(16, 2, dtype=dtype), loss="mse",
+                           kind="fisher_mc", approx="full", mc_samples=2000,
+                           generator=torch.Generator().manual_seed(3)).dense().double()
+    assert abs(float(mc.trace() / exact.trace()) - 1.0) < 0.05
+    same = [curvature.compute(copy.deepcopy(model).to(dt), x.to(dt), torch.zeros(16, 2, dtype=dt), loss="mse",
+                              kind="fisher_mc", approx="diag", generator=torch.Generator().manual_seed(3)).dense()
+            for dt in (torch.float32, torch.float64)]
+    torch.testing.assert_close(same[0].double(), same[1], rtol=1e-5, atol=1e-6)
