@@ -410,3 +410,40 @@ def test_vi_predict_between_steps_leaves_training_unchanged(approx):
     assert torch.equal(runs[0], runs[1])
     fresh = VIOptimizer(_mlp(), dataset_size=100, seed=0)  # before the first step: the isotropic start
     assert fresh.predict(X, num_samples=4).shape == (32, 3)
+
+
+def test_vi_per_group_prior_and_dict_output_fail_early():
+    """A per-group prior_precision was accepted and ignored; a dict-returning model without
+    output_selector trained silently and failed only at predict()."""
+    model = _mlp()
+    with pytest.raises(ValueError, match="per-group prior"):
+        VIOptimizer(model, dataset_size=100, params=[{"params": list(model.parameters()), "prior_precision": 0.0}])
+
+    class DictNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _mlp()
+
+        def forward(self, x):
+            return {"logits": self.inner(x)}
+    net = DictNet()
+    opt = VIOptimizer(net, dataset_size=100)
+
+    def closure():
+        opt.zero_grad()
+        out = net(X)
+        loss = F.cross_entropy(out["logits"], Y)
+        loss.backward()
+        return loss, out
+    with pytest.raises(TypeError, match="output_selector"):
+        opt.step(closure)
+    fixed = VIOptimizer(net, dataset_size=100, output_selector=lambda out: out["logits"])
+
+    def closure2():
+        fixed.zero_grad()
+        out = net(X)
+        loss = F.cross_entropy(out["logits"], Y)
+        loss.backward()
+        return loss, out
+    fixed.step(closure2)
+    assert fixed.predict(X, num_samples=2).shape == (32, 3)

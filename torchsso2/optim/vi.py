@@ -692,7 +692,7 @@ class VIOptimizer(CurvatureOptimizer):
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
             if done is not None:
-                return done
+                return self._output_checked(done)
         if self.__dict__.pop("_loaded_undecomposed", False) and not self._decomposed:
             # a loaded posterior without its decompositions (saved on a rank that held only part of them):
             # this step's weight noise is a sample of it, not of the isotropic start
@@ -734,7 +734,17 @@ class VIOptimizer(CurvatureOptimizer):
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
-        return self._finish_step(snapshot, losses, output, hats, curvature, residuals)
+        return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals))
+
+    def _output_checked(self, result: Tuple[Tensor, Any]) -> Tuple[Tensor, Any]:
+        """``result``; at the first step, the model output is checked to be (or to select, with
+        ``output_selector``) a tensor, so that a dict-returning model without ``output_selector`` fails
+        at once, not at ``predict`` after the training (the diagonal's step never reads the output)."""
+        if not self.__dict__.get("_output_seen", False):
+            if result[1] is not None:
+                self.engine.select_output(result[1])
+            self._output_seen = True
+        return result
 
     def _finish_step(self, snapshot: Any, losses: List[Tensor], output: Any, hats: Dict[str, Tensor],
                      curvature: Optional[BlockAverage], residuals: Sequence[float] = ()) -> Tuple[Tensor, Tensor]:
@@ -828,7 +838,14 @@ class VIOptimizer(CurvatureOptimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As :meth:`CurvatureOptimizer.add_param_group`; a non-zero ``weight_decay`` is a ValueError
-        (VI's L2 regulariser is the prior: ``prior_precision``)."""
+        (VI's L2 regulariser is the prior: ``prior_precision``), and so is a per-group prior (one
+        ``prior_precision`` covers every parameter)."""
+        if isinstance(param_group, dict):
+            per_group = [k for k in ("prior_precision", "prior_variance") if k in param_group]
+            if per_group:
+                raise ValueError(f"param group {per_group[0]}={param_group[per_group[0]]!r}: VIOptimizer's prior is "
+                                 "one isotropic Gaussian for every parameter (the constructor's prior_precision / "
+                                 "prior_variance); a per-group prior is not supported")
         if isinstance(param_group, dict) and param_group.get("weight_decay", 0.0) != 0.0:
             raise ValueError(f"VIOptimizer has no weight decay (param group weight_decay="
                              f"{param_group['weight_decay']!r}): its L2 regulariser is the Gaussian prior, set with "
