@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -65,14 +65,13 @@ class ThreadComm(BucketedCommunicator):
         raise NotImplementedError("not needed by the settings check")
 
 
-def _check_on_two_ranks(settings: Sequence[Dict[str, Any]]) -> List[Optional[BaseException]]:
-    pair = ThreadPair()
+def _on_two_threads(body: Callable[[int], None], timeout: float = 30.0) -> List[Optional[BaseException]]:
+    """``body(rank)`` on 2 threads playing ranks 0 and 1; the exception each raised (None if none)."""
     errors: List[Optional[BaseException]] = [None, None]
-    comms = [ThreadComm(pair, r) for r in range(2)]
 
     def run(rank: int) -> None:
         try:
-            check_same_settings(comms[rank], settings[rank], "TestOptimizer")
+            body(rank)
         except BaseException as exc:  # noqa: BLE001 - collected for the test
             errors[rank] = exc
 
@@ -80,8 +79,15 @@ def _check_on_two_ranks(settings: Sequence[Dict[str, Any]]) -> List[Optional[Bas
     for t in threads:
         t.start()
     for t in threads:
-        t.join(20)
-    assert not any(t.is_alive() for t in threads), "the settings check hung"
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "the two ranks hung"
+    return errors
+
+
+def _check_on_two_ranks(settings: Sequence[Dict[str, Any]]) -> List[Optional[BaseException]]:
+    pair = ThreadPair()
+    comms = [ThreadComm(pair, r) for r in range(2)]
+    errors = _on_two_threads(lambda rank: check_same_settings(comms[rank], settings[rank], "TestOptimizer"), 20)
     # the check is not the optimizer's traffic: the counters the cost models predict stay at 0
     assert [(c.bytes_sent, c.num_collectives) for c in comms] == [(0, 0), (0, 0)]
     return errors
@@ -113,27 +119,17 @@ def _construct_on_two_ranks(face: str, kwargs: List[Dict[str, Any]],
     from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
     pair = ThreadPair()
-    errors: List[Optional[BaseException]] = [None, None]
 
-    def run(rank: int) -> None:
+    def build(rank: int) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).to(dtypes[rank])
-        try:
-            if face == "sso":
-                SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
-            else:  # reparam=True/False: curvature="reparam" (the estimator) or the exact Fisher, same kind
-                kw = dict(kwargs[rank])
-                if "reparam" in kw:
-                    kw = {"curvature": "reparam" if kw.pop("reparam") else "fisher"}
-                VIOptimizer(model, **{"dataset_size": 100, **kw}, communicator=ThreadComm(pair, rank))
-        except BaseException as exc:  # noqa: BLE001 - collected for the test
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return errors
+        if face == "sso":
+            SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
+        else:  # reparam=True/False: curvature="reparam" (the estimator) or the exact Fisher, same kind
+            kw = dict(kwargs[rank])
+            if "reparam" in kw:
+                kw = {"curvature": "reparam" if kw.pop("reparam") else "fisher"}
+            VIOptimizer(model, **{"dataset_size": 100, **kw}, communicator=ThreadComm(pair, rank))
+    return _on_two_threads(build)
 
 
 @pytest.mark.parametrize("face,kwargs", [

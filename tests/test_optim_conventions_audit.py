@@ -427,23 +427,18 @@ def test_vi_per_group_prior_and_dict_output_fail_early():
         def forward(self, x):
             return {"logits": self.inner(x)}
     net = DictNet()
+
+    def closure_of(opt):
+        def closure():
+            opt.zero_grad()
+            out = net(X)
+            loss = F.cross_entropy(out["logits"], Y)
+            loss.backward()
+            return loss, out
+        return closure
     opt = VIOptimizer(net, dataset_size=100)
-
-    def closure():
-        opt.zero_grad()
-        out = net(X)
-        loss = F.cross_entropy(out["logits"], Y)
-        loss.backward()
-        return loss, out
     with pytest.raises(TypeError, match="output_selector"):
-        opt.step(closure)
+        opt.step(closure_of(opt))
     fixed = VIOptimizer(net, dataset_size=100, output_selector=lambda out: out["logits"])
-
-    def closure2():
-        fixed.zero_grad()
-        out = net(X)
-        loss = F.cross_entropy(out["logits"], Y)
-        loss.backward()
-        return loss, out
-    fixed.step(closure2)
+    fixed.step(closure_of(fixed))
     assert fixed.predict(X, num_samples=2).shape == (32, 3)

@@ -741,7 +741,7 @@ class VIOptimizer(CurvatureOptimizer):
         ``output_selector``) a tensor, so that a dict-returning model without ``output_selector`` fails
         at once, not at ``predict`` after the training (the diagonal's step never reads the output)."""
         if not self.__dict__.get("_output_seen", False):
-            if result[1] is not None:
+            if result[1] is not None and not isinstance(result[1], Tensor):  # the closure may return either form
                 self.engine.select_output(result[1])
             self._output_seen = True
         return result
