@@ -171,3 +171,15 @@ def test_results_page_sections_of_the_issue_30_benchmarks_render_from_their_json
     section = bench_run._section(name, path, tmp_path)
     assert "could not format" not in section and "no results" not in section
     assert section.count("\n|") >= 4  # a Markdown table with rows
+
+
+def test_modules_returning_their_report_pass_and_no_quick_modules_are_skipped(tmp_path: Path) -> None:
+    """A module whose main returns its report (a dict) succeeded (it was counted FAILED); in a quick run
+    a module without --quick is skipped with a message, and the standalone studies are not discovered."""
+    args = bench_run.parse_args(["--quick", "--results-dir", str(tmp_path / "r"), "--docs-dir", str(tmp_path / "d")])
+    args.results_dir.mkdir(parents=True)
+    args.docs_dir.mkdir(parents=True)
+    status = bench_run.run_modules(["kfac_time_to_accuracy", "soak"], args)
+    assert status["kfac_time_to_accuracy"]["ok"] and status["kfac_time_to_accuracy"]["rc"] == "report"
+    assert status["soak"]["ok"] and status["soak"]["skipped"] == "no --quick mode"
+    assert not {"sequence_curvature", "vi_differences", "vi_kfac_intervals", "vi_step_time"} & set(bench_run.discover())
