@@ -131,6 +131,12 @@ class Capture:
         # at the end of the step, not later by the cyclic garbage collector
         self.on_output = None
 
+    def recomputing(self, name: str) -> bool:
+        """Whether this call of ``name`` is its forward recomputed during the backward pass
+        (non-reentrant activation checkpointing), not a call of the model's forward: the module was
+        called already and autograd is running a backward node now."""
+        return name in self.calls and torch._C._current_autograd_node() is not None
+
     def _make_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], kwargs: Dict[str, Any],
                  output: Tensor) -> Optional[Tensor]:
@@ -139,9 +145,7 @@ class Capture:
             if not torch.is_grad_enabled():  # not recorded (reentrant activation checkpointing runs so)
                 self.called_without_grad.add(name)
                 return None
-            if name in self.calls and torch._C._current_autograd_node() is not None:
-                # a forward recomputed during the backward pass (non-reentrant activation checkpointing):
-                # the record of the original call stands; the recomputed output is what autograd saves
+            if self.recomputing(name):  # the record of the original call stands
                 return None
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.select is not None and not self.select(name, module, inputs):

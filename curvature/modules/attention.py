@@ -183,9 +183,7 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
             return None
         call = dict(zip(_ARG_NAMES, args))
         call.update(kwargs)
-        if name in capture.calls and torch._C._current_autograd_node() is not None:
-            # recomputed during the backward pass (non-reentrant activation checkpointing): the same ops as
-            # the recorded call (the saved tensors must match), nothing recorded
+        if capture.recomputing(name):  # the same ops as the recorded call (the saved tensors must match)
             return recorded_forward(module, **call)[0]
         capture.calls[name] = capture.calls.get(name, 0) + 1
         if name in capture.records:

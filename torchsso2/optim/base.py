@@ -306,39 +306,45 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         return {n: b for n, b in fresh.items() if n not in frozen}
 
     # ---- gradients -------------------------------------------------------------------------
-    def _average_over_ranks(self, grads: List[Tensor], blocks: Optional[Dict[str, Block]],
-                            loss: Optional[Tensor] = None) -> bool:
-        """Mean of gradients and fresh curvature over all ranks, in place.
+    def _average_over_ranks(self, blocks: Optional[Dict[str, Block]], loss: Optional[Tensor] = None
+                            ) -> Tuple[bool, List[nn.Parameter], List[Dict[str, Any]]]:
+        """Mean of gradients and fresh curvature over all ranks, in place; returns ``(agreed, params,
+        groups)``: the parameters that have a gradient after it, in param-group order, and the group of
+        each (one process: the parameters with a gradient, unchanged).
 
-        Returns False on every rank when some rank's loss was not finite or its batch was
+        ``agreed`` is False on every rank when some rank's loss was not finite or its batch was
         marked non-finite (``blocks == {}``); the block all-reduce is then skipped everywhere,
         so all ranks take the same branch of the non-finite policy. (Non-finite gradients
         and statistics need no flag: the mean spreads them to every rank.)
         """
+        params, groups = params_with_grad(self.param_groups)
         if self.comm.world_size <= 1:
-            return True
+            return True, params, groups
         bad = (blocks is not None and not blocks) or \
             (isinstance(loss, Tensor) and not all_finite([loss]))
-        dev = grads[0].device if grads else next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        dtype = grads[0].dtype if grads else torch.float64
+        dev = params[0].grad.device if params else \
+            next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        dtype = params[0].grad.dtype if params else torch.float64
         if self._average_gradients:
             # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
             # flag, so a parameter no rank has a gradient for keeps grad None
             every = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p.requires_grad]
-            mine = [p.grad if p.grad is not None else torch.zeros_like(p) for p in every]
-            flag = torch.tensor([1.0 if bad else 0.0] + [0.0 if p.grad is None else 1.0 for p in every],
+            lacking = [p.grad is None for p in every]
+            mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
+            flag = torch.tensor([1.0 if bad else 0.0] + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
             self.comm.allreduce(mine + [flag], op="mean")  # the flag rides in the gradients' bucket
-            present = flag[1:]
-            for p, g, share in zip(every, mine, present.tolist() if len(mine) != len(grads) else ()):
-                if p.grad is None and share > 0:  # another rank's branch: this rank's zeros, averaged
-                    p.grad = g
+            if any(lacking):  # another rank's branch: this rank's zeros, averaged, where some rank had one
+                for p, g, none, share in zip(every, mine, lacking, flag[1:].tolist()):
+                    if none and share > 0:
+                        p.grad = g
+                params, groups = params_with_grad(self.param_groups)
         else:
             flag = torch.tensor([1.0 if bad else 0.0], dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
         if float(flag[0].item()) > 0:
-            return False
+            return False, params, groups
         if blocks:
             sym = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if s]
             rest = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if not s]
@@ -346,7 +352,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 self.comm.allreduce(sym, op="mean", symmetric=True)
             if rest:
                 self.comm.allreduce(rest, op="mean")
-        return True
+        return True, params, groups
 
     def _unscale_grads(self) -> bool:
         """With a ``grad_scaler``: unscale ``p.grad`` in place (``scaler.unscale_``) and return False

@@ -34,7 +34,7 @@ from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
-from .plan import PartialBlock, UpdatePlan, params_with_grad
+from .plan import PartialBlock, UpdatePlan
 from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
@@ -307,12 +307,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not self._unscale_grads():  # an AMP overflow: as if the batch was never seen (num_steps stays)
             snapshot.restore()
             return loss, output
-        params, groups = params_with_grad(self.param_groups)
+        agreed, params, groups = self._average_over_ranks(fresh, loss)
         grads = [p.grad for p in params]
-        agreed = self._average_over_ranks(grads, fresh, loss)
-        if self.comm.world_size > 1:  # a parameter another rank's batch reached has its averaged gradient now
-            params, groups = params_with_grad(self.param_groups)
-            grads = [p.grad for p in params]
         decompose = warmup or self.num_steps % self.inv_update_interval == 0 or not self._decomposed
         # the gradients are checked here only when the curvature state would change before the
         # update (an EMA update or a decomposition); otherwise the finite check of the update
@@ -322,7 +318,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         if fresh is not None:
-            new = len(fresh) and any(name not in self.running.blocks for name in fresh)
+            new = any(name not in self.running.blocks for name in fresh)
             self.running.update(fresh, self.ema_decay)
             if new and self._decomposed:  # a block seen for the first time (a head earlier batches did not call)
                 decompose = True

@@ -51,7 +51,6 @@ from .base import BlockAverage, Closure, CurvatureOptimizer
 from .misuse import eval_mode
 from .grid import NoiseStreams, SampleGrid, mix_seed, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
-from .plan import params_with_grad
 from .settings import CurvatureSettings
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
@@ -172,7 +171,7 @@ def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
     return isinstance(approx, str) and approx == "diag" and curvature_init is not None
 
 
-def _without_frozen(shift: Shift) -> Shift:
+def _unfrozen(shift: Shift) -> Shift:
     """``shift`` without the parameters that do not require grad (frozen after construction: they keep
     their values, so they are not sampled; a frozen bias of a sampled Linear included)."""
     params, eps, factors = shift
@@ -508,7 +507,7 @@ class VIOptimizer(CurvatureOptimizer):
                 row = order[name].index(s)
                 params.extend(self.running.blocks[name].layout.params)
                 eps.extend(t[row] for t in stacked)
-        return [_without_frozen(shift) for shift in shifts]
+        return [_unfrozen(shift) for shift in shifts]
 
     def _standard_normal(self, generator: torch.Generator) -> Tensor:
         """``z ~ N(0, I_P)`` over all ``P`` covered parameters, ``[P]`` (float64 when the model or the
@@ -548,13 +547,13 @@ class VIOptimizer(CurvatureOptimizer):
                 if self.kl_weighting != 1.0:
                     z.mul_(self._noise_scale)
                 self._unsample_padding(params, eps)  # eps are views of z
-                return _without_frozen((params, eps, factors))
+                return _unfrozen((params, eps, factors))
             params, eps = [], []
         for name, blk in blocks.items():
             params.extend(blk.layout.params)
             eps.extend(self._coloured(name, blk, z))
         self._unsample_padding(params, eps)
-        return _without_frozen((params, eps, None))
+        return _unfrozen((params, eps, None))
 
     def _unsample_padding(self, params: List[nn.Parameter], eps: List[Tensor]) -> None:
         """Zero the noise of every Embedding's padding row (``eps[i]`` the noise of ``params[i]``)."""
@@ -583,7 +582,7 @@ class VIOptimizer(CurvatureOptimizer):
             params.extend(lay.params)
             eps.extend(like_dtype(e, p) for e, p in zip(lay.unflatten(self._slice(z, name)), lay.params))
         self._unsample_padding(params, eps)
-        return _without_frozen((params, eps, None))
+        return _unfrozen((params, eps, None))
 
     def _draw_noise(self, generator: torch.Generator) -> Optional[Shift]:
         """``ε ~ N(0, τ·Λ⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
@@ -751,7 +750,6 @@ class VIOptimizer(CurvatureOptimizer):
         """The step after its closure calls (``p.grad`` holds the mean gradient over the samples):
         the non-finite policy, the curvature EMA, the decomposition and the mean's update
         (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``)."""
-        params, groups = params_with_grad(self.param_groups)
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         scale = float(self.grad_scaler.get_scale()) if hats and self.grad_scaler is not None else 1.0
         if not self._unscale_grads():  # an AMP overflow skips the step, reparam's estimate with it, as if the
@@ -759,16 +757,13 @@ class VIOptimizer(CurvatureOptimizer):
             return mean_loss, output
         # noise_variance="learned": the samples' mean, then the mean over all ranks (every rank gets here)
         residual = self._mean_over_ranks(sum(residuals) / len(residuals)) if residuals else None
-        grads = [p.grad for p in params]
         fresh = curvature.result() if curvature is not None else None
         if hats:
             # ĥ = g ⊙ ε/σ² came from the scaled gradient S·g (grad_scaler): divide by S·(number of samples)
             fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / (len(losses) * scale))
                                           for name, h in hats.items()})
-        agreed = self._average_over_ranks(grads, fresh, mean_loss)
-        if self.comm.world_size > 1:  # a parameter another rank's batch reached has its averaged gradient now
-            params, groups = params_with_grad(self.param_groups)
-            grads = [p.grad for p in params]
+        agreed, params, groups = self._average_over_ranks(fresh, mean_loss)
+        grads = [p.grad for p in params]
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
