@@ -183,7 +183,7 @@ def _machine_line(groups: Dict[str, List[Source]]) -> List[str]:
                         for t, labels in threads.items())
         clauses.append(f"a shared {cores}-core {cpu} ({gpu or 'no GPU'}, torch {torch_version}; {per})")
     return [f"Measured on {' and '.join(clauses)}; ratios are to baselines measured in the same run, min over "
-            "repeats. Reproduce with `python -m benchmarks.run --full` (or each `benchmarks/*.py --help`); JSON in "
+            "repeats. Reproduce with `python -m benchmarks.run --full` (or `python -m benchmarks.<name> --help` for one); JSON in "
             "`benchmarks/results/`, every table in [docs/results.md](docs/results.md).", ""]
 
 

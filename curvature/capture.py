@@ -106,16 +106,20 @@ class Capture:
             and not uses_stay_inside(root, modules) else None
 
     def __enter__(self) -> "Capture":
-        if self.freeze_batch_stats and self.root is not None:
-            # registered before the recording hooks: a covered BatchNorm records the routed output
-            norms = self.batch_norms if self.batch_norms is not None else batch_norm_modules(self.root)
-            for module in norms:
-                self._handles.append(module.register_forward_hook(self._route_hook))
+        # prepended: they see the layer's own output, before any forward hook of the user's changes it
+        # (o -> 2·o); the gradient reaching the recorded output then carries the user's hook too
         for name, module in self.modules.items():
             if isinstance(module, nn.MultiheadAttention):  # recomputed to expose its projections
-                self._handles.append(module.register_forward_hook(attention_hook(self, name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(attention_hook(self, name), with_kwargs=True,
+                                                                  prepend=True))
                 continue
-            self._handles.append(module.register_forward_hook(self._make_hook(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._make_hook(name), with_kwargs=True, prepend=True))
+        if self.freeze_batch_stats and self.root is not None:
+            # prepended after the recording hooks, so they run before them: a covered BatchNorm records the
+            # routed output
+            norms = self.batch_norms if self.batch_norms is not None else batch_norm_modules(self.root)
+            for module in norms:
+                self._handles.append(module.register_forward_hook(self._route_hook, prepend=True))
         if self._uses is not None:  # after the recording hooks: a call's window covers what they compute
             self._handles.extend(self._uses.attach())
         if self.root is not None and (self.on_output is not None or self._uses is not None):

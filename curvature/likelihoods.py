@@ -34,6 +34,12 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
             raise ValueError(
                 f"loss='cross_entropy' expects model outputs (logits) of shape [N, C] (or [N, T, C] for sequences, "
                 f"classes last), got {tuple(outputs.shape)}")
+        if outputs.shape[-1] == 1:
+            raise ValueError(
+                f"loss='cross_entropy' got logits of shape {tuple(outputs.shape)} with one class: a softmax over one "
+                "logit is constant, so its Fisher is zero. For a binary classifier trained with "
+                "F.binary_cross_entropy_with_logits, output two logits ([-z/2, z/2] gives the same probabilities) "
+                "or, for a regression output, pass loss='mse'")
         if targets is None:
             return
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):

@@ -17,7 +17,7 @@ from torch import nn
 
 from .blocks import Layout
 from .blocks.layout import TiedUse
-from .modules import family_of
+from .modules import LayerFamily, family_of
 from .options import Approx, parse
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,23 @@ def _default_approx(module: nn.Module) -> Approx:
 #: the parameter names of the supported layers (nn.MultiheadAttention's in-projection included); a covered
 #: module holding others has been reparametrized (the old weight_norm's weight_g / weight_v)
 _LAYER_PARAMETERS = frozenset({"weight", "bias", "in_proj_weight", "in_proj_bias"})
+
+
+def forward_replaced(module: nn.Module, fam: LayerFamily) -> Optional[str]:
+    """Why ``module`` does not compute its family's layer function, or None.
+
+    A subclass overriding ``forward`` (``3 * super().forward(x)``, timm's weight-standardized
+    ``StdConv2d``, a ``LayerNorm2d`` permuting channels last) or a ``forward`` set on the instance
+    computes something the family's formulas do not describe. A subclass that keeps the layer's
+    ``forward`` (``NonDynamicallyQuantizableLinear``, a custom initialisation) is the layer.
+    """
+    if "forward" in vars(module):
+        return "its forward was replaced on the instance (module.forward = ...)"
+    base = next(t for t in fam.module_types if isinstance(module, t))
+    if type(module).forward is not base.forward:
+        owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
+        return f"{owner.__qualname__}.forward overrides {base.__name__}.forward"
+    return None
 
 
 def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None,
@@ -102,6 +119,12 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         fam = family_of(module)
         if isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, spectral_norm, ... (new API)
             layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+            if not layer:
+                raise ValueError(
+                    f"the model itself ({type(model).__name__}) has a parametrized parameter ({name}: "
+                    "torch.nn.utils.parametrize): its weight is computed from other parameters, which the curvature "
+                    "formulas do not cover, and skipping it would leave no layer; remove the parametrization, or "
+                    "train this model with a torch.optim optimizer")
             raise ValueError(
                 f"module {layer!r} has a parametrized parameter ({name}: torch.nn.utils.parametrize, e.g. "
                 "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
@@ -132,6 +155,13 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
                 "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
                 "(by name regex or type) or freeze its parameters")
+        replaced = forward_replaced(module, fam)
+        if replaced is not None:
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}): {replaced}; the curvature formulas are those of the "
+                "layer's own forward and would be silently wrong for another function (a scaled output, a "
+                "standardized or masked weight, a permuted normalization axis); leave the module to the plain "
+                f"update with skip_modules=[{'^' + re.escape(name) + '$'!r}], or use the plain layer class")
         try:
             fam.validate(module)
         except ValueError as err:

@@ -138,6 +138,19 @@ def test_factors_spread_within_group_when_not_colocated() -> None:
     assert a != g and {a, g} == set(wa.grad_workers("l"))
 
 
+@pytest.mark.parametrize("world,fraction", [(2, DistributedStrategy.HYBRID_OPT), (4, DistributedStrategy.MEM_OPT),
+                                            (4, 0.25)])
+def test_one_grad_worker_per_layer_colocates_whatever_the_flag(world: int, fraction) -> None:
+    # kfac_pytorch accepts colocate_factors=False there (HYBRID_OPT on 2 ranks): the group is one rank
+    work = random_work(3)
+    spread = WorkAssignment(work, world, fraction, colocate_factors=False)
+    together = WorkAssignment(work, world, fraction, colocate_factors=True)
+    assert spread.colocate_factors
+    for layer in work:
+        assert spread.inv_workers(layer) == together.inv_workers(layer)
+        assert len(set(spread.inv_workers(layer).values())) == 1
+
+
 def test_communication_groups_cover_what_broadcasts_need() -> None:
     wa = WorkAssignment(random_work(0), 8, 0.5)
     groups = wa.communication_groups()
@@ -165,8 +178,6 @@ def test_configuration_errors_name_the_values() -> None:
         WorkAssignment({"l": {"A": 1.0}}, 4, 0.75)
     with pytest.raises(ValueError, match=r"6 \* 0.25 = 1.5"):
         WorkAssignment({"l": {"A": 1.0}}, 6, 0.25)
-    with pytest.raises(ValueError, match="colocate_factors=False.*MEM_OPT"):
-        WorkAssignment({"l": {"A": 1.0, "G": 1.0}}, 4, DistributedStrategy.MEM_OPT, colocate_factors=False)
     with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         WorkAssignment({"l": {"A": 1.0}}, 0, 1.0)
     with pytest.raises(ValueError, match="'l'.*no factors"):

@@ -184,3 +184,16 @@ def test_vi_regression_splits_lines_state_the_paired_differences() -> None:
     # VI − Adam on test: -0.01, +0.01, +0.03: mean +0.0100, se 0.02/sqrt(3) = 0.0115; VI <= Adam on 1 of 3
     assert f"{summary.VI_LABELS['adam']}: +0.0100 ± 0.0115 on test (VI diag at least as good on 1 of 3 splits)" in text
     assert summary.vi_splits_lines({}, dict(summary.VI_LABELS)) == []
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    # docs/validation.md and friends name tests as evidence; a renamed or merged test must be renamed there too
+    root = Path(__file__).resolve().parents[1]
+    cited = set()
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        cited |= {n for n in re.findall(r"`(test_\w+)", doc.read_text()) if not n.endswith("_")}  # `test_x_...`
+    defined = set()
+    for src in (root / "tests").rglob("*.py"):
+        defined |= set(re.findall(r"def (test_\w+)", src.read_text()))
+        defined.add(src.stem)
+    assert cited and not sorted(cited - defined)

@@ -119,7 +119,8 @@ class Block(ABC):
         for a, b in zip(mine, theirs):
             a.copy_(b)
         dec = state.get("decomposition")
-        self.decomposition = None if dec is None else dict(dec)
+        self.decomposition = None if dec is None else \
+            {k: v.clone() if isinstance(v, Tensor) else v for k, v in dec.items()}  # the caller's stay theirs
 
 
 class DerivedCache:

@@ -19,7 +19,8 @@ FAMILIES: Tuple[LayerFamily, ...] = (
 
 
 def family_of(module: nn.Module) -> Optional[LayerFamily]:
-    """The family handling ``module``'s exact type, or None."""
+    """The family whose layer types ``module`` is an instance of, or None (a subclass replacing
+    ``forward`` is refused by :func:`curvature.selection.forward_replaced`)."""
     for fam in FAMILIES:
         if isinstance(module, fam.module_types):
             return fam

@@ -226,14 +226,10 @@ class WorkAssignment:
         self.world_size = world_size
         self.grad_workers_per_layer = grad_worker_count(world_size, grad_worker_fraction)
         self.grad_worker_fraction = self.grad_workers_per_layer / world_size
-        if not colocate_factors and self.grad_workers_per_layer == 1 and world_size > 1:
-            raise ValueError(
-                f"colocate_factors=False needs more than one grad worker per layer, but "
-                f"grad_worker_fraction={grad_worker_fraction!r} gives 1 of {world_size} (MEM_OPT); "
-                "use colocate_factors=True"
-            )
         self.strategy = strategy
-        self.colocate_factors = colocate_factors
+        # with one grad worker per layer its group is that one rank: the factors are colocated whatever
+        # the flag says (kfac_pytorch's KAISAAssignment places them so too, e.g. HYBRID_OPT on 2 ranks)
+        self.colocate_factors = colocate_factors or self.grad_workers_per_layer == 1
         self.work = {layer: dict(factors) for layer, factors in work.items()}
         g = self.grad_workers_per_layer
         self.grad_worker_groups = partition_grad_workers(world_size, g)

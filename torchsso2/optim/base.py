@@ -527,6 +527,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             "generator": self.generator.get_state(),
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
+            "consecutive_skips": self._streak.count,
+            "num_amp_skipped": self.num_amp_skipped,
             "decomposed": self._decomposed,
             "seed": self.seed,
             "optimizer": self.face_name,
@@ -572,6 +574,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             self.generator.set_state(checked.generator)
             self.num_steps = checked.num_steps
             self.num_skipped = checked.num_skipped
+            self._streak = SkipStreak(self._streak.limit)  # a new object: the except branch restores the old one
+            self._streak.count = checked.consecutive_skips
+            self.num_amp_skipped = checked.num_amp_skipped
             self._decomposed = checked.decomposed
             self.seed = int(checked.seed) if checked.seed is not None else self.seed
             if self.placement.active and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) \

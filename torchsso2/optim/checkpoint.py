@@ -43,6 +43,8 @@ class CheckedCheckpoint:
     generator: Tensor
     num_steps: int
     num_skipped: int
+    consecutive_skips: int  # the skip streak max_consecutive_skips bounds (0 in older checkpoints)
+    num_amp_skipped: int
     decomposed: bool
     seed: Optional[int]
     extra: Dict[str, Any]
@@ -116,7 +118,7 @@ def _decomposition_shapes(approx: str, layout: Layout) -> Dict[str, List[Tuple[i
 
 
 def _check_decomposition(entry: str, dec: Any, approx: str, layout: Layout, stats: Sequence[Tensor],
-                         device: torch.device) -> Optional[Dict[str, Any]]:
+                         device: torch.device, dtype: torch.dtype) -> Optional[Dict[str, Any]]:
     if dec is None:
         return None
     if not isinstance(dec, dict):
@@ -138,7 +140,11 @@ def _check_decomposition(entry: str, dec: Any, approx: str, layout: Layout, stat
             continue
         if key not in dec:
             _fail(entry, f"has no {key!r}")
-        out[key] = _tensor(f"{entry}[{key!r}]", value, shapes[key]).to(device)
+        tensor = _tensor(f"{entry}[{key!r}]", value, shapes[key])
+        # a copy (the caller's dict stays theirs), at least as wide as this run's decompositions (a
+        # float32 checkpoint in a float64 run); a wider saved one (a float64 retry) is kept as it was
+        wide = torch.promote_types(tensor.dtype, dtype) if tensor.is_floating_point() else tensor.dtype
+        out[key] = tensor.to(device=device, dtype=wide, copy=True)
     return out
 
 
@@ -168,7 +174,8 @@ def _check_blocks(opt: Any, cstate: Any) -> Tuple[Dict[str, Block], int]:
                  for i, (t, shapes) in enumerate(zip(tensors, expected))]
         blk = _BLOCK_TYPES[want](lay, *stats)
         blk.decomposition = _check_decomposition(f"{entry}['decomposition']", bstate.get("decomposition"),
-                                                 want, lay, stats, device)
+                                                 want, lay, stats, device,
+                                                 getattr(opt, "decomposition_dtype", None) or dtype)
         blocks[name] = blk
     return blocks, _count("['torchsso2']['curvature']['num_updates']", cstate.get("num_updates", 0))
 
@@ -249,4 +256,6 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
         optimizer_state=optimizer_state, blocks=blocks, num_updates=num_updates, generator=gen.clone(),
         num_steps=_count("['torchsso2']['num_steps']", extra.get("num_steps")),
         num_skipped=_count("['torchsso2']['num_skipped']", extra.get("num_skipped", 0)),
+        consecutive_skips=_count("['torchsso2']['consecutive_skips']", extra.get("consecutive_skips", 0)),
+        num_amp_skipped=_count("['torchsso2']['num_amp_skipped']", extra.get("num_amp_skipped", 0)),
         decomposed=bool(extra.get("decomposed", False)), seed=seed, extra=own)

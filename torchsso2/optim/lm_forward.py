@@ -22,6 +22,7 @@ in another dtype than the parameters, e.g. under autocast) the closure is called
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -80,24 +81,63 @@ def _mean_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
     return mean_nll(loss, outputs, targets)
 
 
-def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
-    """True when the closure ran the model once, returned that forward's output (in the parameters'
-    dtype) and a loss equal to the mean NLL of it and ``targets``."""
+def closure_loss_and_nll(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any
+                         ) -> Optional[Tuple[float, float]]:
+    """``(closure's loss, mean NLL of its output and targets)`` when the closure ran the model once and
+    returned that forward's output (in the parameters' dtype); None where that cannot be told (no
+    targets, several forwards, targets that do not fit the output)."""
     if not isinstance(targets, Tensor) or len(recorder.calls) != 1 or len(recorder.outputs) != 1 \
             or recorder.outputs[0] is not output or not isinstance(output, Tensor) \
             or not isinstance(loss, Tensor) or loss.numel() != 1:
-        return False
+        return None
     if not output.is_floating_point() or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
-        return False
+        return None
     engine = opt.engine
     with torch.no_grad():
         try:
             ref = float(_mean_nll(engine.loss, engine.select_output(output.detach()), targets))
         except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
-            return False
-    value = float(loss.detach())
+            return None
+    return float(loss.detach()), ref
+
+
+def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
+    """True when the closure ran the model once, returned that forward's output (in the parameters'
+    dtype) and a loss equal to the mean NLL of it and ``targets``."""
+    pair = closure_loss_and_nll(opt, recorder, targets, loss, output)
+    if pair is None:
+        return False
+    value, ref = pair
     if not abs(ref - value) <= LOSS_MATCH_RTOL * max(1.0, abs(value)):
         logger.debug("LM rule: the closure's loss %.8g is not the mean NLL of its output (%.8g); "
                      "it is called again", value, ref)
         return False
     return True
+
+
+#: relative difference between the closure's loss and the mean NLL beyond which adaptive mode warns
+LOSS_SCALE_WARN_RTOL = 1e-3
+
+
+def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) -> None:
+    """Warn (once per optimizer) when an adaptive learning rate is given ``targets`` and the closure's
+    loss is not the mean NLL of its output: the quadratic model takes the curvature of the mean NLL and
+    the gradient of the closure's loss, so a loss ``c``× the mean NLL (``F.mse_loss``'s mean over the D
+    outputs: ``2/D``; ``reduction="sum"``: ``N``) makes the adaptive step ``c``× the model's minimiser."""
+    if opt.__dict__.get("_loss_scale_checked") or opt.adaptive is None or not opt.adaptive.learning_rate:
+        return
+    pair = closure_loss_and_nll(opt, opt.adaptive.recorder, targets, loss, output)
+    if pair is None:
+        return
+    opt._loss_scale_checked = True
+    value, ref = pair
+    if abs(value - ref) > LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
+        what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
+            else "F.cross_entropy with reduction='mean'"
+        ratio = f"{value / ref:.4g}×" if ref else "not"
+        warnings.warn(
+            f"adaptive learning rate: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood "
+            f"of its output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}). The quadratic "
+            "model takes the curvature of the mean NLL and the gradient of the closure's loss, so a scaled loss "
+            "(F.mse_loss: 2/D; reduction='sum': N) scales the adaptive step by the same factor; return the mean "
+            "NLL from the closure (plus any terms you mean to add)", UserWarning, stacklevel=4)

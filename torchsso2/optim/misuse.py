@@ -153,8 +153,11 @@ class ClosureWatch:
                 "loss='cross_entropy' but the closure's loss is not a function of softmax(output): the rows "
                 f"of its gradient with respect to the output do not sum to zero (relative row sum "
                 f"{row / total:.2g} > {SHIFT_TOLERANCE:g}), e.g. an MSE loss on the logits. The curvature is that "
-                "of a categorical likelihood and does not match this loss; pass loss='mse' to the optimizer for "
-                "a Gaussian likelihood, or compute F.cross_entropy in the closure", UserWarning, stacklevel=4)
+                "of a categorical likelihood. If the loss is another likelihood on the outputs, pass loss='mse' "
+                "for a Gaussian one or compute F.cross_entropy in the closure. If it is the cross-entropy plus an "
+                "auxiliary term on the logits (a logit penalty, z-loss), the step is right: the curvature is the "
+                "cross-entropy's and the gradient the whole loss's; silence this warning with "
+                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager

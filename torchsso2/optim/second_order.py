@@ -28,7 +28,7 @@ from curvature.options import Kind
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
-from .lm_forward import forward_only_closure
+from .lm_forward import forward_only_closure, warn_if_not_mean_nll
 from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
@@ -215,7 +215,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             both with different values is a ``ValueError``).
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
-    calls ``backward()`` and returns ``(loss, output)``. ``targets`` is required for
+    calls ``backward()`` and returns ``(loss, output)``. The curvature is that of the mean negative
+    log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½·Σ_d (y − f)²`` averaged over the
+    examples, i.e. ``0.5 * (out - y).pow(2).sum(-1).mean()``, not ``F.mse_loss``, which is ``2/D`` of
+    it); a closure loss ``c``× that scales the step by ``c`` (in adaptive mode too, which warns when
+    given ``targets``). ``targets`` is required for
     ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is
     recomputed from the output and ``y`` by double backward; the closure's loss has been
     backpropagated already) and makes ``"empirical_fisher"`` exact for any loss reduction.
@@ -336,6 +340,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if adapt:  # the model predicts the change of loss + weight decay: ρ compares the same
                 wds = self._plans.get(params, groups, self.running.blocks).values("weight_decay")
                 decay = (wds, decay_term(params, wds))
+            warn_if_not_mean_nll(self, targets, loss, output)
             predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             applied = predicted is not None
         else:

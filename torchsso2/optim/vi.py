@@ -665,6 +665,13 @@ class VIOptimizer(CurvatureOptimizer):
                 shift = negated(shift) if antithetic and i % 2 == 1 else self._draw_noise(gen)
                 with self._perturbed(shift):
                     out = self.engine.select_output(self.model(x))
+                if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() > 1 and out.shape[-1] == 1:
+                    raise ValueError(
+                        f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: the softmax "
+                        "over one logit is 1 everywhere. For a binary classifier on one logit z, average "
+                        "torch.sigmoid(model(x)) over samples yourself (`with opt.sampled_params(generator=g):` with one "
+                        "torch.Generator g for all of them), or output two logits ([-z/2, z/2] gives the same "
+                        "probabilities)")
                 outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
         stacked = torch.stack(outs)
         mean = stacked.mean(0)
