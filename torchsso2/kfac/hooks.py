@@ -4,7 +4,10 @@ The forward hook registered on each layer holds only a weak reference to the pre
 and a :func:`weakref.finalize` removes the hooks when the preconditioner is garbage-collected:
 dropping a ``KFACPreconditioner`` without :meth:`~KFACPreconditioner.remove_hooks` leaves the
 model as it was before it (no hook, no cost in forward/backward). The tensor hook a forward
-registers on a layer output for the backward pass holds a weak reference too.
+registers on a layer output for the backward pass holds a weak reference too. A deep copy of the
+model taken while the hooks are attached carries them: they ignore every module but the registered
+ones, so the copy's forwards leave the preconditioner alone, and they stay on the copy (doing
+nothing) after the preconditioner is gone.
 """
 from __future__ import annotations
 
@@ -30,10 +33,12 @@ def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) 
     When ``owner`` is garbage-collected the hooks are removed.
     """
     ref = weakref.ref(owner)
+    # copy.deepcopy(model) copies the hooks: a copy's forwards call this same function, and are ignored
+    registered = weakref.WeakSet(modules)
 
     def hook(module: nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         target = ref()
-        if target is not None:  # a layer called with its input as a keyword (lin(input=x)) passes it in kwargs
+        if target is not None and module in registered:  # a layer called as lin(input=x) passes it in kwargs
             getattr(target, method)(module, inputs if inputs else tuple(kwargs.values()), output)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]

@@ -507,8 +507,14 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
         else:
             for p, t in zip(params, new):
                 p.add_(t.to(p.dtype))
-        for s, t in zip(states, new):
-            s["adaptive_delta"] = t
+        if alpha == 0.0 and (prev is None or mu == 0.0):
+            # no update (a batch whose loss is 0: within_objective's t = 0): a zero δ_prev would make the
+            # next steps' 2×2 model singular for good; the next step solves for α alone, as the first one
+            for s in states:
+                s.pop("adaptive_delta", None)
+        else:
+            for s, t in zip(states, new):
+                s["adaptive_delta"] = t
     ada.last = {"learning_rate": -alpha, "momentum": mu, "quad_model": value, "steps": ada.last["steps"] + 1}
     logger.debug("adaptive step: learning_rate=%.4g momentum=%.4g M=%.4g", -alpha, mu, value)
     return value

@@ -348,11 +348,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not applied:
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
-            lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
-            self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
-        self._step_taken()
-        self.num_steps += 1
+        try:
+            if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
+                lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
+                self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
+        finally:  # the update is applied: a closure raising in the LM rule's call (KeyboardInterrupt) ends
+            self._step_taken()  # a counted step whose damping was not adapted, not a half-counted one
+            self.num_steps += 1
         return loss, output
 
     @torch.no_grad()
