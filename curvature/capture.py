@@ -17,6 +17,7 @@ gets a routing node after its output (:mod:`curvature.frozen_norm`): backward pa
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -25,9 +26,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
+from .hook_marks import capture_hook, is_marked
 from .modules.attention import attention_hook
 from .uses import UseWindows
-from .uses_static import uses_stay_inside
+from .uses_static import global_forward_hooks, uses_stay_inside
 
 
 @dataclass
@@ -106,6 +108,13 @@ class Capture:
             and not uses_stay_inside(root, modules) else None
 
     def __enter__(self) -> "Capture":
+        if self.modules and global_forward_hooks():
+            warnings.warn(
+                "a global forward hook (torch.nn.modules.module.register_module_forward_hook) is registered: torch "
+                "runs it before every module's own hooks, so the curvature records a covered layer's output after "
+                "it; one that changes outputs (o -> 2·o) makes the curvature miss that change (and an nn.MultiheadAttention's recorded forward drops it from "
+                "the output). Register such a hook on the modules (module.register_forward_hook), whose changes the curvature includes",
+                UserWarning, stacklevel=3)
         # prepended: they see the layer's own output, before any forward hook of the user's changes it
         # (o -> 2·o); the gradient reaching the recorded output then carries the user's hook too
         for name, module in self.modules.items():
@@ -134,6 +143,14 @@ class Capture:
         # it so the capture, its records and the batch's activations are freed by reference counting
         # at the end of the step, not later by the cyclic garbage collector
         self.on_output = None
+
+    @staticmethod
+    def foreign_hooks(module: nn.Module) -> bool:
+        """Whether ``module`` has forward or backward hooks other than a capture's (this one's, or
+        another capture's active at the same time, e.g. the low-rank solver's recorder)."""
+        return any(not is_capture_hook(fn) for hooks in (module._forward_hooks, module._forward_pre_hooks,
+                                                         module._backward_hooks, module._backward_pre_hooks)
+                   for fn in hooks.values())
 
     def recomputing(self, name: str) -> bool:
         """Whether this call of ``name`` is its forward recomputed during the backward pass
@@ -165,9 +182,9 @@ class Capture:
                                output=output)
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
-                output.register_hook(_appender(rec.backward_grads))
+                on_gradient(output, _appender(rec.backward_grads))
             return output.clone() if output.requires_grad and name not in self.shape_only else None
-        return hook
+        return capture_hook(hook)
 
     def _route_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad \
@@ -186,6 +203,29 @@ class Capture:
             return
         self.outputs.append(output)
         self.on_output(output)
+
+
+def is_capture_hook(fn: Any) -> bool:
+    """Whether ``fn`` is a capture's hook: a marked function or a bound method of a :class:`Capture`."""
+    return is_marked(fn) or isinstance(getattr(fn, "__self__", None), Capture)
+
+
+def on_gradient(tensor: Tensor, fn: Callable[[Tensor], None]) -> None:
+    """Call ``fn(∂loss/∂tensor)`` in the backward pass, after every hook registered on ``tensor``
+    (a user's ``out.register_hook(lambda g: 2 * g)`` included, whenever it was registered): a
+    pre-hook of the node that produced ``tensor``, which autograd runs after the tensor's own
+    hooks. A tensor hook registered here would run before the hooks registered after it."""
+    node = tensor.grad_fn
+    if node is None:  # a leaf: no node to hook
+        tensor.register_hook(fn)
+        return
+    index = tensor.output_nr
+
+    def pre(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
+        grad = grad_outputs[index]
+        if grad is not None:
+            fn(grad)
+    node.register_prehook(pre)
 
 
 def _appender(grads: List[Tensor]) -> Callable[[Tensor], None]:

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .hook_marks import capture_hook
+
 __all__ = ["UseWindows", "reaches"]
 
 
@@ -98,14 +100,14 @@ class UseWindows:
         def hook(module: nn.Module, inputs: Tuple[object, ...]) -> None:
             if torch.is_grad_enabled():
                 self._open.setdefault(name, []).append(self._seq(True))
-        return hook
+        return capture_hook(hook)
 
     def _closer(self, name: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, inputs: Tuple[object, ...], output: object) -> None:
             starts = self._open.get(name)
             if torch.is_grad_enabled() and starts:
                 self.windows.setdefault(name, []).append((starts.pop(), self._seq(False)))
-        return hook
+        return capture_hook(hook)
 
     def _use(self, node: object, var: Tensor, outside: Dict[str, Optional[str]]) -> None:
         """Record ``var`` in ``outside`` when it is a covered parameter and ``node`` (a node using it)

@@ -47,6 +47,12 @@ def plain_module(module: nn.Module) -> bool:
         and _only_observers(module._forward_pre_hooks)
 
 
+def global_forward_hooks() -> bool:
+    """Some forward hook is registered for every module (``register_module_forward_hook``; torch runs
+    these before a module's own hooks)."""
+    return bool(_module._global_forward_hooks)
+
+
 def no_global_forward_hooks() -> bool:
     """No forward (pre-)hook registered for every module (``nn.modules.module.register_module_forward_hook``)."""
     return not (_module._global_forward_hooks or _module._global_forward_pre_hooks)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..hook_marks import capture_hook
 from .linear import LinearFamily
 
 _NAMES = {"in_proj_weight": "weight", "in_proj_bias": "bias"}
@@ -191,13 +192,19 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
                 return None
             raise ValueError(f"module {name!r} (MultiheadAttention) was called more than once in one forward; "
                              "modules reused within a forward (shared layers) are not supported")
+        if capture.foreign_hooks(module.out_proj):
+            raise ValueError(
+                f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "
+                "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
+                "step does, so those hooks would run at curvature steps only. Register them on the attention "
+                f"module, or leave the attention to the plain update with skip_modules=[{'^' + name + '$'!r}]")
         result, x, z = recorded_forward(module, **call)
         rec = ModuleRecord(inputs=(x.detach(),), output=z)
         capture.records[name] = rec
         if capture.record_backward and z.requires_grad:
             z.register_hook(_appender(rec.backward_grads))
         return result
-    return hook
+    return capture_hook(hook)
 
 
 def _appender(grads: List[Tensor]):

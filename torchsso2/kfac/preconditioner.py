@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from curvature.capture import on_gradient
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
@@ -268,7 +269,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._mini_steps[layer.name] += 1
         self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
-        output.register_hook(weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
+        # after the hooks on the output, as kfac_pytorch's backward hook (a user's out.register_hook(2·g))
+        on_gradient(output, weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
 
     def _reset_step_counts(self) -> None:
         """Forget the calls recorded in this step (after a step, a skip, a loaded checkpoint)."""

@@ -244,7 +244,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         def on_output(out: Tensor) -> None:
             # called after every forward of the model inside the closure: a closure may run
             # several micro-batches (gradient accumulation); their curvature is averaged
-            # weighted by batch size, so K micro-batches of B equal one batch of K·B.
+            # weighted by the rows each loss averages over (N, or N·T tokens for [N, T, C] logits),
+            # so K micro-batches of B equal one batch of K·B.
             check_nonempty_batch(out)
             if from_backward:
                 watch.observe_output(out)
@@ -254,7 +255,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 acc.nonfinite = True
             else:
                 with without_autocast():  # statistics in float32 from the autocast activations
-                    acc.add(engine.estimate(cap, out, rows, self.generator), out.shape[0])
+                    acc.add(engine.estimate(cap, out, rows, self.generator), likelihoods.loss_rows(engine.loss, out))
             watch.observe_output(out)  # after the engine's own backward passes: sees the user's only
             cap.records.clear()
 

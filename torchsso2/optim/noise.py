@@ -75,7 +75,10 @@ class ObservationNoise:
         if not isinstance(output, Tensor) or tuple(output.shape) != tuple(targets.shape):
             shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
             raise ValueError(f"noise_variance='learned' compares the closure's output with targets of the same shape; "
-                             f"got output {shape} and targets {tuple(targets.shape)}")
+                             f"got output {shape} and targets {tuple(targets.shape)}"
+                             + ("; with gradient accumulation, return all micro-batches' outputs concatenated "
+                                "(torch.cat(outs)) from the closure, in the targets' order"
+                                if isinstance(output, Tensor) and output.shape[1:] == targets.shape[1:] else ""))
         return float((targets.detach().to(output.dtype) - output.detach()).pow(2).mean())
 
     def update(self, mean_squared_residual: float) -> None:

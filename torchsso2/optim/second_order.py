@@ -219,11 +219,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½·Σ_d (y − f)²`` averaged over the
     examples, i.e. ``0.5 * (out - y).pow(2).sum(-1).mean()``, not ``F.mse_loss``, which is ``2/D`` of
     it); a closure loss ``c``× that scales the step by ``c`` (in adaptive mode too, which warns when
-    given ``targets``). ``targets`` is required for
+    given ``targets`` for a closure running one forward). ``targets`` is required for
     ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is
     recomputed from the output and ``y`` by double backward; the closure's loss has been
     backpropagated already) and makes ``"empirical_fisher"`` exact for any loss reduction.
-    Gradient accumulation (several forwards + backwards in one closure) works for every kind; kinds
+    Gradient accumulation (several forwards + backwards in one closure, micro-batch ``i``'s mean loss
+    times ``n_i / N``) works for every kind (adaptive mode with ``curvature="hessian"``: one forward); kinds
     given ``targets`` take them as all micro-batches' targets concatenated in the closure's order,
     and ``"empirical_fisher"`` needs ``targets`` then (without them it reads the per-example
     gradients of the closure's single backward). In adaptive mode with ``adaptive_damping``, given

@@ -15,12 +15,14 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
 3. restore ``μ``; fold the curvature into the EMA and decompose ``Λ``;
    (the EMA starts at ``curvature_init·I``, default 1: IVON's ``hess_init``; ``ema_decay`` default
    0.99999, IVON's ``beta2``: on runs of ≲ 10⁵ steps ``C`` stays near its start);
-4. ``m ← momentum·m + (N·ḡ + τ·δ·μ)``; ``μ ← μ − ν·lr·Λ⁻¹ m`` (``ν``: the KL clip, default 0.1; with
-   ``momentum_debias=True`` step t uses ``lr/(1 − momentum^t)``; VOGN; ``diag`` = VOGN,
-   ``kfac`` = noisy K-FAC, ``full`` = full covariance per module). The buffer in ``state`` holds
-   ``m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
+4. ``m ← momentum·m + (N·ḡ/σ² + τ·δ·μ)``; ``μ ← μ − ν·lr·Λ⁻¹ m`` (``σ²``: the observation noise of
+   ``loss="mse"``, 1 for cross-entropy; ``ν``: the KL clip, default 0.1; with ``momentum_debias=True``
+   step t uses ``lr/(1 − momentum^t)``; ``diag`` = a mean-field Gaussian (IVON's Hessian estimator by
+   default, VOGN's Gauss-Newton with ``curvature="fisher"``), ``kfac`` = noisy K-FAC, ``full`` = full
+   covariance per module). The buffer in ``state`` holds
+   ``σ²·m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
 
-Parameters not covered by a block keep a point estimate: they get ``μ ← μ − ν·lr·m/N`` with the
+Parameters not covered by a block keep a point estimate: they get ``μ ← μ − ν·lr·σ²·m/N`` with the
 same momentum (i.e. SGD on the mean loss plus the prior term, scaled by the KL clip's ``ν``, to whose
 sum they contribute; ``kl_clip=None``: ``ν = 1``), and are not sampled.
 Fixed point (lr = 1, τ = 1, exact Fisher, Bayesian linear regression): ``Λ = XᵀX + δI`` and
@@ -256,8 +258,8 @@ class VIOptimizer(CurvatureOptimizer):
             :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
             collective timeout ``TORCHSSO2_DIST_TIMEOUT``, settings compared across ranks).
         skip_modules: module names (regex), class names or types, each with its submodules, left
-            out of the posterior: point estimates with the mean's update ``μ ← μ − lr·(N·g + τδ·μ)/N``,
-            never sampled.
+            out of the posterior: point estimates with the mean's update ``μ ← μ − ν·lr·m`` (``m`` the momentum
+            of ``g + τδσ²/N·μ``, as for the covered parameters), never sampled.
         grad_worker_fraction, assignment_strategy: KAISA placement of the decompositions over ranks,
             as in :class:`SecondOrderOptimizer`. With a fraction < 1 the grad workers also draw
             the weight noise and broadcast it (and :meth:`predict` needs ``"comm_opt"``).
@@ -852,7 +854,7 @@ class VIOptimizer(CurvatureOptimizer):
             raise ValueError(f"VIOptimizer has no weight decay (param group weight_decay="
                              f"{param_group['weight_decay']!r}): its L2 regulariser is the Gaussian prior, set with "
                              "prior_precision (weight decay wd on the mean loss corresponds to prior_precision = "
-                             "wd * dataset_size)")
+                             "wd * dataset_size / kl_weighting, divided by the noise variance σ² for loss='mse')")
         super().add_param_group(param_group)
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
