@@ -156,7 +156,7 @@ def run_model(name: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--models", nargs="+", default=["lm-mlp", "lm-attn"], choices=["lm-mlp", "lm-attn"], help='language models: an MLP LM and an attention LM (default: both)')
     p.add_argument("--batch", type=int, default=8, help='sequences per batch (default 8)')
     p.add_argument("--seq-len", type=int, default=32, help='tokens per sequence (default 32)')

@@ -39,6 +39,9 @@ class ModuleRecord:
     inputs: Tuple[Tensor, ...]
     output: Tensor
     backward_grads: List[Tensor] = field(default_factory=list)
+    #: the autograd nodes of the (undetached) inputs: whether the inputs depend on the module's own
+    #: parameters (a tied or functional use upstream) is a walk from them (the Hessian's fast path)
+    input_nodes: Tuple[Any, ...] = ()
 
 
 class Capture:
@@ -179,7 +182,9 @@ class Capture:
             if not isinstance(output, Tensor):
                 raise TypeError(f"module {name!r} returned {type(output).__name__}, expected a Tensor")
             rec = ModuleRecord(inputs=tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs),
-                               output=output)
+                               output=output,
+                               input_nodes=tuple(i.grad_fn for i in inputs
+                                                 if isinstance(i, Tensor) and i.grad_fn is not None))
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
                 on_gradient(output, _appender(rec.backward_grads))

@@ -54,7 +54,7 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
         count = output_space_count(lay.module, rec.output)
         if count >= p:
             continue
-        if not uses_only_through(loss, rec.output, lay.params):  # a tied or functional other use
+        if not uses_only_through(loss, rec.output, lay.params, rec.input_nodes):  # a tied or functional other use
             continue
         diag = diag_block(loss, lay.module, rec.inputs, rec.output, list(lay.param_names))
         if diag is None:  # the examples (rows of the output's first dimension) are coupled

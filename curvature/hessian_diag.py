@@ -23,7 +23,7 @@ applied to sequence-first ``[T, N, d]`` activations whose positions are mixed af
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .blocks.base import compute_dtype
 from .hvp import ProductRunner
 from .modules.linear import WeightMatrixFamily
-from .uses import reaches
+from .uses import nodes_reach, reaches
 
 #: output-space unit vectors per batched Hessian-vector product
 CHUNK = 128
@@ -72,10 +72,16 @@ def _hvp(runner: ProductRunner, vectors: Tensor) -> Tensor:
     return runner.run(vectors)[0]
 
 
-def uses_only_through(loss: Tensor, z: Tensor, params: Iterable[Tensor]) -> bool:
-    """Whether ``loss`` depends on ``params`` only through ``z``: no path of ``loss``'s autograd graph
-    reaches a parameter's gradient accumulator without passing ``z``'s node (a tied module or a
-    functional use of the weight is such a path). A walk of the graph above ``z``."""
+def uses_only_through(loss: Tensor, z: Tensor, params: Iterable[Tensor], input_nodes: Sequence[Any] = ()) -> bool:
+    """Whether ``loss`` depends on ``params`` only through ``z`` as the module's own parameters: no
+    path of ``loss``'s autograd graph reaches a parameter's gradient accumulator without passing
+    ``z``'s node (a tied module or a functional use of the weight after the call is such a path), and
+    the module's inputs (``input_nodes``, their autograd nodes) do not depend on them (a use before
+    the call: the fast path takes the inputs as constants). Walks of the graph above ``z`` and
+    below the inputs."""
+    params = list(params)
+    if input_nodes and nodes_reach(input_nodes, params):
+        return False
     if z.grad_fn is None or loss.grad_fn is None:
         return True
     return not reaches(loss, params, stop=z.grad_fn)
@@ -83,25 +89,27 @@ def uses_only_through(loss: Tensor, z: Tensor, params: Iterable[Tensor]) -> bool
 
 def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
     """Whether ``H_zz`` (``runner``: products with it) couples no two indices of ``z``'s first dimension,
-    checked by two products with one random vector ``w`` under two random sign patterns ``s`` over
-    that dimension: without coupling ``s ⊙ H(s ⊙ w) = H_diag-blocks w`` whatever ``s``. A coupling
-    large enough to change the diagonal beyond rounding changes the two (the draws are seeded: the
-    same check every call)."""
+    checked by two products with one random vector ``w``: ``H(c ⊙ w)`` against ``c ⊙ H w`` for random
+    Gaussian weights ``c`` over that dimension. Without coupling they are equal; a coupling ``H_ij``
+    (``i ≠ j``) adds ``Σ_j (c_j − c_i)·H_ij w_j`` to row ``i``, which continuous random ``c`` and ``w``
+    make nonzero with probability 1 (no pair of rows escapes, as it could under sign patterns). The
+    tolerance is a few dozen ulps of the products' scale (a coupling below it changes the diagonal
+    by about that much: rounding); the draws are seeded, the same check every call."""
     n = z.shape[0]
     if n < 2:
         return True
-    if torch.finfo(z.dtype).bits < 32:  # half precision: its rounding (1e3·eps ≈ 1–8) would hide any coupling
+    if torch.finfo(z.dtype).bits < 32:  # half precision: its rounding would hide any coupling
         return False
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(z.shape, generator=gen, dtype=torch.float64).to(z.dtype)
-    signs = (torch.randint(0, 2, (2, n), generator=gen) * 2 - 1).to(z.dtype)
-    signs[1, 0] = -signs[0, 0]  # two patterns that differ (n >= 2)
-    view = (2, n) + (1,) * (z.dim() - 1)
-    hv = _hvp(runner, (signs.view(view) * w).to(z.device)) * signs.view(view).to(z.device)
-    scale = float(hv.abs().max())
+    w = torch.randn(z.shape, generator=gen, dtype=torch.float64)
+    c = torch.randn((n,) + (1,) * (z.dim() - 1), generator=gen, dtype=torch.float64)
+    probes = torch.stack([w, c * w]).to(dtype=z.dtype, device=z.device)
+    hv = _hvp(runner, probes).to(torch.float64)
+    expected = c.to(hv.device) * hv[0]
+    scale = max(float(hv[1].abs().max()), float(expected.abs().max()))
     if scale == 0.0:
         return True
-    return float((hv[0] - hv[1]).abs().max()) <= 1e3 * torch.finfo(z.dtype).eps * scale
+    return float((hv[1] - expected).abs().max()) <= 64 * torch.finfo(z.dtype).eps * scale
 
 
 def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: Tensor,

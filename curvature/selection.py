@@ -88,7 +88,11 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     if isinstance(skip_modules, str):  # a list is iterated; a string would be taken character by character
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
                         f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")
-    skip = list(skip_modules or [])
+    try:
+        skip = list(skip_modules or [])
+    except TypeError:
+        raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got "
+                        f"{type(skip_modules).__name__} {skip_modules!r}") from None
     for key in skip:
         if isinstance(key, str):  # a class name is a valid regex too
             try:

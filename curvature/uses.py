@@ -32,9 +32,14 @@ __all__ = ["UseWindows", "reaches"]
 def reaches(output: Tensor, params: Iterable[Tensor], stop: Optional[Any] = None) -> bool:
     """Whether ``output``'s autograd graph reaches the gradient accumulator of one of ``params``
     (a walk of the graph from ``output.grad_fn``; ``stop``: a node not walked past)."""
+    return nodes_reach([output.grad_fn], params, stop)
+
+
+def nodes_reach(nodes: Iterable[Any], params: Iterable[Tensor], stop: Optional[Any] = None) -> bool:
+    """Whether the autograd graph above ``nodes`` reaches the gradient accumulator of one of ``params``."""
     ids = {id(p) for p in params}
     seen = {stop} if stop is not None else set()
-    todo = [output.grad_fn]
+    todo = list(nodes)
     while todo:
         node = todo.pop()
         if node is None or node in seen:

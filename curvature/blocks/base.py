@@ -52,10 +52,6 @@ class Block(ABC):
     def symmetric(self) -> List[bool]:
         """For each of :meth:`tensors`: is it a symmetric matrix (upper triangle suffices)."""
 
-    def set_tensors(self, tensors: Sequence[Tensor]) -> None:
-        for dst, src in zip(self.tensors(), tensors):
-            dst.copy_(src)
-
     def is_finite(self) -> bool:
         return all_finite(self.tensors())
 

@@ -64,12 +64,12 @@ class KFACBlock(Block):
     # ---- names --------------------------------------------------------------------------
     @property
     def A(self) -> Tensor:  # noqa: N802 (the field's conventional name)
-        """Input-side factor."""
+        """Input-side factor: ``[m, m]`` (``m`` = inputs, +1 with a bias), or ``[m]`` when diagonal (Embedding)."""
         return self.left if self.layout.family.kfac_names()[0] == "A" else self.right
 
     @property
     def G(self) -> Tensor:  # noqa: N802
-        """Output-gradient-side factor."""
+        """Output-gradient-side factor: ``[n, n]`` (``n`` = outputs)."""
         return self.left if self.layout.family.kfac_names()[0] == "G" else self.right
 
     # ---- statistics -----------------------------------------------------------------------

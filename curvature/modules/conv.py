@@ -115,6 +115,9 @@ def gram_with_ones_row(m: Tensor, scale: float) -> Tensor:
 
 
 class Conv2dFamily(WeightMatrixFamily):
+    """``nn.Conv2d`` (groups 1, zero padding): the weight ``[C_out, C_in·kh·kw]`` applied to the ``T``
+    unfolded patches of each example (``a_t``: ``[C_in·kh·kw]``, with a 1 for the bias)."""
+
     module_types = (nn.Conv2d,)
 
     def validate(self, module: nn.Module) -> None:

@@ -19,6 +19,9 @@ from .base import LayerFamily, sum_outer
 
 
 class EmbeddingFamily(LayerFamily):
+    """``nn.Embedding``: the weight ``[V, d]``; an example's ``T`` tokens each select a row (K-FAC: a
+    diagonal ``[V]`` input factor of the token counts, a ``[d, d]`` output-gradient factor)."""
+
     module_types = (nn.Embedding,)
     supports_kfac = True
 

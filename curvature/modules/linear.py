@@ -141,6 +141,9 @@ class WeightMatrixFamily(LayerFamily):
 
 
 class LinearFamily(WeightMatrixFamily):
+    """``nn.Linear``: the weight ``[d_out, d_in]`` applied at every position of an ``[N, ..., d_in]`` input
+    (``T`` = the product of the middle dimensions)."""
+
     module_types = (nn.Linear,)
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:

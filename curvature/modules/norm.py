@@ -39,6 +39,9 @@ class _AffineNormFamily(LayerFamily):
 
 
 class BatchNormFamily(_AffineNormFamily):
+    """``nn.BatchNorm1d/2d`` affine parameters ``weight``, ``bias`` ``[C]`` (diagonal or full blocks; the
+    batch statistics as constants for the Fisher kinds)."""
+
     module_types = (nn.BatchNorm1d, nn.BatchNorm2d)
 
     def validate(self, module: nn.Module) -> None:
@@ -64,6 +67,9 @@ class BatchNormFamily(_AffineNormFamily):
 
 
 class LayerNormFamily(_AffineNormFamily):
+    """``nn.LayerNorm`` affine parameters ``weight``, ``bias`` of the normalized shape (diagonal or full
+    blocks)."""
+
     module_types = (nn.LayerNorm,)
 
     def validate(self, module: nn.Module) -> None:

@@ -120,9 +120,10 @@ def momentum_settings(lr: float, momentum: float, momentum_type: str, grad_ema_d
     if momentum > 0 and uses_ema:
         raise NotImplementedError("momentum > 0 together with grad_ema_decay != 1 (two gradient buffers) has no "
                                   "equivalent in torchsso2; keep one of them")
+    for name, value in (("momentum_type", momentum_type), ("grad_ema_type", grad_ema_type)):
+        if value not in ("raw", "preconditioned"):  # checked even where unused, as torch.optim checks arguments
+            raise ValueError(f"{name}={value!r}; expected 'raw' or 'preconditioned'")
     kind = momentum_type if momentum > 0 else grad_ema_type
-    if (momentum > 0 or uses_ema) and kind not in ("raw", "preconditioned"):
-        raise ValueError(f"momentum/grad_ema type {kind!r}; expected 'raw' or 'preconditioned'")
     if (momentum > 0 or uses_ema) and kind != native:
         logger.warning("PyTorch-SSO's %s momentum/gradient EMA is applied to the %s gradient here (the same "
                        "while the curvature does not change)", kind, native)

@@ -20,7 +20,12 @@ from typing import Callable, Dict, Optional
 from .base_preconditioner import HYPERPARAMS, BaseKFACPreconditioner
 from .hyperparams import as_number, check_value
 
-__all__ = ["LambdaParamScheduler"]
+__all__ = ["LambdaParamScheduler", "NotAPreconditionerError"]
+
+
+class NotAPreconditionerError(TypeError, AttributeError):
+    """The object given as the preconditioner is not a K-FAC preconditioner (a ``TypeError``, and an
+    ``AttributeError`` as kfac_pytorch's scheduler raises for it)."""
 
 _INTEGER = ("factor_update_steps", "inv_update_steps")
 
@@ -64,8 +69,8 @@ class LambdaParamScheduler:
             if not callable(fn):
                 raise TypeError(f"{name}_lambda must be a callable of the step or None, got {type(fn).__name__}")
             if not hasattr(preconditioner, f"_{name}"):
-                raise AttributeError(f"{type(preconditioner).__name__} has no _{name}: the preconditioner must be a "
-                                     "BaseKFACPreconditioner (e.g. KFACPreconditioner)")
+                raise NotAPreconditionerError(f"{type(preconditioner).__name__} has no _{name}: the preconditioner "
+                                              "must be a BaseKFACPreconditioner (e.g. KFACPreconditioner)")
             if callable(getattr(preconditioner, f"_{name}")):
                 raise ValueError(f"preconditioner.{name} is already a callable and cannot be updated by the "
                                  f"LambdaParamScheduler (pass a number as {name}, or leave {name}_lambda out)")

@@ -31,7 +31,7 @@ from curvature.linalg import LinalgError
 from curvature import likelihoods
 from curvature.options import Kind, LossType
 
-from ..distributed import get_communicator
+from ..distributed import Communicator, get_communicator
 from ..distributed.assignment import grad_worker_count
 from ..distributed.consistency import check_optimizer_settings
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
@@ -155,6 +155,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("kfac_method", "eigen")
         self._plans = PlanCache()      # per-step bookkeeping of the update (torchsso2/optim/plan.py)
         self._scalars = ScalarCache()  # hyperparameters as cached 0-dim tensors for foreach ops
+        if not isinstance(communicator, (str, type(None), Communicator)):
+            raise TypeError(f"communicator must be a backend name ('auto', 'none', 'torch', 'mpi') or a Communicator, "
+                            f"got {type(communicator).__name__} {communicator!r}")
         self.comm = communicator if not isinstance(communicator, (str, type(None))) else \
             get_communicator(communicator or "auto")
         # [issue #7: distributed] KAISA placement of the decompositions (torchsso2/optim/placement.py);

@@ -274,15 +274,17 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         adaptive_damping = _adaptive_damping(adaptive_damping, use_adaptive_damping)
         self.lm: Optional[LMDamping] = None
         self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval)
+        # checked whether or not adaptive_damping is on (as torch.optim checks every argument)
+        decay = check_number("damping_adaptation_decay", damping_adaptation_decay,
+                             low=0.0, high=1.0, low_open=True, high_open=True)
+        check_number("min_damping", min_damping, low=0.0)
         if adaptive_damping:
             if self.damping <= 0:
                 raise ValueError("adaptive_damping needs an initial damping > 0")
-            decay = check_number("damping_adaptation_decay", damping_adaptation_decay,
-                                 low=0.0, high=1.0, low_open=True, high_open=True)
             # kfac-jax's convention: the decay is per step, so one adjustment every `interval` steps
             # moves the damping by decay ** interval (torchsso2/optim/damping.py)
             self.lm = LMDamping(self.damping, per_adjustment_decay(decay, self.damping_adaptation_interval),
-                                min_damping=check_number("min_damping", min_damping, low=0.0))
+                                min_damping=min_damping)
         self.kfac_method = check_choice("kfac_method", kfac_method, ("eigen", "inverse"))  # compared across ranks
         self.damping_adaptation_decay = damping_adaptation_decay if adaptive_damping else None
         self.min_damping = min_damping if adaptive_damping else None

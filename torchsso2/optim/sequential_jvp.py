@@ -76,10 +76,6 @@ def _bias_view(tb: Tensor, ndim: int, channel_dim: int) -> Tensor:
     return tb.view(shape)
 
 
-def _add(a: Optional[Tensor], b: Tensor) -> Tensor:
-    return b if a is None else a + b
-
-
 def _linear(mod: nn.Linear, h: Tensor, t: Optional[Tensor], tangents: Dict[int, Tensor], k: int,
             out: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """``(output, tangent)`` of ``mod`` at ``h``; ``out``: the output the forward computed (else computed)."""

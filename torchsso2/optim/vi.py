@@ -418,9 +418,6 @@ class VIOptimizer(CurvatureOptimizer):
             return (self.likelihood_size * self.curvature_init + self.precision_shift) / self.kl_weighting
         return None
 
-    def _covered(self) -> List[nn.Parameter]:
-        return self.engine.params
-
     def _noise_kind(self) -> Tuple[torch.dtype, torch.device]:
         """dtype (float64 when a covered parameter or the decompositions are, else float32) and device
         of the weight noise; followed when ``model.double()`` / ``model.to(device)`` change the first

@@ -1,0 +1,52 @@
+"""Arguments checked at construction with errors naming them (a bad communicator or skip_modules type,
+the LM settings whether or not adaptive damping is on, PyTorch-SSO's momentum kinds)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from torchsso2.compat import pytorch_sso
+from torchsso2.kfac.scheduler import LambdaParamScheduler
+
+
+@pytest.mark.parametrize("value", [3, object()])
+def test_a_communicator_of_another_type_is_a_type_error(value) -> None:
+    model = nn.Linear(3, 2)
+    for build in (lambda: SecondOrderOptimizer(model, communicator=value),
+                  lambda: VIOptimizer(model, dataset_size=10, communicator=value)):
+        with pytest.raises(TypeError, match="communicator must be a backend name .* or a Communicator"):
+            build()
+
+
+def test_skip_modules_that_is_not_a_list_is_named() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="skip_modules must be a list .* got int 3"):
+        curvature.compute(model, torch.randn(4, 3), torch.randint(0, 2, (4,)), skip_modules=3)
+    with pytest.raises(TypeError, match="skip_modules must be a list"):
+        SecondOrderOptimizer(model, skip_modules=3)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(min_damping="abc"), TypeError), (dict(min_damping=float("nan")), ValueError),
+    (dict(min_damping=-1.0), ValueError), (dict(damping_adaptation_decay=1.5), ValueError),
+    (dict(damping_adaptation_decay="abc"), TypeError), (dict(damping_adaptation_interval=0), ValueError),
+])
+def test_lm_settings_are_checked_without_adaptive_damping(kwargs, error) -> None:
+    with pytest.raises(error, match=next(iter(kwargs))):
+        SecondOrderOptimizer(nn.Linear(3, 2), **kwargs)
+
+
+def test_pytorch_sso_momentum_kinds_are_checked_when_unused() -> None:
+    with pytest.raises(ValueError, match="momentum_type='bogus'"):
+        pytorch_sso.SecondOrderOptimizer(nn.Linear(3, 2), "Cov", {"Linear": "Kron"}, {"damping": 1e-2},
+                                         momentum=0, momentum_type="bogus")
+
+
+def test_the_scheduler_refuses_a_non_preconditioner_as_type_and_attribute_error() -> None:
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    for kind in (TypeError, AttributeError):  # AttributeError: kfac_pytorch's scheduler fails so
+        with pytest.raises(kind, match="must be a BaseKFACPreconditioner"):
+            LambdaParamScheduler(sgd, damping_lambda=lambda step: 1.0)
