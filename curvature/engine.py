@@ -63,6 +63,21 @@ def _scaled_sum(tensors: List[Tensor], scale: float) -> Tensor:
     return total * scale
 
 
+def compiled_before_hooks(what: str, owner: str = "the optimizer") -> str:
+    """The message for a compiled model whose graph was traced before ``owner``'s recording hooks existed."""
+    return (f"{what}: the model is torch.compile'd and its graph was traced before {owner}'s hooks existed (a "
+            f"call before {owner} was built, e.g. a warm-up or an earlier training run), so it runs without them. "
+            f"Build {owner} before the compiled model's first call, or call torch._dynamo.reset() after building it"
+            + (" (curvature.compute: or pass the uncompiled module, compiled._orig_mod)" if owner == "the optimizer"
+               else ""))
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs through torch.compile: ``torch.compile(model)`` (an ``OptimizedModule``) or
+    ``model.compile()`` in place."""
+    return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+
+
 def _check_reached(grads: Sequence[Optional[Tensor]], names: Sequence[str]) -> None:
     """ValueError when the model output reaches none of the covered modules' recorded outputs (each
     gradient None). A module the output does not use has zero blocks, but not every module: the
@@ -196,6 +211,8 @@ class CurvatureEngine:
             with self._restricted_to(capture.records):  # the blocks of the modules this forward called
                 return self.estimate(capture, *given, generator=generator)
         if missing:
+            if not capture.records and is_compiled(self.model):
+                raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
             raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
                              "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
                              "computes with their parameters itself, as nn.MultiheadAttention does with "
@@ -209,6 +226,11 @@ class CurvatureEngine:
             try:
                 return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled)
             except RuntimeError as err:
+                if "double backward" in str(err) and is_compiled(self.model):
+                    raise ValueError(
+                        f"kind='hessian' differentiates the model's backward, which a torch.compile'd model with an "
+                        f"aot_autograd backend (the default inductor, aot_eager) does not support ({err}). Compile "
+                        "with backend='eager', or take the Hessian of the uncompiled module (compiled._orig_mod)") from err
                 if "derivative for" not in str(err) or "not implemented" not in str(err):
                     raise
                 raise NotImplementedError(
@@ -300,6 +322,8 @@ class CurvatureEngine:
         and the blocks are normalized by ``batch_size`` (default ``R``). ``R`` is the first dimension
         of the recorded root output (of the first covered module's output when there is none).
         """
+        if not capture.records and self._modules and is_compiled(self.model):
+            raise ValueError(compiled_before_hooks(f"covered modules {list(self._modules)} were not recorded"))
         group = 1
         if capture.outputs:
             group = self.check_examples_align(capture.records,

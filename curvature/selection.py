@@ -13,6 +13,7 @@ import logging
 import re
 from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 from .blocks import Layout
@@ -121,6 +122,12 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         if not direct:
             continue
         fam = family_of(module)
+        if isinstance(module, torch.jit.ScriptModule):
+            raise ValueError(
+                f"module {name!r} is a TorchScript module ({type(module).__name__}, from torch.jit.script/trace): "
+                "its layers are compiled code the curvature capture cannot hook. Build the optimizer on the original "
+                "nn.Module (script or trace it for deployment after training), or skip it with "
+                f"skip_modules=[{'^' + re.escape(name) + '$'!r}]")
         if isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, spectral_norm, ... (new API)
             layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
             if not layer:

@@ -290,7 +290,9 @@ def test_failed_decomposition_skips_the_step_and_keeps_the_previous_decompositio
                 pre_a.step()
             flaky.mode = None
             assert pre_a.last_step_skipped and pre_a.num_skipped == 1
-            assert "preconditioned gradient" in caplog.text and "inv_dtype=torch.float64" in caplog.text
+            # the advice fits the run: its inverses are float64 already, so more damping, not float64
+            assert "preconditioned gradient" in caplog.text and "try more damping" in caplog.text
+            assert "inv_dtype=torch.float64" not in caplog.text
             if mode == "raise":
                 assert "did not converge" in caplog.text or "not positive definite" in caplog.text
             assert_same(snapshot(pre_a, model_a, grads=False), state_before)

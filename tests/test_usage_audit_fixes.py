@@ -23,16 +23,42 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def test_a_compiled_forward_inside_the_closure_is_refused_not_zero_curvature() -> None:
-    """The compiled graph does not run the modules' recorded calls: every block came out 0."""
+def test_a_compiled_forward_inside_the_closure_gives_the_uncompiled_curvature() -> None:
+    """The compiled copy runs the modules' hooks registered at each step (the recorded calls)."""
     dynamo = pytest.importorskip("torch._dynamo")
-    model = _mlp()
-    compiled = torch.compile(model, backend="aot_eager")
-    opt = SecondOrderOptimizer(model, curvature="fisher")
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    with pytest.raises(ValueError, match="does not depend on the recorded outputs of any covered module"):
-        opt.step(make_closure(opt, compiled, x, y))
-    dynamo.reset()
+    blocks = []
+    for compiled in (False, True):
+        model = _mlp()
+        call = torch.compile(model, backend="aot_eager") if compiled else model
+        opt = SecondOrderOptimizer(model, curvature="fisher")
+        opt.step(make_closure(opt, call, x, y))
+        blocks.append({n: b.dense() for n, b in opt.running.blocks.items()})
+        dynamo.reset()
+    for name in blocks[0]:
+        torch.testing.assert_close(blocks[1][name], blocks[0][name])
+
+
+def test_a_compiled_model_traced_before_the_optimizer_gets_the_fix_named() -> None:
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torchsso2.kfac import KFACPreconditioner
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    try:
+        for face in ("second_order", "empirical_fisher", "kfac"):
+            dynamo.reset()
+            compiled = torch.compile(_mlp(), backend="eager")
+            compiled(x)  # a warm-up call: its graph has no curvature hooks
+            if face == "kfac":
+                pre = KFACPreconditioner(compiled)
+                torch.nn.functional.cross_entropy(compiled(x), y).backward()
+                with pytest.raises(RuntimeError, match="traced before the preconditioner's hooks existed"):
+                    pre.step()
+                continue
+            opt = SecondOrderOptimizer(compiled, curvature="fisher" if face == "second_order" else face)
+            with pytest.raises(ValueError, match=r"traced before the optimizer's hooks existed.*torch._dynamo.reset"):
+                opt.step(make_closure(opt, compiled, x, y))
+    finally:
+        dynamo.reset()
 
 
 def test_channels_last_trains_as_contiguous_under_vi_diag() -> None:

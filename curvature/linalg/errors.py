@@ -1,7 +1,14 @@
 """The one exception type of the linear-algebra backends."""
 from __future__ import annotations
 
-__all__ = ["LinalgError"]
+from typing import Any
+
+__all__ = ["LinalgError", "remedy"]
+
+
+def remedy(dtype: Any) -> str:
+    """What to try after a failed decomposition in ``dtype``: more damping, and float64 unless it is."""
+    return "increase damping" + ("" if str(dtype) == "torch.float64" else " or use dtype=torch.float64")
 
 
 class LinalgError(ValueError):

@@ -5,7 +5,7 @@ from torch import Tensor
 import torch
 
 from .base import Backend
-from .errors import LinalgError
+from .errors import LinalgError, remedy
 
 __all__ = ["TorchBackend"]
 
@@ -37,8 +37,7 @@ class TorchBackend(Backend):
             where = f"matrix {index} of the batch" if a.ndim > 2 else "matrix"
             raise LinalgError(
                 f"cholesky (torch backend): {where} ({_describe(a)}) is not positive "
-                f"definite (leading minor of order {order} failed); increase damping "
-                "or use dtype=torch.float64"
+                f"definite (leading minor of order {order} failed); {remedy(a.dtype)}"
             )
         return factor
 

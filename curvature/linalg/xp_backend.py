@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .base import Backend
-from .errors import LinalgError
+from .errors import LinalgError, remedy
 
 __all__ = ["ArrayBridge", "XpBackend"]
 
@@ -92,7 +92,7 @@ class XpBackend(Backend):
         except self._bridge.errors as exc:
             raise LinalgError(
                 f"{op} ({self.name} backend) failed for input of shape {tuple(a.shape)} "
-                f"and dtype {a.dtype}: {exc}; increase damping or use dtype=torch.float64"
+                f"and dtype {a.dtype}: {exc}; {remedy(a.dtype)}"
             ) from exc
 
     def _check_finite(self, op: str, a: Tensor, *arrays: Array) -> None:
@@ -102,8 +102,7 @@ class XpBackend(Backend):
                 raise LinalgError(
                     f"{op} ({self.name} backend) produced non-finite values for input of "
                     f"shape {tuple(a.shape)} and dtype {a.dtype} (matrix not positive "
-                    "definite, or the decomposition did not converge); increase damping "
-                    "or use dtype=torch.float64"
+                    f"definite, or the decomposition did not converge); {remedy(a.dtype)}"
                 )
 
     def _mT(self, x: Array) -> Array:

@@ -76,6 +76,8 @@ def kfac_pytorch_factors(family: LayerFamily, module: nn.Module, inputs: Tuple[T
         grad_output = grad_output / grad_scale
     # the families ignore ``output`` for Linear/Conv2d (they only read the input); a stride-1
     # Conv2d's A comes from offset correlations (curvature/modules/conv_factor.py), not patches
+    if isinstance(module, nn.Conv2d) and x.dim() == 3:  # an unbatched [C, H, W] call: one example
+        x, grad_output = x.unsqueeze(0), grad_output.unsqueeze(0)
     g = family.normal_output_grad(module, grad_output.unsqueeze(0))
     left, right = family.kfac_factors_from_inputs(module, (x,) + tuple(inputs[1:]), None, g, names)
     by_name = dict(zip(family.kfac_names(), (left, right)))

@@ -94,7 +94,8 @@ def nonfinite_results(results: Sequence[Tuple[KFACLayer, Tensor, Tensor]]) -> Li
     for layer, precond, _ in results:
         if precond.numel() and not bool(torch.isfinite(precond).all()):
             why = layer.decomposition_error or "non-finite decompositions"
-            out.append(f"{layer.name} preconditioned gradient ({why}; try inv_dtype=torch.float64 or more damping)")
+            hint = "more damping" if layer.inv_dtype == torch.float64 else "inv_dtype=torch.float64 or more damping"
+            out.append(f"{layer.name} preconditioned gradient ({why}; try {hint})")
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.capture import on_gradient
+from curvature.engine import compiled_before_hooks, is_compiled
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
@@ -231,6 +232,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
         self._handles += attach_forward_hooks(self, [model], "_model_forward_hook")
+        self._model_is_compiled = is_compiled(model)
         #: forwards of the whole model recorded in this step (the micro-batches, for the fold in the hooks)
         self._micro_batches = 0
 
@@ -320,6 +322,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         ``optimizer.step()``).
         """
         layers = list(self.layers.values())
+        if self._steps % self.factor_update_steps == 0 and layers and not any(self._mini_steps.values()) \
+                and not any(layer.has_factors() for layer in layers) and self._model_is_compiled \
+                and any(layer.has_grad() for layer in layers):
+            # kfac_pytorch raises here too ("Cannot eigendecompose A before A has been computed")
+            raise RuntimeError(compiled_before_hooks("no forward of a registered layer was recorded before step()",
+                                                     "the preconditioner"))
         if self._steps % self.factor_update_steps == 0:
             # every batch of the step, or (factors updated in the hooks) those no hook folded
             # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)

@@ -437,7 +437,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if snapshot is not None:
             snapshot.restore()
         if self.on_nonfinite == "raise":
-            raise NonFiniteError(f"non-finite {what} at step {self.num_steps}; the optimizer state is unchanged")
+            details = found() if found is not None else ""
+            raise NonFiniteError(f"non-finite {what} at step {self.num_steps}" + (f" ({details})" if details else "")
+                                 + "; the optimizer state is unchanged")
         self.num_skipped += 1
         limit = self._streak.limit
         details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""

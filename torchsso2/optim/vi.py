@@ -38,20 +38,17 @@ independent of the label sampling, and the same on every rank that draws sample 
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
-from curvature.options import LossType
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
-from .misuse import eval_mode
-from .grid import NoiseStreams, SampleGrid, mix_seed, noise_seed, noise_spans
+from .grid import NoiseStreams, SampleGrid, noise_seed, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .settings import CurvatureSettings
 from .precision import full_precision_step
@@ -63,107 +60,13 @@ from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
 from .vi_flat import FlatDiagPath
 from .vi_schedule import vi_schedule
+from .vi_defaults import (DEFAULT_CURVATURE_INIT, DEFAULT_VI_EMA_DECAY, DEFAULT_VI_KL_CLIP, DEFAULT_VI_LR,
+                          DEFAULT_VI_MOMENTUM_DEBIAS)
+from .vi_predict import PosteriorUse
+from .vi_shift import Shift, negated, shifted_params, unfrozen as _unfrozen
 
-#: Default start of the curvature EMA, ``C₀ = curvature_init·I`` (IVON's ``hess_init``; per example,
-#: the units of the Fisher of the mean loss). Λ₀ = N·1 + τδ: the first weight samples have std
-#: ≈ 1/√N (0.024 on the digits) and the first mean steps are ≈ ``lr·m``, SGD with momentum at
-#: ``lr``; the slow EMA (``ema_decay`` 0.99999) keeps C near the start on runs of ≲ 10⁵ steps. Starting
-#: from the first batch's estimate instead (``curvature_init=None``) gave
-#: steps ``N/(τδ)`` times the gradient along its near-zero directions: non-finite losses after
-#: ~45 steps at lr 1e-2 on the digits MLP. 0.1 diverged at lr 0.1 (loss 3.9e4); 1 trains for
-#: lr from 1e-3 to 0.3 (tests/test_defaults.py).
-DEFAULT_CURVATURE_INIT = 1.0
-
-#: Default decay of the curvature EMA (IVON's ``beta2``): the start ``curvature_init·I`` keeps the
-#: weight ``ema_decay^t`` after t steps (0.97 after 3400 steps, 0.37 after 10⁵). The data's
-#: per-example curvature is far below the start (digits MLP: ~1e-3 against 1), and the posterior
-#: it implies (Λ ≈ N·1e-3 + δ per weight: samples of std ~0.7 around weights of rms 0.3) predicts
-#: worse than the start's narrow one. With 0.999 the start had faded to 0.034 after 200 epochs
-#: (3400 steps) of the digits MLP and VI fell behind (validation NLL 0.59–0.85 for lr ≥ 1e-2,
-#: test NLL 0.165 at the best lr against IVON's 0.145 and Adam's 0.153, ECE 3.5% against 1.7%);
-#: with 0.99999 the best validation NLL (seed 0, lr 0.1) is 0.105 at 40 epochs and 0.102 at 200
-#: (benchmarks/vi.py, docs/defaults.md). On runs much longer than 10⁵ steps the data's
-#: curvature takes over; pass a smaller ``ema_decay`` to let it shape the posterior sooner.
-DEFAULT_VI_EMA_DECAY = 0.99999
-
-#: Default learning rate of the mean: the middle of the 100× range (1e-3 … 1e-1) in which the
-#: defaults train the digits MLP without a skipped step; with ``curvature_init`` = 1 the first
-#: steps are SGD's at this lr (with momentum 0.9).
-DEFAULT_VI_LR = 1e-2
-
-#: Default KL clip of the mean's step (kfac_pytorch's ``kl_clip`` idea applied to VI): the step
-#: ``lr·u``, ``u = N·Λ⁻¹m``, is scaled by ``ν = min(1, √(kl_clip / (lr²·uᵀm)))``, a bound on
-#: the step's size under the per-example precision ``Λ/N``. While ``C`` is near its start it is
-#: inactive for lr <= 0.1 on the digits MLP; as the slow EMA moves ``C`` to the data's (smaller)
-#: curvature the steps grow, and without it lr 0.1 drifted up late (40 epochs: batch loss back
-#: to 4.9, final 0.165 instead of 0.004); with it lr 0.3 and 1.0 train too. ``None``: off.
-DEFAULT_VI_KL_CLIP = 0.1
-
-#: Default of ``momentum_debias`` (IVON's and Adam's momentum bias correction, the lr of step t times
-#: ``1/(1 − momentum^t)``): off. The buffer ``m_t = Σ_k momentum^k g_{t−k}`` starts short, so without
-#: it the first ~20 steps are up to 10× shorter than the later ones (at momentum 0.9), a built-in
-#: warm-up. It is the one difference between VI diag's step and IVON's that lowers the digits CNN's
-#: validation NLL, by little, and elsewhere it can raise it (paired over seeds, same weight
-#: noise): digits CNN −0.0012 ± 0.0007 (80 seeds, lr 1e-2), digits MLP +0.0025 ± 0.0009 (lr 0.1) and
-#: −0.005 ± 0.009 (lr 0.32), diabetes +0.0006 ± 0.0002 (lr 3.2e-3); docs/defaults.md.
-DEFAULT_VI_MOMENTUM_DEBIAS = False
-
-
-#: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
-#: ``θ + shift ⊙ factor`` (diagonal blocks: a standard normal and ``√τ/√denom``); parameter shapes
-Shift = Tuple[List[nn.Parameter], List[Tensor], Optional[List[Tensor]]]
-
-
-def negated(shift: Optional[Shift]) -> Optional[Shift]:
-    """The antithetic sample of ``shift``: ``θ − shift`` (``θ − shift ⊙ factor``); None stays None."""
-    if shift is None:
-        return None
-    params, shifts, factors = shift
-    return params, [-t for t in shifts], factors
-
-
-class shifted_params:  # noqa: N801  (used like a function: ``with shifted_params(params, shifts):``)
-    """The body sees ``θ + shift`` (``θ + shift ⊙ factor`` with ``factors``) in every parameter
-    (shapes as the parameters); ``θ`` is back after.
-
-    The parameters point at fresh tensors ``θ + shift`` and get their own tensors back
-    afterwards: one pass over the weights instead of clone + add + copy back, and ``θ`` is
-    restored bit for bit (it is never written). A plain class, not a generator-based
-    ``contextlib.contextmanager``: this runs at every VI step, where the generator machinery
-    cost ~5 µs of a ~400 µs step (digits MLP).
-    """
-
-    def __init__(self, params: Sequence[nn.Parameter], shifts: Sequence[Tensor],
-                 factors: Optional[Sequence[Tensor]] = None) -> None:
-        self.params = list(params)
-        self.shifts = list(shifts)
-        self.factors = None if factors is None else list(factors)
-        self.means: List[Tensor] = []
-
-    def __enter__(self) -> None:
-        self.means = [p.data for p in self.params]
-        if not self.params:  # nothing covered: the foreach ops refuse empty lists
-            return
-        # autocast keeps its low-precision copy of a parameter until its outermost context exits, and
-        # the parameter object stays the same here: a forward inside one context (predict under
-        # autocast) would run every sample on the first one's copy
-        torch.clear_autocast_cache()
-        with torch.no_grad():
-            sampled = torch._foreach_add(self.means, self.shifts) if self.factors is None else \
-                torch._foreach_addcmul(self.means, self.shifts, self.factors)
-        try:
-            for p, w in zip(self.params, sampled):
-                p.data = w
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        for p, m in zip(self.params, self.means):
-            p.data = m
-        if self.means:
-            torch.clear_autocast_cache()
-        self.means = []
+__all__ = ["VIOptimizer", "DEFAULT_CURVATURE_INIT", "DEFAULT_VI_EMA_DECAY", "DEFAULT_VI_KL_CLIP", "DEFAULT_VI_LR",
+           "DEFAULT_VI_MOMENTUM_DEBIAS", "default_is_reparam", "negated", "shifted_params"]
 
 
 def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
@@ -173,18 +76,7 @@ def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
     return isinstance(approx, str) and approx == "diag" and curvature_init is not None
 
 
-def _unfrozen(shift: Shift) -> Shift:
-    """``shift`` without the parameters that do not require grad (frozen after construction: they keep
-    their values, so they are not sampled; a frozen bias of a sampled Linear included)."""
-    params, eps, factors = shift
-    if all(p.requires_grad for p in params):
-        return shift
-    keep = [i for i, p in enumerate(params) if p.requires_grad]
-    return ([params[i] for i in keep], [eps[i] for i in keep],
-            None if factors is None else [factors[i] for i in keep])
-
-
-class VIOptimizer(CurvatureOptimizer):
+class VIOptimizer(PosteriorUse, CurvatureOptimizer):
     """Bayesian deep learning by natural-gradient VI; a real ``torch.optim.Optimizer``.
 
     Args:
@@ -356,7 +248,7 @@ class VIOptimizer(CurvatureOptimizer):
     def _check_reparam(self) -> None:
         """``curvature="reparam"`` needs diagonal blocks, a starting curvature and, with several processes,
         every decomposition on every rank (the noise's variance); a ``grad_scaler`` is fine (the
-        estimate is unscaled in :meth:`_finish_step`)."""
+        estimate is unscaled as it is formed, in :meth:`_reparam_sample`)."""
         shapes = {a.value for a in self.engine.approx.values()}
         if shapes - {"diag"}:
             raise ValueError(f"curvature='reparam' estimates a diagonal; it needs approx='diag', got blocks {sorted(shapes)}")
@@ -379,13 +271,16 @@ class VIOptimizer(CurvatureOptimizer):
         eps = {id(p): s if factors is None else s * f
                for p, s, f in zip(params, shifts, factors if factors is not None else shifts)}
         out: Dict[str, Tensor] = {}
+        # with a grad_scaler p.grad is S·g: the precision times 1/S unscales ĥ as it is formed (S·g·ε·(1/σ²)
+        # would overflow float32 long before S·g does, and the scaler would never see it and back off)
+        unscale = 1.0 / float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         for name, lay in self.engine.layouts.items():
             if any(id(p) not in eps for p in lay.params):  # frozen (not sampled): its curvature is kept
                 continue
             if self._decomposed:
-                prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] / self.kl_weighting)
+                prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] * (unscale / self.kl_weighting))
             else:
-                prec = [float(self._first_precision)] * len(lay.params)  # type: ignore[arg-type]
+                prec = [float(self._first_precision) * unscale] * len(lay.params)  # type: ignore[arg-type]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
             hat = reparam_diagonal([g.detach() for g in grads], [eps[id(p)] for p in lay.params], prec)
             out[name] = torch.cat([h.reshape(-1) for h in hat])
@@ -597,99 +492,6 @@ class VIOptimizer(CurvatureOptimizer):
             return self._isotropic(self._standard_normal(generator))
         return None
 
-    @contextlib.contextmanager
-    def sampled_params(self, generator: Optional[torch.Generator] = None) -> Iterator[None]:
-        """Temporarily replace the covered weights by one posterior sample (restored on exit).
-        Without ``generator`` the sample comes from :meth:`sampling_generator` (not the training streams)."""
-        gen = generator if generator is not None else self.sampling_generator()
-        with self._perturbed(self._draw_noise(gen)):
-            yield
-
-    def sampling_generator(self) -> torch.Generator:
-        """The default generator of :meth:`predict` and :meth:`sampled_params`: seeded from ``seed`` and
-        the step count, apart from the streams training draws from (``fisher_mc``'s labels, the weight
-        noise), so evaluating between steps leaves the training run unchanged; at one step every call
-        draws the same samples (reproducible; pass ``generator=`` for others)."""
-        return torch.Generator(device=self._noise_device).manual_seed(mix_seed(self.seed, 0x9EED, self.num_steps))
-
-    @staticmethod
-    def _perturbed(shift: Optional[Shift]) -> ContextManager[None]:
-        """Temporarily move the weights by a sample's ``shift`` (restored on exit; None: unchanged)."""
-        if shift is None:
-            return contextlib.nullcontext()
-        return shifted_params(*shift)
-
-    @torch.no_grad()
-    def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None,
-                return_variance: bool = False, antithetic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse).
-
-        With ``return_variance=True`` (``loss="mse"`` only) it returns ``(mean, variance)``, both of the
-        output's shape (e.g. ``[B, K]``): the mean and the variance of the predictive mixture
-        ``(1/S)·Σ_s N(f_s(x), σ²)``, i.e. ``mean_s f_s`` and ``mean_s (f_s − mean)² + σ²`` (the
-        samples' population variance plus the observation noise ``σ²``, see ``noise_variance``).
-
-        With ``antithetic=True`` (the default) the samples come in pairs ``μ + ε``, ``μ − ε`` from one
-        draw of ``ε ~ N(0, τΛ⁻¹)`` (an odd ``num_samples`` ends with one unpaired draw). Every sample is
-        still a posterior sample, so the average stays unbiased; a pair's average ``f(μ) + O(ε²)``
-        cancels the part of the Monte-Carlo error that is linear in ``ε``, which is most of it for
-        samples as narrow as the posterior's (on diabetes regression 32 antithetic samples match 1024
-        independent ones, see docs/defaults.md). ``antithetic=False`` draws every sample independently.
-
-        The model is evaluated in ``eval()`` mode (BatchNorm uses its running statistics and leaves them
-        unchanged, dropout is off) and given back its own ``training`` flags. Before the first ``step()``
-        it samples the isotropic start (``init_precision``, or the default ``curvature_init``'s); with
-        neither it raises ``RuntimeError``. Without ``generator`` the samples come from
-        :meth:`sampling_generator`: a call leaves the training streams, and so the run, unchanged."""
-        check_int("num_samples", num_samples)
-        if return_variance and self.engine.loss is not LossType.MSE:
-            raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
-                             f"loss is {self.engine.loss.value!r}")
-        if not self._decomposed and self._first_precision is None:
-            if self.num_steps > 0:
-                raise RuntimeError(f"predict() after {self.num_steps} step(s) none of whose decompositions of the "
-                                   "posterior precision succeeded (see the logged warnings): there is nothing to sample "
-                                   "from. Increase damping or prior_precision (the curvature is not positive definite)")
-            raise RuntimeError("predict() before the first step() with curvature_init=None and no init_precision: "
-                               "there is no posterior yet, so every sample would be the mean weights (point "
-                               "predictions). Call step() first, or pass init_precision=... (or keep the default "
-                               "curvature_init) to sample from an isotropic Gaussian around the weights")
-        if not isinstance(antithetic, bool):
-            raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__} {antithetic!r}")
-        gen = generator if generator is not None else self.sampling_generator()
-        outs = []
-        shift: Optional[Shift] = None
-        with eval_mode(self.model):
-            for i in range(num_samples):
-                shift = negated(shift) if antithetic and i % 2 == 1 else self._draw_noise(gen)
-                with self._perturbed(shift):
-                    out = self.engine.select_output(self.model(x))
-                if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() > 1 and out.shape[-1] == 1:
-                    raise ValueError(
-                        f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: the softmax "
-                        "over one logit is 1 everywhere. For a binary classifier on one logit z, average "
-                        "torch.sigmoid(model(x)) over samples yourself (`with opt.sampled_params(generator=g):` with one "
-                        "torch.Generator g for all of them), or output two logits ([-z/2, z/2] gives the same "
-                        "probabilities)")
-                outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
-        stacked = torch.stack(outs)
-        mean = stacked.mean(0)
-        if return_variance:
-            return mean, (stacked - mean).square().mean(0) + self.noise.variance
-        return mean
-
-    def posterior_precision(self) -> Tensor:
-        """Dense ``[P, P]`` block-diagonal posterior precision ``(N·C + τδ + damping)/τ`` over the covered params,
-        from the running curvature ``C``. The weight samples (``sampled_params``, ``predict``, the steps)
-        use its last decomposition, redone every ``inv_update_interval`` steps: between two, ``C`` may
-        have moved on (``curv_update_interval`` < ``inv_update_interval``) and the samples follow the
-        precision of the last decomposition step."""
-        if not self.running.blocks:
-            raise RuntimeError("no curvature estimate yet: call step() first")
-        mats = [blk.dense() * self.likelihood_size for blk in self.running.blocks.values()]
-        dense = torch.block_diag(*mats)
-        return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)) / self.kl_weighting
-
     # ---- the step ---------------------------------------------------------------------------------
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
@@ -757,7 +559,6 @@ class VIOptimizer(CurvatureOptimizer):
         the non-finite policy, the curvature EMA, the decomposition and the mean's update
         (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``)."""
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        scale = float(self.grad_scaler.get_scale()) if hats and self.grad_scaler is not None else 1.0
         if not self._unscale_grads():  # an AMP overflow skips the step, reparam's estimate with it, as if the
             snapshot.restore()          # batch was never seen: num_steps, the schedules and the streams stay
             return mean_loss, output
@@ -765,8 +566,8 @@ class VIOptimizer(CurvatureOptimizer):
         residual = self._mean_over_ranks(sum(residuals) / len(residuals)) if residuals else None
         fresh = curvature.result() if curvature is not None else None
         if hats:
-            # ĥ = g ⊙ ε/σ² came from the scaled gradient S·g (grad_scaler): divide by S·(number of samples)
-            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / (len(losses) * scale))
+            # ĥ = g ⊙ ε/σ² of each sample (unscaled as formed, see _reparam_sample): their mean
+            fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / len(losses))
                                           for name, h in hats.items()})
         agreed, params, groups = self._average_over_ranks(fresh, mean_loss)
         grads = [p.grad for p in params]
