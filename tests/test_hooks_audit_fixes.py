@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer
 from torchsso2.kfac import KFACPreconditioner
 
@@ -66,12 +67,7 @@ def test_a_global_forward_hook_is_warned_about() -> None:
     model, (x, y) = _mlp(), _data()
     opt = SecondOrderOptimizer(model)
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
     handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
     try:
         with pytest.warns(UserWarning, match="global forward hook"):
@@ -97,12 +93,7 @@ def test_hooks_on_out_proj_are_refused_and_the_captures_own_are_not(width: int) 
     x, y = torch.randn(4, 5, width), torch.randint(0, 3, (4,))
     opt = SecondOrderOptimizer(model)
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
     opt.step(closure)
     opt.step(closure)
     model.mha.out_proj.register_forward_hook(lambda m, i, o: 2 * o)  # fires only in a recorded forward

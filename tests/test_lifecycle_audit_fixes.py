@@ -10,18 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer
 from torchsso2.kfac import KFACPreconditioner
 
 
 def _step(opt, model, x, y):
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    return opt.step(closure)[0]
+    return opt.step(make_closure(opt, model, x, y))[0]
 
 
 def test_adaptive_mode_trains_on_after_a_batch_whose_loss_is_zero(caplog: pytest.LogCaptureFixture) -> None:
