@@ -171,14 +171,19 @@ def test_a_forward_with_grad_records_every_max_pooling_argmax_on_this_torch():
             h = m(h)
 
 
-def test_a_forward_without_grad_records_no_argmax_and_the_pass_pools_again():
+def test_a_forward_without_grad_is_not_recorded():
+    """A no-grad call inside the closure (a metric on other inputs) is not the batch's loss: neither its
+    inputs nor its activations enter the quadratic model."""
     model = _models()["cnn"]
     x = torch.randn(6, 64, dtype=torch.float64)
     rec = InputRecorder()
-    with rec.record(model), torch.no_grad():
+    with rec.record(model):
+        with torch.no_grad():
+            model(torch.randn(3, 64, dtype=torch.float64))
         model(x)
+    assert len(rec.calls) == 1 and rec.calls[0][0][0] is x and len(rec.outputs) == 1
     acts = rec.activations.usable(model, 0)
-    assert acts is not None and not acts.indices
+    assert acts is not None and acts.indices  # the training forward's, with its max-pool argmax
     _, tangents = _tangents(model, 2, 4)
     torch.testing.assert_close(sequential_jvps(model, x, tangents, acts)[1], sequential_jvps(model, x, tangents)[1],
                                rtol=1e-12, atol=1e-13)

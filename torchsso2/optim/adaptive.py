@@ -95,12 +95,17 @@ class InputRecorder:
         child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
 
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            if not torch.is_grad_enabled():  # a metric on other inputs inside the closure: not the batch's loss
+                if self.activations is not None:
+                    self.activations.skip()
+                return
             self.calls.append((args, dict(kwargs), torch.get_rng_state()))
             if self.activations is not None:
                 self.activations.start(module, args, kwargs)
 
         def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-            self.outputs.append(output)
+            if torch.is_grad_enabled():
+                self.outputs.append(output)
 
         handles = [model.register_forward_pre_hook(observer_hook(hook), with_kwargs=True),
                    model.register_forward_hook(observer_hook(out_hook))]

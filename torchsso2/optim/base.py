@@ -96,11 +96,25 @@ def _listed_groups(params: Iterable[Any]) -> List[Any]:
     out: List[Any] = []
     for g in params:
         if isinstance(g, dict) and "params" in g and not isinstance(g["params"], Tensor):
-            g = {**g, "params": list(g["params"])}
+            g = {**g, "params": [_unnamed(p) for p in g["params"]]}
         elif isinstance(g, dict) and isinstance(g.get("params"), Tensor):
             g = {**g, "params": [g["params"]]}
-        out.append(g)
+        out.append(_unnamed(g))
     return out
+
+
+#: per-group options of other torch.optim optimizers (and damping, which is the optimizer's, not a group's):
+#: refused in a param group rather than silently ignored
+_TORCH_ONLY_GROUP_KEYS = frozenset({"maximize", "nesterov", "dampening", "foreach", "fused", "capturable",
+                                    "differentiable", "betas", "eps", "amsgrad", "damping"})
+
+
+def _unnamed(item: Any) -> Any:
+    """A ``(name, parameter)`` pair (``model.named_parameters()``, which torch.optim accepts) as the
+    parameter; anything else unchanged."""
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor):
+        return item[1]
+    return item
 
 
 #: instance attributes a deep copy does not take over (torch.optim's copies drop them too): the
@@ -133,6 +147,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         include = None
         if params is not None:  # only the optimizer's own parameters get curvature (and, VI, weight noise)
             params = _listed_groups(params)
+            if not params:  # torch.optim's message (an empty list, a consumed generator), not "no supported layer"
+                raise ValueError("optimizer got an empty parameter list")
             include = {id(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])}
         self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
@@ -622,6 +638,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             for key, high, high_open in self._GROUP_RANGES:
                 if key in param_group:
                     check_number(f"param group {key!r}", param_group[key], low=0.0, high=high, high_open=high_open)
+            ignored = sorted(k for k in param_group if k in _TORCH_ONLY_GROUP_KEYS)
+            if ignored:
+                raise ValueError(f"param group keys {ignored} are options of other torch.optim optimizers, which "
+                                 f"{type(self).__name__} does not have (it would ignore them); remove them")
+            params = param_group.get("params")
+            listed = [params] if isinstance(params, Tensor) else list(params) if params is not None else []
+            param_group = {**param_group, "params": listed}
+            if len({id(p) for p in listed}) != len(listed):
+                raise ValueError("a param group lists a parameter more than once (torch.optim only warns; here it "
+                                 "would take a plain update besides its curvature step); list each parameter once")
         super().add_param_group(param_group)
 
     def _check_group_values(self) -> None:
@@ -634,7 +660,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 if type(v) is float and 0.0 <= v <= high and not (high_open and v == high):
                     continue  # the common case, without the call
                 if key in group:
-                    check_number(f"param_groups[{i}][{key!r}]", v, low=0.0, high=high, high_open=high_open)
+                    checked = check_number(f"param_groups[{i}][{key!r}]", v, low=0.0, high=high, high_open=high_open)
+                    if type(v) is not int:  # np.float32 from a scheduler's schedule: the optimizer's math takes floats
+                        group[key] = checked
 
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""

@@ -216,9 +216,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
     calls ``backward()`` and returns ``(loss, output)``. The curvature is that of the mean negative
-    log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½·Σ_d (y − f)²`` averaged over the
-    examples, i.e. ``0.5 * (out - y).pow(2).sum(-1).mean()``, not ``F.mse_loss``, which is ``2/D`` of
-    it); a closure loss ``c``× that scales the step by ``c`` (in adaptive mode too, which warns when
+    log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½‖y − f‖²`` over all of an example's
+    outputs, averaged over the examples, i.e. ``0.5 * (out - y).pow(2).reshape(len(out), -1).sum(1).mean()``
+    — ``.sum(-1).mean()`` for ``[N, D]`` outputs, not for ``[N, T, D]`` —, not ``F.mse_loss``, which is
+    ``2/D`` of it); a closure loss ``c``× that scales the step by ``c`` (in adaptive mode too, which warns when
     given ``targets`` for a closure running one forward). ``targets`` is required for
     ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is
     recomputed from the output and ``y`` by double backward; the closure's loss has been

@@ -111,6 +111,11 @@ class ActivationRecorder:
 
         return [child.register_forward_hook(observer_hook(hook)) for child in model]
 
+    def skip(self) -> None:
+        """A forward of the model that is not recorded (under ``torch.no_grad``) begins: its children's
+        outputs go to no record."""
+        self._current = None
+
     def start(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """A forward of ``model`` begins (``args``, ``kwargs`` its arguments)."""
         if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):

@@ -5,6 +5,7 @@ import math
 import numbers
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 
 #: largest accepted learning rate: a natural-gradient step is O(1), so anything above is a typo (lr=1e39
@@ -17,8 +18,9 @@ MAX_DATASET_SIZE = 2 ** 53
 
 def check_number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
                  low_open: bool = False, high_open: bool = False) -> float:
-    """A finite real number in the given interval (bool is rejected)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A finite real number in the given interval, as a Python float (bool is rejected; a NumPy scalar,
+    e.g. ``np.float32`` from a schedule array, is taken as its value)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
     if not math.isfinite(v):

@@ -115,7 +115,9 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         kl_clip: bound on the mean's step, see :data:`DEFAULT_VI_KL_CLIP` (default 0.1; ``None``: off).
         momentum_debias: ``True``: the mean's step ``t`` (1, 2, …; skipped steps do not count) uses
             ``lr/(1 − momentum^t)``, IVON's bias correction of the momentum, so the first steps are as
-            long as the later ones (the KL clip bounds the corrected step). Default
+            long as the later ones (the KL clip bounds the corrected step). ``t`` is the optimizer's step
+            count, one for every group: a group added with ``add_param_group`` later (or a momentum
+            changed by a scheduler) starts its buffer without the correction. Default
             :data:`DEFAULT_VI_MOMENTUM_DEBIAS` = False (see there why).
         momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD),
             :data:`DEFAULT_VI_EMA_DECAY` = 0.99999 **per step** (IVON's β₂; see there why), 0.0 (the
