@@ -188,7 +188,10 @@ class Capture:
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
                 on_gradient(output, _appender(rec.backward_grads))
-            return output.clone() if output.requires_grad and name not in self.shape_only else None
+            # a view output (Linear on [N, T, d]) is cloned too: an in-place op after the layer (ReLU(inplace=True),
+            # h += x) would rebase the view's autograd node, and the hook on it would never run
+            return output.clone() if output.requires_grad and (name not in self.shape_only or output._is_view()) \
+                else None
         return capture_hook(hook)
 
     def _route_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:

@@ -56,9 +56,11 @@ def forward_replaced(module: nn.Module, fam: LayerFamily) -> Optional[str]:
     if "forward" in vars(module):
         return "its forward was replaced on the instance (module.forward = ...)"
     base = next(t for t in fam.module_types if isinstance(module, t))
-    if type(module).forward is not base.forward:
-        owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
-        return f"{owner.__qualname__}.forward overrides {base.__name__}.forward"
+    for method in ("forward", "_conv_forward"):  # Conv2d.forward calls _conv_forward (weight standardization)
+        if getattr(base, method, None) is not None and getattr(type(module), method) is not getattr(base, method):
+            owner = next(c for c in type(module).__mro__ if method in vars(c))
+            name = owner.__qualname__ if owner.__qualname__ != base.__name__ else f"{owner.__module__}.{owner.__qualname__}"
+            return f"{name}.{method} overrides {base.__module__}.{base.__name__}.{method}"
     return None
 
 

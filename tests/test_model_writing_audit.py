@@ -112,7 +112,7 @@ def test_a_subclass_replacing_forward_is_refused_with_the_skip(face: str) -> Non
     build = {"compute": lambda m: curvature.compute(m, x, y),
              "second_order": lambda m: SecondOrderOptimizer(m),
              "vi": lambda m: VIOptimizer(m, dataset_size=6)}[face]
-    with pytest.raises(ValueError, match=r"ScaledLinear.forward overrides Linear.forward.*skip_modules=\['\^0\$'\]"):
+    with pytest.raises(ValueError, match=r"ScaledLinear.forward overrides torch.nn.modules.linear.Linear.forward.*skip_modules=\['\^0\$'\]"):
         build(model)
     build(nn.Sequential(KeptLinear(4, 5), nn.Tanh(), nn.Linear(5, 3)))  # keeps Linear.forward: covered
     if face != "compute":  # the skip named in the message works
@@ -151,3 +151,15 @@ def test_a_parametrized_root_module_gets_no_skip_hint_that_would_leave_nothing()
     nn.utils.parametrizations.orthogonal(nested[0])
     with pytest.raises(ValueError, match=r"skip_modules=\['\^0\$'\]"):
         SecondOrderOptimizer(nested)
+
+
+class _StandardizedConv(nn.Conv2d):  # weight standardization through _conv_forward (BiT / timm style)
+    def _conv_forward(self, x: Tensor, weight: Tensor, bias) -> Tensor:
+        w = (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std((1, 2, 3), keepdim=True) + 1e-5)
+        return super()._conv_forward(x, w, bias)
+
+
+def test_a_conv_subclass_replacing_conv_forward_is_refused() -> None:
+    model = nn.Sequential(_StandardizedConv(1, 2, 3), nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"_StandardizedConv._conv_forward overrides .*Conv2d._conv_forward"):
+        SecondOrderOptimizer(model)

@@ -27,7 +27,8 @@ def _remove(handles: List[RemovableHandle]) -> None:
 
 
 def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) -> List[RemovableHandle]:
-    """Register ``owner.<method>(module, inputs, output)`` as a forward hook of every module.
+    """Register ``owner.<method>(module, inputs, output)`` as a forward hook of every module (what it
+    returns replaces the module's output, as a forward hook's return value does).
 
     Returns the handles (a list the owner keeps; removing and clearing it detaches the hooks).
     When ``owner`` is garbage-collected the hooks are removed.
@@ -36,10 +37,11 @@ def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) 
     # copy.deepcopy(model) copies the hooks: a copy's forwards call this same function, and are ignored
     registered = weakref.WeakSet(modules)
 
-    def hook(module: nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+    def hook(module: nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         target = ref()
         if target is not None and module in registered:  # a layer called as lin(input=x) passes it in kwargs
-            getattr(target, method)(module, inputs if inputs else tuple(kwargs.values()), output)
+            return getattr(target, method)(module, inputs if inputs else tuple(kwargs.values()), output)
+        return None
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     weakref.finalize(owner, _remove, handles)

@@ -248,7 +248,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         }
 
     # ---- hooks ------------------------------------------------------------------------------
-    def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+    def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> Optional[Tensor]:
         if not module.training or not torch.is_grad_enabled():
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
@@ -273,6 +273,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
         # after the hooks on the output, as kfac_pytorch's backward hook (a user's out.register_hook(2·g))
         on_gradient(output, weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
+        # a view output (Linear on [N, T, d]): an in-place op after the layer (ReLU(inplace=True), h += x) would
+        # rebase the view's autograd node and the hook on it would never run; the layer returns a copy instead
+        return output.clone() if output._is_view() else None
 
     def _reset_step_counts(self) -> None:
         """Forget the calls recorded in this step (after a step, a skip, a loaded checkpoint)."""
@@ -323,11 +326,16 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         """
         layers = list(self.layers.values())
         if self._steps % self.factor_update_steps == 0 and layers and not any(self._mini_steps.values()) \
-                and not any(layer.has_factors() for layer in layers) and self._model_is_compiled \
-                and any(layer.has_grad() for layer in layers):
-            # kfac_pytorch raises here too ("Cannot eigendecompose A before A has been computed")
+                and not any(layer.has_factors() for layer in layers) and any(layer.has_grad() for layer in layers):
+            # gradients but no recorded forward before the first factors: kfac_pytorch raises here too
+            # ("Cannot eigendecompose A before A has been computed")
             raise RuntimeError(compiled_before_hooks("no forward of a registered layer was recorded before step()",
-                                                     "the preconditioner"))
+                                                     "the preconditioner") if self._model_is_compiled else
+                               "no forward of a registered layer was recorded before step(), so there are no factors "
+                               "to precondition with: run the model's forward (with gradients, in training mode) and "
+                               "backward before step(). If the loop calls a torch.compile'd copy of the model, its "
+                               "graph was traced before the preconditioner's hooks existed: build the preconditioner "
+                               "before the copy's first call, or call torch._dynamo.reset() after building it")
         if self._steps % self.factor_update_steps == 0:
             # every batch of the step, or (factors updated in the hooks) those no hook folded
             # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)

@@ -493,6 +493,11 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
         except ValueError as err:
             if "positive definite" not in str(err):
                 raise
+            if not any(bool(v.any()) for v in vecs):  # a zero gradient (a batch fitted exactly): no step, as
+                for s in states:                      # after a zero-loss batch, and no skip
+                    s.pop("adaptive_delta", None)
+                ada.last = {"learning_rate": 0.0, "momentum": 0.0, "quad_model": 0.0, "steps": ada.last["steps"] + 1}
+                return 0.0
             logger.warning("step %d: %s; no update", opt.num_steps, err)
             return None
         if loss is not None:

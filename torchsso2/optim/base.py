@@ -17,9 +17,11 @@ import copy
 from collections import OrderedDict
 import logging
 import math
+import numbers
 import zlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -295,7 +297,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
                 acc.add(engine.estimate_from_backward(cap, loss_scale=n / scale), n)
         if acc.blocks is None and not acc.nonfinite:
-            raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure")
+            raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure. If it "
+                               "calls a torch.compile'd copy of the model, its graph was traced before the optimizer's "
+                               "hooks existed: build the optimizer before the copy's first call, or call "
+                               "torch._dynamo.reset() after building it")
         return loss, output, self._without_frozen(acc.result())
 
     def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
@@ -373,6 +378,13 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if rest:
                 self.comm.allreduce(rest, op="mean")
         return True, params, groups
+
+    def _grads_unscaled(self) -> bool:
+        """Whether the closure unscaled the gradients itself (``scaler.unscale_(opt)``, to clip them):
+        the ``GradScaler``'s stage for this optimizer (False for a callable scale or no scaler)."""
+        states = getattr(self.grad_scaler, "_per_optimizer_states", None)
+        stage = states.get(id(self), {}).get("stage") if isinstance(states, dict) else None
+        return getattr(stage, "name", "") == "UNSCALED"
 
     def _unscale_grads(self) -> bool:
         """With a ``grad_scaler``: unscale ``p.grad`` in place (``scaler.unscale_``) and return False
@@ -667,7 +679,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
         high, high_open = next(((h, o) for k, h, o in self._GROUP_RANGES if k == key), (math.inf, False))
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) \
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
                 or not 0.0 <= float(value) <= high or (high_open and float(value) >= high):
             raise ValueError(f"checkpoint entry {entry} is {value!r}, expected a finite number in "
                              f"[0, {high}{')' if high_open else ']'}; the optimizer is unchanged")

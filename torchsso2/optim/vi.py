@@ -275,7 +275,8 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         out: Dict[str, Tensor] = {}
         # with a grad_scaler p.grad is S·g: the precision times 1/S unscales ĥ as it is formed (S·g·ε·(1/σ²)
         # would overflow float32 long before S·g does, and the scaler would never see it and back off)
-        unscale = 1.0 / float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+        unscale = 1.0 / float(self.grad_scaler.get_scale()) \
+            if self.grad_scaler is not None and not self._grads_unscaled() else 1.0
         for name, lay in self.engine.layouts.items():
             if any(id(p) not in eps for p in lay.params):  # frozen (not sampled): its curvature is kept
                 continue
