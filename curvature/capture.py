@@ -115,8 +115,9 @@ class Capture:
             warnings.warn(
                 "a global forward hook (torch.nn.modules.module.register_module_forward_hook) is registered: torch "
                 "runs it before every module's own hooks, so the curvature records a covered layer's output after "
-                "it; one that changes outputs (o -> 2·o) makes the curvature miss that change (and an nn.MultiheadAttention's recorded forward drops it from "
-                "the output). Register such a hook on the modules (module.register_forward_hook), whose changes the curvature includes",
+                "it; one that changes outputs (o -> 2·o) makes the curvature miss that change (and an "
+                "nn.MultiheadAttention's recorded forward drops it from the output). Register such a hook on the "
+                "modules (module.register_forward_hook), whose changes the curvature includes",
                 UserWarning, stacklevel=3)
         # prepended: they see the layer's own output, before any forward hook of the user's changes it
         # (o -> 2·o); the gradient reaching the recorded output then carries the user's hook too
