@@ -100,3 +100,12 @@ def test_a_no_grad_model_call_in_an_adaptive_closure_is_not_in_the_quadratic_mod
         opt.step(closure)
         alphas.append(opt.adaptive.last["learning_rate"])
     assert alphas[1] == pytest.approx(alphas[0], rel=1e-12)
+
+
+def test_named_parameters_in_add_param_group_and_sets_refused_as_torch_does() -> None:
+    model = _model()
+    opt = SecondOrderOptimizer(model, params=model[0].named_parameters())
+    opt.add_param_group({"params": model[2].named_parameters()})
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    with pytest.raises(TypeError, match="ordered collections"):
+        SecondOrderOptimizer(_model()).add_param_group({"params": {torch.nn.Parameter(torch.zeros(2))}})

@@ -333,7 +333,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                                      "the preconditioner") if self._model_is_compiled else
                                "no forward of a registered layer was recorded before step(), so there are no factors "
                                "to precondition with: run the model's forward (with gradients, in training mode) and "
-                               "backward before step(). If the loop calls a torch.compile'd copy of the model, its "
+                               "backward before step() (a registered layer never called, as nn.MultiheadAttention's "
+                               "out_proj, whose weight the attention uses directly, needs skip_layers). If the loop "
+                               "calls a torch.compile'd copy of the model, its "
                                "graph was traced before the preconditioner's hooks existed: build the preconditioner "
                                "before the copy's first call, or call torch._dynamo.reset() after building it")
         if self._steps % self.factor_update_steps == 0:

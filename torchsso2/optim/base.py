@@ -655,7 +655,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group keys {ignored} are options of other torch.optim optimizers, which "
                                  f"{type(self).__name__} does not have (it would ignore them); remove them")
             params = param_group.get("params")
-            listed = [params] if isinstance(params, Tensor) else list(params) if params is not None else []
+            if isinstance(params, set):  # torch.optim's refusal, which converting to a list would skip
+                raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                                "of tensors in sets will change between runs. Please use a list instead.")
+            listed = [params] if isinstance(params, Tensor) else [_unnamed(p) for p in params] \
+                if params is not None else []
             param_group = {**param_group, "params": listed}
             if len({id(p) for p in listed}) != len(listed):
                 raise ValueError("a param group lists a parameter more than once (torch.optim only warns; here it "
