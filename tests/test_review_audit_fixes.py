@@ -126,3 +126,19 @@ def test_kfac_step_with_gradients_but_no_recorded_forward_raises_as_kfac_pytorch
     del out
     with pytest.raises(RuntimeError, match="no forward of a registered layer was recorded before step"):
         pre.step()
+
+
+def test_kfac_warns_about_multihead_attention_out_proj_it_never_sees() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x, x, x)[0].mean(1))
+    with pytest.warns(UserWarning, match=r"\['attn.out_proj'\] are nn.MultiheadAttention out_proj layers"):
+        KFACPreconditioner(Attention())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KFACPreconditioner(Attention(), skip_layers=["out_proj"])

@@ -7,6 +7,7 @@ pattern matches (``re.search``) its name or its class name. Every other module i
 from __future__ import annotations
 
 import re
+import warnings
 from typing import List, Sequence, Tuple
 
 from torch import nn
@@ -58,4 +59,12 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}; K-FAC cannot handle it, add it to skip_layers") from None
         found.append((name, module, family))
+    # nn.MultiheadAttention computes with out_proj's weight without calling out_proj: no forward of it is seen
+    uncalled = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    names = [name for name, module, _ in found if id(module) in uncalled]
+    if names:
+        warnings.warn(f"layers {names} are nn.MultiheadAttention out_proj layers, whose weight the attention uses "
+                      "without calling them: K-FAC sees no forward of them, so they stay unpreconditioned "
+                      "(kfac_pytorch fails on them); add 'out_proj' to skip_layers to leave them out",
+                      UserWarning, stacklevel=3)
     return found
