@@ -188,7 +188,7 @@ class Capture:
                                                  if isinstance(i, Tensor) and i.grad_fn is not None))
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
-                on_gradient(output, _appender(rec.backward_grads))
+                on_gradient(output, grad_appender(rec.backward_grads))
             # a view output (Linear on [N, T, d]) is cloned too: an in-place op after the layer (ReLU(inplace=True),
             # h += x) would rebase the view's autograd node, and the hook on it would never run
             return output.clone() if output.requires_grad and (name not in self.shape_only or output._is_view()) \
@@ -237,7 +237,7 @@ def on_gradient(tensor: Tensor, fn: Callable[[Tensor], None]) -> None:
     node.register_prehook(pre)
 
 
-def _appender(grads: List[Tensor]) -> Callable[[Tensor], None]:
+def grad_appender(grads: List[Tensor]) -> Callable[[Tensor], None]:
     """The tensor hook recording ``∂loss/∂output`` into ``grads``.
 
     It must not reference the record (nor anything else holding the output tensor): a hook is

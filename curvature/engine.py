@@ -63,13 +63,18 @@ def _scaled_sum(tensors: List[Tensor], scale: float) -> Tensor:
     return total * scale
 
 
-def compiled_before_hooks(what: str, owner: str = "the optimizer") -> str:
-    """The message for a compiled model whose graph was traced before ``owner``'s recording hooks existed."""
+def compile_advice(owner: str) -> str:
+    """How a torch.compile'd model whose graph was traced before ``owner`` existed gets ``owner``'s hooks."""
+    return f"build {owner} before the compiled model's first call, or call torch._dynamo.reset() after building it"
+
+
+def compiled_before_hooks(what: str, owner: str = "the optimizer", uncompiled: bool = True) -> str:
+    """The message for a compiled model whose graph was traced before ``owner``'s recording hooks existed
+    (``uncompiled``: also name curvature.compute's other way, the uncompiled module)."""
     return (f"{what}: the model is torch.compile'd and its graph was traced before {owner}'s hooks existed (a "
-            f"call before {owner} was built, e.g. a warm-up or an earlier training run), so it runs without them. "
-            f"Build {owner} before the compiled model's first call, or call torch._dynamo.reset() after building it"
-            + (" (curvature.compute: or pass the uncompiled module, compiled._orig_mod)" if owner == "the optimizer"
-               else ""))
+            f"call before {owner} was built, e.g. a warm-up or an earlier training run), so it runs without them: "
+            + compile_advice(owner)
+            + (" (curvature.compute: or pass the uncompiled module, compiled._orig_mod)" if uncompiled else ""))
 
 
 def is_compiled(model: nn.Module) -> bool:

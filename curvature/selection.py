@@ -45,6 +45,11 @@ def _default_approx(module: nn.Module) -> Approx:
 _LAYER_PARAMETERS = frozenset({"weight", "bias", "in_proj_weight", "in_proj_bias"})
 
 
+def skip_hint(name: str) -> str:
+    """``skip_modules=['^name$']``: the exact-name entry that leaves module ``name`` to the plain update."""
+    return f"skip_modules=[{'^' + re.escape(name) + '$'!r}]"
+
+
 def forward_replaced(module: nn.Module, fam: LayerFamily) -> Optional[str]:
     """Why ``module`` does not compute its family's layer function, or None.
 
@@ -129,7 +134,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 f"module {name!r} is a TorchScript module ({type(module).__name__}, from torch.jit.script/trace): "
                 "its layers are compiled code the curvature capture cannot hook. Build the optimizer on the original "
                 "nn.Module (script or trace it for deployment after training), or skip it with "
-                f"skip_modules=[{'^' + re.escape(name) + '$'!r}]")
+                f"{skip_hint(name)}")
         if isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, spectral_norm, ... (new API)
             layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
             if not layer:
@@ -141,7 +146,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             raise ValueError(
                 f"module {layer!r} has a parametrized parameter ({name}: torch.nn.utils.parametrize, e.g. "
                 "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
-                f"formulas do not cover; skip it with skip_modules=[{'^' + re.escape(layer) + '$'!r}] (its parameters "
+                f"formulas do not cover; skip it with {skip_hint(layer)} (its parameters "
                 "then take the plain update) or remove the parametrization")
         if fam is not None and {n for n, _ in direct} - _LAYER_PARAMETERS:
             extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
@@ -149,7 +154,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 f"module {name!r} ({type(module).__name__}) holds parameters {extra} that are not its layer's own "
                 "weight/bias: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, hook-based "
                 "API) computes the weight from them, which the curvature formulas do not cover; skip it with "
-                f"skip_modules=[{'^' + re.escape(name) + '$'!r}] or remove the reparametrization")
+                f"{skip_hint(name)} or remove the reparametrization")
         if fam is None and any(True for _ in module.children()):
             # a container holding parameters itself (a ViT's cls_token, a learned temperature): skipping
             # it would skip its layers too
@@ -174,12 +179,12 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 f"module {name!r} ({type(module).__name__}): {replaced}; the curvature formulas are those of the "
                 "layer's own forward and would be silently wrong for another function (a scaled output, a "
                 "standardized or masked weight, a permuted normalization axis); leave the module to the plain "
-                f"update with skip_modules=[{'^' + re.escape(name) + '$'!r}], or use the plain layer class")
+                f"update with {skip_hint(name)}, or use the plain layer class")
         try:
             fam.validate(module)
         except ValueError as err:
             raise ValueError(f"module {name!r} ({type(module).__name__}): {err}; or leave the module to the "
-                             f"plain update with skip_modules=[{'^' + re.escape(name) + '$'!r}]") from err
+                             f"plain update with {skip_hint(name)}") from err
         own = []
         for local, p in direct:
             if id(p) in owner:  # tied: the first module (named_parameters order) holds the block

@@ -38,16 +38,21 @@ def test_one_logit_cross_entropy_is_refused_not_zero_curvature(kind: str) -> Non
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_one_logit_empirical_fisher_from_the_backward_still_trains() -> None:
-    model, x, y = _binary()
-    opt = SecondOrderOptimizer(model, curvature="empirical_fisher")
-
+def _bce_closure(opt, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """A binary classifier's closure: one logit, F.binary_cross_entropy_with_logits."""
     def closure() -> tuple:
         opt.zero_grad()
         out = model(x)
         loss = F.binary_cross_entropy_with_logits(out, y)
         loss.backward()
         return loss, out
+    return closure
+
+
+def test_one_logit_empirical_fisher_from_the_backward_still_trains() -> None:
+    model, x, y = _binary()
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher")
+    closure = _bce_closure(opt, model, x, y)
     first = float(closure()[0].detach())
     for _ in range(20):
         opt.step(closure)
@@ -57,13 +62,7 @@ def test_one_logit_empirical_fisher_from_the_backward_still_trains() -> None:
 def test_vi_predict_refuses_a_one_logit_softmax() -> None:
     model, x, y = _binary()
     opt = VIOptimizer(model, dataset_size=16)
-
-    def closure() -> tuple:
-        opt.zero_grad()
-        out = model(x)
-        loss = F.binary_cross_entropy_with_logits(out, y)
-        loss.backward()
-        return loss, out
+    closure = _bce_closure(opt, model, x, y)
     opt.step(closure)
     with pytest.raises(ValueError, match=r"one logit is 1 everywhere.*sampled_params\(generator=g\)"):
         opt.predict(x)

@@ -176,7 +176,9 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
     """A ``with_kwargs`` forward hook for :class:`~curvature.capture.Capture`: records ``x``/``z`` of
     the in-projection as the module's :class:`~curvature.capture.ModuleRecord` and returns the
     recomputed output (see the module docstring)."""
-    from ..capture import ModuleRecord  # the capture imports the families, not the other way round
+    # the capture and the selection import the families, not the other way round
+    from ..capture import ModuleRecord, grad_appender
+    from ..selection import skip_hint
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -197,19 +199,11 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
                 f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "
                 "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
                 "step does, so those hooks would run at curvature steps only. Register them on the attention "
-                f"module, or leave the attention to the plain update with skip_modules=[{'^' + name + '$'!r}]")
+                f"module, or leave the attention to the plain update with {skip_hint(name)}")
         result, x, z = recorded_forward(module, **call)
         rec = ModuleRecord(inputs=(x.detach(),), output=z)
         capture.records[name] = rec
         if capture.record_backward and z.requires_grad:
-            z.register_hook(_appender(rec.backward_grads))
+            z.register_hook(grad_appender(rec.backward_grads))
         return result
     return capture_hook(hook)
-
-
-def _appender(grads: List[Tensor]):
-    """The tensor hook recording ``∂loss/∂z`` into ``grads``; it holds the list only, not the record:
-    ``z → autograd node → hook → record → z`` would be a cycle through C++ that gc cannot collect."""
-    def append(g: Tensor) -> None:
-        grads.append(g.detach())
-    return append

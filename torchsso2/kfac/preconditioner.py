@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.capture import on_gradient
-from curvature.engine import compiled_before_hooks, is_compiled
+from curvature.engine import compile_advice, compiled_before_hooks, is_compiled
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
@@ -329,15 +329,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 and not any(layer.has_factors() for layer in layers) and any(layer.has_grad() for layer in layers):
             # gradients but no recorded forward before the first factors: kfac_pytorch raises here too
             # ("Cannot eigendecompose A before A has been computed")
-            raise RuntimeError(compiled_before_hooks("no forward of a registered layer was recorded before step()",
-                                                     "the preconditioner") if self._model_is_compiled else
-                               "no forward of a registered layer was recorded before step(), so there are no factors "
-                               "to precondition with: run the model's forward (with gradients, in training mode) and "
-                               "backward before step() (a registered layer never called, as nn.MultiheadAttention's "
-                               "out_proj, whose weight the attention uses directly, needs skip_layers). If the loop "
-                               "calls a torch.compile'd copy of the model, its "
-                               "graph was traced before the preconditioner's hooks existed: build the preconditioner "
-                               "before the copy's first call, or call torch._dynamo.reset() after building it")
+            what = "no forward of a registered layer was recorded before step()"
+            raise RuntimeError(compiled_before_hooks(what, "the preconditioner", uncompiled=False)
+                               if self._model_is_compiled else
+                               f"{what}, so there are no factors to precondition with: run the model's forward (with "
+                               "gradients, in training mode) and backward before step() (a registered layer never "
+                               "called, as nn.MultiheadAttention's out_proj, whose weight the attention uses directly, "
+                               "needs skip_layers). If the loop calls a torch.compile'd copy of the model, its graph "
+                               "was traced before the preconditioner's hooks existed: "
+                               + compile_advice("the preconditioner"))
         if self._steps % self.factor_update_steps == 0:
             # every batch of the step, or (factors updated in the hooks) those no hook folded
             # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)

@@ -455,6 +455,13 @@ def decay_term(params: Sequence[Tensor], wds: Sequence[float]) -> float:
     return sum(0.5 * wd * float(p.detach().double().pow(2).sum()) for p, wd in zip(params, wds) if wd)
 
 
+def _forget_previous_update(states: Sequence[Dict[str, Any]]) -> None:
+    """Drop δ_prev after a step that did not move: a zero δ_prev would make the next steps' 2×2 model
+    singular for good; the next step solves for α alone, as the first one."""
+    for s in states:
+        s.pop("adaptive_delta", None)
+
+
 def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, Any]],
                   targets: Optional[Tensor], loss: Optional[float] = None) -> Optional[float]:
     """Apply ``θ ← θ + αΔ + μ·δ_prev`` with the solved coefficients (``opt`` a
@@ -494,8 +501,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
             if "positive definite" not in str(err):
                 raise
             if not any(bool(v.any()) for v in vecs):  # a zero gradient (a batch fitted exactly): no step, as
-                for s in states:                      # after a zero-loss batch, and no skip
-                    s.pop("adaptive_delta", None)
+                _forget_previous_update(states)       # after a zero-loss batch, and no skip
                 ada.last = {"learning_rate": 0.0, "momentum": 0.0, "quad_model": 0.0, "steps": ada.last["steps"] + 1}
                 return 0.0
             logger.warning("step %d: %s; no update", opt.num_steps, err)
@@ -517,11 +523,8 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
         else:
             for p, t in zip(params, new):
                 p.add_(t.to(p.dtype))
-        if alpha == 0.0 and (prev is None or mu == 0.0):
-            # no update (a batch whose loss is 0: within_objective's t = 0): a zero δ_prev would make the
-            # next steps' 2×2 model singular for good; the next step solves for α alone, as the first one
-            for s in states:
-                s.pop("adaptive_delta", None)
+        if alpha == 0.0 and (prev is None or mu == 0.0):  # no update (a batch whose loss is 0: t = 0)
+            _forget_previous_update(states)
         else:
             for s, t in zip(states, new):
                 s["adaptive_delta"] = t

@@ -17,15 +17,14 @@ import copy
 from collections import OrderedDict
 import logging
 import math
-import numbers
 import zlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from curvature import CurvatureEngine, RunningCurvature
+from curvature.engine import compile_advice
 from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
@@ -97,12 +96,22 @@ def _listed_groups(params: Iterable[Any]) -> List[Any]:
                         f"but got {torch.typename(params)}")
     out: List[Any] = []
     for g in params:
-        if isinstance(g, dict) and "params" in g and not isinstance(g["params"], Tensor):
-            g = {**g, "params": [_unnamed(p) for p in g["params"]]}
-        elif isinstance(g, dict) and isinstance(g.get("params"), Tensor):
-            g = {**g, "params": [g["params"]]}
+        if isinstance(g, dict) and "params" in g:
+            g = {**g, "params": _param_list(g["params"])}
         out.append(_unnamed(g))
     return out
+
+
+def _param_list(params: Any) -> List[Any]:
+    """A param group's ``params`` as torch.optim takes them — a tensor, or an ordered iterable of tensors
+    or ``(name, tensor)`` pairs — as a list; a set is refused, as torch.optim refuses it (converting it to a
+    list first would skip that check)."""
+    if isinstance(params, Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                        "of tensors in sets will change between runs. Please use a list instead.")
+    return [_unnamed(p) for p in params]
 
 
 #: per-group options of other torch.optim optimizers (and damping, which is the optimizer's, not a group's):
@@ -299,8 +308,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if acc.blocks is None and not acc.nonfinite:
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure. If it "
                                "calls a torch.compile'd copy of the model, its graph was traced before the optimizer's "
-                               "hooks existed: build the optimizer before the copy's first call, or call "
-                               "torch._dynamo.reset() after building it")
+                               "hooks existed: " + compile_advice("the optimizer"))
         return loss, output, self._without_frozen(acc.result())
 
     def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
@@ -655,11 +663,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group keys {ignored} are options of other torch.optim optimizers, which "
                                  f"{type(self).__name__} does not have (it would ignore them); remove them")
             params = param_group.get("params")
-            if isinstance(params, set):  # torch.optim's refusal, which converting to a list would skip
-                raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
-                                "of tensors in sets will change between runs. Please use a list instead.")
-            listed = [params] if isinstance(params, Tensor) else [_unnamed(p) for p in params] \
-                if params is not None else []
+            listed = _param_list(params) if params is not None else []
             param_group = {**param_group, "params": listed}
             if len({id(p) for p in listed}) != len(listed):
                 raise ValueError("a param group lists a parameter more than once (torch.optim only warns; here it "
@@ -683,10 +687,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
         high, high_open = next(((h, o) for k, h, o in self._GROUP_RANGES if k == key), (math.inf, False))
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
-                or not 0.0 <= float(value) <= high or (high_open and float(value) >= high):
+        try:  # the argument's own check, with the checkpoint's message
+            check_number(entry, value, low=0.0, high=high, high_open=high_open)
+        except (TypeError, ValueError):
             raise ValueError(f"checkpoint entry {entry} is {value!r}, expected a finite number in "
-                             f"[0, {high}{')' if high_open else ']'}; the optimizer is unchanged")
+                             f"[0, {high}{')' if high_open else ']'}; the optimizer is unchanged") from None
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         """Check the face's own checkpoint entries (ValueError naming the entry)."""

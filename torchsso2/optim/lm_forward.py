@@ -123,7 +123,8 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
     """Warn (once per optimizer) when an adaptive learning rate is given ``targets`` and the closure's
     loss is not the mean NLL of its output: the quadratic model takes the curvature of the mean NLL and
     the gradient of the closure's loss, so a loss ``c``× the mean NLL (``F.mse_loss``'s mean over the D
-    outputs per example: ``2/D``; ``reduction="sum"``: ``N``) makes the adaptive step ``c``× the model's minimiser."""
+    outputs per example: ``2/D``; ``reduction="sum"``: ``N``) makes the adaptive step ``c``× the model's
+    minimiser."""
     if opt.__dict__.get("_loss_scale_checked") or opt.adaptive is None or not opt.adaptive.learning_rate:
         return
     pair = closure_loss_and_nll(opt, opt.adaptive.recorder, targets, loss, output)
@@ -139,5 +140,6 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
             f"adaptive learning rate: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood "
             f"of its output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}). The quadratic "
             "model takes the curvature of the mean NLL and the gradient of the closure's loss, so a scaled loss "
-            "(F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step by the same factor; return the mean "
-            "NLL from the closure (plus any terms you mean to add)", UserWarning, stacklevel=4)
+            "(F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step by the "
+            "same factor; return the mean NLL from the closure (plus any terms you mean to add)",
+            UserWarning, stacklevel=4)

@@ -219,8 +219,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½‖y − f‖²`` over all of an example's
     outputs, averaged over the examples, i.e. ``0.5 * (out - y).pow(2).reshape(len(out), -1).sum(1).mean()``
     — ``.sum(-1).mean()`` for ``[N, D]`` outputs, not for ``[N, T, D]`` —, not ``F.mse_loss``, which is
-    ``2/D`` of it for ``D`` outputs per example, ``T·D`` for ``[N, T, D]``); a closure loss ``c``× that scales the step by ``c`` (in adaptive mode too, which warns when
-    given ``targets`` for a closure running one forward). ``targets`` is required for
+    ``2/D`` of it for ``D`` outputs per example, ``T·D`` for ``[N, T, D]``); a closure loss ``c``× that
+    scales the step by ``c`` (in adaptive mode too, which warns when given ``targets`` for a closure
+    running one forward). ``targets`` is required for
     ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is
     recomputed from the output and ``y`` by double backward; the closure's loss has been
     backpropagated already) and makes ``"empirical_fisher"`` exact for any loss reduction.
