@@ -66,10 +66,12 @@ class KFACLayer:
         self.param_names: Tuple[str, ...] = tuple(n for n, _ in family.covered_params(module))
         rows, cols = family.weight_matrix_shape(module)  # type: ignore[attr-defined]
         self.sizes: Dict[str, int] = {"A": cols + int("bias" in self.param_names), "G": rows}
-        # factor batches of the current step (sum over micro-batches and their count)
+        # factor batches of the current step (sums over micro-batches and their counts; A is counted per
+        # recorded forward, G per backward through it, as kfac_pytorch's forward and backward hooks do)
         self.a_batch: Optional[Tensor] = None
         self.g_batch: Optional[Tensor] = None
-        self.batch_count = 0
+        self.a_count = 0
+        self.g_count = 0
         # running averages
         self.a_factor: Optional[Tensor] = None
         self.g_factor: Optional[Tensor] = None
@@ -108,9 +110,15 @@ class KFACLayer:
             p.grad.copy_(part.reshape(p.grad.shape))
 
     # ---- factors ------------------------------------------------------------------------
+    @property
+    def batch_count(self) -> int:
+        """How many contributions wait in the batch (forwards for ``A``, backwards for ``G``)."""
+        return max(self.a_count, self.g_count)
+
     def accumulate(self, inputs: Tuple[Tensor, ...], grad_output: Tensor,
-                   grad_scale: Optional[float] = None) -> bool:
-        """Add one forward/backward pair's ``(A, G)`` to the batch.
+                   grad_scale: Optional[float] = None, with_a: bool = True) -> bool:
+        """Add one forward/backward pair's ``(A, G)`` to the batch (only ``G`` with ``with_a=False``:
+        a second backward through a recorded forward, ``retain_graph=True``).
 
         With a ``grad_scale`` (AMP) a non-finite contribution (an overflowing backward) is
         skipped and False returned; without one no check is made (no device sync).
@@ -120,25 +128,30 @@ class KFACLayer:
         if grad_scale is not None and not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(a).all())):
             logger.warning("K-FAC layer %r: non-finite factor contribution skipped (AMP overflow?)", self.name)
             return False
-        self.a_batch = a if self.a_batch is None else self.a_batch + a
+        if with_a:
+            self.a_batch = a if self.a_batch is None else self.a_batch + a
+            self.a_count += 1
         self.g_batch = g if self.g_batch is None else self.g_batch + g
-        self.batch_count += 1
+        self.g_count += 1
         return True
 
     def update_factors(self, decay: float) -> bool:
-        """Fold the batch into the running factors: ``F ← decay·F + (1 − decay)·mean(batch)``.
+        """Fold the batch into the running factors: ``F ← decay·F + (1 − decay)·mean(batch)``, each
+        factor that has a batch (only ``G`` after a second backward through a forward already
+        folded, as kfac_pytorch).
 
         A factor starts as the identity (kfac_pytorch). Returns whether there was a batch.
         """
-        if self.a_batch is None or self.g_batch is None:
+        if self.a_batch is None and self.g_batch is None:
             return False
-        a_new, g_new = self.a_batch, self.g_batch
-        if self.batch_count > 1:
-            a_new, g_new = a_new / self.batch_count, g_new / self.batch_count
         if self._before_fold is None:  # the fold makes new tensors: the old ones are kept as they are
             self._before_fold = (self.a_factor, self.g_factor)
-        self.a_factor = self._ema(self.a_factor, a_new, decay)
-        self.g_factor = self._ema(self.g_factor, g_new, decay)
+        if self.a_batch is not None:
+            self.a_factor = self._ema(self.a_factor, self.a_batch / self.a_count if self.a_count > 1
+                                      else self.a_batch, decay)
+        if self.g_batch is not None:
+            self.g_factor = self._ema(self.g_factor, self.g_batch / self.g_count if self.g_count > 1
+                                      else self.g_batch, decay)
         self.reset_batch()
         return True
 
@@ -150,7 +163,7 @@ class KFACLayer:
 
     def reset_batch(self) -> None:
         self.a_batch = self.g_batch = None
-        self.batch_count = 0
+        self.a_count = self.g_count = 0
 
     def keep_folds(self) -> None:
         """The step went through: the factors folded since the last step stay."""

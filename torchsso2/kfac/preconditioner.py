@@ -272,7 +272,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
         # after the hooks on the output, as kfac_pytorch's backward hook (a user's out.register_hook(2·g))
-        on_gradient(output, weak_grad_hook(self, "_grad_hook", layer, saved, self._mini_steps[layer.name]))
+        # one record per call: a second backward through it (retain_graph=True) adds only its G
+        call = {"inputs": saved, "mini_step": self._mini_steps[layer.name], "seen": False}
+        on_gradient(output, weak_grad_hook(self, "_grad_hook", layer, call))
         # a view output (Linear on [N, T, d]): an in-place op after the layer (ReLU(inplace=True), h += x) would
         # rebase the view's autograd node and the hook on it would never run; the layer returns a copy instead
         return output.clone() if output._is_view() else None
@@ -299,11 +301,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         count = self._micro_batches if self._micro_batches else mini_step
         return count % self._accumulation_steps == 0
 
-    def _grad_hook(self, layer: KFACLayer, inputs: Tuple[Any, ...], mini_step: int, grad: Tensor) -> None:
-        self._awaiting[layer.name] -= 1
+    def _grad_hook(self, layer: KFACLayer, call: Dict[str, Any], grad: Tensor) -> None:
+        first = not call["seen"]
+        call["seen"] = True
+        if first:
+            self._awaiting[layer.name] -= 1
         with torch.no_grad():
-            layer.accumulate(inputs, grad.detach(), grad_scale_of(self.grad_scaler))
-            if self.update_factors_in_hook and self._fold_in_hook(layer, mini_step):
+            layer.accumulate(call["inputs"], grad.detach(), grad_scale_of(self.grad_scaler), with_a=first)
+            if self.update_factors_in_hook and self._fold_in_hook(layer, call["mini_step"]):
                 if layer.update_factors(self.factor_decay):
                     self._updated.add(layer.name)
 
@@ -325,7 +330,23 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         ``optimizer.step()``).
         """
         layers = list(self.layers.values())
-        if self._steps % self.factor_update_steps == 0 and layers and not any(self._mini_steps.values()) \
+        # every schedule this step reads, evaluated (and checked) before anything changes: a callable
+        # returning NaN raises with the gradients untouched and the factors as at the last step (the
+        # batches the backward hooks folded are taken out again)
+        try:
+            factor_step = self._steps % self.factor_update_steps == 0
+            inverse_step = self._steps % self.inv_update_steps == 0
+            decay = self.factor_decay if factor_step else None
+            damping = self.damping
+            kl_clip = self.kl_clip
+            lr = self.lr if kl_clip is not None else None
+        except (TypeError, ValueError):
+            for layer in layers:
+                layer.undo_folds()
+            self._updated.clear()
+            self._reset_step_counts()
+            raise
+        if factor_step and layers and not any(self._mini_steps.values()) \
                 and not any(layer.has_factors() for layer in layers) and any(layer.has_grad() for layer in layers):
             # gradients but no recorded forward before the first factors: kfac_pytorch raises here too
             # ("Cannot eigendecompose A before A has been computed")
@@ -338,10 +359,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                "needs skip_layers). If the loop calls a torch.compile'd copy of the model, its graph "
                                "was traced before the preconditioner's hooks existed: "
                                + compile_advice("the preconditioner"))
-        if self._steps % self.factor_update_steps == 0:
+        if decay is not None:
             # every batch of the step, or (factors updated in the hooks) those no hook folded
             # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)
-            decay = self.factor_decay
             for layer in layers:
                 if (not self.update_factors_in_hook or layer.batch_count) and layer.update_factors(decay):
                     self._updated.add(layer.name)
@@ -351,9 +371,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._updated.clear()
 
         previous = None
-        if self._steps % self.inv_update_steps == 0:
+        if inverse_step:
             previous = decompositions_before(layers)
-            damping = self.damping
             for layer in layers:
                 if layer.has_factors():
                     self._kaisa.compute_and_share_inverses(layer, damping)
@@ -364,7 +383,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             logger.warning("K-FAC step %d: non-finite gradients (AMP overflow), gradients left unpreconditioned",
                            self._steps)
             active = []
-        damping = self.damping
         results: List[Tuple[KFACLayer, Tensor, Tensor]] = []
         for layer in active:
             grad = layer.grad_matrix()
@@ -376,8 +394,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             results.append((layer, precond, grad))
         if self._skip_nonfinite(layers, nonfinite_results(results), previous):
             return
-        kl_clip = self.kl_clip
-        scale = None if kl_clip is None else kl_clip_scale([(p, g) for _, p, g in results], self.lr, kl_clip)
+        scale = None if kl_clip is None else kl_clip_scale([(p, g) for _, p, g in results], lr, kl_clip)
         for layer, precond, _ in results:
             layer.set_grad(precond, scale)
         for layer in layers:
