@@ -24,7 +24,7 @@ from .hessian import hessian_blocks
 from .modules import family_of
 from .modules.base import flat_per_example
 from .modules.linear import WeightMatrixFamily
-from .options import Approx, Kind, KFACApprox, LossType, parse
+from .options import Approx, Kind, KFACApprox, LossType, check_mc_samples, parse
 from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
 from .tied import check_kfac_tied, combine_kfac, tied_per_example_sum
 from .uses import reaches
@@ -126,9 +126,7 @@ class CurvatureEngine:
             raise TypeError(f"output_selector must be a callable (model output -> Tensor), got {output_selector!r}")
         self.output_selector = output_selector
         self.loss = parse(LossType, loss, "loss")
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples={mc_samples!r} is invalid; expected an int >= 1")
-        self.mc_samples = mc_samples
+        self.mc_samples = check_mc_samples(mc_samples, self.kind.value)
         self.model = model
         self.layouts, self.approx = select_layouts(model, approx, skip_modules, include)
         #: backpropagate the K vectors in one vmapped backward (see :func:`prefers_batched_backward`)

@@ -89,6 +89,18 @@ def parse(enum_type: Type[E], value: object, what: str) -> E:
     raise ValueError(f"{what}={value!r} is not supported{hint}; expected one of {choices}")
 
 
+def check_mc_samples(mc_samples: object, kind: str, what: str = "kind", hint: str = "") -> int:
+    """``mc_samples`` checked: an int >= 1, and above 1 only for the Monte-Carlo Fisher (with any other
+    ``kind`` it would be accepted without effect). ``what`` names the argument the caller calls the
+    kind; ``hint`` is appended to the second error."""
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ValueError(f"mc_samples={mc_samples!r} is invalid; expected an int >= 1")
+    if mc_samples != 1 and kind != Kind.FISHER_MC.value:
+        raise ValueError(f"mc_samples={mc_samples!r} has no effect with {what}={kind!r}: it is the number of labels "
+                         f"sampled per example for the Monte-Carlo Fisher ({what}='fisher_mc'){hint}")
+    return mc_samples
+
+
 def _close_matches(value: object, choices: List[str]) -> List[str]:
     """The valid names closest to ``value`` (``"fisher-mc"`` → ``["fisher_mc"]``)."""
     if not isinstance(value, str):

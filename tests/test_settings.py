@@ -27,7 +27,7 @@ def test_faces_hand_their_shared_arguments_to_one_settings_object() -> None:
 
 def test_from_arguments_takes_every_field_by_name_and_overrides_first() -> None:
     names = [f.name for f in fields(CurvatureSettings)]
-    args = dict(curvature="fisher", approx="diag", loss="mse", mc_samples=2, skip_modules=None, ema_decay=0.1,
+    args = dict(curvature="fisher_mc", approx="diag", loss="mse", mc_samples=2, skip_modules=None, ema_decay=0.1,
                 curv_update_interval=2, inv_update_interval=4, on_nonfinite="skip", linalg=None,
                 communicator="none", seed=3, decomposition_dtype=torch.float64, grad_scaler=None,
                 grad_worker_fraction="comm_opt", assignment_strategy="compute", output_selector=None,

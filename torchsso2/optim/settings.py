@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from curvature.linalg import get_backend
-from curvature.options import Kind, KFACApprox, parse
+from curvature.options import Kind, KFACApprox, check_mc_samples, parse
 
 from .misuse import check_option
 from .validation import check_choice, check_int, check_number
@@ -46,6 +46,7 @@ class CurvatureSettings:
 
     def __post_init__(self) -> None:
         check_option(Kind, self.curvature, "curvature")
+        check_mc_samples(self.mc_samples, parse(Kind, self.curvature, "curvature").value, "curvature")
         self.kfac_approx = parse(KFACApprox, self.kfac_approx, "kfac_approx").value
         self.ema_decay = check_number("ema_decay", self.ema_decay, low=0.0, high=1.0, high_open=True)
         self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval)

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
+from curvature.options import check_mc_samples
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
@@ -220,6 +221,8 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
+        check_mc_samples(mc_samples, "reparam" if self.reparam else kind, "curvature",
+                         "; weight samples per step are num_mc_samples")
         # None: the defaults per approx, and the decay per step (torchsso2/optim/vi_schedule.py)
         curv_update_interval, inv_update_interval, ema_decay = vi_schedule(
             approx, curv_update_interval, inv_update_interval, ema_decay, DEFAULT_VI_EMA_DECAY)
@@ -243,9 +246,11 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
             and "weight" in lay.param_names}
         if self.reparam:
             self._check_reparam()
-        if self.prior_precision * self.kl_weighting + self.damping <= 0 and self.engine.kind.value != "hessian":
-            raise ValueError("prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
-                             "is positive definite")
+        if self.prior_precision * self.kl_weighting + self.damping <= 0:
+            raise ValueError(f"prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
+                             f"is positive definite (for every curvature kind; the Hessian's may be indefinite), got "
+                             f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
+                             f"damping={self.damping!r}")
 
     def _check_reparam(self) -> None:
         """``curvature="reparam"`` needs diagonal blocks, a starting curvature and, with several processes,
