@@ -358,6 +358,14 @@ class CurvatureEngine:
         no cross terms in expectation (independent zero-mean sampled gradients) and needs nothing.
         K-FAC blocks sum outer products of the output gradient at every position, the K-FAC-expand
         convention (Eschenhagen et al., 2023), normalized by the loss rows."""
+        if self.kind in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
+            unbatched = {n: list(r.output.shape) for n, r in records.items() if r.output.dim() <= 1}
+            if unbatched:
+                raise ValueError(
+                    f"kind={self.kind.value!r} sums per-example products, but covered modules {unbatched} were called "
+                    "without a batch dimension (e.g. a Linear on a [d] vector whose output is broadcast over the "
+                    "examples): their outputs have no per-example rows. Call them on the batch, skip them with "
+                    "skip_modules, or use kind='fisher_mc'")
         batches = {n: r.output.shape[0] for n, r in records.items() if r.output.dim()}
         return sequence.rows_per_example(self.kind, outputs.shape[0], batches, self._module_approx())
 

@@ -183,8 +183,9 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         try:
             fam.validate(module)
         except ValueError as err:
-            raise ValueError(f"module {name!r} ({type(module).__name__}): {err}; or leave the module to the "
-                             f"plain update with {skip_hint(name)}") from err
+            hint = f"; or leave the module to the plain update with {skip_hint(name)}" \
+                if getattr(err, "skip_helps", True) else ""
+            raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{hint}") from err
         own = []
         for local, p in direct:
             if id(p) in owner:  # tied: the first module (named_parameters order) holds the block

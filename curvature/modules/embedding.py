@@ -27,7 +27,11 @@ class EmbeddingFamily(LayerFamily):
 
     def validate(self, module: nn.Module) -> None:
         if module.sparse:
-            raise ValueError("Embedding(sparse=True) is not supported; use sparse=False")
+            err = ValueError("Embedding(sparse=True) is not supported; use sparse=False (the optimizers need dense "
+                             "gradients for every parameter they update, a skipped module's included; or update "
+                             "its weight with torch.optim.SparseAdam and leave it out of their params)")
+            err.skip_helps = False  # type: ignore[attr-defined]  # selection.select_layouts adds no skip hint
+            raise err
         if module.max_norm is not None:
             raise ValueError("Embedding(max_norm=...) renormalizes weights in forward and is not supported")
         if module.scale_grad_by_freq:

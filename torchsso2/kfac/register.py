@@ -14,6 +14,7 @@ from torch import nn
 
 from curvature.modules import family_of
 from curvature.modules.base import LayerFamily
+from curvature.selection import forward_replaced
 
 __all__ = ["SUPPORTED_TYPES", "find_layers"]
 
@@ -58,6 +59,18 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
             family.validate(module)
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}; K-FAC cannot handle it, add it to skip_layers") from None
+        extra = sorted({n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"})
+        if extra:  # kfac_pytorch fails at the first step (a TypeError)
+            raise ValueError(f"module {name!r} ({type(module).__name__}) holds parameters {extra} instead of its own "
+                             "weight: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, "
+                             "hook-based API) computes the weight from them, which K-FAC's factors do not cover; add "
+                             f"{name!r} to skip_layers, or remove the reparametrization")
+        replaced = forward_replaced(module, family)
+        if replaced is not None:  # kfac_pytorch registers it silently
+            warnings.warn(f"layer {name!r} ({type(module).__name__}): {replaced}; its K-FAC factors and "
+                          "preconditioning are those of the plain layer's function (as kfac_pytorch's), which is "
+                          f"wrong if its forward computes something else: add {name!r} to skip_layers then",
+                          UserWarning, stacklevel=3)
         found.append((name, module, family))
     # nn.MultiheadAttention computes with out_proj's weight without calling out_proj: no forward of it is seen
     uncalled = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}

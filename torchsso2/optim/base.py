@@ -102,6 +102,20 @@ def _listed_groups(params: Iterable[Any]) -> List[Any]:
     return out
 
 
+def _refuse_sparse_gradients(model: nn.Module, groups: List[Dict[str, Any]]) -> None:
+    """ValueError for a parameter of the optimizer that gets sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``): every update here (curvature and plain) needs dense gradients."""
+    own = {id(p) for g in groups for p in g["params"]}
+    sparse = [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in own]
+    if sparse:
+        raise ValueError(f"parameters {sparse} get sparse gradients ({'/'.join(['nn.Embedding', 'nn.EmbeddingBag'])}"
+                         "(sparse=True)); this optimizer needs dense gradients for every parameter it updates, the "
+                         "plain update of a skipped module included: build the module with sparse=False, or leave "
+                         "the parameter out of this optimizer (params=[...] without it) and update it with "
+                         "torch.optim.SparseAdam")
+
+
 def _param_list(params: Any) -> List[Any]:
     """A param group's ``params`` as torch.optim takes them — a tensor, or an ordered iterable of tensors
     or ``(name, tensor)`` pairs — as a list; a set is refused, as torch.optim refuses it (converting it to a
@@ -177,6 +191,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
+        _refuse_sparse_gradients(model, self.param_groups)
         self.running = RunningCurvature()
         #: how K-FAC blocks are decomposed: "eigen" (exact damping) or "inverse" (factored; SecondOrderOptimizer)
         self.__dict__.setdefault("kfac_method", "eigen")
