@@ -255,9 +255,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool
                      ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
         """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
-        if closure is None or not callable(closure):
-            raise TypeError("step() needs a closure returning (loss, output); see the class docstring")
-        self._check_group_values()
+        self._check_step_call(closure)
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
@@ -664,6 +662,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     #: the param group hyperparameters checked in every group: (key, upper bound, bound excluded)
     _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", math.inf, False))
+    #: param group keys refused (at construction, at each step, in a checkpoint) rather than ignored
+    _REFUSED_GROUP_KEYS = _TORCH_ONLY_GROUP_KEYS
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group`` with the group's ``lr``, ``momentum`` and
@@ -685,6 +685,15 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                                  "would take a plain update besides its curvature step); list each parameter once")
         super().add_param_group(param_group)
 
+    def _check_step_call(self, closure: Any) -> None:
+        """TypeError without a callable closure; :meth:`_check_group_values`."""
+        if closure is None or not callable(closure):
+            dcp = (" (torch.distributed.checkpoint's get_optimizer_state_dict calls step() without one to create "
+                   "the state, and its dict would lack this optimizer's curvature entry: save opt.state_dict() "
+                   "with torch.save and restore it with load_state_dict)") if closure is None else ""
+            raise TypeError(f"step() needs a closure returning (loss, output); see the class docstring{dcp}")
+        self._check_group_values()
+
     def _check_group_values(self) -> None:
         """Every group's ``lr``, ``momentum`` and ``weight_decay`` as :meth:`add_param_group` accepts
         them, at every step: a scheduler or a hand-set value (``LambdaLR`` returning NaN) raises a
@@ -692,12 +701,19 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             for key, high, high_open in self._GROUP_RANGES:
                 v = group.get(key, 0.0)
-                if type(v) is float and 0.0 <= v <= high and not (high_open and v == high):
+                if type(v) is float and 0.0 <= v < math.inf and v <= high and not (high_open and v == high):
                     continue  # the common case, without the call
                 if key in group:
                     checked = check_number(f"param_groups[{i}][{key!r}]", v, low=0.0, high=high, high_open=high_open)
                     if type(v) is not int:  # np.float32 from a scheduler's schedule: the optimizer's math takes floats
                         group[key] = checked
+            if not self._REFUSED_GROUP_KEYS.isdisjoint(group):  # set on a live group: refused as add_param_group does
+                raise ValueError(self._refused_keys_message(f"param_groups[{i}]", group))
+
+    def _refused_keys_message(self, where: str, group: Dict[str, Any]) -> str:
+        keys = sorted(k for k in group if k in self._REFUSED_GROUP_KEYS)
+        return (f"{where} keys {keys} are options this optimizer does not have per group (those of other "
+                f"torch.optim optimizers, or its own constructor's), which it would ignore; remove them")
 
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""

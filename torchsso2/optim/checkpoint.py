@@ -188,6 +188,10 @@ def _check_optimizer_state(opt: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
     for i, (group, saved) in enumerate(zip(groups, saved_groups)):
         if not isinstance(saved, dict) or len(saved.get("params", ())) != len(group["params"]):
             _fail(f"['param_groups'][{i}]", f"is not a group of {len(group['params'])} parameters")
+        refused = sorted(k for k in saved if k in opt._REFUSED_GROUP_KEYS)
+        if refused:
+            _fail(f"['param_groups'][{i}]", f"has keys {refused}, options this optimizer does not have per group "
+                  "(it would ignore them): saved by another optimizer, or set on a group by hand")
         for key in (k for k in opt.defaults if k in group):
             if key not in saved:
                 _fail(f"['param_groups'][{i}]", f"has no {key!r} (this optimizer's groups have "

@@ -504,6 +504,7 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
+        self._check_step_call(closure)
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
             if done is not None:
@@ -645,6 +646,7 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
     #: no weight decay: the prior (``prior_precision``) is VI's L2 term, so a group's ``weight_decay``
     #: may only be 0 (a recipe's "no decay" group); anything else would be ignored
     _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", 0.0, False))
+    _REFUSED_GROUP_KEYS = CurvatureOptimizer._REFUSED_GROUP_KEYS | {"prior_precision", "prior_variance"}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As :meth:`CurvatureOptimizer.add_param_group`; a non-zero ``weight_decay`` is a ValueError
