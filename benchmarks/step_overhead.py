@@ -525,9 +525,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-1-1", dest="include_1_1", action="store_false",
                    help="do not time kfac_pytorch with 1/1 intervals (sso-kfac 1/1 is always timed)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help=f"write the JSON report here (default {DEFAULT_JSON.relative_to(ROOT)}; none with --quick)")
+                   help=f"write the JSON report here (default {DEFAULT_JSON.relative_to(ROOT)}; none with --quick, "
+                   "--models, --optimizers, --skip-timing or --skip-convergence)")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",
-                   help=f"save the accuracy-vs-time plot here (default {DEFAULT_PLOT.relative_to(ROOT)}; none with --quick)")
+                   help=f"save the accuracy-vs-time plot here (default {DEFAULT_PLOT.relative_to(ROOT)}; none when no "
+                   "default JSON is written)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("-v", "--verbose", action="store_true", help='log progress (INFO)')
     args = p.parse_args(argv)
@@ -540,7 +542,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.seeds = {"quick": [0], "default": list(range(10)), "full": list(range(12))}[args.mode]
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must be distinct, got {args.seeds}")
-    if not args.quick:
+    for flag, given, known in (("--models", args.models, [m.name for m in model_specs(args.mode)]),
+                               ("--optimizers", args.optimizers, list(config_grid(args.mode)))):
+        unknown = sorted(set(given or ()) - set(known))
+        if unknown:
+            p.error(f"{flag}: unknown {unknown} in {args.mode} mode; expected names among {known}")
+    # a partial run (some models or optimizers, one part) never replaces the published report
+    partial = bool(args.models or args.optimizers or args.skip_timing or args.skip_convergence)
+    if not args.quick and not partial:
         args.json = args.json or DEFAULT_JSON
         args.plot = args.plot or DEFAULT_PLOT
     return args

@@ -309,6 +309,17 @@ def test_different_schedules_raise_on_every_rank(launcher: str, face: str, misma
     assert elapsed < 60.0, (elapsed, out)
 
 
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_ranks_disagreeing_on_trainable_parameters_raise(face: str) -> None:
+    """One rank freezes a layer after construction: the gradient buffers differ in size, which MPI
+    reduced without an error (every step then skipped silently); now every rank raises, naming it."""
+    code, out, elapsed = _launch(_mpiexec(WORKER, face, "freeze"), 60.0)
+    assert code != 0, out
+    assert "rank 0 averages gradients of 4 trainable parameters" in out, out
+    assert "rank 1 averages gradients of 2 trainable parameters" in out, out
+    assert elapsed < 60.0, (elapsed, out)
+
+
 def test_mpi_job_without_failure_ends_normally() -> None:
     """The fault handlers (exit notices at exit, polled collectives) leave a normal run alone."""
     code, out, _ = _launch(_mpiexec(WORKER, "vi", "ok"), 120.0)

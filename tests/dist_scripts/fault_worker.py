@@ -12,6 +12,8 @@ SGD), every face with its default ``communicator="auto"``; under MPI the script 
   preinit   calls ``sys.exit(3)`` before anything initializes MPI / torch.distributed
   mismatch  builds the optimizer with a different schedule (factor_update_steps /
             curv_update_interval = 2 instead of 1)
+  freeze    freezes the first layer (requires_grad_(False)) after the optimizer is built, the
+            other rank does not
   ok        nothing (the job must end normally)
 
 Every rank prints ``rank R done`` when it finishes its 4 steps.
@@ -54,6 +56,8 @@ def main() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         raise ValueError(f"unknown face {FACE!r}")
+    if MODE == "freeze" and RANK == 1:
+        model[0].requires_grad_(False)
     gen = torch.Generator().manual_seed(RANK)
     for step in range(4):
         x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)

@@ -50,6 +50,15 @@ def torchrun_world_size(env: dict[str, str] | None = None) -> int:
         return 0
 
 
+def _group_timeout_s() -> float | None:
+    """The default process group's timeout in seconds (gloo's backend options), None where it cannot be read."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def init_from_env(timeout: float) -> None:
     """Initialize the default process group from a ``torchrun`` environment.
 
@@ -112,6 +121,13 @@ class TorchCommunicator(BucketedCommunicator):
         self.timeout = resolve_timeout(timeout)
         super().__init__(rank=dist.get_rank(), world_size=dist.get_world_size())
         self.backend_name = str(dist.get_backend())
+        group_timeout = _group_timeout_s()
+        if group_timeout is not None and group_timeout > self.timeout and self.backend_name != "nccl":
+            logger.warning("the process group's timeout (%.0f s) is longer than the communicator's (%.0f s): a stuck "
+                           "rank raises CollectiveTimeoutError on the others after %.0f s, but their processes "
+                           "cannot exit before the group's pending collective times out; pass "
+                           "init_process_group(timeout=timedelta(seconds=%.0f)) (docs/distributed.md)",
+                           group_timeout, self.timeout, self.timeout, self.timeout)
 
     def barrier(self) -> None:
         """``torch.distributed.barrier`` over the world (bounded by ``timeout``)."""

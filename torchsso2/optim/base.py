@@ -378,11 +378,21 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             every = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p.requires_grad]
             lacking = [p.grad is None for p in every]
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
-            flag = torch.tensor([1.0 if bad else 0.0] + [0.0 if none else 1.0 for none in lacking],
+            exact = 2 ** 20 if dtype in (torch.float32, torch.float64) else 256  # integers the dtype holds exactly
+            size = [float(len(every) % exact), float(sum(p.numel() for p in every) % exact)]
+            flag = torch.tensor([1.0 if bad else 0.0] + size + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
-            self.comm.allreduce(mine + [flag], op="mean")  # the flag rides in the gradients' bucket
+            # the flag rides first in the gradients' bucket: its sizes line up on every rank even where the
+            # ranks' buffers differ (MPI reduces mismatched counts without an error)
+            self.comm.allreduce([flag] + mine, op="mean")
+            if flag[1:3].tolist() != size:
+                raise RuntimeError(
+                    f"rank {self.comm.rank} averages gradients of {len(every)} trainable parameters, but the ranks "
+                    "hold other numbers or sizes: the ranks disagree on which parameters train "
+                    "(requires_grad changed on some ranks only, or param groups added on some); change them on "
+                    "every rank alike. The gradients of this step are not usable")
             if any(lacking):  # another rank's branch: this rank's zeros, averaged, where some rank had one
-                for p, g, none, share in zip(every, mine, lacking, flag[1:].tolist()):
+                for p, g, none, share in zip(every, mine, lacking, flag[3:].tolist()):
                     if none and share > 0:
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)

@@ -221,6 +221,36 @@ def _check_optimizer_state(opt: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
     return {"state": cloned, "param_groups": saved_groups}
 
 
+#: name prefixes of module wrappers: DistributedDataParallel / DataParallel (``module.``), torch.compile
+#: (``_orig_mod.``)
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _unwrapped(name: str) -> str:
+    """A module's name in the model without its wrappers (``module._orig_mod.fc`` → ``fc``)."""
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _across_wrappers(extra: Dict[str, Any], covered: Dict[str, List[str]]) -> Dict[str, Any]:
+    """``extra`` with its module names renamed to ``covered``'s where the two differ only by wrapper
+    prefixes (saved under DDP or torch.compile, loaded into the bare model, or the reverse); else as is."""
+    saved = extra.get("covered")
+    if not isinstance(saved, dict) or saved == covered:
+        return extra
+    mine = {_unwrapped(n): n for n in covered}
+    rename = {n: mine.get(_unwrapped(n)) for n in saved if isinstance(n, str)}
+    if len(mine) != len(covered) or None in rename.values() or len(set(rename.values())) != len(saved) \
+            or {rename[n]: v for n, v in saved.items()} != covered:
+        return extra
+    out = {**extra, "covered": covered}
+    curv = extra.get("curvature")
+    if isinstance(curv, dict) and isinstance(curv.get("blocks"), dict):
+        out["curvature"] = {**curv, "blocks": {rename.get(n, n): b for n, b in curv["blocks"].items()}}
+    return out
+
+
 def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     """Check ``state_dict`` against ``opt`` (a :class:`CurvatureOptimizer`) and its model; see the module
     docstring. Raises ``ValueError`` naming the bad entry; changes nothing."""
@@ -235,6 +265,7 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
         raise ValueError(f"this checkpoint was saved by a {face or 'different optimizer'}, not a {mine}: load it "
                          f"into a {face or 'matching optimizer'} (the optimizer is unchanged)")
     covered = {n: list(lay.param_names) for n, lay in opt.engine.layouts.items()}
+    extra = _across_wrappers(extra, covered)
     if extra.get("covered") != covered:
         raise ValueError(f"checkpoint is for a model covering {extra.get('covered')}, this model covers {covered}; "
                          "the optimizer is unchanged")

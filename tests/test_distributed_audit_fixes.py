@@ -1,0 +1,105 @@
+"""Checkpoints across module wrappers (saved under DistributedDataParallel or torch.compile, loaded
+into the bare model, and the reverse), and the warning about a user-created process group whose
+timeout outlives the communicator's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import REPO
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+DDP_ROUNDTRIP = textwrap.dedent("""
+    import logging, os, sys
+    from datetime import timedelta
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    from torch import nn
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=int(sys.argv[2])))
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    for face in ("soo", "vi"):
+        def build(wrapped):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+            net = nn.parallel.DistributedDataParallel(model) if wrapped else model
+            opt = SecondOrderOptimizer(net) if face == "soo" else VIOptimizer(net, dataset_size=64)
+            return net, opt
+        def closure_of(net, opt):
+            def closure():
+                opt.zero_grad(); out = net(x); loss = F.cross_entropy(out, y); loss.backward(); return loss, out
+            return closure
+        for saved_wrapped in (True, False):
+            net, opt = build(saved_wrapped)
+            for _ in range(2):
+                opt.step(closure_of(net, opt))
+            sd = opt.state_dict()
+            opt.step(closure_of(net, opt))
+            net2, opt2 = build(not saved_wrapped)
+            torch.manual_seed(1)
+            opt2.load_state_dict(sd)
+            print(face, "ddp" if saved_wrapped else "bare", "->", "bare" if saved_wrapped else "ddp", "loaded",
+                  opt2.num_steps, sorted(opt2.running.blocks))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("group_timeout,warned", [(1800, True), (60, False)])
+def test_checkpoints_load_across_ddp_and_the_group_timeout_warning(tmp_path, group_timeout: int,
+                                                                  warned: bool) -> None:
+    script = tmp_path / "roundtrip.py"
+    script.write_text(DDP_ROUNDTRIP)
+    port = str(29600 + group_timeout % 97)
+    proc = subprocess.run([sys.executable, str(script), port, str(group_timeout)], cwd=REPO, capture_output=True,
+                          text=True, timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                                                       "PYTHONPATH": str(REPO)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for line in ("soo ddp -> bare loaded 2 ['0', '2']", "soo bare -> ddp loaded 2 ['module.0', 'module.2']",
+                 "vi ddp -> bare loaded 2", "vi bare -> ddp loaded 2"):
+        assert line in out, out
+    assert ("the process group's timeout (1800 s) is longer than the communicator's (60 s)" in out) == warned, out
+
+
+@pytest.mark.parametrize("saved_compiled", [True, False])
+def test_checkpoints_load_between_a_compiled_and_the_plain_model(saved_compiled: bool) -> None:
+    def build(compiled: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        net = torch.compile(model, backend="eager") if compiled else model
+        return net, SecondOrderOptimizer(net)
+
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+
+    def run(net, opt, steps):
+        def closure():
+            opt.zero_grad()
+            out = net(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            return loss, out
+        for _ in range(steps):
+            opt.step(closure)
+
+    torch._dynamo.reset()
+    net, opt = build(saved_compiled)
+    run(net, opt, 2)
+    sd = opt.state_dict()
+    torch._dynamo.reset()
+    net2, opt2 = build(not saved_compiled)
+    opt2.load_state_dict(sd)
+    assert opt2.num_steps == 2
+    mine = sorted(opt2.running.blocks)
+    assert mine == (["0", "2"] if saved_compiled else ["_orig_mod.0", "_orig_mod.2"])
+    for name in mine:
+        theirs = name.replace("_orig_mod.", "") if not saved_compiled else "_orig_mod." + name
+        for a, b in zip(opt2.running.blocks[name].tensors(), opt.running.blocks[theirs].tensors()):
+            assert torch.equal(a, b)
+    torch._dynamo.reset()
