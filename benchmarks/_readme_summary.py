@@ -610,7 +610,7 @@ def render(results_dir: Path) -> str:
     if not body:
         body = [f"_No benchmark results in `{results_dir.name}/` yet: run `python -m benchmarks.run`._", ""]
     head = _machine_line({"step time": step, "VI": vi, "scaling": sc, "the peer comparisons": pc + pt})
-    tail = ["More: [docs/results.md](docs/results.md) (every table, memory, width scaling, linear algebra) and "
+    tail = ["More: [docs/results.md](docs/results.md) (every table, memory, width scaling) and "
             "[docs/benchmarks.md](docs/benchmarks.md) (method)."]
     return "\n".join(_wrap(line) for line in [GENERATED_NOTE, "", *head, *body, *tail])
 

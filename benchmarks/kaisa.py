@@ -189,7 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [s for s in cfg["strategies"] if s not in STRATEGIES]
     if bad:
         raise SystemExit(f"unknown strategies {bad}; expected {', '.join(STRATEGIES)}")
-    worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    try:
+        worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    except ValueError:
+        worlds = []
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"--world-sizes must be positive integers, got {args.world_sizes!r}")
     start = time.perf_counter()

@@ -238,12 +238,12 @@ def grid_table(runs: List[Dict[str, Any]], target: float) -> str:
         eps = [r["epochs"] for r in mine]
         got = [e for e in eps if e is not None]
         med = statistics.median(e if e is not None else float("inf") for e in eps)
-        rows.append([f"{decay:.3g}", f"{damping:g}", f"{len(got)}/{len(eps)}", " ".join(str(e) if e else "-" for e in eps),
+        rows.append([f"{decay:g} ({decay ** 5:.3g})", f"{damping:g}", f"{len(got)}/{len(eps)}", " ".join(str(e) if e else "-" for e in eps),
                      "-" if med == float("inf") else f"{med:g}",
                      " ".join(f"{r['final_accuracy']:.3f}" for r in mine),
                      f"{statistics.median(r['wall_s'] for r in mine):.2f}",
                      " ".join(f"{r['final_damping']:.2g}" for r in mine)])
-    return markdown_table(["damping decay ω", "initial damping", f"seeds reaching {target:.0%}", "epochs per seed", "median epochs",
+    return markdown_table(["damping_adaptation_decay per step (per LM adjustment)", "initial damping", f"seeds reaching {target:.0%}", "epochs per seed", "median epochs",
                            "final test accuracy", "median wall s", "final damping"], rows)
 
 
@@ -258,6 +258,21 @@ def step_table(rows: List[Dict[str, Any]]) -> str:
          "adaptive / K-FAC (min / median)", "adaptive + LM / K-FAC"],
         [[r["batch"], r["intervals"], ms(r, "kfac"), ms(r, "adaptive"), ms(r, "adaptive_lm"),
           ratio(r, "adaptive"), ratio(r, "adaptive_lm")] for r in rows])
+
+
+def format_tables(report: Dict[str, Any]) -> str:
+    """The report's tables (step time, the quadratic model's cost, the damping grid), as printed."""
+    parts = []
+    if "step_time" in report:
+        parts += ["Step time (ms), interleaved:", "", step_table(report["step_time"]), "",
+                  "The quadratic model's extra work alone vs the closure:", "", component_table(report["components"])]
+    if "grid" in report:
+        cfg = report.get("config", {})
+        intervals = cfg.get("intervals", ["?", "?"])
+        parts += ["" if parts else "", f"Epochs to {cfg.get('target', 0.97):.0%} test accuracy, batch "
+                  f"{cfg.get('grid_batch', '?')}, intervals {intervals[0]}/{intervals[1]}:", "",
+                  grid_table(report["grid"], cfg.get("target", 0.97))]
+    return "\n".join(parts).strip()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:

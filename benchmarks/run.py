@@ -305,8 +305,8 @@ def write_report(args: argparse.Namespace, names: Sequence[str], status: Dict[st
         "Every number is measured, on a **shared, noisy machine** (other jobs ran at the same "
         "time: read ratios and the *min* columns, not absolute medians).",
         "",
-        f"- machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}), "
-        f"GPU: {m['gpu'] or 'none'}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'} (each section gives the torch "
+        "threads of its own measurement)",
         f"- software: Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}",
         f"- peers: {peers}" + (f" (absent: {missing})" if missing else ""),
         f"- load average when the page was written: {m['load_average']}",

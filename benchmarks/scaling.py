@@ -75,9 +75,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-json", action="store_true", help="do not write the JSON report")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a spawned job is killed")
     args = p.parse_args(argv)
-    args.global_batch = args.global_batch or (64 if args.quick else 256)
-    args.width = args.width or (64 if args.quick else 256)
-    args.steps = args.steps or (4 if args.quick else 10)
+    args.global_batch = args.global_batch if args.global_batch is not None else (64 if args.quick else 256)
+    args.width = args.width if args.width is not None else (64 if args.quick else 256)
+    args.steps = args.steps if args.steps is not None else (4 if args.quick else 10)
+    for flag, values in (("--ranks", args.ranks), ("--global-batch", [args.global_batch]), ("--width", [args.width]),
+                         ("--steps", [args.steps]), ("--threads", [args.threads])):
+        if min(values) < 1:
+            p.error(f"{flag} {' '.join(map(str, values))}: expected integers >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: expected an integer >= 0")
     if args.json is None:
         args.json = DEFAULT_JSON
         args.no_json = args.no_json or args.quick

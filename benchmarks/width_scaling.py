@@ -49,6 +49,8 @@ logger = logging.getLogger("benchmarks.width_scaling")
 SHAPES = ("sgd", "diag", "kfac", "full")
 FULL_MAX_D = 64
 QUICK_WIDTHS = (32, 64, 128, 256, 512)
+#: largest width of the `full` shape in a --quick run (its [d², d²] blocks: 4160² at d = 64 take a minute a step)
+QUICK_FULL_MAX_D = 32
 FULL_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048)  # 32: a second point for `full`
 
 
@@ -69,7 +71,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help='log progress (INFO)')
     a = p.parse_args(argv)
     a.widths = a.widths or list(QUICK_WIDTHS if a.quick else FULL_WIDTHS)
+    if min(a.widths) < 1:
+        p.error(f"--widths {' '.join(map(str, a.widths))}: expected integers >= 1")
+    if a.batch < 1:
+        p.error(f"--batch {a.batch}: expected an integer >= 1")
     a.budget = a.budget if a.budget is not None else (0.3 if a.quick else 2.0)
+    a.full_max_d = QUICK_FULL_MAX_D if a.quick else FULL_MAX_D
     return a
 
 
@@ -136,7 +143,8 @@ def fit_model(rows: List[Dict[str, Any]]) -> None:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
-    jobs = [(s, d) for s in args.shapes for d in args.widths if s != "full" or d <= FULL_MAX_D]
+    full_max_d = getattr(args, "full_max_d", FULL_MAX_D)
+    jobs = [(s, d) for s in args.shapes for d in args.widths if s != "full" or d <= full_max_d]
     try:
         from tqdm import tqdm
         it: Any = tqdm(jobs, desc="width_scaling", leave=False)
@@ -152,7 +160,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             logger.info("%s d=%d: %.2f ms", shape, d, 1e3 * t["min_s"])
     fit_model(rows)
     return pu.report("width_scaling", {"widths": args.widths, "shapes": args.shapes, "batch": args.batch,
-                                       "budget_s": args.budget, "full_max_d": FULL_MAX_D,
+                                       "budget_s": args.budget, "full_max_d": full_max_d,
                                        "model": "MLP d-d-d-10, SecondOrderOptimizer fisher_mc, "
                                        "curv/inv update every step"}, rows, {})
 

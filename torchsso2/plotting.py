@@ -117,5 +117,5 @@ def save_reliability_diagram(
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, format="png")
+    fig.savefig(out, format="png", bbox_inches="tight")  # tight_layout alone clips the x label under equal aspect
     return out
