@@ -44,4 +44,5 @@ def warn_hessian_products(name: str, count: int, p: int, shape: str) -> None:
     if count > HVP_WARN:
         logger.warning(f"Hessian {shape} block of module {name!r} ({p} parameters): {count:,} Hessian-vector "
                        f"products, each a double backward over the batch (expect {time_class(count, 200.0)}); "
-                       "use a Fisher kind (kind='fisher' = GGN) or approx='kfac' for large layers")
+                       "use a Fisher kind (kind='fisher' = GGN), whose K-FAC shape (approx='kfac') suits large "
+                       "layers")

@@ -10,6 +10,8 @@ form given.
 """
 from __future__ import annotations
 
+import copy
+
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -46,15 +48,33 @@ class Curvature:
     #: the statistics those decompositions were made of, with their version counters
     _versions: Dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Curvature":
+        """A copy whose :meth:`solve` decomposes again: ``copy.deepcopy`` gives the copied statistics new
+        version counters (starting again at 0), so the copied record of what was decomposed could match
+        a later in-place write of the copy (:class:`curvature.blocks.base.DerivedCache` likewise)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            setattr(new, key, copy.deepcopy(value, memo))
+        new._damping, new._made, new._versions = None, {}, {}
+        return new
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled without the record of :meth:`solve`'s decompositions (unpickled versions restart at 0)."""
+        return {**self.__dict__, "_damping": None, "_made": {}, "_versions": {}}
+
     # ---- parameters -------------------------------------------------------------------------
     @property
     def params(self) -> List[nn.Parameter]:
-        """Covered parameters, in ``named_parameters`` order (the order of :meth:`dense`)."""
+        """Covered parameters, block by block in ``named_modules`` order, each module's in its own
+        registration order (the order of :meth:`dense` and of every flat vector); a tied parameter sits
+        in the block of the first covered module holding it."""
         return [p for lay in self.layouts.values() for p in lay.params]
 
     @property
     def param_names(self) -> List[str]:
-        """Qualified names (``"fc1.weight"``) of :attr:`params`, as in ``model.named_parameters()``."""
+        """Qualified names (``"fc1.weight"``) of :attr:`params`: the covered module's name and the parameter's
+        (``model.named_parameters()`` names a tied parameter after its first holder, which may be skipped)."""
         return [f"{n}.{p}" if n else p for n, lay in self.layouts.items() for p in lay.param_names]
 
     @property
@@ -148,6 +168,8 @@ class Curvature:
                 raise ValueError(f"expected a flat vector of shape [{self.numel}] (or [{self.numel}, k]), "
                                  f"got {tuple(v.shape)}")
             if v.dim() == 2:
+                if v.shape[1] == 0:  # no columns: nothing to map (torch.stack refuses an empty list)
+                    return v.new_empty(self.numel, 0)
                 return torch.stack([self._blockwise(col, op) for col in v.t()], dim=1)
             if v.shape != (self.numel,):
                 raise ValueError(f"expected a flat vector of shape [{self.numel}] (or [{self.numel}, k]), "

@@ -22,12 +22,17 @@ def to_linear_operator(curv: "Curvature") -> Any:
         raise ImportError("Curvature.to_scipy() needs scipy (pip install scipy)") from err
     dtype = curv.dtype
 
+    def real(x: np.ndarray) -> np.ndarray:
+        return curv.matvec(torch.as_tensor(np.asarray(x, dtype=np.float64)).to(dtype)).to(torch.float64).numpy()
+
+    def apply(x: np.ndarray) -> np.ndarray:  # C is real: a complex vector's parts are mapped separately
+        x = np.asarray(x)
+        return real(x.real) + 1j * real(x.imag) if np.iscomplexobj(x) else real(x)
+
     def matvec(x: np.ndarray) -> np.ndarray:
-        v = torch.as_tensor(np.asarray(x, dtype=np.float64).reshape(-1)).to(dtype)
-        return curv.matvec(v).to(torch.float64).numpy()
+        return apply(np.asarray(x).reshape(-1))
 
     def matmat(x: np.ndarray) -> np.ndarray:
-        m = torch.as_tensor(np.asarray(x, dtype=np.float64)).to(dtype)
-        return curv.matvec(m).to(torch.float64).numpy()
+        return apply(x)
 
     return LinearOperator(shape=curv.shape, matvec=matvec, rmatvec=matvec, matmat=matmat, dtype=np.float64)

@@ -74,7 +74,9 @@ class WeightMatrixFamily(LayerFamily):
         return out
 
     def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
-        """``Σ_{k,n} (per-example gradient)²`` as ``[P]`` (weight then bias, row-major).
+        """``Σ_{k,n} (per-example gradient)²`` as ``[P]`` (the parameters in the order of ``names``, each
+        row-major; a layer whose bias was registered first, e.g. after ``remove_parametrizations``,
+        has ``("bias", "weight")``).
 
         ``T = 1``: the per-example weight gradient is the outer product ``g aᵀ``, so
         ``Σ_{k,n} (g aᵀ)² = (Σ_k g²)ᵀ(a²)``: one ``[d_out, N] @ [N, d_in]`` product, no per-example tensor.
@@ -85,19 +87,23 @@ class WeightMatrixFamily(LayerFamily):
         if a.shape[1] == 1:  # Σ_n (Σ_k g²) a²: the K vectors share a, so sum them first
             g2 = g[0, :, 0].pow(2) if g.shape[0] == 1 else g[:, :, 0].pow(2).sum(dim=0)  # [N, d_out]
             d_out, d_in = g2.shape[1], a.shape[-1]
-            nw = d_out * d_in if "weight" in names else 0
-            out = g2.new_empty(nw + (d_out if "bias" in names else 0))  # both parts written in place: no cat
-            if nw:
-                torch.mm(g2.t(), a[:, 0].to(g.dtype).pow(2), out=out[:nw].view(d_out, d_in))
-            if "bias" in names:  # the bias's per-example gradient is g itself: Σ_{k,n} g² = Σ_n g2
-                torch.sum(g2, dim=0, out=out[nw:])
+            sizes = {"weight": d_out * d_in, "bias": d_out}
+            out = g2.new_empty(sum(sizes[n] for n in names))  # every part written in place: no cat
+            start = 0
+            for name in names:
+                part = out[start:start + sizes[name]]
+                if name == "weight":
+                    torch.mm(g2.t(), a[:, 0].to(g.dtype).pow(2), out=part.view(d_out, d_in))
+                else:  # the bias's per-example gradient is g itself: Σ_{k,n} g² = Σ_n g2
+                    torch.sum(g2, dim=0, out=part)
+                start += sizes[name]
             return out
-        parts = []
+        parts = {}
         if "weight" in names:
-            parts.append(_sum_sq_per_example_products(g, a.to(g.dtype)).reshape(-1))
+            parts["weight"] = _sum_sq_per_example_products(g, a.to(g.dtype)).reshape(-1)
         if "bias" in names:
-            parts.append(g.sum(dim=2).pow(2).sum(dim=(0, 1)))
-        return torch.cat(parts)
+            parts["bias"] = g.sum(dim=2).pow(2).sum(dim=(0, 1))
+        return torch.cat([parts[n] for n in names])
 
     def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
                      names: Sequence[str]) -> Tuple[Tensor, Tensor]:
