@@ -40,15 +40,15 @@ def rows_per_example(kind: Kind, rows: int, batches: Mapping[str, int], approx: 
     ``batches``: each recorded covered module's batch (first) dimension. For the kinds that are sums
     of per-example products (``fisher``, ``empirical_fisher``) the modules whose batch differs from
     ``rows`` must share one batch ``N`` dividing ``rows``; ValueError otherwise. Modules in K-FAC
-    shape under the empirical Fisher keep the per-row K-FAC-expand convention, so a batch that is a
-    multiple of the rows (several module rows per loss row, e.g. tokens of a head whose loss is
-    averaged over them) is fine too; a module whose batch is neither (a position embedding on
-    ``torch.arange(T)``, broadcast over the examples) would mix the examples' gradients in its rows."""
+    shape under the empirical Fisher keep the per-row K-FAC-expand convention (any batch: a
+    sequence-first ``[T, N, d]`` layout is fine there); sizes alone cannot tell such a module from one
+    whose rows the examples share (a position embedding on ``torch.arange(T)``), which is not detected
+    for them (docs/guide.md)."""
     if kind not in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
         return 1
     other = {n: b for n, b in batches.items() if b != rows}
     if kind is Kind.EMPIRICAL_FISHER:
-        other = {n: b for n, b in other.items() if not (approx.get(n) is Approx.KFAC and rows and b % rows == 0)}
+        other = {n: b for n, b in other.items() if approx.get(n) is not Approx.KFAC}
     if not other:
         return 1
     counts = Counter(other.values())

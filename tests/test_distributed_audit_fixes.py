@@ -103,3 +103,40 @@ def test_checkpoints_load_between_a_compiled_and_the_plain_model(saved_compiled:
         for a, b in zip(opt2.running.blocks[name].tensors(), opt.running.blocks[theirs].tensors()):
             assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+LOW_PRECISION = textwrap.dedent("""
+    import os, sys
+    import torch, torch.nn.functional as F
+    from torch import nn
+    from torchsso2 import SecondOrderOptimizer
+    from torchsso2.distributed import get_communicator, shutdown
+    comm = get_communicator("torch")
+    torch.manual_seed(0)
+    dtype = getattr(torch, sys.argv[1])
+    model = nn.Sequential(nn.Linear(189, 1)).to(dtype)  # 190 numbers: bfloat16 rounds a sum of 3 of them
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="empirical_fisher", loss="mse", communicator=comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    x, y = torch.randn(8, 189, generator=g).to(dtype), torch.randn(8, 1, generator=g).to(dtype)
+    def closure():
+        opt.zero_grad(); out = model(x); loss = F.mse_loss(out.float(), y.float()); loss.backward(); return loss, out
+    for _ in range(2):
+        opt.step(closure)
+    print(f"rank {comm.rank} stepped {opt.num_steps}", flush=True)
+    shutdown()
+""")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_rank_agreement_flag_holds_in_low_precision_on_three_ranks(tmp_path, dtype: str) -> None:
+    """The flag's parameter count and size are all-reduced in the gradients' dtype: identical ranks must
+    agree (bfloat16 rounded a 3-rank sum of 190 and every rank raised)."""
+    script = tmp_path / "flag.py"
+    script.write_text(LOW_PRECISION)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                           str(script), dtype], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                               "TORCHSSO2_DIST_TIMEOUT": "60"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert all(f"rank {r} stepped 2" in out for r in range(3)), out[-3000:]

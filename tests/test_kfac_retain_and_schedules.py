@@ -97,3 +97,25 @@ def test_bad_schedule_value_raises_before_the_step_changes_anything(name: str) -
         assert torch.equal(layer.a_factor, factors[n][0]) and torch.equal(layer.g_factor, factors[n][1])
         assert layer.a_batch is None and layer.g_batch is None
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_an_overflowing_first_backward_leaves_a_to_the_next() -> None:
+    """With a grad_scaler the first backward through a forward overflows (skipped); the second, finite,
+    backward through the same forward brings that forward's A and its own G."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=0.01,
+                                 factor_decay=DECAY, grad_scaler=lambda: 1.0)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    out = model(x)
+    hidden = model[1](model[0](x)).detach()
+    (out[:, 0] * float("inf")).sum().backward(retain_graph=True)
+    for p in model.parameters():
+        p.grad = None
+    out.pow(2).mean().backward()
+    pre.step()
+    a = torch.cat([hidden, torch.ones(8, 1, dtype=torch.float64)], 1)
+    expected = DECAY * torch.eye(7, dtype=torch.float64) + (1 - DECAY) * a.T @ a / 8
+    torch.testing.assert_close(pre.layers["2"].a_factor, expected, rtol=1e-12, atol=1e-12)

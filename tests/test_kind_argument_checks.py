@@ -50,3 +50,8 @@ def test_vi_needs_a_positive_prior_or_damping_with_every_kind(curv: str) -> None
     with pytest.raises(ValueError, match="prior_precision=0.0, kl_weighting=1.0, damping=0.0"):
         VIOptimizer(_model(), dataset_size=10, approx="full", curvature=curv, prior_precision=0.0, damping=0.0)
     VIOptimizer(_model(), dataset_size=10, approx="full", curvature=curv, prior_precision=0.0, damping=1e-3)
+
+
+def test_vi_parses_the_curvature_name_before_checking_mc_samples() -> None:
+    with pytest.raises(ValueError, match="did you mean 'fisher_mc'"):
+        VIOptimizer(_model(), dataset_size=10, approx="kfac", curvature="fisher-mc", mc_samples=2)

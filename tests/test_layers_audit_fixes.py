@@ -49,23 +49,41 @@ def test_a_module_without_the_batch_dimension_is_refused(n: int, kind: str, appr
     curvature.compute(model, x, y, kind="fisher_mc", approx=approx)  # no per-example products: fine
 
 
-def test_empirical_fisher_kfac_refuses_a_position_embedding_on_arange() -> None:
+def test_a_position_embedding_on_arange_is_refused_where_the_sizes_show_it() -> None:
+    """The exact Fisher's blocks (any shape) check the modules' batches: refused. The empirical Fisher's
+    K-FAC blocks accept any layout (sequence-first models), so there it is not detected (docs/guide.md)."""
     torch.manual_seed(0)
     model = PositionLM()
     ids, nxt = torch.randint(0, 7, (3, 5)), torch.randint(0, 7, (3, 5))
+    for approx in ("kfac", "diag"):
+        with pytest.raises(ValueError, match="position embedding"):
+            curvature.compute(model, ids, nxt, kind="fisher", approx=approx)
     with pytest.raises(ValueError, match="position embedding"):
-        curvature.compute(model, ids, nxt, kind="empirical_fisher", approx="kfac")
-    opt = SecondOrderOptimizer(model, curvature="empirical_fisher")  # K-FAC from the user's backward
+        curvature.compute(model, ids, nxt, kind="empirical_fisher", approx="diag")
 
-    def closure():
-        opt.zero_grad()
-        out = model(ids).reshape(-1, 7)
-        loss = F.cross_entropy(out, nxt.reshape(-1))
-        loss.backward()
-        return loss, out
 
-    with pytest.raises(ValueError, match="position embedding"):
-        opt.step(closure)
+def test_empirical_fisher_kfac_takes_a_sequence_first_layout() -> None:
+    """Linear layers on [T, N, d] and a classification head: the K-FAC blocks of the empirical Fisher
+    equal those of the same model written batch-first."""
+
+    class SeqFirst(nn.Module):
+        def __init__(self, batch_first: bool) -> None:
+            super().__init__()
+            self.batch_first = batch_first
+            self.inp, self.head = nn.Linear(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, T, 3]
+            h = torch.tanh(self.inp(x if self.batch_first else x.transpose(0, 1)))
+            return self.head(h.mean(1 if self.batch_first else 0))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 7, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    first = SeqFirst(True).double()
+    seq = SeqFirst(False).double()
+    seq.load_state_dict(first.state_dict())
+    a = curvature.compute(first, x, y, kind="empirical_fisher", approx="kfac")
+    b = curvature.compute(seq, x, y, kind="empirical_fisher", approx="kfac")
+    torch.testing.assert_close(a.dense(), b.dense(), rtol=1e-10, atol=1e-12)
 
 
 def test_empirical_fisher_kfac_takes_a_module_with_several_rows_per_loss_row() -> None:
@@ -149,3 +167,56 @@ def test_kfac_preconditioner_refuses_the_old_weight_reparametrizations(wrap) -> 
         with pytest.raises(ValueError, match=r"module '0' \(Linear\) holds parameters .*skip_layers"):
             KFACPreconditioner(model)
         KFACPreconditioner(model, skip_layers=["^0$"])
+
+
+def test_a_sparse_gradient_from_a_functional_embedding_is_a_clear_error() -> None:
+    class SparseTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(10, 4))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return F.embedding(ids, self.table, sparse=True)
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = SparseTable(), nn.Linear(4, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids).mean(1))
+
+    torch.manual_seed(0)
+    model = Functional()
+    opt = SecondOrderOptimizer(model, skip_modules=["^emb$"])
+    ids, y = torch.randint(0, 10, (8, 5)), torch.randint(0, 3, (8,))
+
+    def closure():
+        opt.zero_grad()
+        out = model(ids)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+
+    with pytest.raises(TypeError, match="sparse gradient.*SparseAdam"):
+        opt.step(closure)
+
+
+def test_kfac_preconditioner_leaves_a_subclass_extra_parameter_its_gradient() -> None:
+    class Scaled(nn.Linear):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale * super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    model(torch.randn(8, 5)).pow(2).mean().backward()
+    scale_grad = model[0].scale.grad.clone()
+    pre.step()
+    assert torch.equal(model[0].scale.grad, scale_grad) and pre.layers["0"].param_names == ("weight", "bias")

@@ -117,6 +117,11 @@ def owned_all_finite(tensors: Sequence[Tensor]) -> bool:
     groups: dict = {}
     dev = None
     for t in tensors:  # a plain loop: this runs at every step
+        if t.layout is not torch.strided:
+            raise TypeError(f"a {t.layout} tensor of shape {list(t.shape)} (a sparse gradient: F.embedding / "
+                            "nn.Embedding with sparse=True): the optimizers need dense gradients for every parameter "
+                            "they update; use sparse=False, or update that parameter with torch.optim.SparseAdam "
+                            "and leave it out of the optimizer's params")
         if t.requires_grad or not t.is_floating_point() or (dev is not None and t.device != dev):
             return all_finite(tensors)
         dev = t.device

@@ -63,7 +63,8 @@ class KFACLayer:
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.backend = backend
-        self.param_names: Tuple[str, ...] = tuple(n for n, _ in family.covered_params(module))
+        # weight and bias (kfac_pytorch's get_grad); another parameter of a layer subclass keeps its plain gradient
+        self.param_names: Tuple[str, ...] = tuple(n for n, _ in family.covered_params(module) if n in ("weight", "bias"))
         rows, cols = family.weight_matrix_shape(module)  # type: ignore[attr-defined]
         self.sizes: Dict[str, int] = {"A": cols + int("bias" in self.param_names), "G": rows}
         # factor batches of the current step (sums over micro-batches and their counts; A is counted per

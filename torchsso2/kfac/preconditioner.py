@@ -303,11 +303,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def _grad_hook(self, layer: KFACLayer, call: Dict[str, Any], grad: Tensor) -> None:
         first = not call["seen"]
-        call["seen"] = True
-        if first:
+        if first and not call.get("counted"):
             self._awaiting[layer.name] -= 1
+            call["counted"] = True
         with torch.no_grad():
-            layer.accumulate(call["inputs"], grad.detach(), grad_scale_of(self.grad_scaler), with_a=first)
+            # A is taken with the first backward whose contribution is kept (an AMP overflow is skipped)
+            call["seen"] = layer.accumulate(call["inputs"], grad.detach(), grad_scale_of(self.grad_scaler),
+                                            with_a=first) or call["seen"]
             if self.update_factors_in_hook and self._fold_in_hook(layer, call["mini_step"]):
                 if layer.update_factors(self.factor_decay):
                     self._updated.add(layer.name)

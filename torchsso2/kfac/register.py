@@ -59,10 +59,10 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
             family.validate(module)
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}; K-FAC cannot handle it, add it to skip_layers") from None
-        extra = sorted({n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"})
-        if extra:  # kfac_pytorch fails at the first step (a TypeError)
-            raise ValueError(f"module {name!r} ({type(module).__name__}) holds parameters {extra} instead of its own "
-                             "weight: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, "
+        own = dict(module.named_parameters(recurse=False))
+        if "weight" not in own:  # kfac_pytorch fails at the first step (a TypeError)
+            raise ValueError(f"module {name!r} ({type(module).__name__}) holds parameters {sorted(own)} and no weight "
+                             "parameter: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, "
                              "hook-based API) computes the weight from them, which K-FAC's factors do not cover; add "
                              f"{name!r} to skip_layers, or remove the reparametrization")
         replaced = forward_replaced(module, family)

@@ -378,7 +378,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             every = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p.requires_grad]
             lacking = [p.grad is None for p in every]
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
-            exact = 2 ** 20 if dtype in (torch.float32, torch.float64) else 256  # integers the dtype holds exactly
+            # the sizes modulo a number whose sum over the ranks the gradients' dtype holds exactly (the mean
+            # of equal sizes is then exact): 2^24 / W in float32, 2^8 / W in bfloat16; W above it: no check
+            digits = {torch.float64: 53, torch.float32: 24, torch.float16: 11}.get(dtype, 8)
+            exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
             size = [float(len(every) % exact), float(sum(p.numel() for p in every) % exact)]
             flag = torch.tensor([1.0 if bad else 0.0] + size + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
-from curvature.options import check_mc_samples
+from curvature.options import Kind, check_mc_samples, parse
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
@@ -221,6 +221,8 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
+        if kind != "fisher":  # a name to parse first ("fisher-mc": the did-you-mean error, not this one)
+            kind = parse(Kind, kind, "curvature").value
         check_mc_samples(mc_samples, "reparam" if self.reparam else kind, "curvature",
                          "; weight samples per step are num_mc_samples")
         # None: the defaults per approx, and the decay per step (torchsso2/optim/vi_schedule.py)
