@@ -41,7 +41,9 @@ def test_live_weight_decay_inf_is_refused_at_the_next_step() -> None:
 
 @pytest.mark.parametrize("face,key,value", [("soo", "maximize", True), ("soo", "damping", 10.0),
                                             ("soo", "nesterov", True), ("vi", "maximize", True),
-                                            ("vi", "prior_precision", 5.0)])
+                                            ("vi", "prior_precision", 5.0), ("soo", "ema_decay", 0.5),
+                                            ("soo", "kl_clip", 1e-3), ("vi", "kl_weighting", 0.1),
+                                            ("vi", "curv_update_interval", 5)])
 def test_refused_group_keys_set_live_or_in_a_checkpoint(face: str, key: str, value) -> None:
     model, opt, closure = _setup(face)
     opt.step(closure)

@@ -69,7 +69,8 @@ def test_a_parameter_listed_twice_is_refused() -> None:
 @pytest.mark.parametrize("key", ["maximize", "nesterov", "damping"])
 def test_other_optimizers_group_options_are_refused_not_ignored(key: str) -> None:
     model = _model()
-    with pytest.raises(ValueError, match=rf"\['{key}'\] are options of other torch.optim optimizers"):
+    with pytest.raises(ValueError, match=rf"\['{key}'\] are options SecondOrderOptimizer does not have per group "
+                                         r"\(options of other torch.optim optimizers"):
         SecondOrderOptimizer(model, params=[{"params": model.parameters(), key: True}])
     opt = SecondOrderOptimizer(model, params=[{"params": model.parameters(), "name": "body"}])  # metadata is fine
     assert opt.param_groups[0]["name"] == "body"

@@ -128,10 +128,12 @@ def _param_list(params: Any) -> List[Any]:
     return [_unnamed(p) for p in params]
 
 
-#: per-group options of other torch.optim optimizers (and damping, which is the optimizer's, not a group's):
-#: refused in a param group rather than silently ignored
+#: per-group options of other torch.optim optimizers, and constructor options of these optimizers that hold for
+#: every group (damping, the curvature schedule, ...): refused in a param group rather than silently ignored
 _TORCH_ONLY_GROUP_KEYS = frozenset({"maximize", "nesterov", "dampening", "foreach", "fused", "capturable",
-                                    "differentiable", "betas", "eps", "amsgrad", "damping"})
+                                    "differentiable", "betas", "eps", "amsgrad", "damping", "ema_decay", "kl_clip",
+                                    "curv_update_interval", "inv_update_interval", "approx", "curvature",
+                                    "mc_samples", "kl_weighting", "num_mc_samples", "dataset_size"})
 
 
 def _unnamed(item: Any) -> Any:
@@ -686,10 +688,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             for key, high, high_open in self._GROUP_RANGES:
                 if key in param_group:
                     check_number(f"param group {key!r}", param_group[key], low=0.0, high=high, high_open=high_open)
-            ignored = sorted(k for k in param_group if k in _TORCH_ONLY_GROUP_KEYS)
-            if ignored:
-                raise ValueError(f"param group keys {ignored} are options of other torch.optim optimizers, which "
-                                 f"{type(self).__name__} does not have (it would ignore them); remove them")
+            if not self._REFUSED_GROUP_KEYS.isdisjoint(param_group):
+                raise ValueError(self._refused_keys_message("param group", param_group))
             params = param_group.get("params")
             listed = _param_list(params) if params is not None else []
             param_group = {**param_group, "params": listed}
@@ -725,8 +725,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     def _refused_keys_message(self, where: str, group: Dict[str, Any]) -> str:
         keys = sorted(k for k in group if k in self._REFUSED_GROUP_KEYS)
-        return (f"{where} keys {keys} are options this optimizer does not have per group (those of other "
-                f"torch.optim optimizers, or its own constructor's), which it would ignore; remove them")
+        return (f"{where} keys {keys} are options {type(self).__name__} does not have per group (options of other "
+                "torch.optim optimizers, or of its constructor, which hold for every group), which it would "
+                "ignore; remove them")
 
     def _check_group_value(self, entry: str, key: str, value: Any) -> None:
         """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
