@@ -114,8 +114,8 @@ def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
 
 def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: Tensor,
                names: List[str]) -> Optional[Tensor]:
-    """The exact Hessian diagonal ``[P]`` (weight row-major, then bias) of ``module``'s ``names``
-    parameters; a zero-size tensor when ``z`` is not in ``loss``'s graph at second order; None when
+    """The exact Hessian diagonal ``[P]`` of ``module``'s ``names`` parameters (in that order, each
+    row-major); a zero-size tensor when ``z`` is not in ``loss``'s graph at second order; None when
     ``H_zz`` couples the indices of ``z``'s first dimension (:func:`rows_independent`: the caller
     takes the generic path).
 

@@ -140,3 +140,42 @@ def test_the_rank_agreement_flag_holds_in_low_precision_on_three_ranks(tmp_path,
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert all(f"rank {r} stepped 2" in out for r in range(3)), out[-3000:]
+
+
+SPARSE_TWO_RANKS = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from torch import nn
+    from torchsso2 import SecondOrderOptimizer
+    from torchsso2.distributed import get_communicator, shutdown
+    comm = get_communicator("torch")
+
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__(); self.w = nn.Parameter(torch.randn(10, 4))
+        def forward(self, ids):
+            return F.embedding(ids, self.w, sparse=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Table(), nn.Flatten(), nn.Linear(12, 3))
+    opt = SecondOrderOptimizer(model, skip_modules=["^0$"], communicator=comm)
+    ids, y = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    def closure():
+        opt.zero_grad(); out = model(ids); loss = F.cross_entropy(out, y); loss.backward(); return loss, out
+    try:
+        opt.step(closure)
+    except TypeError as e:
+        print(f"rank {comm.rank} TypeError: {e}", flush=True)
+    shutdown()
+""")
+
+
+def test_a_sparse_gradient_is_refused_before_the_all_reduce(tmp_path) -> None:
+    script = tmp_path / "sparse.py"
+    script.write_text(SPARSE_TWO_RANKS)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                               "TORCHSSO2_DIST_TIMEOUT": "60"})
+    out = proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"rank {r} TypeError: a torch.sparse_coo tensor" in out, out[-3000:]

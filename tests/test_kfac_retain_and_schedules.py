@@ -119,3 +119,28 @@ def test_an_overflowing_first_backward_leaves_a_to_the_next() -> None:
     a = torch.cat([hidden, torch.ones(8, 1, dtype=torch.float64)], 1)
     expected = DECAY * torch.eye(7, dtype=torch.float64) + (1 - DECAY) * a.T @ a / 8
     torch.testing.assert_close(pre.layers["2"].a_factor, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_overflowing_micro_batch_redone_folds_as_the_clean_run() -> None:
+    """accumulation_steps=2; micro-batch 2's first backward overflows and is redone through the same forward:
+    the factors equal the run without the overflow (the overflow counted for nothing)."""
+
+    def run(overflow: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=0.01,
+                                     factor_decay=DECAY, grad_scaler=lambda: 1.0, accumulation_steps=2)
+        gen = torch.Generator().manual_seed(3)
+        for micro in range(2):
+            out = model(torch.randn(8, 5, dtype=torch.float64, generator=gen))
+            if overflow and micro == 1:
+                (out[:, 0] * float("inf")).sum().backward(retain_graph=True)
+                for p in model.parameters():
+                    p.grad = None
+            out.pow(2).mean().backward()
+        pre.step()
+        return pre.layers["2"].a_factor
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-12, atol=1e-12)

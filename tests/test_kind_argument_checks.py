@@ -55,3 +55,9 @@ def test_vi_needs_a_positive_prior_or_damping_with_every_kind(curv: str) -> None
 def test_vi_parses_the_curvature_name_before_checking_mc_samples() -> None:
     with pytest.raises(ValueError, match="did you mean 'fisher_mc'"):
         VIOptimizer(_model(), dataset_size=10, approx="kfac", curvature="fisher-mc", mc_samples=2)
+
+
+@pytest.mark.parametrize("name", ["reparm", "Reparam"])
+def test_vi_suggests_reparam(name: str) -> None:
+    with pytest.raises(ValueError, match="did you mean 'reparam'"):
+        VIOptimizer(_model(), dataset_size=10, curvature=name)

@@ -22,6 +22,7 @@ __all__ = [
     "resolve_compute_dtype",
     "all_finite",
     "owned_all_finite",
+    "refuse_sparse",
     "check_finite",
     "check_square",
     "check_nonnegative_scalar",
@@ -102,6 +103,16 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
 
 
+def refuse_sparse(tensors: Sequence[Tensor]) -> None:
+    """TypeError for a sparse tensor among ``tensors`` (a sparse gradient: the optimizers need dense ones)."""
+    for t in tensors:
+        if t.layout is not torch.strided:
+            raise TypeError(f"a {t.layout} tensor of shape {list(t.shape)} (a sparse gradient: F.embedding / "
+                            "nn.Embedding with sparse=True): the optimizers need dense gradients for every parameter "
+                            "they update; use sparse=False, or update that parameter with torch.optim.SparseAdam "
+                            "and leave it out of the optimizer's params")
+
+
 def owned_all_finite(tensors: Sequence[Tensor]) -> bool:
     """:func:`all_finite` for tensors the caller owns and no autograd graph needs — gradients after
     ``backward``, fresh curvature statistics, computed updates — in one fused kernel per dtype.
@@ -118,10 +129,7 @@ def owned_all_finite(tensors: Sequence[Tensor]) -> bool:
     dev = None
     for t in tensors:  # a plain loop: this runs at every step
         if t.layout is not torch.strided:
-            raise TypeError(f"a {t.layout} tensor of shape {list(t.shape)} (a sparse gradient: F.embedding / "
-                            "nn.Embedding with sparse=True): the optimizers need dense gradients for every parameter "
-                            "they update; use sparse=False, or update that parameter with torch.optim.SparseAdam "
-                            "and leave it out of the optimizer's params")
+            refuse_sparse([t])
         if t.requires_grad or not t.is_floating_point() or (dev is not None and t.device != dev):
             return all_finite(tensors)
         dev = t.device

@@ -238,10 +238,10 @@ class VIOptimizer(_NativeVI):
         with torch.no_grad():
             if n == 0:
                 probs = [torch.softmax(self.engine.select_output(self.model(data)), dim=-1)]
-            else:
-                probs = []
+            else:  # one generator for the n draws (sampled_params() alone redraws the same sample at one step)
+                gen, probs = self.sampling_generator(), []
                 for _ in range(n):
-                    with self.sampled_params():
+                    with self.sampled_params(generator=gen):
                         probs.append(torch.softmax(self.engine.select_output(self.model(data)), dim=-1))
         mean = torch.stack(probs).mean(0)
         return (mean, probs) if keep_probs else mean

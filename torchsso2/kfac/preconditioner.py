@@ -303,13 +303,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def _grad_hook(self, layer: KFACLayer, call: Dict[str, Any], grad: Tensor) -> None:
         first = not call["seen"]
-        if first and not call.get("counted"):
-            self._awaiting[layer.name] -= 1
-            call["counted"] = True
         with torch.no_grad():
-            # A is taken with the first backward whose contribution is kept (an AMP overflow is skipped)
-            call["seen"] = layer.accumulate(call["inputs"], grad.detach(), grad_scale_of(self.grad_scaler),
-                                            with_a=first) or call["seen"]
+            # A is taken with the first backward whose contribution is kept; an AMP overflow is skipped and
+            # counts for nothing (a later backward through the same forward takes its place; what no hook
+            # folds is folded at the start of step())
+            if not layer.accumulate(call["inputs"], grad.detach(), grad_scale_of(self.grad_scaler), with_a=first):
+                return
+            call["seen"] = True
+            if first:
+                self._awaiting[layer.name] -= 1
             if self.update_factors_in_hook and self._fold_in_hook(layer, call["mini_step"]):
                 if layer.update_factors(self.factor_decay):
                     self._updated.add(layer.name)

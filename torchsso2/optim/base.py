@@ -29,6 +29,7 @@ from curvature.running import decompose_block
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError
+from curvature.linalg.checks import refuse_sparse
 from curvature import likelihoods
 from curvature.options import Kind, LossType
 
@@ -378,6 +379,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
             # flag, so a parameter no rank has a gradient for keeps grad None
             every = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p.requires_grad]
+            refuse_sparse([p.grad for p in every if p.grad is not None])  # before the collective flattens them
             lacking = [p.grad is None for p in every]
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
             # the sizes modulo a number whose sum over the ranks the gradients' dtype holds exactly (the mean

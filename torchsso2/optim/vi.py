@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
-from curvature.blocks.base import like_dtype
+from curvature.blocks.base import compute_dtype, like_dtype
 from curvature.options import Kind, check_mc_samples, parse
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -222,9 +222,13 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
         if kind != "fisher":  # a name to parse first ("fisher-mc": the did-you-mean error, not this one)
+            if isinstance(curvature, str) and curvature.strip().lower().replace("-", "_") in ("reparm", "reparam"):
+                raise ValueError(f"curvature={curvature!r} is not supported (did you mean 'reparam'?); expected "
+                                 "None, 'reparam', 'fisher', 'fisher_mc', 'empirical_fisher' or 'hessian'")
             kind = parse(Kind, kind, "curvature").value
+        default = " (curvature=None is 'reparam' with approx='diag')" if curvature is None and self.reparam else ""
         check_mc_samples(mc_samples, "reparam" if self.reparam else kind, "curvature",
-                         "; weight samples per step are num_mc_samples")
+                         f"{default}; weight samples per step are num_mc_samples")
         # None: the defaults per approx, and the decay per step (torchsso2/optim/vi_schedule.py)
         curv_update_interval, inv_update_interval, ema_decay = vi_schedule(
             approx, curv_update_interval, inv_update_interval, ema_decay, DEFAULT_VI_EMA_DECAY)
@@ -285,16 +289,29 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         unscale = 1.0 / float(self.grad_scaler.get_scale()) \
             if self.grad_scaler is not None and not self._grads_unscaled() else 1.0
         for name, lay in self.engine.layouts.items():
-            if any(id(p) not in eps for p in lay.params):  # frozen (not sampled): its curvature is kept
+            sampled = [id(p) in eps for p in lay.params]
+            if not any(sampled):  # frozen (not sampled): its curvature is kept
                 continue
             if self._decomposed:
                 prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] * (unscale / self.kl_weighting))
             else:
                 prec = [float(self._first_precision) * unscale] * len(lay.params)  # type: ignore[arg-type]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
-            hat = reparam_diagonal([g.detach() for g in grads], [eps[id(p)] for p in lay.params], prec)
+            hat = reparam_diagonal([g.detach() for g, s in zip(grads, sampled) if s],
+                                   [eps[id(p)] for p, s in zip(lay.params, sampled) if s],
+                                   [q for q, s in zip(prec, sampled) if s])
+            if not all(sampled):  # a frozen weight beside a trainable bias: its entries keep their running value
+                kept, fresh = self._current_curvature(name, lay), iter(hat)
+                hat = [next(fresh) if s else kept[i].to(grads[i].dtype) for i, s in enumerate(sampled)]
             out[name] = torch.cat([h.reshape(-1) for h in hat])
         return out
+
+    def _current_curvature(self, name: str, lay: Any) -> List[Tensor]:
+        """The running diagonal of block ``name`` per parameter (``curvature_init`` before the block exists)."""
+        blk = self.running.blocks.get(name)
+        if blk is not None:
+            return list(lay.unflatten(blk.diagonal))
+        return [torch.full_like(p, float(self.curvature_init), dtype=compute_dtype(p.dtype)) for p in lay.params]
 
     # ---- the posterior ---------------------------------------------------------------------
     @property
@@ -533,7 +550,7 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
                 loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
             losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
             if self.noise.learned:
-                residuals.append(ObservationNoise.mean_squared_residual(output, targets))
+                residuals.append(ObservationNoise.mean_squared_residual(self.engine.select_output(output), targets))
             if self.reparam and estimate:
                 for name, h in self._reparam_sample(noise).items():
                     hats[name] = hats[name] + h if name in hats else h

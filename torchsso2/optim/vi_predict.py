@@ -24,9 +24,22 @@ class PosteriorUse:
     def sampled_params(self, generator: Optional[torch.Generator] = None) -> Iterator[None]:
         """Temporarily replace the covered weights by one posterior sample (restored on exit).
         Without ``generator`` the sample comes from :meth:`sampling_generator` (not the training streams)."""
+        self._check_posterior("sampled_params()")
         gen = generator if generator is not None else self.sampling_generator()
         with self._perturbed(self._draw_noise(gen)):
             yield
+
+    def _check_posterior(self, what: str) -> None:
+        """RuntimeError when there is no posterior to sample (every sample would be the mean weights)."""
+        if not self._decomposed and self._first_precision is None:
+            if self.num_steps > 0:
+                raise RuntimeError(f"{what} after {self.num_steps} step(s) none of whose decompositions of the "
+                                   "posterior precision succeeded (see the logged warnings): there is nothing to sample "
+                                   "from. Increase damping or prior_precision (the curvature is not positive definite)")
+            raise RuntimeError(f"{what} before the first step() with curvature_init=None and no init_precision: "
+                               "there is no posterior yet, so every sample would be the mean weights (point "
+                               "predictions). Call step() first, or pass init_precision=... (or keep the default "
+                               "curvature_init) to sample from an isotropic Gaussian around the weights")
 
     def sampling_generator(self) -> torch.Generator:
         """The default generator of :meth:`predict` and :meth:`sampled_params`: seeded from ``seed`` and
@@ -68,15 +81,7 @@ class PosteriorUse:
         if return_variance and self.engine.loss is not LossType.MSE:
             raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
                              f"loss is {self.engine.loss.value!r}")
-        if not self._decomposed and self._first_precision is None:
-            if self.num_steps > 0:
-                raise RuntimeError(f"predict() after {self.num_steps} step(s) none of whose decompositions of the "
-                                   "posterior precision succeeded (see the logged warnings): there is nothing to sample "
-                                   "from. Increase damping or prior_precision (the curvature is not positive definite)")
-            raise RuntimeError("predict() before the first step() with curvature_init=None and no init_precision: "
-                               "there is no posterior yet, so every sample would be the mean weights (point "
-                               "predictions). Call step() first, or pass init_precision=... (or keep the default "
-                               "curvature_init) to sample from an isotropic Gaussian around the weights")
+        self._check_posterior("predict()")
         if not isinstance(antithetic, bool):
             raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__} {antithetic!r}")
         gen = generator if generator is not None else self.sampling_generator()
@@ -87,6 +92,13 @@ class PosteriorUse:
                 shift = negated(shift) if antithetic and i % 2 == 1 else self._draw_noise(gen)
                 with self._perturbed(shift):
                     out = self.engine.select_output(self.model(x))
+                if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() <= 1:
+                    raise ValueError(
+                        f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: no class "
+                        "dimension, so the softmax would run over the examples. Return logits [B, C]; for a binary "
+                        "classifier on one logit z, output [-z/2, z/2] (the same probabilities), or average "
+                        "torch.sigmoid(model(x)) over samples yourself (`with opt.sampled_params(generator=g):` with one "
+                        "torch.Generator g for all of them)")
                 if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() > 1 and out.shape[-1] == 1:
                     raise ValueError(
                         f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: the softmax "
@@ -111,4 +123,5 @@ class PosteriorUse:
             raise RuntimeError("no curvature estimate yet: call step() first")
         mats = [blk.dense() * self.likelihood_size for blk in self.running.blocks.values()]
         dense = torch.block_diag(*mats)
-        return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype)) / self.kl_weighting
+        return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype, device=dense.device)
+                ) / self.kl_weighting
