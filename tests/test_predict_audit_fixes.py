@@ -85,3 +85,37 @@ def test_sampled_params_without_a_posterior_raises_as_predict() -> None:
     with pytest.raises(RuntimeError, match=r"sampled_params\(\) before the first step"):
         with opt.sampled_params():
             pass
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reparam_frozen_entries_do_not_drift_in_half_precision(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+    opt = VIOptimizer(model, dataset_size=64, ema_decay=0.5)
+    x, y = torch.randn(16, 4).to(dtype), torch.randint(0, 3, (16,))
+    closure = _closure(opt, model, x, y, lambda out, t: F.cross_entropy(out.float(), t))
+    for _ in range(3):
+        opt.step(closure)
+    model[0].weight.requires_grad_(False)
+    frozen = opt.running.blocks["0"].diagonal[:24].clone()
+    for _ in range(5):
+        opt.step(closure)
+    assert torch.equal(opt.running.blocks["0"].diagonal[:24], frozen)
+
+
+def test_predict_on_one_unbatched_example() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    opt = VIOptimizer(model, dataset_size=64)
+    x = torch.randn(3)
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    torch.testing.assert_close(opt.predict(x, num_samples=4, generator=gen()),
+                               opt.predict(x[None], num_samples=4, generator=gen())[0])
+
+
+def test_compat_prediction_before_a_step_without_init_precision_says_what_to_do() -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = pytorch_sso.VIOptimizer(model, 64, "Cov", {"Linear": "Diag"}, {"damping": 1e-3, "ema_decay": 0.1})
+    with pytest.raises(RuntimeError, match=r"prediction\(mc=2\) before the first step needs init_precision"):
+        opt.prediction(torch.randn(8, 4), mc=2)
+    assert opt.prediction(torch.randn(8, 4), mc=0).shape == (8, 3)

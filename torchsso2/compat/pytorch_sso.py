@@ -238,6 +238,10 @@ class VIOptimizer(_NativeVI):
         with torch.no_grad():
             if n == 0:
                 probs = [torch.softmax(self.engine.select_output(self.model(data)), dim=-1)]
+            elif not self._decomposed and self._first_precision is None:
+                raise RuntimeError(f"prediction(mc={n}) before the first step needs init_precision (the posterior's "
+                                   "starting precision; without it there is nothing to sample yet): pass "
+                                   "init_precision=..., take a step first, or use mc=0 (the mean weights)")
             else:  # one generator for the n draws (sampled_params() alone redraws the same sample at one step)
                 gen, probs = self.sampling_generator(), []
                 for _ in range(n):

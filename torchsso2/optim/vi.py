@@ -302,7 +302,8 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
                                    [q for q, s in zip(prec, sampled) if s])
             if not all(sampled):  # a frozen weight beside a trainable bias: its entries keep their running value
                 kept, fresh = self._current_curvature(name, lay), iter(hat)
-                hat = [next(fresh) if s else kept[i].to(grads[i].dtype) for i, s in enumerate(sampled)]
+                # in the running diagonal's dtype: a half-precision copy of the kept entries would move them
+                hat = [next(fresh).to(kept[i].dtype) if s else kept[i] for i, s in enumerate(sampled)]
             out[name] = torch.cat([h.reshape(-1) for h in hat])
         return out
 

@@ -92,7 +92,8 @@ class PosteriorUse:
                 shift = negated(shift) if antithetic and i % 2 == 1 else self._draw_noise(gen)
                 with self._perturbed(shift):
                     out = self.engine.select_output(self.model(x))
-                if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() <= 1:
+                if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() <= 1 \
+                        and not (isinstance(x, Tensor) and x.dim() == 1):  # a 1-D x: one unbatched example
                     raise ValueError(
                         f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: no class "
                         "dimension, so the softmax would run over the examples. Return logits [B, C]; for a binary "
