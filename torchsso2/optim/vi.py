@@ -38,6 +38,7 @@ independent of the label sampling, and the same on every rank that draws sample 
 """
 from __future__ import annotations
 
+import difflib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -222,10 +223,17 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
         if kind != "fisher":  # a name to parse first ("fisher-mc": the did-you-mean error, not this one)
-            if isinstance(curvature, str) and curvature.strip().lower().replace("-", "_") in ("reparm", "reparam"):
-                raise ValueError(f"curvature={curvature!r} is not supported (did you mean 'reparam'?); expected "
-                                 "None, 'reparam', 'fisher', 'fisher_mc', 'empirical_fisher' or 'hessian'")
-            kind = parse(Kind, kind, "curvature").value
+            try:
+                kind = parse(Kind, kind, "curvature").value
+            except ValueError as err:
+                if "another library's name" in str(err) or not isinstance(curvature, str):
+                    raise
+                choices = ["reparam"] + [k.value for k in Kind]  # VIOptimizer's, with its own 'reparam'
+                normal = curvature.strip().lower().replace("-", "_").replace(" ", "")
+                close = [normal] if normal in choices else difflib.get_close_matches(normal, choices, n=2, cutoff=0.6)
+                hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+                raise ValueError(f"curvature={curvature!r} is not supported{hint}; expected None or one of "
+                                 f"{', '.join(map(repr, choices))}") from None
         default = " (curvature=None is 'reparam' with approx='diag')" if curvature is None and self.reparam else ""
         check_mc_samples(mc_samples, "reparam" if self.reparam else kind, "curvature",
                          f"{default}; weight samples per step are num_mc_samples")
