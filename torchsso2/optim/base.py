@@ -45,10 +45,11 @@ from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, Mi
 from .checkpoint import check_checkpoint
 from .precision import without_autocast
 from .misuse import ClosureWatch, check_model_argument
+from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
 from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
-from .validation import MAX_LR, check_int, check_nonempty_batch, check_number, unpack_closure_result
+from .validation import check_int, check_nonempty_batch, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -89,62 +90,6 @@ class BlockAverage:
         return self.blocks
 
 
-def _listed_groups(params: Iterable[Any]) -> List[Any]:
-    """torch.optim's ``params`` (tensors, or dicts of groups) as a list whose groups hold lists, so that
-    it can be read before ``torch.optim.Optimizer`` reads it (generators are consumed once)."""
-    if isinstance(params, Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                        f"but got {torch.typename(params)}")
-    out: List[Any] = []
-    for g in params:
-        if isinstance(g, dict) and "params" in g:
-            g = {**g, "params": _param_list(g["params"])}
-        out.append(_unnamed(g))
-    return out
-
-
-def _refuse_sparse_gradients(model: nn.Module, groups: List[Dict[str, Any]]) -> None:
-    """ValueError for a parameter of the optimizer that gets sparse gradients (``nn.Embedding(sparse=True)``,
-    ``nn.EmbeddingBag(sparse=True)``): every update here (curvature and plain) needs dense gradients."""
-    own = {id(p) for g in groups for p in g["params"]}
-    sparse = [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in own]
-    if sparse:
-        raise ValueError(f"parameters {sparse} get sparse gradients ({'/'.join(['nn.Embedding', 'nn.EmbeddingBag'])}"
-                         "(sparse=True)); this optimizer needs dense gradients for every parameter it updates, the "
-                         "plain update of a skipped module included: build the module with sparse=False, or leave "
-                         "the parameter out of this optimizer (params=[...] without it) and update it with "
-                         "torch.optim.SparseAdam")
-
-
-def _param_list(params: Any) -> List[Any]:
-    """A param group's ``params`` as torch.optim takes them — a tensor, or an ordered iterable of tensors
-    or ``(name, tensor)`` pairs — as a list; a set is refused, as torch.optim refuses it (converting it to a
-    list first would skip that check)."""
-    if isinstance(params, Tensor):
-        return [params]
-    if isinstance(params, set):
-        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
-                        "of tensors in sets will change between runs. Please use a list instead.")
-    return [_unnamed(p) for p in params]
-
-
-#: per-group options of other torch.optim optimizers, and constructor options of these optimizers that hold for
-#: every group (damping, the curvature schedule, ...): refused in a param group rather than silently ignored
-_TORCH_ONLY_GROUP_KEYS = frozenset({"maximize", "nesterov", "dampening", "foreach", "fused", "capturable",
-                                    "differentiable", "betas", "eps", "amsgrad", "damping", "ema_decay", "kl_clip",
-                                    "curv_update_interval", "inv_update_interval", "approx", "curvature",
-                                    "mc_samples", "kl_weighting", "num_mc_samples", "dataset_size"})
-
-
-def _unnamed(item: Any) -> Any:
-    """A ``(name, parameter)`` pair (``model.named_parameters()``, which torch.optim accepts) as the
-    parameter; anything else unchanged."""
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor):
-        return item[1]
-    return item
-
-
 #: instance attributes a deep copy does not take over (torch.optim's copies drop them too): the
 #: optimizer hooks, and the ``step`` wrapper an LR scheduler installs (it calls the original optimizer)
 _NOT_COPIED = frozenset({"step", "_opt_called", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -164,7 +109,7 @@ def _hooks_held(opt: torch.optim.Optimizer, attr: str) -> Iterator["OrderedDict[
         setattr(opt, attr, hooks)
 
 
-class CurvatureOptimizer(torch.optim.Optimizer):
+class CurvatureOptimizer(GroupChecks, torch.optim.Optimizer):
     """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
 
     def __init__(self, model: nn.Module, params: Optional[Iterable[Any]], defaults: Dict[str, Any],
@@ -174,7 +119,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.model = model
         include = None
         if params is not None:  # only the optimizer's own parameters get curvature (and, VI, weight noise)
-            params = _listed_groups(params)
+            params = listed_groups(params)
             if not params:  # torch.optim's message (an empty list, a consumed generator), not "no supported layer"
                 raise ValueError("optimizer got an empty parameter list")
             include = {id(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])}
@@ -194,7 +139,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
-        _refuse_sparse_gradients(model, self.param_groups)
+        refuse_sparse_gradients(model, self.param_groups)
         self.running = RunningCurvature()
         #: how K-FAC blocks are decomposed: "eigen" (exact damping) or "inverse" (factored; SecondOrderOptimizer)
         self.__dict__.setdefault("kfac_method", "eigen")
@@ -676,69 +621,6 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     #: the kind of optimizer a checkpoint is tagged with (a checkpoint loads only into the same kind)
     face_name = "CurvatureOptimizer"
-
-    #: the param group hyperparameters checked in every group: (key, upper bound, bound excluded)
-    _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", math.inf, False))
-    #: param group keys refused (at construction, at each step, in a checkpoint) rather than ignored
-    _REFUSED_GROUP_KEYS = _TORCH_ONLY_GROUP_KEYS
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.add_param_group`` with the group's ``lr``, ``momentum`` and
-        ``weight_decay`` checked as the constructor checks its arguments (ValueError/TypeError naming
-        the value); the constructor's groups pass here too."""
-        if isinstance(param_group, dict):
-            for key, high, high_open in self._GROUP_RANGES:
-                if key in param_group:
-                    check_number(f"param group {key!r}", param_group[key], low=0.0, high=high, high_open=high_open)
-            if not self._REFUSED_GROUP_KEYS.isdisjoint(param_group):
-                raise ValueError(self._refused_keys_message("param group", param_group))
-            params = param_group.get("params")
-            listed = _param_list(params) if params is not None else []
-            param_group = {**param_group, "params": listed}
-            if len({id(p) for p in listed}) != len(listed):
-                raise ValueError("a param group lists a parameter more than once (torch.optim only warns; here it "
-                                 "would take a plain update besides its curvature step); list each parameter once")
-        super().add_param_group(param_group)
-
-    def _check_step_call(self, closure: Any) -> None:
-        """TypeError without a callable closure; :meth:`_check_group_values`."""
-        if closure is None or not callable(closure):
-            dcp = (" (torch.distributed.checkpoint's get_optimizer_state_dict calls step() without one to create "
-                   "the state, and its dict would lack this optimizer's curvature entry: save opt.state_dict() "
-                   "with torch.save and restore it with load_state_dict)") if closure is None else ""
-            raise TypeError(f"step() needs a closure returning (loss, output); see the class docstring{dcp}")
-        self._check_group_values()
-
-    def _check_group_values(self) -> None:
-        """Every group's ``lr``, ``momentum`` and ``weight_decay`` as :meth:`add_param_group` accepts
-        them, at every step: a scheduler or a hand-set value (``LambdaLR`` returning NaN) raises a
-        ValueError naming the group before it reaches the parameters."""
-        for i, group in enumerate(self.param_groups):
-            for key, high, high_open in self._GROUP_RANGES:
-                v = group.get(key, 0.0)
-                if type(v) is float and 0.0 <= v < math.inf and v <= high and not (high_open and v == high):
-                    continue  # the common case, without the call
-                if key in group:
-                    checked = check_number(f"param_groups[{i}][{key!r}]", v, low=0.0, high=high, high_open=high_open)
-                    if type(v) is not int:  # np.float32 from a scheduler's schedule: the optimizer's math takes floats
-                        group[key] = checked
-            if not self._REFUSED_GROUP_KEYS.isdisjoint(group):  # set on a live group: refused as add_param_group does
-                raise ValueError(self._refused_keys_message(f"param_groups[{i}]", group))
-
-    def _refused_keys_message(self, where: str, group: Dict[str, Any]) -> str:
-        keys = sorted(k for k in group if k in self._REFUSED_GROUP_KEYS)
-        return (f"{where} keys {keys} are options {type(self).__name__} does not have per group (options of other "
-                "torch.optim optimizers, or of its constructor, which hold for every group), which it would "
-                "ignore; remove them")
-
-    def _check_group_value(self, entry: str, key: str, value: Any) -> None:
-        """A param group hyperparameter of a checkpoint: a finite number in the argument's range."""
-        high, high_open = next(((h, o) for k, h, o in self._GROUP_RANGES if k == key), (math.inf, False))
-        try:  # the argument's own check, with the checkpoint's message
-            check_number(entry, value, low=0.0, high=high, high_open=high_open)
-        except (TypeError, ValueError):
-            raise ValueError(f"checkpoint entry {entry} is {value!r}, expected a finite number in "
-                             f"[0, {high}{')' if high_open else ']'}; the optimizer is unchanged") from None
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         """Check the face's own checkpoint entries (ValueError naming the entry)."""

@@ -16,14 +16,16 @@ generalized Gauss–Newton (a model linear in its parameters) this is the GGN di
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from curvature.blocks.base import compute_dtype
+
 from .plan import ScalarCache
 
-__all__ = ["reparam_diagonal", "reparam_ema_"]
+__all__ = ["reparam_diagonal", "reparam_ema_", "reparam_sample"]
 
 
 def reparam_diagonal(grads: Sequence[Tensor], eps: Sequence[Tensor],
@@ -51,3 +53,45 @@ def reparam_ema_(running: Tensor, fresh: Tensor, decay: float, shift: float,
         rate0 = running.new_tensor(1.0 - decay)
     rate = torch.addcdiv(rate0, diff, x, value=0.5 * (1.0 - decay) ** 2)
     running.addcmul_(diff, rate)
+
+
+def reparam_sample(opt: Any, noise: Optional[Tuple[Any, Any, Any]]) -> Dict[str, Tensor]:
+    """``ĥ = g ⊙ ε / σ²`` of one weight sample of VIOptimizer ``opt``, ``[P_b]`` per block (``g``:
+    ``p.grad`` after the sample's closure; ``ε``, ``σ²``: the sample's noise ``noise = (params, shifts,
+    factors)`` and its variance ``τ/denom``, or ``1/init_precision`` before the first decomposition)."""
+    if noise is None:
+        raise RuntimeError("curvature='reparam' needs a weight sample at every step")
+    params, shifts, factors = noise
+    eps = {id(p): s if factors is None else s * f
+           for p, s, f in zip(params, shifts, factors if factors is not None else shifts)}
+    out: Dict[str, Tensor] = {}
+    # with a grad_scaler p.grad is S·g: the precision times 1/S unscales ĥ as it is formed (S·g·ε·(1/σ²)
+    # would overflow float32 long before S·g does, and the scaler would never see it and back off)
+    unscale = 1.0 / float(opt.grad_scaler.get_scale()) \
+        if opt.grad_scaler is not None and not opt._grads_unscaled() else 1.0
+    for name, lay in opt.engine.layouts.items():
+        sampled = [id(p) in eps for p in lay.params]
+        if not any(sampled):  # frozen (not sampled): its curvature is kept
+            continue
+        if opt._decomposed:
+            prec = lay.unflatten(opt.running.blocks[name].decomposition["denom"] * (unscale / opt.kl_weighting))
+        else:
+            prec = [float(opt._first_precision) * unscale] * len(lay.params)  # type: ignore[arg-type]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
+        hat = reparam_diagonal([g.detach() for g, s in zip(grads, sampled) if s],
+                               [eps[id(p)] for p, s in zip(lay.params, sampled) if s],
+                               [q for q, s in zip(prec, sampled) if s])
+        if not all(sampled):  # a frozen weight beside a trainable bias: its entries keep their running value
+            kept, fresh = _current_curvature(opt, name, lay), iter(hat)
+            # in the running diagonal's dtype: a half-precision copy of the kept entries would move them
+            hat = [next(fresh).to(kept[i].dtype) if s else kept[i] for i, s in enumerate(sampled)]
+        out[name] = torch.cat([h.reshape(-1) for h in hat])
+    return out
+
+
+def _current_curvature(opt: Any, name: str, lay: Any) -> List[Tensor]:
+    """The running diagonal of block ``name`` per parameter (``curvature_init`` before the block exists)."""
+    blk = opt.running.blocks.get(name)
+    if blk is not None:
+        return list(lay.unflatten(blk.diagonal))
+    return [torch.full_like(p, float(opt.curvature_init), dtype=compute_dtype(p.dtype)) for p in lay.params]

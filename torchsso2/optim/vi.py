@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
-from curvature.blocks.base import compute_dtype, like_dtype
+from curvature.blocks.base import like_dtype
 from curvature.options import Kind, check_mc_samples, parse
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -56,7 +56,7 @@ from .settings import CurvatureSettings
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
-from .reparam import reparam_diagonal, reparam_ema_
+from .reparam import reparam_ema_, reparam_sample
 from .noise import ObservationNoise
 from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
@@ -283,44 +283,8 @@ class VIOptimizer(PosteriorUse, CurvatureOptimizer):
                                       f"{self.placement.grad_worker_fraction!r} on {self.comm.world_size} ranks")
 
     def _reparam_sample(self, noise: Optional[Shift]) -> Dict[str, Tensor]:
-        """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (``g``: ``p.grad`` after the
-        sample's closure; ``ε``, ``σ²``: the sample's noise and its variance ``τ/denom``, or
-        ``1/init_precision`` before the first decomposition)."""
-        if noise is None:
-            raise RuntimeError("curvature='reparam' needs a weight sample at every step")
-        params, shifts, factors = noise
-        eps = {id(p): s if factors is None else s * f
-               for p, s, f in zip(params, shifts, factors if factors is not None else shifts)}
-        out: Dict[str, Tensor] = {}
-        # with a grad_scaler p.grad is S·g: the precision times 1/S unscales ĥ as it is formed (S·g·ε·(1/σ²)
-        # would overflow float32 long before S·g does, and the scaler would never see it and back off)
-        unscale = 1.0 / float(self.grad_scaler.get_scale()) \
-            if self.grad_scaler is not None and not self._grads_unscaled() else 1.0
-        for name, lay in self.engine.layouts.items():
-            sampled = [id(p) in eps for p in lay.params]
-            if not any(sampled):  # frozen (not sampled): its curvature is kept
-                continue
-            if self._decomposed:
-                prec = lay.unflatten(self.running.blocks[name].decomposition["denom"] * (unscale / self.kl_weighting))
-            else:
-                prec = [float(self._first_precision) * unscale] * len(lay.params)  # type: ignore[arg-type]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
-            hat = reparam_diagonal([g.detach() for g, s in zip(grads, sampled) if s],
-                                   [eps[id(p)] for p, s in zip(lay.params, sampled) if s],
-                                   [q for q, s in zip(prec, sampled) if s])
-            if not all(sampled):  # a frozen weight beside a trainable bias: its entries keep their running value
-                kept, fresh = self._current_curvature(name, lay), iter(hat)
-                # in the running diagonal's dtype: a half-precision copy of the kept entries would move them
-                hat = [next(fresh).to(kept[i].dtype) if s else kept[i] for i, s in enumerate(sampled)]
-            out[name] = torch.cat([h.reshape(-1) for h in hat])
-        return out
-
-    def _current_curvature(self, name: str, lay: Any) -> List[Tensor]:
-        """The running diagonal of block ``name`` per parameter (``curvature_init`` before the block exists)."""
-        blk = self.running.blocks.get(name)
-        if blk is not None:
-            return list(lay.unflatten(blk.diagonal))
-        return [torch.full_like(p, float(self.curvature_init), dtype=compute_dtype(p.dtype)) for p in lay.params]
+        """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (:func:`~torchsso2.optim.reparam.reparam_sample`)."""
+        return reparam_sample(self, noise)
 
     # ---- the posterior ---------------------------------------------------------------------
     @property
