@@ -284,18 +284,23 @@ class CurvatureEngine:
             self._modules, self.layouts, self.approx = saved
 
     def _check_examples_first(self, capture: Capture, outputs: Tensor) -> None:
-        """ValueError unless the first dimension of every covered module's output under a full or
-        diagonal block holds the examples: the exact and empirical Fisher sum per-example products
-        taken there, and a sequence-first ``[T, N, d]`` activation with ``T == N`` passes the size
-        check of :meth:`check_examples_align`. Where an output could be such a layout (its size ``N``
-        also at another dimension), one backward pass of the first example's loss rows
-        (:func:`curvature.sequence.check_example_major_rows`), once per shape signature; other
-        outputs cost nothing (K-FAC blocks sum over every position and need no check)."""
+        """ValueError unless the first dimension of every covered module's output holds the examples (for
+        the exact Fisher in every shape, for the empirical Fisher in full and diagonal blocks; its K-FAC
+        blocks sum per-row products and take any layout): both sum per-example products taken there,
+        and a sequence-first ``[T, N, d]`` activation with ``T == N``, or a module broadcast over the
+        examples whose first dimension is ``N`` (a position embedding on ``arange(T)``, ``T == N``),
+        passes the size check of :meth:`check_examples_align`. One backward pass of the first example's
+        loss rows (:func:`curvature.sequence.check_example_major_rows`) per shape signature tells them
+        apart."""
         n = outputs.shape[0]
         approx = self._module_approx()
+        # every module whose first dimension has the examples' size: a sequence-first [T, N, d] activation
+        # with T == N, or a module broadcast over the examples whose size happens to be N (a position
+        # embedding on arange(T), T == N), passes the size check; the empirical Fisher's K-FAC blocks take
+        # any layout (per-row products of the summed loss's gradient) and need no check
         outs = {name: capture.records[name].output for name in self._modules
-                if approx[name] is not Approx.KFAC and capture.records[name].output.dim() > 1
-                and capture.records[name].output.shape[0] == n > 1 and n in capture.records[name].output.shape[1:]}
+                if (approx[name] is not Approx.KFAC or self.kind is Kind.FISHER)
+                and capture.records[name].output.dim() > 1 and capture.records[name].output.shape[0] == n > 1}
         if not outs:
             return
         signature = (tuple(outputs.shape), tuple((name, tuple(o.shape)) for name, o in outs.items()))

@@ -81,10 +81,12 @@ def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor],
     if leaked and per_example == 1:
         raise ValueError(
             f"the loss of the first example reaches other entries of the first dimension of modules {leaked}: "
-            "the exact and the empirical Fisher (full and diagonal blocks) take that dimension as the "
-            "examples, so it must hold them (e.g. not a sequence-first [T, N, d] activation of a batch-first "
-            "model) and the model must not mix its examples. Use approx='kfac' for those modules, or "
-            "kind='fisher_mc'")
+            "the exact Fisher (every shape) and the empirical Fisher (full and diagonal blocks) take that "
+            "dimension as the examples, so it must hold them (e.g. not a sequence-first [T, N, d] activation "
+            "of a batch-first model, nor a module broadcast over the examples such as a position embedding on "
+            "torch.arange(T) with T == N: call it on torch.arange(T).expand(N, T)) and the model must not mix "
+            "its examples. Use kind='fisher_mc', or kind='empirical_fisher' with approx='kfac' for a "
+            "sequence-first layout")
     if leaked:
         raise ValueError(
             f"the loss rows 0..{per_example - 1} (the first of {outputs.shape[0] // per_example} examples of "

@@ -1,7 +1,8 @@
-"""The exact and empirical Fisher's full and diagonal blocks need each covered module's first output
-dimension to hold the examples. A sequence-first ``[T, N, d]`` activation of a batch-first model
-with ``T == N`` passes a size check; one backward of the first example's loss finds it (an audit
-found the blocks silently wrong there: off by ~50%)."""
+"""The exact Fisher's blocks (every shape) and the empirical Fisher's full and diagonal blocks need each
+covered module's first output dimension to hold the examples. A sequence-first ``[T, N, d]`` activation
+of a batch-first model with ``T == N``, or a module broadcast over the examples whose size is N (a
+position embedding on ``torch.arange(T)``, ``T == N``), passes a size check; one backward of the first
+example's loss finds it (audits found the blocks silently wrong there: off by ~50%, and 2.9x)."""
 from __future__ import annotations
 
 import pytest
@@ -32,14 +33,18 @@ def test_a_sequence_first_activation_with_t_equal_n_is_refused(kind: str, approx
     with pytest.raises(ValueError, match=r"first example reaches other entries of the first dimension of modules "
                                          r"\['fc1'\].*approx='kfac'"):
         curvature.compute(model, x, y, kind=kind, approx=approx)
-    c = curvature.compute(model, x, y, kind=kind, approx={"fc1": "kfac", "fc2": approx})  # K-FAC sums every row
-    assert torch.isfinite(c.dense()).all()
+    mixed = {"fc1": "kfac", "fc2": approx}
+    if kind == "fisher":  # refused in every shape, as for T != N (the size check)
+        with pytest.raises(ValueError, match=r"\['fc1'\]"):
+            curvature.compute(model, x, y, kind=kind, approx=mixed)
+    else:  # the empirical Fisher's K-FAC blocks sum per-row products: any layout
+        c = curvature.compute(model, x, y, kind=kind, approx=mixed)
+        assert torch.isfinite(c.dense()).all()
 
 
 def test_batch_first_models_pass_and_are_checked_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checked only where an output has the batch size at another dimension too (here the first
-    layer's 8 features at batch 8), once per shape signature; train-mode BatchNorm (frozen
-    statistics) passes."""
+    """Checked once per shape signature (a batch size seen before is not checked again); train-mode
+    BatchNorm (frozen statistics) passes."""
     calls = []
     real = sequence.check_example_major_rows
     monkeypatch.setattr(sequence, "check_example_major_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -48,4 +53,25 @@ def test_batch_first_models_pass_and_are_checked_once_per_shape(monkeypatch: pyt
     opt = SecondOrderOptimizer(model, curvature="fisher", approx="diag")
     for n in (8, 8, 16, 8, 3):
         opt.step(make_closure(opt, model, torch.randn(n, 4), torch.randint(0, 3, (n,))))
-    assert calls == [8, 3]  # batch 8 (8 features), batch 3 (3 classes); not batch 16
+    assert calls == [8, 16, 3]  # once per batch size
+
+
+class PooledPositions(nn.Module):
+    """A position embedding on arange(T) added to every example's tokens, pooled to one label each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head((self.tok(ids) + self.pos(torch.arange(ids.shape[1]))).mean(1))
+
+
+@pytest.mark.parametrize("approx", ["kfac", "diag", "full"])
+def test_a_broadcast_module_of_the_batch_size_is_refused_for_the_exact_fisher(approx: str) -> None:
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 7, (5, 5)), torch.randint(0, 3, (5,))  # T == N == 5
+    with pytest.raises(ValueError, match=r"modules \['pos'\].*position embedding"):
+        curvature.compute(PooledPositions(), ids, y, kind="fisher", approx=approx)
+    ok = curvature.compute(PooledPositions(), ids, y, kind="fisher_mc", approx=approx)  # unbiased: no check
+    assert torch.isfinite(ok.dense()).all()
