@@ -144,8 +144,7 @@ class CurvatureEngine:
                 if self.approx[n] is Approx.FULL}
         if full:  # announce large full blocks (P² numbers, ~9P³ FLOPs a decomposition) before they are built
             # the blocks are stored in the statistics' dtype (float32 or wider), not the model's
-            itemsize = max(torch.empty((), dtype=compute_dtype(self.layouts[n].params[0].dtype)).element_size()
-                           for n in full)
+            itemsize = max(compute_dtype(self.layouts[n].params[0].dtype).itemsize for n in full)
             warn_full_blocks(full, itemsize, f"{self.kind.value}")
         for lay in self.layouts.values():  # modules using a tied parameter are recorded too (curvature.tied)
             for use in lay.tied:

@@ -84,7 +84,7 @@ def parse(enum_type: Type[E], value: object, what: str) -> E:
         raise ValueError(f"{what}={value!r} is another library's name (PyTorch-SSO's curv_type/curv_shapes, "
                          f"or a K-FAC spelling): here it is {new}; expected one of {choices} "
                          "(torchsso2.compat.pytorch_sso converts PyTorch-SSO's arguments)")
-    close = _close_matches(value, [m.value for m in enum_type])
+    close = close_matches(value, [m.value for m in enum_type])
     hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
     raise ValueError(f"{what}={value!r} is not supported{hint}; expected one of {choices}")
 
@@ -101,7 +101,7 @@ def check_mc_samples(mc_samples: object, kind: str, what: str = "kind", hint: st
     return mc_samples
 
 
-def _close_matches(value: object, choices: List[str]) -> List[str]:
+def close_matches(value: object, choices: List[str]) -> List[str]:
     """The valid names closest to ``value`` (``"fisher-mc"`` → ``["fisher_mc"]``)."""
     if not isinstance(value, str):
         return []

@@ -19,6 +19,7 @@ from torch import nn
 from .blocks import Layout
 from .blocks.layout import TiedUse
 from .modules import LayerFamily, family_of
+from .modules.base import SkipDoesNotHelp
 from .options import Approx, parse
 
 logger = logging.getLogger(__name__)
@@ -183,8 +184,8 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         try:
             fam.validate(module)
         except ValueError as err:
-            hint = f"; or leave the module to the plain update with {skip_hint(name)}" \
-                if getattr(err, "skip_helps", True) else ""
+            hint = "" if isinstance(err, SkipDoesNotHelp) else \
+                f"; or leave the module to the plain update with {skip_hint(name)}"
             raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{hint}") from err
         own = []
         for local, p in direct:

@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 
@@ -18,15 +18,7 @@ def _setup(face: str, **kw):
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     opt = SecondOrderOptimizer(model, **kw) if face == "soo" else VIOptimizer(model, dataset_size=64, **kw)
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-
-    return model, opt, closure
+    return model, opt, make_closure(opt, model, x, y)
 
 
 def test_live_weight_decay_inf_is_refused_at_the_next_step() -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import curvature
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
 
@@ -190,16 +191,8 @@ def test_a_sparse_gradient_from_a_functional_embedding_is_a_clear_error() -> Non
     model = Functional()
     opt = SecondOrderOptimizer(model, skip_modules=["^emb$"])
     ids, y = torch.randint(0, 10, (8, 5)), torch.randint(0, 3, (8,))
-
-    def closure():
-        opt.zero_grad()
-        out = model(ids)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-
     with pytest.raises(TypeError, match="sparse gradient.*SparseAdam"):
-        opt.step(closure)
+        opt.step(make_closure(opt, model, ids, y))
 
 
 def test_kfac_preconditioner_leaves_a_subclass_extra_parameter_its_gradient() -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import curvature
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer
 
 
@@ -49,15 +50,7 @@ def test_second_order_diagonal_with_the_bias_first() -> None:
     model = nn.Sequential(_bias_first(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 3)).double()
     x, y = torch.randn(16, 3, dtype=torch.float64), torch.randint(0, 3, (16,))
     opt = SecondOrderOptimizer(model, approx="diag", curvature="fisher", lr=0.0, ema_decay=0.0)
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = nn.functional.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-
-    opt.step(closure)
+    opt.step(make_closure(opt, model, x, y))
     full = curvature.compute(model, x, y, kind="fisher", approx="full")
     running = torch.cat([t.reshape(-1) for t in opt.running.blocks["0"].param_diagonal()])
     torch.testing.assert_close(running, torch.cat([d.reshape(-1) for d in full.diagonal()])[:16], rtol=1e-10, atol=1e-12)

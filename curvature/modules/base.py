@@ -24,6 +24,12 @@ import torch
 from torch import Tensor, nn
 
 
+class SkipDoesNotHelp(ValueError):
+    """A layer configuration :meth:`LayerFamily.validate` refuses where leaving the module to the plain update
+    (``skip_modules``) would not help either (``Embedding(sparse=True)``: the plain update needs dense
+    gradients too); the refusal then suggests no skip."""
+
+
 class LayerFamily:
     """Base class: the math of one layer family. Subclasses are stateless."""
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import LayerFamily, sum_outer
+from .base import LayerFamily, SkipDoesNotHelp, sum_outer
 
 
 class EmbeddingFamily(LayerFamily):
@@ -27,11 +27,9 @@ class EmbeddingFamily(LayerFamily):
 
     def validate(self, module: nn.Module) -> None:
         if module.sparse:
-            err = ValueError("Embedding(sparse=True) is not supported; use sparse=False (the optimizers need dense "
-                             "gradients for every parameter they update, a skipped module's included; or update "
-                             "its weight with torch.optim.SparseAdam and leave it out of their params)")
-            err.skip_helps = False  # type: ignore[attr-defined]  # selection.select_layouts adds no skip hint
-            raise err
+            raise SkipDoesNotHelp("Embedding(sparse=True) is not supported; use sparse=False (the optimizers need "
+                                  "dense gradients for every parameter they update, a skipped module's included; or "
+                                  "update its weight with torch.optim.SparseAdam and leave it out of their params)")
         if module.max_norm is not None:
             raise ValueError("Embedding(max_norm=...) renormalizes weights in forward and is not supported")
         if module.scale_grad_by_freq:

@@ -238,7 +238,7 @@ class VIOptimizer(_NativeVI):
         with torch.no_grad():
             if n == 0:
                 probs = [torch.softmax(self.engine.select_output(self.model(data)), dim=-1)]
-            elif not self._decomposed and self._first_precision is None:
+            elif not self._has_posterior():
                 raise RuntimeError(f"prediction(mc={n}) before the first step needs init_precision (the posterior's "
                                    "starting precision; without it there is nothing to sample yet): pass "
                                    "init_precision=..., take a step first, or use mc=0 (the mean weights)")

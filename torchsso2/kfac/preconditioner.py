@@ -345,10 +345,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kl_clip = self.kl_clip
             lr = self.lr if kl_clip is not None else None
         except (TypeError, ValueError):
-            for layer in layers:
-                layer.undo_folds()
-            self._updated.clear()
-            self._reset_step_counts()
+            self._forget_step(layers)
             raise
         if factor_step and layers and not any(self._mini_steps.values()) \
                 and not any(layer.has_factors() for layer in layers) and any(layer.has_grad() for layer in layers):
@@ -413,14 +410,19 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         drop the batches and apply ``on_nonfinite`` (see :mod:`.nonfinite`); False if none."""
         if not entries:
             return False
-        for layer in layers:
-            layer.undo_folds()
+        self._forget_step(layers)
         if previous is not None:
             restore_decompositions(layers, previous)
-        self._updated.clear()
-        self._reset_step_counts()
         self._skips.skipped(self._steps, entries)
         return True
+
+    def _forget_step(self, layers: List[KFACLayer]) -> None:
+        """Put the factors back as at the last step (the batches the hooks folded taken out) and drop this
+        step's batches and recorded calls."""
+        for layer in layers:
+            layer.undo_folds()
+        self._updated.clear()
+        self._reset_step_counts()
 
     # ---- the non-finite policy's settings and counters (torchsso2/kfac/nonfinite.py) ----------------
     @property

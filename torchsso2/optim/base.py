@@ -314,7 +314,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
             # the sizes modulo a number whose sum over the ranks the gradients' dtype holds exactly (the mean
             # of equal sizes is then exact): 2^24 / W in float32, 2^8 / W in bfloat16; W above it: no check
-            digits = {torch.float64: 53, torch.float32: 24, torch.float16: 11}.get(dtype, 8)
+            digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
             exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
             size = [float(len(every) % exact), float(sum(p.numel() for p in every) % exact)]
             flag = torch.tensor([1.0 if bad else 0.0] + size + [0.0 if none else 1.0 for none in lacking],

@@ -45,8 +45,7 @@ class CurvatureSettings:
     kfac_approx: Any = "expand"
 
     def __post_init__(self) -> None:
-        check_option(Kind, self.curvature, "curvature")
-        check_mc_samples(self.mc_samples, parse(Kind, self.curvature, "curvature").value, "curvature")
+        check_mc_samples(self.mc_samples, check_option(Kind, self.curvature, "curvature").value, "curvature")
         self.kfac_approx = parse(KFACApprox, self.kfac_approx, "kfac_approx").value
         self.ema_decay = check_number("ema_decay", self.ema_decay, low=0.0, high=1.0, high_open=True)
         self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval)

@@ -38,7 +38,6 @@ independent of the label sampling, and the same on every rank that draws sample 
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -46,7 +45,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
-from curvature.options import Kind, check_mc_samples, parse
+from curvature.options import Kind, check_mc_samples, close_matches, parse
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
@@ -230,8 +229,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 if "another library's name" in str(err) or not isinstance(curvature, str):
                     raise
                 choices = ["reparam"] + [k.value for k in Kind]  # VIOptimizer's, with its own 'reparam'
-                normal = curvature.strip().lower().replace("-", "_").replace(" ", "")
-                close = [normal] if normal in choices else difflib.get_close_matches(normal, choices, n=2, cutoff=0.6)
+                close = close_matches(curvature, choices)
                 hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
                 raise ValueError(f"curvature={curvature!r} is not supported{hint}; expected None or one of "
                                  f"{', '.join(map(repr, choices))}") from None

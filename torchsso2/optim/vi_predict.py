@@ -29,9 +29,13 @@ class PosteriorUse:
         with self._perturbed(self._draw_noise(gen)):
             yield
 
+    def _has_posterior(self) -> bool:
+        """Whether there is a posterior to sample: a decomposition, or the isotropic start's precision."""
+        return self._decomposed or self._first_precision is not None
+
     def _check_posterior(self, what: str) -> None:
         """RuntimeError when there is no posterior to sample (every sample would be the mean weights)."""
-        if not self._decomposed and self._first_precision is None:
+        if not self._has_posterior():
             if self.num_steps > 0:
                 raise RuntimeError(f"{what} after {self.num_steps} step(s) none of whose decompositions of the "
                                    "posterior precision succeeded (see the logged warnings): there is nothing to sample "
