@@ -50,7 +50,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -294,10 +294,27 @@ def _section(name: str, path: Path, docs_dir: Path) -> str:
     return "\n".join(out)
 
 
+def recorded_peers(paths: Sequence[Path]) -> Tuple[Dict[str, List[str]], List[str]]:
+    """The peer versions the results JSONs recorded when they were measured (``machine.peers``):
+    ``({peer: sorted versions}, peers none of them had)``; a JSON that cannot be read is left out."""
+    versions: Dict[str, set] = {}
+    for path in paths:
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8")).get("machine", {}).get("peers", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        for name, version in (rec or {}).items():
+            versions.setdefault(name, set())
+            if version:
+                versions[name].add(str(version))
+    return ({k: sorted(v) for k, v in versions.items() if v}, sorted(k for k, v in versions.items() if not v))
+
+
 def write_report(args: argparse.Namespace, names: Sequence[str], status: Dict[str, Dict[str, Any]]) -> Path:
     m = pu.machine_info()
-    peers = ", ".join(f"{k} {v}" for k, v in m["peers"].items() if v) or "none"
-    missing = ", ".join(k for k, v in m["peers"].items() if not v)
+    found, missing_all = recorded_peers([args.results_dir / f"{n}.json" for n in names])
+    peers = ", ".join(f"{k} {' / '.join(v)}" for k, v in found.items()) or "none"
+    missing = ", ".join(missing_all)
     lines = [
         "# Benchmark results",
         "",
@@ -308,7 +325,8 @@ def write_report(args: argparse.Namespace, names: Sequence[str], status: Dict[st
         f"- machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'} (each section gives the torch "
         "threads of its own measurement)",
         f"- software: Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}",
-        f"- peers: {peers}" + (f" (absent: {missing})" if missing else ""),
+        f"- peers, as the results JSONs recorded them when measured: {peers}"
+        + (f" (absent from every run: {missing})" if missing else ""),
         f"- load average when the page was written: {m['load_average']}",
         "",
         "Raw data: `benchmarks/results/*.json` (each with its own machine and config record).",

@@ -64,3 +64,16 @@ def test_reliability_diagram_keeps_its_x_label(tmp_path) -> None:
     out = save_reliability_diagram({k: d for k in ("a", "b", "c")}, tmp_path / "r.png", title="a title")
     img = plt_image.imread(str(out))[..., :3].mean(-1)
     assert int((img[-1] < 0.5).sum()) == 0  # no text cut at the bottom edge
+
+
+def test_results_page_names_the_peers_the_jsons_recorded(tmp_path) -> None:
+    """docs/results.md's peer line comes from the results JSONs (``machine.peers`` of each run), not
+    from the environment writing the page: it listed backpack / curvlinops as absent beside tables
+    measured with them. A peer no run had is listed as absent; unreadable JSONs are left out."""
+    from benchmarks import run as bench_run
+    (tmp_path / "a.json").write_text(json.dumps({"machine": {"peers": {"backpack": "1.7.1", "ivon": None}}}))
+    (tmp_path / "b.json").write_text(json.dumps({"machine": {"peers": {"backpack": "1.7.0", "ivon": None,
+                                                                        "asdl": "0.1a4"}}}))
+    (tmp_path / "c.json").write_text("{not json")
+    found, absent = bench_run.recorded_peers([tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json")])
+    assert found == {"backpack": ["1.7.0", "1.7.1"], "asdl": ["0.1a4"]} and absent == ["ivon"]

@@ -11,16 +11,19 @@ The returned objects are the native :class:`torchsso2.SecondOrderOptimizer` /
 ``(loss, output)`` works as in PyTorch-SSO; the labels of ``'Fisher'`` are sampled inside
 ``step`` (no ``torchsso.get_closure_for_fisher`` needed).
 
-What is converted is listed in :mod:`torchsso2.compat.sso_conventions`. Exact: curvature kinds and
-shapes, ``ema_decay``, K-FAC's factored ``√λ·π`` damping (both optimizers), ``l2_reg``,
-decoupled ``weight_decay`` (SecondOrderOptimizer; VIOptimizer with momentum 0), VI's per-example
-``damping`` / ``init_precision`` / ``prior_variance`` / ``kl_weighting``, a gradient EMA of the
-native momentum kind. Approximate, with a logged warning: the other momentum kind (the same
-while the curvature is constant); decoupled ``weight_decay`` with VI momentum. Different on
-purpose: noisy K-FAC's weight noise. PyTorch-SSO draws ``U_G Z U_A`` with upper Cholesky factors
+What is converted is listed in :mod:`torchsso2.compat.sso_conventions`. Exact: curvature kinds,
+``'Kron'`` blocks and the ``'Diag'`` of Linear and Conv2d weights, ``ema_decay``, K-FAC's factored
+``√λ·π`` damping (both optimizers), ``l2_reg``, decoupled ``weight_decay`` (inside a buffer of
+preconditioned gradients, after one of raw gradients, as there), VI's per-example ``damping`` /
+``init_precision`` (with the prior's share of the damping averaged in from 0, as PyTorch-SSO's
+``l2_reg_ema``) / ``prior_variance`` / ``kl_weighting``, a gradient EMA of the native momentum kind.
+Approximate, with a logged warning: the other momentum kind (the same while the curvature is
+constant). Different: the ``'Diag'`` of a Conv2d bias and of BatchNorm2d (exact here, approximated
+there); a class absent from ``curv_shapes`` (a full block here; no working full shape there);
+noisy K-FAC's weight noise. PyTorch-SSO draws ``U_G Z U_A`` with upper Cholesky factors
 ``UᵀU = (G + …)⁻¹``, ``(A + …)⁻¹``, whose G-side covariance is ``U_G U_Gᵀ``, not ``(G + …)⁻¹``;
 here the noise has the posterior covariance the update assumes. No equivalent (NotImplementedError): ``lars``, ``normalizing_weights``,
-``bias_correction``, ``use_max_ema``, ``use_sqrt_ema``, ``acc_steps > 1``, ``non_reg_for_bn``,
+``bias_correction``, ``use_max_ema``, ``use_sqrt_ema``, ``ema_decay=0``, ``acc_steps > 1``, ``non_reg_for_bn``,
 KL warm-up, ``update_inv=False``, ``precondition_grad=False``; several processes (use the native faces).
 """
 from __future__ import annotations
@@ -42,6 +45,10 @@ from ..optim import VIOptimizer as _NativeVI
 from . import sso_conventions as conv
 
 logger = logging.getLogger(__name__)
+
+#: the compat VIOptimizer's per-parameter state entry for the decoupled weight decay's share of PyTorch-SSO's
+#: buffer of preconditioned gradients (the native momentum accumulates raw gradients)
+DECAY_BUFFER = "sso_decay_buffer"
 
 __all__ = ["SecondOrderOptimizer", "VIOptimizer", "from_config", "tracenorm_shifts", "tracenorm_damped_inverse",
            "tracenorm_damped_eigen"]
@@ -121,13 +128,25 @@ def _single_process(opt: Any) -> None:
 
 def _decay_decoupled(params: List[nn.Parameter], old: List[Tensor], lrs: List[float], wd: float,
                      states: Optional[List[Dict[str, Any]]] = None) -> None:
-    """``θ ← θ − lr·wd·θ_old`` (and ``buf += wd·θ_old`` where a momentum buffer took the step:
-    PyTorch-SSO adds ``wd·θ`` to the preconditioned gradient before its momentum)."""
+    """``θ ← θ − lr·wd·θ_old``, and ``buf += wd·θ_old`` where ``states`` are given and a momentum buffer
+    took the step (PyTorch-SSO adds ``wd·θ`` to the preconditioned gradient before a momentum or
+    gradient EMA of preconditioned gradients; after one of raw gradients)."""
     with torch.no_grad():
         for i, (p, o, lr) in enumerate(zip(params, old, lrs)):
             if states is not None and "momentum_buffer" in states[i]:
                 states[i]["momentum_buffer"].add_(o, alpha=wd)
             p.add_(o, alpha=-lr * wd)
+
+
+def _probabilities(output: Tensor) -> Tensor:
+    """PyTorch-SSO's probabilities of a model output: ``softmax(·, dim=1)`` of ``[N, C]`` logits, the
+    sigmoid of ``[N]`` (binary) logits; other shapes are a ValueError there and here."""
+    if output.dim() == 2:
+        return torch.softmax(output, dim=1)
+    if output.dim() == 1:
+        return torch.sigmoid(output)
+    raise ValueError(f"prediction takes model outputs [N, C] (softmax) or [N] (sigmoid), as PyTorch-SSO's; got "
+                     f"shape {tuple(output.shape)}; the native predict(x, num_samples) takes [N, T, C] logits too")
 
 
 class SecondOrderOptimizer(_NativeSO):
@@ -155,10 +174,18 @@ class SecondOrderOptimizer(_NativeSO):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}={v!r} must be a number >= 0")
         kind, mc = conv.curvature_kind(curv_type, fisher_args)
+        conv.check_hessian_shapes(kind, curv_shapes)
         ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
+        lr_given, momentum_given = lr, momentum
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="preconditioned")
         self.decoupled_weight_decay = float(weight_decay)
+        # PyTorch-SSO adds wd·θ to the preconditioned gradient: inside a buffer of preconditioned gradients
+        # (the native momentum, at the native lr), after one of raw gradients (at PyTorch-SSO's lr: a
+        # gradient EMA scaled the native lr by d)
+        self._decay_in_buffer = conv.buffer_kind(momentum_given, momentum_type, grad_ema_decay,
+                                                 grad_ema_type) == "preconditioned"
+        self._decay_lr_factor = 1.0 if self._decay_in_buffer or not lr else lr_given / lr
         native.setdefault("kl_clip", None)  # PyTorch-SSO has no KL clip (the native default clips)
         super().__init__(model, lr=lr, momentum=momentum, weight_decay=float(l2_reg), curvature=kind,
                          approx=conv.approx_map(model, curv_shapes), damping=damping + float(l2_reg),
@@ -177,7 +204,8 @@ class SecondOrderOptimizer(_NativeSO):
         if not super()._apply_update(params, groups):
             return False
         if wd:
-            _decay_decoupled(params, old, [g["lr"] for g in groups], wd, [self.state[p] for p in params])
+            _decay_decoupled(params, old, [g["lr"] * self._decay_lr_factor for g in groups], wd,
+                             [self.state[p] for p in params] if self._decay_in_buffer else None)
         return True
 
 
@@ -213,11 +241,16 @@ class VIOptimizer(_NativeVI):
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="raw")
         approx = conv.approx_map(model, curv_shapes)
-        if weight_decay and momentum_given:  # a gradient EMA (grad_ema_decay) takes the decay outside it there too
-            logger.warning("weight_decay with momentum: the decoupled decay is applied outside the momentum here")
-        # θ ← θ − lr·wd·θ with PyTorch-SSO's lr (a gradient EMA scaled the native lr by d)
-        self.decoupled_weight_decay = float(weight_decay) * (lr_given / lr if lr else 1.0)
+        self.decoupled_weight_decay = float(weight_decay)
+        # PyTorch-SSO adds wd·θ to the preconditioned gradient: a buffer of preconditioned gradients takes it
+        # in (here its own buffer beside the native momentum of raw gradients, with the native momentum and
+        # lr); after a buffer of raw gradients it is θ ← θ − lr·wd·θ at PyTorch-SSO's lr (a gradient EMA
+        # scaled the native lr by d)
+        self._decay_in_buffer = conv.buffer_kind(momentum_given, momentum_type, grad_ema_decay,
+                                                 grad_ema_type) == "preconditioned"
+        self._decay_lr_factor = 1.0 if self._decay_in_buffer or not lr else lr_given / lr
         self.val_num_mc_samples = val_num_mc_samples  # PyTorch-SSO's default of predict(); pass num_samples here
+        self._prior_ramp = False  # set by _start_at (init_precision): see precision_shift
         # PyTorch-SSO: no KL clip, and the curvature average starts at the first batch (or init_precision)
         native.setdefault("kl_clip", None)
         native.setdefault("curvature_init", None)
@@ -237,7 +270,7 @@ class VIOptimizer(_NativeVI):
             raise ValueError(f"mc={n!r} must be an int >= 0")
         with torch.no_grad():
             if n == 0:
-                probs = [torch.softmax(self.engine.select_output(self.model(data)), dim=-1)]
+                probs = [_probabilities(self.engine.select_output(self.model(data)))]
             elif not self._has_posterior():
                 raise RuntimeError(f"prediction(mc={n}) before the first step needs init_precision (the posterior's "
                                    "starting precision; without it there is nothing to sample yet): pass "
@@ -246,7 +279,7 @@ class VIOptimizer(_NativeVI):
                 gen, probs = self.sampling_generator(), []
                 for _ in range(n):
                     with self.sampled_params(generator=gen):
-                        probs.append(torch.softmax(self.engine.select_output(self.model(data)), dim=-1))
+                        probs.append(_probabilities(self.engine.select_output(self.model(data))))
         mean = torch.stack(probs).mean(0)
         return (mean, probs) if keep_probs else mean
 
@@ -270,7 +303,20 @@ class VIOptimizer(_NativeVI):
                 blocks[name] = KFACBlock(lay, r * torch.eye(m.shape[0], dtype=dt, device=dev),
                                          r * torch.eye(m.shape[1], dtype=dt, device=dev))
         self.running.update(blocks, 0.0)
+        self._prior_ramp = True
         self._decompose(self.precision_shift, scale=float(self.dataset_size))
+
+    @property
+    def precision_shift(self) -> float:
+        """``τδ·(1 − ema_decay^t) + damping`` after ``t`` curvature updates when the curvature started at
+        ``init_precision`` (else native: ``τδ + damping``): PyTorch-SSO's curvature then starts with its
+        prior term ``l2 = τ/(Nσ²)`` at 0 (it is set after ``element_wise_init``) and averages it in with the
+        curvature's EMA weights, so the first weight noise has no prior in its precision. The prior's
+        gradient ``l2·μ`` is whole from the first step, as there."""
+        shift = super().precision_shift
+        if not self._prior_ramp:
+            return shift
+        return shift - self.kl_weighting * self.prior_precision * self.ema_decay ** (self.running.num_updates - 1)
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Noisy K-FAC as PyTorch-SSO: ``Λ = N·(A + √λ'π)⊗(G + √λ'/π)`` with the per-example
@@ -284,18 +330,31 @@ class VIOptimizer(_NativeVI):
         wd = self.decoupled_weight_decay
         old = [p.detach().clone() for p in params] if wd else []
         super()._update_mean(params, groups, grads)
-        if wd:
-            _decay_decoupled(params, old, [g["lr"] for g in groups], wd)
+        if not wd:
+            return
+        if not self._decay_in_buffer:
+            _decay_decoupled(params, old, [g["lr"] * self._decay_lr_factor for g in groups], wd)
+            return
+        with torch.no_grad():  # D ← momentum·D + wd·θ_old, θ ← θ − lr·D (the decay's share of the buffer)
+            for p, o, g in zip(params, old, groups):
+                state = self.state[p]
+                buf = state.get(DECAY_BUFFER)
+                if buf is None:
+                    buf = state[DECAY_BUFFER] = torch.zeros_like(o)
+                buf.mul_(g["momentum"]).add_(o, alpha=wd)
+                p.add_(buf, alpha=-g["lr"])
 
 
 def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optional[int] = None,
                 **native: Any) -> Any:
     """The optimizer of a PyTorch-SSO example config (``examples/classification/configs/*.json``,
     parsed): ``optim_name``, ``optim_args``, ``curv_args``, ``fisher_args``. ``dataset_size`` is
-    needed for ``VIOptimizer``; ``SGD``/``Adam`` configs build the torch optimizer. A VI config's
-    ``prior_precision`` (``lenet_noisykfac.json``) is taken as ``prior_variance = 1/prior_precision``;
-    ``init_prec_ema`` (``lenet_vogn.json``), which PyTorch-SSO's constructor does not take either, is a
-    ValueError naming ``init_precision``."""
+    needed for ``VIOptimizer``; ``SGD``/``Adam`` configs build the torch optimizer. The VI keys of
+    PyTorch-SSO's ``continual-learning`` branch are taken with that branch's meaning: ``prior_precision``
+    as ``prior_variance = 1/prior_precision``, ``init_prec_ema`` as ``init_precision``, ``prior_mean`` 0
+    (else NotImplementedError). That branch draws no weight noise for a scalar ``prior_precision`` (its
+    ``std_scale`` is 0); here the posterior is sampled as on ``master``. The ``Distributed*`` configs run
+    on several processes, which the compat faces do not: a ValueError points to the native ones."""
     name = config.get("optim_name")
     args = dict(config.get("optim_args") or {})
     curv = config.get("curv_args") or {}
@@ -314,12 +373,21 @@ def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optio
             if not isinstance(precision, (int, float)) or isinstance(precision, bool) or precision <= 0:
                 raise ValueError(f"prior_precision={precision!r} must be a number > 0")
             args["prior_variance"] = 1.0 / precision
-        if "init_prec_ema" in args:  # lenet_vogn.json
-            raise ValueError(f"init_prec_ema={args['init_prec_ema']!r} is not an argument of PyTorch-SSO's "
-                             "VIOptimizer (the example config predates it): give the curvature's starting "
-                             "precision as init_precision")
+        if "init_prec_ema" in args:  # the continual-learning branch's name of init_precision
+            if "init_precision" in args:
+                raise ValueError("the config gives both init_prec_ema and init_precision; give one")
+            args["init_precision"] = args.pop("init_prec_ema")
+        prior_mean = args.pop("prior_mean", 0)
+        if prior_mean != 0:
+            raise NotImplementedError(f"prior_mean={prior_mean!r}: a prior centred away from 0 has no equivalent in "
+                                      "torchsso2 (its prior is N(0, prior_variance·I))")
         return VIOptimizer(model, dataset_size, args.pop("curv_type"), args.pop("curv_shapes", None), curv,
                            fisher_args=fisher, **args, **native)
     if name in ("SGD", "Adam", "AdamW"):
         return getattr(torch.optim, name)(model.parameters(), **args)
+    if name in ("DistributedSecondOrderOptimizer", "DistributedVIOptimizer"):
+        raise ValueError(
+            f"optim_name={name!r}: the compat optimizers run in one process; for several processes (mpiexec, "
+            f"torchrun) build the native torchsso2.{name[len('Distributed'):]} (every rank averages gradients and "
+            "curvature; docs/scaling.md), converting the numbers as docs/migrating.md's table does")
     raise ValueError(f"optim_name={name!r}; expected 'SecondOrderOptimizer', 'VIOptimizer', 'SGD' or 'Adam'")

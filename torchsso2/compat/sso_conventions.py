@@ -9,16 +9,20 @@ PyTorch-SSO                 meaning there                          torchsso2
 ``curv_type='Fisher'``      ``fisher_args.approx_type='mc'``:      ``'fisher_mc'`` (``num_mc`` → ``mc_samples``),
                             sampled labels; otherwise exact        otherwise ``'fisher'``
 ``curv_type='Hessian'``     Hessian                                ``'hessian'``
-``curv_shapes`` values      ``'Kron'``, ``'Diag'``, absent = full  ``'kfac'``, ``'diag'``, ``'full'``
+``curv_shapes`` values      ``'Kron'``, ``'Diag'`` (absent: no     ``'kfac'``, ``'diag'``; absent: ``'full'``
+                            working full shape)
 ``ema_decay`` β             weight of the *new* batch              ``ema_decay = 1 − β`` (weight of the old)
 ``damping`` λ (K-FAC)       ``√λ·π`` on A, ``√λ/π`` on G,          the same factored damping, reproduced by
                             π = √((tr A/d_A)/(tr G/d_G))           the compat optimizers (VI: λ + l2, per example)
 ``l2_reg``                  ``g + l2·θ`` *and* ``+ l2`` damping    ``weight_decay = l2`` and ``damping += l2``
-``weight_decay``            decoupled: ``+ wd·θ`` after the solve  applied decoupled by the compat faces
+``weight_decay``            decoupled: ``+ wd·θ`` after the solve, applied decoupled by the compat faces,
+                            before a preconditioned-gradient       in the same place
+                            momentum / EMA, after a raw one
 ``momentum`` (default 0)    heavy ball on preconditioned grads     ``momentum`` (native default 0.9)
 VI ``damping``              per example                            × ``dataset_size``
 VI ``init_precision``       per example, the curvature EMA's       the running curvature starts at
-                            starting value                         ``init_precision·I`` (per example)
+                            starting value; the prior's ``l2`` in  ``init_precision·I`` (per example), the
+                            the damping is averaged in from 0      prior's share ramped in alike
 VI ``prior_variance`` σ²    ``l2 = kl/(N σ²)``                      ``prior_variance = σ²``
 ``grad_ema_decay`` d        ``buf ← (1−d)·buf + d·g``              ``momentum = 1 − d``, ``lr × d``
 ==========================  =====================================  ==========================================
@@ -60,6 +64,16 @@ def curvature_kind(curv_type: str, fisher_args: Optional[Mapping[str, Any]]) -> 
     raise ValueError(f"curv_type={curv_type!r}; PyTorch-SSO's curvature types are 'Cov', 'Fisher' and 'Hessian'")
 
 
+def check_hessian_shapes(kind: str, curv_shapes: Optional[Mapping[str, str]]) -> None:
+    """NotImplementedError, in PyTorch-SSO's terms, for ``curv_type='Hessian'`` with a ``'Kron'`` shape."""
+    kron = sorted(cls for cls, shape in dict(curv_shapes or {}).items() if shape == "Kron")
+    if kind == "hessian" and kron:
+        raise NotImplementedError(
+            f"curv_type='Hessian' with curv_shapes 'Kron' for {kron}: K-FAC of the Hessian is not implemented in "
+            "torchsso2; give those classes 'Diag' or leave them out of curv_shapes (a full block), or use "
+            "curv_type 'Fisher' or 'Cov' with 'Kron'")
+
+
 def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str, str]:
     """``approx`` dict by module class name: the given shapes converted, and ``'full'`` for every
     other class of a leaf module with parameters, ``nn.MultiheadAttention`` included (PyTorch-SSO's
@@ -95,9 +109,14 @@ def curvature_settings(curv_kwargs: Optional[Mapping[str, Any]]) -> Tuple[float,
     if pi_type != "tracenorm":
         raise ValueError(f"curv_kwargs pi_type={pi_type!r}; PyTorch-SSO only has 'tracenorm'")
     beta = float(kw.get("ema_decay", 1.0))
+    if beta == 0.0:
+        raise NotImplementedError(
+            "curv_kwargs ema_decay=0 (PyTorch-SSO keeps the first batch's curvature for good) has no equivalent "
+            "in the compat optimizers; to estimate the curvature once (at the first step) and keep it, pass "
+            "curv_update_interval=<more than the run's steps> instead")
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"curv_kwargs ema_decay={beta!r}: PyTorch-SSO's ema_decay is the weight of the new batch, "
-                         "in (0, 1] (0 would never use any curvature)")
+                         "in [0, 1]")
     damping = float(kw.get("damping", 1e-7))
     if not math.isfinite(damping) or damping < 0:
         raise ValueError(f"curv_kwargs damping={damping!r} must be a finite number >= 0")
@@ -134,6 +153,15 @@ def momentum_settings(lr: float, momentum: float, momentum_type: str, grad_ema_d
     return lr, momentum
 
 
+def buffer_kind(momentum: float, momentum_type: str, grad_ema_decay: float, grad_ema_type: str) -> Optional[str]:
+    """The kind of gradient (``'raw'`` or ``'preconditioned'``) PyTorch-SSO's gradient buffer (momentum,
+    else the gradient EMA) accumulates, ``None`` without one. Its decoupled ``weight_decay`` is added to
+    the preconditioned gradient, so it enters the buffer only when that kind is ``'preconditioned'``."""
+    if momentum > 0:
+        return momentum_type
+    return grad_ema_type if grad_ema_decay != 1.0 else None
+
+
 def reject_unsupported(**flags: Any) -> None:
     """NotImplementedError for PyTorch-SSO options that change the update and have no equivalent here."""
     messages = {
@@ -154,6 +182,9 @@ def reject_unsupported(**flags: Any) -> None:
 
 def check_acc_steps(acc_steps: int) -> None:
     if acc_steps != 1:
-        raise NotImplementedError(f"acc_steps={acc_steps!r}: accumulate inside the closure instead (torchsso2 "
-                                  "averages the gradients and curvature of several forward/backward passes "
-                                  "made in one closure call)")
+        raise NotImplementedError(
+            f"acc_steps={acc_steps!r}: accumulate inside the closure instead: run the {acc_steps} micro-batches' "
+            f"forward and backward passes in one closure call, each mean loss multiplied by 1/{acc_steps} (n_i/N "
+            "for unequal micro-batches; the gradients and curvature are sums over the backward passes), and pass "
+            "the concatenated labels to step(closure, targets=y) for curv_type='Cov' (docs/guide.md, gradient "
+            "accumulation)")
