@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .blocks import Block, KFACBlock
 from .blocks.base import DerivedCache
+from .linalg import LinalgError
 
 
 class RunningCurvature:
@@ -63,10 +64,23 @@ class RunningCurvature:
                   dtype: Optional[torch.dtype] = None, names: Optional[Sequence[str]] = None,
                   kfac_method: str = "eigen") -> None:
         """Decompose ``scale·C + damping·I`` of every block (or of ``names``); K-FAC blocks with
-        ``kfac_method`` (``"eigen"``: exact damping; ``"inverse"``: factored, see :class:`KFACBlock`)."""
-        for name in (names if names is not None else self.blocks):
-            decompose_block(self.blocks[name], damping, scale=scale, backend=backend, dtype=dtype,
-                            kfac_method=kfac_method)
+        ``kfac_method`` (``"eigen"``: exact damping; ``"inverse"``: factored, see :class:`KFACBlock`).
+
+        All or nothing: when one block's decomposition fails (:class:`~curvature.linalg.LinalgError`,
+        naming the block, is raised), every block keeps its previous decomposition, so a step never
+        solves with a mix of the new curvature in some blocks and the old one in others."""
+        todo = list(names if names is not None else self.blocks)
+        old = {name: self.blocks[name].decomposition for name in todo}
+        for name in todo:
+            try:
+                decompose_block(self.blocks[name], damping, scale=scale, backend=backend, dtype=dtype,
+                                kfac_method=kfac_method)
+            except LinalgError as err:
+                for n, dec in old.items():
+                    self.blocks[n].decomposition = dec
+                if repr(name) in str(err):  # the block's own check names it; a backend's error does not
+                    raise
+                raise LinalgError(f"block {name!r}: {err}") from err
 
     def state_dict(self) -> Dict[str, Any]:
         return {"num_updates": self.num_updates, "blocks": {n: b.state_dict() for n, b in self.blocks.items()}}
