@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from benchmarks.common import load_average, machine_info, markdown_table, write_json  # noqa: E402
 from benchmarks.kfac_robustness import load_data  # noqa: E402
 from benchmarks.kfac_time_to_accuracy import make_model, make_optimizer  # noqa: E402
-from examples.common import make_closure  # noqa: E402
+from examples.common import make_closure, nonnegative_int, positive_int  # noqa: E402
 from torchsso2.optim import sequential_jvp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,19 +125,22 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
                             f"{r['min_over_sgd']:.2f}x", f"{r['min_over_adam']:.2f}x"] for r in rows], align="lrlrrrr")
 
 
-def main(argv: Sequence[str] = ()) -> int:
+def parse_args(argv: Sequence[str] = ()) -> Tuple[argparse.Namespace, List[Tuple[int, int]]]:
+    """The command line and its ``--intervals`` as ``(curv, inv)`` pairs; an out-of-range value is an argparse error."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"], help='models to measure (default: mlp cnn)')
-    parser.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
+    parser.add_argument("--batch", type=positive_int, default=128, help="batch size (default 128)")
     parser.add_argument("--intervals", nargs="+", default=["5/5", "1/10", "3/12", "5/20"],
                         help="curvature/decomposition intervals of adaptive K-FAC (default 5/5 1/10 3/12 5/20)")
-    parser.add_argument("--rounds", type=int, default=15, help="rounds of interleaved timing (default 15)")
-    parser.add_argument("--steps", type=int, default=60, help="consecutive steps per optimizer and round (default 60)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each optimizer first (default 20)")
+    parser.add_argument("--rounds", type=positive_int, default=15, help="rounds of interleaved timing (default 15)")
+    parser.add_argument("--steps", type=positive_int, default=60,
+                        help="consecutive steps per optimizer and round (default 60)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=20,
+                        help="untimed steps of each optimizer first (default 20)")
     parser.add_argument("--no-plain", action="store_true",
                         help="leave out the steps without curvature work (K-FAC fixed, adaptive on both J·v paths)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
     args = parser.parse_args(list(argv) or None)
     intervals = []
@@ -145,8 +148,15 @@ def main(argv: Sequence[str] = ()) -> int:
         try:
             c, i = (int(v) for v in text.split("/"))
         except ValueError:
-            parser.error(f"--intervals takes CURV/INV pairs of whole numbers such as 5/20, got {text!r}")
+            c = i = 0
+        if c < 1 or i < 1:
+            parser.error(f"--intervals takes CURV/INV pairs of whole numbers >= 1 such as 5/20, got {text!r}")
         intervals.append((c, i))
+    return args, intervals
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    args, intervals = parse_args(argv)
     torch.set_num_threads(args.threads)
     before = load_average()
     rows = [r for m in args.models for r in measure(m, args.batch, intervals, args.rounds, args.steps, args.warmup,

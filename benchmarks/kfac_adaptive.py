@@ -44,7 +44,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table,  # noqa: E402
                                write_json)
-from examples.common import make_closure  # noqa: E402
+from examples.common import fraction_in, make_closure, positive_float, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
 logger = logging.getLogger("benchmarks.kfac_adaptive")
@@ -275,31 +275,53 @@ def format_tables(report: Dict[str, Any]) -> str:
     return "\n".join(parts).strip()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+#: what ``--quick`` fills in for the options not given on the command line (a tiny smoke run)
+QUICK: Dict[str, Any] = dict(batch_sizes=[128], repeats=2, dampings=[1e-2], damping_decays=[0.95], seeds=[0],
+                             max_epochs=2)
+#: the full run's values of the same options
+FULL: Dict[str, Any] = dict(batch_sizes=[512, 128], repeats=15, dampings=[1e-3, 1e-2, 1e-1], damping_decays=[0.95],
+                            seeds=[0, 1, 2], max_epochs=30)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line; the options of :data:`FULL` not given take its values, or :data:`QUICK`'s with ``--quick``
+    (an explicit value is always kept)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[512, 128], help="batch sizes of the step timing")
-    ap.add_argument("--repeats", type=int, default=15, help="timed update cycles per optimizer (min/median over them)")
-    ap.add_argument("--dampings", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1], help="initial dampings of the grid")
-    ap.add_argument("--damping-decays", type=float, nargs="+", default=[0.95],
+    ap.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None,
+                    help="batch sizes of the step timing (default 512 128; --quick: 128)")
+    ap.add_argument("--repeats", type=positive_int, default=None,
+                    help="timed update cycles per optimizer (min/median over them; default 15, --quick: 2)")
+    ap.add_argument("--dampings", type=positive_float, nargs="+", default=None,
+                    help="initial dampings of the grid (default 1e-3 1e-2 1e-1; --quick: 1e-2)")
+    ap.add_argument("--damping-decays", type=fraction_in(0.0, 1.0, low_open=True, high_open=True), nargs="+",
+                    default=None,
                     help="damping_adaptation_decay values of the grid (per step, kfac-jax's convention: one LM "
                          "adjustment every 5 steps moves the damping by decay**5; default: the library default 0.95)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the grid")
-    ap.add_argument("--grid-batch", type=int, default=512, help="batch size of the grid")
-    ap.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
-    ap.add_argument("--max-epochs", type=int, default=30, help="epochs per grid run at most")
-    ap.add_argument("--intervals", type=int, nargs=2, default=[1, 1], metavar=("CURV", "INV"),
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of the grid (default 0 1 2; --quick: 0)")
+    ap.add_argument("--grid-batch", type=positive_int, default=512, help="batch size of the grid")
+    ap.add_argument("--target", type=fraction_in(0.0, 1.0), default=0.97, help="test accuracy to reach")
+    ap.add_argument("--max-epochs", type=positive_int, default=None,
+                    help="epochs per grid run at most (default 30; --quick: 2)")
+    ap.add_argument("--intervals", type=positive_int, nargs=2, default=[1, 1], metavar=("CURV", "INV"),
                     help="curvature / inverse update intervals of the grid runs")
     ap.add_argument("--no-grid", action="store_true", help="step timing only")
     ap.add_argument("--no-timing", action="store_true", help="grid only")
-    ap.add_argument("--quick", action="store_true", help="tiny smoke run (no file unless --json is given)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny smoke run (no file unless --json is given): fills in the options above that are not "
+                         "given with small values; explicit ones are kept")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     ap.add_argument("--json", type=Path, default=None, help=f"output file (default {DEFAULT_JSON.relative_to(ROOT)})")
     args = ap.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(value) if isinstance(value, list) else value)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    if args.quick:
-        args.batch_sizes, args.repeats, args.dampings, args.seeds, args.max_epochs = [128], 2, [1e-2], [0], 2
-        args.damping_decays = [0.95]
     data = load_data()
     report: Dict[str, Any] = {"machine": machine_info(), "config": {**{k: (str(v) if isinstance(v, Path) else v)
                                                                        for k, v in vars(args).items()},

@@ -53,6 +53,7 @@ from benchmarks import vi_quality as vq  # noqa: E402
 from benchmarks.common import load_average, machine_info, markdown_table, write_json  # noqa: E402
 from benchmarks.vi_paired import paired_differences  # noqa: E402
 from benchmarks.vi_step_time import round_robin, torch_step, vi_step, with_ratios  # noqa: E402
+from examples.common import nonnegative_int, positive_float, positive_int  # noqa: E402
 from torchsso2 import VIOptimizer  # noqa: E402
 from torchsso2.optim.vi import DEFAULT_VI_EMA_DECAY  # noqa: E402
 
@@ -65,17 +66,37 @@ KEYS = ("accuracy", "nll", "ece")
 REGRESSION_KEYS = ("nll", "rmse")
 
 
+#: the form of a variant name, for the error messages
+VARIANT_FORM = ("'k/m' or 'k/m/decay' (k, m: ints >= 1, the curvature and decomposition intervals; decay: a "
+                "number in [0, 1) or 'pow'), e.g. " + ", ".join(DEFAULT_VARIANTS))
+
+
 def variant_kwargs(name: str) -> Dict[str, Any]:
     """``"k/m"`` → ``{curv_update_interval: k, inv_update_interval: m}``; ``"k/m/d"`` adds ``ema_decay=d``
-    (``"pow"``: ``DEFAULT_VI_EMA_DECAY ** k``)."""
+    (``"pow"``: ``DEFAULT_VI_EMA_DECAY ** k``). A malformed name is a ``ValueError`` naming the valid form."""
     parts = name.split("/")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"variant {name!r}: expected 'k/m' or 'k/m/decay'")
-    k, m = int(parts[0]), int(parts[1])
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        k, m = int(parts[0]), int(parts[1])
+        decay = None if len(parts) == 2 else DEFAULT_VI_EMA_DECAY ** k if parts[2] == "pow" else float(parts[2])
+        if k < 1 or m < 1 or (decay is not None and not 0.0 <= decay < 1.0):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"variant {name!r}: expected {VARIANT_FORM}") from None
     kw: Dict[str, Any] = {"curv_update_interval": k, "inv_update_interval": m}
-    if len(parts) == 3:
-        kw["ema_decay"] = DEFAULT_VI_EMA_DECAY ** k if parts[2] == "pow" else float(parts[2])
+    if decay is not None:
+        kw["ema_decay"] = decay
     return kw
+
+
+def variant_name(text: str) -> str:
+    """argparse ``type=`` of ``--variants``: ``text`` if :func:`variant_kwargs` takes it, else an argparse error."""
+    try:
+        variant_kwargs(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 @contextlib.contextmanager
@@ -197,15 +218,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/vi_kfac_intervals.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     p.add_argument("--tasks", nargs="+", default=["digits-mlp", "digits-cnn"], choices=["digits-mlp", "digits-cnn", "diabetes"], help='tasks (default: digits-mlp digits-cnn)')
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+    p.add_argument("--variants", nargs="+", type=variant_name, default=list(DEFAULT_VARIANTS),
                    help="'k/m' or 'k/m/decay' ('pow': the default decay to the power k); the first is the reference")
-    p.add_argument("--lrs", nargs="+", type=float, default=None,
+    p.add_argument("--lrs", nargs="+", type=positive_float, default=None,
                    help="learning rates (default: VI K-FAC's chosen lr in benchmarks/results/vi.json and its grid neighbours)")
-    p.add_argument("--seeds", type=int, default=10, help="paired seeds first-seed … first-seed+seeds−1 (default 10)")
+    p.add_argument("--seeds", type=positive_int, default=10,
+                   help="paired seeds first-seed … first-seed+seeds−1 (default 10)")
     p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
-    p.add_argument("--mc-samples", type=int, default=32, help="weight samples of the validation BMA (default 32)")
-    p.add_argument("--timing-steps", type=int, default=300, help="timed round-robin steps per variant (0: no timing)")
-    p.add_argument("--warmup", type=int, default=10, help='untimed steps before the timing (default 10)')
+    p.add_argument("--mc-samples", type=positive_int, default=32,
+                   help="weight samples of the validation BMA (default 32)")
+    p.add_argument("--timing-steps", type=nonnegative_int, default=300,
+                   help="timed round-robin steps per variant (0: no timing)")
+    p.add_argument("--warmup", type=nonnegative_int, default=10, help="untimed steps before the timing (default 10)")
     p.add_argument("--skip-quality", action="store_true", help='only the step timing, no validation quality')
     return p.parse_args(argv)
 
@@ -213,8 +237,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    for v in args.variants:
-        variant_kwargs(v)  # fail early on a bad name
     rep: Dict[str, Any] = {"machine": machine_info(), "variants": {v: variant_kwargs(v) for v in args.variants},
                            "quality": {}}
     if not args.skip_quality:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import json
 import os
 import sys
 import time
@@ -44,10 +43,10 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from torchsso2.distributed import shutdown  # noqa: E402
-from examples.common import (process_rank, world_size, DEFAULT_LR, Digits, add_common_args, batches, fit,  # noqa: E402
-                             launch_note, load_digits_data, make_model, make_optimizer, num_batches, predict_probs,
-                             progress_bar,
-                             setup_run)
+from examples.common import (DEFAULT_LR, Digits, add_common_args, batches, fit, fraction_in,  # noqa: E402
+                             launch_note, load_digits_data, make_model, make_optimizer, num_batches, positive_float,
+                             positive_int, predict_probs, process_rank, progress_bar, setup_run, world_size,
+                             write_json)
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
 METHODS = ("sgd", "adam", "vi-diag", "vi-kfac")
@@ -88,21 +87,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=None,
                    help="default: all (ivon only when installed)")
-    p.add_argument("--epochs", type=int, default=10, help="default 10")
-    p.add_argument("--batch-size", type=int, default=32, help="default 32")
-    p.add_argument("--hidden", type=int, nargs="+", default=[64], metavar="H", help="MLP hidden sizes (default 64)")
-    p.add_argument("--vi-lr", type=float, default=VI_DEFAULTS["lr"], help="VI learning rate (default 0.1)")
-    p.add_argument("--prior-precision", type=float, default=VI_DEFAULTS["prior_precision"],
-                   help="VI prior precision δ (default 1)")
-    p.add_argument("--temperature", type=float, default=0.1,
+    p.add_argument("--epochs", type=positive_int, default=10, help="default 10")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="default 32")
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=[64], metavar="H",
+                   help="MLP hidden sizes (default 64)")
+    p.add_argument("--vi-lr", type=positive_float, default=VI_DEFAULTS["lr"], help="VI learning rate (default 0.1)")
+    p.add_argument("--prior-precision", type=positive_float, default=VI_DEFAULTS["prior_precision"],
+                   help="VI prior precision δ > 0 (default 1)")
+    p.add_argument("--temperature", type=positive_float, default=0.1,
                    help="posterior temperature T: dataset_size = N / T (default 0.1; 1 = untempered)")
-    p.add_argument("--ema-decay", type=float, default=VI_DEFAULTS["ema_decay"], help="VI curvature EMA decay per update (default: the library's, 0.99999 per step)")
-    p.add_argument("--mc-samples", type=int, default=32, help="posterior samples for predictions (default 32)")
-    p.add_argument("--train-mc-samples", type=int, default=1, help="weight samples per VI step (default 1)")
-    p.add_argument("--ivon-lr", type=float, default=IVON_LR, help=f"IVON learning rate (default {IVON_LR:g})")
+    p.add_argument("--ema-decay", type=fraction_in(0.0, 1.0, high_open=True), default=VI_DEFAULTS["ema_decay"],
+                   help="VI curvature EMA decay per update, in [0, 1) (default: the library's, 0.99999 per step)")
+    p.add_argument("--mc-samples", type=positive_int, default=32, help="posterior samples for predictions (default 32)")
+    p.add_argument("--train-mc-samples", type=positive_int, default=1, help="weight samples per VI step (default 1)")
+    p.add_argument("--ivon-lr", type=positive_float, default=IVON_LR, help=f"IVON learning rate (default {IVON_LR:g})")
     p.add_argument("--entropy-plot", type=Path, default=None, metavar="PATH",
                    help="where the OOD predictive-entropy box plots (PNG) go (default <out-dir>/ood_entropy.png)")
-    p.add_argument("--n-bins", type=int, default=15, help="ECE / reliability-diagram bins (default 15)")
+    p.add_argument("--n-bins", type=positive_int, default=15, help="ECE / reliability-diagram bins (default 15)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=f"where the reliability diagrams (PNG) and results.json go (default {DEFAULT_OUT_DIR}, "
                    "outside the working directory)")
@@ -112,8 +113,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.methods = [m for m in ALL_METHODS if m != "ivon" or ivon_module() is not None]
     elif "ivon" in args.methods and ivon_module() is None:
         p.error("--methods ivon needs ivon-opt (pip install ivon-opt)")
-    if args.epochs < 1 or args.batch_size < 1 or args.mc_samples < 1 or args.temperature <= 0:
-        p.error("--epochs, --batch-size, --mc-samples must be >= 1 and --temperature > 0")
     return args
 
 
@@ -255,7 +254,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
               + f" | {verdict} |")
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "results": results, "figures": figures}
-    (args.out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out_dir / "results.json", report)
     print(f"\nwrote {', '.join(figures)} and {args.out_dir / 'results.json'}")
     return report
 

@@ -7,17 +7,23 @@
 * :func:`make_optimizer` — ``sgd | adam | sso-kfac | sso-diag | sso-full`` with the
   defaults the examples use;
 * :func:`train_epoch` / :func:`predict_probs` — one pass over the training set with a
-  closure that works for every optimizer, and softmax predictions on a tensor.
+  closure that works for every optimizer, and softmax predictions on a tensor;
+* argparse types that refuse out-of-range values with a message naming the option
+  (:data:`positive_int`, :data:`nonnegative_int`, :data:`positive_float`,
+  :data:`nonnegative_float`, :func:`fraction_in`, :func:`positive_int_list`),
+  :func:`reject_unused_option` and :func:`write_json` (strict JSON: NaN becomes ``null``).
 
 Nothing here is part of the library API; it only keeps the example scripts short.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 if __package__ in (None, ""):  # imported from a script run as ``python examples/x.py``
     _ROOT = str(Path(__file__).resolve().parents[1])
@@ -247,9 +253,23 @@ def world_size() -> int:
     return 1
 
 
+def mean_over_processes(opt: torch.optim.Optimizer, total: float, count: float) -> float:
+    """``Σ total / Σ count`` over the processes of ``opt``'s communicator (``total / count`` when
+    launched alone): the mean of a per-example quantity over the whole data, not this rank's shard.
+
+    Every process must call it (a collective under ``mpiexec`` / ``torchrun``)."""
+    comm = getattr(opt, "comm", None)
+    if comm is not None and comm.world_size > 1:
+        sums = torch.tensor([total, count], dtype=torch.float64)
+        comm.allreduce([sums], op="sum")
+        total, count = sums.tolist()
+    return total / max(count, 1)
+
+
 def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, batch_size: int,
                 generator: torch.Generator, progress: Optional[object] = None) -> float:
-    """One shuffled pass over ``(x, y)``; returns the mean training loss. ``progress``: a tqdm bar to advance.
+    """One shuffled pass over ``(x, y)``; returns the mean training loss over all processes' shards.
+    ``progress``: a tqdm bar to advance (with this rank's batch loss).
 
     Data-parallel runs: every process draws the same shuffled global batch (same generator) and
     keeps its contiguous shard of it, so W processes on W shards equal one process on the batch.
@@ -267,7 +287,7 @@ def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tens
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{float(loss.detach()):.3f}", refresh=False)
-    return total / max(count, 1)
+    return mean_over_processes(opt, total, count)
 
 
 @torch.no_grad()
@@ -317,11 +337,94 @@ def fit(model: nn.Module, opt: torch.optim.Optimizer, data: Digits, epochs: int,
 # --------------------------------------------------------------------------------------------
 # CLI bits
 # --------------------------------------------------------------------------------------------
+Number = TypeVar("Number", int, float)
+
+
+def _interval_text(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    """``"[0, 1)"``-style text of an interval (an infinite end is always open)."""
+    lb = "(" if low_open or low == -math.inf else "["
+    rb = ")" if high_open or high == math.inf else "]"
+    return f"{lb}{low:g}, {high:g}{rb}"
+
+
+def _bounded(convert: Callable[[str], Number], kind: str, low: float = -math.inf, high: float = math.inf,
+             low_open: bool = False, high_open: bool = False, expected: Optional[str] = None
+             ) -> Callable[[str], Number]:
+    """An argparse ``type=``: ``convert(text)``, a finite number in the interval, else an
+    :class:`argparse.ArgumentTypeError` that argparse prints after the option's name."""
+    expected = expected or f"{kind} in {_interval_text(low, high, low_open, high_open)}"
+
+    def parse(text: str) -> Number:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if not math.isfinite(value) or too_low or too_high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+#: argparse types: an int >= 1, an int >= 0, a finite float > 0, a finite float >= 0
+positive_int = _bounded(int, "an int", low=1, expected="an int >= 1")
+nonnegative_int = _bounded(int, "an int", low=0, expected="an int >= 0")
+positive_float = _bounded(float, "a number", low=0.0, low_open=True, expected="a number > 0")
+nonnegative_float = _bounded(float, "a number", low=0.0, expected="a number >= 0")
+
+
+def fraction_in(low: float, high: float, *, low_open: bool = False, high_open: bool = False
+                ) -> Callable[[str], float]:
+    """An argparse ``type=``: a float in the interval from ``low`` to ``high`` (ends included unless
+    ``*_open``), e.g. ``fraction_in(0, 1, high_open=True)`` for a momentum in ``[0, 1)``."""
+    return _bounded(float, "a number", low, high, low_open, high_open)
+
+
+def positive_int_list(text: str) -> Tuple[int, ...]:
+    """An argparse ``type=``: comma-separated ints >= 1 (``"2,2,2,2"`` -> ``(2, 2, 2, 2)``)."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1 such as 2,2,2,2, got {text!r}")
+    return values
+
+
+def reject_unused_option(p: argparse.ArgumentParser, option: str, given: bool, chosen: Sequence[str],
+                         applies_to: Sequence[str], what: str = "--optimizer") -> None:
+    """``p.error`` when ``option`` was ``given`` but none of the ``chosen`` values of ``what``
+    (e.g. the optimizers of the run) is one of those it ``applies_to``: it would be silently ignored."""
+    if given and not any(c in applies_to for c in chosen):
+        p.error(f"{option} applies to {what} {' / '.join(applies_to)} only, not {' / '.join(chosen)} "
+                "(where it would be ignored)")
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by ``None``: strict JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` as strict JSON (non-finite floats as ``null``) to ``path``, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_ready(value), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """``--seed``, ``--threads``, ``--no-progress``."""
     p.add_argument("--seed", type=int, default=0, help="seed of the model init, batch order and sampling (default 0)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: the models are tiny, more threads only add overhead)")
+    p.add_argument("--threads", type=nonnegative_int, default=1,
+                   help="torch.set_num_threads (default 1: the models are tiny, more threads only add overhead; "
+                   "0: leave torch's default)")
     p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bars")
 
 

@@ -11,11 +11,13 @@ from these options (``examples/vision/optimizers.py`` there); the same code runs
   stepped once per epoch with ``step=epoch``, as there);
 * ``--kfac-factor-decay``, ``--kfac-kl-clip``, ``--kfac-inv-method`` (``INVERSE`` instead of
   ``EIGEN``), ``--kfac-skip-layers`` (regexes of module names / class names),
-  ``--kfac-colocate-factors`` / ``--no-kfac-colocate-factors``;
+  ``--kfac-colocate-factors`` / ``--no-kfac-colocate-factors`` (the latter also passes
+  ``compute_eigenvalue_outer_product=False``, which needs colocated factors, as kfac_pytorch);
 * ``--kfac-strategy comm-opt|mem-opt|hybrid-opt`` (hybrid uses ``--kfac-grad-worker-fraction``,
   default 0.25 there); without it ``--kfac-grad-worker-fraction`` takes a strategy name or a float;
 * ``--batches-per-allreduce k``: ``k`` loader batches per optimizer step (``loss / k`` each,
-  DDP synchronizes on the ``k``-th), ``accumulation_steps=k``;
+  DDP synchronizes on the ``k``-th), ``accumulation_steps=k``; an epoch's last group of
+  ``m < k`` batches gets the mean gradient over its ``m`` batches (see ``examples/resnet.py``);
 * ``--lr-decay`` (epochs where the lr is multiplied by 0.1) and ``--warmup-epochs`` (linear
   warm-up from ``lr / world_size``): a ``LambdaLR`` stepped per epoch; the preconditioner's
   ``lr`` follows the optimizer's (``lr=lambda step: optimizer.param_groups[0]["lr"]``).
@@ -28,6 +30,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 import torchsso2.kfac as kfac
+from examples.common import nonnegative_int, positive_float, positive_int
 
 STRATEGY_NAMES = ("comm-opt", "mem-opt", "hybrid-opt")
 HYBRID_DEFAULT_FRACTION = 0.25  # kfac_pytorch's example default of --kfac-grad-worker-fraction
@@ -36,35 +39,31 @@ HYBRID_DEFAULT_FRACTION = 0.25  # kfac_pytorch's example default of --kfac-grad-
 def add_kfac_arguments(p: argparse.ArgumentParser) -> None:
     """The scheduling / layer options of kfac_pytorch's CIFAR-10 example (same names)."""
     g = p.add_argument_group("K-FAC schedules and layers (kfac_pytorch's example names)")
-    g.add_argument("--kfac-update-steps-alpha", type=float, default=10.0,
+    g.add_argument("--kfac-update-steps-alpha", type=positive_float, default=10.0,
                    help="factor/inverse update steps are multiplied by this at each --kfac-update-steps-decay epoch")
-    g.add_argument("--kfac-update-steps-decay", nargs="+", type=int, default=None,
+    g.add_argument("--kfac-update-steps-decay", nargs="+", type=nonnegative_int, default=None,
                    help="epochs at which the update steps are multiplied by --kfac-update-steps-alpha")
     g.add_argument("--kfac-inv-method", action="store_true", help="INVERSE compute method instead of EIGEN")
-    g.add_argument("--kfac-damping-alpha", type=float, default=0.5,
+    g.add_argument("--kfac-damping-alpha", type=positive_float, default=0.5,
                    help="damping is multiplied by this at each --kfac-damping-decay epoch")
-    g.add_argument("--kfac-damping-decay", nargs="+", type=int, default=None,
+    g.add_argument("--kfac-damping-decay", nargs="+", type=nonnegative_int, default=None,
                    help="epochs at which the damping is multiplied by --kfac-damping-alpha")
     g.add_argument("--kfac-skip-layers", nargs="+", type=str, default=[],
                    help="regexes of module names or class names not to precondition (e.g. Linear)")
     g.add_argument("--kfac-colocate-factors", action=argparse.BooleanOptionalAction, default=True,
-                   help="decompose A and G of a layer on the same rank")
+                   help="decompose A and G of a layer on the same rank (--no-kfac-colocate-factors also turns "
+                        "off compute_eigenvalue_outer_product, which needs both factors on one rank)")
     g.add_argument("--kfac-strategy", choices=STRATEGY_NAMES, default=None,
                    help="comm-opt, mem-opt or hybrid-opt (with --kfac-grad-worker-fraction, default "
                         f"{HYBRID_DEFAULT_FRACTION}); overrides a strategy given to --kfac-grad-worker-fraction")
     g.add_argument("--batches-per-allreduce", type=positive_int, default=1,
-                   help="loader batches per optimizer step (gradient accumulation; K-FAC accumulation_steps)")
-    g.add_argument("--lr-decay", nargs="+", type=int, default=[],
+                   help="loader batches per optimizer step (gradient accumulation; K-FAC accumulation_steps); "
+                        "an epoch's last group may hold fewer: its gradient and factors are the mean over its own "
+                        "batches")
+    g.add_argument("--lr-decay", nargs="+", type=nonnegative_int, default=[],
                    help="epochs at which the learning rate is multiplied by 0.1")
-    g.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear lr warm-up from lr / world size")
-
-
-def positive_int(text: str) -> int:
-    """An int >= 1 (argparse type)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
+    g.add_argument("--warmup-epochs", type=nonnegative_int, default=0,
+                   help="epochs of linear lr warm-up from lr / world size")
 
 
 def create_lr_schedule(workers: int, warmup_epochs: int, decay_schedule: List[int],
@@ -125,6 +124,8 @@ def make_kfac(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: ar
         lr=lambda step: optimizer.param_groups[0]["lr"],
         accumulation_steps=args.batches_per_allreduce,
         colocate_factors=args.kfac_colocate_factors,
+        # the G worker's precomputed 1/(λ_G λ_Aᵀ + damping) needs A decomposed on the same rank
+        compute_eigenvalue_outer_product=args.kfac_colocate_factors,
         compute_method=kfac.enums.ComputeMethod.INVERSE if args.kfac_inv_method else kfac.enums.ComputeMethod.EIGEN,
         grad_worker_fraction=grad_worker_fraction_of(args),
         skip_layers=args.kfac_skip_layers,

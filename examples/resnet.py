@@ -110,6 +110,8 @@ from typing import Callable, Tuple  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset  # noqa: E402
 
+from examples.common import (fraction_in, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
+                             positive_int, positive_int_list)
 from examples.kfac_options import add_kfac_arguments, make_kfac  # noqa: E402
 
 STRATEGIES = {"comm-opt": "COMM_OPT", "mem-opt": "MEM_OPT", "hybrid-opt": "HYBRID_OPT"}
@@ -137,29 +139,36 @@ def build_parser(description: str, image_size: int, num_classes: int, width: int
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--synthetic", action="store_true", help="random tensors of the dataset's shape (no download)")
     data.add_argument("--data-dir", type=str, help="directory of the real dataset")
-    p.add_argument("--image-size", type=int, default=image_size, help="synthetic image side (pixels)")
-    p.add_argument("--num-classes", type=int, default=num_classes, help="number of classes (synthetic data)")
-    p.add_argument("--synthetic-samples", type=int, default=0,
+    p.add_argument("--image-size", type=positive_int, default=image_size, help="synthetic image side (pixels)")
+    p.add_argument("--num-classes", type=positive_int, default=num_classes, help="number of classes (synthetic data)")
+    p.add_argument("--synthetic-samples", type=nonnegative_int, default=0,
                    help="synthetic training samples (0: steps-per-epoch × batch-size × world size, or 1024)")
-    p.add_argument("--epochs", type=int, default=1, help="training epochs")
-    p.add_argument("--steps-per-epoch", type=int, default=0, help="cap on steps per epoch (0: a full pass)")
-    p.add_argument("--batch-size", type=int, default=batch_size, help="per-process batch size")
-    p.add_argument("--width", type=int, default=width, help="channels of the first ResNet stage")
-    p.add_argument("--depths", type=str, default="2,2,2,2", help="blocks per stage (2,2,2,2 = ResNet-18)")
-    p.add_argument("--lr", "--base-lr", type=float, default=lr, help="SGD learning rate (also the K-FAC KL-clip lr)")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
+    p.add_argument("--epochs", type=positive_int, default=1, help="training epochs")
+    p.add_argument("--steps-per-epoch", type=nonnegative_int, default=0,
+                   help="cap on the loader batches (micro-batches) per epoch, not on optimizer steps: with "
+                        "--batches-per-allreduce k an epoch takes ceil(cap / k) optimizer steps (0: a full pass)")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help="per-process batch size")
+    p.add_argument("--width", type=positive_int, default=width, help="channels of the first ResNet stage")
+    p.add_argument("--depths", type=positive_int_list, default="2,2,2,2",
+                   help="blocks per stage, comma-separated (2,2,2,2 = ResNet-18)")
+    p.add_argument("--lr", "--base-lr", type=nonnegative_float, default=lr,
+                   help="SGD learning rate (also the K-FAC KL-clip lr)")
+    p.add_argument("--momentum", type=fraction_in(0.0, 1.0, high_open=True), default=0.9, help="SGD momentum")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=5e-4, help="SGD weight decay")
     p.add_argument("--no-kfac", action="store_true", help="plain SGD, no K-FAC preconditioner")
-    p.add_argument("--kfac-factor-update-steps", type=int, default=10, help="steps between K-FAC factor updates")
-    p.add_argument("--kfac-inv-update-steps", type=int, default=100, help="steps between K-FAC decompositions (0 turns K-FAC off)")
-    p.add_argument("--kfac-damping", type=float, default=0.003, help="K-FAC damping")
-    p.add_argument("--kfac-factor-decay", type=float, default=0.95, help="K-FAC factor running-average decay")
-    p.add_argument("--kfac-kl-clip", type=float, default=0.001, help="K-FAC KL clip")
+    p.add_argument("--kfac-factor-update-steps", type=positive_int, default=10,
+                   help="steps between K-FAC factor updates")
+    p.add_argument("--kfac-inv-update-steps", type=nonnegative_int, default=100,
+                   help="steps between K-FAC decompositions (0 turns K-FAC off)")
+    p.add_argument("--kfac-damping", type=positive_float, default=0.003, help="K-FAC damping")
+    p.add_argument("--kfac-factor-decay", type=fraction_in(0.0, 1.0, low_open=True), default=0.95,
+                   help="K-FAC factor running-average decay")
+    p.add_argument("--kfac-kl-clip", type=positive_float, default=0.001, help="K-FAC KL clip")
     p.add_argument("--kfac-grad-worker-fraction", type=grad_worker_fraction, default="comm-opt",
                    help="comm-opt, mem-opt, hybrid-opt or a float in [0, 1] (0: 1/world size)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and data")
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave the default)")
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch.set_num_threads (0: leave the default)")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even if available")
     add_kfac_arguments(p)
     return p
@@ -222,6 +231,31 @@ def synthetic_datasets(n_train: int, n_test: int, image_size: int, num_classes: 
     return make(n_train), make(n_test)
 
 
+def group_size(step: int, n_batches: int, k: int) -> int:
+    """Loader batches in the optimizer step's group of batch ``step`` (0-based) of an epoch of
+    ``n_batches``: ``k``, or fewer for the epoch's last group when ``k`` does not divide ``n_batches``."""
+    return min(k, n_batches - step // k * k)
+
+
+@torch.no_grad()
+def finish_group(model: nn.Module, size: int, k: int) -> None:
+    """Make the gradients of a group of ``size`` micro-batches, each backpropagated as ``loss / k``,
+    their mean over the group: multiply them by ``k / size`` (a no-op for a full group).
+
+    Only the epoch's last group can be short. The K-FAC preconditioner's ``accumulation_steps``
+    stays ``k``: its hooks fold a group's factors into the running averages after the ``k``-th
+    micro-batch, so a short group is never folded there and ``KFACPreconditioner.step()`` folds
+    it instead, averaged over its own ``size`` micro-batches. The loss stays divided by ``k`` in
+    the backward so that each micro-batch's G factor (from the gradients of the layer outputs) has
+    the scale of every other group's; only the gradient is rescaled, before the preconditioner
+    (and the KL clip) sees it."""
+    if size == k:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(k / size)
+
+
 def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Dataset, Dataset, int]]) -> None:
     """Train ``ResNet(stem)`` with SGD (+ K-FAC) for ``args.epochs`` epochs, printing from rank 0."""
     if args.threads:
@@ -242,7 +276,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         except (RuntimeError, FileNotFoundError) as exc:
             raise SystemExit(f"error: {exc}")
 
-    depths = tuple(int(d) for d in args.depths.split(","))
+    depths = args.depths
     model = ResNet(depths, args.width, num_classes, stem).to(env.device)
     if env.mode == "torch":
         from torch.nn.parallel import DistributedDataParallel
@@ -278,6 +312,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         k = args.batches_per_allreduce
         n_batches = min(len(train_loader), args.steps_per_epoch) if args.steps_per_epoch else len(train_loader)
         optimizer.zero_grad(set_to_none=True)
+        group_time = 0.0
         for step, (x, y) in enumerate(train_loader):
             if step >= n_batches:
                 break
@@ -289,6 +324,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
             with model.no_sync() if env.mode == "torch" and not last else contextlib.nullcontext():
                 (loss / k).backward()
             if last:
+                finish_group(model, group_size(step, n_batches, k), k)
                 if env.mode == "mpi":  # no DDP: average the gradients ourselves
                     env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
                 if preconditioner is not None:
@@ -298,7 +334,10 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
                 optimizer.zero_grad(set_to_none=True)
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
-            step_times.append(time.perf_counter() - start)
+            group_time += time.perf_counter() - start
+            if last:  # the time of one optimizer step: its micro-batches' forward/backward and the update
+                step_times.append(group_time)
+                group_time = 0.0
             loss_sum += float(loss.detach()) * len(y)
             correct += float((out.argmax(1) == y).sum())
             count += len(y)
@@ -321,7 +360,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         env.print(f"epoch {epoch}/{args.epochs}: train loss {loss_sum / max(count, 1):.4f} "
                   f"acc {100.0 * correct / max(count, 1):.2f}% | test loss {t_loss / max(t_count, 1):.4f} "
                   f"acc {test_acc:.2f}% | step time median {statistics.median(step_times) * 1e3:.1f} ms "
-                  f"min {min(step_times) * 1e3:.1f} ms ({len(step_times)} steps)")
+                  f"min {min(step_times) * 1e3:.1f} ms ({len(step_times)} optimizer steps, {n_batches} batches)")
         if preconditioner is not None:
             env.print(f"  K-FAC for epoch {epoch + 1}: damping {preconditioner.damping:g}, factor_update_steps "
                       f"{preconditioner.factor_update_steps}, inv_update_steps {preconditioner.inv_update_steps}, "

@@ -40,7 +40,6 @@ re-estimated every 5 steps and decomposed every 50.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -52,9 +51,15 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from torchsso2.distributed import shutdown  # noqa: E402
 from examples.common import (DEFAULT_HIDDEN, DEFAULT_LR, DEFAULT_MOMENTUM, MLP_HIDDEN, OPTIMIZERS,  # noqa: E402
-                             SSO_SETTINGS, EpochRecord, add_common_args, fit, load_digits_data, make_model,
-                             launch_note, make_optimizer, num_batches, process_rank, progress_bar, setup_run,
-                             world_size)
+                             SSO_SETTINGS, EpochRecord, add_common_args, fit, fraction_in, launch_note,
+                             load_digits_data, make_model, make_optimizer, nonnegative_float, num_batches,
+                             positive_float, positive_int, process_rank, progress_bar, reject_unused_option,
+                             setup_run, world_size, write_json)
+
+#: the optimizers each shape option applies to
+SSO_OPTIMIZERS = tuple(SSO_SETTINGS)
+KFAC_OPTIMIZERS = tuple(k for k, v in SSO_SETTINGS.items() if v.get("approx") == "kfac")
+MOMENTUM_OPTIMIZERS = tuple(o for o in OPTIMIZERS if o != "adam")
 
 
 def _per_shape(key: str, default: Any = None) -> str:
@@ -74,28 +79,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sso-kfac", help="default: sso-kfac")
     p.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
                    help="mlp: 64-64-10 (64-16-10 for sso-full); cnn: conv(16)-conv(32)-pool-linear (default mlp)")
-    p.add_argument("--hidden", type=int, nargs="+", default=None, metavar="H",
-                   help="hidden sizes of the MLP (default 64; 16 for sso-full)")
-    p.add_argument("--epochs", type=int, default=10, help="default 10")
-    p.add_argument("--batch-size", type=int, default=32, help="default 32")
-    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default per optimizer: {lrs})")
-    p.add_argument("--momentum", type=float, default=None,
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=None, metavar="H",
+                   help="--model mlp: hidden sizes of the MLP (default 64; 16 for sso-full)")
+    p.add_argument("--epochs", type=positive_int, default=10, help="default 10")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="default 32")
+    p.add_argument("--lr", type=positive_float, default=None, help=f"learning rate (default per optimizer: {lrs})")
+    p.add_argument("--momentum", type=fraction_in(0.0, 1.0, high_open=True), default=None,
                    help="sgd, sso-*: momentum (default: " + _per_shape("momentum", DEFAULT_MOMENTUM) + ", sgd "
                    f"{DEFAULT_MOMENTUM:g})")
-    p.add_argument("--damping", type=float, default=None,
+    p.add_argument("--damping", type=nonnegative_float, default=None,
                    help="sso-*: Tikhonov damping (default: " + _per_shape("damping") + ")")
     p.add_argument("--kfac-method", choices=("eigen", "inverse"), default=None,
                    help="sso-kfac*: exact damping through eigenbases, or damping on each factor "
                    "(default: " + _per_shape("kfac_method") + ")")
-    p.add_argument("--curv-update-interval", type=int, default=None,
+    p.add_argument("--curv-update-interval", type=positive_int, default=None,
                    help="sso-*: steps between curvature estimates (default: " + _per_shape("curv_update_interval") + ")")
-    p.add_argument("--inv-update-interval", type=int, default=None,
+    p.add_argument("--inv-update-interval", type=positive_int, default=None,
                    help="sso-*: steps between decompositions (default: " + _per_shape("inv_update_interval") + ")")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the history as JSON here")
     add_common_args(p)
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1:
-        p.error("--epochs and --batch-size must be >= 1")
+    chosen = [args.optimizer]
+    for option, value, applies_to in (("--damping", args.damping, SSO_OPTIMIZERS),
+                                      ("--curv-update-interval", args.curv_update_interval, SSO_OPTIMIZERS),
+                                      ("--inv-update-interval", args.inv_update_interval, SSO_OPTIMIZERS),
+                                      ("--kfac-method", args.kfac_method, KFAC_OPTIMIZERS),
+                                      ("--momentum", args.momentum, MOMENTUM_OPTIMIZERS)):
+        reject_unused_option(p, option, value is not None, chosen, applies_to)
+    reject_unused_option(p, "--hidden", args.hidden is not None, [args.model], ("mlp",), what="--model")
     return args
 
 
@@ -114,11 +125,6 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     overrides = {k: v for k, v in (("damping", args.damping), ("kfac_method", args.kfac_method),
                                    ("curv_update_interval", args.curv_update_interval),
                                    ("inv_update_interval", args.inv_update_interval)) if v is not None}
-    if overrides and not args.optimizer.startswith("sso-"):
-        raise SystemExit(f"--damping / --kfac-method / --*-update-interval only apply to sso-* optimizers, "
-                         f"not {args.optimizer}")
-    if args.momentum is not None and args.optimizer == "adam":
-        raise SystemExit("--momentum applies to sgd and sso-* optimizers, not adam")
     opt = make_optimizer(args.optimizer, model, args.lr, seed=args.seed, momentum=args.momentum, **overrides)
     lr = opt.param_groups[0]["lr"]
     n_params = sum(p.numel() for p in model.parameters())
@@ -144,7 +150,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     print(f"final test accuracy: {100 * final:.2f}% ({args.optimizer}, {args.model}, {args.epochs} epochs, "
           f"{total:.1f} s{f', {skipped} skipped steps' if skipped else ''})", flush=True)
     return {
-        "optimizer": args.optimizer, "model": args.model, "hidden": list(hidden), "lr": lr,
+        "optimizer": args.optimizer, "model": args.model, "hidden": list(hidden) if args.model == "mlp" else None,
+        "lr": lr,
         "overrides": overrides, "epochs": args.epochs, "batch_size": args.batch_size, "seed": args.seed,
         "final_test_accuracy": final, "wall_s": total, "skipped_steps": skipped,
         "history": [vars(r) for r in history],
@@ -155,8 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     result = train(args)
     if args.json is not None and process_rank() == 0:  # one writer under mpiexec/torchrun
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     shutdown()  # under torchrun: every rank finishes before the process group goes
     return 0

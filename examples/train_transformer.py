@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
 import random
@@ -45,8 +44,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from examples.common import (batches, data_shard, launch_note, num_batches, process_rank, progress_bar,  # noqa: E402
-                             world_size)
+from examples.common import (batches, data_shard, launch_note, mean_over_processes, nonnegative_float,  # noqa: E402
+                             nonnegative_int, num_batches, positive_float, positive_int, process_rank, progress_bar,
+                             reject_unused_option, world_size, write_json)
 from torchsso2 import SecondOrderOptimizer, VIOptimizer  # noqa: E402
 from torchsso2.distributed import shutdown  # noqa: E402
 
@@ -76,6 +76,9 @@ KFAC_SETTINGS: Dict[str, Any] = dict(damping=1e-3, momentum=0.8, ema_decay=0.7, 
 
 #: VI diag: the library's defaults (one weight sample per step, curvature every step)
 VI_SETTINGS: Dict[str, Any] = dict()
+
+#: AdamW's decoupled weight decay unless --weight-decay says otherwise (the only optimizer that takes one)
+DEFAULT_WEIGHT_DECAY = 0.01
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,9 +260,11 @@ def tying_supported() -> bool:
 # optimizers and training
 # --------------------------------------------------------------------------------------------
 def make_optimizer(name: str, model: nn.Module, lr: Optional[float], train_tokens: int, seed: int,
-                   weight_decay: float = 0.01) -> torch.optim.Optimizer:
-    """``sso-kfac`` (SecondOrderOptimizer), ``vi-diag`` (VIOptimizer, N = training tokens) or ``adamw``."""
+                   weight_decay: Optional[float] = None) -> torch.optim.Optimizer:
+    """``sso-kfac`` (SecondOrderOptimizer), ``vi-diag`` (VIOptimizer, N = training tokens) or ``adamw``
+    (``weight_decay``: AdamW's, :data:`DEFAULT_WEIGHT_DECAY` when None)."""
     lr = DEFAULT_LR[name] if lr is None else lr
+    weight_decay = DEFAULT_WEIGHT_DECAY if weight_decay is None else weight_decay
     if name == "sso-kfac":
         return SecondOrderOptimizer(model, lr=lr, seed=seed, output_selector=flat_logits, **KFAC_SETTINGS)
     if name == "vi-diag":
@@ -309,11 +314,12 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 64) -> fl
 
 @dataclass
 class EpochRecord:
-    """One row of a history; ``wall_s`` counts training time only (evaluation excluded)."""
+    """One row of a history; ``wall_s`` counts training time only (evaluation excluded);
+    ``train_loss`` is None before training (epoch 0)."""
 
     epoch: int
     step: int
-    train_loss: float
+    train_loss: Optional[float]
     val_loss: float
     wall_s: float
 
@@ -339,7 +345,7 @@ def train_one(name: str, args: argparse.Namespace, data: TextData, tie: bool) ->
     wall, step = 0.0, 0
     val0 = evaluate(model, data.x_val, data.y_val)
     bar.write(f"{name} epoch   0/{args.epochs}  val loss {val0:.4f}")
-    history.append(EpochRecord(0, 0, float("nan"), val0, 0.0))
+    history.append(EpochRecord(0, 0, None, val0, 0.0))
     for epoch in range(1, args.epochs + 1):
         bar.set_description(f"{name} epoch {epoch}/{args.epochs}")
         total, count = 0.0, 0
@@ -356,7 +362,9 @@ def train_one(name: str, args: argparse.Namespace, data: TextData, tie: bool) ->
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         wall += time.perf_counter() - start
-        rec = EpochRecord(epoch, step, total / max(count, 1), evaluate(model, data.x_val, data.y_val), wall)
+        # the mean over every process's shard: the same number of steps on each
+        rec = EpochRecord(epoch, step, mean_over_processes(opt, total, count), evaluate(model, data.x_val, data.y_val),
+                          wall)
         history.append(rec)
         bar.write(f"{name} epoch {epoch:3d}/{args.epochs}  train loss {rec.train_loss:.4f}  "
                   f"val loss {rec.val_loss:.4f}  ({rec.wall_s:.1f} s)")
@@ -421,29 +429,37 @@ def parse_args(argv: Optional[Sequence[str]] = None, tie_default: Optional[bool]
     )
     p.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=["sso-kfac"],
                    help="one or more optimizers, trained one after the other on the same data")
-    p.add_argument("--epochs", type=int, default=4, help="passes over the training windows")
-    p.add_argument("--steps-per-epoch", type=int, default=0, help="cap on the steps of an epoch (0: a full pass)")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per global batch")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (also the positional table size)")
-    p.add_argument("--train-chars", type=int, default=200_000, help="characters of generated training text")
-    p.add_argument("--val-chars", type=int, default=16_384, help="characters of generated validation text")
-    p.add_argument("--d-model", type=int, default=64, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--epochs", type=positive_int, default=4, help="passes over the training windows")
+    p.add_argument("--steps-per-epoch", type=nonnegative_int, default=0,
+                   help="cap on the steps of an epoch (0: a full pass)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per global batch")
+    p.add_argument("--seq-len", type=positive_int, default=128,
+                   help="tokens per sequence (also the positional table size)")
+    p.add_argument("--train-chars", type=positive_int, default=200_000,
+                   help="characters of generated training text (at least --seq-len + 1)")
+    p.add_argument("--val-chars", type=positive_int, default=16_384,
+                   help="characters of generated validation text (at least --seq-len + 1)")
+    p.add_argument("--d-model", type=positive_int, default=64, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--layers", type=positive_int, default=2, help="transformer blocks")
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=tie_default, help=tie_help)
     p.add_argument("--untie-weights", dest="tie_weights", action="store_false", default=argparse.SUPPRESS,
                    help="give the output head its own weight (same as --no-tie-weights)")
-    p.add_argument("--lr", type=float, default=None, help=f"learning rate (None: per optimizer, {lrs})")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="adamw's decoupled weight decay")
+    p.add_argument("--lr", type=positive_float, default=None, help=f"learning rate (None: per optimizer, {lrs})")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=None,
+                   help=f"adamw only: its decoupled weight decay (None: {DEFAULT_WEIGHT_DECAY:g}); an error "
+                   "when adamw is not among --optimizer")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a loss-vs-time PNG here")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the histories as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the text, model init, batch order and sampling")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (the model is small)")
+    p.add_argument("--threads", type=nonnegative_int, default=1,
+                   help="torch.set_num_threads (the model is small; 0: leave torch's default)")
     p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "seq_len", "d_model", "heads", "layers"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    for option, chars in (("--train-chars", args.train_chars), ("--val-chars", args.val_chars)):
+        if chars < args.seq_len + 1:
+            p.error(f"{option} {chars} is shorter than one window of --seq-len + 1 = {args.seq_len + 1} characters")
+    reject_unused_option(p, "--weight-decay", args.weight_decay is not None, args.optimizer, ("adamw",))
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.tie_weights and not tie_default and any(o != "adamw" for o in args.optimizer):
@@ -480,8 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             plot_losses(summary["results"], args.plot)
             print(f"wrote {args.plot}")
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+            write_json(args.json, summary)  # strict JSON: a non-finite loss is written as null
             print(f"wrote {args.json}")
     shutdown()  # under torchrun: every rank finishes before the process group goes
     return 0

@@ -23,6 +23,9 @@ GEOMETRIES = [  # (kernel, dilation, padding, H, W)
     ((1, 3), (1, 1), (0, 1), 4, 4),
     ((3, 3), (1, 1), (3, 3), 2, 2),   # padding larger than the image
     ((4, 4), (1, 1), (1, 1), 4, 4),   # window excludes rows with data on both sides
+    ((3, 3), (1, 3), (1, 1), 6, 9),   # width dilation 3 and more: the window's extent (k - 1)·d
+    ((2, 4), (2, 3), (1, 0), 7, 12),
+    ((1, 3), (1, 4), (0, 0), 3, 9),
 ]
 
 

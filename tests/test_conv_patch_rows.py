@@ -18,6 +18,11 @@ GEOMETRIES = [  # (C_in, C_out, kernel, stride, padding, dilation, H, W)
     (3, 4, (3, 2), 2, (1, 0), 1, 9, 7),
     (2, 3, 3, 1, 2, 2, 6, 6),
     (4, 5, 2, 2, 0, 1, 2, 2),  # one output position
+    # asymmetric stride and dilation: rows and columns must each take their own
+    (2, 3, (3, 2), (2, 1), (1, 1), 1, 9, 8),
+    (2, 3, (3, 2), (1, 2), (1, 1), (2, 1), 9, 8),
+    (2, 3, 3, (2, 1), (1, 1), (1, 2), 9, 8),
+    (2, 3, (2, 3), (3, 2), (1, 1), (2, 1), 9, 8),
 ]
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -57,3 +59,10 @@ def test_adaptive_kfac_stays_trained_after_its_loss_reaches_zero():
     assert train_loss < 1e-3 and accuracy >= 0.97 and norm < 25, (train_loss, accuracy, norm)
     assert opt.damping >= 1e-4
     assert opt.num_skipped == 0
+
+
+@pytest.mark.parametrize("rho,factor", [(-1.0, 2.0), (0.2, 2.0), (0.3, 1.0), (0.4, 1.0), (0.6, 1.0), (0.74, 1.0),
+                                        (0.8, 0.5), (0.85, 0.5), (1.2, 0.5)])
+def test_lm_thresholds_are_a_quarter_and_three_quarters(rho: float, factor: float) -> None:
+    """Martens & Grosse (2015, §6.5) and kfac-jax: λ ← λ/ω below ρ = 1/4, λ ← ω·λ above 3/4, kept between."""
+    assert LMDamping(1e-2, decay=0.5).update(-rho, -1.0) == pytest.approx(1e-2 * factor, rel=1e-15)
