@@ -9,7 +9,7 @@ the caller through :meth:`tensors`; the engine imports no distributed code.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -69,18 +69,9 @@ class RunningCurvature:
         All or nothing: when one block's decomposition fails (:class:`~curvature.linalg.LinalgError`,
         naming the block, is raised), every block keeps its previous decomposition, so a step never
         solves with a mix of the new curvature in some blocks and the old one in others."""
-        todo = list(names if names is not None else self.blocks)
-        old = {name: self.blocks[name].decomposition for name in todo}
-        for name in todo:
-            try:
-                decompose_block(self.blocks[name], damping, scale=scale, backend=backend, dtype=dtype,
-                                kfac_method=kfac_method)
-            except LinalgError as err:
-                for n, dec in old.items():
-                    self.blocks[n].decomposition = dec
-                if repr(name) in str(err):  # the block's own check names it; a backend's error does not
-                    raise
-                raise LinalgError(f"block {name!r}: {err}") from err
+        todo = {name: self.blocks[name] for name in (names if names is not None else self.blocks)}
+        decompose_all_or_nothing(todo, lambda blk: decompose_block(blk, damping, scale=scale, backend=backend,
+                                                                   dtype=dtype, kfac_method=kfac_method))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"num_updates": self.num_updates, "blocks": {n: b.state_dict() for n, b in self.blocks.items()}}
@@ -94,6 +85,21 @@ class RunningCurvature:
             blk.load_state_dict(blocks[name])
         self.blocks = dict(fresh_like)
         self.num_updates = int(state.get("num_updates", 0))
+
+
+def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Block], None]) -> None:
+    """``decompose(block)`` for every block in order; when one raises :class:`~curvature.linalg.LinalgError`
+    every block gets its previous decomposition back and the error is re-raised, naming the block."""
+    old = {name: blk.decomposition for name, blk in blocks.items()}
+    for name, blk in blocks.items():
+        try:
+            decompose(blk)
+        except LinalgError as err:
+            for n, dec in old.items():
+                blocks[n].decomposition = dec
+            if repr(name) in str(err):  # the block's own check names it; a backend's error does not
+                raise
+            raise LinalgError(f"block {name!r}: {err}") from err
 
 
 def decompose_block(block: Block, damping: float, scale: float = 1.0, backend: Optional[str] = None,

@@ -15,6 +15,7 @@ from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, 
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .blocks import Layout
 from .blocks.layout import TiedUse
@@ -70,6 +71,17 @@ def forward_replaced(module: nn.Module, fam: LayerFamily) -> Optional[str]:
     return None
 
 
+def refuse_lazy_parameters(model: nn.Module) -> None:
+    """ValueError naming the modules whose parameters are not created yet (``nn.LazyLinear``,
+    ``nn.LazyConv2d``, ...: their shapes come from the first forward)."""
+    lazy = [name or type(model).__name__ for name, module in model.named_modules()
+            if any(is_lazy(p) for p in module.parameters(recurse=False))]
+    if lazy:
+        raise ValueError(f"modules {lazy} have uninitialized (lazy) parameters, whose shapes are set by the model's "
+                         "first forward: run one forward pass (e.g. model(x[:1])) before building the optimizer or computing "
+                         "the curvature")
+
+
 def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None,
                    include: Optional[AbstractSet[int]] = None) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
     """Covered modules (``named_modules`` order) with their layouts and shapes.
@@ -94,6 +106,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_lazy_parameters(model)
     if isinstance(skip_modules, str):  # a list is iterated; a string would be taken character by character
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
                         f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")

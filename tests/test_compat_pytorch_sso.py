@@ -467,3 +467,37 @@ def test_accumulation_as_the_acc_steps_message_says() -> None:
         opt.step(closure, targets=y)
         steps.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-10, atol=1e-12)
+
+
+def test_weight_decay_after_a_raw_average_follows_the_groups_lr_from_zero() -> None:
+    """Built with lr=0 (a warm-up from 0 set on the groups later), the decay after a raw gradient EMA is
+    still lr·wd·θ at PyTorch-SSO's lr = the groups' lr / d (the factor was taken as 1 at lr=0: d× too
+    little decay)."""
+    moved = []
+    for lr0 in (0.05, 0.0):
+        model = _mlp()
+        opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Diag"}, {"damping": 0.1}, lr=lr0, grad_ema_decay=0.2,
+                                   weight_decay=0.1)
+        for g in opt.param_groups:
+            g["lr"] = 0.05 * 0.2  # the native lr of PyTorch-SSO's lr 0.05
+        x, y = _batches(1)[0]
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        opt.step(make_closure(opt, model, x, y))
+        moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
+    torch.testing.assert_close(moved[1], moved[0], rtol=1e-12, atol=1e-15)
+
+
+def test_prior_ramp_before_any_update_and_decay_buffer_dtype() -> None:
+    """The init_precision ramp with no curvature update yet (a state loaded from before the first step)
+    is the whole prior's absence, not an error (PyTorch-SSO's default ema_decay 1 raised
+    ZeroDivisionError); the decay buffer follows model.double()."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = VIOptimizer(model, 50, "Cov", {"Linear": "Diag"}, {"damping": 1e-2}, init_precision=1e-2,
+                      momentum=0.9, weight_decay=0.1, num_mc_samples=1)
+    opt.running.num_updates = 0
+    assert opt.precision_shift == pytest.approx(opt.damping)
+    x, y = _batches(1)[0]
+    opt.step(make_closure(opt, model, x.float(), y))
+    model.double()
+    opt.step(make_closure(opt, model, x, y))
+    assert opt.state[model[0].weight]["sso_decay_buffer"].dtype == torch.float64

@@ -1,5 +1,7 @@
-"""Findings of a randomized differential audit (random models against torch.func brute force):
-a failed decomposition of one block leaves every block on its previous decomposition."""
+"""Findings of randomized differential audits (random models against torch.func brute force, adaptive
+mode against its 2x2 model, KFACPreconditioner against kfac_pytorch): a failed decomposition of one
+block leaves every block on its previous decomposition; parallel adaptive directions; lazy modules;
+a bad factor_decay in the backward hook."""
 from __future__ import annotations
 
 import copy
@@ -86,3 +88,77 @@ def test_failed_hessian_decomposition_keeps_every_block_previous(caplog) -> None
         want = -lr * torch.linalg.solve(hessians[0][name] + lam * torch.eye(len(g), dtype=torch.float64), g)
         torch.testing.assert_close(moved, want, rtol=1e-9, atol=1e-12)
     assert "every block keeps its previous decomposition" in caplog.text
+
+
+def test_adaptive_solve_with_parallel_directions_takes_the_first_alone() -> None:
+    """A singular 2x2 model of a PSD curvature (Δ ∥ δ_prev) is solved along Δ alone (μ = 0), the same
+    minimum; it was refused as 'not positive definite'. An indefinite one is still refused."""
+    from torchsso2.optim.adaptive import solve_quadratic
+    u = torch.tensor([2.0, -1.0], dtype=torch.float64)  # δ_prev = -0.5·Δ in a 1-D model with curvature 3
+    a, b = 3.0 * torch.outer(u, u), -1.5 * u
+    (alpha, mu), value = solve_quadratic(a, b, [None, None])
+    assert mu == 0.0 and alpha == pytest.approx(0.25, rel=1e-12) and value == pytest.approx(-0.375, rel=1e-12)
+    with pytest.raises(ValueError, match="not positive definite"):
+        solve_quadratic(torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64), b, [None, None])
+
+
+def test_adaptive_mode_keeps_training_when_every_update_is_parallel() -> None:
+    """Least squares on whitened inputs (XᵀX/N = I): every preconditioned gradient is parallel to the last
+    update, so the 2x2 model is singular from the second step on. Every step is taken and the weights
+    reach the solution (before: every step from the fifth was skipped, then NonFiniteError at the 24th)."""
+    torch.manual_seed(0)
+    n, d = 64, 3
+    q, _ = torch.linalg.qr(torch.randn(n, d, dtype=torch.float64))
+    x = q * n ** 0.5
+    target = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
+    y = x @ target.t()
+    model = nn.Linear(d, 1, bias=False).double()
+    opt = torchsso2.SecondOrderOptimizer(model, approx="full", curvature="fisher", loss="mse", damping=0.1,
+                                         use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    for _ in range(25):
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            val = 0.5 * (out - y).pow(2).sum(1).mean()
+            val.backward()
+            return val, out
+        opt.step(closure, targets=y)
+    assert opt.num_skipped == 0
+    torch.testing.assert_close(model.weight.detach(), target, rtol=0, atol=1e-10)
+
+
+def test_lazy_modules_not_yet_run_are_refused_with_the_fix() -> None:
+    """An nn.LazyLinear that has not run: a ValueError naming it and the fix on every face (torch's
+    'Can't access the shape of an uninitialized parameter ... load_state_dict' before)."""
+    from torchsso2.kfac import KFACPreconditioner
+    model = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 2))
+    faces = [lambda: torchsso2.SecondOrderOptimizer(model), lambda: torchsso2.VIOptimizer(model, 10),
+             lambda: KFACPreconditioner(model),
+             lambda: curvature.compute(model, torch.randn(2, 4), torch.tensor([0, 1]))]
+    for face in faces:
+        with pytest.raises(ValueError, match=r"\['0'\] have uninitialized \(lazy\) parameters.*one forward pass"):
+            face()
+    model(torch.randn(1, 4))
+    torchsso2.SecondOrderOptimizer(model)
+
+
+def test_bad_factor_decay_in_the_hook_leaves_every_layer_untouched() -> None:
+    """KFACPreconditioner(update_factors_in_hook=True) with a factor_decay callable returning a bad value:
+    the error comes out of backward() before the batch reaches any layer (the last layer had taken it in,
+    so a later fold averaged the aborted batch in: A 0.09 off)."""
+    from torchsso2.kfac import KFACPreconditioner
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1,
+                             factor_decay=lambda step: 2.0 if step == 1 else 0.5)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    pre.step()
+    model.zero_grad()
+    layers = [layer for _, layer in pre._layers.values()]
+    before = [(layer.a_factor.clone(), layer.g_factor.clone()) for layer in layers]
+    with pytest.raises(ValueError, match="factor_decay"):
+        nn.functional.cross_entropy(model(torch.randn(8, 4, dtype=torch.float64)), y).backward()
+    assert all(layer.a_count == layer.g_count == 0 for layer in layers)  # no layer took the batch in
+    for layer, (a, g) in zip(layers, before):
+        assert torch.equal(layer.a_factor, a) and torch.equal(layer.g_factor, g)

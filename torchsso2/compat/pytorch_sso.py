@@ -176,7 +176,7 @@ class SecondOrderOptimizer(_NativeSO):
         kind, mc = conv.curvature_kind(curv_type, fisher_args)
         conv.check_hessian_shapes(kind, curv_shapes)
         ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
-        lr_given, momentum_given = lr, momentum
+        momentum_given = momentum
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="preconditioned")
         self.decoupled_weight_decay = float(weight_decay)
@@ -185,7 +185,8 @@ class SecondOrderOptimizer(_NativeSO):
         # gradient EMA scaled the native lr by d)
         self._decay_in_buffer = conv.buffer_kind(momentum_given, momentum_type, grad_ema_decay,
                                                  grad_ema_type) == "preconditioned"
-        self._decay_lr_factor = 1.0 if self._decay_in_buffer or not lr else lr_given / lr
+        # after a raw gradient EMA, PyTorch-SSO's lr = the native lr / d (whatever lr the groups hold later)
+        self._decay_lr_factor = 1.0 if self._decay_in_buffer or grad_ema_decay == 1.0 else 1.0 / grad_ema_decay
         native.setdefault("kl_clip", None)  # PyTorch-SSO has no KL clip (the native default clips)
         super().__init__(model, lr=lr, momentum=momentum, weight_decay=float(l2_reg), curvature=kind,
                          approx=conv.approx_map(model, curv_shapes), damping=damping + float(l2_reg),
@@ -237,7 +238,7 @@ class VIOptimizer(_NativeVI):
             raise ValueError(f"dataset_size={dataset_size!r} must be a whole number >= 1")
         kind, mc = conv.curvature_kind(curv_type, fisher_args)
         ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
-        lr_given, momentum_given = lr, momentum
+        momentum_given = momentum
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="raw")
         approx = conv.approx_map(model, curv_shapes)
@@ -248,7 +249,8 @@ class VIOptimizer(_NativeVI):
         # scaled the native lr by d)
         self._decay_in_buffer = conv.buffer_kind(momentum_given, momentum_type, grad_ema_decay,
                                                  grad_ema_type) == "preconditioned"
-        self._decay_lr_factor = 1.0 if self._decay_in_buffer or not lr else lr_given / lr
+        # after a raw gradient EMA, PyTorch-SSO's lr = the native lr / d (whatever lr the groups hold later)
+        self._decay_lr_factor = 1.0 if self._decay_in_buffer or grad_ema_decay == 1.0 else 1.0 / grad_ema_decay
         self.val_num_mc_samples = val_num_mc_samples  # PyTorch-SSO's default of predict(); pass num_samples here
         self._prior_ramp = False  # set by _start_at (init_precision): see precision_shift
         # PyTorch-SSO: no KL clip, and the curvature average starts at the first batch (or init_precision)
@@ -316,7 +318,8 @@ class VIOptimizer(_NativeVI):
         shift = super().precision_shift
         if not self._prior_ramp:
             return shift
-        return shift - self.kl_weighting * self.prior_precision * self.ema_decay ** (self.running.num_updates - 1)
+        updates = max(0, self.running.num_updates - 1)  # 0 also for a state loaded from before any update
+        return shift - self.kl_weighting * self.prior_precision * self.ema_decay ** updates
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Noisy K-FAC as PyTorch-SSO: ``Λ = N·(A + √λ'π)⊗(G + √λ'/π)`` with the per-example
@@ -341,6 +344,8 @@ class VIOptimizer(_NativeVI):
                 buf = state.get(DECAY_BUFFER)
                 if buf is None:
                     buf = state[DECAY_BUFFER] = torch.zeros_like(o)
+                elif buf.dtype != o.dtype or buf.device != o.device:  # the model moved (model.double(), .to())
+                    buf = state[DECAY_BUFFER] = buf.to(o)
                 buf.mul_(g["momentum"]).add_(o, alpha=wd)
                 p.add_(buf, alpha=-g["lr"])
 

@@ -303,6 +303,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def _grad_hook(self, layer: KFACLayer, call: Dict[str, Any], grad: Tensor) -> None:
         first = not call["seen"]
+        # the schedule a fold here reads, evaluated before this batch touches any layer: a bad value
+        # raises out of backward() with every layer's statistics as they were
+        decay = self.factor_decay if self.update_factors_in_hook else None
         with torch.no_grad():
             # A is taken with the first backward whose contribution is kept; an AMP overflow is skipped and
             # counts for nothing (a later backward through the same forward takes its place; what no hook
@@ -312,8 +315,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             call["seen"] = True
             if first:
                 self._awaiting[layer.name] -= 1
-            if self.update_factors_in_hook and self._fold_in_hook(layer, call["mini_step"]):
-                if layer.update_factors(self.factor_decay):
+            if decay is not None and self._fold_in_hook(layer, call["mini_step"]):
+                if layer.update_factors(decay):
                     self._updated.add(layer.name)
 
     def remove_hooks(self) -> None:

@@ -266,11 +266,19 @@ def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]
     return torch.stack([flat(x, weights) for x in xs]) @ torch.stack([flat(y, None) for y in ys]).t()
 
 
+#: two free directions whose model matrix has ``|det| <= COLLINEAR_RTOL·a₀₀·a₁₁`` (their angle in the
+#: model's metric below about 1e-3 rad) are taken as parallel: the step is solved along the first alone.
+#: The Gram entries come from float32 products (relative error ~1e-7), so a smaller ``det`` is noise.
+COLLINEAR_RTOL = 1e-6
+
+
 def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
     """Minimise ``M(w) = ½ wᵀ a w + bᵀ w`` (``a`` [k, k] symmetric, ``b`` [k], k ≤ 2) over the entries
     of ``w`` whose ``fixed`` value is None (the others keep their value), in closed form in float64
     Python arithmetic. Returns ``(w, M(w))``; raises ``ValueError`` when the model restricted to
-    the free entries is not positive definite (it then has no minimum)."""
+    the free entries is not positive definite (it then has no minimum). Two free entries whose
+    directions are parallel to within :data:`COLLINEAR_RTOL` (a singular ``a``) are solved as the
+    first alone, the second 0: the same minimum of ``M``."""
     n = len(fixed)
     if n not in (1, 2) or tuple(a.shape) != (n, n) or tuple(b.shape) != (n,):
         raise ValueError(f"expected 1 or 2 coefficients with a [{n}, {n}] and b [{n}], got {len(fixed)}, "
@@ -285,6 +293,12 @@ def _solve_lists(am: List[List[float]], bv: List[float], fixed: Sequence[Optiona
     free = [i for i, c in enumerate(fixed) if c is None]
     if len(free) == 2:
         det = am[0][0] * am[1][1] - am[0][1] * am[1][0]
+        if am[0][0] > 0 and am[1][1] > 0 and abs(det) <= COLLINEAR_RTOL * am[0][0] * am[1][1]:
+            # the two directions (Δ and δ_prev) are parallel to within rounding (a least-squares problem
+            # whose every preconditioned gradient is parallel to the last update): any split of one
+            # step between them has the same model value and the 2x2 solve is rounding noise, so the
+            # step is taken along Δ alone (δ_prev's coefficient 0), the minimum of the model there
+            return _solve_lists(am, bv, [None, 0.0])
         if not (am[0][0] > 0 and det > 0):
             raise ValueError(f"the quadratic model is not positive definite on the free directions: {am}")
         w = [-(am[1][1] * bv[0] - am[0][1] * bv[1]) / det, -(am[0][0] * bv[1] - am[1][0] * bv[0]) / det]

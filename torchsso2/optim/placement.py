@@ -35,6 +35,7 @@ from torch import Tensor
 
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.linalg import LinalgError
+from curvature.running import decompose_all_or_nothing
 
 from ..distributed import AssignmentStrategy, DistributedStrategy, Group, WorkAssignment, parse_enum
 from ..distributed.assignment import grad_worker_count
@@ -175,14 +176,10 @@ class Placement:
         keeps its previous decomposition.
         """
         if not self.active:
-            old = {n: b.decomposition for n, b in blocks.items()}
-            for name, blk in blocks.items():
-                try:
-                    decompose(blk)
-                except LinalgError as err:
-                    for n, b in blocks.items():
-                        b.decomposition = old[n]
-                    return f"block {name!r}: {err}"
+            try:
+                decompose_all_or_nothing(blocks, decompose)
+            except LinalgError as err:
+                return str(err)
             return None
         if not blocks:  # nothing covered: nothing to place (every rank sees the same empty set)
             return None

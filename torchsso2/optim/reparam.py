@@ -38,7 +38,8 @@ def reparam_diagonal(grads: Sequence[Tensor], eps: Sequence[Tensor],
 def reparam_ema_(running: Tensor, fresh: Tensor, decay: float, shift: float,
                  scalars: Optional[ScalarCache] = None) -> None:
     """``C ← β·C + (1 − β)·ĥ + ½(1 − β)²·(C − ĥ)² / (C + shift)`` in place (``β = decay``,
-    ``shift`` = the per-example precision added to ``C``, i.e. ``(τδ + damping)/N``).
+    ``shift`` = the per-example precision added to ``C``, i.e. ``(τδ + damping)·σ²/N``, ``σ²`` the noise
+    variance of ``loss="mse"``, 1 otherwise: the precision is ``(N/σ²)·(C + shift)``).
 
     IVON's update of its Hessian estimate: with ``x = C + shift > 0`` and
     ``d = (1 − β)(ĥ − C)/x`` the new ``C + shift`` is ``x·(½(1 + d)² + ½) > 0``.
