@@ -41,6 +41,7 @@ from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, Mi
                            is_second_forward_reuse)
 from .precision import without_autocast
 from .misuse import ClosureWatch, check_model_argument
+from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
@@ -258,9 +259,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         return loss, output, self._without_frozen(acc.result())
 
     def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
-        """Momentum buffers follow their parameter's dtype and device (``model.double()`` or
-        ``model.to(device)`` after some steps; the fused momentum kernel needs them to match).
-        Looked at only when the first parameter's dtype or device changed (``model.to`` moves all)."""
+        """Momentum buffers follow their parameter's dtype and device, and the running curvature and its
+        decompositions the compute dtype of their module's parameters (``model.double()`` or
+        ``model.to(device)`` after some steps: as a checkpoint loaded into the converted model gives
+        them; the fused momentum kernel needs the buffers to match). Looked at only when the first
+        parameter's dtype or device changed (``model.to`` moves all)."""
         key = (params[0].dtype, params[0].device) if params else None
         if key == getattr(self, "_params_dtype_key", key):
             self._params_dtype_key = key
@@ -271,6 +274,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             buf = state[p].get("momentum_buffer") if p in state else None
             if buf is not None and (buf.dtype != p.dtype or buf.device != p.device):
                 state[p]["momentum_buffer"] = buf.to(dtype=p.dtype, device=p.device)
+        if self.running.blocks:
+            converted, _ = check_blocks(self, self.running.state_dict())  # the load path's conversion
+            self.running.blocks.update(converted)
 
     def _without_frozen(self, fresh: Dict[str, Block]) -> Dict[str, Block]:
         """``fresh`` without the blocks of modules frozen since construction (``requires_grad_(False)``
@@ -471,7 +477,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         in_float64 = self.decomposition_dtype == torch.float64 or all(
             p.dtype == torch.float64 for p in self.engine.params)
         (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
-            "%s", decomposition_failed(self.num_steps, error, self._decomposed, torch.float64 if in_float64 else None))
+            "%s", decomposition_failed(self.num_steps, error, self._decomposed, torch.float64 if in_float64 else None,
+                                       indefinite=self.engine.kind is Kind.HESSIAN))
         if not self._decomposed:
             self._streak.skipped(self.num_steps, "or failed decomposition", str(error))
 

@@ -148,7 +148,10 @@ def _check_decomposition(entry: str, dec: Any, approx: str, layout: Layout, stat
     return out
 
 
-def _check_blocks(opt: Any, cstate: Any) -> Tuple[Dict[str, Block], int]:
+def check_blocks(opt: Any, cstate: Any) -> Tuple[Dict[str, Block], int]:
+    """The running blocks of a saved curvature state (``RunningCurvature.state_dict()``) in ``opt``'s
+    model's compute dtype and device, and its update count; ValueError naming a malformed entry.
+    Decompositions are kept at least as wide as ``opt.decomposition_dtype`` (or the blocks')."""
     if not isinstance(cstate, dict) or not isinstance(cstate.get("blocks"), dict):
         _fail("['torchsso2']['curvature']", "is not {'num_updates': int, 'blocks': {module: state}}")
     layouts, approx = opt.engine.layouts, opt.engine.approx
@@ -274,7 +277,7 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
         raise ValueError(f"checkpoint is for parameters of shapes {extra['param_shapes']}, "
                          f"this optimizer's parameters have shapes {shapes}; the optimizer is unchanged")
     optimizer_state = _check_optimizer_state(opt, state_dict)
-    blocks, num_updates = _check_blocks(opt, extra.get("curvature"))
+    blocks, num_updates = check_blocks(opt, extra.get("curvature"))
     gen = extra.get("generator")
     try:
         torch.Generator().set_state(gen)

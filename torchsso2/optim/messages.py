@@ -7,12 +7,17 @@ import torch
 
 
 def decomposition_failed(step: int, error: object, have_previous: bool,
-                         decomposition_dtype: Optional[torch.dtype]) -> str:
+                         decomposition_dtype: Optional[torch.dtype], indefinite: bool = False) -> str:
     """The warning of a step whose decomposition failed (after the float64 and jitter retries of
     :mod:`curvature.linalg.eigh_retry`): which decomposition the step used — the previous one, or
-    none, in which case the parameters were not updated — and what to try."""
+    none, in which case the parameters were not updated — and what to try. ``indefinite``: a
+    curvature that may have negative eigenvalues (the Hessian), which more precision does not fix."""
     kept = ("every block keeps its previous decomposition for this step (none is replaced when one fails)"
             if have_previous else "there is no earlier decomposition, so this step leaves the parameters unchanged")
-    hint = "increase damping" if decomposition_dtype == torch.float64 else \
-        "pass decomposition_dtype=torch.float64 or increase damping"
+    if indefinite:
+        hint = "the Hessian may be indefinite: increase damping above its most negative eigenvalue"
+    elif decomposition_dtype == torch.float64:
+        hint = "increase damping"
+    else:
+        hint = "pass decomposition_dtype=torch.float64 or increase damping"
     return f"step {step}: decomposition failed ({error}); {kept}; {hint}"

@@ -326,6 +326,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
+        self._follow_param_dtypes(params)
         if fresh is not None:
             new = any(name not in self.running.blocks for name in fresh)
             self.running.update(fresh, self.ema_decay)
@@ -428,7 +429,17 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 sq = sum(float(d.pow(2).sum()) for d in deltas.values())
                 predicted = lin + 0.5 * (quad + self.damping * sq)
         with torch.enable_grad():
-            new_loss, _ = closure()
+            try:
+                new_loss, _ = closure()
+            except RuntimeError as err:
+                if self.grad_scaler is not None and "unscale_() has already been called" in str(err):
+                    raise RuntimeError(
+                        "adaptive_damping calls the closure a second time, after the update, to measure the loss "
+                        "change, and torch allows one scaler.unscale_(opt) per scaler.update(): with a grad_scaler "
+                        "and adaptive_damping, do not unscale in the closure (step unscales the gradients itself; "
+                        "to clip, use clip_grad_norm_ on the scaled gradients with max_norm times "
+                        "scaler.get_scale())") from err
+                raise
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         if decay is not None:  # equal on every rank (the same parameters)
             actual += decay_term(params, decay[0]) - decay[1]

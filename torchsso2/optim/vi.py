@@ -436,6 +436,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             return mean_loss, output
         if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
             self.noise.update(residual)
+        self._follow_param_dtypes(params)
         new = False
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
@@ -458,7 +459,6 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             if not self._decompose(self.precision_shift, scale=self.likelihood_size) and not self._decomposed:
                 self.num_steps += 1
                 return mean_loss, output
-        self._follow_param_dtypes(params)
         self._update_mean(params, groups, grads)
         self._step_taken()
         self.num_steps += 1
