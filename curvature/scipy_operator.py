@@ -23,7 +23,12 @@ def to_linear_operator(curv: "Curvature") -> Any:
     dtype = curv.dtype
 
     def real(x: np.ndarray) -> np.ndarray:
-        return curv.matvec(torch.as_tensor(np.asarray(x, dtype=np.float64)).to(dtype)).to(torch.float64).numpy()
+        # a contiguous, writable float64 copy where needed: torch takes no negative strides (x[::-1]) and
+        # warns on every read-only array (np.frombuffer)
+        x = np.asarray(x, dtype=np.float64)
+        if not (x.flags.c_contiguous and x.flags.writeable):
+            x = np.array(x, dtype=np.float64, order="C", copy=True)
+        return curv.matvec(torch.from_numpy(x).to(dtype)).to(torch.float64).numpy()
 
     def apply(x: np.ndarray) -> np.ndarray:  # C is real: a complex vector's parts are mapped separately
         x = np.asarray(x)

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Dict
 
@@ -116,7 +117,9 @@ def _check_n_bins(n_bins: object) -> int:
 
 def _check_eps(eps: object) -> float:
     """Validate the log-clamping constant ``eps`` (finite, ``0 <= eps < 1``)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, Tensor) and eps.numel() == 1 and not eps.is_complex():
+        eps = eps.item()  # a one-element tensor: its number
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # a NumPy scalar is a number too
         raise TypeError(f"eps must be a float in [0, 1), got {eps!r} ({type(eps).__name__})")
     eps = float(eps)
     if not (0.0 <= eps < 1.0):
@@ -230,10 +233,12 @@ class ReliabilityData:
 def reliability_diagram_data(probs: Tensor, targets: Tensor, n_bins: int = 15) -> ReliabilityData:
     """Bin examples by confidence (max probability) into equal-width, right-inclusive bins.
 
-    Bin ``b`` (0-based) is ``(b / n_bins, (b + 1) / n_bins]``.  An edge is
-    compared in the dtype of ``probs`` (the edge ``k / n_bins`` is rounded to
-    that dtype), so a confidence exactly equal to an edge goes to the bin that
-    edge closes.
+    Bin ``b`` (0-based) is ``(b / n_bins, (b + 1) / n_bins]``, compared in
+    float64; a confidence exactly equal to an edge in the dtype of ``probs``
+    (``float32(0.1)`` for the edge 0.1) goes to the bin that edge closes. Where
+    fine bins make several edges round to one value of a low-precision dtype
+    (bfloat16 near 1 with 1000 bins), that value is compared in float64; a
+    confidence off the edges always lands between its bin's edges.
 
     Args:
         probs: ``[N, C]`` predictive probabilities.
@@ -252,11 +257,18 @@ def reliability_diagram_data(probs: Tensor, targets: Tensor, n_bins: int = 15) -
         t = targets.cpu()
         conf, pred = p.max(dim=1)
         correct = (pred == t).to(torch.float64)
-        # Correctly rounded k / n_bins in float64, then in the dtype of ``probs``.
+        # Correctly rounded k / n_bins in float64; right=False: index i satisfies
+        # inner[i-1] < conf <= inner[i] -> (lo, hi] bins, compared exactly in float64.
         edges64 = torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
+        idx = torch.bucketize(conf.to(torch.float64), edges64[1:-1], right=False)
+        # a confidence equal to an edge rounded to its own dtype is on that edge: the bin it closes, where
+        # that rounded value belongs to one edge only (several edges rounding to one value leave it in
+        # float64's bin)
         inner = edges64[1:-1].to(conf.dtype)
-        # right=False: index i satisfies inner[i-1] < conf <= inner[i]  -> (lo, hi] bins.
-        idx = torch.bucketize(conf, inner, right=False)
+        values, counts = torch.unique(inner, return_counts=True)
+        tie = torch.isin(conf, values[counts == 1])
+        if bool(tie.any()):
+            idx = torch.where(tie, torch.bucketize(conf, inner, right=False), idx)
         count = torch.bincount(idx, minlength=n_bins)
         conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, idx, conf.to(torch.float64))
         corr_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, idx, correct)

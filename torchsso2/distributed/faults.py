@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -53,7 +54,8 @@ def resolve_timeout(timeout: Optional[float] = None, env: Optional[dict] = None)
         if not 0 < timeout < math.inf:
             raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a finite number of seconds > 0")
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+    # a NumPy scalar (np.int64(30), np.float32(30.0)) is a number of seconds too; bool is not
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < float(timeout) < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     return float(timeout)
 
