@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 
@@ -18,14 +19,7 @@ def _step(opt, model, i: int) -> None:
     gen = torch.Generator().manual_seed(i)
     x = torch.randn(16, 6, generator=gen).to(next(model.parameters()).dtype)
     y = torch.randint(0, 4, (16,), generator=gen)
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    opt.step(closure)
+    opt.step(make_closure(opt, model, x, y))
 
 
 @pytest.mark.parametrize("face", ["so", "vi"])
@@ -94,14 +88,7 @@ def test_failed_hessian_decomposition_hint_is_damping_not_precision(caplog) -> N
     x = torch.randn(8, 3)
     y = model(x).detach() + 30.0 * torch.randn(8, 2)
     opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", loss="mse", damping=1e-3, kl_clip=None)
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = 0.5 * (out - y).pow(2).sum(1).mean()
-        loss.backward()
-        return loss, out
     with caplog.at_level(logging.WARNING):
-        opt.step(closure, targets=y)
+        opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
     assert opt.num_skipped == 1
     assert "the Hessian may be indefinite: increase damping" in caplog.text and "decomposition_dtype" not in caplog.text

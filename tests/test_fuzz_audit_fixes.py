@@ -13,6 +13,7 @@ from torch import nn
 
 import curvature
 import torchsso2
+from optim_helpers import make_closure
 from curvature.blocks import FullBlock
 from curvature.linalg import LinalgError
 from curvature.running import RunningCurvature
@@ -69,15 +70,8 @@ def test_failed_hessian_decomposition_keeps_every_block_previous(caplog) -> None
         loss = 0.5 * (probe(x) - y).pow(2).sum(1).mean()
         grads = dict(zip([n for n, _ in probe.named_parameters()], torch.autograd.grad(loss, list(probe.parameters()))))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            val = 0.5 * (out - y).pow(2).sum(1).mean()
-            val.backward()
-            return val, out
         with caplog.at_level(logging.WARNING):
-            opt.step(closure, targets=y)
+            opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
     assert float(torch.linalg.eigvalsh(hessians[1]["body"]).min()) + lam < 0      # the second step's body fails
     assert float(torch.linalg.eigvalsh(hessians[1]["head"]).min()) + lam > 0      # its head would not
     assert opt.num_skipped == 1
@@ -116,13 +110,7 @@ def test_adaptive_mode_keeps_training_when_every_update_is_parallel() -> None:
     opt = torchsso2.SecondOrderOptimizer(model, approx="full", curvature="fisher", loss="mse", damping=0.1,
                                          use_adaptive_learning_rate=True, use_adaptive_momentum=True)
     for _ in range(25):
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            val = 0.5 * (out - y).pow(2).sum(1).mean()
-            val.backward()
-            return val, out
-        opt.step(closure, targets=y)
+        opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
     assert opt.num_skipped == 0
     torch.testing.assert_close(model.weight.detach(), target, rtol=0, atol=1e-10)
 
