@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -71,15 +71,15 @@ def forward_replaced(module: nn.Module, fam: LayerFamily) -> Optional[str]:
     return None
 
 
-def refuse_lazy_parameters(model: nn.Module) -> None:
-    """ValueError naming the modules whose parameters are not created yet (``nn.LazyLinear``,
-    ``nn.LazyConv2d``, ...: their shapes come from the first forward)."""
-    lazy = [name or type(model).__name__ for name, module in model.named_modules()
-            if any(is_lazy(p) for p in module.parameters(recurse=False))]
+def refuse_lazy_parameters(modules: Iterable[Tuple[str, nn.Module]]) -> None:
+    """ValueError naming the ``(name, module)`` pairs whose own parameters are not created yet
+    (``nn.LazyLinear``, ``nn.LazyConv2d``, ...: their shapes come from the first forward). Only the
+    modules the curvature would cover are passed: a skipped lazy module takes the plain update."""
+    lazy = [name for name, module in modules if any(is_lazy(p) for p in module.parameters(recurse=False))]
     if lazy:
         raise ValueError(f"modules {lazy} have uninitialized (lazy) parameters, whose shapes are set by the model's "
-                         "first forward: run one forward pass (e.g. model(x[:1])) before building the optimizer or computing "
-                         "the curvature")
+                         "first forward: run one forward pass (e.g. model(x[:1])) before building the optimizer or "
+                         "computing the curvature, or skip them")
 
 
 def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None,
@@ -106,7 +106,6 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    refuse_lazy_parameters(model)
     if isinstance(skip_modules, str):  # a list is iterated; a string would be taken character by character
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
                         f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")
@@ -142,6 +141,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                   if p.requires_grad and (include is None or id(p) in include)]
         if not direct:
             continue
+        refuse_lazy_parameters([(name, module)])
         fam = family_of(module)
         if isinstance(module, torch.jit.ScriptModule):
             raise ValueError(

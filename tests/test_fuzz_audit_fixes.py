@@ -150,3 +150,16 @@ def test_bad_factor_decay_in_the_hook_leaves_every_layer_untouched() -> None:
     assert all(layer.a_count == layer.g_count == 0 for layer in layers)  # no layer took the batch in
     for layer, (a, g) in zip(layers, before):
         assert torch.equal(layer.a_factor, a) and torch.equal(layer.g_factor, g)
+
+
+def test_lazy_modules_the_user_skips_take_the_plain_update() -> None:
+    """A lazy module left out (skip_modules / skip_layers) is not refused: it takes the plain update, as
+    before and as in kfac_pytorch."""
+    from torchsso2.kfac import KFACPreconditioner
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.LazyLinear(3))
+    opt = torchsso2.SecondOrderOptimizer(model, approx="kfac", skip_modules=[r"^2$"])
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    opt.step(make_closure(opt, model, x, y))
+    assert list(opt.engine.layouts) == ["0"] and torch.isfinite(model[2].weight).all()
+    assert len(KFACPreconditioner(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.LazyLinear(3)),
+                                  skip_layers=["2"])._layers) == 1

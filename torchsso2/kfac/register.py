@@ -44,7 +44,6 @@ def _compile(patterns: Sequence[str]) -> List["re.Pattern[str]"]:
 def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str, nn.Module, LayerFamily]]:
     """``(name, module, family)`` of every registered module, in ``named_modules`` order."""
     regexes = _compile(skip_layers)
-    refuse_lazy_parameters(model)
     found = []
     for name, module in model.named_modules():
         if any(True for _ in module.children()) or not isinstance(module, SUPPORTED_TYPES):
@@ -53,6 +52,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
             continue
         if not all(p.requires_grad for p in module.parameters()):
             continue
+        refuse_lazy_parameters([(name, module)])
         family = family_of(module)
         if family is None:  # pragma: no cover - Linear/Conv2d always have one
             continue

@@ -266,10 +266,17 @@ def inner_products(xs: Sequence[Sequence[Tensor]], ys: Sequence[Sequence[Tensor]
     return torch.stack([flat(x, weights) for x in xs]) @ torch.stack([flat(y, None) for y in ys]).t()
 
 
-#: two free directions whose model matrix has ``|det| <= COLLINEAR_RTOL·a₀₀·a₁₁`` (their angle in the
-#: model's metric below about 1e-3 rad) are taken as parallel: the step is solved along the first alone.
-#: The Gram entries come from float32 products (relative error ~1e-7), so a smaller ``det`` is noise.
-COLLINEAR_RTOL = 1e-6
+#: two free directions whose model matrix has ``|det| <= COLLINEAR_EPS·eps·a₀₀·a₁₁`` (``eps`` the machine
+#: epsilon of the model's compute dtype, float32 or wider) are taken as parallel: ``det/(a₀₀·a₁₁) = 1 − cos²``
+#: of their angle in the model's metric is then rounding, and the 2x2 solve is noise, so the step is solved
+#: along the first alone. float32: below 7.6e-6 (an angle under ~3e-3 rad); float64: below 1.4e-14.
+COLLINEAR_EPS = 64
+
+
+def collinear_rtol(dtype: torch.dtype) -> float:
+    """``COLLINEAR_EPS·eps`` of ``dtype`` computed in float32 or wider (bfloat16 / float16 models' Gram
+    entries are float32 products)."""
+    return COLLINEAR_EPS * torch.finfo(torch.promote_types(dtype, torch.float32)).eps
 
 
 def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
@@ -277,28 +284,31 @@ def solve_quadratic(a: Tensor, b: Tensor, fixed: Sequence[Optional[float]]) -> T
     of ``w`` whose ``fixed`` value is None (the others keep their value), in closed form in float64
     Python arithmetic. Returns ``(w, M(w))``; raises ``ValueError`` when the model restricted to
     the free entries is not positive definite (it then has no minimum). Two free entries whose
-    directions are parallel to within :data:`COLLINEAR_RTOL` (a singular ``a``) are solved as the
-    first alone, the second 0: the same minimum of ``M``."""
+    directions are parallel to within rounding of ``a``'s dtype (:func:`collinear_rtol`; a singular
+    ``a``) are solved as the first alone, the second 0: the minimum of ``M`` along the first direction
+    (the 2x2 minimum too when ``b`` lies in ``a``'s range, as for Δ and δ_prev preconditioned by the
+    model's own curvature)."""
     n = len(fixed)
     if n not in (1, 2) or tuple(a.shape) != (n, n) or tuple(b.shape) != (n,):
         raise ValueError(f"expected 1 or 2 coefficients with a [{n}, {n}] and b [{n}], got {len(fixed)}, "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
-    return _solve_lists(a.tolist(), b.tolist(), fixed)
+    return _solve_lists(a.tolist(), b.tolist(), fixed, collinear_rtol(a.dtype))
 
 
-def _solve_lists(am: List[List[float]], bv: List[float], fixed: Sequence[Optional[float]]) -> Tuple[List[float], float]:
+def _solve_lists(am: List[List[float]], bv: List[float], fixed: Sequence[Optional[float]],
+                 rtol: float) -> Tuple[List[float], float]:
     """:func:`solve_quadratic` of ``a`` and ``b`` given as nested Python lists of floats (shapes unchecked)."""
     n = len(fixed)
     w = [0.0 if c is None else float(c) for c in fixed]
     free = [i for i, c in enumerate(fixed) if c is None]
     if len(free) == 2:
         det = am[0][0] * am[1][1] - am[0][1] * am[1][0]
-        if am[0][0] > 0 and am[1][1] > 0 and abs(det) <= COLLINEAR_RTOL * am[0][0] * am[1][1]:
+        if am[0][0] > 0 and am[1][1] > 0 and abs(det) <= rtol * am[0][0] * am[1][1]:
             # the two directions (Δ and δ_prev) are parallel to within rounding (a least-squares problem
             # whose every preconditioned gradient is parallel to the last update): any split of one
             # step between them has the same model value and the 2x2 solve is rounding noise, so the
             # step is taken along Δ alone (δ_prev's coefficient 0), the minimum of the model there
-            return _solve_lists(am, bv, [None, 0.0])
+            return _solve_lists(am, bv, [None, 0.0], rtol)
         if not (am[0][0] > 0 and det > 0):
             raise ValueError(f"the quadratic model is not positive definite on the free directions: {am}")
         w = [-(am[1][1] * bv[0] - am[0][1] * bv[1]) / det, -(am[0][0] * bv[1] - am[1][0] * bv[0]) / det]
@@ -410,7 +420,7 @@ class AdaptiveCoefficients:
         if any(wds):
             decay = inner_products(dirs, dirs, wds).tolist()
             a = [[a[i][j] + decay[i][j] for j in range(k)] for i in range(k)]
-        w, value = _solve_lists(a, [inner[i][k] for i in range(k)], fixed)
+        w, value = _solve_lists(a, [inner[i][k] for i in range(k)], fixed, collinear_rtol(params[0].dtype))
         f = [0.0 if c is None else float(c) for c in fixed]  # the fixed part alone: M there, for within_objective
         base = 0.5 * sum(f[i] * a[i][j] * f[j] for i in range(k) for j in range(k)) \
             + sum(f[i] * inner[i][k] for i in range(k))

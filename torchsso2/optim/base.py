@@ -258,19 +258,21 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                                "hooks existed: " + compile_advice("the optimizer"))
         return loss, output, self._without_frozen(acc.result())
 
-    def _follow_param_dtypes(self, params: List[nn.Parameter]) -> None:
+    def _follow_param_dtypes(self) -> None:
         """Momentum buffers follow their parameter's dtype and device, and the running curvature and its
         decompositions the compute dtype of their module's parameters (``model.double()`` or
         ``model.to(device)`` after some steps: as a checkpoint loaded into the converted model gives
-        them; the fused momentum kernel needs the buffers to match). Looked at only when the first
-        parameter's dtype or device changed (``model.to`` moves all)."""
-        key = (params[0].dtype, params[0].device) if params else None
+        them; the fused momentum kernel needs the buffers to match). Called before the step's closure
+        (whose weight noise reads the decompositions); looked at only when the first parameter's dtype
+        or device changed (``model.to`` moves all)."""
+        first = self.param_groups[0]["params"][0] if self.param_groups and self.param_groups[0]["params"] else None
+        key = (first.dtype, first.device) if first is not None else None
         if key == getattr(self, "_params_dtype_key", key):
             self._params_dtype_key = key
             return
         self._params_dtype_key = key
         state = self.state
-        for p in params:
+        for p in (q for g in self.param_groups for q in g["params"]):
             buf = state[p].get("momentum_buffer") if p in state else None
             if buf is not None and (buf.dtype != p.dtype or buf.device != p.device):
                 state[p]["momentum_buffer"] = buf.to(dtype=p.dtype, device=p.device)

@@ -309,6 +309,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
         warmup = self.num_steps < self.curv_warmup_steps  # every step estimates and decomposes
         estimate = warmup or self.num_steps % self.curv_update_interval == 0
+        self._follow_param_dtypes()
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                 self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
@@ -326,7 +327,6 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        self._follow_param_dtypes(params)
         if fresh is not None:
             new = any(name not in self.running.blocks for name in fresh)
             self.running.update(fresh, self.ema_decay)

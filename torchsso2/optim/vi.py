@@ -356,6 +356,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         self._check_step_call(closure)
+        self._follow_param_dtypes()  # before the weight noise is drawn from the decompositions
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
             if done is not None:
@@ -436,7 +437,6 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             return mean_loss, output
         if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
             self.noise.update(residual)
-        self._follow_param_dtypes(params)
         new = False
         if fresh is not None:
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
