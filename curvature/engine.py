@@ -215,14 +215,7 @@ class CurvatureEngine:
             with self._restricted_to(capture.records):  # the blocks of the modules this forward called
                 return self.estimate(capture, *given, generator=generator)
         if missing:
-            if not capture.records and is_compiled(self.model):
-                raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
-            raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
-                             "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
-                             "computes with their parameters itself, as nn.MultiheadAttention does with "
-                             "out_proj, skip the parent: its submodules are skipped with it). Reentrant activation "
-                             "checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) runs them under "
-                             "torch.no_grad, which the curvature capture cannot see: use use_reentrant=False")
+            self._refuse_uncalled(capture, missing)
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -322,6 +315,17 @@ class CurvatureEngine:
                 yield grads, positions[done:done + k]  # the positions let blocks skip the sum over T
                 done += k
 
+    def _refuse_uncalled(self, capture: Capture, missing: List[str]) -> None:
+        """ValueError for covered modules the forward did not call with gradients enabled."""
+        if not capture.records and is_compiled(self.model):
+            raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
+        raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
+                         "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
+                         "computes with their parameters itself, as nn.MultiheadAttention does with "
+                         "out_proj, skip the parent: its submodules are skipped with it). Reentrant activation "
+                         "checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) runs them under "
+                         "torch.no_grad, which the curvature capture cannot see: use use_reentrant=False")
+
     def estimate_from_backward(self, capture: Capture, batch_size: Optional[int] = None,
                                loss_scale: Optional[float] = None) -> Dict[str, Block]:
         """Empirical-Fisher-type blocks from the gradients recorded during the user's backward.
@@ -333,6 +337,18 @@ class CurvatureEngine:
         """
         if not capture.records and self._modules and is_compiled(self.model):
             raise ValueError(compiled_before_hooks(f"covered modules {list(self._modules)} were not recorded"))
+        missing = [n for n in self._modules if n not in capture.records]
+        if missing:
+            # a head this batch did not call keeps its running curvature (one process, as estimate()); one
+            # called under no_grad, or whose parameters got gradients without its call (a parent computing
+            # with them), cannot be estimated (zero_grad(set_to_none=False) keeps zeros: not a use)
+            bad = missing if not self.allow_uncalled else \
+                [n for n in missing if n in capture.called_without_grad
+                 or any(p.grad is not None and bool(p.grad.ne(0).any()) for p in self.layouts[n].params)]
+            if bad:
+                self._refuse_uncalled(capture, bad)
+            with self._restricted_to(capture.records):
+                return self.estimate_from_backward(capture, batch_size, loss_scale)
         group = 1
         if capture.outputs:
             group = self.check_examples_align(capture.records,

@@ -162,6 +162,14 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
                 f"formulas do not cover; skip it with {skip_hint(layer)} (its parameters "
                 "then take the plain update) or remove the parametrization")
+        if fam is not None:  # the layer's own unsupported options first (nn.MultiheadAttention's kdim/vdim and
+            # add_bias_kv hold parameters of their own, which the check below would take for a reparametrization)
+            try:
+                fam.validate(module)
+            except ValueError as err:
+                hint = "" if isinstance(err, SkipDoesNotHelp) else \
+                    f"; or leave the module to the plain update with {skip_hint(name)}"
+                raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{hint}") from err
         if fam is not None and {n for n, _ in direct} - _LAYER_PARAMETERS:
             extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
             raise ValueError(
@@ -194,12 +202,6 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 "layer's own forward and would be silently wrong for another function (a scaled output, a "
                 "standardized or masked weight, a permuted normalization axis); leave the module to the plain "
                 f"update with {skip_hint(name)}, or use the plain layer class")
-        try:
-            fam.validate(module)
-        except ValueError as err:
-            hint = "" if isinstance(err, SkipDoesNotHelp) else \
-                f"; or leave the module to the plain update with {skip_hint(name)}"
-            raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{hint}") from err
         own = []
         for local, p in direct:
             if id(p) in owner:  # tied: the first module (named_parameters order) holds the block
