@@ -340,11 +340,16 @@ class CurvatureEngine:
         missing = [n for n in self._modules if n not in capture.records]
         if missing:
             # a head this batch did not call keeps its running curvature (one process, as estimate()); one
-            # called under no_grad, or whose parameters got gradients without its call (a parent computing
-            # with them), cannot be estimated (zero_grad(set_to_none=False) keeps zeros: not a use)
-            bad = missing if not self.allow_uncalled else \
-                [n for n in missing if n in capture.called_without_grad
-                 or any(p.grad is not None and bool(p.grad.ne(0).any()) for p in self.layouts[n].params)]
+            # called under no_grad, tied to a called module, or whose parameters the output depends on
+            # without its call (a parent computing with them) cannot be estimated
+            def used(name: str) -> bool:
+                if name in capture.called_without_grad:
+                    return True
+                if capture.outputs:  # tied, or an output's graph (kept after backward) reaches its parameters
+                    return not all(self._unused([name], out) for out in capture.outputs)
+                return name not in self.layouts or any(p.grad is not None and bool(p.grad.ne(0).any())
+                                                       for p in self.layouts[name].params)
+            bad = missing if not self.allow_uncalled else [n for n in missing if used(n)]
             if bad:
                 self._refuse_uncalled(capture, bad)
             with self._restricted_to(capture.records):

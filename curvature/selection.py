@@ -45,6 +45,8 @@ def _default_approx(module: nn.Module) -> Approx:
 #: the parameter names of the supported layers (nn.MultiheadAttention's in-projection included); a covered
 #: module holding others has been reparametrized (the old weight_norm's weight_g / weight_v)
 _LAYER_PARAMETERS = frozenset({"weight", "bias", "in_proj_weight", "in_proj_bias"})
+#: parameters a layer's own unsupported options create (named by its family's check, not reparametrizations)
+_OWN_PARAMETERS = {nn.MultiheadAttention: {"q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k", "bias_v"}}
 
 
 def skip_hint(name: str) -> str:
@@ -169,7 +171,11 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             except ValueError as err:
                 hint = "" if isinstance(err, SkipDoesNotHelp) else \
                     f"; or leave the module to the plain update with {skip_hint(name)}"
-                raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{hint}") from err
+                extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS - _OWN_PARAMETERS.get(type(module), set()))
+                also = "" if not extra else (f" (it also holds parameters {extra} that are not its layer's own "
+                                             "weight/bias, e.g. from the old hook-based weight_norm, which the "
+                                             "curvature does not cover either)")
+                raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{also}{hint}") from err
         if fam is not None and {n for n, _ in direct} - _LAYER_PARAMETERS:
             extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
             raise ValueError(

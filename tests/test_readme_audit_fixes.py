@@ -66,3 +66,29 @@ def test_multihead_attention_options_are_named(options, named) -> None:
             return self.head(x)
     with pytest.raises(ValueError, match=f"MultiheadAttention with {named}"):
         SecondOrderOptimizer(Attn())
+
+
+def test_uncalled_head_checks_follow_the_outputs_graph() -> None:
+    """An L2 penalty in the closure's loss gives an uncalled head a gradient: still not a use of it by the
+    model (kept, as with fisher_mc; it was refused); a head tied to the called one is refused with the
+    ValueError (a bare KeyError before)."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher")
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def penalised():
+        opt.zero_grad()
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y) + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+        loss.backward()
+        return loss, out
+    for head in ("b", "c", "b"):
+        model.head = head
+        opt.step(penalised)
+    assert sorted(opt.running.blocks) == ["a", "b", "c"]
+    tied = _TwoHeads()
+    tied.c.weight = tied.b.weight
+    opt = SecondOrderOptimizer(tied, curvature="empirical_fisher", approx="diag")
+    with pytest.raises(ValueError, match=r"covered modules \['c'\] were not called"):
+        opt.step(make_closure(opt, tied, x, y))

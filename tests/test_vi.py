@@ -478,8 +478,8 @@ def test_bayesian_linear_regression_with_the_default_reparam_curvature():
     ĥ = g·ε/σ²): the mean of the iterates → μ* = (XᵀX + δI)⁻¹Xᵀy within the tolerance of
     ``test_bayesian_linear_regression_posterior`` (5 standard deviations of the average of K AR(1) iterates),
     and the running precision → diag(XᵀX) + δ, the mean-field optimum, averaged over the iterates within
-    10%: ĥ is unbiased here (the Hessian is XᵀX), IVON's positivity term adds ½(1−β)·Var(ĥ)/C (a few per
-    cent at ema_decay 0.99 on this problem, 8–14% at 0.9: docs/defaults.md), and the average over 1500
+    10%: ĥ is unbiased here (the Hessian is XᵀX), IVON's positivity term adds ½(1−β)·Var(ĥ)/C (up to a few
+    per cent at ema_decay 0.99 on this problem, 6–13% at 0.9: docs/defaults.md), and the average over 1500
     steps holds about 15 independent windows of the EMA's 100-step memory (seeds 0–3: −2.6% to +5.7%)."""
     x, y = linreg_data(n=200, d=3)
     prior = 20.0
