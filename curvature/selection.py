@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -73,13 +73,12 @@ def forward_replaced(module: nn.Module, fam: LayerFamily) -> Optional[str]:
     return None
 
 
-def refuse_lazy_parameters(modules: Iterable[Tuple[str, nn.Module]]) -> None:
-    """ValueError naming the ``(name, module)`` pairs whose own parameters are not created yet
-    (``nn.LazyLinear``, ``nn.LazyConv2d``, ...: their shapes come from the first forward). Only the
-    modules the curvature would cover are passed: a skipped lazy module takes the plain update."""
-    lazy = [name for name, module in modules if any(is_lazy(p) for p in module.parameters(recurse=False))]
-    if lazy:
-        raise ValueError(f"modules {lazy} have uninitialized (lazy) parameters, whose shapes are set by the model's "
+def refuse_lazy_parameters(name: str, module: nn.Module) -> None:
+    """ValueError naming module ``name`` when its own parameters are not created yet (``nn.LazyLinear``,
+    ``nn.LazyConv2d``, ...: their shapes come from the first forward). Called for the modules the
+    curvature would cover only: a skipped lazy module takes the plain update."""
+    if any(is_lazy(p) for p in module.parameters(recurse=False)):
+        raise ValueError(f"modules {[name]} have uninitialized (lazy) parameters, whose shapes are set by the model's "
                          "first forward: run one forward pass (e.g. model(x[:1])) before building the optimizer or "
                          "computing the curvature, or skip them")
 
@@ -143,7 +142,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                   if p.requires_grad and (include is None or id(p) in include)]
         if not direct:
             continue
-        refuse_lazy_parameters([(name, module)])
+        refuse_lazy_parameters(name, module)
         fam = family_of(module)
         if isinstance(module, torch.jit.ScriptModule):
             raise ValueError(

@@ -180,13 +180,9 @@ class SecondOrderOptimizer(_NativeSO):
         lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
                                               native="preconditioned")
         self.decoupled_weight_decay = float(weight_decay)
-        # PyTorch-SSO adds wd·θ to the preconditioned gradient: inside a buffer of preconditioned gradients
-        # (the native momentum, at the native lr), after one of raw gradients (at PyTorch-SSO's lr: a
-        # gradient EMA scaled the native lr by d)
-        self._decay_in_buffer = conv.buffer_kind(momentum_given, momentum_type, grad_ema_decay,
-                                                 grad_ema_type) == "preconditioned"
-        # after a raw gradient EMA, PyTorch-SSO's lr = the native lr / d (whatever lr the groups hold later)
-        self._decay_lr_factor = 1.0 if self._decay_in_buffer or grad_ema_decay == 1.0 else 1.0 / grad_ema_decay
+        # in the buffer of preconditioned gradients: the native momentum
+        self._decay_in_buffer, self._decay_lr_factor = conv.decay_placement(momentum_given, momentum_type,
+                                                                            grad_ema_decay, grad_ema_type)
         native.setdefault("kl_clip", None)  # PyTorch-SSO has no KL clip (the native default clips)
         super().__init__(model, lr=lr, momentum=momentum, weight_decay=float(l2_reg), curvature=kind,
                          approx=conv.approx_map(model, curv_shapes), damping=damping + float(l2_reg),
@@ -243,14 +239,10 @@ class VIOptimizer(_NativeVI):
                                               native="raw")
         approx = conv.approx_map(model, curv_shapes)
         self.decoupled_weight_decay = float(weight_decay)
-        # PyTorch-SSO adds wd·θ to the preconditioned gradient: a buffer of preconditioned gradients takes it
-        # in (here its own buffer beside the native momentum of raw gradients, with the native momentum and
-        # lr); after a buffer of raw gradients it is θ ← θ − lr·wd·θ at PyTorch-SSO's lr (a gradient EMA
-        # scaled the native lr by d)
-        self._decay_in_buffer = conv.buffer_kind(momentum_given, momentum_type, grad_ema_decay,
-                                                 grad_ema_type) == "preconditioned"
-        # after a raw gradient EMA, PyTorch-SSO's lr = the native lr / d (whatever lr the groups hold later)
-        self._decay_lr_factor = 1.0 if self._decay_in_buffer or grad_ema_decay == 1.0 else 1.0 / grad_ema_decay
+        # in the buffer of preconditioned gradients: its own (DECAY_BUFFER) beside the native momentum of raw
+        # gradients, with the native momentum and lr
+        self._decay_in_buffer, self._decay_lr_factor = conv.decay_placement(momentum_given, momentum_type,
+                                                                            grad_ema_decay, grad_ema_type)
         self.val_num_mc_samples = val_num_mc_samples  # PyTorch-SSO's default of predict(); pass num_samples here
         self._prior_ramp = False  # set by _start_at (init_precision): see precision_shift
         # PyTorch-SSO: no KL clip, and the curvature average starts at the first batch (or init_precision)

@@ -153,13 +153,16 @@ def momentum_settings(lr: float, momentum: float, momentum_type: str, grad_ema_d
     return lr, momentum
 
 
-def buffer_kind(momentum: float, momentum_type: str, grad_ema_decay: float, grad_ema_type: str) -> Optional[str]:
-    """The kind of gradient (``'raw'`` or ``'preconditioned'``) PyTorch-SSO's gradient buffer (momentum,
-    else the gradient EMA) accumulates, ``None`` without one. Its decoupled ``weight_decay`` is added to
-    the preconditioned gradient, so it enters the buffer only when that kind is ``'preconditioned'``."""
-    if momentum > 0:
-        return momentum_type
-    return grad_ema_type if grad_ema_decay != 1.0 else None
+def decay_placement(momentum: float, momentum_type: str, grad_ema_decay: float,
+                    grad_ema_type: str) -> Tuple[bool, float]:
+    """Where PyTorch-SSO's decoupled ``weight_decay`` goes: ``(into the buffer, lr factor)``. It adds
+    ``wd·θ`` to the preconditioned gradient, so a buffer (momentum, else the gradient EMA) of
+    preconditioned gradients takes it in, at the native lr (factor 1); after a buffer of raw gradients
+    (or none) it is ``θ ← θ − lr·wd·θ`` at PyTorch-SSO's lr, which is the native lr / ``d`` after a
+    gradient EMA (:func:`momentum_settings`), whatever lr the groups hold later."""
+    kind = momentum_type if momentum > 0 else (grad_ema_type if grad_ema_decay != 1.0 else None)
+    in_buffer = kind == "preconditioned"
+    return in_buffer, 1.0 if in_buffer or grad_ema_decay == 1.0 else 1.0 / grad_ema_decay
 
 
 def reject_unsupported(**flags: Any) -> None:

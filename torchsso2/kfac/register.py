@@ -52,7 +52,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
             continue
         if not all(p.requires_grad for p in module.parameters()):
             continue
-        refuse_lazy_parameters([(name, module)])
+        refuse_lazy_parameters(name, module)
         family = family_of(module)
         if family is None:  # pragma: no cover - Linear/Conv2d always have one
             continue
