@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
-from .hook_marks import capture_hook, is_marked
+from .hook_marks import capture_hook, in_func_transform, is_marked
 from .modules.attention import attention_hook
 from .uses import UseWindows
 from .uses_static import global_forward_hooks, uses_stay_inside
@@ -42,6 +42,9 @@ class ModuleRecord:
     #: the autograd nodes of the (undetached) inputs: whether the inputs depend on the module's own
     #: parameters (a tied or functional use upstream) is a walk from them (the Hessian's fast path)
     input_nodes: Tuple[Any, ...] = ()
+    #: the tensors the call ran with as the module's parameters (torch.func.functional_call swaps in
+    #: others: the Hessian's fast diagonal path then does not apply)
+    parameters: Tuple[Any, ...] = ()
 
 
 class Capture:
@@ -119,6 +122,9 @@ class Capture:
                 "nn.MultiheadAttention's recorded forward drops it from the output). Register such a hook on the "
                 "modules (module.register_forward_hook), whose changes the curvature includes",
                 UserWarning, stacklevel=3)
+        if self._uses is not None:  # closing first, then the recording hooks prepended before it: a call's window
+            # covers what they compute and ends before the user's forward hooks run
+            self._handles.extend(self._uses.attach())
         # prepended: they see the layer's own output, before any forward hook of the user's changes it
         # (o -> 2·o); the gradient reaching the recorded output then carries the user's hook too
         for name, module in self.modules.items():
@@ -133,8 +139,6 @@ class Capture:
             norms = self.batch_norms if self.batch_norms is not None else batch_norm_modules(self.root)
             for module in norms:
                 self._handles.append(module.register_forward_hook(self._route_hook, prepend=True))
-        if self._uses is not None:  # after the recording hooks: a call's window covers what they compute
-            self._handles.extend(self._uses.attach())
         if self.root is not None and (self.on_output is not None or self._uses is not None):
             self._handles.append(self.root.register_forward_hook(self._root_hook))
         return self
@@ -165,6 +169,8 @@ class Capture:
     def _make_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], kwargs: Dict[str, Any],
                  output: Tensor) -> Optional[Tensor]:
+            if in_func_transform():
+                return None
             if not inputs and kwargs:  # called with its input as a keyword: lin(input=x)
                 inputs = tuple(kwargs.values())
             if not torch.is_grad_enabled():  # not recorded (reentrant activation checkpointing runs so)
@@ -179,13 +185,16 @@ class Capture:
                 if self.on_reuse == "count":
                     return None
                 raise ValueError(f"module {name!r} ({type(module).__name__}) was called more than once in one "
-                                 "forward; modules reused within a forward (shared layers) are not supported")
+                                 "forward (a shared layer, an unrolled recurrent cell): Fisher-type curvature of a "
+                                 f"module reused within a forward is not supported. Leave it to the plain update "
+                                 f"with skip_modules=[{'^' + name + '$'!r}], or use kind='hessian', which sees every call")
             if not isinstance(output, Tensor):
                 raise TypeError(f"module {name!r} returned {type(output).__name__}, expected a Tensor")
             rec = ModuleRecord(inputs=tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs),
                                output=output,
                                input_nodes=tuple(i.grad_fn for i in inputs
-                                                 if isinstance(i, Tensor) and i.grad_fn is not None))
+                                                 if isinstance(i, Tensor) and i.grad_fn is not None),
+                               parameters=tuple(module._parameters.values()))
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
                 on_gradient(output, grad_appender(rec.backward_grads))
@@ -196,13 +205,13 @@ class Capture:
         return capture_hook(hook)
 
     def _route_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
-        if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad \
+        if not torch.is_grad_enabled() or in_func_transform() or not isinstance(output, Tensor) or not output.requires_grad \
                 or not uses_batch_statistics(module):
             return None
         return route_output(module, inputs[0], output, self.frozen)
 
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or in_func_transform():
             return
         if self.select_output is not None:
             output = self.select_output(output)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from .engine import CurvatureEngine
+from .likelihoods import outputs_finite
 from .result import Curvature
 from .selection import ApproxSpec, SkipSpec
 
@@ -71,6 +72,13 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
         if outputs.dim() == 0 or outputs.shape[0] == 0:
             raise ValueError(f"the model ran on an empty batch (output of shape {list(outputs.shape)}); the "
                              "curvature of an empty batch is undefined")
+        if outputs.is_floating_point() and not outputs_finite(engine.loss, outputs):
+            bad = int((~torch.isfinite(outputs)).sum())
+            raise ValueError(f"the model's output has {bad} non-finite (NaN/inf) entries of {outputs.numel()} (output "
+                             f"of shape {list(outputs.shape)}; -inf logits of masked classes are fine): the curvature "
+                             "there is undefined; check the inputs and the parameters for NaN/inf")
+        if targets is not None and targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
+            raise ValueError("targets has non-finite (NaN/inf) entries: the curvature there is undefined")
         blocks = engine.estimate(cap, outputs, targets, generator)
     return Curvature(blocks=blocks, layouts=engine.layouts, kind=engine.kind.value,
                      approx={n: a.value for n, a in engine.approx.items()})

@@ -23,7 +23,7 @@ from .cost import warn_full_blocks
 from .hessian import hessian_blocks
 from .modules import family_of
 from .modules.base import flat_per_example
-from .modules.linear import WeightMatrixFamily
+from .modules.linear import LinearFamily, WeightMatrixFamily
 from .options import Approx, Kind, KFACApprox, LossType, check_mc_samples, parse
 from .selection import ApproxSpec, SkipSpec, covered_parameters, select_layouts
 from .tied import check_kfac_tied, combine_kfac, tied_per_example_sum
@@ -236,13 +236,22 @@ class CurvatureEngine:
                     "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
                     "differentiable; or use a Fisher kind") from err
         per_example = self.check_examples_align(capture.records, outputs)
+        if self.kfac_approx is KFACApprox.REDUCE:
+            self._check_reduce_layout(capture, outputs, given[0])
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
         if per_example > 1:  # sequence outputs: rows inside module examples (curvature.sequence)
             outs = {n: capture.records[n].output for n in self._modules
                     if capture.records[n].output.dim() and capture.records[n].output.shape[0] != outputs.shape[0]}
+            # the exact Fisher's per-position vectors and the empirical Fisher's sums over the rows of a module
+            # that sees them (full and diagonal blocks; K-FAC sums per-row products) take row r as one of
+            # example r // T: every example's rows are checked there
+            approx = self._module_approx()
+            sees_rows = any(r.output.dim() and r.output.shape[0] == outputs.shape[0] and approx.get(n) is not Approx.KFAC
+                            for n, r in capture.records.items())
             with capture.frozen.on():
-                sequence.check_example_major_rows(outputs, outs, per_example)
+                sequence.check_example_major_rows(outputs, outs, per_example,
+                                                  every_example=self.kind is Kind.FISHER or sees_rows)
         elif self.kind in (Kind.FISHER, Kind.EMPIRICAL_FISHER):
             self._check_examples_first(capture, outputs)
         if per_example > 1 and self.kind is Kind.FISHER:
@@ -300,6 +309,23 @@ class CurvatureEngine:
             return
         with capture.frozen.on():
             sequence.check_example_major_rows(outputs, outs, 1)
+        self._examples_checked.add(signature)
+
+    def _check_reduce_layout(self, capture: Capture, outputs: Tensor, given: Tensor) -> None:
+        """:func:`curvature.sequence.check_reduce_layout` once per shape signature (``outputs``: the loss
+        rows, ``given``: the model's output before :func:`curvature.likelihoods.as_rows`)."""
+        records = capture.records
+        linear = {n: records[n].output for n, lay in self.layouts.items()
+                  if n in records and self.approx[n] is Approx.KFAC and type(lay.family) is LinearFamily}
+        positional = {n: r.output for n, r in records.items()
+                      if isinstance(self._modules.get(n), (nn.Linear, nn.Embedding, nn.LayerNorm))}
+        signature = ("reduce", tuple(given.shape), tuple((n, tuple(o.shape)) for n, o in linear.items()),
+                     tuple(tuple(o.shape) for o in positional.values()))
+        if not linear or signature in self._examples_checked:
+            return
+        examples = given.shape[0] if given.shape[0] != outputs.shape[0] else None
+        with capture.frozen.on():
+            sequence.check_reduce_layout(outputs, examples, linear, positional)
         self._examples_checked.add(signature)
 
     def _per_position_grad_chunks(self, capture: Capture, outputs: Tensor, vectors: Tensor,

@@ -56,6 +56,9 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
             continue
         if not uses_only_through(loss, rec.output, lay.params, rec.input_nodes):  # a tied or functional other use
             continue
+        ran_with = {id(t) for t in getattr(rec, "parameters", ())}
+        if any(id(q) not in ran_with for q in lay.params):  # called with other tensors (functional_call(m, {"weight": 2 * W}))
+            continue
         diag = diag_block(loss, lay.module, rec.inputs, rec.output, list(lay.param_names))
         if diag is None:  # the examples (rows of the output's first dimension) are coupled
             continue

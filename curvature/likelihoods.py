@@ -29,6 +29,9 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
     """Validate the shapes of ``outputs`` and ``targets``; ValueError naming the mismatch."""
     if not isinstance(outputs, Tensor):
         raise TypeError(f"the model output must be a Tensor, got {type(outputs).__name__}")
+    if targets is not None and not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets) or None, got "
+                        f"{type(targets).__name__} {targets!r}"[:300])
     if loss is LossType.CROSS_ENTROPY:
         if outputs.dim() < 2:
             raise ValueError(
@@ -225,3 +228,11 @@ def _categorical_mc_vectors(outputs: Tensor, samples: int, generator: Optional[t
     v = probs.unsqueeze(0).contiguous() if samples == 1 else probs.unsqueeze(0).repeat(samples, 1, 1)
     v.scatter_add_(2, draws.t().unsqueeze(2), v.new_full((samples, f.shape[0], 1), -1.0))
     return v if samples == 1 else v.mul_(1.0 / math.sqrt(samples))
+
+
+def outputs_finite(loss: LossType, outputs: Tensor) -> bool:
+    """Whether the model's ``outputs`` have no NaN/inf, except ``-inf`` in cross-entropy logits (a masked
+    class, ``logits.masked_fill(mask, -inf)``: probability zero, a finite loss and curvature)."""
+    if bool(torch.isfinite(outputs).all()):
+        return True
+    return loss is LossType.CROSS_ENTROPY and not bool((outputs.isnan() | outputs.isposinf()).any())

@@ -159,10 +159,14 @@ class Curvature:
         if not isinstance(v, (Tensor, list, tuple)):
             raise TypeError(f"expected a tensor [{self.numel}] or [{self.numel}, k], or a list of tensors shaped "
                             f"like the parameters, got {type(v).__name__}")
+        device = next((b.tensors()[0].device for b in self.blocks.values() if b.tensors()), None)
         for t in ([v] if isinstance(v, Tensor) else v):
             if isinstance(t, Tensor) and (not t.is_floating_point() or t.is_complex()):
                 raise TypeError(f"expected real floating-point vectors, got dtype {t.dtype} (integer, bool and "
                                 "complex vectors would be cast and lose their values)")
+            if isinstance(t, Tensor) and device is not None and t.device != device:
+                raise ValueError(f"the vector is on {t.device}, the curvature on {device}: move it there first "
+                                 f"(v.to({str(device)!r}))")
         if isinstance(v, Tensor):
             if v.dim() == 2 and v.shape[0] != self.numel:
                 raise ValueError(f"expected a flat vector of shape [{self.numel}] (or [{self.numel}, k]), "

@@ -29,12 +29,32 @@ ApproxSpec = Union[str, Approx, Mapping[Union[str, type], Union[str, Approx]]]
 SkipSpec = Optional[Sequence[Union[str, type]]]
 
 
-def _matches(key: Union[str, type], name: str, module: nn.Module) -> bool:
+#: name prefixes of module wrappers: DistributedDataParallel / DataParallel (``module.``), torch.compile
+#: (``_orig_mod.``)
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A module's name in the model without its wrappers (``module._orig_mod.fc`` → ``fc``)."""
+    while name.startswith(WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _is_wrapper(model: nn.Module) -> bool:
+    return isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or hasattr(model, "_orig_mod")
+
+
+def _matches(key: Union[str, type], name: str, module: nn.Module, plain: Optional[str] = None) -> bool:
+    """Whether selector ``key`` (a type, a class name or a name regex) picks ``module`` called ``name``
+    (``plain``: its name without the wrappers' prefixes, under DDP or torch.compile: a regex written
+    for the bare model matches there too)."""
     if isinstance(key, type):
         return isinstance(module, key)
     if not isinstance(key, str):
         raise TypeError(f"selector keys must be module types or strings, got {key!r}")
-    return type(module).__name__ == key or re.search(key, name) is not None
+    return type(module).__name__ == key or re.search(key, name) is not None \
+        or (plain is not None and plain != name and re.search(key, plain) is not None)
 
 
 def _default_approx(module: nn.Module) -> Approx:
@@ -111,11 +131,14 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
                         f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")
     try:
-        skip = list(skip_modules or [])
+        skip = list(skip_modules) if skip_modules is not None else []  # (False / 0 are not "no selection")
     except TypeError:
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got "
                         f"{type(skip_modules).__name__} {skip_modules!r}") from None
     for key in skip:
+        if not isinstance(key, (str, type)):
+            raise TypeError(f"skip_modules entries must be module types, class names or name regexes, got "
+                            f"{type(key).__name__} {key!r}")
         if isinstance(key, str):  # a class name is a valid regex too
             try:
                 re.compile(key)
@@ -132,10 +155,12 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     tied: Dict[str, List[TiedUse]] = {}
     fallback_logged = False
     skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
+    wrapped = _is_wrapper(model)
     for name, module in model.named_modules():
         if any(name.startswith(f"{s}.") or not s for s in skipped):
             continue
-        if any(_matches(k, name, module) for k in skip):
+        plain = unwrapped_name(name) if wrapped else None
+        if any(_matches(k, name, module, plain) for k in skip):
             skipped.append(name)
             continue
         direct = [(n, p) for n, p in module.named_parameters(recurse=False)
@@ -218,7 +243,8 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         direct = own
         if not direct:
             continue
-        shape = next((v for k, v in rules if _matches(k, name, module)), None)
+        shape = next((v for k, v in rules if _matches(k, name, module, unwrapped_name(name) if wrapped else None)),
+                     None)
         if shape is None:
             shape = default if default is not None else _default_approx(module)
             if shape is Approx.KFAC and not fam.supports_kfac:

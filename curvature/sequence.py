@@ -26,7 +26,7 @@ The per-example quantity is the sequence: with ``ℓ_nt`` the loss of row ``(n, 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -58,27 +58,34 @@ def rows_per_example(kind: Kind, rows: int, batches: Mapping[str, int], approx: 
         raise ValueError(
             f"kind={kind.value!r} with {rows} loss rows needs every covered module to see either one example per "
             f"row or the same number N of examples with N dividing the rows (sequence logits [N, T, C] reshaped "
-            f"to [N*T, C]); the covered modules see batches of {bad or other}. A module called without the batch "
+            f"to [N*T, C]); the covered modules see batches of {bad or other}"
+            f"{f' (the others {sorted(m for m in other if m not in bad)} see {n})' if bad else ''}. A module called without the batch "
             "dimension (e.g. a position embedding on torch.arange(T), broadcast over the batch) has no per-example "
             "gradients: call it on the batch (pos(torch.arange(T).expand(N, T))) or skip it with skip_modules; "
-            "or use kind='fisher_mc'")
+            "sequence-first activations [T, N, d] (nn.TransformerEncoderLayer or nn.MultiheadAttention with "
+            "batch_first=False) have the positions first: build them with batch_first=True. Sequences with "
+            "different numbers of loss rows (a padding mask, out[mask]) and the other cases: use kind='fisher_mc'")
     return rows // n
 
 
-def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor], per_example: int) -> None:
+def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor], per_example: int,
+                             every_example: bool = False) -> None:
     """ValueError unless the first ``per_example`` loss rows reach only the first example of every
     module in ``module_outputs`` (their batch is ``rows // per_example``): one backward pass of the
     ones vector on those rows. Catches rows that are not example-major (a seq-first ``[T, N, C]``
-    output reshaped to rows, or a model mixing its examples)."""
-    names = [n for n, o in module_outputs.items() if o.requires_grad and o.shape[0] > 1]
-    if not names:
+    output reshaped to rows, or a model mixing its examples).
+
+    ``every_example``: check every example's rows, ``r // T`` for row ``r`` (what the exact Fisher's
+    per-position vectors assume), in ``2·⌈log₂ N⌉`` backward passes: for each bit ``b`` of the example
+    index, the rows of the examples with that bit set (and then unset) must not reach an example with
+    it unset (set). A row of example ``m`` taken as one of example ``n ≠ m`` differs from it in some
+    bit and is caught there. Catches sequences with different numbers of rows (a padding mask,
+    ``out[mask]``, whose count happens to be a multiple of ``N``), which the first rows alone can pass."""
+    leaked = leaking_modules(outputs, module_outputs, per_example, every_example)
+    if not leaked:
         return
-    v = torch.zeros_like(outputs)
-    v[:per_example] = 1
-    grads = torch.autograd.grad(outputs, [module_outputs[n] for n in names], grad_outputs=v,
-                                retain_graph=True, allow_unused=True)
-    leaked = [n for n, g in zip(names, grads) if g is not None and bool(g[1:].ne(0).any())]
-    if leaked and per_example == 1:
+    examples = outputs.shape[0] // per_example
+    if per_example == 1:
         raise ValueError(
             f"the loss of the first example reaches other entries of the first dimension of modules {leaked}: "
             "the exact Fisher (every shape) and the empirical Fisher (full and diagonal blocks) take that "
@@ -87,12 +94,37 @@ def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor],
             "torch.arange(T) with T == N: call it on torch.arange(T).expand(N, T)) and the model must not mix "
             "its examples. Use kind='fisher_mc', or kind='empirical_fisher' with approx='kfac' for a "
             "sequence-first layout")
-    if leaked:
-        raise ValueError(
-            f"the loss rows 0..{per_example - 1} (the first of {outputs.shape[0] // per_example} examples of "
-            f"{per_example} rows) reach other examples of modules {leaked}: the rows must be example-major, "
-            "row r belonging to example r // T (e.g. logits [N, T, C] of a batch-first model reshaped with "
-            "out.reshape(-1, C)), and the model must not mix its examples. Use kind='fisher_mc' otherwise")
+    raise ValueError(
+        f"the loss rows of an example (taken as {per_example} consecutive rows of {examples} examples) reach other "
+        f"examples of modules {leaked}: the rows must be example-major, row r belonging to example r // T, "
+        "every example with the same T rows (e.g. logits [N, T, C] of a batch-first model reshaped with "
+        "out.reshape(-1, C)), and the model must not mix its examples. Sequences with different numbers of "
+        "rows (a padding mask, out[mask]) are not supported here: use kind='fisher_mc' (SecondOrderOptimizer's "
+        "default), which takes any mask")
+
+
+def leaking_modules(outputs: Tensor, module_outputs: Dict[str, Tensor], per_example: int,
+                    every_example: bool = False) -> List[str]:
+    """The modules of ``module_outputs`` that the loss rows of one example reach at another example
+    (the test of :func:`check_example_major_rows`; empty when none)."""
+    names = [n for n, o in module_outputs.items() if o.requires_grad and o.shape[0] > 1]
+    if not names:
+        return []
+    examples = outputs.shape[0] // per_example
+    index = torch.arange(examples, device=outputs.device)
+    if every_example and examples > 1:
+        masks = [(index >> b) & 1 == bit for b in range(max(1, (examples - 1).bit_length())) for bit in (1, 0)]
+    else:
+        masks = [index == 0]
+    for on in masks:
+        v = torch.zeros_like(outputs)
+        v[on.repeat_interleave(per_example)] = 1
+        grads = torch.autograd.grad(outputs, [module_outputs[n] for n in names], grad_outputs=v,
+                                    retain_graph=True, allow_unused=True)
+        leaked = [n for n, g in zip(names, grads) if g is not None and bool(g[~on].ne(0).any())]
+        if leaked:
+            return leaked
+    return []
 
 
 def per_position_vectors(vectors: Tensor, per_example: int, group: int) -> Iterator[Tuple[Tensor, Tensor]]:
@@ -123,8 +155,8 @@ def localized(a: Tensor, g: Tensor, positions: Tensor) -> Optional[Tuple[Tensor,
     MLP after the last attention), example ``n``'s gradient for vector ``j`` is the one term of position
     ``positions[j]``, so the per-example sums need no sum over ``T`` (``T`` times less work)."""
     k, n, t = g.shape[0], g.shape[1], g.shape[2] if g.dim() == 4 else 0
-    if t <= 1 or a.shape[:2] != (n, t) or positions.shape[0] != k:
-        return None
+    if t <= 1 or a.shape[:2] != (n, t) or positions.shape[0] != k or bool(positions.ge(t).any()):
+        return None  # (a module with fewer positions than the loss, e.g. a shorter cross-attention memory)
     other = torch.ones(k, t, dtype=torch.bool, device=g.device)
     other[torch.arange(k, device=g.device), positions] = False
     if bool(g.pow(2).sum(dim=(1, 3))[other].ne(0).any()):  # one pass (a leak below √tiny would not count)
@@ -133,3 +165,49 @@ def localized(a: Tensor, g: Tensor, positions: Tensor) -> Optional[Tuple[Tensor,
     a_own = a[:, positions].transpose(0, 1)  # [k, N, ...]
     return (a_own.reshape((k * n, 1) + tuple(a.shape[2:])),
             g_own.reshape(1, k * n, 1, g.shape[-1]))
+
+
+def check_reduce_layout(outputs: Tensor, examples: Optional[int], linear: Dict[str, Tensor],
+                        positional: Dict[str, Tensor]) -> None:
+    """ValueError where ``kfac_approx="reduce"`` would not reduce over each example's positions.
+
+    K-FAC-reduce sums a Linear layer's output gradients and averages its inputs over the middle
+    dimensions of its ``[B, T, d]`` input, taking the first as the examples. ``outputs``: the loss
+    rows ``[R, ...]``; ``examples``: ``N`` when the model gave ``[N, T, C]`` sequence logits (else None);
+    ``linear``: the outputs of the Linear layers in K-FAC shape; ``positional``: the outputs of every
+    recorded Linear / Embedding / LayerNorm (whose middle dimensions are positions).
+
+    * A Linear on the ``N·T`` rows of reshaped activations (``head(h.reshape(-1, d))``) has no position
+      dimension: reduce would treat every row as an example (K-FAC-expand), refused when another module's
+      ``[N, T, d]`` output shows that the rows are positions.
+    * A Linear whose first dimension is not the examples (a sequence-first ``[T, N, d]`` activation, as
+      ``nn.TransformerEncoderLayer(batch_first=False)`` gives its feed-forward layers) would be averaged
+      over the batch: refused when its first dimension differs from ``N`` or when the loss rows of its
+      first entry reach its other entries (one backward pass, :func:`leaking_modules`). A purely
+      position-wise model in the sequence-first layout cannot be told from a batch-first one this way."""
+    rows = outputs.shape[0]
+    sequences = [o for o in positional.values() if o.dim() >= 3 and 0 < o.shape[0] < rows
+                 and o.shape[:-1].numel() == rows]
+    flat = [n for n, o in linear.items() if o.dim() == 2 and o.shape[0] == rows]
+    if flat and sequences:
+        raise ValueError(
+            f"kfac_approx='reduce' sums over the positions of each example, but modules {flat} see the {rows} "
+            f"rows of reshaped activations ([N*T, d], no position dimension; other modules see "
+            f"{list(sequences[0].shape)}), so each row would count as an example (K-FAC-expand): apply them before "
+            "the reshape, on the [N, T, d] activations, or use kfac_approx='expand'")
+    by_batch: Dict[int, Dict[str, Tensor]] = {}
+    for n, o in linear.items():
+        if o.dim() >= 3:
+            by_batch.setdefault(o.shape[0], {})[n] = o
+    for b, mods in by_batch.items():
+        wrong = examples is not None and b not in (examples, 1)  # (batch 1: broadcast over the examples)
+        if not wrong and (b == 0 or rows % b):
+            continue  # (loss rows of a padding mask: nothing to check them against)
+        leaked = list(mods) if wrong else leaking_modules(outputs, mods, rows // b)
+        if leaked:
+            raise ValueError(
+                f"kfac_approx='reduce' averages a Linear layer's inputs over their middle dimensions, the positions "
+                f"of each example, taking the first as the examples; modules {leaked} see "
+                f"{list(mods[leaked[0]].shape)} activations whose first dimension is not the examples (a "
+                "sequence-first [T, N, d] layout, e.g. nn.TransformerEncoderLayer / nn.TransformerDecoderLayer with "
+                "batch_first=False): build the model with batch_first=True, or use kfac_approx='expand'")

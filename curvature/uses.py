@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .hook_marks import capture_hook
+from .hook_marks import capture_hook, in_func_transform
 
 __all__ = ["UseWindows", "reaches"]
 
@@ -59,9 +59,12 @@ _next_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)
 class UseWindows:
     """Sequence-number windows of the calls of ``modules`` (name -> module) in one forward.
 
-    ``attach()`` registers a pre-hook (first) and a forward hook (call it after every other hook
-    of the capture is registered, so the window also covers what those hooks compute) on every
-    module; ``check(output)`` raises for a covered parameter used outside its modules' calls.
+    ``attach()`` registers a pre-hook (after the user's pre-hooks) and a forward hook (first; call it
+    before the capture's own hooks are prepended, so the window also covers what those compute, and
+    ends before the user's forward hooks) on every module; ``check(output)`` raises for a covered
+    parameter used outside its modules' calls. A window is the layer's own forward: a parameter used
+    in a user's (pre-)hook of its layer (a fake-quantized weight recomputing the output, ``x * W.sum()``)
+    reaches the output past what the capture records, so it is a use outside.
     """
 
     def __init__(self, modules: Dict[str, nn.Module]) -> None:
@@ -97,20 +100,20 @@ class UseWindows:
         for name, module in self.modules.items():
             if not any(name in holders for _, holders in self.params.values()):
                 continue
-            handles.append(module.register_forward_pre_hook(self._opener(name), prepend=True))
-            handles.append(module.register_forward_hook(self._closer(name)))
+            handles.append(module.register_forward_pre_hook(self._opener(name)))
+            handles.append(module.register_forward_hook(self._closer(name), prepend=True))
         return handles
 
     def _opener(self, name: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, inputs: Tuple[object, ...]) -> None:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not in_func_transform():
                 self._open.setdefault(name, []).append(self._seq(True))
         return capture_hook(hook)
 
     def _closer(self, name: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, inputs: Tuple[object, ...], output: object) -> None:
             starts = self._open.get(name)
-            if torch.is_grad_enabled() and starts:
+            if torch.is_grad_enabled() and starts and not in_func_transform():
                 self.windows.setdefault(name, []).append((starts.pop(), self._seq(False)))
         return capture_hook(hook)
 
@@ -169,7 +172,8 @@ class UseWindows:
             raise ValueError(
                 f"covered parameter(s) {names} are used in the forward outside the module(s) holding them "
                 f"({', '.join(f'{n}: {holders[n]}' for n in names)}; first use seen in autograd node "
-                f"{', '.join(str(outside[n]) for n in names)}), e.g. a functional tied head F.linear(h, emb.weight). "
+                f"{', '.join(str(outside[n]) for n in names)}), e.g. a functional tied head F.linear(h, emb.weight), or a forward (pre-)hook of the layer "
+                "computing with its parameters (a fake-quantized weight). "
                 "The curvature records module calls only, so its blocks would miss that use's contribution. "
                 "Make the use a module call sharing the parameter (head = nn.Linear(d, V, bias=False); "
                 "head.weight = emb.weight), or leave the holding module(s) out with skip_modules=[...]")

@@ -119,8 +119,12 @@ class KFACBlock(Block):
             if scale != 1.0:
                 denom.mul_(scale)
             denom.add_(damping)
-            check_positive(denom, f"K-FAC block {self.layout.name!r}",
-                           size=max(el.numel(), er.numel()) if damping == 0 else 0)
+            if damping == 0:  # a product is zero within rounding where either factor's eigenvalue is: each factor
+                # against its own rounding (n·eps·its largest), not the product's (cond(L)·cond(R) would refuse
+                # well-conditioned factors); a diagonal factor is exact
+                for e, q in ((el, ql), (er, qr)):
+                    check_positive(e, f"K-FAC block {self.layout.name!r}", size=e.numel() if q is not None else 0)
+            check_positive(denom, f"K-FAC block {self.layout.name!r}")
             self.decomposition = {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
         elif method == "inverse":
             lb = get_backend(backend)

@@ -227,4 +227,5 @@ def prepare_symmetric(
     sym = a + a.mT
     if not math.isfinite(float(sym.sum())):  # NaN/Inf in a reach the sum of a + aᵀ: one pass, no extra check
         check_finite(a, op, "input", backend)
+        return torch.add(a.mul(0.5), a.mT.mul(0.5))  # finite entries near the dtype's max: a + aᵀ overflowed
     return sym.mul_(0.5)

@@ -1,6 +1,8 @@
 """The default backend: ``torch.linalg`` on the tensor's own device (CPU or CUDA)."""
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 import torch
 
@@ -42,10 +44,10 @@ class TorchBackend(Backend):
         return factor
 
     def _inv(self, a: Tensor) -> Tensor:
-        return torch.cholesky_inverse(self._cholesky(a))
+        return _finite("inv", a, torch.cholesky_inverse(self._cholesky(a)))
 
     def _solve(self, a: Tensor, rhs: Tensor) -> Tensor:
-        return torch.cholesky_solve(rhs, self._cholesky(a))
+        return _finite("solve", a, torch.cholesky_solve(rhs, self._cholesky(a)))
 
     def _kron_eigen_solve(
         self, g_evals: Tensor, g_evecs: Tensor, a_evals: Tensor, a_evecs: Tensor,
@@ -60,4 +62,14 @@ class TorchBackend(Backend):
                 "definite — clamp the eigenvalues to >= 0 or increase damping"
             )
         rotated = g_evecs.mT @ v @ a_evecs
-        return g_evecs @ (rotated / denom) @ a_evecs.mT
+        return _finite("kron_eigen_solve", v, g_evecs @ (rotated / denom) @ a_evecs.mT)
+
+
+def _finite(op: str, a: Tensor, out: Tensor) -> Tensor:
+    """``out``, or LinalgError when it holds NaN/Inf (a finite input whose result overflows the dtype,
+    e.g. solving with a tiny matrix in float32), as the NumPy/CuPy backend reports it."""
+    if not math.isfinite(float(out.sum())) and not bool(torch.isfinite(out).all()):
+        raise LinalgError(
+            f"{op} (torch backend) produced non-finite values for input of shape {tuple(a.shape)} and dtype "
+            f"{a.dtype} (a result beyond the dtype's range: the matrix is too close to singular); {remedy(a.dtype)}")
+    return out

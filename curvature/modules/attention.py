@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..hook_marks import capture_hook
+from ..hook_marks import capture_hook, in_func_transform
 from .linear import LinearFamily
 
 _NAMES = {"in_proj_weight": "weight", "in_proj_bias": "bias"}
@@ -181,6 +181,8 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
     from ..selection import skip_hint
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        if in_func_transform():
+            return None
         if not torch.is_grad_enabled():
             capture.called_without_grad.add(name)
             return None

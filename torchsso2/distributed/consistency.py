@@ -130,7 +130,7 @@ def check_optimizer_settings(opt: Any) -> None:
     Compares the optimizer class, the curvature kind, loss, per-module approximation and ``kfac_approx``, the
     update intervals, ``ema_decay``, ``mc_samples``, the non-finite policy, the decomposition
     dtype, ``grad_worker_fraction`` / ``assignment_strategy`` (passed through ``opt``), the
-    defaults of the param groups (lr, momentum, ...), every group's parameter shapes, and the
+    defaults of the param groups (lr, momentum, ...), every group's parameter shapes and settings, and the
     attributes of :data:`SUBCLASS_ATTRIBUTES` the optimizer has set (damping, ...).
     """
     if opt.comm.world_size <= 1:
@@ -159,6 +159,8 @@ def check_optimizer_settings(opt: Any) -> None:
         settings["assignment_strategy"] = placement.strategy
     for key, value in opt.defaults.items():
         settings[f"defaults.{key}"] = value
+    for i, group in enumerate(opt.param_groups):  # a group's own lr, momentum, weight decay, ...
+        settings[f"param_groups[{i}]"] = {k: v for k, v in sorted(group.items()) if k != "params"}
     for attr in SUBCLASS_ATTRIBUTES:  # set by SecondOrderOptimizer / VIOptimizer before the base's __init__
         if hasattr(opt, attr):
             settings[attr] = getattr(opt, attr)

@@ -78,7 +78,8 @@ def evaluate(name: str, value: Schedule, step: int) -> float:
     """The value of ``value`` at ``step`` (calls it if callable), checked; a one-element tensor as its
     Python number."""
     if not callable(value):
-        return value  # type: ignore[return-value]
+        # an int given for a float setting (damping=10**30) as a float: torch ops take no int beyond int64
+        return float(value) if isinstance(value, int) and not RULES[name][2] else value  # type: ignore[return-value]
     out = as_number(value(step))
     if name == "kl_clip" and out is None:
         return out  # type: ignore[return-value]

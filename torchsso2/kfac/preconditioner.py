@@ -18,6 +18,7 @@ factors, :mod:`curvature.linalg` for the decompositions), scaled as kfac_pytorch
 """
 from __future__ import annotations
 
+import copy
 import logging
 import numbers
 from collections import defaultdict
@@ -230,8 +231,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._awaiting: Dict[str, int] = defaultdict(int)
         self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
-        self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
-        self._handles += attach_forward_hooks(self, [model], "_model_forward_hook")
+        self._model = model
+        self._attach_hooks()
         self._model_is_compiled = is_compiled(model)
         #: forwards of the whole model recorded in this step (the micro-batches, for the fold in the hooks)
         self._micro_batches = 0
@@ -318,6 +319,37 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             if decay is not None and self._fold_in_hook(layer, call["mini_step"]):
                 if layer.update_factors(decay):
                     self._updated.add(layer.name)
+
+    def _attach_hooks(self) -> None:
+        self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
+        self._handles += attach_forward_hooks(self, [self._model], "_model_forward_hook")
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "KFACPreconditioner":
+        """``copy.deepcopy((model, precond))``: an independent preconditioner whose hooks are on the
+        copied model (the copy of a model carries the original's hooks, which ignore it: they are
+        dropped from the copy), with its factors, decompositions and counters copied, so both continue
+        identically. Copying the preconditioner alone copies its model too (as the native optimizers
+        do). Not supported with several processes (a communicator cannot be copied): ``TypeError``."""
+        if self.comm.world_size > 1:
+            raise TypeError("copy.deepcopy of a KFACPreconditioner that communicates over several processes is not "
+                            "supported (its communicator cannot be copied); build a new one and load_state_dict("
+                            "precond.state_dict()) instead")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_handles":
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        stale = {h.id for h in self._handles}
+        for module in [layer.module for layer in new.layers.values()] + [new._model]:
+            for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                          module._forward_hooks_always_called):
+                for key in stale.intersection(hooks):
+                    del hooks[key]
+        if self._handles:  # (a preconditioner detached with remove_hooks() is copied detached)
+            new._attach_hooks()
+        else:
+            new._handles = []
+        return new
 
     def remove_hooks(self) -> None:
         """Detach the preconditioner from the model (the hooks are removed; dropping the

@@ -50,6 +50,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
+from curvature.hook_marks import in_func_transform
 from curvature.likelihoods import class_softmax, loss_rows, mean_nll
 from curvature.options import Kind, LossType
 from curvature.uses_static import observer_hook
@@ -95,6 +96,8 @@ class InputRecorder:
         child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
 
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            if in_func_transform():
+                return
             if not torch.is_grad_enabled():  # a metric on other inputs inside the closure: not the batch's loss
                 if self.activations is not None:
                     self.activations.skip()

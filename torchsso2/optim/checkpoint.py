@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from curvature.blocks.base import compute_dtype
+from curvature.selection import unwrapped_name
 
 _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
 
@@ -224,26 +225,14 @@ def _check_optimizer_state(opt: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
     return {"state": cloned, "param_groups": saved_groups}
 
 
-#: name prefixes of module wrappers: DistributedDataParallel / DataParallel (``module.``), torch.compile
-#: (``_orig_mod.``)
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def _unwrapped(name: str) -> str:
-    """A module's name in the model without its wrappers (``module._orig_mod.fc`` → ``fc``)."""
-    while name.startswith(_WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    return name
-
-
 def _across_wrappers(extra: Dict[str, Any], covered: Dict[str, List[str]]) -> Dict[str, Any]:
     """``extra`` with its module names renamed to ``covered``'s where the two differ only by wrapper
     prefixes (saved under DDP or torch.compile, loaded into the bare model, or the reverse); else as is."""
     saved = extra.get("covered")
     if not isinstance(saved, dict) or saved == covered:
         return extra
-    mine = {_unwrapped(n): n for n in covered}
-    rename = {n: mine.get(_unwrapped(n)) for n in saved if isinstance(n, str)}
+    mine = {unwrapped_name(n): n for n in covered}
+    rename = {n: mine.get(unwrapped_name(n)) for n in saved if isinstance(n, str)}
     if len(mine) != len(covered) or None in rename.values() or len(set(rename.values())) != len(saved) \
             or {rename[n]: v for n, v in saved.items()} != covered:
         return extra

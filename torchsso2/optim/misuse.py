@@ -36,6 +36,7 @@ from typing import Any, Iterator, List, Optional, Tuple, Type, TypeVar
 import torch
 from torch import Tensor, nn
 
+from curvature.hook_marks import in_func_transform
 from curvature.options import parse
 
 E = TypeVar("E", bound=Enum)
@@ -104,7 +105,7 @@ class ClosureWatch:
     def observe_output(self, out: Tensor) -> None:
         """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
         if not self.check_output or not isinstance(out, Tensor) or not out.requires_grad or out.dim() < 2 \
-                or out.shape[-1] < 2 or not out.is_floating_point() or out.numel() == 0:
+                or out.shape[-1] < 2 or not out.is_floating_point() or out.numel() == 0 or in_func_transform():
             return
         with torch.no_grad():
             if torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3:

@@ -17,7 +17,7 @@ __all__ = ["GroupChecks", "listed_groups", "refuse_sparse_gradients"]
 def listed_groups(params: Iterable[Any]) -> List[Any]:
     """torch.optim's ``params`` (tensors, or dicts of groups) as a list whose groups hold lists, so that
     it can be read before ``torch.optim.Optimizer`` reads it (generators are consumed once)."""
-    if isinstance(params, Tensor):
+    if isinstance(params, (Tensor, str)) or not isinstance(params, Iterable):
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
                         f"but got {torch.typename(params)}")
     out: List[Any] = []
@@ -25,6 +25,15 @@ def listed_groups(params: Iterable[Any]) -> List[Any]:
         if isinstance(g, dict) and "params" in g:
             g = {**g, "params": _param_list(g["params"])}
         out.append(_unnamed(g))
+    for g in out:
+        if isinstance(g, dict) and "params" not in g:
+            raise ValueError(f"parameter group didn't specify a value of required optimization parameter params "
+                             f"(got the keys {sorted(map(str, g))})")
+        entries = g["params"] if isinstance(g, dict) else [g]
+        for p in entries:
+            if not isinstance(p, Tensor):
+                raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts "
+                                f"(or (name, Tensor) pairs), but it holds {type(p).__name__} {p!r}"[:300])
     return out
 
 

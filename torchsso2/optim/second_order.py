@@ -39,7 +39,7 @@ from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
 from .steps import add_weight_decay
-from .validation import MAX_LR, check_choice, check_int, check_number
+from .validation import MAX_LR, check_choice, check_int, check_number, check_targets
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
+        check_targets(targets)
         warmup = self.num_steps < self.curv_warmup_steps  # every step estimates and decomposes
         estimate = warmup or self.num_steps % self.curv_update_interval == 0
         self._follow_param_dtypes()

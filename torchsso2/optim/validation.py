@@ -61,7 +61,17 @@ def unpack_closure_result(result: Any) -> Tuple[Any, Any]:
     loss = result[0]
     if not isinstance(loss, torch.Tensor) and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
         raise TypeError(f"the closure's loss must be a tensor or a Python number, got {type(loss).__name__}")
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        raise ValueError(f"the closure's loss must be a single number (the mean loss of the batch), got a tensor of "
+                         f"shape {list(loss.shape)}; the closure returns (loss, output) in that order")
     return loss, result[1]
+
+
+def check_targets(targets: Any) -> None:
+    """``step(closure, targets=...)``: a Tensor or None (TypeError naming what was given)."""
+    if targets is not None and not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets) or None, got "
+                        f"{type(targets).__name__} {targets!r}"[:300])
 
 
 def as_loss_tensor(loss: Any) -> "torch.Tensor":

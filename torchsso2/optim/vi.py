@@ -20,7 +20,9 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
    step t uses ``lr/(1 − momentum^t)``; ``diag`` = a mean-field Gaussian (IVON's Hessian estimator by
    default, VOGN's Gauss-Newton with ``curvature="fisher"``), ``kfac`` = noisy K-FAC, ``full`` = full
    covariance per module). The buffer in ``state`` holds
-   ``σ²·m/N`` (the momentum of the mean loss's gradient; one fused kernel, see ``_update_mean``).
+   ``b ← momentum·b + (ḡ + τδσ²/N·μ)`` (the momentum of the mean loss's gradient; one fused kernel, see
+   ``_update_mean``) and the step is taken along ``(N/σ²)·Λ⁻¹ b`` with the current ``σ²``: ``m = N·b/σ²``
+   when ``σ²`` is fixed (with ``noise_variance="learned"`` the current ``σ²`` weighs the whole buffer).
 
 Parameters not covered by a block keep a point estimate: they get ``μ ← μ − ν·lr·σ²·m/N`` with the
 same momentum (i.e. SGD on the mean loss plus the prior term, scaled by the KL clip's ``ν``, to whose
@@ -54,7 +56,7 @@ from .legacy import check_not_pytorch_sso_call
 from .settings import CurvatureSettings
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
-from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
+from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number, check_targets
 from .reparam import reparam_ema_, reparam_sample
 from .noise import ObservationNoise
 from ..distributed.assignment import grad_worker_count
@@ -356,6 +358,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
         self._check_step_call(closure)
+        check_targets(targets)
         self._follow_param_dtypes()  # before the weight noise is drawn from the decompositions
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
@@ -439,6 +442,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             self.noise.update(residual)
         new = False
         if fresh is not None:
+            before = dict(self.running.blocks), self.running.num_updates  # what an overflowing update puts back
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                 self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
             # a block seen for the first time later (frozen at the start, a head earlier batches did not call)
@@ -448,16 +452,32 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 if self.curvature_init is not None or self.reparam:  # its EMA starts at curvature_init·I too
                     self.running.blocks.update(isotropic_blocks(missing, self.curvature_init))
             if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
+                updated = {}
                 for name, blk in fresh.items():
                     run = self.running.blocks[name].diagonal
-                    reparam_ema_(run, blk.diagonal.to(run.dtype), self.ema_decay,
+                    updated[name] = run.clone()
+                    reparam_ema_(updated[name], blk.diagonal.to(run.dtype), self.ema_decay,
                                  self.precision_shift / self.likelihood_size, self._scalars)
+                # a huge finite gradient overflows the update (or its denominator scale·C + damping): a
+                # non-finite step, as one with an infinite gradient (the curvature would stay unusable)
+                overflow = [name for name, c in updated.items() if c.numel() and not bool(torch.isfinite(
+                    c.abs().max() * self.likelihood_size + self.precision_shift))]
+                if overflow:
+                    self.running.blocks.clear()
+                    self.running.blocks.update(before[0])
+                    self.running.num_updates = before[1]
+                    self._nonfinite("curvature (its update overflowed)", snapshot,
+                                    lambda: f"the curvature update of blocks {overflow} overflowed")
+                    return mean_loss, output
+                for name, c in updated.items():
+                    self.running.blocks[name].diagonal.copy_(c)
                 self.running.num_updates += 1
             else:
                 self.running.update(fresh, self.ema_decay)
         if self.num_steps % self.inv_update_interval == 0 or not self._decomposed or new:
             if not self._decompose(self.precision_shift, scale=self.likelihood_size) and not self._decomposed:
-                self.num_steps += 1
+                # no posterior to step with yet: a skipped step, which leaves the step count (the weight noise,
+                # the schedules and momentum_debias's step t) as it was; the curvature keeps the batch
                 return mean_loss, output
         self._update_mean(params, groups, grads)
         self._step_taken()
@@ -465,8 +485,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         return mean_loss, output
 
     def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
-        """``m ← momentum·m + (g + τδ/N·μ)`` (the momentum of the mean loss's gradient; ``N·m`` is VOGN's
-        ``m`` of the summed loss); ``μ ← μ − ν·lr·Λ⁻¹ N·m`` (covered), ``μ ← μ − ν·lr·m`` (others), ``ν`` the KL
+        """``m ← momentum·m + (g + τδσ²/N·μ)`` (the momentum of the mean loss's gradient; ``N·m/σ²`` is VOGN's
+        ``m`` of the summed loss); ``μ ← μ − ν·lr·Λ⁻¹ N·m/σ²`` (covered), ``μ ← μ − ν·lr·m`` (others), ``ν`` the KL
         clip's factor over all of them (1 with ``kl_clip=None``, which takes the fused path)."""
         n, tau_delta = self.likelihood_size, self.kl_weighting * self.prior_precision
         plan = self._plans.get(params, groups, self.running.blocks)

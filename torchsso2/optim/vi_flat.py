@@ -310,11 +310,18 @@ class FlatDiagPath:
             x = torch.add(curv, shift_n_t, out=link.work)  # C + shift
             diff = hat.sub_(curv)  # ĥ − C
             rate = torch.addcdiv(rate0_t, diff, x, value=0.5 * (1.0 - decay) ** 2, out=link.work)
-            curv.addcmul_(diff, rate)
-            opt.running.num_updates += 1
-            denom = torch.mul(curv, n_t, out=link.spare).add_(shift_t)  # DiagBlock.decompose: scale·C + damping
+            new = torch.addcmul(curv, diff, rate, out=link.noise)  # the new C, kept once its denominator is checked
+            denom = torch.mul(new, n_t, out=link.spare).add_(shift_t)  # DiagBlock.decompose: scale·C + damping
             low, high = torch.aminmax(denom)
-            if not (float(low) > 0.0 and float(high) < math.inf):  # check_positive's failure: its message, its policy
+            if not float(high) < math.inf:  # a huge finite gradient overflowed the update: a non-finite step, as
+                # one with an infinite gradient (the running curvature would stay unusable from here on)
+                opt._nonfinite("curvature (its update overflowed)", snapshot,
+                               lambda: f"the curvature update reached {float(high)} (largest |gradient| "
+                                       f"{max(float(g.abs().max()) for g in grads)})")
+                return mean_loss, output
+            curv.copy_(new)
+            opt.running.num_updates += 1
+            if not float(low) > 0.0:  # check_positive's failure: its message, its policy
                 opt._decompose(shift, scale=n)
                 ps, groups = params_with_grad(opt.param_groups)
                 opt._update_mean(ps, groups, [p.grad for p in ps])

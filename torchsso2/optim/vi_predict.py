@@ -17,6 +17,11 @@ from .validation import check_int
 from .vi_shift import Shift, negated, shifted_params
 
 
+def _check_generator(generator: object) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
+
+
 class PosteriorUse:
     """Sampling from and predicting with the posterior (``VIOptimizer``'s public evaluation API)."""
 
@@ -25,6 +30,7 @@ class PosteriorUse:
         """Temporarily replace the covered weights by one posterior sample (restored on exit).
         Without ``generator`` the sample comes from :meth:`sampling_generator` (not the training streams)."""
         self._check_posterior("sampled_params()")
+        _check_generator(generator)
         gen = generator if generator is not None else self.sampling_generator()
         with self._perturbed(self._draw_noise(gen)):
             yield
@@ -36,8 +42,9 @@ class PosteriorUse:
     def _check_posterior(self, what: str) -> None:
         """RuntimeError when there is no posterior to sample (every sample would be the mean weights)."""
         if not self._has_posterior():
-            if self.num_steps > 0:
-                raise RuntimeError(f"{what} after {self.num_steps} step(s) none of whose decompositions of the "
+            if self.num_steps > 0 or self.running.blocks:  # (a failed first decomposition leaves num_steps at 0)
+                raise RuntimeError(f"{what} after {self.num_steps + self.num_skipped} step() call(s) none of whose "
+                                   "decompositions of the "
                                    "posterior precision succeeded (see the logged warnings): there is nothing to sample "
                                    "from. Increase damping or prior_precision (the curvature is not positive definite)")
             raise RuntimeError(f"{what} before the first step() with curvature_init=None and no init_precision: "
@@ -82,6 +89,9 @@ class PosteriorUse:
         neither it raises ``RuntimeError``. Without ``generator`` the samples come from
         :meth:`sampling_generator`: a call leaves the training streams, and so the run, unchanged."""
         check_int("num_samples", num_samples)
+        _check_generator(generator)
+        if not isinstance(return_variance, bool):
+            raise TypeError(f"return_variance must be a bool, got {type(return_variance).__name__} {return_variance!r}")
         if return_variance and self.engine.loss is not LossType.MSE:
             raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
                              f"loss is {self.engine.loss.value!r}")

@@ -1,0 +1,76 @@
+"""Across ranks, each param group's own settings are compared (they were not: a group with another lr
+on one rank made the replicas drift apart silently); under DistributedDataParallel a name regex in
+``skip_modules`` / ``approx={...}`` written for the bare model matches (it silently did not)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from dist_utils import REPO
+
+GROUPS = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from torch import nn
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    from torchsso2.distributed import get_communicator, shutdown
+    comm = get_communicator("torch")
+    for make in ("sso", "vi"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        ps = list(m.parameters())
+        first = dict(params=ps[:2], lr=0.05 if comm.rank == 0 else 0.5)
+        try:
+            if make == "sso":
+                SecondOrderOptimizer(m, params=[first, {"params": ps[2:]}], lr=0.1)
+            else:
+                VIOptimizer(m, dataset_size=10, params=[first, {"params": ps[2:]}], lr=0.1)
+            print(f"rank {comm.rank} {make} built", flush=True)
+        except ValueError as err:
+            print(f"rank {comm.rank} {make} refused: {err}", flush=True)
+    shutdown()
+""")
+
+
+def test_param_group_settings_are_compared_across_ranks(tmp_path) -> None:
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                               "TORCHSSO2_DIST_TIMEOUT": "60"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rank in range(2):
+        for make in ("sso", "vi"):
+            assert f"rank {rank} {make} refused:" in out, out[-3000:]
+    assert "param_groups[0] (rank 0: {lr: 0.05" in out and "rank 1: {lr: 0.5" in out, out[-3000:]
+
+
+DDP_NAMES = textwrap.dedent("""
+    import os, sys
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torchsso2 import SecondOrderOptimizer
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    ddp = nn.parallel.DistributedDataParallel(m)
+    print("skip", sorted(SecondOrderOptimizer(ddp, skip_modules=["^0$"]).engine.layouts))
+    print("prefixed", sorted(SecondOrderOptimizer(ddp, skip_modules=[r"^module\\.0$"]).engine.layouts))
+    rules = {"^0$": "full", "Linear": "diag"}
+    print("approx", {k: v.value for k, v in SecondOrderOptimizer(ddp, approx=rules).engine.approx.items()})
+    dist.destroy_process_group()
+""")
+
+
+def test_name_regexes_match_under_ddp(tmp_path) -> None:
+    script = tmp_path / "names.py"
+    script.write_text(DDP_NAMES)
+    proc = subprocess.run([sys.executable, str(script), "29677"], cwd=REPO, capture_output=True, text=True,
+                          timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "skip ['module.2']" in out and "prefixed ['module.2']" in out, out
+    assert "approx {'module.0': 'full', 'module.2': 'diag'}" in out, out
