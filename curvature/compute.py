@@ -75,7 +75,7 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
         if outputs.is_floating_point() and not outputs_finite(engine.loss, outputs):
             bad = int((~torch.isfinite(outputs)).sum())
             raise ValueError(f"the model's output has {bad} non-finite (NaN/inf) entries of {outputs.numel()} (output "
-                             f"of shape {list(outputs.shape)}; -inf logits of masked classes are fine): the curvature "
+                             f"of shape {list(outputs.shape)}{'; -inf logits of masked classes are fine' if engine.loss.value == 'cross_entropy' else ''}): the curvature "
                              "there is undefined; check the inputs and the parameters for NaN/inf")
         if targets is not None and targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
             raise ValueError("targets has non-finite (NaN/inf) entries: the curvature there is undefined")

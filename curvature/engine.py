@@ -236,6 +236,12 @@ class CurvatureEngine:
                     "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
                     "differentiable; or use a Fisher kind") from err
         per_example = self.check_examples_align(capture.records, outputs)
+        n_given = given[0].shape[0] if given[0].dim() > 2 else 0
+        if per_example == 1 and self.kind is Kind.EMPIRICAL_FISHER and 0 < n_given < outputs.shape[0] \
+                and outputs.shape[0] % n_given == 0 and self._full_or_diag_sees(capture, outputs.shape[0]):
+            # [N, T, C] logits whose other covered modules are K-FAC (which sums per row, any layout) or absent:
+            # the empirical Fisher's example is still the sequence (a full/diag head on the rows sums each T)
+            per_example = outputs.shape[0] // n_given
         if self.kfac_approx is KFACApprox.REDUCE:
             self._check_reduce_layout(capture, outputs, given[0])
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
@@ -246,9 +252,7 @@ class CurvatureEngine:
             # the exact Fisher's per-position vectors and the empirical Fisher's sums over the rows of a module
             # that sees them (full and diagonal blocks; K-FAC sums per-row products) take row r as one of
             # example r // T: every example's rows are checked there
-            approx = self._module_approx()
-            sees_rows = any(r.output.dim() and r.output.shape[0] == outputs.shape[0] and approx.get(n) is not Approx.KFAC
-                            for n, r in capture.records.items())
+            sees_rows = self._full_or_diag_sees(capture, outputs.shape[0])
             with capture.frozen.on():
                 sequence.check_example_major_rows(outputs, outs, per_example,
                                                   every_example=self.kind is Kind.FISHER or sees_rows)
@@ -310,6 +314,12 @@ class CurvatureEngine:
         with capture.frozen.on():
             sequence.check_example_major_rows(outputs, outs, 1)
         self._examples_checked.add(signature)
+
+    def _full_or_diag_sees(self, capture: Capture, rows: int) -> bool:
+        """Whether a covered module in full or diagonal shape sees the ``rows`` loss rows (its first dimension)."""
+        approx = self._module_approx()
+        return any(r.output.dim() and r.output.shape[0] == rows and approx.get(n) is not Approx.KFAC
+                   for n, r in capture.records.items())
 
     def _check_reduce_layout(self, capture: Capture, outputs: Tensor, given: Tensor) -> None:
         """:func:`curvature.sequence.check_reduce_layout` once per shape signature (``outputs``: the loss

@@ -107,10 +107,10 @@ def leaking_modules(outputs: Tensor, module_outputs: Dict[str, Tensor], per_exam
                     every_example: bool = False) -> List[str]:
     """The modules of ``module_outputs`` that the loss rows of one example reach at another example
     (the test of :func:`check_example_major_rows`; empty when none)."""
-    names = [n for n, o in module_outputs.items() if o.requires_grad and o.shape[0] > 1]
+    examples = outputs.shape[0] // per_example
+    names = [n for n, o in module_outputs.items() if o.requires_grad and o.shape[0] > 1 and o.shape[0] == examples]
     if not names:
         return []
-    examples = outputs.shape[0] // per_example
     index = torch.arange(examples, device=outputs.device)
     if every_example and examples > 1:
         masks = [(index >> b) & 1 == bit for b in range(max(1, (examples - 1).bit_length())) for bit in (1, 0)]

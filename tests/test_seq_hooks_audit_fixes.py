@@ -601,3 +601,82 @@ def test_kfac_solve_without_damping_takes_each_factors_rounding() -> None:
     blk.decomposition = None
     with pytest.raises(LinalgError, match="singular"):
         c.solve(v.float(), 0.0)
+
+
+def test_kfac_preconditioner_flags_and_loglevel_are_checked() -> None:
+    pre = KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)))
+    for value, error in ((1.5, TypeError), (True, TypeError), (-1, ValueError)):  # the setter took any of them
+        with pytest.raises(error, match="loglevel"):
+            pre.loglevel = value
+    pre.loglevel = 20
+    assert pre.loglevel == 20
+    with pytest.raises(TypeError, match="include_factors must be a bool, got str 'no'"):
+        pre.state_dict(include_factors="no")
+    with pytest.raises(TypeError, match="include_decompositions must be a bool"):
+        pre.state_dict(include_decompositions=1)
+    with pytest.raises(TypeError, match="compute_inverses must be a bool"):
+        pre.load_state_dict(pre.state_dict(), compute_inverses="yes")
+
+
+def test_sso_failed_first_decomposition_is_a_skipped_step() -> None:
+    """As VIOptimizer: no decomposition yet, nothing to precondition with: a skipped step that leaves
+    num_steps (the schedules) where it was; the next step retries."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    y_far = 10 * torch.randn(16, 1, dtype=torch.float64)  # an indefinite Hessian
+    opt = SecondOrderOptimizer(model, curvature="hessian", approx="full", loss="mse", damping=1e-6, kl_clip=None,
+                               curv_update_interval=2, inv_update_interval=2)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = 0.5 * (out - y_far).pow(2).sum(1).mean()
+        loss.backward()
+        return loss, out
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(closure, targets=y_far)
+    assert (opt.num_steps, opt.num_skipped) == (0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_singular_float32_factor_decomposed_in_float64_is_refused(method: str) -> None:
+    """A float32 factor carries float32's rounding in a float64 decomposition: the exactly singular G of
+    a cross-entropy head (G·1 = 0) was accepted with decomposition dtype float64 at damping 0 (a solve
+    of 1e7)."""
+    from curvature.linalg import LinalgError
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 3))
+    c = curvature.compute(m, torch.randn(64, 6), torch.randint(0, 3, (64,)), kind="fisher", approx="kfac")
+    blk = c.blocks["0"]
+    assert float(torch.linalg.eigvalsh(blk.G.double()).min()) > 0  # positive by rounding: only the size test sees it
+    for dtype in (None, torch.float64):
+        with pytest.raises(LinalgError, match="singular"):
+            blk.decompose(0.0, method=method, dtype=dtype)
+
+
+def test_empirical_fisher_of_a_head_on_rows_is_per_sequence_whatever_the_other_blocks() -> None:
+    """[N, T, C] logits from a head on the N·T rows: its diagonal block was the per-row empirical Fisher
+    (0.27 off) when every other module was K-FAC or skipped, the per-sequence one otherwise."""
+    n, t, d, c = 3, 4, 3, 5
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(d, d), nn.Linear(d, c)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(torch.tanh(self.body(x)).reshape(-1, d)).view(n, t, c)
+
+    torch.manual_seed(1)
+    m = M().double()
+    x, y = torch.randn(n, t, d, dtype=torch.float64), torch.randint(0, c, (n, t))
+    h = torch.tanh(m.body(x)).reshape(-1, d).detach()
+    e = F.linear(h, m.head.weight, m.head.bias).softmax(-1).detach() - F.one_hot(y.reshape(-1), c)
+    rows = torch.cat([(e[:, :, None] * h[:, None, :]).flatten(1), e], 1)
+    per_sequence = (rows.view(n, t, -1).sum(1) ** 2).sum(0) / (n * t)
+    for kwargs in ({"approx": {"head": "diag", "body": "kfac"}}, {"approx": "diag"},
+                   {"approx": "diag", "skip_modules": ["body"]}):
+        got = curvature.compute(m, x, y, kind="empirical_fisher", **kwargs).blocks["head"].diagonal
+        torch.testing.assert_close(got, per_sequence, rtol=1e-12, atol=1e-15)

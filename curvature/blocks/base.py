@@ -152,13 +152,14 @@ class DerivedCache:
         return {"_sources": (), "_versions": (), "_value": None}
 
 
-def check_positive(evals: Tensor, what: str, size: int = 0) -> None:
+def check_positive(evals: Tensor, what: str, size: int = 0, stored: Optional[torch.dtype] = None) -> None:
     """Raise LinalgError when a damped spectrum is not strictly positive or not finite.
 
     ``size``: the order ``n`` of the matrix the eigenvalues come from, given where they carry its
     rounding and nothing lifts them off zero (damping 0): an eigenvalue within ``n·eps·max|λ|`` of
     zero is then a zero eigenvalue of a singular matrix (round-off made it tiny and positive) and
-    raises too; a solve would divide by it (a step of 1e18)."""
+    raises too; a solve would divide by it (a step of 1e18). ``stored``: the dtype the matrix was held in
+    when it is coarser than the eigenvalues' (float32 factors decomposed in float64 carry float32's rounding)."""
     from ..linalg import LinalgError
 
     if not evals.numel():
@@ -166,7 +167,9 @@ def check_positive(evals: Tensor, what: str, size: int = 0) -> None:
     if not math.isfinite(float(evals.sum())) and not bool(torch.isfinite(evals).all()):  # exact check only on doubt
         raise LinalgError(f"{what}: non-finite eigenvalues")
     low = float(evals.min())
-    rounding = size * torch.finfo(evals.dtype).eps * float(evals.abs().max()) if size else 0.0
+    eps = max(torch.finfo(evals.dtype).eps, torch.finfo(stored).eps if stored is not None and stored.is_floating_point
+              else 0.0)
+    rounding = size * eps * float(evals.abs().max()) if size else 0.0
     if low <= rounding:
         raise LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}"
                           + (f", within the rounding {rounding:.1e} of zero: singular" if low > 0 else "")

@@ -36,7 +36,8 @@ class FullBlock(Block):
                   dtype: Optional[torch.dtype] = None) -> None:
         evals, evecs = get_backend(backend).eigh(self.matrix, dtype=dtype)
         denom = scale * evals + damping
-        check_positive(denom, f"full block {self.layout.name!r}", size=self.matrix.shape[0] if damping == 0 else 0)
+        check_positive(denom, f"full block {self.layout.name!r}", size=self.matrix.shape[0] if damping == 0 else 0,
+                       stored=self.matrix.dtype)
         self.decomposition = {"evecs": evecs, "denom": denom}
 
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:

@@ -122,14 +122,16 @@ class KFACBlock(Block):
             if damping == 0:  # a product is zero within rounding where either factor's eigenvalue is: each factor
                 # against its own rounding (n·eps·its largest), not the product's (cond(L)·cond(R) would refuse
                 # well-conditioned factors); a diagonal factor is exact
-                for e, q in ((el, ql), (er, qr)):
-                    check_positive(e, f"K-FAC block {self.layout.name!r}", size=e.numel() if q is not None else 0)
+                for e, q, f in ((el, ql, self.left), (er, qr, self.right)):
+                    check_positive(e, f"K-FAC block {self.layout.name!r}", size=e.numel() if q is not None else 0,
+                                   stored=f.dtype)
             check_positive(denom, f"K-FAC block {self.layout.name!r}")
             self.decomposition = {"method": "eigen", "ql": ql, "qr": qr, "denom": denom}
         elif method == "inverse":
             lb = get_backend(backend)
             inv = []
             for f in (self.left, self.right):
+                stored = f.dtype
                 f = f.to(dtype) if dtype is not None else f
                 if f.dim() == 1:
                     d = scale * f + damping
@@ -138,7 +140,7 @@ class KFACBlock(Block):
                 else:
                     if damping == 0:  # a Cholesky of a singular factor can succeed on round-off: look at its spectrum
                         check_positive(torch.linalg.eigvalsh(scale * f.double()).to(f.dtype),  # f's rounding
-                                       f"K-FAC factor of {self.layout.name!r}", size=f.shape[0])
+                                       f"K-FAC factor of {self.layout.name!r}", size=f.shape[0], stored=stored)
                     inv.append(lb.damped_inv(scale * f, damping, dtype=dtype))
                 scale = 1.0  # the scale multiplies the Kronecker product once
             self.decomposition = {"method": "inverse", "linv": inv[0], "rinv": inv[1]}

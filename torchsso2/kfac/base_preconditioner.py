@@ -107,8 +107,7 @@ class BaseKFACPreconditioner:
             raise TypeError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an int > 0, got {accumulation_steps!r}")
-        if isinstance(loglevel, bool) or not isinstance(loglevel, numbers.Integral):
-            raise TypeError(f"loglevel must be an int logging level (e.g. logging.DEBUG), got {loglevel!r}")
+        _check_loglevel(loglevel)
         if (not callable(factor_update_steps) and not callable(inv_update_steps)
                 and inv_update_steps % factor_update_steps != 0):
             warnings.warn("It is suggested that inv_update_steps be an integer multiple of factor_update_steps "
@@ -192,6 +191,7 @@ class BaseKFACPreconditioner:
 
     @loglevel.setter
     def loglevel(self, value: int) -> None:
+        _check_loglevel(value)
         self._loglevel = int(value)
 
     # ---- the step (subclasses) ---------------------------------------------------------------------
@@ -286,3 +286,11 @@ def parse_flag(name: str, value: object) -> bool:
     if isinstance(value, numbers.Integral) and int(value) in (0, 1):
         return bool(value)
     raise TypeError(f"{name} must be a bool (or 0/1), got {type(value).__name__} {value!r}")
+
+
+def _check_loglevel(value: object) -> None:
+    """A logging level: an int >= 0 (bool refused), as ``logging.DEBUG``; TypeError/ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"loglevel must be an int logging level (e.g. logging.DEBUG), got {value!r}")
+    if value < 0:
+        raise ValueError(f"loglevel={value!r} must be a logging level >= 0 (e.g. logging.DEBUG = 10)")

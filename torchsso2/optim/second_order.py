@@ -336,9 +336,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not self.running.blocks:
             raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
         if decompose and not self._decompose(self.damping):
-            if not self._decomposed:
-                self.num_steps += 1
-                return loss, output
+            if not self._decomposed:  # nothing to precondition with yet: a skipped step, which leaves the step
+                return loss, output   # count (the schedules, the label streams) as it was; the curvature keeps the batch
         adapt = self._adapt_now()  # the LM rule after the update; adaptive mode predicts without the old values
         old = [p.detach().clone() for p in params] if adapt and self.adaptive is None else None
         predicted = None
