@@ -680,3 +680,44 @@ def test_empirical_fisher_of_a_head_on_rows_is_per_sequence_whatever_the_other_b
                    {"approx": "diag", "skip_modules": ["body"]}):
         got = curvature.compute(m, x, y, kind="empirical_fisher", **kwargs).blocks["head"].diagonal
         torch.testing.assert_close(got, per_sequence, rtol=1e-12, atol=1e-15)
+
+
+def test_vi_resumed_after_a_failed_first_decomposition_counts_as_the_uninterrupted_run() -> None:
+    """A checkpoint saved after a failed first decomposition: the resumed step decomposed twice (a second
+    skip counted, the streak one ahead); it now equals the uninterrupted run, counters included."""
+    import io
+    torch.manual_seed(0)
+    batches = [torch.randn(32, 4) for _ in range(3)]
+    targets = [torch.randn(32, 2) * 50] + [torch.zeros(32, 2) for _ in range(2)]
+
+    def make(m: nn.Module) -> VIOptimizer:
+        return VIOptimizer(m, dataset_size=64, lr=0.05, approx="full", curvature="hessian", loss="mse",
+                           prior_precision=300.0, damping=0.0, curvature_init=None, seed=5, kl_clip=None, ema_decay=0.0)
+
+    def run(resume: bool) -> Tuple[List[Tuple[int, int, int]], Tensor]:
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        opt, counts = make(m), []
+        for i, (x, y) in enumerate(zip(batches, targets)):
+            def closure():
+                opt.zero_grad()
+                out = m(x)
+                loss = 0.5 * ((out - y) ** 2).sum(1).mean()
+                loss.backward()
+                return loss, out
+            opt.step(closure, targets=y)
+            if resume and i == 0:
+                buf = io.BytesIO()
+                torch.save({"m": m.state_dict(), "o": opt.state_dict()}, buf)
+                buf.seek(0)
+                saved = torch.load(buf, weights_only=True)
+                m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+                m.load_state_dict(saved["m"])
+                opt = make(m)
+                opt.load_state_dict(saved["o"])
+            counts.append((opt.num_steps, opt.num_skipped, opt._streak.count))
+        return counts, torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    (c1, p1), (c2, p2) = run(False), run(True)
+    assert c1[0] == (0, 1, 1) and c1 == c2
+    assert torch.equal(p1, p2)

@@ -110,7 +110,9 @@ class CheckpointState:
                 self._decomposed = False
             self._load_extra_state(checked.extra)
             #: a posterior loaded without (all) its decompositions: VIOptimizer redoes them before its next noise
-            self._loaded_undecomposed = not self._decomposed and self.running.num_updates > 0
+            #: (not when the saving optimizer had none either, a failed first decomposition: its next step
+            #: decomposes, and a second attempt before it would count a second skip)
+            self._loaded_undecomposed = checked.decomposed and not self._decomposed and self.running.num_updates > 0
         except BaseException:  # not expected after the checks; the optimizer is left as it was anyway
             self.__dict__.clear()
             self.__dict__.update(saved_attrs)
