@@ -184,10 +184,7 @@ class Capture:
             if name in self.records:
                 if self.on_reuse == "count":
                     return None
-                raise ValueError(f"module {name!r} ({type(module).__name__}) was called more than once in one "
-                                 "forward (a shared layer, an unrolled recurrent cell): Fisher-type curvature of a "
-                                 f"module reused within a forward is not supported. Leave it to the plain update "
-                                 f"with skip_modules=[{'^' + name + '$'!r}], or use kind='hessian', which sees every call")
+                raise ValueError(reused_module(name, module))
             if not isinstance(output, Tensor):
                 raise TypeError(f"module {name!r} returned {type(output).__name__}, expected a Tensor")
             rec = ModuleRecord(inputs=tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs),
@@ -221,6 +218,14 @@ class Capture:
             return
         self.outputs.append(output)
         self.on_output(output)
+
+
+def reused_module(name: str, module: nn.Module) -> str:
+    """The error for a covered module called more than once in one recorded forward."""
+    return (f"module {name!r} ({type(module).__name__}) was called more than once in one forward (a shared layer, "
+            "an unrolled recurrent cell): Fisher-type curvature of a module reused within a forward is not "
+            f"supported. Leave it to the plain update with skip_modules=[{'^' + name + '$'!r}], or use "
+            "kind='hessian', which sees every call")
 
 
 def is_capture_hook(fn: Any) -> bool:

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor, nn
 
 from .engine import CurvatureEngine
-from .likelihoods import outputs_finite
+from .likelihoods import check_targets, outputs_finite
+from .options import LossType, check_generator
 from .result import Curvature
 from .selection import ApproxSpec, SkipSpec
 
@@ -60,11 +61,8 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     if not all(isinstance(x, Tensor) for x in args):
         raise TypeError("inputs must be a Tensor or a tuple of Tensors")
     _check_inputs_match_model(model, args)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if targets is not None and not isinstance(targets, Tensor):
-        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets), got "
-                        f"{type(targets).__name__}")
+    check_generator(generator)
+    check_targets(targets)
     # the estimate's backward passes run with the capture's hooks in place: a region under non-reentrant
     # activation checkpointing is recomputed then, and must repeat the recorded forward's ops
     with torch.enable_grad(), engine.capture() as cap:
@@ -75,7 +73,7 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
         if outputs.is_floating_point() and not outputs_finite(engine.loss, outputs):
             bad = int((~torch.isfinite(outputs)).sum())
             raise ValueError(f"the model's output has {bad} non-finite (NaN/inf) entries of {outputs.numel()} (output "
-                             f"of shape {list(outputs.shape)}{'; -inf logits of masked classes are fine' if engine.loss.value == 'cross_entropy' else ''}): the curvature "
+                             f"of shape {list(outputs.shape)}{'; -inf logits of masked classes are fine' if engine.loss is LossType.CROSS_ENTROPY else ''}): the curvature "
                              "there is undefined; check the inputs and the parameters for NaN/inf")
         if targets is not None and targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
             raise ValueError("targets has non-finite (NaN/inf) entries: the curvature there is undefined")

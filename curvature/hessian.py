@@ -56,7 +56,7 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
             continue
         if not uses_only_through(loss, rec.output, lay.params, rec.input_nodes):  # a tied or functional other use
             continue
-        ran_with = {id(t) for t in getattr(rec, "parameters", ())}
+        ran_with = {id(t) for t in rec.parameters}
         if any(id(q) not in ran_with for q in lay.params):  # called with other tensors (functional_call(m, {"weight": 2 * W}))
             continue
         diag = diag_block(loss, lay.module, rec.inputs, rec.output, list(lay.param_names))

@@ -22,16 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linalg.checks import all_finite
 from .options import Kind, LossType
+
+
+def check_targets(targets: object) -> None:
+    """``targets`` given to ``compute`` or ``step(closure, targets=...)``: a Tensor or None (TypeError
+    naming what was given)."""
+    if targets is not None and not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets) or None, got "
+                        f"{type(targets).__name__} {targets!r}"[:300])
 
 
 def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Tensor]) -> None:
     """Validate the shapes of ``outputs`` and ``targets``; ValueError naming the mismatch."""
     if not isinstance(outputs, Tensor):
         raise TypeError(f"the model output must be a Tensor, got {type(outputs).__name__}")
-    if targets is not None and not isinstance(targets, Tensor):
-        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets) or None, got "
-                        f"{type(targets).__name__} {targets!r}"[:300])
+    check_targets(targets)
     if loss is LossType.CROSS_ENTROPY:
         if outputs.dim() < 2:
             raise ValueError(
@@ -233,6 +240,6 @@ def _categorical_mc_vectors(outputs: Tensor, samples: int, generator: Optional[t
 def outputs_finite(loss: LossType, outputs: Tensor) -> bool:
     """Whether the model's ``outputs`` have no NaN/inf, except ``-inf`` in cross-entropy logits (a masked
     class, ``logits.masked_fill(mask, -inf)``: probability zero, a finite loss and curvature)."""
-    if bool(torch.isfinite(outputs).all()):
+    if all_finite([outputs]):
         return True
     return loss is LossType.CROSS_ENTROPY and not bool((outputs.isnan() | outputs.isposinf()).any())

@@ -89,6 +89,14 @@ def parse(enum_type: Type[E], value: object, what: str) -> E:
     raise ValueError(f"{what}={value!r} is not supported{hint}; expected one of {choices}")
 
 
+def check_generator(generator: object) -> None:
+    """A ``generator`` argument: a ``torch.Generator`` or None (TypeError naming what was given)."""
+    import torch
+
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
+
+
 def check_mc_samples(mc_samples: object, kind: str, what: str = "kind", hint: str = "") -> int:
     """``mc_samples`` checked: an int >= 1, and above 1 only for the Monte-Carlo Fisher (with any other
     ``kind`` it would be accepted without effect). ``what`` names the argument the caller calls the

@@ -243,8 +243,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         direct = own
         if not direct:
             continue
-        shape = next((v for k, v in rules if _matches(k, name, module, unwrapped_name(name) if wrapped else None)),
-                     None)
+        shape = next((v for k, v in rules if _matches(k, name, module, plain)), None)
         if shape is None:
             shape = default if default is not None else _default_approx(module)
             if shape is Approx.KFAC and not fam.supports_kfac:

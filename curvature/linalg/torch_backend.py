@@ -1,12 +1,11 @@
 """The default backend: ``torch.linalg`` on the tensor's own device (CPU or CUDA)."""
 from __future__ import annotations
 
-import math
-
 from torch import Tensor
 import torch
 
 from .base import Backend
+from .checks import all_finite
 from .errors import LinalgError, remedy
 
 __all__ = ["TorchBackend"]
@@ -68,7 +67,7 @@ class TorchBackend(Backend):
 def _finite(op: str, a: Tensor, out: Tensor) -> Tensor:
     """``out``, or LinalgError when it holds NaN/Inf (a finite input whose result overflows the dtype,
     e.g. solving with a tiny matrix in float32), as the NumPy/CuPy backend reports it."""
-    if not math.isfinite(float(out.sum())) and not bool(torch.isfinite(out).all()):
+    if not all_finite([out]):
         raise LinalgError(
             f"{op} (torch backend) produced non-finite values for input of shape {tuple(a.shape)} and dtype "
             f"{a.dtype} (a result beyond the dtype's range: the matrix is too close to singular); {remedy(a.dtype)}")

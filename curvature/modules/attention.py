@@ -177,7 +177,7 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
     the in-projection as the module's :class:`~curvature.capture.ModuleRecord` and returns the
     recomputed output (see the module docstring)."""
     # the capture and the selection import the families, not the other way round
-    from ..capture import ModuleRecord, grad_appender
+    from ..capture import ModuleRecord, grad_appender, reused_module
     from ..selection import skip_hint
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
@@ -194,8 +194,7 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
         if name in capture.records:
             if capture.on_reuse == "count":
                 return None
-            raise ValueError(f"module {name!r} (MultiheadAttention) was called more than once in one forward; "
-                             "modules reused within a forward (shared layers) are not supported")
+            raise ValueError(reused_module(name, module))
         if capture.foreign_hooks(module.out_proj):
             raise ValueError(
                 f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "

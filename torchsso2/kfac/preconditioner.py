@@ -345,10 +345,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           module._forward_hooks_always_called):
                 for key in stale.intersection(hooks):
                     del hooks[key]
+        new._handles = []
         if self._handles:  # (a preconditioner detached with remove_hooks() is copied detached)
             new._attach_hooks()
-        else:
-            new._handles = []
         return new
 
     def remove_hooks(self) -> None:

@@ -39,7 +39,9 @@ from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
 from .steps import add_weight_decay
-from .validation import MAX_LR, check_choice, check_int, check_number, check_targets
+from curvature.likelihoods import check_targets
+
+from .validation import MAX_LR, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
 

@@ -67,13 +67,6 @@ def unpack_closure_result(result: Any) -> Tuple[Any, Any]:
     return loss, result[1]
 
 
-def check_targets(targets: Any) -> None:
-    """``step(closure, targets=...)``: a Tensor or None (TypeError naming what was given)."""
-    if targets is not None and not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets) or None, got "
-                        f"{type(targets).__name__} {targets!r}"[:300])
-
-
 def as_loss_tensor(loss: Any) -> "torch.Tensor":
     """A closure's loss given as a Python number, as a 0-dim float64 tensor (a tensor is returned as
     is); anything else is a TypeError naming what a closure must return."""

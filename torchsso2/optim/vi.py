@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
+from curvature.likelihoods import check_targets
 from curvature.options import Kind, check_mc_samples, close_matches, parse
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -56,7 +57,7 @@ from .legacy import check_not_pytorch_sso_call
 from .settings import CurvatureSettings
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
-from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number, check_targets
+from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_ema_, reparam_sample
 from .noise import ObservationNoise
 from ..distributed.assignment import grad_worker_count

@@ -9,17 +9,12 @@ from typing import ContextManager, Iterator, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from curvature.options import LossType
+from curvature.options import LossType, check_generator
 
 from .grid import mix_seed
 from .misuse import eval_mode
 from .validation import check_int
 from .vi_shift import Shift, negated, shifted_params
-
-
-def _check_generator(generator: object) -> None:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}")
 
 
 class PosteriorUse:
@@ -30,7 +25,7 @@ class PosteriorUse:
         """Temporarily replace the covered weights by one posterior sample (restored on exit).
         Without ``generator`` the sample comes from :meth:`sampling_generator` (not the training streams)."""
         self._check_posterior("sampled_params()")
-        _check_generator(generator)
+        check_generator(generator)
         gen = generator if generator is not None else self.sampling_generator()
         with self._perturbed(self._draw_noise(gen)):
             yield
@@ -89,7 +84,7 @@ class PosteriorUse:
         neither it raises ``RuntimeError``. Without ``generator`` the samples come from
         :meth:`sampling_generator`: a call leaves the training streams, and so the run, unchanged."""
         check_int("num_samples", num_samples)
-        _check_generator(generator)
+        check_generator(generator)
         if not isinstance(return_variance, bool):
             raise TypeError(f"return_variance must be a bool, got {type(return_variance).__name__} {return_variance!r}")
         if return_variance and self.engine.loss is not LossType.MSE:
