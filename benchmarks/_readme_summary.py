@@ -393,20 +393,33 @@ def _timing_stamp(src: Source) -> str:
 
 
 def vi_splits_lines(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
-    """benchmarks/vi_splits.py's part of vi.json: test NLL over random diabetes splits and the paired
-    differences VI diag − reference (mean ± standard error over splits); nothing when absent."""
+    """benchmarks/vi_splits.py's part of vi.json for one task: test NLL (digits: and ECE, accuracy) over random
+    splits and the paired differences VI diag − reference (mean ± standard error over splits); nothing when
+    absent."""
     used = res.get("splits_used") or []
     if not used:
         return []
-    rows = [[labels.get(m, m), f"{s['val_nll']['mean']:.4f}", f"{s['test_nll']['mean']:.4f} ± {s['test_nll']['std']:.4f}"]
+    task = res.get("task", "diabetes")
+    ece = any("test_ece" in s for s in res["summary"].values())
+    rows = [[labels.get(m, m), f"{s['val_nll']['mean']:.4f}", f"{s['test_nll']['mean']:.4f} ± {s['test_nll']['std']:.4f}",
+             *([f"{100 * s['test_ece']['mean']:.2f} ± {100 * s['test_ece']['std']:.2f}",
+                f"{100 * s['test_accuracy']['mean']:.2f}"] if ece else [])]
             for m, s in res["summary"].items()]
-    said = [f"{labels.get(ref, ref)}: {p['test']['mean']:+.4f} ± {p['test']['se']:.4f} on test "
-            f"(VI diag at least as good on {p['test']['vi_at_least_as_good']} of {p['test']['n']} splits), "
-            f"{p['val']['mean']:+.4f} ± {p['val']['se']:.4f} on validation"
-            for ref, p in res.get("paired", {}).items()]
-    return [f"*diabetes over {len(used)} random splits* (one seed per split, lr chosen per split by its validation "
-            f"NLL, {res['epochs']} epochs; the table above has 5 seeds on one split): NLL, mean over splits "
-            "(test: ± std)", "", markdown_table(["method", "validation NLL", "test NLL"], rows, "lrr"), "",
+    said = []
+    for ref, p in res.get("paired", {}).items():
+        text = (f"{labels.get(ref, ref)}: NLL {p['test']['mean']:+.4f} ± {p['test']['se']:.4f} on test "
+                f"(VI diag at least as good on {p['test']['vi_at_least_as_good']} of {p['test']['n']} splits), "
+                f"{p['val']['mean']:+.4f} ± {p['val']['se']:.4f} on validation")
+        if "test_ece" in p:
+            e = p["test_ece"]
+            text += (f", ECE {100 * e['mean']:+.2f} ± {100 * e['se']:.2f} pp on test "
+                     f"(at least as good on {e['vi_at_least_as_good']} of {e['n']})")
+        said.append(text)
+    head = ["method", "validation NLL", "test NLL", *(["test ECE %", "test accuracy %"] if ece else [])]
+    return [f"*{VI_TASKS.get(task, task)} over {len(used)} random splits* (one seed per split, lr chosen per split by "
+            f"its validation NLL, {res['epochs']} epochs; the table above has 5 seeds on one split, split 0 here): "
+            f"mean over splits (test NLL{' and ECE' if ece else ''}: ± std)", "",
+            markdown_table(head, rows, "l" + "r" * (len(head) - 1)), "",
             "VI diag − each method, paired over the same splits (mean ± standard error): " + "; ".join(said) + ".", ""]
 
 
@@ -455,6 +468,8 @@ def _vi(sources: Sequence[Source], peer_sources: Sequence[Source]) -> List[str]:
             out += [f"*{VI_TASKS.get(task, task)}* ({n['train']}/{n['val']}/{n['test']} train/val/test, "
                     f"{res['epochs']} epochs{extra}):", ""]
             out += _vi_quality_table(res, labels)
+        for res in (rep.get("classification_splits") or {}).values():
+            out += vi_splits_lines(res, labels)
         out += vi_splits_lines(rep.get("regression_splits") or {}, labels)
         if cfg.get("plot"):
             out += ["Reliability diagrams of the digits-MLP test predictions (seed 0): "

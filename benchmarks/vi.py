@@ -31,7 +31,8 @@ Parts, all in one process:
    Diabetes also over random splits (``regression_splits``, ``benchmarks/vi_splits.py``): the same
    protocol with one seed on each of ``--regression-splits`` (20) splits, and the paired differences
    VI diag − IVON / Adam / SGD over splits (mean ± standard error); the 5 seeds above share one
-   89-example test split.
+   89-example test split. The digits tasks likewise (``classification_splits``, ``--classification-splits``
+   (20) splits each): test NLL, ECE and accuracy over splits and the paired NLL and ECE differences.
 3. **Long run** (``long``): the digits MLP over ``--long-epochs`` (200) epochs for VI diag, IVON and
    Adam (``--long-seeds`` seeds, lr chosen again by validation at that length): a short run hides
    how the curvature average moves away from its start.
@@ -200,6 +201,8 @@ def format_tables(report: Dict[str, Any]) -> str:
                                          for m, e in ent.items()]))
     if report.get("regression_splits"):
         lines.append(vi_splits.format_splits(report["regression_splits"]))
+    for res in (report.get("classification_splits") or {}).values():
+        lines.append(vi_splits.format_splits(res))
     if report.get("long"):
         lines += ["", "Long run:" + vq.format_tables(report["long"], c["mc_samples"])]
     for what, why in report["skipped"].items():
@@ -251,6 +254,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--regression-splits", type=int, default=None,
                    help="random diabetes splits of the paired comparison (default 20; quick 2; 0: none; "
                         "benchmarks/vi_splits.py)")
+    p.add_argument("--classification-splits", type=int, default=None,
+                   help="random splits of each digits task's paired comparison (default 20; quick 2; 0: none; "
+                        "benchmarks/vi_splits.py)")
     args = p.parse_args(argv)
     q = args.quick
     args.seeds = args.seeds or (2 if q else 5)
@@ -281,6 +287,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--edge-extensions must be >= 0, got {args.edge_extensions}")
     if args.regression_splits < 0:
         p.error(f"--regression-splits must be >= 0, got {args.regression_splits}")
+    args.classification_splits = args.classification_splits if args.classification_splits is not None else \
+        (2 if q else 20)
+    if args.classification_splits < 0:
+        p.error(f"--classification-splits must be >= 0, got {args.classification_splits}")
     return args
 
 
@@ -318,6 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  "validation NLL; VI/IVON: Bayesian model average)")
         print(f"wrote {args.plot}")
     splits = _regression_splits(args, ivon_mod, methods)
+    class_splits = _classification_splits(args, ivon_mod, methods)
     report = {"machine": machine_info(),
               "config": {"quick": args.quick, "tasks": list(args.tasks), "methods": methods, "seeds": args.seeds,
                          "select_seeds": args.select_seeds,
@@ -335,18 +346,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "selection": f"lr with the smallest mean validation NLL over seeds 0-{args.select_seeds - 1} "
                                       "per grid value",
                          "regression_splits": args.regression_splits,
+                         "classification_splits": args.classification_splits,
                          "regression_noise": "VI: noise_variance='learned'; IVON/Adam/SGD: given OLS residual variance "
                                              "on the training split, trained on y/σ; Adam/SGD predictive variance = "
                                              "validation residual variance",
                          "load_average_before": load_before, "load_average_after": load_average(),
                          "seconds": time.perf_counter() - start},
-              "timing": timing, "quality": quality, "regression_splits": splits, "long": long,
+              "timing": timing, "quality": quality, "regression_splits": splits,
+              "classification_splits": class_splits, "long": long,
               "skipped": skipped}
     print()
     print(format_tables(report))
     write_json(args.json, report)
     print(f"\nwrote {args.json}")
     return 0
+
+
+def _classification_splits(args: argparse.Namespace, ivon_mod: Any, methods: Sequence[str]) -> Dict[str, Any]:
+    """:func:`benchmarks.vi_splits.run_splits` of each digits task run, for VI diag, IVON, Adam and SGD (those
+    run): ``{task: result}``, empty when off (``--classification-splits 0``, ``--skip-quality``, no VI diag)."""
+    split_methods = [m for m in ("vi-diag", *vi_splits.REFERENCES) if m in methods]
+    if args.skip_quality or not args.classification_splits or "vi-diag" not in split_methods:
+        return {}
+    qargs = _quality_args(args, args.epochs, 1, ())
+    return {task: vi_splits.run_splits(qargs, ivon_mod, split_methods, args.classification_splits, task)
+            for task in args.tasks if task != vi_splits.TASK}
 
 
 def _regression_splits(args: argparse.Namespace, ivon_mod: Any, methods: Sequence[str]) -> Dict[str, Any]:

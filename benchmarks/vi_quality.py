@@ -200,13 +200,14 @@ def load_diabetes_split(seed: int = 0) -> Split:
                  regression=True, noise_var=noise, y_scale=ys)
 
 
-def load_task(task: str) -> Split:
+def load_task(task: str, seed: int = 0) -> Split:
+    """The task's split; ``seed`` 0 is the main tables' split, others are other random splits."""
     if task == "digits-mlp":
-        return load_digits_split(images=False)
+        return load_digits_split(images=False, seed=seed)
     if task == "digits-cnn":
-        return load_digits_split(images=True)
+        return load_digits_split(images=True, seed=seed)
     if task == "diabetes":
-        return load_diabetes_split()
+        return load_diabetes_split(seed=seed)
     raise ValueError(f"task={task!r}; expected one of {', '.join(TASKS)}")
 
 

@@ -133,6 +133,12 @@ class Curvature:
         damping = float(damping)
         if not math.isfinite(damping) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+        narrow = [t.dtype for b in self.blocks.values() for t in b.tensors()[:1]
+                  if t.is_floating_point() and t.dtype != torch.float64]
+        if narrow and damping > torch.finfo(narrow[0]).max:
+            raise ValueError(f"damping={damping!r} is beyond the largest {narrow[0]} "
+                             f"({torch.finfo(narrow[0]).max:.2e}), the curvature's dtype; convert it first "
+                             "(compute on a float64 model) or pass a smaller damping")
         # the decompositions made here, at this damping, of the statistics as they are (a block decomposed
         # since, e.g. through its own decompose(), or whose statistics changed in place, is decomposed again)
         versions = {n: [(t, t._version) for t in b.tensors()] for n, b in self.blocks.items()}

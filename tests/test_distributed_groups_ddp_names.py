@@ -1,6 +1,8 @@
 """Across ranks, each param group's own settings are compared (they were not: a group with another lr
-on one rank made the replicas drift apart silently); under DistributedDataParallel a name regex in
-``skip_modules`` / ``approx={...}`` written for the bare model matches (it silently did not)."""
+on one rank made the replicas drift apart silently), at construction and at every step (a group added
+later with another lr on one rank, a schedule that differs: a ValueError on every rank at the next
+step, also under DistributedDataParallel; equal settings pass); under DistributedDataParallel a name
+regex in ``skip_modules`` / ``approx={...}`` written for the bare model matches (it silently did not)."""
 from __future__ import annotations
 
 import subprocess
@@ -32,19 +34,88 @@ GROUPS = textwrap.dedent("""
 """)
 
 
-def test_param_group_settings_are_compared_across_ranks(tmp_path) -> None:
-    script = tmp_path / "groups.py"
-    script.write_text(GROUPS)
+def _torchrun_two_ranks(tmp_path, name: str, text: str) -> str:  # noqa: ANN001
+    """Run ``text`` as a script on 2 gloo ranks under torchrun; its output (asserting a clean exit)."""
+    script = tmp_path / name
+    script.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
                                "TORCHSSO2_DIST_TIMEOUT": "60"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_param_group_settings_are_compared_across_ranks(tmp_path) -> None:
+    out = _torchrun_two_ranks(tmp_path, "groups.py", GROUPS)
     for rank in range(2):
         for make in ("sso", "vi"):
             assert f"rank {rank} {make} refused:" in out, out[-3000:]
     assert "param_groups[0] (rank 0: {lr: 0.05" in out and "rank 1: {lr: 0.5" in out, out[-3000:]
+
+
+STEPS = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from torch import nn
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    from torchsso2.distributed import get_communicator, shutdown
+    comm = get_communicator("torch")
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def build(make, extra, ddp=False):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        if ddp:
+            m = nn.parallel.DistributedDataParallel(m)
+        side = nn.Linear(3, 3)  # outside the model: a plain update in an added group
+        if make == "sso":
+            opt = SecondOrderOptimizer(m, lr=0.1, **extra)
+        else:
+            opt = VIOptimizer(m, dataset_size=80, lr=0.1, **extra)
+        return m, side, opt
+
+    def closure_of(m, side, opt):
+        def closure():
+            opt.zero_grad()
+            out = side(m(x))
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            return loss, out
+        return closure
+
+    for make in ("sso", "vi"):
+        for case in ("same", "added", "schedule", "ddp-same", "ddp-added"):
+            m, side, opt = build(make, {}, ddp=case.startswith("ddp"))
+            if case in ("same", "ddp-same"):
+                opt.add_param_group({"params": side.parameters(), "lr": 0.01})
+            elif case in ("added", "ddp-added"):
+                opt.add_param_group({"params": side.parameters(), "lr": 0.01 if comm.rank == 0 else 0.02})
+            elif case == "schedule":
+                opt.add_param_group({"params": side.parameters(), "lr": 0.01})
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s * (1 + comm.rank)))
+            try:
+                for _ in range(3):
+                    opt.step(closure_of(m, side, opt))
+                    if case == "schedule":
+                        sched.step()
+                print(f"rank {comm.rank} {make} {case} stepped", flush=True)
+            except ValueError as err:
+                print(f"rank {comm.rank} {make} {case} refused: {err}", flush=True)
+    shutdown()
+""")
+
+
+def test_param_group_settings_are_compared_at_each_step(tmp_path) -> None:
+    out = _torchrun_two_ranks(tmp_path, "steps.py", STEPS)
+    for rank in range(2):
+        for make in ("sso", "vi"):
+            for case in ("same", "ddp-same"):
+                assert f"rank {rank} {make} {case} stepped" in out, out[-3000:]
+            for case in ("added", "schedule", "ddp-added"):
+                assert f"rank {rank} {make} {case} refused: " in out, out[-3000:]
+    assert "settings (lr, momentum, weight_decay, ...) differ between the ranks" in out, out[-3000:]
 
 
 DDP_NAMES = textwrap.dedent("""

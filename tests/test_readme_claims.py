@@ -180,10 +180,19 @@ def test_vi_regression_splits_lines_state_the_paired_differences() -> None:
                                      "adam": {"lr": 1e-3, "val_nll": 5.41, "test_nll": 5.45}}} for k in range(3)]
     res = {"num_splits": 3, "epochs": 50, "splits": rows, **vi_splits.summarize_splits(rows)}
     text = "\n".join(summary.vi_splits_lines(res, dict(summary.VI_LABELS)))
-    assert "diabetes over 3 random splits" in text
+    assert f"{summary.VI_TASKS['diabetes']} over 3 random splits" in text
     # VI − Adam on test: -0.01, +0.01, +0.03: mean +0.0100, se 0.02/sqrt(3) = 0.0115; VI <= Adam on 1 of 3
-    assert f"{summary.VI_LABELS['adam']}: +0.0100 ± 0.0115 on test (VI diag at least as good on 1 of 3 splits)" in text
+    assert f"{summary.VI_LABELS['adam']}: NLL +0.0100 ± 0.0115 on test (VI diag at least as good on 1 of 3 splits)" \
+        in text
+    assert "ECE" not in text  # regression: NLL only
     assert summary.vi_splits_lines({}, dict(summary.VI_LABELS)) == []
+    for row in rows:  # a digits task: ECE and accuracy too
+        for m, e in (("vi-diag", 0.02), ("adam", 0.03)):
+            row["methods"][m].update(ece=e, accuracy=0.97)
+    res = {"task": "digits-cnn", "num_splits": 3, "epochs": 15, "splits": rows, **vi_splits.summarize_splits(rows)}
+    text = "\n".join(summary.vi_splits_lines(res, dict(summary.VI_LABELS)))
+    assert f"{summary.VI_TASKS['digits-cnn']} over 3 random splits" in text
+    assert "ECE -1.00 ± 0.00 pp on test (at least as good on 3 of 3)" in text and "| 2.00 ± 0.00 | 97.00 |" in text
 
 
 def test_every_test_the_docs_cite_exists() -> None:

@@ -217,6 +217,12 @@ def test_quick_run_writes_one_json_with_timing_quality_and_long_run(tmp_path: Pa
     assert splits["splits_used"] == [0, 1] and set(splits["summary"]) == {"vi-diag", "adam"}
     assert set(splits["paired"]) == {"adam"} and splits["paired"]["adam"]["test"]["n"] == 2
     assert "diabetes over 2 random splits" in printed
+    cls = report["classification_splits"]  # quick: 2 random splits of each digits task run, one seed each
+    assert set(cls) == {"digits-mlp"} and cls["digits-mlp"]["task"] == "digits-mlp"
+    assert cls["digits-mlp"]["splits_used"] == [0, 1]
+    assert set(cls["digits-mlp"]["summary"]["vi-diag"]) == {"test_nll", "val_nll", "test_ece", "test_accuracy"}
+    assert cls["digits-mlp"]["paired"]["adam"]["test_ece"]["n"] == 2
+    assert "digits-mlp over 2 random splits" in printed
     long = report["long"]["digits-mlp"]
     assert long["epochs"] == 1 and set(long["methods"]) == {"vi-diag", "adam"}
     assert all(len(r["seeds"]) == 1 for r in long["methods"].values())
@@ -268,6 +274,47 @@ def test_regression_splits_choose_by_validation_on_each_split(monkeypatch: pytes
         vi_splits.run_splits(args, None, ["vi-diag"], 0)
 
 
+def test_classification_splits_load_each_split_and_pair_nll_and_ece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/vi_splits.py on a digits task: split k is ``load_task(task, seed=k)``; per split the chosen
+    run's test NLL, ECE and accuracy are kept, and the paired differences cover the NLL and the ECE."""
+    from benchmarks import vi_splits
+
+    loaded = []
+    ece = {("vi-diag", 0): 0.01, ("adam", 0): 0.03, ("vi-diag", 1): 0.04, ("adam", 1): 0.02}
+
+    def fake_load(task: str, seed: int = 0) -> q.Split:
+        loaded.append((task, seed))
+        t = torch.full((1, 1), float(seed))
+        return q.Split(t, t, t, t, t, t)
+
+    def fake_train(task, method, split, lr, seed, epochs, batch, ivon_mod):  # noqa: ANN001
+        assert seed == 0 and task == "digits-cnn"
+        return q.Trained(method, lr, int(split.x_train), torch.nn.Linear(1, 1), None, [1e-3], 0, 0.0)
+
+    def fake_evaluate(run, split, which, num_samples):  # noqa: ANN001
+        k = int(split.x_train)
+        return {"nll": 0.1 * (k + 1) + (0.05 if run.method == "adam" else 0.0) + (0.0 if which == "val" else 0.2),
+                "ece": ece[(run.method, k)], "accuracy": 0.9, "brier": 0.1}
+
+    monkeypatch.setattr(q, "load_task", fake_load)
+    monkeypatch.setattr(q, "train", fake_train)
+    monkeypatch.setattr(q, "evaluate", fake_evaluate)
+    args = vi.parse_args(["--quick", "--grid", "0.1", "--edge-extensions", "0"])
+    res = vi_splits.run_splits(args, None, ["vi-diag", "adam"], 2, "digits-cnn")
+    assert loaded == [("digits-cnn", 0), ("digits-cnn", 1)] and res["task"] == "digits-cnn"
+    assert res["splits"][1]["methods"]["vi-diag"] == {"lr": 0.1, "val_nll": pytest.approx(0.2),
+                                                     "test_nll": pytest.approx(0.4), "accuracy": 0.9, "ece": 0.04}
+    p = res["paired"]["adam"]
+    assert p["test"]["mean"] == pytest.approx(-0.05) and p["test"]["vi_at_least_as_good"] == 2
+    assert p["test_ece"]["mean"] == pytest.approx(0.0) and p["test_ece"]["se"] == pytest.approx(0.02)  # -0.02, +0.02
+    assert p["test_ece"]["vi_at_least_as_good"] == 1
+    assert res["summary"]["adam"]["test_ece"]["mean"] == pytest.approx(0.025)
+    text = vi_splits.format_splits(res)
+    assert "digits-cnn over 2 random splits" in text and "test ECE +0.00 ± 2.00 pp, vi-diag ≤ adam on 1/2" in text
+    with pytest.raises(ValueError, match="task="):
+        vi_splits.run_splits(args, None, ["vi-diag"], 1, "mnist")
+
+
 def test_diabetes_split_seeds_give_different_test_examples() -> None:
     a, b = q.load_diabetes_split(seed=0), q.load_diabetes_split(seed=1)
     assert a.x_test.shape == b.x_test.shape and not torch.equal(a.x_test, b.x_test)
@@ -278,6 +325,7 @@ def test_quick_without_json_writes_into_a_temp_dir() -> None:
     assert vi.parse_args([]).json == vi.DEFAULT_JSON
     assert vi.parse_args([]).long_epochs == 200 and vi.parse_args([]).seeds == 5
     assert vi.parse_args([]).regression_splits == 20 and vi.parse_args(["--quick"]).regression_splits == 2
+    assert vi.parse_args([]).classification_splits == 20 and vi.parse_args(["--quick"]).classification_splits == 2
 
 
 def test_methods_at_library_defaults_except_lr() -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .checks import (
+    check_batch,
     check_finite,
     check_nonnegative_scalar,
     check_square,
@@ -125,6 +126,7 @@ class Backend(abc.ABC):
                 f"solve: rhs must be [..., n, k] or [..., n] with n = {n} "
                 f"(a has shape {tuple(a.shape)}), got rhs of shape {tuple(rhs.shape)}"
             )
+        check_batch("solve", {"a": tuple(a.shape[:-2]), "rhs": tuple(rhs.shape[:-1] if is_vector else rhs.shape[:-2])})
         a = prepare_symmetric(a, compute, "solve", self.name)
         rhs = rhs.detach().to(compute)
         check_finite(rhs, "solve", "rhs", self.name)
@@ -202,6 +204,7 @@ class Backend(abc.ABC):
             )
         tensors = {"g_evals": g_evals, "g_evecs": g_evecs, "a_evals": a_evals,
                    "a_evecs": a_evecs, "v": v}
+        check_batch(op, {k: tuple(t.shape[:-1] if k.endswith("evals") else t.shape[:-2]) for k, t in tensors.items()})
         devices = {t.device for t in tensors.values()}
         if len(devices) != 1:
             raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")

@@ -10,7 +10,7 @@ float64 — unless the caller passes ``dtype`` explicitly (float32 or float64 on
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -177,6 +177,20 @@ def check_square(a: Tensor, op: str, what: str = "input") -> int:
             f"got shape {tuple(a.shape)}"
         )
     return a.shape[-1]
+
+
+def check_batch(op: str, batches: Dict[str, Tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` naming every input's batch dims when they do not broadcast together.
+
+    Args:
+        op: the operation, for the message.
+        batches: input name -> its batch dims (the shape without the matrix or vector dims).
+    """
+    try:
+        torch.broadcast_shapes(*batches.values())
+    except RuntimeError:
+        named = ", ".join(f"{k} {list(v)}" for k, v in batches.items())
+        raise ValueError(f"{op}: the inputs' batch dims do not broadcast together ({named})") from None
 
 
 def check_nonnegative_scalar(value: float, name: str, op: str) -> float:

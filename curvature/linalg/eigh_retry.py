@@ -81,7 +81,12 @@ def eigh_with_retry(eigh: Callable[[Tensor], Tuple[Tensor, Tensor]], a: Tensor, 
             warnings.warn(f"eigh ({backend} backend) of a {tuple(a.shape)} {a.dtype} matrix failed; recomputed in "
                           f"{label}. Pass decomposition_dtype=torch.float64 (SecondOrderOptimizer/VIOptimizer) "
                           "to decompose in double from the start.", EighRetryWarning, stacklevel=4)
-            return evals.to(a.dtype), evecs.to(a.dtype)
+            evals = evals.to(a.dtype)
+            if not all_finite([evals]):  # finite in float64, beyond the requested dtype's largest value
+                raise LinalgError(f"eigh ({backend} backend): the eigenvalues of a {tuple(a.shape)} {a.dtype} matrix "
+                                  f"exceed the largest {a.dtype} ({torch.finfo(a.dtype).max:.2e}; largest "
+                                  f"{float(result[0].abs().max()):.2e} in float64): decompose in float64")
+            return evals, evecs.to(a.dtype)
         tried.append(f"{label}: {reason}")
     raise LinalgError(f"eigh ({backend} backend) of a {tuple(a.shape)} matrix failed in every attempt ("
                       + "; ".join(tried) + "); increase damping or check the curvature for huge values")

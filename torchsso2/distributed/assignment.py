@@ -208,8 +208,8 @@ class WorkAssignment:
             in ``(0, 1]``, or a :class:`DistributedStrategy`.
         strategy: the cost model the costs come from (recorded, shown by :meth:`summary`).
         colocate_factors: decompose all factors of a layer on one rank; ``False`` spreads
-            them over the layer's grad-worker group (invalid when that group has 1 rank
-            in a world of several, e.g. ``MEM_OPT``).
+            them over the layer's grad-worker group (with one grad worker per layer, e.g.
+            ``MEM_OPT``, that group is one rank: the factors are colocated whatever the flag says).
     """
 
     def __init__(

@@ -31,6 +31,8 @@ def describe(value: Any) -> str:
     """
     if isinstance(value, torch.dtype):
         return str(value)
+    if isinstance(value, torch.Tensor):  # a tensor lr: its value, not its repr (device, print precision)
+        return repr(value.item()) if value.numel() == 1 else f"tensor {list(value.shape)} {value.dtype}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(describe(v) for v in value) + "]"
     if isinstance(value, Mapping):
@@ -102,6 +104,18 @@ def check_same_settings(comm: Any, settings: Mapping[str, Any], owner: str,
     raise ValueError(f"{owner} was built with different settings on different ranks, which would make their "
                      f"collectives mismatch (a hang or wrong results): " + "; ".join(lines)
                      + ". Pass the same values on every rank.")
+
+
+def groups_digest(groups: Any, modulus: int) -> List[int]:
+    """Two independent numbers in ``[0, modulus)``, equal on two ranks when their param groups' settings
+    (every key but ``params``: lr, momentum, weight decay, ...) are equal: the step's gradient
+    all-reduce carries them, so a group added on every rank with other values, or a schedule that
+    differs between ranks, is found at the next step rather than drifting the replicas apart. Two,
+    because the all-reduce averages them: with three or more ranks other ranks' different values can
+    average to this rank's own one (chance about ``1/modulus`` per value)."""
+    text = describe([{k: v for k, v in sorted(g.items()) if k != "params"} for g in groups])
+    m = max(1, int(modulus))
+    return [_digest(text) % m, _digest("salt:" + text) % m]
 
 
 def _model_device(model: Any) -> torch.device:
@@ -201,4 +215,4 @@ def check_kfac_settings(comm: Any, arguments: Mapping[str, Any]) -> None:
     check_same_settings(comm, settings, "KFACPreconditioner", device)
 
 
-__all__ = ["check_kfac_settings", "check_optimizer_settings", "check_same_settings", "describe"]
+__all__ = ["check_kfac_settings", "check_optimizer_settings", "check_same_settings", "describe", "groups_digest"]

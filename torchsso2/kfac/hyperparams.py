@@ -52,9 +52,14 @@ def _check_number(name: str, value: object, from_callable: bool = False) -> None
     pred, expected, integer = CALLABLE_RULES.get(name, RULES[name]) if from_callable else RULES[name]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {expected} or a callable of the step, got {type(value).__name__} {value!r}")
-    if integer and not float(value).is_integer():
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the largest float (10**400)
+        number = math.inf
+    if integer and not isinstance(value, numbers.Integral) and not number.is_integer():
         raise TypeError(f"{name} must be {expected} or a callable of the step, got {value!r}")
-    if not math.isfinite(float(value)) or not pred(value):
+    whole = integer and isinstance(value, numbers.Integral)  # an int step count of any size is an int
+    if not (whole or math.isfinite(number)) or not pred(value):
         raise ValueError(f"{name} must be {expected} or a callable of the step, got {value!r}")
 
 

@@ -234,8 +234,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._model = model
         self._attach_hooks()
         self._model_is_compiled = is_compiled(model)
-        #: forwards of the whole model recorded in this step (the micro-batches, for the fold in the hooks)
+        #: micro-batches recorded in this step (for the fold in the hooks): forwards of the whole model, where
+        #: forwards with no backward between them count once (two views through the model, one backward)
         self._micro_batches = 0
+        #: whether a recorded gradient arrived since the last counted forward of the model
+        self._backward_seen = False
 
     def _defaults_for_repr(self) -> Dict[str, Any]:
         return {
@@ -285,16 +288,19 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._mini_steps.clear()
         self._awaiting.clear()
         self._micro_batches = 0
+        self._backward_seen = False
 
     def _model_forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
         if module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0 \
-                and not (isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output)):
+                and not (isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output)) \
+                and (self._micro_batches == 0 or self._backward_seen):
             self._micro_batches += 1
+            self._backward_seen = False
 
     def _fold_in_hook(self, layer: KFACLayer, mini_step: int) -> bool:
         """Whether this gradient completes the step's batches of ``layer``: the ``accumulation_steps``-th
-        micro-batch (forwards of the whole model; the layer's ``mini_step``-th call where the model's
-        forward is not seen) and no earlier call of the layer still awaiting its gradient (a layer
+        micro-batch (forwards of the whole model with a backward between them; the layer's ``mini_step``-th
+        call where the model's forward is not seen) and no earlier call of the layer still awaiting its gradient (a layer
         called several times per forward gets them in reverse order). What no hook folds is folded
         at the start of :meth:`step`."""
         if self._awaiting[layer.name]:
@@ -307,6 +313,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # the schedule a fold here reads, evaluated before this batch touches any layer: a bad value
         # raises out of backward() with every layer's statistics as they were
         decay = self.factor_decay if self.update_factors_in_hook else None
+        self._backward_seen = True  # the next forward of the model starts another micro-batch
         with torch.no_grad():
             # A is taken with the first backward whose contribution is kept; an AMP overflow is skipped and
             # counts for nothing (a later backward through the same forward takes its place; what no hook
@@ -558,3 +565,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             for layer in self.layers.values():
                 if layer.has_factors():
                     self._kaisa.compute_and_share_inverses(layer, damping)
+        elif staged.factors is not None and any(layer.has_factors() for layer in self.layers.values()):
+            # kfac_pytorch's step() raises here; ours passes the gradients through, so say so once
+            warnings.warn("load_state_dict(compute_inverses=False) of a state_dict with factors but no "
+                          "decompositions: until the next inverse step the layers precondition with the "
+                          "decompositions they had before the load (a new preconditioner has none: plain "
+                          "gradients, no KL clip), not with the loaded factors; pass compute_inverses=True to "
+                          "decompose the loaded factors now", stacklevel=2)

@@ -32,7 +32,7 @@ from curvature import likelihoods
 from curvature.options import Kind, LossType
 
 from ..distributed import Communicator, get_communicator
-from ..distributed.consistency import check_optimizer_settings
+from ..distributed.consistency import check_optimizer_settings, groups_digest
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .messages import decomposition_failed
@@ -188,8 +188,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     # ---- capture + estimate -------------------------------------------------------------
     def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool
                      ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
-        """Run the closure once; when ``estimate``, also estimate this batch's curvature."""
-        self._check_step_call(closure)
+        """Run the closure once; when ``estimate``, also estimate this batch's curvature. The step checked
+        the call first (:meth:`_check_step_call`)."""
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
@@ -325,7 +325,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
             exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
             size = [float(len(every) % exact), float(sum(p.numel() for p in every) % exact)]
-            flag = torch.tensor([1.0 if bad else 0.0] + size + [0.0 if none else 1.0 for none in lacking],
+            settings = [float(d) for d in groups_digest(self.param_groups, exact)]
+            flag = torch.tensor([1.0 if bad else 0.0] + size + settings + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
             # the flag rides first in the gradients' bucket: its sizes line up on every rank even where the
             # ranks' buffers differ (MPI reduces mismatched counts without an error)
@@ -337,13 +338,22 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                     "(requires_grad changed on some ranks only, or param groups added on some); change them on "
                     "every rank alike. The gradients of this step are not usable")
             if any(lacking):  # another rank's branch: this rank's zeros, averaged, where some rank had one
-                for p, g, none, share in zip(every, mine, lacking, flag[3:].tolist()):
+                for p, g, none, share in zip(every, mine, lacking, flag[5:].tolist()):
                     if none and share > 0:
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
         else:
-            flag = torch.tensor([1.0 if bad else 0.0], dtype=dtype, device=dev)
+            exact = max(1, 2 ** min(1 - int(math.log2(torch.finfo(dtype).eps)), 30) // self.comm.world_size)
+            settings = [float(d) for d in groups_digest(self.param_groups, exact)]
+            flag = torch.tensor([1.0 if bad else 0.0] + settings, dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
+        at = 3 if self._average_gradients else 1
+        if flag[at:at + 2].tolist() != settings:
+            raise ValueError(
+                f"{type(self).__name__}: the param groups' settings (lr, momentum, weight_decay, ...) differ between "
+                "the ranks at this step (a group added with other values on some ranks, or a learning-rate "
+                "schedule or hand-set value that differs): the replicas would drift apart. Set them alike on "
+                "every rank. The gradients of this step are not usable")
         if float(flag[0].item()) > 0:
             return False, params, groups
         if blocks:
@@ -469,7 +479,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 return
             check_nonempty_batch(selected)
 
-    def _decomposition_failed(self, error: object) -> None:
+    def _decomposition_failed(self, error: object, damping: float = 0.0) -> None:
         """Apply the policy to a failed decomposition: raise, or count a skipped step and warn (at 1, 2,
         5, 10, 20, ... skips). Without an earlier decomposition the step cannot update the parameters,
         so it extends the streak of skipped steps (``max_consecutive_skips`` raises at its limit)."""
@@ -480,7 +490,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             p.dtype == torch.float64 for p in self.engine.params)
         (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
             "%s", decomposition_failed(self.num_steps, error, self._decomposed, torch.float64 if in_float64 else None,
-                                       indefinite=self.engine.kind is Kind.HESSIAN))
+                                       indefinite=self.engine.kind is Kind.HESSIAN, damping=damping))
         if not self._decomposed:
             self._streak.skipped(self.num_steps, "or failed decomposition", str(error))
 
@@ -493,7 +503,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                                                                  kfac_method=self.kfac_method),
                 dtype=self.decomposition_dtype, kfac_method=self.kfac_method)
             if error is not None:
-                self._decomposition_failed(error)
+                self._decomposition_failed(error, damping)
                 return False
             self._decomposed = True
             return True
@@ -501,7 +511,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype,
                                    kfac_method=self.kfac_method)
         except LinalgError as err:
-            self._decomposition_failed(err)
+            self._decomposition_failed(err, damping)
             return False
         self._decomposed = True
         return True

@@ -60,7 +60,7 @@ DEFAULT_DAMPING = 0.1
 
 #: Default KL clip (kfac_pytorch's default). It bounds the size of each preconditioned step
 #: whatever lr and damping are, so a large lr or a small damping shrinks the step instead of
-#: diverging (issue 30's grid: no point diverges with it; without it 4 of 9 did).
+#: diverging (the K-FAC robustness grid: no point diverges with it; without it 4 of 9 do).
 DEFAULT_KL_CLIP = 1e-3
 
 
@@ -309,6 +309,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         """One natural-gradient step; returns the closure's ``(loss, output)``."""
+        self._check_step_call(closure)
         check_targets(targets)
         warmup = self.num_steps < self.curv_warmup_steps  # every step estimates and decomposes
         estimate = warmup or self.num_steps % self.curv_update_interval == 0

@@ -22,7 +22,8 @@ def add_weight_decay(grads: Sequence[Tensor], params: Sequence[Tensor], weight_d
     """``g + weight_decay·θ``."""
     if weight_decay == 0.0:
         return list(grads)
-    return [g + weight_decay * p.detach() for g, p in zip(grads, params)]
+    wd = float(weight_decay)  # an int group value (10**30) is beyond torch's int scalars
+    return [g + wd * p.detach() for g, p in zip(grads, params)]
 
 
 def precondition(blocks: Dict[str, Block], grads: Dict[int, Tensor]) -> Dict[int, Tensor]:

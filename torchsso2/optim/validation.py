@@ -22,7 +22,10 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     e.g. ``np.float32`` from a schedule array, is taken as its value)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond the largest float (10**400)
+        raise ValueError(f"{name}={value!r} must be finite (it is beyond the largest float)") from None
     if not math.isfinite(v):
         raise ValueError(f"{name}={value!r} must be finite")
     too_low = v <= low if low_open else v < low
