@@ -9,7 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-from dist_utils import REPO
+import pytest
+from dist_utils import REPO, mpi_env, require_mpiexec
 
 GROUPS = textwrap.dedent("""
     import torch, torch.nn.functional as F
@@ -145,3 +146,62 @@ def test_name_regexes_match_under_ddp(tmp_path) -> None:
     assert proc.returncode == 0, out[-3000:]
     assert "skip ['module.2']" in out and "prefixed ['module.2']" in out, out
     assert "approx {'module.0': 'full', 'module.2': 'diag'}" in out, out
+
+
+THREE = textwrap.dedent("""
+    import sys, logging, warnings
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    import torch, torch.nn.functional as F
+    from torch import nn
+    import torchsso2.distributed.consistency as consistency
+    from torchsso2 import SecondOrderOptimizer
+    from torchsso2.distributed import get_communicator, shutdown
+    comm = get_communicator("mpi")
+    case = sys.argv[1]
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    side = nn.Linear(3, 3, bias=False)
+    extra = nn.Parameter(torch.zeros(3, 3), requires_grad=False)  # not in the forward
+    opt = SecondOrderOptimizer(m, params=list(m.parameters()) + [side.weight, extra], lr=0.1)
+    if case == "sizes" and comm.rank == 1:
+        side.weight.requires_grad_(False)  # rank 1 trains one tensor of 9 less, rank 2 one more: the mean is rank 0's
+    if case == "sizes" and comm.rank == 2:
+        extra.requires_grad_(True)
+    if case == "settings":  # each rank another lr, whose first digests average to rank 0's own
+        opt.param_groups[0]["lr"] = [0.1, 0.2, 0.3][comm.rank]
+        real = consistency._digest
+        consistency._digest = lambda text: real(text) if text.startswith("salt:") or not text.startswith("[{") \\
+            else [100, 50, 150][comm.rank]
+    def closure():
+        opt.zero_grad()
+        out = side(m(x))
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    try:
+        opt.step(closure)
+        print(f"rank {comm.rank} {case} stepped", flush=True)
+    except (ValueError, RuntimeError) as err:  # the check's own error, or another rank's absence (other)
+        why = "sizes" if "other numbers or sizes" in str(err) else "settings" if "differ between the ranks" in str(err) \
+            else "other"
+        print(f"rank {comm.rank} {case} refused: {why}", flush=True)
+    shutdown()
+""")
+
+
+@pytest.mark.parametrize("case", ["settings", "sizes"])
+def test_three_ranks_whose_mean_equals_one_ranks_values_are_all_refused(tmp_path, case: str) -> None:
+    """With three ranks the mean of differing values can equal one rank's own (lr digests 50, 150 around
+    100; parameter counts and sizes one tensor below and above): that rank passed the check and the others
+    raised (a hang or a crash in the next collective). A second, independent digest (of the settings, of
+    the sizes) makes every rank raise."""
+    mpiexec = require_mpiexec()
+    script = tmp_path / "three.py"
+    script.write_text(THREE)
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, str(script), case], cwd=REPO, capture_output=True,
+                          text=True, timeout=240, env=dict(mpi_env(), OMP_NUM_THREADS="1", TORCHSSO2_DIST_TIMEOUT="60"))
+    out = proc.stdout + proc.stderr
+    for rank in range(3):
+        assert f"rank {rank} {case} refused: {case}" in out, out[-3000:]

@@ -108,9 +108,9 @@ def _expected_bytes(world: int, name: str, res: Dict[str, Any]) -> int:
         else:  # kfac: ql, qr (2-D factors) + denom [n_L, n_R]
             dec += sum(s[0] * s[0] for s in shapes if len(s) == 2) + shapes[0][0] * shapes[1][0]
     tensors = len(list(common.build(cfg["face"]).parameters()))  # which parameters have a gradient, in the flag
-    # grads + flag (skip mark, the parameter count and size, the param groups' two settings digests, which parameters
+    # grads + flag (skip mark, the parameter count and size and their digest, the param groups' two settings digests, which parameters
     # have a gradient), statistics, decomposition flag
-    total = world * steps * ((numel + 5 + tensors) + stat + 1) * e
+    total = world * steps * ((numel + 6 + tensors) + stat + 1) * e
     if g > 1:
         total += steps * dec * e
     if g < world:  # each of the g grad workers of a block broadcasts to its receiver group

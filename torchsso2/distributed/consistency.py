@@ -118,6 +118,13 @@ def groups_digest(groups: Any, modulus: int) -> List[int]:
     return [_digest(text) % m, _digest("salt:" + text) % m]
 
 
+def sizes_digest(count: int, numel: int, modulus: int) -> int:
+    """A number in ``[0, modulus)`` for a rank's count and total size of trainable parameters, sent beside
+    the two sizes themselves: their average over three or more ranks can equal this rank's own sizes
+    while the ranks differ; the digest's average then still differs (chance about ``1/modulus``)."""
+    return _digest(f"{count}:{numel}") % max(1, int(modulus))
+
+
 def _model_device(model: Any) -> torch.device:
     params = list(model.parameters()) if hasattr(model, "parameters") else []
     return params[0].device if params else torch.device("cpu")
@@ -215,4 +222,5 @@ def check_kfac_settings(comm: Any, arguments: Mapping[str, Any]) -> None:
     check_same_settings(comm, settings, "KFACPreconditioner", device)
 
 
-__all__ = ["check_kfac_settings", "check_optimizer_settings", "check_same_settings", "describe", "groups_digest"]
+__all__ = ["check_kfac_settings", "check_optimizer_settings", "check_same_settings", "describe", "groups_digest",
+           "sizes_digest"]

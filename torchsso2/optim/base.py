@@ -32,7 +32,7 @@ from curvature import likelihoods
 from curvature.options import Kind, LossType
 
 from ..distributed import Communicator, get_communicator
-from ..distributed.consistency import check_optimizer_settings, groups_digest
+from ..distributed.consistency import check_optimizer_settings, groups_digest, sizes_digest
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .messages import decomposition_failed
@@ -324,21 +324,22 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             # of equal sizes is then exact): 2^24 / W in float32, 2^8 / W in bfloat16; W above it: no check
             digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
             exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
-            size = [float(len(every) % exact), float(sum(p.numel() for p in every) % exact)]
+            numel = sum(p.numel() for p in every)
+            size = [float(len(every) % exact), float(numel % exact), float(sizes_digest(len(every), numel, exact))]
             settings = [float(d) for d in groups_digest(self.param_groups, exact)]
             flag = torch.tensor([1.0 if bad else 0.0] + size + settings + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
             # the flag rides first in the gradients' bucket: its sizes line up on every rank even where the
             # ranks' buffers differ (MPI reduces mismatched counts without an error)
             self.comm.allreduce([flag] + mine, op="mean")
-            if flag[1:3].tolist() != size:
+            if flag[1:4].tolist() != size:
                 raise RuntimeError(
                     f"rank {self.comm.rank} averages gradients of {len(every)} trainable parameters, but the ranks "
                     "hold other numbers or sizes: the ranks disagree on which parameters train "
                     "(requires_grad changed on some ranks only, or param groups added on some); change them on "
                     "every rank alike. The gradients of this step are not usable")
             if any(lacking):  # another rank's branch: this rank's zeros, averaged, where some rank had one
-                for p, g, none, share in zip(every, mine, lacking, flag[5:].tolist()):
+                for p, g, none, share in zip(every, mine, lacking, flag[6:].tolist()):
                     if none and share > 0:
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
@@ -347,7 +348,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             settings = [float(d) for d in groups_digest(self.param_groups, exact)]
             flag = torch.tensor([1.0 if bad else 0.0] + settings, dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
-        at = 3 if self._average_gradients else 1
+        at = 4 if self._average_gradients else 1
         if flag[at:at + 2].tolist() != settings:
             raise ValueError(
                 f"{type(self).__name__}: the param groups' settings (lr, momentum, weight_decay, ...) differ between "
