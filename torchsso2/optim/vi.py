@@ -114,7 +114,11 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             there why). ``None``: start at the first batch's estimate (a batch's curvature with
             near-zero directions then gives huge first steps unless ``prior_precision`` or
             ``damping`` is large).
-        num_mc_samples: weight samples per step (the closure runs once per sample).
+        num_mc_samples: weight samples per step (the closure runs once per sample, each with its own
+            independent noise). The optimizer's parameters step with the mean gradient over the samples
+            and K-FAC averages each Kronecker factor over them; parameters outside the optimizer (a
+            network body under another optimizer) keep what the closures left in ``.grad``: the last
+            sample's gradient when the closure zeroes them, else the sum over the samples.
         kl_weighting: τ > 0, weight of the KL term; the posterior covariance is τ·(N·C + τδ + damping)⁻¹
             (τ < 1: a cold, narrower posterior).
         kl_clip: bound on the mean's step, see :data:`DEFAULT_VI_KL_CLIP` (default 0.1; ``None``: off).
