@@ -39,9 +39,10 @@ def train(model: nn.Module, steps: int = 6, batch: int = 3, tamper: Callable[[nn
     opt = SecondOrderOptimizer(model, lr=0.1, momentum=0.9, damping=0.1, curv_update_interval=2,
                                inv_update_interval=2, seed=0, **kw)
     gen = torch.Generator().manual_seed(1)
+    dtype = next(model.parameters()).dtype
     for _ in range(steps):
-        x = torch.randn(batch, 2, 20, generator=gen, dtype=torch.float64) if seq else \
-            torch.randn(batch, 20, generator=gen, dtype=torch.float64)
+        x = torch.randn(batch, 2, 20, generator=gen, dtype=dtype) if seq else \
+            torch.randn(batch, 20, generator=gen, dtype=dtype)
         y = torch.randint(0, 3, (batch,), generator=gen)
 
         def closure():
@@ -133,3 +134,25 @@ def test_recorder_skips_calls_whose_batch_cannot_pay() -> None:
         assert out.grad_fn is not None and (type(out.grad_fn).__name__ == "CloneBackward0") is pays
         if pays:
             assert lowrank.recorded_factors(cap, "lin")[0].shape == (batch, 30)
+
+
+@pytest.mark.parametrize("pen", [1e-6, 1e-5])
+def test_a_small_change_of_the_gradient_takes_the_dense_path(pen: float) -> None:
+    """A closure whose loss carries a small L2 penalty (or that adds ``c·θ`` to ``p.grad``): the gradient
+    differs from the recorded ``gᵀã`` by ~1e-6–1e-5 of it. The probe accepted mismatches up to 1e-3 of the
+    gradient, so the low-rank path dropped that part, which ``(C + λI)⁻¹`` amplifies in the directions
+    of little curvature (2% of the step at damping 1e-4); it now takes the dense path: the same step."""
+    def penalty(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.grad.add_(p.detach(), alpha=2 * pen)
+    fast, m1 = train(wide_model(), tamper=penalty)
+    dense, m2 = train(wide_model(), tamper=penalty, low_rank_solve=False)
+    assert fast.low_rank.num_low_rank == 0 and fast.low_rank.num_rejected >= 2 * 6
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_gradients_keep_the_low_rank_path() -> None:
+    """The probe's tolerance is the rounding of float32 sums: clean float32 gradients are not refused."""
+    fast, m1 = train(wide_model().float(), batch=3)
+    assert fast.low_rank.num_low_rank >= 2 * 6 and fast.low_rank.num_rejected == 0

@@ -10,16 +10,18 @@ costliest regime: small batches on wide layers). The rotation back stays dense.
 
 Safety: ``p.grad`` is what the optimizer must precondition, and a closure may change it after
 ``backward()`` (clipping, noise, accumulation). Each use is guarded by a probe: for a random
-vector ``r``, ``∇ r`` must equal ``gᵀ(ã r)`` to a relative ``PROBE_RTOL`` (8 units of the gradient's
-rounding for half precision: bfloat16 6e-2, float16 8e-3); otherwise (or when
-the hooks saw no single clean backward) the block takes the dense path. A residual that is
-orthogonal to ``r`` or below ``PROBE_RTOL`` of the gradient would go unnoticed; the probe is
-redrawn every step from the solver's own generator, so the optimizer's sampling stream is
-untouched.
+vector ``r``, ``∇ r`` must equal ``gᵀ(ã r)`` up to rounding: ``eps·(√R + √m')·‖|g|ᵀ(|ã| |r|)‖`` in the
+gradient's dtype times ``PROBE_BOUND`` (a bound on both sides' rounding; clean gradients reach ~0.025 of
+it), and at least 8 units
+of a half-precision gradient's rounding relative to ``‖∇ r‖`` (bfloat16 6e-2, float16 8e-3); otherwise
+(or when the hooks saw no single clean backward) the block takes the dense path. A residual that is
+orthogonal to ``r`` or within that rounding would go unnoticed; the probe is redrawn every step from
+the solver's own generator, so the optimizer's sampling stream is untouched.
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,8 +32,11 @@ from curvature.modules.linear import LinearFamily
 
 logger = logging.getLogger(__name__)
 
-#: relative mismatch between ``∇ r`` and ``gᵀ(ã r)`` above which the dense path is taken
-PROBE_RTOL = 1e-3
+#: the probe's least tolerance, in units of the gradient dtype's rounding relative to ``‖∇ r‖`` (half precision)
+PROBE_HALF_UNITS = 8.0
+#: the probe's tolerance as a fraction of ``eps·(√R + √m')·‖|g|ᵀ(|ã| |r|)‖``, a bound on both sides' rounding
+#: (clean float32/float64 gradients reach at most ~0.025 of it, also when the batch's gradients cancel)
+PROBE_BOUND = 0.25
 #: the low-rank rotation is used when its FLOPs are below this fraction of the dense rotation's
 COST_FRACTION = 0.75
 #: layers whose dense rotation ``n·m·(n + m)`` multiply-adds is below this are never hooked: there
@@ -135,7 +140,7 @@ class LowRankSolver:
             and blk.decomposition.get("method") == "eigen"
 
     def _probe(self, vecs: Sequence[Tensor], names: Sequence[str], g: Tensor, a: Tensor) -> bool:
-        # float32 or wider: a bfloat16 probe's own rounding (~4e-3) would exceed PROBE_RTOL
+        # float32 or wider: a bfloat16 probe's own rounding (~4e-3) would swamp the tolerance
         dt = torch.promote_types(torch.promote_types(g.dtype, a.dtype), torch.float32)
         r = torch.randn(a.shape[1], generator=self.generator, dtype=torch.float64).to(dt)
         by_name = dict(zip(names, vecs))
@@ -145,7 +150,11 @@ class LowRankSolver:
             u = u + by_name["bias"].to(dt) * r[-1]
         v = g.to(dt).t() @ (a.to(dt) @ r)
         scale = max(float(u.norm()), float(v.norm()))
-        # a half-precision gradient carries its own rounding (bfloat16: ~4e-3 of it): the tolerance is
-        # at least a few of its units, else the probe refuses every bfloat16 block
-        rtol = max(PROBE_RTOL, 8.0 * torch.finfo(by_name["weight"].dtype).eps)
-        return bool(torch.isfinite(u).all()) and float((u - v).norm()) <= rtol * scale
+        # the rounding of both sides is bounded by |g|ᵀ(|ã| |r|) (sums of R terms, then of m'): a mismatch
+        # above PROBE_BOUND·eps·(√R + √m')·that is a change of the gradient, not rounding (clean gradients stay
+        # below 3% of the bound, also when the batch's gradients cancel); a half-precision gradient carries its own
+        # rounding (bfloat16: ~4e-3 of it): at least 8 of its units, else every bfloat16 block is refused
+        eps = torch.finfo(by_name["weight"].dtype).eps
+        bound = float((g.to(dt).abs().t() @ (a.to(dt).abs() @ r.abs())).norm())
+        tol = max(PROBE_HALF_UNITS * eps * scale, PROBE_BOUND * eps * (math.sqrt(g.shape[0]) + math.sqrt(a.shape[1])) * bound)
+        return bool(torch.isfinite(u).all()) and float((u - v).norm()) <= tol
