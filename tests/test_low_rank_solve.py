@@ -156,3 +156,47 @@ def test_float32_gradients_keep_the_low_rank_path() -> None:
     """The probe's tolerance is the rounding of float32 sums: clean float32 gradients are not refused."""
     fast, m1 = train(wide_model().float(), batch=3)
     assert fast.low_rank.num_low_rank >= 2 * 6 and fast.low_rank.num_rejected == 0
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e-22])
+def test_huge_or_tiny_float32_gradients_changed_after_backward_take_the_dense_path(scale: float) -> None:
+    """A float32 norm of 1e20-sized entries overflows (the tolerance was inf) and one of 1e-25-sized
+    entries underflows (0 <= 0): a clip (p.grad halved) passed the probe. Norms are taken in float64."""
+    def clip(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+    torch.manual_seed(0)
+    model = wide_model().float()
+    opt = SecondOrderOptimizer(model, lr=1e-3 / max(scale, 1.0), damping=0.1, seed=0)
+    x, y = torch.randn(3, 20, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2])
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y) * scale
+        loss.backward()
+        clip(model)
+        return loss, out
+    opt.step(closure)
+    assert opt.low_rank.num_low_rank == 0 and opt.low_rank.num_rejected == 2
+
+
+def test_autocast_bfloat16_gradients_keep_the_low_rank_path() -> None:
+    """Under torch.autocast(bfloat16) a float32 gradient carries bfloat16's rounding: the probe's eps is
+    the coarsest of the recorded tensors' and the gradient's (float32's refused every block)."""
+    torch.manual_seed(0)
+    model = wide_model().float()
+    opt = SecondOrderOptimizer(model, lr=1e-3, damping=0.1, curv_update_interval=1, inv_update_interval=1, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(3, 20, generator=gen), torch.randint(0, 3, (3,), generator=gen)
+
+        def closure():
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = nn.functional.cross_entropy(out.float(), y)
+            loss.backward()
+            return loss, out
+        opt.step(closure)
+    assert opt.low_rank.num_low_rank == 2 * 4 and opt.low_rank.num_rejected == 0

@@ -11,8 +11,8 @@ costliest regime: small batches on wide layers). The rotation back stays dense.
 Safety: ``p.grad`` is what the optimizer must precondition, and a closure may change it after
 ``backward()`` (clipping, noise, accumulation). Each use is guarded by a probe: for a random
 vector ``r``, ``∇ r`` must equal ``gᵀ(ã r)`` up to rounding: ``eps·(√R + √m')·‖|g|ᵀ(|ã| |r|)‖`` in the
-gradient's dtype times ``PROBE_BOUND`` (a bound on both sides' rounding; clean gradients reach ~0.025 of
-it), and at least 8 units
+coarsest dtype of ``g``, ``ã`` and the gradient, times ``PROBE_BOUND`` (a bound on both sides' rounding;
+clean gradients reach ~0.05 of it), and at least 8 units
 of a half-precision gradient's rounding relative to ``‖∇ r‖`` (bfloat16 6e-2, float16 8e-3); otherwise
 (or when the hooks saw no single clean backward) the block takes the dense path. A residual that is
 orthogonal to ``r`` or within that rounding would go unnoticed; the probe is redrawn every step from
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 #: the probe's least tolerance, in units of the gradient dtype's rounding relative to ``‖∇ r‖`` (half precision)
 PROBE_HALF_UNITS = 8.0
 #: the probe's tolerance as a fraction of ``eps·(√R + √m')·‖|g|ᵀ(|ã| |r|)‖``, a bound on both sides' rounding
-#: (clean float32/float64 gradients reach at most ~0.025 of it, also when the batch's gradients cancel)
+#: (clean float32/float64 gradients reach at most ~0.05 of it, also when the batch's gradients cancel)
 PROBE_BOUND = 0.25
 #: the low-rank rotation is used when its FLOPs are below this fraction of the dense rotation's
 COST_FRACTION = 0.75
@@ -149,12 +149,18 @@ class LowRankSolver:
         if "bias" in by_name:
             u = u + by_name["bias"].to(dt) * r[-1]
         v = g.to(dt).t() @ (a.to(dt) @ r)
-        scale = max(float(u.norm()), float(v.norm()))
+        if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
+            return False
         # the rounding of both sides is bounded by |g|ᵀ(|ã| |r|) (sums of R terms, then of m'): a mismatch
         # above PROBE_BOUND·eps·(√R + √m')·that is a change of the gradient, not rounding (clean gradients stay
-        # below 3% of the bound, also when the batch's gradients cancel); a half-precision gradient carries its own
-        # rounding (bfloat16: ~4e-3 of it): at least 8 of its units, else every bfloat16 block is refused
-        eps = torch.finfo(by_name["weight"].dtype).eps
-        bound = float((g.to(dt).abs().t() @ (a.to(dt).abs() @ r.abs())).norm())
-        tol = max(PROBE_HALF_UNITS * eps * scale, PROBE_BOUND * eps * (math.sqrt(g.shape[0]) + math.sqrt(a.shape[1])) * bound)
-        return bool(torch.isfinite(u).all()) and float((u - v).norm()) <= tol
+        # below ~5% of the bound, also when the batch's gradients cancel). eps is the coarsest of the recorded
+        # g, ã and the gradient (under autocast a float32 gradient carries bfloat16's rounding); a
+        # half-precision gradient also gets at least 8 of its units relative to ‖∇r‖, else every bfloat16
+        # block is refused. Norms in float64: a float32 norm of 1e20-sized entries overflows (tolerance inf)
+        eps = max(torch.finfo(t).eps for t in (g.dtype, a.dtype, by_name["weight"].dtype))
+        bound_vec = g.to(dt).abs().t() @ (a.to(dt).abs() @ r.abs())
+        scale = max(float(u.double().norm()), float(v.double().norm()))
+        bound = float(bound_vec.double().norm())
+        tol = max(PROBE_HALF_UNITS * eps * scale,
+                  PROBE_BOUND * eps * (math.sqrt(g.shape[0]) + math.sqrt(a.shape[1])) * bound)
+        return math.isfinite(tol) and float((u - v).double().norm()) <= tol
