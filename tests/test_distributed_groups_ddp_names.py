@@ -56,6 +56,18 @@ def test_param_group_settings_are_compared_across_ranks(tmp_path) -> None:
     assert "param_groups[0] (rank 0: {lr: 0.05" in out and "rank 1: {lr: 0.5" in out, out[-3000:]
 
 
+#: the closure of both scripts below: the model, then a side layer outside it (a plain update)
+SIDE_CLOSURE = textwrap.dedent("""
+    def closure_of(m, side, opt):
+        def closure():
+            opt.zero_grad()
+            out = side(m(x))
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            return loss, out
+        return closure
+""")
+
 STEPS = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from torch import nn
@@ -64,6 +76,7 @@ STEPS = textwrap.dedent("""
     comm = get_communicator("torch")
     torch.manual_seed(0)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    # SIDE_CLOSURE
 
     def build(make, extra, ddp=False):
         torch.manual_seed(0)
@@ -76,15 +89,6 @@ STEPS = textwrap.dedent("""
         else:
             opt = VIOptimizer(m, dataset_size=80, lr=0.1, **extra)
         return m, side, opt
-
-    def closure_of(m, side, opt):
-        def closure():
-            opt.zero_grad()
-            out = side(m(x))
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            return loss, out
-        return closure
 
     for make in ("sso", "vi"):
         for case in ("same", "added", "schedule", "ddp-same", "ddp-added"):
@@ -105,7 +109,7 @@ STEPS = textwrap.dedent("""
             except ValueError as err:
                 print(f"rank {comm.rank} {make} {case} refused: {err}", flush=True)
     shutdown()
-""")
+""").replace("# SIDE_CLOSURE\n", SIDE_CLOSURE)
 
 
 def test_param_group_settings_are_compared_at_each_step(tmp_path) -> None:
@@ -160,6 +164,7 @@ THREE = textwrap.dedent("""
     comm = get_communicator("mpi")
     case = sys.argv[1]
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    # SIDE_CLOSURE
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     side = nn.Linear(3, 3, bias=False)
@@ -174,21 +179,15 @@ THREE = textwrap.dedent("""
         real = consistency._digest
         consistency._digest = lambda text: real(text) if text.startswith("salt:") or not text.startswith("[{") \\
             else [100, 50, 150][comm.rank]
-    def closure():
-        opt.zero_grad()
-        out = side(m(x))
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
     try:
-        opt.step(closure)
+        opt.step(closure_of(m, side, opt))
         print(f"rank {comm.rank} {case} stepped", flush=True)
     except (ValueError, RuntimeError) as err:  # the check's own error, or another rank's absence (other)
         why = "sizes" if "other numbers or sizes" in str(err) else "settings" if "differ between the ranks" in str(err) \
             else "other"
         print(f"rank {comm.rank} {case} refused: {why}", flush=True)
     shutdown()
-""")
+""").replace("# SIDE_CLOSURE\n", SIDE_CLOSURE)
 
 
 @pytest.mark.parametrize("case", ["settings", "sizes"])
