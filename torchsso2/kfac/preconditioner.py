@@ -18,7 +18,6 @@ factors, :mod:`curvature.linalg` for the decompositions), scaled as kfac_pytorch
 """
 from __future__ import annotations
 
-import copy
 import logging
 import numbers
 from collections import defaultdict
@@ -33,6 +32,7 @@ from curvature.engine import compile_advice, compiled_before_hooks, is_compiled
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
+from torchsso2.optim.copying import copy_fields
 
 from .arguments import check_dtype, resolve_grad_worker_fraction
 from .base_preconditioner import BaseKFACPreconditioner, parse_flag
@@ -337,15 +337,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         dropped from the copy), with its factors, decompositions and counters copied, so both continue
         identically. Copying the preconditioner alone copies its model too (as the native optimizers
         do). Not supported with several processes (a communicator cannot be copied): ``TypeError``."""
-        if self.comm.world_size > 1:
-            raise TypeError("copy.deepcopy of a KFACPreconditioner that communicates over several processes is not "
-                            "supported (its communicator cannot be copied); build a new one and load_state_dict("
-                            "precond.state_dict()) instead")
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key != "_handles":
-                new.__dict__[key] = copy.deepcopy(value, memo)
+        new = copy_fields(self, memo, "a KFACPreconditioner", "a new one", "precond", "_handles".__eq__)
         stale = {h.id for h in self._handles}
         for module in [layer.module for layer in new.layers.values()] + [new._model]:
             for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,

@@ -12,7 +12,6 @@ Subclasses implement ``step`` by composing the small functions of :mod:`torchsso
 """
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 import logging
 import math
@@ -43,6 +42,7 @@ from .precision import without_autocast
 from .misuse import ClosureWatch, check_model_argument
 from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
+from .copying import copy_fields
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
@@ -166,18 +166,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         random streams — so both continue identically. Copy the model and the optimizer together
         (``model2, opt2 = copy.deepcopy((model, opt))``) to get ``opt2.model is model2``. Not
         supported with several processes (a communicator cannot be copied): ``TypeError``."""
-        if self.comm.world_size > 1:
-            raise TypeError("copy.deepcopy of an optimizer that communicates over several processes is not supported "
-                            "(its communicator cannot be copied); build a new optimizer and load_state_dict("
-                            "opt.state_dict()) instead")
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key in _NOT_COPIED:  # as torch.optim's copies: no hooks, no scheduler's wrapper of step
-                if key.endswith("_hooks"):
-                    new.__dict__[key] = OrderedDict()
-                continue
-            new.__dict__[key] = copy.deepcopy(value, memo)
+        # as torch.optim's copies: no hooks, no scheduler's wrapper of step
+        new = copy_fields(self, memo, "an optimizer", "a new optimizer", "opt", _NOT_COPIED.__contains__)
+        for key in _NOT_COPIED.intersection(self.__dict__):
+            if key.endswith("_hooks"):
+                new.__dict__[key] = OrderedDict()
         return new
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -312,6 +305,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         dev = params[0].grad.device if params else \
             next((p.device for p in self.model.parameters()), torch.device("cpu"))
         dtype = params[0].grad.dtype if params else torch.float64
+        # the flag's sizes and digests modulo a number whose sum over the ranks the gradients' dtype holds exactly
+        # (the mean of equal values is then exact): 2^24 / W in float32, 2^8 / W in bfloat16; W above it: no check
+        digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
+        exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
+        settings = [float(d) for d in groups_digest(self.param_groups, exact)]
         if self._average_gradients:
             # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
@@ -320,13 +318,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             refuse_sparse([p.grad for p in every if p.grad is not None])  # before the collective flattens them
             lacking = [p.grad is None for p in every]
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
-            # the sizes modulo a number whose sum over the ranks the gradients' dtype holds exactly (the mean
-            # of equal sizes is then exact): 2^24 / W in float32, 2^8 / W in bfloat16; W above it: no check
-            digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
-            exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
             numel = sum(p.numel() for p in every)
             size = [float(len(every) % exact), float(numel % exact), float(sizes_digest(len(every), numel, exact))]
-            settings = [float(d) for d in groups_digest(self.param_groups, exact)]
             flag = torch.tensor([1.0 if bad else 0.0] + size + settings + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
             # the flag rides first in the gradients' bucket: its sizes line up on every rank even where the
@@ -344,8 +337,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
         else:
-            exact = max(1, 2 ** min(1 - int(math.log2(torch.finfo(dtype).eps)), 30) // self.comm.world_size)
-            settings = [float(d) for d in groups_digest(self.param_groups, exact)]
             flag = torch.tensor([1.0 if bad else 0.0] + settings, dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
         at = 4 if self._average_gradients else 1

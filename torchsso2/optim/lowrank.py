@@ -140,25 +140,27 @@ class LowRankSolver:
             and blk.decomposition.get("method") == "eigen"
 
     def _probe(self, vecs: Sequence[Tensor], names: Sequence[str], g: Tensor, a: Tensor) -> bool:
-        # float32 or wider: a bfloat16 probe's own rounding (~4e-3) would swamp the tolerance
+        by_name = dict(zip(names, vecs))
+        # the tolerance's rounding unit: the coarsest of the recorded g, ã and the gradient (under autocast a
+        # float32 gradient carries bfloat16's rounding); the probe itself runs in float32 or wider (a bfloat16
+        # probe's own rounding, ~4e-3, would swamp the tolerance)
+        eps = max(torch.finfo(t).eps for t in (g.dtype, a.dtype, by_name["weight"].dtype))
         dt = torch.promote_types(torch.promote_types(g.dtype, a.dtype), torch.float32)
         r = torch.randn(a.shape[1], generator=self.generator, dtype=torch.float64).to(dt)
-        by_name = dict(zip(names, vecs))
         w = by_name["weight"].reshape(g.shape[1], -1).to(dt)
         u = w @ r[:w.shape[1]]
         if "bias" in by_name:
             u = u + by_name["bias"].to(dt) * r[-1]
-        v = g.to(dt).t() @ (a.to(dt) @ r)
+        g, a = g.to(dt), a.to(dt)
+        v = g.t() @ (a @ r)
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
             return False
         # the rounding of both sides is bounded by |g|ᵀ(|ã| |r|) (sums of R terms, then of m'): a mismatch
         # above PROBE_BOUND·eps·(√R + √m')·that is a change of the gradient, not rounding (clean gradients stay
-        # below ~5% of the bound, also when the batch's gradients cancel). eps is the coarsest of the recorded
-        # g, ã and the gradient (under autocast a float32 gradient carries bfloat16's rounding); a
-        # half-precision gradient also gets at least 8 of its units relative to ‖∇r‖, else every bfloat16
-        # block is refused. Norms in float64: a float32 norm of 1e20-sized entries overflows (tolerance inf)
-        eps = max(torch.finfo(t).eps for t in (g.dtype, a.dtype, by_name["weight"].dtype))
-        bound_vec = g.to(dt).abs().t() @ (a.to(dt).abs() @ r.abs())
+        # below ~5% of the bound, also when the batch's gradients cancel); a half-precision gradient also gets
+        # at least 8 of its units relative to ‖∇r‖, else every bfloat16 block is refused. Norms in float64: a
+        # float32 norm of 1e20-sized entries overflows (tolerance inf)
+        bound_vec = g.abs().t() @ (a.abs() @ r.abs())
         scale = max(float(u.double().norm()), float(v.double().norm()))
         bound = float(bound_vec.double().norm())
         tol = max(PROBE_HALF_UNITS * eps * scale,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
+from curvature.likelihoods import check_targets
 from curvature.options import Kind
 
 from .settings import CurvatureSettings
@@ -39,8 +40,6 @@ from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
 from .steps import add_weight_decay
-from curvature.likelihoods import check_targets
-
 from .validation import MAX_LR, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
