@@ -9,7 +9,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -77,6 +77,19 @@ def run_gloo_ranks(worker: ModuleType, world_size: int, out_dir: Path, deadline_
 #: interpreter finalizes aborts the process) hits a rank *after* the script finished, rarely (once in
 #: ~20 torchrun runs here, after shutdown() had destroyed the group)
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun_script(tmp_path: Path, name: str, text: str, *args: str, ranks: int = 2,
+                    timeout: float = 240.0) -> Tuple[int, str]:
+    """Write ``text`` to ``tmp_path/name`` and run it with ``args`` on ``ranks`` gloo ranks under torchrun
+    (one OpenMP thread, the repository importable, a 60 s collective timeout); ``(exit code, stdout + stderr)``."""
+    script = tmp_path / name
+    script.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                           str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                               "TORCHSSO2_DIST_TIMEOUT": "60"})
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def launch_example(prefix: Sequence[str], script: str, *args: str, timeout: float = 180.0,

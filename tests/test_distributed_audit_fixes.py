@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_utils import REPO
+from dist_utils import REPO, torchrun_script
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 DDP_ROUNDTRIP = textwrap.dedent("""
@@ -131,14 +131,8 @@ LOW_PRECISION = textwrap.dedent("""
 def test_the_rank_agreement_flag_holds_in_low_precision_on_three_ranks(tmp_path, dtype: str) -> None:
     """The flag's parameter count and size are all-reduced in the gradients' dtype: identical ranks must
     agree (bfloat16 rounded a 3-rank sum of 190 and every rank raised)."""
-    script = tmp_path / "flag.py"
-    script.write_text(LOW_PRECISION)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-                           str(script), dtype], cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
-                               "TORCHSSO2_DIST_TIMEOUT": "60"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    code, out = torchrun_script(tmp_path, "flag.py", LOW_PRECISION, dtype, ranks=3)
+    assert code == 0, out[-3000:]
     assert all(f"rank {r} stepped 2" in out for r in range(3)), out[-3000:]
 
 
@@ -170,12 +164,6 @@ SPARSE_TWO_RANKS = textwrap.dedent("""
 
 
 def test_a_sparse_gradient_is_refused_before_the_all_reduce(tmp_path) -> None:
-    script = tmp_path / "sparse.py"
-    script.write_text(SPARSE_TWO_RANKS)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
-                               "TORCHSSO2_DIST_TIMEOUT": "60"})
-    out = proc.stdout + proc.stderr
+    _, out = torchrun_script(tmp_path, "sparse.py", SPARSE_TWO_RANKS)
     for r in range(2):
         assert f"rank {r} TypeError: a torch.sparse_coo tensor" in out, out[-3000:]

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from dist_utils import REPO, mpi_env, require_mpiexec
+from dist_utils import REPO, mpi_env, require_mpiexec, torchrun_script
 
 GROUPS = textwrap.dedent("""
     import torch, torch.nn.functional as F
@@ -37,14 +37,8 @@ GROUPS = textwrap.dedent("""
 
 def _torchrun_two_ranks(tmp_path, name: str, text: str) -> str:  # noqa: ANN001
     """Run ``text`` as a script on 2 gloo ranks under torchrun; its output (asserting a clean exit)."""
-    script = tmp_path / name
-    script.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
-                               "TORCHSSO2_DIST_TIMEOUT": "60"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    code, out = torchrun_script(tmp_path, name, text, timeout=300)
+    assert code == 0, out[-3000:]
     return out
 
 

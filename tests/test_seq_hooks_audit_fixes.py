@@ -16,6 +16,7 @@ from torch.func import functional_call, grad, hessian, jacrev, vmap
 import curvature
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
+from optim_helpers import make_closure
 
 V, D, C = 6, 3, 3
 
@@ -290,14 +291,7 @@ def test_torch_func_transforms_inside_the_closure_are_left_alone(make: str) -> N
         opt = SecondOrderOptimizer(model, lr=0.1) if make == "sso" else VIOptimizer(model, dataset_size=100, lr=0.1,
                                                                                    seed=0)
 
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            if extra:
-                logging_transforms(model)
-            return loss, out
+        closure = make_closure(opt, model, x, y, after_backward=(lambda: logging_transforms(model)) if extra else None)
         torch.manual_seed(0)
         for _ in range(3):
             opt.step(closure)
@@ -359,15 +353,10 @@ def test_vi_curvature_overflow_is_a_skipped_step(kwargs: Dict) -> None:
         for i in range(6):
             x, y = batch(i)
             for bad in ([True, False] if i == bad_at else [False]):
-                def closure():
-                    o.zero_grad()
-                    out = m(x)
-                    loss = F.cross_entropy(out, y)
-                    loss.backward()
+                def huge(bad: bool = bad) -> None:
                     if bad:
                         m[2].weight.grad[0, 0] = 1e30
-                    return loss, out
-                o.step(closure)
+                o.step(make_closure(o, m, x, y, after_backward=huge))
         return m, o
 
     ma, oa = run()
@@ -499,21 +488,12 @@ def test_vi_debias_after_a_failed_first_decomposition() -> None:
     opt = VIOptimizer(model, dataset_size=50, lr=lr, momentum=mom, curvature="hessian", approx="full", loss="mse",
                       prior_precision=delta, curvature_init=None, ema_decay=0.0, kl_clip=None, momentum_debias=True)
 
-    def closure_for(y: Tensor):
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            loss = 0.5 * (out - y).pow(2).sum(1).mean()
-            loss.backward()
-            return loss, out
-        return closure
-
-    opt.step(closure_for(y_far), targets=y_far)
+    opt.step(make_closure(opt, model, x, y_far, "mse"), targets=y_far)
     assert (opt.num_steps, opt.num_skipped) == (0, 1)
     mu1 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     loss = 0.5 * (model(x) - y_fit).pow(2).sum(1).mean()
     g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, list(model.parameters()))])
-    opt.step(closure_for(y_fit), targets=y_fit)
+    opt.step(make_closure(opt, model, x, y_fit, "mse"), targets=y_fit)
     mu2 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     expected = mu1 - lr / (1 - mom) * n * torch.linalg.solve(opt.posterior_precision(), g + delta / n * mu1)
     torch.testing.assert_close(mu2, expected, rtol=1e-10, atol=1e-13)
@@ -534,14 +514,8 @@ def test_masked_logits_and_broadcast_queries_stay_supported() -> None:
     assert _rel(c.dense(), _ggn(f, theta) * _block_mask([30, 35])) < 1e-10
     opt = SecondOrderOptimizer(masked, lr=0.1)
 
-    def closure():
-        opt.zero_grad()
-        out = masked(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
     for _ in range(3):
-        opt.step(closure)
+        opt.step(make_closure(opt, masked, x, y))
     assert (opt.num_steps, opt.num_skipped) == (3, 0)
 
     class Queries(nn.Module):
@@ -628,14 +602,8 @@ def test_sso_failed_first_decomposition_is_a_skipped_step() -> None:
     opt = SecondOrderOptimizer(model, curvature="hessian", approx="full", loss="mse", damping=1e-6, kl_clip=None,
                                curv_update_interval=2, inv_update_interval=2)
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = 0.5 * (out - y_far).pow(2).sum(1).mean()
-        loss.backward()
-        return loss, out
     before = [p.detach().clone() for p in model.parameters()]
-    opt.step(closure, targets=y_far)
+    opt.step(make_closure(opt, model, x, y_far, "mse"), targets=y_far)
     assert (opt.num_steps, opt.num_skipped) == (0, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -699,13 +667,7 @@ def test_vi_resumed_after_a_failed_first_decomposition_counts_as_the_uninterrupt
         m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
         opt, counts = make(m), []
         for i, (x, y) in enumerate(zip(batches, targets)):
-            def closure():
-                opt.zero_grad()
-                out = m(x)
-                loss = 0.5 * ((out - y) ** 2).sum(1).mean()
-                loss.backward()
-                return loss, out
-            opt.step(closure, targets=y)
+            opt.step(make_closure(opt, m, x, y, "mse"), targets=y)
             if resume and i == 0:
                 buf = io.BytesIO()
                 torch.save({"m": m.state_dict(), "o": opt.state_dict()}, buf)
