@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -55,6 +56,18 @@ def _matches(key: Union[str, type], name: str, module: nn.Module, plain: Optiona
         raise TypeError(f"selector keys must be module types or strings, got {key!r}")
     return type(module).__name__ == key or re.search(key, name) is not None \
         or (plain is not None and plain != name and re.search(key, plain) is not None)
+
+
+def _warn_unmatched(model: nn.Module, skip: Sequence[Union[str, type]], wrapped: bool) -> None:
+    """Warn about each ``skip_modules`` entry that picks no module of ``model`` (a typo, or a name
+    regex written for another model), so that a layer meant to be left out is not covered silently."""
+    modules = list(model.named_modules())
+    for key in skip:
+        if not any(_matches(key, name, module, unwrapped_name(name) if wrapped else None) for name, module in modules):
+            what = key.__name__ if isinstance(key, type) else repr(key)
+            warnings.warn(f"skip_modules entry {what} matches no module of the model (it is matched against the "
+                          f"module names of model.named_modules(), e.g. {[n for n, _ in modules[1:4]]}, and their "
+                          "class names); nothing is skipped for it", UserWarning, stacklevel=3)
 
 
 def _default_approx(module: nn.Module) -> Approx:
@@ -258,6 +271,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         shapes[name] = shape
     for owner_name, uses in tied.items():
         layouts[owner_name].tied = tuple(uses)
+    _warn_unmatched(model, skip, wrapped)
     if not layouts:
         raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
                          "LayerNorm, Embedding, MultiheadAttention) and trainable parameters"

@@ -626,3 +626,33 @@ def test_lm_ratio_counts_the_weight_decay_the_model_predicts():
     for _ in range(4):
         opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
         assert opt.lm.last_rho == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_objective_bound_counts_the_weight_decay():
+    """A least-squares fit that is almost exact but has large weights, with weight decay 0.5: the
+    damped quadratic model of the objective (loss + ½·wd·‖θ‖²) predicts a decrease far above the
+    loss yet below the objective, so the step is the model's full minimiser, unscaled:
+    θ + α*·Δ with Δ = (H + λI)⁻¹ d, d = g + wd·θ, α* = −Δᵀd / Δᵀ(H + λ + wd)Δ (float64, by hand)."""
+    torch.manual_seed(0)
+    n, wd, lam = 32, 0.5, 1e-3
+    x = torch.randn(n, 3, dtype=torch.float64)
+    w_true = torch.tensor([[5.0, -4.0, 3.0]], dtype=torch.float64)
+    y = x @ w_true.t() + 2.0
+    model = nn.Linear(3, 1).double()
+    with torch.no_grad():
+        model.weight.copy_(w_true + 1e-3)
+        model.bias.fill_(2.0)
+    theta0 = param_vec(model)
+    xt = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
+    hess = xt.t() @ xt / n
+    d = xt.t() @ (xt @ theta0 - y.reshape(-1)) / n + wd * theta0
+    delta = torch.linalg.solve(hess + lam * torch.eye(4, dtype=torch.float64), d)
+    curv = float(delta @ hess @ delta + (lam + wd) * delta @ delta)
+    alpha = -float(delta @ d) / curv
+    loss0 = float(nll("mse", model(x), y).detach())
+    decrease = 0.5 * float(delta @ d) ** 2 / curv
+    assert loss0 < decrease < loss0 + 0.5 * wd * float(theta0 @ theta0)  # the case the test is about
+    opt = SecondOrderOptimizer(model, lr=0.1, curvature="hessian", approx="full", loss="mse", damping=lam,
+                               weight_decay=wd, use_adaptive_learning_rate=True)
+    opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
+    torch.testing.assert_close(param_vec(model), theta0 + alpha * delta, rtol=0, atol=1e-9)

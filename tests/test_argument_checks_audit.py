@@ -29,6 +29,22 @@ def test_skip_modules_that_is_not_a_list_is_named() -> None:
         SecondOrderOptimizer(model, skip_modules=3)
 
 
+@pytest.mark.parametrize("build", [
+    lambda model, skip: curvature.compute(model, torch.randn(4, 3), torch.randint(0, 2, (4,)), skip_modules=skip),
+    lambda model, skip: SecondOrderOptimizer(model, skip_modules=skip),
+    lambda model, skip: VIOptimizer(model, dataset_size=10, skip_modules=skip),
+])
+def test_a_skip_modules_entry_matching_no_module_warns(build) -> None:
+    """A typo (``"fc3"`` in a model whose layers are ``0`` and ``2``) would leave the layer covered
+    without a word: each entry that picks no module is named in a warning; the others do not warn."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"skip_modules entry 'fc3' matches no module .*\['0', '1', '2'\]") as rec:
+        build(model, ["fc3", "^2$", nn.Tanh])
+    assert len([w for w in rec if "skip_modules entry" in str(w.message)]) == 1
+    with pytest.warns(UserWarning, match="skip_modules entry Embedding matches no module"):
+        build(model, [nn.Embedding])
+
+
 @pytest.mark.parametrize("kwargs,error", [
     (dict(min_damping="abc"), TypeError), (dict(min_damping=float("nan")), ValueError),
     (dict(min_damping=-1.0), ValueError), (dict(damping_adaptation_decay=1.5), ValueError),

@@ -52,15 +52,17 @@ def test_first_step_equals_hand_update(approx):
     assert torch.allclose(param_vec(model), mu0 - lr * step, rtol=1e-9, atol=1e-12)
 
 
-def test_uncovered_params_keep_a_point_estimate():
-    """skip_modules: fc2 gets μ ← μ − lr·(N·g + τδ·μ)/N and is never sampled."""
+@pytest.mark.parametrize("kl_clip", [0.1, None])
+def test_uncovered_params_keep_a_point_estimate(kl_clip):
+    """skip_modules: fc2 gets μ ← μ − lr·(N·g + τδ·μ)/N and is never sampled (the default KL clip
+    is inactive here; ``kl_clip=None`` takes the update's other path)."""
     model, (x, y) = tiny_mlp(), batch()
     lr, delta = 0.05, 3.0
     step, r, _ = hand_vi_direction(model, x, y, approx="kfac", n=N_DATA, tau_delta=delta, damping=0.0,
                                    skip_modules=["fc2"])
     mu0 = param_vec(model)
     opt = VIOptimizer(model, curvature_init=None, dataset_size=N_DATA, lr=lr, curvature="fisher", approx="kfac", prior_precision=delta,
-                      skip_modules=["fc2"], momentum=0.0)
+                      skip_modules=["fc2"], momentum=0.0, kl_clip=kl_clip)
     closure = make_closure(opt, model, x, y)
     opt.step(closure)
     assert torch.allclose(param_vec(model), mu0 - lr * step, rtol=1e-9, atol=1e-12)
@@ -453,24 +455,34 @@ def test_first_step_starts_the_ema_at_curvature_init(approx):
 
 
 
+@pytest.mark.parametrize("group_lrs", [None, (0.05, 0.5)])
 @pytest.mark.parametrize("approx", ["diag", "kfac"])
-def test_kl_clip_scales_the_mean_step(approx):
+def test_kl_clip_scales_the_mean_step(approx, group_lrs):
     """First step (EMA from the first batch, no noise) with an active KL clip: u = P⁻¹r on covered
-    params (r = N·g + τδ·μ0), the mean-loss momentum m = r/N, ν = √(kl_clip / (lr²·uᵀm)),
-    μ1 = μ0 − ν·lr·u; with a huge kl_clip ν = 1 (the unclipped step). fc3 is left out of the
-    posterior: u = m there, inside the same sum."""
+    params (r = N·g + τδ·μ0), the mean-loss momentum m = r/N, ν = √(kl_clip / Σᵢ lrᵢ²·uᵢmᵢ) (lrᵢ the
+    lr of parameter i's group), μ1 = μ0 − ν·lr·u; with a huge kl_clip ν = 1 (the unclipped step).
+    fc2 is left out of the posterior: u = m there, inside the same sum. ``group_lrs``: fc1 and fc2
+    in two param groups of these lrs (else one group at lr 0.05)."""
     for kl, clipped in [(1e-6, True), (1e6, False)]:
         model, (x, y) = tiny_mlp(), batch()
         lr, delta = 0.05, 2.0
         step, r, _ = hand_vi_direction(model, x, y, approx=approx, n=N_DATA, tau_delta=delta, damping=0.0,
-                                       skip_modules=["fc3"])
+                                       skip_modules=["fc2"])
         mu0 = param_vec(model)
-        opt = VIOptimizer(model, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx,
-                          prior_precision=delta, curvature_init=None, kl_clip=kl, skip_modules=["fc3"])
+        lrs = torch.full_like(mu0, lr)
+        params = None
+        if group_lrs is not None:
+            params = [{"params": list(model.fc1.parameters()), "lr": group_lrs[0]},
+                      {"params": list(model.fc2.parameters()), "lr": group_lrs[1]}]
+            off = offsets(model)
+            lrs[off[id(model.fc1.weight)].start:off[id(model.fc1.bias)].stop] = group_lrs[0]
+            lrs[off[id(model.fc2.weight)].start:off[id(model.fc2.bias)].stop] = group_lrs[1]
+        opt = VIOptimizer(model, params=params, dataset_size=N_DATA, lr=lr, curvature="fisher", approx=approx,
+                          prior_precision=delta, curvature_init=None, kl_clip=kl, skip_modules=["fc2"])
         opt.step(make_closure(opt, model, x, y))
-        nu = min(1.0, (kl / (lr * lr * float(step @ (r / N_DATA)))) ** 0.5)
+        nu = min(1.0, (kl / float((lrs * lrs * step) @ (r / N_DATA))) ** 0.5)
         assert (nu < 0.1) if clipped else (nu == 1.0)
-        assert torch.allclose(param_vec(model), mu0 - nu * lr * step, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(param_vec(model), mu0 - nu * lrs * step, rtol=1e-9, atol=1e-12)
 
 
 def test_bayesian_linear_regression_with_the_default_reparam_curvature():
