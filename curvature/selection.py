@@ -10,8 +10,11 @@ A plain ``"kfac"`` applies to the families where K-FAC is defined; norm layers t
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import warnings
+from pathlib import Path
 from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -62,12 +65,29 @@ def _warn_unmatched(model: nn.Module, skip: Sequence[Union[str, type]], wrapped:
     """Warn about each ``skip_modules`` entry that picks no module of ``model`` (a typo, or a name
     regex written for another model), so that a layer meant to be left out is not covered silently."""
     modules = list(model.named_modules())
+    names = [n for n, _ in modules if n][:3]
     for key in skip:
         if not any(_matches(key, name, module, unwrapped_name(name) if wrapped else None) for name, module in modules):
             what = key.__name__ if isinstance(key, type) else repr(key)
-            warnings.warn(f"skip_modules entry {what} matches no module of the model (it is matched against the "
-                          f"module names of model.named_modules(), e.g. {[n for n, _ in modules[1:4]]}, and their "
-                          "class names); nothing is skipped for it", UserWarning, stacklevel=3)
+            seen = f"e.g. {names}" if names else "the model has no submodules"
+            warnings.warn(f"skip_modules entry {what} matches no module of the model: entries are matched against "
+                          f"the names in model.named_modules() ({seen}) and the modules' class names; nothing is "
+                          "skipped for it", UserWarning,
+                          stacklevel=_caller_stacklevel())
+
+
+#: the library's package directories (``curvature`` and ``torchsso2`` sit side by side): frames in
+#: them are not the user's (:func:`_caller_stacklevel`)
+_LIBRARY_DIRS = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep for d in ("curvature", "torchsso2"))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in this module's caller) of the first frame outside
+    this library: the user's line that built the optimizer or called ``curvature.compute``."""
+    frame, level = sys._getframe(2), 2  # the frame of the function that calls warnings.warn
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _default_approx(module: nn.Module) -> Approx:
@@ -169,6 +189,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     fallback_logged = False
     skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
     wrapped = _is_wrapper(model)
+    _warn_unmatched(model, skip, wrapped)  # before a module the entry was meant to skip raises below
     for name, module in model.named_modules():
         if any(name.startswith(f"{s}.") or not s for s in skipped):
             continue
@@ -271,7 +292,6 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         shapes[name] = shape
     for owner_name, uses in tied.items():
         layouts[owner_name].tied = tuple(uses)
-    _warn_unmatched(model, skip, wrapped)
     if not layouts:
         raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
                          "LayerNorm, Embedding, MultiheadAttention) and trainable parameters"

@@ -40,9 +40,18 @@ def test_a_skip_modules_entry_matching_no_module_warns(build) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match=r"skip_modules entry 'fc3' matches no module .*\['0', '1', '2'\]") as rec:
         build(model, ["fc3", "^2$", nn.Tanh])
-    assert len([w for w in rec if "skip_modules entry" in str(w.message)]) == 1
+    ours = [w for w in rec if "skip_modules entry" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # attributed to the caller's line, not the library's
     with pytest.warns(UserWarning, match="skip_modules entry Embedding matches no module"):
         build(model, [nn.Embedding])
+
+
+def test_a_mistyped_skip_warns_before_the_module_it_was_meant_for_raises() -> None:
+    """The typo's warning comes even when the module it was meant to skip then stops the construction."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.PReLU())
+    with pytest.warns(UserWarning, match="skip_modules entry '\\^11\\$' matches no module"):
+        with pytest.raises(ValueError, match="PReLU has trainable parameters"):
+            SecondOrderOptimizer(model, skip_modules=["^11$"])
 
 
 @pytest.mark.parametrize("kwargs,error", [

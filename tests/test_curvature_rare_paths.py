@@ -5,8 +5,9 @@ of the suite still passed): the empirical Fisher from a backward of a scaled los
 what the optimizers pass for a GradScaler or a summed loss) and from a loss backpropagated in two
 parts, per-sequence gradients of a head on ``N·T`` rows when the rows exceed the engine's example
 chunk and ``T`` does not divide it, the Hessian block of a module whose output does not reach the
-loss, a module frozen after the engine was built, the diagonal Hessian's coupled-example check in
-float32, and BatchNorm without running statistics in eval mode (it normalizes with the batch).
+loss, a module frozen after the engine was built, and BatchNorm without running statistics in eval
+mode (it normalizes with the batch). The diagonal Hessian's coupled-example check in float32 is in
+tests/test_hessian_diag_audit.py.
 """
 from __future__ import annotations
 
@@ -150,35 +151,6 @@ def test_a_module_frozen_after_the_engine_was_built_has_a_zero_block():
     assert not blocks["0"].dense().any()
     ref = Reference(model, x, y, "cross_entropy")  # covers the trainable parameters only
     torch.testing.assert_close(blocks["2"].dense(), ref.dense("fisher"), rtol=1e-10, atol=1e-12)
-
-
-class _Coupled(nn.Module):
-    """Examples coupled through the batch (centring, or BatchNorm's batch statistics)."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.how = nn.Linear(4, 3), nn.Linear(3, 3), how
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        h = F.batch_norm(h, None, None, training=True) if self.how == "batch_norm" else h - h.mean(0)
-        return self.fc2(torch.tanh(h))
-
-
-@pytest.mark.parametrize("how", ["centring", "batch_norm"])
-def test_float32_hessian_diagonal_sees_coupled_examples(how):
-    """In float32 the check that examples are independent must still see the coupling (else the
-    per-example diagonal misses the cross-example terms): against the float64 Hessian's diagonal."""
-    torch.manual_seed(0)
-    model = _Coupled(how)
-    gen = torch.Generator().manual_seed(3)
-    x, y = torch.randn(5, 4, generator=gen), torch.randint(0, 3, (5,), generator=gen)
-    got = curvature.compute(model, x, y, kind="hessian", approx="diag").blocks["fc1"].dense().diagonal().double()
-    ref = Reference(_Coupled(how).double(), x.double(), y, "cross_entropy")
-    ref.model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    ref = Reference(ref.model, x.double(), y, "cross_entropy")
-    want = _block(ref, ref.dense("hessian"), "fc1").diagonal()
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_batchnorm_without_running_statistics_in_eval_mode():

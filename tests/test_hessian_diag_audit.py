@@ -52,6 +52,20 @@ def test_coupled_examples_are_seen_at_every_batch_size(how: str, n: int) -> None
     torch.testing.assert_close(got, _reference_diag(model, x, y, model.fc1), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["batch_norm", "centring"])
+def test_coupled_examples_are_seen_in_float32(how: str) -> None:
+    """The check that examples are independent holds in float32's rounding too (else the per-example
+    diagonal misses the cross-example terms): against the Hessian's diagonal of a float64 copy."""
+    torch.manual_seed(0)
+    model = _Coupled(how)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    got = curvature.compute(model, x, y, kind="hessian", approx="diag").blocks["fc1"].dense().diagonal()
+    m64 = _Coupled(how).double()
+    m64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    want = _reference_diag(m64, x.double(), y, m64.fc1)
+    assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 class _TiedHeadFirst(nn.Module):  # the head is registered first: it owns the weight the embedding uses before it
     def __init__(self) -> None:
         super().__init__()

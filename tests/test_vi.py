@@ -460,7 +460,7 @@ def test_first_step_starts_the_ema_at_curvature_init(approx):
 def test_kl_clip_scales_the_mean_step(approx, group_lrs):
     """First step (EMA from the first batch, no noise) with an active KL clip: u = P⁻¹r on covered
     params (r = N·g + τδ·μ0), the mean-loss momentum m = r/N, ν = √(kl_clip / Σᵢ lrᵢ²·uᵢmᵢ) (lrᵢ the
-    lr of parameter i's group), μ1 = μ0 − ν·lr·u; with a huge kl_clip ν = 1 (the unclipped step).
+    lr of parameter i's group), μ1 = μ0 − ν·lrᵢ·uᵢ; with a huge kl_clip ν = 1 (the unclipped step).
     fc2 is left out of the posterior: u = m there, inside the same sum. ``group_lrs``: fc1 and fc2
     in two param groups of these lrs (else one group at lr 0.05)."""
     for kl, clipped in [(1e-6, True), (1e6, False)]:
