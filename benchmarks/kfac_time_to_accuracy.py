@@ -284,7 +284,8 @@ def run_setting(model_kind: str, batch: int, data: Dict[str, Tensor], grid: Dict
                     again = train(m, e["point"], model_kind, data, batch, seed, target, max_epochs, time_cap)
                     first = e["runs"][seed_pos]
                     if again["seconds"] is not None and (first["seconds"] is None or again["seconds"] < first["seconds"]):
-                        e["runs"][seed_pos] = {**first, "seconds": again["seconds"], "curve": again["curve"]}
+                        e["runs"][seed_pos] = again  # epochs and seconds of one run (a sweep run past --time-cap
+                        # missed: its epochs were None)
     best: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:  # no finalist (no point reached on the median seed): the point reaching on the most seeds
         entries = finalists[m] or [e for e in sweep if e["method"] == m]

@@ -267,13 +267,14 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
                                 window, r + 1, args.repeats)
                     times[spec.name] += time_training_steps(model, opt, x, y, window, 1, warmup=3 if r == 0 else 0)
             base: Dict[str, float] = {}
+            for name in ("sgd", "adam"):  # both baselines before any row (SGD's own row has its ratio to Adam)
+                if name in times:
+                    base[name] = summarize(times[name])["min_s"]
+                    base[name + "_median"] = summarize(times[name])["median_s"]
             for spec, model, opt, window in runs:
                 key = f"{mspec.name} B={batch} {spec.name}"
                 nskip = getattr(opt, "num_skipped", 0)
                 s = summarize(times[spec.name])
-                if spec.name in ("sgd", "adam"):
-                    base[spec.name] = s["min_s"]
-                    base[spec.name + "_median"] = s["median_s"]
                 row = {"model": mspec.name, "batch": batch, "optimizer": spec.name, "window_steps": window, **s,
                        "ratio_sgd_min": s["min_s"] / base["sgd"] if "sgd" in base else None,
                        "ratio_sgd_median": s["median_s"] / base["sgd_median"] if "sgd" in base else None,

@@ -205,3 +205,16 @@ def test_summary_lists_layers_workers_and_loads() -> None:
         assert f"\n{rank}    " in text
     assert "grad workers/layer=2" in text and "COMPUTE" in text
     assert "broadcast inverses: True, broadcast gradients: True" in text
+
+
+@pytest.mark.parametrize(
+    "world, fraction",
+    [(6, 0.3333333333), (9, 0.3333333333), (12, 0.3333333333), (8, 0.5), (3, 1 / 3), (4, 0.2500000001)],
+)
+def test_grad_worker_count_rounds_a_product_within_tolerance(world: int, fraction: float) -> None:
+    """world * fraction within 1e-6 of an integer is accepted and rounded to it, not truncated
+    (6 * 0.3333333333 = 1.9999999998 -> 2 workers, not 1). Reference: round(world * fraction), which
+    must also divide world (the documented contract)."""
+    want = max(1, round(world * fraction))
+    assert abs(world * fraction - want) < 1e-6 and world % want == 0  # the premise: a legal input
+    assert grad_worker_count(world, fraction) == want

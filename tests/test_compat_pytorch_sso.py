@@ -501,3 +501,22 @@ def test_prior_ramp_before_any_update_and_decay_buffer_dtype() -> None:
     model.double()
     opt.step(make_closure(opt, model, x, y))
     assert opt.state[model[0].weight]["sso_decay_buffer"].dtype == torch.float64
+
+
+def test_vi_kron_init_precision_is_the_per_example_curvature_start() -> None:
+    """As test_vi_init_precision_is_the_per_example_curvature_start, with 'Kron' blocks: PyTorch-SSO's
+    element_wise_init starts each Kronecker factor at √init·I, so A ⊗ G = init·I and the posterior
+    precision before any step is (N/kl)(init + λ)·I over all 26 parameters (weights and biases; a factor
+    started at init·I would give init²). Reference: the hand formula in float64; 1e-12 is rounding."""
+    n_data, damping, kl, var, init, beta = 50, 1e-3, 0.5, 2.0, 8e-3, 0.3
+    model = _mlp()
+    opt = VIOptimizer(model, n_data, "Cov", {"Linear": "Kron"}, {"damping": damping, "ema_decay": beta},
+                      kl_weighting=kl, prior_variance=var, init_precision=init)
+    for name in ("0", "2"):
+        block = opt.running.blocks[name]
+        torch.testing.assert_close(torch.kron(block.A, block.G),
+                                   init * torch.eye(block.A.shape[0] * block.G.shape[0], dtype=torch.float64),
+                                   rtol=1e-12, atol=1e-15)
+    prec = opt.posterior_precision()
+    torch.testing.assert_close(prec, n_data / kl * (init + damping) * torch.eye(26, dtype=torch.float64),
+                               rtol=1e-12, atol=1e-12)

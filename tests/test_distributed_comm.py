@@ -393,3 +393,38 @@ def test_launcher_detection_reads_only_the_environment() -> None:
     assert mpi_launch_size({"OMPI_COMM_WORLD_SIZE": "2"}) == 2
     assert torchrun_world_size({"WORLD_SIZE": "8", "RANK": "0", "MASTER_ADDR": "h"}) == 8
     assert torchrun_world_size({"WORLD_SIZE": "8"}) == 0
+
+
+def test_bucket_cap_mb_counts_mebibytes() -> None:
+    """bucket_cap_mb is in MiB (2**20 bytes, as DistributedDataParallel and bucketing.MIB): two float32
+    tensors of 2**17 elements (2 × 0.5 MiB = exactly 1 MiB) fit one bucket at bucket_cap_mb=1, one element
+    more does not; on a fake 2-rank world whose other rank holds the same values the mean is unchanged.
+    Reference: the byte count by hand (a 10**6-byte "MB" would split the first pair too)."""
+    from torchsso2.distributed.communicator import BucketedCommunicator
+
+    class TwoIdenticalRanks(BucketedCommunicator):  # the sum over 2 equal ranks is 2 × the local values
+        def __init__(self) -> None:
+            super().__init__(0, 2)
+
+        def barrier(self) -> None:
+            pass
+
+        def _allreduce_sum_(self, buffer: torch.Tensor) -> int:
+            buffer.mul_(2)
+            return buffer.numel() * buffer.element_size()
+
+        def _broadcast_(self, buffer, src, members, handle) -> int:  # noqa: ANN001
+            return buffer.numel() * buffer.element_size()
+
+        def _make_group_handle(self, ranks):  # noqa: ANN001, ANN202
+            return None
+
+    g = torch.Generator().manual_seed(0)
+    for n, collectives in ((2 ** 17, 1), (2 ** 17 + 1, 2)):
+        comm = TwoIdenticalRanks()
+        ts = [torch.randn(2 ** 17, generator=g), torch.randn(n, generator=g)]
+        ref = [t.clone() for t in ts]
+        comm.allreduce(ts, op="mean", bucket_cap_mb=1.0)
+        assert comm.num_collectives == collectives, n
+        assert comm.bytes_sent == 4 * (2 ** 17 + n)
+        assert all(torch.equal(a, b) for a, b in zip(ts, ref))

@@ -117,6 +117,9 @@ def test_step_overhead_quick(tmp_path: Path) -> None:
     names = {r["optimizer"] for r in report["timing"]}
     assert {"sgd", "adam", "sso-kfac 10/100", "sso-kfac 1/1", "sso-diag"} <= names
     assert all(r["min_s"] > 0 for r in report["timing"])
+    for r in report["timing"]:  # every row's ratios to both baselines of its model and batch, SGD's own included
+        adam = next(a for a in report["timing"] if a["optimizer"] == "adam" and (a["model"], a["batch"]) == (r["model"], r["batch"]))
+        assert r["ratio_adam_min"] == r["min_s"] / adam["min_s"]
     assert is_png(out_png)
 
 

@@ -369,3 +369,68 @@ def test_save_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install matplotlib"):
         save_reliability_diagram(d, tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+# --------------------------------------------------------------------------- #
+# Tie-breaking and edges shared by several rounded bin edges (mutation-audit gaps)
+# --------------------------------------------------------------------------- #
+def test_accuracy_ties_go_to_lowest_class_index_as_sklearn():
+    # Docstring: ties are broken towards the lowest class index. Reference: sklearn's
+    # accuracy_score on np.argmax (first maximum). Rows 0, 2, 3 are ties: lowest index gives
+    # rows 0, 1, 3 right -> 3/4; a highest-index rule gives rows 1, 2 right -> 2/4.
+    from sklearn.metrics import accuracy_score
+
+    p = torch.tensor([[0.4, 0.4, 0.2], [0.25, 0.25, 0.5], [0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]],
+                     dtype=torch.float64)
+    t = torch.tensor([0, 2, 1, 0])
+    want = accuracy_score(t.numpy(), np.argmax(p.numpy(), axis=1))
+    assert want == 0.75
+    assert metrics.accuracy(p, t) == want
+    assert metrics.evaluate(p, t)["accuracy"] == want
+
+
+def _exact_bin(c, n_bins):
+    # Right-inclusive bins in exact rational arithmetic: bin b holds b/n < c <= (b+1)/n.
+    from fractions import Fraction
+
+    return max(0, math.ceil(Fraction(float(c)) * n_bins) - 1)
+
+
+def test_bfloat16_confidence_on_edge_shared_by_rounded_edges_uses_float64_rule():
+    # bfloat16 with 1000 bins: several inner edges k/1000 (e.g. 749/1000, 751/1000) round to the
+    # same bfloat16 value 0.75, so the documented rule compares in float64: 0.75 <= 750/1000
+    # -> bin 749 (right-inclusive), 0.5 -> bin 499. Reference: exact Fraction arithmetic.
+    n_bins = 1000
+    inner_bf = (torch.arange(1, n_bins, dtype=torch.float64) / n_bins).to(torch.bfloat16)
+    assert int((inner_bf == 0.75).sum()) > 1  # the premise: 0.75 is a shared rounded edge
+    probs = torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.25, 0.75]], dtype=torch.bfloat16)
+    d = metrics.reliability_diagram_data(probs, torch.tensor([0, 1, 1]), n_bins)
+    want = sorted(_exact_bin(c, n_bins) for c in probs.double().max(1).values)
+    assert want == [499, 749, 749]
+    got = sorted(int(i) for i in torch.nonzero(d.bin_count).flatten() for _ in range(int(d.bin_count[i])))
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_ece_matches_exact_binning_reference_in_each_dtype(dtype):
+    # Random confidences (many of them on rounded edges in the 16-bit dtypes) against a per-example
+    # reference of the documented rule: a confidence equal to the dtype-rounded edge k/n (rounded
+    # from that edge only) goes to bin k-1, any other one to ceil(c*n)-1 in exact Fraction
+    # arithmetic (right-inclusive); sums in float64, so 1e-12 is rounding only.
+    g = torch.Generator().manual_seed(0)
+    for nb in (10, 15, 7):
+        logits = torch.randn(400, 4, generator=g, dtype=torch.float64) * 2
+        pr = torch.softmax(logits, -1).to(dtype)
+        tg = torch.randint(0, 4, (400,), generator=g)
+        conf, pred = pr.max(1)
+        rounded = [float(torch.tensor(k / nb, dtype=torch.float64).to(dtype)) for k in range(1, nb)]
+        edges_dt = {v: k for k, v in enumerate(rounded, start=1) if rounded.count(v) == 1}
+        cnt, cs, ac = np.zeros(nb), np.zeros(nb), np.zeros(nb)
+        for c, pd, y in zip(conf.double().tolist(), pred.tolist(), tg.tolist()):
+            b = edges_dt[c] - 1 if c in edges_dt else _exact_bin(c, nb)
+            cnt[b] += 1
+            cs[b] += c
+            ac[b] += pd == y
+        nz = cnt > 0
+        ref = float((cnt[nz] / cnt.sum() * np.abs(ac[nz] / cnt[nz] - cs[nz] / cnt[nz])).sum())
+        assert metrics.ece(pr, tg, nb) == pytest.approx(ref, abs=1e-12), (dtype, nb)

@@ -3,10 +3,12 @@ time, quality, long run), that the lr is chosen from validation data only, and t
 at its library defaults except the lr."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -367,3 +369,149 @@ def test_ivon_predictions_do_not_depend_on_the_global_random_state() -> None:
     torch.manual_seed(1)
     q.output_samples(run, split.x_val, 4)
     assert torch.equal(torch.rand(3), after_first)  # the global generator is not advanced
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation of the non-VI methods (IVON / point estimates) against hand formulas in float64
+# ------------------------------------------------------------------------------------------------
+class _FakeIVON:
+    """IVON stand-in: ``sampled_params()`` moves ``model.weight`` by the next of fixed ``shifts`` (in
+    turn), so the S "posterior samples" are known exactly."""
+
+    def __init__(self, model: torch.nn.Module, shifts: list) -> None:
+        self.model, self.shifts, self.k = model, shifts, 0
+
+    @contextlib.contextmanager
+    def sampled_params(self):  # noqa: ANN201
+        d = self.shifts[self.k % len(self.shifts)]
+        self.k += 1
+        with torch.no_grad():
+            self.model.weight += d
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.model.weight -= d
+
+
+_SHIFTS = [torch.tensor([[0.3, -0.2]]), torch.tensor([[-0.1, 0.5]]), torch.tensor([[0.7, 0.1]]),
+           torch.tensor([[-0.4, -0.6]])]
+
+
+def _run(method: str, model: torch.nn.Module, opt=None) -> q.Trained:  # noqa: ANN001
+    return q.Trained(method=method, lr=0.1, seed=0, model=model, opt=opt, step_seconds=[], skipped=0, final_loss=0.0)
+
+
+def _regression_fixture():  # noqa: ANN202
+    """A fixed ``Linear(2, 1)`` f(x) = W x + b and a small regression split with noise_var 0.37 (σ ≠ 1) and
+    y_scale 3.5 (≠ 1), so a missing σ, σ² or unit conversion changes the numbers."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.8, -1.3]]))
+        model.bias.fill_(0.25)
+    x, xv, xt = (torch.randn(n, 2, generator=g) for n in (7, 5, 6))
+    y, yv, yt = (torch.randn(n, 1, generator=g) for n in (7, 5, 6))
+    split = q.Split(x, y, xv, yv, xt, yt, regression=True, noise_var=0.37, y_scale=3.5)
+    w, b = model.weight.detach().double().numpy(), float(model.bias.detach())
+
+    def f(xx: torch.Tensor, dw=np.zeros((1, 2))) -> np.ndarray:  # noqa: ANN001
+        return xx.double().numpy() @ (w + dw).T + b
+
+    return model, split, f
+
+
+def test_ivon_regression_predictive_is_the_moment_matched_mixture() -> None:
+    """IVON's regression predictive (module docstring): mean σ·mean_s f_s, variance σ² + σ²·var_s f_s
+    (population variance, ddof 0, of the S sampled means). Reference: numpy float64 on the four known
+    weight shifts; 1e-6 covers the float32 forward pass."""
+    model, split, f = _regression_fixture()
+    sig = math.sqrt(split.noise_var)
+    fs = np.stack([f(split.x_test, s.double().numpy()) for s in _SHIFTS])  # [S, N, 1]
+    assert fs.var(0, ddof=0).min() > 1e-2  # the spread term is not negligible
+    mean, var = q.regression_predictive(_run("ivon", model, _FakeIVON(model, _SHIFTS)), split, split.x_test, 4)
+    np.testing.assert_allclose(mean.double().numpy(), sig * fs.mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(var.double().numpy(), split.noise_var + sig ** 2 * fs.var(0, ddof=0),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_evaluate_reports_regression_nll_and_rmse_in_original_units() -> None:
+    """``evaluate`` on a regression split: NLL and RMSE of the moment-matched Gaussian in the target's
+    original units (y·y_scale, mean·y_scale, sd·y_scale; the NLL is shift-invariant so y_mean is moot).
+    Reference: scipy.stats.norm.logpdf and numpy in float64 on the same hand predictive as above."""
+    from scipy.stats import norm
+
+    model, split, f = _regression_fixture()
+    sig, ys = math.sqrt(split.noise_var), split.y_scale
+    fs = np.stack([f(split.x_test, s.double().numpy()) for s in _SHIFTS])
+    m, v = sig * fs.mean(0), split.noise_var + sig ** 2 * fs.var(0, ddof=0)
+    yt = split.y_test.double().numpy()
+    r = q.evaluate(_run("ivon", model, _FakeIVON(model, _SHIFTS)), split, "test", 4)
+    assert r["nll"] == pytest.approx(-norm.logpdf(yt * ys, m * ys, np.sqrt(v) * ys).mean(), rel=1e-6)
+    assert r["rmse"] == pytest.approx(np.sqrt(((m - yt) ** 2).mean()) * ys, rel=1e-6)
+
+
+def test_point_estimate_regression_variance_is_its_validation_residual_variance() -> None:
+    """A point estimate (adam): mean σ·f(x), variance the mean squared validation residual
+    mean((y_val − σ·f(x_val))²) — not the variance of y_val around its own mean. Reference: numpy."""
+    model, split, f = _regression_fixture()
+    sig = math.sqrt(split.noise_var)
+    mean, var = q.regression_predictive(_run("adam", model), split, split.x_test, 4)
+    np.testing.assert_allclose(mean.double().numpy(), sig * f(split.x_test), rtol=1e-6, atol=1e-6)
+    resid = float(((split.y_val.double().numpy() - sig * f(split.x_val)) ** 2).mean())
+    assert abs(resid - float(split.y_val.double().var(unbiased=False))) > 1e-2  # the two readings differ
+    np.testing.assert_allclose(var.double().numpy(), np.full((6, 1), resid), rtol=1e-6)
+
+
+def test_ivon_class_probs_average_the_softmax_of_each_sample() -> None:
+    """The classification BMA of IVON's samples is the mean of the S softmaxes, not the softmax of the
+    mean logits. Reference: numpy softmax of each shifted weight's logits, averaged (float64; 1e-6
+    covers the float32 forward pass; shifts of scale 2 make the two readings differ by far more)."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(2, 3)
+    xt = torch.randn(6, 2, generator=g)
+    shifts = [torch.randn(3, 2, generator=g) * 2 for _ in range(4)]
+    per_sample = []
+    for s in shifts:
+        z = torch.nn.functional.linear(xt, model.weight + s, model.bias).detach().double().numpy()
+        e = np.exp(z - z.max(1, keepdims=True))
+        per_sample.append(e / e.sum(1, keepdims=True))
+    p = q.class_probs(_run("ivon", model, _FakeIVON(model, shifts)), xt, 4)
+    np.testing.assert_allclose(p.double().numpy(), np.mean(per_sample, 0), rtol=1e-6, atol=1e-6)
+
+
+def test_mean_std_is_the_mean_and_sample_std() -> None:
+    """The tables' "mean ± std": statistics of the seeds, std with ddof 1. Reference: numpy."""
+    vals = [0.1, 0.4, 0.35, 0.9]
+    ms = q.mean_std(vals)
+    assert ms["mean"] == pytest.approx(np.mean(vals), rel=1e-12)
+    assert ms["std"] == pytest.approx(np.std(vals, ddof=1), rel=1e-12)
+    assert q.mean_std([0.3]) == {"mean": 0.3, "std": 0.0}
+
+
+def test_entropies_are_mean_predictive_entropies_on_test_and_ood_sets() -> None:
+    """``entropies``: the MEAN predictive entropy (nats) over the test digits and over each OOD set
+    (examples.bayesian_digits.ood_sets of the test images), and the reliability data of the same test
+    probabilities. Reference: scipy.stats.entropy (natural log) of a point-estimate model's softmax,
+    averaged with numpy; rtol 1e-6 covers the float32 softmax."""
+    from scipy.stats import entropy
+
+    from examples.bayesian_digits import ood_sets
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10)
+    xt, yt = torch.randn(30, 64, generator=g), torch.randint(0, 10, (30,), generator=g)
+    split = q.Split(xt, yt, xt, yt, xt, yt)
+
+    def h(x: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(np.mean(entropy(torch.softmax(model(x), -1).double().numpy(), axis=1)))
+
+    ent, rel = q.entropies(_run("adam", model), split, 4)
+    assert ent["entropy_test"] == pytest.approx(h(xt), rel=1e-6)
+    sets = ood_sets(xt.reshape(-1, 1, 8, 8), 0, gaussian_noise=True)
+    assert set(ent["entropy_ood"]) == set(sets)
+    for k, v in sets.items():
+        assert ent["entropy_ood"][k] == pytest.approx(h(v.reshape(30, 64)), rel=1e-6), k
+    assert int(rel.bin_count.sum()) == 30

@@ -6,12 +6,14 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from benchmarks import vi_differences as vd
 from benchmarks import vi_quality as vq
+from benchmarks import vi_splits
 from optim_helpers import batch, nll, param_vec, tiny_mlp
 from torchsso2 import VIOptimizer
 from torchsso2.optim.grid import noise_seed
@@ -112,3 +114,43 @@ def test_paired_needs_shared_seeds():
     assert (mean, n) == (pytest.approx(1.0), 2) and se == pytest.approx(0.5)
     with pytest.raises(ValueError, match="share no seed"):
         vd.paired({5: {"nll": 1.0}}, base, "nll")
+
+
+def test_splits_paired_counts_ties_as_at_least_as_good():
+    """benchmarks/vi_splits.paired: mean, se = std(ddof 1)/√n, and the count of diffs ≤ 0 (a tie counts as
+    "VI at least as good"). Reference: numpy; two exact zeros make ≤ and < differ by 2."""
+    d = [0.0, -0.2, 0.3, 0.0]
+    p = vi_splits.paired(d)
+    assert p["vi_at_least_as_good"] == 3 and p["n"] == 4
+    assert p["mean"] == pytest.approx(np.mean(d), rel=1e-12, abs=1e-15)
+    assert p["se"] == pytest.approx(np.std(d, ddof=1) / 2, rel=1e-12)
+
+
+def _split_row(k, vi, adam, vi_val, adam_val, fail=False):
+    adam_res = ({"lr": None, "error": "diverged"} if fail
+                else {"lr": 1, "val_nll": adam_val, "test_nll": adam, "rmse": 1.0})
+    return {"split": k, "methods": {"vi-diag": {"lr": 1, "val_nll": vi_val, "test_nll": vi, "rmse": 1.0},
+                                    "adam": adam_res}}
+
+
+def test_summarize_splits_drops_failed_splits_and_pairs_val_and_test():
+    """benchmarks/vi_splits.summarize_splits: a split where any method failed (no test_nll) is left out of
+    every statistic; the val_nll summary is the validation NLL (not the test NLL); paired vi−adam
+    differences on val and test, ties counted as at least as good. Reference: numpy on the three
+    usable splits (split 3's test NLLs tie exactly)."""
+    rows = [_split_row(0, 1.0, 1.1, 0.9, 0.95), _split_row(1, 2.0, 1.5, 1.9, 1.7),
+            _split_row(2, 5.0, None, 4.0, None, fail=True), _split_row(3, 1.2, 1.2, 1.0, 1.3)]
+    out = vi_splits.summarize_splits(rows)
+    assert out["splits_used"] == [0, 1, 3]
+    vi_t, vi_v = np.array([1.0, 2.0, 1.2]), np.array([0.9, 1.9, 1.0])
+    ad_t, ad_v = np.array([1.1, 1.5, 1.2]), np.array([0.95, 1.7, 1.3])
+    s = out["summary"]["vi-diag"]
+    assert s["test_nll"]["mean"] == pytest.approx(vi_t.mean(), rel=1e-12)
+    assert s["test_nll"]["std"] == pytest.approx(vi_t.std(ddof=1), rel=1e-12)
+    assert s["val_nll"]["mean"] == pytest.approx(vi_v.mean(), rel=1e-12)
+    assert out["summary"]["adam"]["val_nll"]["mean"] == pytest.approx(ad_v.mean(), rel=1e-12)
+    d = vi_v - ad_v
+    pv, pt = out["paired"]["adam"]["val"], out["paired"]["adam"]["test"]
+    assert pv["mean"] == pytest.approx(d.mean(), rel=1e-12) and pv["n"] == 3
+    assert pv["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(3), rel=1e-12)
+    assert pt["vi_at_least_as_good"] == int(((vi_t - ad_t) <= 0).sum()) == 2
