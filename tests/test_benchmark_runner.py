@@ -183,3 +183,52 @@ def test_modules_returning_their_report_pass_and_no_quick_modules_are_skipped(tm
     assert status["kfac_time_to_accuracy"]["ok"] and status["kfac_time_to_accuracy"]["rc"] == "report"
     assert status["soak"]["ok"] and status["soak"]["skipped"] == "no --quick mode"
     assert not {"sequence_curvature", "vi_differences", "vi_kfac_intervals", "vi_step_time"} & set(bench_run.discover())
+
+
+def test_common_summarize_takes_the_min_and_the_middle_of_the_timings() -> None:
+    """benchmarks.common.summarize by hand: (4, 1, 3, 2) ms: min 1 ms, median (2 + 3) / 2 = 2.5 ms (the
+    mean of the middle two, not the upper); (0.5, 0.1, 0.2) s: min 0.1, median 0.2; the times are kept
+    in their order."""
+    from benchmarks import common
+
+    s = common.summarize([0.004, 0.001, 0.003, 0.002])
+    assert s["min_s"] == 0.001 and s["median_s"] == pytest.approx(0.0025, abs=1e-15)
+    assert s["times_s"] == [0.004, 0.001, 0.003, 0.002]
+    s = common.summarize([0.5, 0.1, 0.2])
+    assert s["min_s"] == 0.1 and s["median_s"] == 0.2
+
+
+def test_common_table_and_text_helpers() -> None:
+    """markdown_table: ``l`` columns ``---``, ``r`` columns ``---:`` (default: first left, rest right), None
+    an empty cell; epochs_per_seed_text writes ``missed`` for a seed without epochs; fmt_ratio rounds."""
+    from benchmarks import common
+
+    assert common.markdown_table(["a", "b", "c"], [[1, None, "x"]], align="lrl").splitlines() == \
+        ["| a | b | c |", "|---|---:|---|", "| 1 |  | x |"]
+    assert common.markdown_table(["a", "b"], [[1, 2]]).splitlines()[1] == "|---|---:|"
+    assert common.epochs_per_seed_text({"epochs_per_seed": [3, None, 12]}) == "3 - 12"
+    assert common.epochs_per_seed_text({"epochs_per_seed": [None, 4]}, missed="–") == "– 4"
+    assert common.fmt_ratio(1.2345) == "1.23x" and common.fmt_ratio(None) == "" and common.fmt_ratio(0.5, 3) == "0.500x"
+
+
+def test_results_page_header_names_the_load_average_a_report_recorded(tmp_path: Path) -> None:
+    """docs/results.md's header line of a section names the load average of ``machine.load_average`` or,
+    where a report records it only as ``config.load_average_before`` (kfac_time_to_accuracy.json),
+    that one; the committed kfac_time_to_accuracy.json's section shows its load and its targets table."""
+    def section(report: dict) -> str:
+        path = tmp_path / "no_such_module.json"
+        path.write_text(json.dumps(report), encoding="utf-8")
+        return bench_run._section("no_such_module", path, tmp_path)
+
+    machine = {"torch": "2.x", "torch_threads": 1}
+    text = section({"machine": machine, "config": {"load_average_before": [0.5, 0.25, 0.125]}})
+    assert "1 threads, load average [0.5, 0.25, 0.125]" in text
+    text = section({"machine": {**machine, "load_average": [2.0, 1.0, 0.5]},
+                    "config": {"load_average_before": [0.5, 0.25, 0.125]}})
+    assert "load average [2.0, 1.0, 0.5]" in text and "0.125" not in text
+    assert "load average" not in section({"machine": machine})
+    path = Path(bench_run.__file__).resolve().parent / "results" / "kfac_time_to_accuracy.json"
+    load = json.loads(path.read_text(encoding="utf-8"))["config"]["load_average_before"]
+    text = bench_run._section("kfac_time_to_accuracy", path, tmp_path)
+    assert f"load average {load}" in text
+    assert "| setting | K-FAC | vs | epochs | fewer epochs | time ratio | <= 0.7x |" in text

@@ -107,3 +107,55 @@ def test_a_missing_kfac_pytorch_is_skipped_with_a_message(tmp_path, monkeypatch,
     assert "kfac_pytorch skipped: kfac_pytorch not importable" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert {p["optimizer"] for p in report["points"]} == {"sgd"} and report["config"]["optimizers"] == ["sgd"]
+
+
+def _run(epoch, seconds=None, acc=0.97, loss=0.1, diverged=False):
+    return dict(reached_epoch=epoch, seconds_to_target=seconds if seconds is not None or epoch is None else epoch / 10,
+                final_accuracy=acc, final_train_loss=loss, diverged=diverged, skipped=0)
+
+
+def test_summary_medians_of_an_even_seed_count_and_a_diverged_seed():
+    """By hand: two seeds reaching at 3 and 5 epochs (0.2 s, 0.4 s) have median 4 epochs and 0.3 s (the
+    mean of the middle two, not the lower); one diverged seed of three marks the point diverged; the
+    accuracy median / minimum of (0.98, 0.96, 0.97) are 0.97 / 0.96; a seed without a loss leaves no
+    maximum loss."""
+    s = kfac_robustness.summarize([_run(3, 0.2), _run(5, 0.4)])
+    assert s["reached"] is True and s["median_epochs"] == 4 and s["median_seconds"] == pytest.approx(0.3)
+    s = kfac_robustness.summarize([_run(3, 0.2), _run(None)])
+    assert s["reached"] is False and s["median_epochs"] is None and s["median_seconds"] is None
+    s = kfac_robustness.summarize([_run(3, acc=0.98), _run(4, acc=0.96, loss=0.5, diverged=True),
+                                   _run(5, acc=0.97, loss=None)])
+    assert s["diverged"] is True and s["median_final_accuracy"] == 0.97 and s["min_final_accuracy"] == 0.96
+    assert s["max_final_train_loss"] is None
+    s = kfac_robustness.summarize([_run(3, loss=0.1), _run(4, loss=0.5), _run(5, loss=0.2)])
+    assert s["diverged"] is False and s["max_final_train_loss"] == 0.5
+
+
+def test_counts_and_their_readme_row_of_hand_made_points():
+    """Four points of one (scaling, optimizer, intervals), three reaching (10, 4, 7 epochs; 0.5, 0.9,
+    0.2 s) and one diverged: 3/4 reach, 1 diverged, best / median epochs 4 / 7, seconds 0.20 / 0.50
+    (over the reaching points only)."""
+    def point(lr, reached, epochs, seconds, diverged=False):
+        return dict(scaling="standardize", optimizer="kfac", lr=lr, damping=0.01, intervals=[10, 100],
+                    summary=dict(reached=reached, median_epochs=epochs, median_seconds=seconds, diverged=diverged))
+
+    points = [point(0.01, True, 10, 0.5), point(0.03, True, 4, 0.9), point(0.1, True, 7, 0.2),
+              point(0.3, False, None, None, diverged=True)]
+    (c,) = kfac_robustness.counts(points)
+    assert (c["scaling"], c["optimizer"], c["points"], c["reached"], c["diverged"]) == ("standardize", "kfac 10/100",
+                                                                                         4, 3, 1)
+    assert (c["best_epochs"], c["median_epochs"], c["best_seconds"], c["median_seconds"]) == (4, 7, 0.2, 0.5)
+    report = {"config": {"seeds": [0, 1, 2], "epochs": 60, "batch_size": 512}, "counts": [c]}
+    assert kfac_robustness.readme_block(report).splitlines()[2] == \
+        "| standardize | kfac 10/100 | 3/4 | 1 | 4 / 7 | 0.20 / 0.50 |"
+
+
+def test_the_published_summaries_and_counts_are_what_the_code_computes():
+    """benchmarks/results/kfac_robustness.json: every point's stored summary is summarize(its runs) and
+    the stored counts are counts(its points) (README's table prints them as stored)."""
+    from pathlib import Path
+    root = Path(kfac_robustness.__file__).resolve().parents[1]
+    report = json.loads((root / "benchmarks" / "results" / "kfac_robustness.json").read_text())
+    for p in report["points"]:
+        assert kfac_robustness.summarize(p["runs"]) == p["summary"], (kfac_robustness._label(p), p["lr"], p["damping"])
+    assert kfac_robustness.counts(report["points"]) == report["counts"]

@@ -245,3 +245,181 @@ def test_the_runner_finds_it_and_formats_its_json(tmp_path):
     bench.main(["--quick", "--json", str(out)])
     text = bench.format_tables(json.loads(out.read_text()))
     assert "time / Adam" in text and "<= 0.7x" in text and "plain step" in text
+
+
+class _FakeClock:
+    """A ``perf_counter`` called in start / stop pairs: the k-th pair is ``durations[k]`` seconds apart."""
+
+    def __init__(self, durations):
+        self.durations, self.calls, self.now = list(durations), 0, 0.0
+
+    def __call__(self):
+        if self.calls % 2 == 1:
+            self.now += self.durations[self.calls // 2]
+        self.calls += 1
+        return self.now
+
+
+def test_summarize_of_an_even_seed_count_takes_the_mean_of_the_middle_two():
+    """Two seeds: the median is the mean of both (epochs (3 + 5) / 2 = 4, seconds (0.2 + 0.4) / 2 = 0.3),
+    not the lower or the upper one; with one miss the median of (3, inf) is inf: no median, 1 reached."""
+    s = bench.summarize([{"epochs": 3, "seconds": 0.2}, {"epochs": 5, "seconds": 0.4}])
+    assert s["median_epochs"] == 4 and math.isclose(s["median_seconds"], 0.3)
+    s = bench.summarize([{"epochs": 3, "seconds": 0.2}, {"epochs": None, "seconds": None}])
+    assert s["median_epochs"] is None and s["median_seconds"] is None and s["reached"] == 1
+
+
+def test_targets_at_their_boundaries():
+    """By hand: equal epochs (5 vs 5) are not fewer; a time ratio of exactly 0.7 (0.7 s / 1.0 s) meets
+    "<= 0.7x"; 4 vs 6 epochs are fewer and 1.5 s / 2.0 s = 0.75 misses the time target."""
+    best = {"sgd": _summary([5, 5, 5], [1.0, 1.0, 1.0]), "adam": _summary([6, 6, 6], [2.0, 2.0, 2.0]),
+            "kfac-fixed": _summary([5, 5, 5], [0.7, 0.7, 0.7]),
+            "kfac-adaptive": _summary([4, 4, 4], [1.5, 1.5, 1.5])}
+    rows = {(r["kfac"], r["baseline"]): r for r in bench.targets(best)}
+    r = rows[("kfac-fixed", "sgd")]
+    assert r["time_ratio"] == 0.7 and r["time_target_met"] is True and r["fewer_epochs"] is False
+    r = rows[("kfac-adaptive", "adam")]
+    assert r["fewer_epochs"] is True and math.isclose(r["time_ratio"], 0.75) and r["time_target_met"] is False
+
+
+def test_a_baseline_that_misses_the_target_loses_both_comparisons_to_a_kfac_that_reaches_it():
+    """SGD misses on 2 of 3 seeds and Adam on all (no median): a K-FAC that reaches the target has fewer
+    epochs and meets the time target against both; there is no ratio to print."""
+    best = {"sgd": _summary([None, None, 30], [None, None, 1.0]), "adam": _summary([None] * 3, [None] * 3),
+            "kfac-fixed": _summary([5, 5, 5], [0.6] * 3), "kfac-adaptive": _summary([4, 4, 4], [0.5] * 3)}
+    rows = bench.targets(best)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["time_ratio"] is None and r["baseline_epochs"] is None
+        assert r["fewer_epochs"] is True and r["time_target_met"] is True
+
+
+def test_the_finalist_span_includes_its_bound():
+    """FINALIST_SPAN = 1.5: a point at exactly 1.5x the fastest median time (1.5 s against 1.0 s) is a
+    finalist; 1.6 s is not."""
+    assert bench.FINALIST_SPAN == 1.5 and bench.FINALISTS >= 2
+    entries = [{"point": {"i": i}, "summary": {"median_seconds": t, "reached": 3}}
+               for i, t in enumerate([1.0, 1.5, 1.6])]
+    assert [e["point"]["i"] for e in bench._finalists(entries)] == [0, 1]
+
+
+def test_grid_edges_flag_the_smallest_and_the_largest_lr():
+    """A baseline whose best lr is the smallest or the largest of its grid is flagged; an inner lr and a
+    one-point grid are not."""
+    grid = {"sgd": [{"lr": 0.01}, {"lr": 0.1}, {"lr": 0.3}], "adam": [{"lr": 1e-3}, {"lr": 1e-2}, {"lr": 3e-2}]}
+
+    def best(sgd_lr, adam_lr):
+        return {"sgd": {"point": {"lr": sgd_lr}}, "adam": {"point": {"lr": adam_lr}}}
+
+    assert bench.grid_edges(best(0.1, 1e-2), grid) == []
+    assert bench.grid_edges(best(0.01, 1e-2), grid) == ["sgd"]
+    assert bench.grid_edges(best(0.1, 3e-2), grid) == ["adam"]
+    assert bench.grid_edges(best(0.01, 1e-3), grid) == ["sgd", "adam"]
+    assert bench.grid_edges(best(0.1, 0.01), {"sgd": [{"lr": 0.1}], "adam": [{"lr": 0.01}]}) == []
+
+
+def test_min_median_of_hand_made_timings():
+    """Timings 3, 1, 10, 2 ms: min 1 ms, median (2 + 3) / 2 = 2.5 ms."""
+    mm = bench._min_median([0.003, 0.001, 0.010, 0.002])
+    assert math.isclose(mm["min_ms"], 1.0) and math.isclose(mm["median_ms"], 2.5)
+
+
+def test_step_costs_derived_numbers_from_hand_chosen_times(monkeypatch):
+    """A real step_costs run (MLP, batch 4, 2 repeats) under a fake perf_counter: each timed piece takes a
+    hand-chosen time in the first repeat and twice that in the second (min = that time, median = 1.5x).
+    By hand (ms): floor = SGD 1 + eigen matmuls 0.5 = 1.5; plain 3 / 1.5 = 2; inverse plain 2.5 / (1 +
+    inverse matmuls 0.25) = 2; decomposition 3.5 - bare eigh 2 = 1.5; curvature 5 - plain 3 = 2;
+    empirical 4 - 3 = 1; first step 20 - (curvature-only 5 + decomposition 3.5) = 11.5. The eigen
+    preconditioning FLOPs are 2ab(2a + 2b) per (G: a x a, A: b x b) pair of the 64-128-10 MLP."""
+    import types
+
+    import torch
+
+    steps = {"sgd": 1, "kfac_curvature_and_eigh": 9, "kfac_curvature_and_cholesky": 8, "kfac_curvature_only": 5,
+             "kfac_curvature_only_empirical": 4, "kfac_plain_eigen": 3, "kfac_plain_inverse": 2.5,
+             "kfac_first_step": 20}
+    algebra = {"eigh_factors": 2, "cholesky_inverse_factors": 1.5, "precondition_matmuls_eigen": 0.5,
+               "precondition_matmuls_inverse": 0.25, "decompose_new_factors": 3.5, "decompose_new_damping": 1.25}
+    ms = [v * r for r in (1, 2) for v in steps.values()] + [v * r for r in (1, 2) for v in algebra.values()]
+    clock = _FakeClock([1e-3 * v for v in ms])
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock))
+    torch.manual_seed(0)
+    data = {"x_train": torch.randn(4, 64), "y_train": torch.randint(0, 10, (4,))}
+    c = bench.step_costs(data, batch=4, repeats=2, model_kind="mlp")
+    assert clock.calls == 2 * len(ms)
+    for name, v in {**steps, **algebra}.items():
+        assert math.isclose(c[name]["min_ms"], v) and math.isclose(c[name]["median_ms"], 1.5 * v), name
+    expect = {"plain_step_floor_ms": 1.5, "plain_step_over_floor": 2.0, "plain_inverse_step_over_floor": 2.0,
+              "redecomposition_overhead_ms": 1.5, "curvature_overhead_ms": 2.0,
+              "empirical_curvature_overhead_ms": 1.0, "first_step_overhead_ms": 11.5}
+    for k, v in expect.items():
+        assert math.isclose(c[k], v, rel_tol=1e-9), (k, c[k], v)
+    assert [tuple(s) for s in c["factor_sizes"]] == [(128, 65), (10, 129)]
+    assert c["precondition_flops_eigen"] == 2 * 128 * 65 * (2 * 128 + 2 * 65) + 2 * 10 * 129 * (2 * 10 + 2 * 129)
+
+
+def _hand_made_report():
+    def entry(point, epochs, seconds):
+        return {"point": point, "curve_first_seed": [],
+                "summary": bench.summarize([{"epochs": e, "seconds": s} for e, s in zip(epochs, seconds)])}
+
+    best = {"sgd": entry({"lr": 0.1}, [None, 10, 12], [None, 0.9, 1.0]),
+            "adam": entry({"lr": 0.01}, [4, 4, 4], [2.0, 2.0, 2.0]),
+            "kfac-fixed": entry({"lr": 0.3, "damping": 0.01, "curv": 10, "inv": 100}, [5, 5, 5], [0.7, 0.7, 0.7]),
+            "kfac-adaptive": entry({"damping": 0.01}, [None, None, None], [None, None, None])}
+    return {"settings": [{"model": "mlp", "batch": 8, "best": best, "targets": bench.targets(best)}]}
+
+
+def test_results_and_targets_tables_of_a_hand_made_report():
+    """Every cell by hand: SGD reaches on 2 of 3 seeds (median of (inf, 10, 12) = 12 epochs, of (inf,
+    0.9, 1.0) = 1.0 s); time / SGD and time / Adam divide by 1.0 s and 2.0 s; K-FAC fixed vs SGD: 5 vs
+    12 epochs (fewer), 0.7 s / 1.0 s = 0.700x (three decimals on the 0.7x line, met); vs Adam 5 vs 4
+    (not fewer), 0.35x (met); K-FAC adaptive misses on every seed: nothing met."""
+    rep = _hand_made_report()
+    rt = bench.results_table(rep).splitlines()
+    assert rt[2] == "| mlp B=8 | sgd | lr 0.1 | 2/3 | 12 | - 10 12 | 1.000 | 1.00x | 0.50x |"
+    assert rt[3] == "| mlp B=8 | adam | lr 0.01 | 3/3 | 4 | 4 4 4 | 2.000 | 2.00x | 1.00x |"
+    assert rt[4] == ("| mlp B=8 | kfac-fixed | lr 0.3, damping 0.01, intervals 10/100 | 3/3 | 5 | 5 5 5 | 0.700 | "
+                     "0.70x | 0.35x |")
+    assert rt[5] == "| mlp B=8 | kfac-adaptive | damping 0.01 | 0/3 | - | - - - | - | - | - |"
+    tt = bench.targets_table(rep).splitlines()
+    assert tt[2] == "| mlp B=8 | kfac-fixed | sgd | 5 vs 12 | yes | 0.700x | yes |"
+    assert tt[3] == "| mlp B=8 | kfac-fixed | adam | 5 vs 4 | no | 0.35x | yes |"
+    assert tt[4] == "| mlp B=8 | kfac-adaptive | sgd | - vs 12 | no | - | no |"
+
+
+def test_ratios_on_the_target_line_get_three_decimals():
+    """0.7049 and 0.6951 print as 0.70 with two decimals: they get three (0.705x, 0.695x); others two."""
+    assert [bench._fmt_ratio(v) for v in (0.7049, 0.6951, 0.61, 0.71, None)] == \
+        ["0.705x", "0.695x", "0.61x", "0.71x", "-"]
+
+
+def test_readme_section_states_the_targets_and_the_step_costs_of_a_hand_made_report():
+    """The published config and machine with the hand-made setting and hand-chosen step costs: only
+    K-FAC fixed vs SGD has both fewer epochs and <= 0.7x (vs Adam: 0.35x but 5 vs 4 epochs), so 1 of 4
+    comparisons hold; the step line prints the eigen-form floor (plain 3.00 against SGD 1.00 + eigen
+    matmuls 0.50 = 2.00x), not the inverse form's (matmuls 0.25, 4.00x)."""
+    import copy
+
+    rep = json.loads(bench.DEFAULT_JSON.read_text())
+    rep["settings"] = _hand_made_report()["settings"]
+    cost = copy.deepcopy(rep["step_costs"][0])
+    rep["step_costs"] = [cost]
+    for k in ("sgd", "kfac_plain_eigen", "precondition_matmuls_eigen", "precondition_matmuls_inverse"):
+        cost[k] = {"min_ms": {"sgd": 1.0, "kfac_plain_eigen": 3.0, "precondition_matmuls_eigen": 0.5,
+                              "precondition_matmuls_inverse": 0.25}[k], "median_ms": 9.0}
+    cost["plain_step_over_floor"], cost["plain_inverse_step_over_floor"] = 2.0, 4.0
+    text = bench.readme_section(rep)
+    assert "both hold in 1 of 4 comparisons: MLP B=8 kfac-fixed vs sgd (5 vs 12 epochs, 0.700x). Missed: " \
+           "MLP B=8 kfac-fixed vs adam (5 vs 4 epochs, 0.35x); MLP B=8 kfac-adaptive vs sgd (- vs 12 epochs, -); " \
+           "MLP B=8 kfac-adaptive vs adam (- vs 4 epochs, -)." in text
+    assert "plain step 3.00 against SGD 1.00 + preconditioning matmuls 0.50 = 2.00x its FLOP floor" in text
+
+
+def test_the_repository_readme_block_is_readme_section_of_the_stored_json():
+    """README's K-FAC time-to-accuracy block is exactly readme_section(benchmarks/results/
+    kfac_time_to_accuracy.json): regenerate it with ``--report-only --readme`` after a run."""
+    report = json.loads(bench.DEFAULT_JSON.read_text())
+    text = bench.README.read_text(encoding="utf-8")
+    start, end = text.index(bench.README_BEGIN), text.index(bench.README_END) + len(bench.README_END)
+    assert text[start:end] == bench.readme_section(report)

@@ -206,3 +206,39 @@ def test_every_test_the_docs_cite_exists() -> None:
         defined |= set(re.findall(r"def (test_\w+)", src.read_text()))
         defined.add(src.stem)
     assert cited and not sorted(cited - defined)
+
+
+def test_entropy_verdict_is_strictly_higher() -> None:
+    """A set whose mean entropy equals the test digits' (0.5 vs 0.5) is not "higher"; 0.6 is, 0.4 is not."""
+    verdicts = summary.entropy_verdicts({"vi": {"entropy_test": 0.5, "entropy_ood": {"noise": 0.5, "flip": 0.6,
+                                                                                     "inv": 0.4}}})
+    assert verdicts == {"vi": {"noise": False, "flip": True, "inv": False}}
+
+
+def test_summary_helpers_on_hand_made_inputs() -> None:
+    """The freshest source (load_sources sorts most recent first) supplies a (model, batch) row, an older
+    one only the rows the newer lacks; _range spans min–max (one value when they round alike); _per is
+    ours / theirs; _x keeps three significant digits."""
+    new = (Path("new.json"), {"timing": [{"model": "m", "batch": 1}]}, 2.0)
+    old = (Path("old.json"), {"timing": [{"model": "m", "batch": 1}, {"model": "m", "batch": 2}]}, 1.0)
+    chosen = summary._freshest_rows([new, old], "timing")
+    assert chosen[("m", 1)] is new and chosen[("m", 2)] is old
+    assert summary._range([0.5, 1.234, 12.0]) == "0.50–12" and summary._range([1.0, 1.001]) == "1.00"
+    assert summary._per({"min_s": 2.0}, {"min_s": 4.0}) == "0.50" and summary._per(None, {"min_s": 1.0}) == ""
+    assert summary._x(12.34) == "12.3×" and summary._x(1.234) == "1.23×" and summary._x(None) == ""
+
+
+def test_time_to_accuracy_sentence_of_a_hand_made_run() -> None:
+    """K-FAC reaches on 2 of 3 seeds (median 3 epochs, 0.5 s), SGD in 8 epochs / 2.0 s, Adam in 6 / 1.0 s:
+    by hand its wall time is 0.5 / 2.0 = 0.25× SGD's and 0.5 / 1.0 = 0.50× Adam's."""
+    conv = {"target": 0.97, "batch_size": 32, "max_epochs": 20, "seeds": [0, 1, 2], "best": {
+        "sgd": {"lr": 0.1, "momentum": 0.9, "reached": 3, "epochs_per_seed": [8, 8, 8], "epochs_to_target": 8,
+                "wall_to_target_s": 2.0},
+        "adam": {"lr": 0.01, "reached": 3, "epochs_per_seed": [6, 6, 6], "epochs_to_target": 6,
+                 "wall_to_target_s": 1.0},
+        "sso-kfac": {"lr": 0.05, "reached": 2, "epochs_per_seed": [3, None, 3], "epochs_to_target": 3,
+                     "wall_to_target_s": 0.5}}}
+    text = "\n".join(summary._time_to_accuracy([(Path("s.json"), {"convergence": conv}, 0.0)]))
+    assert ("K-FAC (factored damping) needs 3 epochs to SGD's 8 and Adam's 6; its wall time to the target is "
+            "0.25× SGD's and 0.50× Adam's.") in text
+    assert "| 3/3 |" in text and "| 3 – 3 |" in text

@@ -47,3 +47,41 @@ def test_quick_run_writes_every_variant(tmp_path: Path, capsys: pytest.CaptureFi
     assert report["load_average_before"] is not None and report["load_average_after"] is not None
     printed = capsys.readouterr().out
     assert "| vi-diag-reparam |" in printed and "min / adamw" in printed
+
+
+class _FakeClock:
+    """A ``perf_counter`` called in start / stop pairs: the k-th pair is ``durations[k]`` seconds apart."""
+
+    def __init__(self, durations) -> None:
+        self.durations, self.calls, self.now = list(durations), 0, 0.0
+
+    def __call__(self) -> float:
+        if self.calls % 2 == 1:
+            self.now += self.durations[self.calls // 2]
+        self.calls += 1
+        return self.now
+
+
+def test_round_robin_statistics_and_ratios_from_hand_chosen_step_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """round_robin + with_ratios, 3 rounds of two variants (order adam, vi; vi, adam; adam, vi) under a
+    fake perf_counter: adam steps take 2, 4, 9 ms, vi 3, 10, 5 ms. By hand: adam min / median / mean
+    2 / 4 / 5 ms, vi 3 / 5 / 6 ms; vi / adam: 1.5 (min), 1.25 (median), 1.2 (mean); adam's ratios are 1."""
+    import types
+
+    import torch
+
+    def step_variant():
+        return lambda x, y: torch.zeros(())
+
+    adam, vi = [2e-3, 4e-3, 9e-3], [3e-3, 10e-3, 5e-3]
+    clock = _FakeClock([adam[0], vi[0], vi[1], adam[1], adam[2], vi[2]])
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock))
+    res = bench.with_ratios(bench.round_robin([("adam", step_variant), ("vi", step_variant)], [(None, None)], 3, 0),
+                            "adam")
+    assert clock.calls == 12
+    a, v = res["adam"], res["vi"]
+    assert (a["min_ms"], a["median_ms"], a["mean_ms"]) == pytest.approx((2, 4, 5))
+    assert (v["min_ms"], v["median_ms"], v["mean_ms"]) == pytest.approx((3, 5, 6))
+    assert (v["ratio_min"], v["ratio_median"], v["ratio_mean"]) == pytest.approx((1.5, 1.25, 1.2))
+    assert a["ratio_min"] == a["ratio_median"] == a["ratio_mean"] == 1.0
+    assert a["steps"] == v["steps"] == 3 and a["skipped"] is None
