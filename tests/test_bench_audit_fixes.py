@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks import kaisa, kfac_adaptive, scaling, step_overhead, width_scaling
+from fake_clock import FakeClock
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -79,19 +80,6 @@ def test_results_page_names_the_peers_the_jsons_recorded(tmp_path) -> None:
     assert found == {"backpack": ["1.7.0", "1.7.1"], "asdl": ["0.1a4"]} and absent == ["ivon"]
 
 
-class _FakeClock:
-    """A ``perf_counter`` called in start / stop pairs: the k-th pair is ``durations[k]`` seconds apart."""
-
-    def __init__(self, durations) -> None:
-        self.durations, self.calls, self.now = list(durations), 0, 0.0
-
-    def __call__(self) -> float:
-        if self.calls % 2 == 1:
-            self.now += self.durations[self.calls // 2]
-        self.calls += 1
-        return self.now
-
-
 def _digits_like(n: int = 8) -> dict:
     torch.manual_seed(0)
     return {"x_train": torch.randn(n, 64), "y_train": torch.randint(0, 10, (n,))}
@@ -107,7 +95,7 @@ def test_kfac_adaptive_step_times_are_per_position_minima_and_medians_over_cycle
     window, base, scale = 10, {"kfac": 1e-3, "adaptive": 2e-3, "adaptive_lm": 4e-3}, (1, 3, 2)
     durations = [base[name] * (i + 1) * s for s in scale for name, _, _ in kfac_adaptive.VARIANTS
                  for i in range(window)]
-    clock = _FakeClock(durations)
+    clock = FakeClock(durations)
     monkeypatch.setattr(kfac_adaptive, "time", types.SimpleNamespace(perf_counter=clock))
     (row,) = kfac_adaptive.time_steps(_digits_like(), [8], len(scale), [(1, 1)])
     assert clock.calls == 2 * len(durations)
@@ -124,7 +112,7 @@ def test_kfac_adaptive_component_times_and_their_ratio(monkeypatch) -> None:
     import types
 
     closure, quad = [1e-3, 5e-3, 2e-3, 3e-3], [4e-3, 9e-3, 6e-3, 8e-3]
-    clock = _FakeClock([v for pair in zip(closure, quad) for v in pair])
+    clock = FakeClock([v for pair in zip(closure, quad) for v in pair])
     monkeypatch.setattr(kfac_adaptive, "time", types.SimpleNamespace(perf_counter=clock))
     (row,) = kfac_adaptive.time_components(_digits_like(), [8], 4)
     assert clock.calls == 16

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from benchmarks import kfac_time_to_accuracy as bench
+from fake_clock import FakeClock
 
 
 def test_help_exits_cleanly(capsys):
@@ -247,19 +248,6 @@ def test_the_runner_finds_it_and_formats_its_json(tmp_path):
     assert "time / Adam" in text and "<= 0.7x" in text and "plain step" in text
 
 
-class _FakeClock:
-    """A ``perf_counter`` called in start / stop pairs: the k-th pair is ``durations[k]`` seconds apart."""
-
-    def __init__(self, durations):
-        self.durations, self.calls, self.now = list(durations), 0, 0.0
-
-    def __call__(self):
-        if self.calls % 2 == 1:
-            self.now += self.durations[self.calls // 2]
-        self.calls += 1
-        return self.now
-
-
 def test_summarize_of_an_even_seed_count_takes_the_mean_of_the_middle_two():
     """Two seeds: the median is the mean of both (epochs (3 + 5) / 2 = 4, seconds (0.2 + 0.4) / 2 = 0.3),
     not the lower or the upper one; with one miss the median of (3, inf) is inf: no median, 1 reached."""
@@ -341,7 +329,7 @@ def test_step_costs_derived_numbers_from_hand_chosen_times(monkeypatch):
     algebra = {"eigh_factors": 2, "cholesky_inverse_factors": 1.5, "precondition_matmuls_eigen": 0.5,
                "precondition_matmuls_inverse": 0.25, "decompose_new_factors": 3.5, "decompose_new_damping": 1.25}
     ms = [v * r for r in (1, 2) for v in steps.values()] + [v * r for r in (1, 2) for v in algebra.values()]
-    clock = _FakeClock([1e-3 * v for v in ms])
+    clock = FakeClock([1e-3 * v for v in ms])
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock))
     torch.manual_seed(0)
     data = {"x_train": torch.randn(4, 64), "y_train": torch.randint(0, 10, (4,))}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import vi_step_time as bench
+from fake_clock import FakeClock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,19 +50,6 @@ def test_quick_run_writes_every_variant(tmp_path: Path, capsys: pytest.CaptureFi
     assert "| vi-diag-reparam |" in printed and "min / adamw" in printed
 
 
-class _FakeClock:
-    """A ``perf_counter`` called in start / stop pairs: the k-th pair is ``durations[k]`` seconds apart."""
-
-    def __init__(self, durations) -> None:
-        self.durations, self.calls, self.now = list(durations), 0, 0.0
-
-    def __call__(self) -> float:
-        if self.calls % 2 == 1:
-            self.now += self.durations[self.calls // 2]
-        self.calls += 1
-        return self.now
-
-
 def test_round_robin_statistics_and_ratios_from_hand_chosen_step_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """round_robin + with_ratios, 3 rounds of two variants (order adam, vi; vi, adam; adam, vi) under a
     fake perf_counter: adam steps take 2, 4, 9 ms, vi 3, 10, 5 ms. By hand: adam min / median / mean
@@ -74,7 +62,7 @@ def test_round_robin_statistics_and_ratios_from_hand_chosen_step_times(monkeypat
         return lambda x, y: torch.zeros(())
 
     adam, vi = [2e-3, 4e-3, 9e-3], [3e-3, 10e-3, 5e-3]
-    clock = _FakeClock([adam[0], vi[0], vi[1], adam[1], adam[2], vi[2]])
+    clock = FakeClock([adam[0], vi[0], vi[1], adam[1], adam[2], vi[2]])
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock))
     res = bench.with_ratios(bench.round_robin([("adam", step_variant), ("vi", step_variant)], [(None, None)], 3, 0),
                             "adam")
