@@ -173,6 +173,7 @@ def test_step_overhead_timing_rows_from_hand_chosen_window_times(monkeypatch) ->
     assert k["min_s"] == 3e-3 and k["median_s"] == 4e-3 and by["sgd"]["min_s"] == 1e-3
     assert k["ratio_sgd_min"] == pytest.approx(3.0) and k["ratio_sgd_median"] == pytest.approx(2.0)
     assert k["ratio_adam_min"] == pytest.approx(0.75)
+    assert by["sgd"]["ratio_adam_min"] == pytest.approx(0.25)  # SGD's own row too (1 ms / 4 ms)
     assert inv["ratio_sgd_min"] == pytest.approx(6.0) and inv["ratio_sgd_median"] == pytest.approx(3.0)
     assert inv["floor"] == inv["floor_inverse_form"] < inv["floor_eigen_form"]
     assert inv["measured_over_floor"] == pytest.approx(6.0 / inv["floor_inverse_form"])
