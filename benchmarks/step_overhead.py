@@ -269,8 +269,8 @@ def run_timing(args: argparse.Namespace, kfac_mod: Any, kfac_why: Optional[str])
             base: Dict[str, float] = {}
             for name in ("sgd", "adam"):  # both baselines before any row (SGD's own row has its ratio to Adam)
                 if name in times:
-                    base[name] = summarize(times[name])["min_s"]
-                    base[name + "_median"] = summarize(times[name])["median_s"]
+                    s = summarize(times[name])
+                    base[name], base[name + "_median"] = s["min_s"], s["median_s"]
             for spec, model, opt, window in runs:
                 key = f"{mspec.name} B={batch} {spec.name}"
                 nskip = getattr(opt, "num_skipped", 0)

@@ -68,15 +68,21 @@ def test_low_rank_equals_dense(bias: bool, seq: bool) -> None:
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
+def assert_refused_and_dense(tamper: Callable[[nn.Module], None]) -> None:
+    """Training with ``tamper`` applied to the gradients after each backward: the probe refuses every
+    low-rank solve (2 wide layers × 6 steps at least) and the result is the dense path's."""
+    fast, m1 = train(wide_model(), tamper=tamper)
+    dense, m2 = train(wide_model(), tamper=tamper, low_rank_solve=False)
+    assert fast.low_rank.num_low_rank == 0 and fast.low_rank.num_rejected >= 2 * 6
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
 def test_gradient_changed_after_backward_takes_the_dense_path() -> None:
     def clip(model: nn.Module) -> None:
         for p in model.parameters():
             p.grad.mul_(0.5)
-    fast, m1 = train(wide_model(), tamper=clip)
-    dense, m2 = train(wide_model(), tamper=clip, low_rank_solve=False)
-    assert fast.low_rank.num_low_rank == 0 and fast.low_rank.num_rejected >= 2 * 6
-    for p, q in zip(m1.parameters(), m2.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert_refused_and_dense(clip)
 
 
 def test_weight_decay_and_narrow_layers_take_the_dense_path() -> None:
@@ -145,11 +151,7 @@ def test_a_small_change_of_the_gradient_takes_the_dense_path(pen: float) -> None
     def penalty(model: nn.Module) -> None:
         for p in model.parameters():
             p.grad.add_(p.detach(), alpha=2 * pen)
-    fast, m1 = train(wide_model(), tamper=penalty)
-    dense, m2 = train(wide_model(), tamper=penalty, low_rank_solve=False)
-    assert fast.low_rank.num_low_rank == 0 and fast.low_rank.num_rejected >= 2 * 6
-    for p, q in zip(m1.parameters(), m2.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert_refused_and_dense(penalty)
 
 
 def test_float32_gradients_keep_the_low_rank_path() -> None:
