@@ -26,6 +26,7 @@ from .blocks.layout import TiedUse
 from .modules import LayerFamily, family_of
 from .modules.base import SkipDoesNotHelp
 from .options import Approx, parse
+from .sharded import refuse_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_sharded(model, "torchsso2")
     if isinstance(skip_modules, str):  # a list is iterated; a string would be taken character by character
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
                         f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")

@@ -15,6 +15,7 @@ from torch import nn
 from curvature.modules import family_of
 from curvature.modules.base import LayerFamily
 from curvature.selection import forward_replaced, refuse_lazy_parameters
+from curvature.sharded import refuse_sharded
 
 __all__ = ["SUPPORTED_TYPES", "find_layers"]
 
@@ -44,6 +45,7 @@ def _compile(patterns: Sequence[str]) -> List["re.Pattern[str]"]:
 def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str, nn.Module, LayerFamily]]:
     """``(name, module, family)`` of every registered module, in ``named_modules`` order."""
     regexes = _compile(skip_layers)
+    refuse_sharded(model, "KFACPreconditioner")
     found = []
     for name, module in model.named_modules():
         if any(True for _ in module.children()) or not isinstance(module, SUPPORTED_TYPES):

@@ -1,0 +1,66 @@
+"""Models whose parameters are sharded across processes (FSDP, ``DTensor``): refused with the fix.
+
+The curvature blocks and the preconditioned step need, on every process, each covered layer's
+whole parameters and whole gradients: a Kronecker factor pairs a layer's full input and output
+dimensions, a diagonal or full block covers every element, and the KL clip and the non-finite
+checks sum over all of them. FSDP (``FullyShardedDataParallel``, and ``fully_shard``, whose
+parameters are ``DTensor`` shards) keeps one shard of each parameter per process, and tensor
+parallelism holds ``DTensor`` parameters. On such a model a step failed inside torch ("got mixed
+torch.Tensor and DTensor"), or, with ``use_orig_params=True``, saw the local shards as if they
+were the layers. So the optimizers, ``KFACPreconditioner`` and ``curvature.compute`` refuse it
+at construction and name the fix: data parallelism (``DistributedDataParallel``, or one process
+per rank under ``mpiexec``; docs/distributed.md), which keeps whole parameters on every rank.
+
+The check imports nothing: a model can only hold these types once their modules were imported,
+so it looks them up in ``sys.modules``.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Tuple
+
+from torch import nn
+
+#: (module of the class, class name, what it is): the FSDP wrappers of a module
+_SHARDING_MODULES: Tuple[Tuple[str, str, str], ...] = (
+    ("torch.distributed.fsdp", "FullyShardedDataParallel", "FullyShardedDataParallel"),
+    ("torch.distributed.fsdp", "FSDPModule", "fully_shard (FSDP2)"),
+)
+
+
+def _loaded_class(module_name: str, class_name: str) -> Optional[type]:
+    """The class ``module_name.class_name`` when that module is imported already, else None."""
+    mod = sys.modules.get(module_name)
+    cls = getattr(mod, class_name, None) if mod is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def sharding_of(model: nn.Module) -> Optional[str]:
+    """How ``model``'s parameters are sharded, in words (the first FSDP module found, or the
+    ``DTensor`` parameters), or None for a model whose every parameter is a whole tensor."""
+    for module_name, class_name, what in _SHARDING_MODULES:
+        cls = _loaded_class(module_name, class_name)
+        if cls is None:
+            continue
+        for name, module in model.named_modules():
+            if isinstance(module, cls):
+                return f"module {name or '(the model)'!r} is wrapped by {what}"
+    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
+    if dtensor is not None:
+        names: List[str] = [n for n, p in model.named_parameters() if isinstance(p, dtensor)]
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            return f"parameters {shown} are DTensors (sharded or tensor-parallel)"
+    return None
+
+
+def refuse_sharded(model: nn.Module, who: str) -> None:
+    """ValueError when :func:`sharding_of` finds sharded parameters in ``model`` (``who``: the
+    caller's name, for the message)."""
+    how = sharding_of(model)
+    if how is not None:
+        raise ValueError(
+            f"{who} cannot use a model whose parameters are sharded across processes: {how}. Its curvature needs "
+            "every covered layer's whole parameters and gradients on each process. Train with data parallelism "
+            "instead: wrap the model with torch.nn.parallel.DistributedDataParallel (or run one process per rank "
+            "under mpiexec); see docs/distributed.md")
