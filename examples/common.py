@@ -56,8 +56,8 @@ SSO_SETTINGS: Dict[str, Dict[str, object]] = {
     # curvature every 10 steps, inverses every 100 (the intervals of the step-time targets;
     # on the tiny digits MLP a step is mostly per-op overhead). Factored damping (kfac_method=
     # "inverse", kfac_pytorch's INVERSE: (G + λI)⁻¹ ⊗ (A + λI)⁻¹) with λ = 0.3 and momentum 0.8
-    # reached 97% in a median of 2.5 epochs over seeds 0-9 (3 on the held-out seeds 10-19); the
-    # exactly damped eigen method's best setting (sso-kfac-eigen) 3 and 3.5 (docs/benchmarks.md)
+    # reaches 97% in a median of 2 epochs over seeds 0-9, the exactly damped eigen method's best
+    # setting (sso-kfac-eigen) in 4 (benchmarks/results/step_overhead.json, README)
     # These two were tuned without the KL clip (the library default kl_clip=1e-3 is a safety net for
     # untuned settings; here it cost an epoch to 97%: 3 instead of 2 and 5 instead of 4, seed 0)
     "sso-kfac": dict(approx="kfac", kfac_method="inverse", damping=0.3, momentum=0.8,
