@@ -65,3 +65,16 @@ def test_step_without_a_closure_names_distributed_checkpoint(face: str) -> None:
     _, opt, _ = _setup(face)
     with pytest.raises(TypeError, match="needs a closure.*torch.distributed.checkpoint"):
         opt.step()
+
+
+@pytest.mark.parametrize("face", ["soo", "vi"])
+def test_step_without_a_closure_points_closure_less_loops_to_kfac_preconditioner(face: str) -> None:
+    """A loop that calls backward() then step() (Hugging Face Trainer, accelerate) is told what a closure
+    must do and where K-FAC fits such a loop; a closure that is not callable gets the contract only."""
+    _, opt, _ = _setup(face)
+    with pytest.raises(TypeError, match=r"zero-grads, runs the model's forward, calls backward\(\) and returns "
+                                        r"\(loss, output\).*KFACPreconditioner: precond.step\(\) after the backward"):
+        opt.step()
+    with pytest.raises(TypeError) as info:
+        opt.step(3)
+    assert "returns (loss, output)" in str(info.value) and "KFACPreconditioner" not in str(info.value)

@@ -113,7 +113,13 @@ class GroupChecks:
             dcp = (" (torch.distributed.checkpoint's get_optimizer_state_dict calls step() without one to create "
                    "the state, and its dict would lack this optimizer's curvature entry: save opt.state_dict() "
                    "with torch.save and restore it with load_state_dict)") if closure is None else ""
-            raise TypeError(f"step() needs a closure returning (loss, output); see the class docstring{dcp}")
+            loop = (" A training loop that calls loss.backward() and then step() with no closure (Hugging Face "
+                    "Trainer, accelerate, Lightning's manual optimization) can take K-FAC natural-gradient steps with "
+                    "KFACPreconditioner: precond.step() after the backward, before a torch.optim optimizer's step()"
+                    ) if closure is None else ""
+            raise TypeError("step() needs a closure that zero-grads, runs the model's forward, calls backward() and "
+                            "returns (loss, output): the curvature is captured while it runs; see the class docstring"
+                            f"{dcp}.{loop}")
         self._check_group_values()
 
     def _check_group_values(self) -> None:
