@@ -12,13 +12,13 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy
 import torch
 
 __all__ = ["machine_info", "time_call", "summarize", "load_average", "write_json", "markdown_table",
-           "fmt_ratio", "try_import"]
+           "fmt_ratio", "try_import", "progress"]
 
 
 def machine_info() -> Dict[str, Any]:
@@ -166,3 +166,13 @@ def try_import(name: str) -> tuple[Optional[Any], Optional[str]]:
             return importlib.import_module(name), None
     except Exception as exc:  # ImportError, or a broken install
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def progress(items: Iterable[Any], desc: str, total: Optional[int] = None, position: Optional[int] = None) -> Any:
+    """A tqdm bar over ``items`` (on stderr, left on screen only at ``position=0``); ``items`` itself
+    when tqdm is not installed (it comes with the ``[bench]`` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the [bench], [examples] and [test] extras
+        return items
+    return tqdm(items, desc=desc, total=total, position=position, leave=position == 0, dynamic_ncols=True)

@@ -72,7 +72,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks.common import load_average, machine_info, markdown_table, write_json  # noqa: E402
+from benchmarks.common import load_average, machine_info, markdown_table, progress, write_json  # noqa: E402
 from benchmarks.kfac_robustness import load_data  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 from torchsso2.optim.skips import NonFiniteError  # noqa: E402
@@ -269,23 +269,22 @@ def run_setting(model_kind: str, batch: int, data: Dict[str, Tensor], grid: Dict
                 log: Callable[[str], None], time_cap: float = math.inf) -> Dict[str, Any]:
     points = [(m, p) for m in METHODS for p in grid[m]]
     runs: Dict[int, List[Dict[str, Any]]] = {i: [] for i in range(len(points))}
-    for seed in seeds:  # round-robin: every point once per seed
-        for i, (m, p) in enumerate(points):
-            runs[i].append(train(m, p, model_kind, data, batch, seed, target, max_epochs, time_cap))
+    sweep_jobs = [(seed, i, m, p) for seed in seeds for i, (m, p) in enumerate(points)]  # round-robin over points
+    for seed, i, m, p in progress(sweep_jobs, f"{model_kind} B={batch} sweep"):
+        runs[i].append(train(m, p, model_kind, data, batch, seed, target, max_epochs, time_cap))
     sweep = [{"method": m, "point": p, "runs": runs[i], "summary": summarize(runs[i])} for i, (m, p) in enumerate(points)]
     # the finalists of each method: its fastest points by the sweep's median time (one pass, so a
     # burst of load can rank a slower point first); each is timed again (``retime`` more
     # round-robin passes, a seed's time its fastest pass) and the best by that median is reported
     finalists = {m: _finalists([e for e in sweep if e["method"] == m]) for m in METHODS}
-    for _ in range(retime):
-        for seed_pos, seed in enumerate(seeds):
-            for m in METHODS:
-                for e in finalists[m]:
-                    again = train(m, e["point"], model_kind, data, batch, seed, target, max_epochs, time_cap)
-                    first = e["runs"][seed_pos]
-                    if again["seconds"] is not None and (first["seconds"] is None or again["seconds"] < first["seconds"]):
-                        e["runs"][seed_pos] = again  # epochs and seconds of one run (a sweep run past --time-cap
-                        # missed: its epochs were None)
+    retime_jobs = [(seed_pos, seed, m, e) for _ in range(retime) for seed_pos, seed in enumerate(seeds)
+                   for m in METHODS for e in finalists[m]]
+    for seed_pos, seed, m, e in progress(retime_jobs, f"{model_kind} B={batch} retime"):
+        again = train(m, e["point"], model_kind, data, batch, seed, target, max_epochs, time_cap)
+        first = e["runs"][seed_pos]
+        if again["seconds"] is not None and (first["seconds"] is None or again["seconds"] < first["seconds"]):
+            e["runs"][seed_pos] = again  # epochs and seconds of one run (a sweep run past --time-cap
+            # missed: its epochs were None)
     best: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:  # no finalist (no point reached on the median seed): the point reaching on the most seeds
         entries = finalists[m] or [e for e in sweep if e["method"] == m]

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import _peer_utils as pu  # noqa: E402
+from benchmarks.common import progress  # noqa: E402
 from benchmarks.peers_training import OPTIMIZERS, make_stepper  # noqa: E402
 
 MIB = 2.0 ** 20
@@ -163,11 +164,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     skipped: Dict[str, str] = {}
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        from tqdm import tqdm
-        it: Any = tqdm(args.optimizers, desc="memory", leave=False)
-    except ImportError:  # pragma: no cover
-        it = args.optimizers
+    it: Any = progress(args.optimizers, "memory")
     for name in it:
         cmd = [sys.executable, "-m", "benchmarks.memory", "--child", name, "--width", str(args.width),
                "--in-features", str(args.in_features), "--batch", str(args.batch), "--steps", str(args.steps),

@@ -83,6 +83,7 @@ from torch import Tensor, nn  # noqa: E402
 
 import curvature  # noqa: E402
 from benchmarks import _peer_utils as pu  # noqa: E402
+from benchmarks.common import progress  # noqa: E402
 
 logger = logging.getLogger("benchmarks.peers_curvature")
 
@@ -605,11 +606,7 @@ def compare_model(name: str, args: argparse.Namespace, skipped: Dict[str, str]) 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     skipped: Dict[str, str] = {}
     rows: List[Row] = []
-    try:
-        from tqdm import tqdm
-        it = tqdm(args.models, desc="peers_curvature", leave=False)
-    except ImportError:  # pragma: no cover
-        it = args.models
+    it = progress(args.models, "peers_curvature")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in it:

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks import _peer_utils as pu  # noqa: E402
+from benchmarks.common import progress  # noqa: E402
 
 logger = logging.getLogger("benchmarks.peers_training")
 
@@ -226,11 +227,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     runs: List[Dict[str, Any]] = []
     jobs = [(m, o, s) for m in args.models for o in args.optimizers
             for s in (args.seeds if m == "mlp" or not args.full else args.seeds[:1])]
-    try:
-        from tqdm import tqdm
-        it: Any = tqdm(jobs, desc="peers_training", leave=False)
-    except ImportError:  # pragma: no cover
-        it = jobs
+    it: Any = progress(jobs, "peers_training")
     for model_name, name, seed in it:
         if name in skipped:
             continue

@@ -56,6 +56,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _peer_utils as pu  # noqa: E402
+from benchmarks.common import progress  # noqa: E402
 from benchmarks import _readme_summary  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -224,11 +225,7 @@ def module_argv(name: str, source: str, args: argparse.Namespace) -> List[str]:
 
 def run_modules(names: Sequence[str], args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
     status: Dict[str, Dict[str, Any]] = {}
-    try:
-        from tqdm import tqdm
-        it: Any = tqdm(names, desc="benchmarks", position=0)
-    except ImportError:  # pragma: no cover
-        it = names
+    it: Any = progress(names, "benchmarks", position=0)
     for name in it:
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(name)

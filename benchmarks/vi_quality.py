@@ -75,7 +75,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import markdown_table, progress  # noqa: E402
 from torchsso2 import VIOptimizer, metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -581,22 +581,24 @@ def run_tasks(args: argparse.Namespace, ivon_mod: Any, tasks: Sequence[str], met
               ) -> Dict[str, Any]:
     """``{task: {"n", "methods": {method: run_method(...)}, "targets", ["noise_var", "y_scale"]}}``."""
     out: Dict[str, Any] = {}
-    for task in tasks:
-        split = load_task(task)
-        res: Dict[str, Any] = {"n": {"train": len(split.y_train), "val": len(split.y_val), "test": len(split.y_test)},
-                               "epochs": args.epochs[task], "methods": {}}
-        if split.regression:
-            res["noise_var"] = split.noise_var
-            res["y_scale"] = split.y_scale
-        for method in methods:
-            t0 = time.perf_counter()
-            res["methods"][method] = run_method(task, method, split, args, ivon_mod)
-            r = res["methods"][method]
-            print(f"  {task} ({args.epochs[task]} ep) {method:8s} lr {r['chosen_lr']}  "
-                  f"{ {k: round(v['mean'], 4) for k, v in r.get('summary', {}).items()} }  ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)
-        res["targets"] = check_targets(task, res["methods"])
-        out[task] = res
+    split: Optional[Split] = None
+    for task, method in progress([(t, m) for t in tasks for m in methods], "vi quality"):
+        if task not in out:  # the task's first method: its data
+            split = load_task(task)
+            res: Dict[str, Any] = {"n": {"train": len(split.y_train), "val": len(split.y_val),
+                                         "test": len(split.y_test)}, "epochs": args.epochs[task], "methods": {}}
+            if split.regression:
+                res["noise_var"] = split.noise_var
+                res["y_scale"] = split.y_scale
+            out[task] = res
+        assert split is not None
+        t0 = time.perf_counter()
+        r = out[task]["methods"][method] = run_method(task, method, split, args, ivon_mod)
+        print(f"  {task} ({args.epochs[task]} ep) {method:8s} lr {r['chosen_lr']}  "
+              f"{ {k: round(v['mean'], 4) for k, v in r.get('summary', {}).items()} }  ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        if len(out[task]["methods"]) == len(methods):
+            out[task]["targets"] = check_targets(task, out[task]["methods"])
     return out
 
 

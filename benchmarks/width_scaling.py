@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import _peer_utils as pu  # noqa: E402
+from benchmarks.common import progress  # noqa: E402
 
 logger = logging.getLogger("benchmarks.width_scaling")
 
@@ -145,11 +146,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
     full_max_d = getattr(args, "full_max_d", FULL_MAX_D)
     jobs = [(s, d) for s in args.shapes for d in args.widths if s != "full" or d <= full_max_d]
-    try:
-        from tqdm import tqdm
-        it: Any = tqdm(jobs, desc="width_scaling", leave=False)
-    except ImportError:  # pragma: no cover
-        it = jobs
+    it: Any = progress(jobs, "width_scaling")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for shape, d in it:
