@@ -122,7 +122,8 @@ class TorchCommunicator(BucketedCommunicator):
         super().__init__(rank=dist.get_rank(), world_size=dist.get_world_size())
         self.backend_name = str(dist.get_backend())
         group_timeout = _group_timeout_s()
-        if group_timeout is not None and group_timeout > self.timeout and self.backend_name != "nccl":
+        if group_timeout is not None and group_timeout > self.timeout and self.backend_name != "nccl" \
+                and self.world_size > 1:  # a world of one has no other rank to wait for
             logger.warning("the process group's timeout (%.0f s) is longer than the communicator's (%.0f s): a stuck "
                            "rank raises CollectiveTimeoutError on the others after %.0f s, but their processes "
                            "cannot exit before the group's pending collective times out; pass "

@@ -47,6 +47,7 @@ from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
 from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
+from .late_groups import warn_uncovered_layers
 from .validation import check_int, check_nonempty_batch, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             if not params:  # torch.optim's message (an empty list, a consumed generator), not "no supported layer"
                 raise ValueError("optimizer got an empty parameter list")
             include = {id(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])}
+            if include.isdisjoint(id(p) for p in model.parameters()):
+                raise ValueError(f"none of the {len(include)} parameters in params belongs to the model the "
+                                 f"{type(self).__name__} was built on; pass parameters of that model "
+                                 "(model.parameters(), or a subset of them), or build it on the model that holds them")
         self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
                                       output_selector=settings.output_selector, kfac_approx=settings.kfac_approx,
@@ -172,6 +177,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             if key.endswith("_hooks"):
                 new.__dict__[key] = OrderedDict()
         return new
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As :meth:`GroupChecks.add_param_group`; after construction, a group holding parameters of
+        layers with curvature support that are not covered is a UserWarning (:mod:`.late_groups`)."""
+        super().add_param_group(param_group)
+        if "running" in self.__dict__:  # built: a group added later (the constructor's pass here first)
+            warn_uncovered_layers(self, self.param_groups[-1]["params"])
 
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled as an object (its curvature engine holds hooks "

@@ -80,6 +80,7 @@ class CheckpointState:
                 state_dict = result
         checked = check_checkpoint(self, state_dict)
         saved_attrs = dict(self.__dict__)
+        had_differentiable = "differentiable" in self.defaults
         saved_running = (self.running.blocks, self.running.num_updates)
         saved_generator = self.generator.get_state()
         saved_extra = self._extra_snapshot()
@@ -88,6 +89,10 @@ class CheckpointState:
             with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks"), \
                     _hooks_held(self, "_optimizer_load_state_dict_post_hooks"):
                 super().load_state_dict(checked.optimizer_state)
+            # torch's __setstate__ (which load_state_dict calls) adds defaults["differentiable"] = False, and
+            # add_param_group copies every default into a new group, whose checks refuse that torch-only key
+            if not had_differentiable:
+                self.defaults.pop("differentiable", None)
             self.running.blocks = checked.blocks
             self.running.num_updates = checked.num_updates
             self.generator.set_state(checked.generator)

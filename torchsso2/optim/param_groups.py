@@ -108,7 +108,12 @@ class GroupChecks:
         super().add_param_group(param_group)
 
     def _check_step_call(self, closure: Any) -> None:
-        """TypeError without a callable closure; :meth:`_check_group_values`."""
+        """TypeError without a callable closure, RuntimeError under ``torch.inference_mode``;
+        :meth:`_check_group_values`."""
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("step() cannot run under torch.inference_mode(): its closure's backward and the "
+                               "curvature need autograd; call step() outside it (under torch.no_grad() it works: "
+                               "the step enables gradients for the closure)")
         if closure is None or not callable(closure):
             dcp = (" (torch.distributed.checkpoint's get_optimizer_state_dict calls step() without one to create "
                    "the state, and its dict would lack this optimizer's curvature entry: save opt.state_dict() "

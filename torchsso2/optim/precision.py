@@ -59,7 +59,12 @@ def full_precision_step(step: F) -> F:
     Inside an autocast context each closure call starts, and the step ends, by clearing autocast's
     cache of low-precision weight copies: the parameters change in place (the update; VIOptimizer's
     weight samples), and a context spanning the training loop would otherwise run the next
-    forwards on copies of old weights (torch clears the cache only when the outermost context exits)."""
+    forwards on copies of old weights (torch clears the cache only when the outermost context exits).
+
+    The step runs eagerly under ``torch.compile`` (``torch.compiler.disable``: a compiled function that
+    calls it breaks its graph there): dynamo's traces of its in-place swaps of parameter data (VI's
+    weight samples) and of ``torch._fused_sgd_`` left a VI sample in the model and crashed the next
+    step after the curvature had taken the batch in."""
     @functools.wraps(step)
     def wrapper(self: Any, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         state = autocast_state()
@@ -77,4 +82,4 @@ def full_precision_step(step: F) -> F:
                 return step(self, closure, *args, **kwargs)
         finally:
             torch.clear_autocast_cache()
-    return wrapper  # type: ignore[return-value]
+    return torch.compiler.disable(wrapper)  # type: ignore[return-value]

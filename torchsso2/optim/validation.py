@@ -21,7 +21,10 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     """A finite real number in the given interval, as a Python float (bool is rejected; a NumPy scalar,
     e.g. ``np.float32`` from a schedule array, is taken as its value)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        hint = ""
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # torch.optim takes a tensor lr (capturable)
+            hint = " (a one-element tensor: pass a Python float, float(t); the step reads it on the host anyway)"
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}{hint}")
     try:
         v = float(value)
     except OverflowError:  # an int beyond the largest float (10**400)

@@ -38,6 +38,7 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
         self.factors = None if factors is None else list(factors)
         self.means: List[Tensor] = []
 
+    @torch.compiler.disable  # eager under torch.compile (a traced p.data swap left the sample in place)
     def __enter__(self) -> None:
         self.means = [p.data for p in self.params]
         if not self.params:  # nothing covered: the foreach ops refuse empty lists
@@ -56,6 +57,7 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
             self.__exit__()
             raise
 
+    @torch.compiler.disable
     def __exit__(self, *exc: Any) -> None:
         for p, m in zip(self.params, self.means):
             p.data = m

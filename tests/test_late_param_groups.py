@@ -1,0 +1,99 @@
+"""Layers whose parameters join an optimizer after it was built (add_param_group: a head appended
+to the model, a layer unfrozen for fine-tuning) take the plain update, as before, and now say so
+with a UserWarning naming them (torchsso2/optim/late_groups.py); a checkpoint loaded before such a
+group is added no longer breaks the next step (torch's load_state_dict adds
+defaults['differentiable'], which add_param_group copied into the new group and the step refused)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+X, Y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+
+
+def _build(face: str, model: nn.Module, **kw):
+    if face == "sso":
+        return SecondOrderOptimizer(model, lr=0.01, kl_clip=None, **kw)
+    return VIOptimizer(model, dataset_size=32, **kw)
+
+
+def _closure(opt, model):
+    def closure():
+        opt.zero_grad()
+        out = model(X)
+        loss = F.cross_entropy(out, Y)
+        loss.backward()
+        return loss, out
+    return closure
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_an_unfrozen_layer_added_later_warns_and_takes_the_plain_update(face):
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = _build(face, model)
+    opt.step(_closure(opt, model))
+    model[0].requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"add_param_group: modules \['0'\] have curvature support but were not "
+                                         r"covered when this (SecondOrderOptimizer|VIOptimizer) was built") as rec:
+        opt.add_param_group({"params": model[0].parameters()})
+    assert rec[0].filename == __file__  # points at the user's call
+    assert sorted(opt.engine.layouts) == ["2"]  # coverage stays as built
+    if face == "sso":  # the plain update: lr · gradient (no momentum buffer yet for the new group, kl_clip off)
+        w = model[0].weight.detach().clone()
+        opt.step(_closure(opt, model))
+        torch.testing.assert_close(w - model[0].weight.detach(), 0.01 * model[0].weight.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_a_head_appended_to_the_model_warns(face):
+    model = _mlp()
+    opt = _build(face, model)
+    model.append(nn.Linear(3, 2))
+    with pytest.warns(UserWarning, match=r"modules \['3'\] have curvature support"):
+        opt.add_param_group({"params": model[3].parameters()})
+    opt.step(_closure(opt, model))  # and trains
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_no_warning_for_skipped_modules_uncovered_types_and_the_constructor(face):
+    model = _mlp()
+    model.append(nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = _build(face, model, skip_modules=["^3$"], params=list(model[:3].parameters()))
+        opt.add_param_group({"params": model[3].parameters()})  # skipped by the optimizer's own skip_modules
+        scale = nn.Parameter(torch.ones(()))  # a parameter of no layer: nothing would cover it
+        opt.add_param_group({"params": [scale]})
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_a_group_added_after_load_state_dict_steps(face):
+    """torch's load_state_dict calls __setstate__, which sets defaults['differentiable'] = False; a group
+    added afterwards got it and every later step raised 'keys ['differentiable'] are options ... does
+    not have per group'."""
+    model = _mlp()
+    opt = _build(face, model)
+    closure = _closure(opt, model)
+    opt.step(closure)
+    opt.load_state_dict(opt.state_dict())
+    assert "differentiable" not in opt.defaults
+    model.append(nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the new head takes the plain update (tested above)
+        opt.add_param_group({"params": model[3].parameters()})
+    assert "differentiable" not in opt.param_groups[-1]
+    opt.step(closure)
+    opt.load_state_dict(opt.state_dict())  # and the checkpoint with the new group loads
+    opt.step(closure)
