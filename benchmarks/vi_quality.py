@@ -581,24 +581,27 @@ def run_tasks(args: argparse.Namespace, ivon_mod: Any, tasks: Sequence[str], met
               ) -> Dict[str, Any]:
     """``{task: {"n", "methods": {method: run_method(...)}, "targets", ["noise_var", "y_scale"]}}``."""
     out: Dict[str, Any] = {}
-    split: Optional[Split] = None
-    for task, method in progress([(t, m) for t in tasks for m in methods], "vi quality"):
-        if task not in out:  # the task's first method: its data
-            split = load_task(task)
-            res: Dict[str, Any] = {"n": {"train": len(split.y_train), "val": len(split.y_val),
-                                         "test": len(split.y_test)}, "epochs": args.epochs[task], "methods": {}}
-            if split.regression:
-                res["noise_var"] = split.noise_var
-                res["y_scale"] = split.y_scale
-            out[task] = res
-        assert split is not None
-        t0 = time.perf_counter()
-        r = out[task]["methods"][method] = run_method(task, method, split, args, ivon_mod)
-        print(f"  {task} ({args.epochs[task]} ep) {method:8s} lr {r['chosen_lr']}  "
-              f"{ {k: round(v['mean'], 4) for k, v in r.get('summary', {}).items()} }  ({time.perf_counter() - t0:.1f} s)",
-              flush=True)
-        if len(out[task]["methods"]) == len(methods):
-            out[task]["targets"] = check_targets(task, out[task]["methods"])
+    # a bar over the (task, method) runs: each next() before a run counts the runs done so far, the
+    # last one after them all closes the bar
+    ticks = iter(progress(range(len(tasks) * len(methods)), "vi quality"))
+    for task in tasks:
+        split = load_task(task)
+        res: Dict[str, Any] = {"n": {"train": len(split.y_train), "val": len(split.y_val), "test": len(split.y_test)},
+                               "epochs": args.epochs[task], "methods": {}}
+        if split.regression:
+            res["noise_var"] = split.noise_var
+            res["y_scale"] = split.y_scale
+        for method in methods:
+            next(ticks, None)
+            t0 = time.perf_counter()
+            res["methods"][method] = run_method(task, method, split, args, ivon_mod)
+            r = res["methods"][method]
+            print(f"  {task} ({args.epochs[task]} ep) {method:8s} lr {r['chosen_lr']}  "
+                  f"{ {k: round(v['mean'], 4) for k, v in r.get('summary', {}).items()} }  ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+        res["targets"] = check_targets(task, res["methods"])
+        out[task] = res
+    next(ticks, None)
     return out
 
 

@@ -74,15 +74,15 @@ def _warn_unmatched(model: nn.Module, skip: Sequence[Union[str, type]], wrapped:
             warnings.warn(f"skip_modules entry {what} matches no module of the model: entries are matched against "
                           f"the names in model.named_modules() ({seen}) and the modules' class names; nothing is "
                           "skipped for it", UserWarning,
-                          stacklevel=_caller_stacklevel())
+                          stacklevel=caller_stacklevel())
 
 
 #: the library's package directories (``curvature`` and ``torchsso2`` sit side by side): frames in
-#: them are not the user's (:func:`_caller_stacklevel`)
+#: them are not the user's (:func:`caller_stacklevel`)
 _LIBRARY_DIRS = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep for d in ("curvature", "torchsso2"))
 
 
-def _caller_stacklevel() -> int:
+def caller_stacklevel() -> int:
     """The ``stacklevel`` (for a ``warnings.warn`` in this module's caller) of the first frame outside
     this library: the user's line that built the optimizer or called ``curvature.compute``."""
     frame, level = sys._getframe(2), 2  # the frame of the function that calls warnings.warn

@@ -21,11 +21,15 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
-#: (module of the class, class name, what it is): the FSDP wrappers of a module
+#: (module of the class, class name, what it is): the FSDP wrappers of a module (``FSDPModule`` lived in
+#: ``torch.distributed._composable.fsdp`` before torch 2.6)
 _SHARDING_MODULES: Tuple[Tuple[str, str, str], ...] = (
     ("torch.distributed.fsdp", "FullyShardedDataParallel", "FullyShardedDataParallel"),
     ("torch.distributed.fsdp", "FSDPModule", "fully_shard (FSDP2)"),
+    ("torch.distributed._composable.fsdp", "FSDPModule", "fully_shard (FSDP2)"),
 )
+#: where ``DTensor`` lives (``torch.distributed._tensor`` before torch 2.5)
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
 
 def _loaded_class(module_name: str, class_name: str) -> Optional[type]:
@@ -45,9 +49,9 @@ def sharding_of(model: nn.Module) -> Optional[str]:
         for name, module in model.named_modules():
             if isinstance(module, cls):
                 return f"module {name or '(the model)'!r} is wrapped by {what}"
-    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
-    if dtensor is not None:
-        names: List[str] = [n for n, p in model.named_parameters() if isinstance(p, dtensor)]
+    dtensors = tuple({c for c in (_loaded_class(m, "DTensor") for m in _DTENSOR_MODULES) if c is not None})
+    if dtensors:  # trainable ones: a frozen DTensor parameter takes no update and no curvature
+        names: List[str] = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, dtensors)]
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             return f"parameters {shown} are DTensors (sharded or tensor-parallel)"

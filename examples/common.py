@@ -59,7 +59,7 @@ SSO_SETTINGS: Dict[str, Dict[str, object]] = {
     # reaches 97% in a median of 2 epochs over seeds 0-9, the exactly damped eigen method's best
     # setting (sso-kfac-eigen) in 4 (benchmarks/results/step_overhead.json, README)
     # These two were tuned without the KL clip (the library default kl_clip=1e-3 is a safety net for
-    # untuned settings; here it cost an epoch to 97%: 3 instead of 2 and 5 instead of 4, seed 0)
+    # untuned settings; here it slows the way to 97%)
     "sso-kfac": dict(approx="kfac", kfac_method="inverse", damping=0.3, momentum=0.8,
                      curv_update_interval=10, inv_update_interval=100, kl_clip=None),
     "sso-kfac-eigen": dict(approx="kfac", kfac_method="eigen", damping=0.01, momentum=0.8,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_utils import REPO, torchrun_script
-from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from torchsso2 import SecondOrderOptimizer
 
 DDP_ROUNDTRIP = textwrap.dedent("""
     import logging, os, sys
@@ -51,9 +51,10 @@ DDP_ROUNDTRIP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("group_timeout,warned", [(1800, True), (60, False)])
-def test_checkpoints_load_across_ddp_and_the_group_timeout_warning(tmp_path, group_timeout: int,
-                                                                  warned: bool) -> None:
+@pytest.mark.parametrize("group_timeout", [1800, 60])
+def test_checkpoints_load_across_ddp_and_the_group_timeout_warning(tmp_path, group_timeout: int) -> None:
+    """One rank: the checkpoints load either way, and no timeout warning (no other rank can hang;
+    two ranks below)."""
     script = tmp_path / "roundtrip.py"
     script.write_text(DDP_ROUNDTRIP)
     port = str(29600 + group_timeout % 97)
@@ -65,6 +66,28 @@ def test_checkpoints_load_across_ddp_and_the_group_timeout_warning(tmp_path, gro
     for line in ("soo ddp -> bare loaded 2 ['0', '2']", "soo bare -> ddp loaded 2 ['module.0', 'module.2']",
                  "vi ddp -> bare loaded 2", "vi bare -> ddp loaded 2"):
         assert line in out, out
+    assert "is longer than the communicator's" not in out, out
+
+
+GROUP_TIMEOUT = textwrap.dedent("""
+    import logging, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=int(sys.argv[1])))
+    from torchsso2.distributed import TorchCommunicator
+    TorchCommunicator()
+    print("built on rank", dist.get_rank())
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("group_timeout,warned", [(1800, True), (60, False)])
+def test_two_ranks_warn_about_a_group_timeout_longer_than_the_communicators(tmp_path, group_timeout: int,
+                                                                            warned: bool) -> None:
+    code, out = torchrun_script(tmp_path, "timeout.py", GROUP_TIMEOUT, str(group_timeout))
+    assert code == 0, out
+    assert "built on rank 0" in out and "built on rank 1" in out, out
     assert ("the process group's timeout (1800 s) is longer than the communicator's (60 s)" in out) == warned, out
 
 

@@ -97,3 +97,20 @@ def test_a_group_added_after_load_state_dict_steps(face):
     opt.step(closure)
     opt.load_state_dict(opt.state_dict())  # and the checkpoint with the new group loads
     opt.step(closure)
+
+
+def test_parameters_of_covered_modules_added_later_are_named_as_parameters():
+    """A no-decay group added after construction (biases of covered Linears, a LayerNorm): the
+    LayerNorm is a module the optimizer does not cover, the biases are uncovered parameters of
+    modules it covers; each gets its own message."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    opt = SecondOrderOptimizer(model, params=[model[0].weight, model[2].weight], lr=0.1)
+    with pytest.warns(UserWarning) as rec:
+        opt.add_param_group({"params": [model[0].bias, model[1].weight, model[1].bias, model[2].bias],
+                             "weight_decay": 0.0})
+    messages = [str(r.message) for r in rec]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("add_param_group: modules ['1'] have curvature support but were not covered")
+    assert messages[1].startswith("add_param_group: parameters ['0.bias', '2.bias'] of modules this "
+                                  "SecondOrderOptimizer covers were not in its params")

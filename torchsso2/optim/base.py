@@ -43,11 +43,11 @@ from .misuse import ClosureWatch, check_model_argument
 from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
 from .copying import copy_fields
+from .late_groups import warn_uncovered_layers
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
 from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
-from .late_groups import warn_uncovered_layers
 from .validation import check_int, check_nonempty_batch, unpack_closure_result
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             if not params:  # torch.optim's message (an empty list, a consumed generator), not "no supported layer"
                 raise ValueError("optimizer got an empty parameter list")
             include = {id(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])}
+            if not include:  # only empty groups: torch.optim's message
+                raise ValueError("optimizer got an empty parameter list")
             if include.isdisjoint(id(p) for p in model.parameters()):
                 raise ValueError(f"none of the {len(include)} parameters in params belongs to the model the "
                                  f"{type(self).__name__} was built on; pass parameters of that model "

@@ -12,14 +12,15 @@ from __future__ import annotations
 import warnings
 from typing import Any, Iterable
 
-from curvature.selection import _caller_stacklevel, select_layouts
+from curvature.selection import caller_stacklevel, select_layouts
 
 
 def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
     """UserWarning when ``params`` (a group just added to ``opt``, a built
-    :class:`~torchsso2.optim.base.CurvatureOptimizer`) include parameters of modules the optimizer's
-    ``approx`` and ``skip_modules`` would cover had they been trainable and in the optimizer at
-    construction."""
+    :class:`~torchsso2.optim.base.CurvatureOptimizer`) include parameters the optimizer's ``approx``
+    and ``skip_modules`` would cover had they been trainable and in the optimizer at construction:
+    parameters of modules it does not cover, and uncovered parameters of modules it covers (a bias
+    left out of the constructor's ``params``)."""
     covered = {id(p) for p in opt.engine.params}
     new = {id(p) for p in params if p.requires_grad} - covered
     if not new:
@@ -30,12 +31,19 @@ def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
             would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=new)
     except (ValueError, TypeError, NotImplementedError):  # no supported layer among them, or one it refuses
         return
-    if would:
+    fresh = sorted(n for n in would if n not in opt.engine.layouts)
+    partial = [f"{n}.{local}" for n in sorted(would) if n in opt.engine.layouts for local in would[n].param_names]
+    what = type(opt).__name__
+    if fresh:
         warnings.warn(
-            f"add_param_group: modules {sorted(would)} have curvature support but were not covered when this "
-            f"{type(opt).__name__} was built (frozen then, not yet in the model, or not in its params), so they take "
-            "the plain update: the covered modules are fixed at construction. To give them curvature, build the "
-            "optimizer with them in the model and trainable (freeze them with requires_grad_(False) until they "
-            "should train: a frozen covered module keeps its curvature); to keep the plain update, build it with "
-            "skip_modules naming them, or filter this warning",
-            UserWarning, stacklevel=_caller_stacklevel())
+            f"add_param_group: modules {fresh} have curvature support but were not covered when this {what} was "
+            "built (frozen then, not yet in the model, or not in its params), so they take the plain update: the "
+            "covered modules are fixed at construction. To give them curvature, build the optimizer with them in the "
+            "model and trainable (then freeze them with requires_grad_(False) until they should train: a frozen "
+            "covered module keeps its curvature); to keep the plain update, build it with skip_modules naming "
+            "them, or filter this warning", UserWarning, stacklevel=caller_stacklevel())
+    if partial:
+        warnings.warn(
+            f"add_param_group: parameters {partial} of modules this {what} covers were not in its params when it "
+            "was built, so they take the plain update; list them in the constructor's params to give them "
+            "curvature, or filter this warning", UserWarning, stacklevel=caller_stacklevel())

@@ -120,7 +120,7 @@ class GroupChecks:
                    "with torch.save and restore it with load_state_dict)") if closure is None else ""
             loop = (" A training loop that calls loss.backward() and then step() with no closure (Hugging Face "
                     "Trainer, accelerate, Lightning's manual optimization) can take K-FAC natural-gradient steps with "
-                    "KFACPreconditioner: precond.step() after the backward, before a torch.optim optimizer's step()"
+                    "KFACPreconditioner: precond.step() after the backward, before a torch.optim optimizer's step()."
                     ) if closure is None else ""
             raise TypeError("step() needs a closure that zero-grads, runs the model's forward, calls backward() and "
                             "returns (loss, output): the curvature is captured while it runs; see the class docstring"

@@ -62,9 +62,9 @@ def full_precision_step(step: F) -> F:
     forwards on copies of old weights (torch clears the cache only when the outermost context exits).
 
     The step runs eagerly under ``torch.compile`` (``torch.compiler.disable``: a compiled function that
-    calls it breaks its graph there): dynamo's traces of its in-place swaps of parameter data (VI's
-    weight samples) and of ``torch._fused_sgd_`` left a VI sample in the model and crashed the next
-    step after the curvature had taken the batch in."""
+    calls it breaks its graph there, and the closure runs eagerly too): dynamo does not trace the
+    step's in-place swaps of parameter data (VI's weight samples) and its fused momentum kernel
+    (``torch._fused_sgd_``, which inductor cannot run on fake tensors) correctly."""
     @functools.wraps(step)
     def wrapper(self: Any, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         state = autocast_state()

@@ -61,7 +61,6 @@ class PosteriorUse:
             return contextlib.nullcontext()
         return shifted_params(*shift)
 
-    @torch.compiler.disable  # eager under torch.compile, as step (precision.full_precision_step)
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None,
                 return_variance: bool = False, antithetic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
