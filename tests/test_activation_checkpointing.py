@@ -15,7 +15,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 

@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from curvature.likelihoods import sqrt_output_hessian

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import pytest
 import torch

@@ -8,7 +8,6 @@ settings comparison and of the timeout / opt-out configuration come first.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

@@ -41,7 +41,7 @@ def test_user_backward_is_unchanged():
 
 
 def test_frozen_backward_is_the_frozen_statistics_jacobian():
-    model, (x, y) = _model(), _batch()
+    model, (x, _) = _model(), _batch()
     bn = model[1]
     x0 = model[0](x).detach().requires_grad_(True)
     with Capture({}, root=model, freeze_batch_stats=True) as cap:

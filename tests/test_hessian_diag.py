@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.func import functional_call, hessian
 
 import curvature

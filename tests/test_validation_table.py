@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pathlib
-import re
 from typing import List, Tuple
 
 import pytest

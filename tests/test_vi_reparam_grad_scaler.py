@@ -7,7 +7,7 @@ curvature by ``S = 2^10``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 import pytest
 import torch
