@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 X, Y = torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 3
@@ -29,12 +29,7 @@ def _run(cls, kw, backend: str, compiled: bool):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = cls(model, seed=0, **kw)
 
-    def closure():
-        opt.zero_grad()
-        out = model(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, X, Y)
 
     def train():
         return opt.step(closure)

@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 X, Y = torch.randn(8, 3), torch.arange(8) % 2
@@ -28,13 +28,7 @@ def test_a_step_under_inference_mode_names_it(face):
     model = nn.Linear(3, 2)
     opt = _build(face, model)
 
-    def closure():
-        opt.zero_grad()
-        out = model(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
-
+    closure = make_closure(opt, model, X, Y)
     with torch.inference_mode(), pytest.raises(RuntimeError, match=r"step\(\) cannot run under "
                                                                     r"torch.inference_mode\(\).*torch.no_grad\(\)"):
         opt.step(closure)

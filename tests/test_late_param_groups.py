@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 X, Y = torch.randn(32, 8), torch.randint(0, 2, (32,))
@@ -24,13 +24,7 @@ def _build(face: str, model: nn.Module, **kw):
 
 
 def _closure(opt, model):
-    def closure():
-        opt.zero_grad()
-        out = model(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
-    return closure
+    return make_closure(opt, model, X, Y)
 
 
 def _mlp() -> nn.Sequential:

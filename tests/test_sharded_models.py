@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import curvature
 from curvature.sharded import sharding_of
+from optim_helpers import make_closure
 from torchsso2 import KFACPreconditioner, SecondOrderOptimizer, VIOptimizer
 
 if not dist.is_available():  # pragma: no cover - torch built without distributed
@@ -92,14 +92,7 @@ def test_plain_and_ddp_models_are_not_sharded_and_train(one_rank):
     opt = SecondOrderOptimizer(ddp, approx="kfac", lr=0.1)
     before = [p.detach().clone() for p in ddp.parameters()]
 
-    def closure():
-        opt.zero_grad()
-        out = ddp(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
-
-    opt.step(closure)
+    opt.step(make_closure(opt, ddp, X, Y))
     assert any(not torch.equal(b, p) for b, p in zip(before, ddp.parameters()))
 
 
