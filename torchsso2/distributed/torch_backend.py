@@ -123,7 +123,7 @@ class TorchCommunicator(BucketedCommunicator):
         self.backend_name = str(dist.get_backend())
         group_timeout = _group_timeout_s()
         if group_timeout is not None and group_timeout > self.timeout and self.backend_name != "nccl" \
-                and self.world_size > 1:  # a world of one has no other rank to wait for
+                and self.world_size > 1 and self.rank == 0:  # one rank says it; a world of one has no other rank
             logger.warning("the process group's timeout (%.0f s) is longer than the communicator's (%.0f s): a stuck "
                            "rank raises CollectiveTimeoutError on the others after %.0f s, but their processes "
                            "cannot exit before the group's pending collective times out; pass "
