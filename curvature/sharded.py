@@ -42,12 +42,12 @@ def _loaded_class(module_name: str, class_name: str) -> Optional[type]:
 def sharding_of(model: nn.Module) -> Optional[str]:
     """How ``model``'s parameters are sharded, in words (the first FSDP module found, or the
     ``DTensor`` parameters), or None for a model whose every parameter is a whole tensor."""
-    for module_name, class_name, what in _SHARDING_MODULES:
-        cls = _loaded_class(module_name, class_name)
-        if cls is None:
-            continue
+    wrappers = [(cls, what) for module_name, class_name, what in _SHARDING_MODULES
+                if (cls := _loaded_class(module_name, class_name)) is not None]
+    if wrappers:
         for name, module in model.named_modules():
-            if isinstance(module, cls):
+            what = next((w for cls, w in wrappers if isinstance(module, cls)), None)
+            if what is not None:
                 return f"module {name or '(the model)'!r} is wrapped by {what}"
     dtensors = tuple({c for c in (_loaded_class(m, "DTensor") for m in _DTENSOR_MODULES) if c is not None})
     if dtensors:  # trainable ones: a frozen DTensor parameter takes no update and no curvature

@@ -107,11 +107,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         include = None
         if params is not None:  # only the optimizer's own parameters get curvature (and, VI, weight noise)
             params = listed_groups(params)
-            if not params:  # torch.optim's message (an empty list, a consumed generator), not "no supported layer"
-                raise ValueError("optimizer got an empty parameter list")
             include = {id(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])}
-            if not include:  # only empty groups: torch.optim's message
-                raise ValueError("optimizer got an empty parameter list")
+            if not include:  # torch.optim's message (an empty list, a consumed generator, only empty groups),
+                raise ValueError("optimizer got an empty parameter list")  # not "no supported layer"
             if include.isdisjoint(id(p) for p in model.parameters()):
                 raise ValueError(f"none of the {len(include)} parameters in params belongs to the model the "
                                  f"{type(self).__name__} was built on; pass parameters of that model "
