@@ -13,7 +13,7 @@ setup(
         "cupy": ["cupy-cuda12x"],
         "plot": ["matplotlib"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis", "scikit-learn", "tqdm", "matplotlib", "mpich", "mpi4py"],
+        "test": ["pytest", "hypothesis", "scikit-learn", "tqdm", "matplotlib", "mpich", "mpi4py", "pytorch-lightning"],
         # ASDL is published as `asdfghjkl` (imported as `asdl`); PyPI's `asdl` is an unrelated grammar parser
         "bench": ["scikit-learn", "tqdm", "matplotlib", "backpack-for-pytorch",
                   "curvlinops-for-pytorch", "ivon-opt", "laplace-torch", "asdfghjkl"],

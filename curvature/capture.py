@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
 from .hook_marks import capture_hook, in_func_transform, is_marked
 from .modules.attention import attention_hook
+from .stacklevel import caller_stacklevel
 from .uses import UseWindows
 from .uses_static import global_forward_hooks, uses_stay_inside
 
@@ -121,7 +122,7 @@ class Capture:
                 "it; one that changes outputs (o -> 2·o) makes the curvature miss that change (and an "
                 "nn.MultiheadAttention's recorded forward drops it from the output). Register such a hook on the "
                 "modules (module.register_forward_hook), whose changes the curvature includes",
-                UserWarning, stacklevel=3)
+                UserWarning, stacklevel=caller_stacklevel())
         if self._uses is not None:  # closing first, then the recording hooks prepended before it: a call's window
             # covers what they compute and ends before the user's forward hooks run
             self._handles.extend(self._uses.attach())

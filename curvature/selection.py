@@ -10,11 +10,8 @@ A plain ``"kfac"`` applies to the families where K-FAC is defined; norm layers t
 from __future__ import annotations
 
 import logging
-import os
 import re
-import sys
 import warnings
-from pathlib import Path
 from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -27,6 +24,7 @@ from .modules import LayerFamily, family_of
 from .modules.base import SkipDoesNotHelp
 from .options import Approx, parse
 from .sharded import refuse_sharded
+from .stacklevel import caller_stacklevel  # noqa: F401  (re-exported: the optimizers' warnings use it)
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +73,6 @@ def _warn_unmatched(model: nn.Module, skip: Sequence[Union[str, type]], wrapped:
                           f"the names in model.named_modules() ({seen}) and the modules' class names; nothing is "
                           "skipped for it", UserWarning,
                           stacklevel=caller_stacklevel())
-
-
-#: the library's package directories (``curvature`` and ``torchsso2`` sit side by side): frames in
-#: them are not the user's (:func:`caller_stacklevel`)
-_LIBRARY_DIRS = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep for d in ("curvature", "torchsso2"))
-
-
-def caller_stacklevel() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in this module's caller) of the first frame outside
-    this library: the user's line that built the optimizer or called ``curvature.compute``."""
-    frame, level = sys._getframe(2), 2  # the frame of the function that calls warnings.warn
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _default_approx(module: nn.Module) -> Approx:

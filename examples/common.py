@@ -200,7 +200,8 @@ def make_optimizer(name: str, model: nn.Module, lr: Optional[float] = None, seed
 # --------------------------------------------------------------------------------------------
 def make_closure(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor
                  ) -> Callable[[], Tuple[Tensor, Tensor]]:
-    """zero_grad / forward / cross-entropy / backward; returns ``(loss, output)`` as torchsso2 expects."""
+    """zero_grad / forward / cross-entropy / backward; returns ``(loss, output)`` (torchsso2's optimizers
+    take this pair or, as torch.optim's closures, the loss alone)."""
     loss_fn = nn.CrossEntropyLoss()
 
     def closure() -> Tuple[Tensor, Tensor]:

@@ -56,5 +56,5 @@ def test_learned_noise_with_the_last_micro_batch_output_says_to_concatenate() ->
             out = model(xb)
             (0.5 * (out - yb).pow(2).sum(-1).mean() * len(xb) / 8).backward()
         return torch.zeros(()), out  # the last micro-batch's output only
-    with pytest.raises(ValueError, match=r"return all micro-batches' outputs concatenated"):
+    with pytest.raises(ValueError, match=r"return \(loss, torch.cat\(outs\)\) from the closure: all micro-batches' outputs concatenated"):
         opt.step(closure, targets=y)

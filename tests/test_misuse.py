@@ -173,8 +173,8 @@ def test_curvature_name_is_named_with_a_suggestion() -> None:
 @pytest.mark.parametrize("face", ["sso", "vi"])
 def test_closure_after_the_watch_runs_with_grad_and_checks_its_result(face: str) -> None:
     """After the watched calls a step runs the closure without a watch: still with grad enabled (a step
-    called under ``torch.no_grad()`` trains), and a closure that does not return ``(loss, output)`` is
-    still a TypeError."""
+    called under ``torch.no_grad()`` trains), and a closure that returns neither the loss nor
+    ``(loss, output)`` is still a TypeError."""
     from torchsso2.optim.misuse import CLOSURE_CHECKS
 
     model = _mlp()
@@ -188,8 +188,8 @@ def test_closure_after_the_watch_runs_with_grad_and_checks_its_result(face: str)
         opt.step(closure)
         opt.step(closure)
     assert not torch.equal(_vec(model), before)
-    with pytest.raises(TypeError, match=r"\(loss, output\)"):
-        opt.step(lambda: closure()[0])
+    with pytest.raises(TypeError, match=r"must return the loss, or \(loss, output\).*tuple of 3 items"):
+        opt.step(lambda: (*closure(), 0))
 
 
 def _mse(out):

@@ -367,18 +367,17 @@ def test_vi_argument_errors(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("make", [_so, _vi], ids=["second_order", "vi"])
-def test_closure_must_return_loss_and_output(make):
+def test_closure_returns_the_loss_or_loss_and_output(make):
+    """(More in tests/test_loss_only_closure.py.)"""
     model, (x, y) = tiny_mlp(), batch()
     opt = make(model)
     before = param_vec(model)
 
-    def bare_loss():
+    def no_loss():
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-    with pytest.raises(TypeError, match=r"\(loss, output\)"):
-        opt.step(bare_loss)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(TypeError, match=r"must return the loss .*, or \(loss, output\)"):
+        opt.step(no_loss)
     with pytest.raises(TypeError, match="closure"):
         opt.step()
     assert torch.equal(param_vec(model), before)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .checks import all_finite
 from .errors import LinalgError
+from ..stacklevel import caller_stacklevel
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def eigh_with_retry(eigh: Callable[[Tensor], Tuple[Tensor, Tensor]], a: Tensor, 
             logger.debug("%s", what)
             warnings.warn(f"eigh ({backend} backend) of a {tuple(a.shape)} {a.dtype} matrix failed; recomputed in "
                           f"{label}. Pass decomposition_dtype=torch.float64 (SecondOrderOptimizer/VIOptimizer) "
-                          "to decompose in double from the start.", EighRetryWarning, stacklevel=4)
+                          "to decompose in double from the start.", EighRetryWarning, stacklevel=caller_stacklevel())
             evals = evals.to(a.dtype)
             if not all_finite([evals]):  # finite in float64, beyond the requested dtype's largest value
                 raise LinalgError(f"eigh ({backend} backend): the eigenvalues of a {tuple(a.shape)} {a.dtype} matrix "

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -48,11 +48,13 @@ from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
 from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
-from .validation import check_int, check_nonempty_batch, unpack_closure_result
+from .closure_output import call_closure
+from .validation import check_int, check_nonempty_batch
 
 logger = logging.getLogger(__name__)
 
-Closure = Callable[[], Tuple[Tensor, Tensor]]
+#: ``step``'s argument: a closure returning the loss, or ``(loss, output)`` (:mod:`.closure_output`)
+Closure = Callable[[], Union[Tensor, float, Tuple[Tensor, Any]]]
 _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
 
 
@@ -191,6 +193,23 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                         "with load_state_dict, or copy.deepcopy((model, opt)) within one process")
 
     # ---- capture + estimate -------------------------------------------------------------
+    def _call_closure(self, closure: Closure) -> Tuple[Any, Any]:
+        """``(loss, output)`` of one call of ``closure``, which returns either or the loss alone
+        (:mod:`.closure_output`; the output is then the model's where :meth:`_needs_output`, at the first
+        call and where the previous call returned the loss alone, else None). Which form it returned
+        shapes what ``step`` returns (:meth:`_step_result`)."""
+        tap = self.__dict__.get("_loss_only", True) or self._needs_output()
+        loss, output, self._loss_only = call_closure(closure, self.model, tap)
+        return loss, output
+
+    def _needs_output(self) -> bool:
+        """True where this step reads the model output itself (a subclass's; :mod:`.closure_output`)."""
+        return False
+
+    def _step_result(self, loss: Any, output: Any) -> Any:
+        """What ``step`` returns: the loss if the closure returned the loss alone, else ``(loss, output)``."""
+        return loss if self.__dict__.get("_loss_only", False) else (loss, output)
+
     def _run_closure(self, closure: Closure, targets: Optional[Tensor], estimate: bool
                      ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
         """Run the closure once; when ``estimate``, also estimate this batch's curvature. The step checked
@@ -198,7 +217,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
-                loss, output = unpack_closure_result(closure())
+                loss, output = self._call_closure(closure)
             self._check_nonempty(output)
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse, estimate)
@@ -209,7 +228,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 if watch.check_output else None
             try:
                 with torch.enable_grad(), watch:
-                    loss, output = unpack_closure_result(closure())
+                    loss, output = self._call_closure(closure)
             finally:
                 if hook is not None:
                     hook.remove()
@@ -243,7 +262,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
 
         with torch.enable_grad(), watch, engine.capture(on_output=on_output, record_backward=from_backward) as cap:
             try:
-                loss, output = unpack_closure_result(closure())
+                loss, output = self._call_closure(closure)
             except ValueError as err:
                 if from_backward and is_second_forward_reuse(err, len(cap.outputs)):
                     raise ValueError(ACCUMULATION_NEEDS_TARGETS) from err

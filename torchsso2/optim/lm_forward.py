@@ -7,7 +7,7 @@ digits CNN: ~1.7 ms, every ``damping_adaptation_interval`` steps).
 
 In adaptive mode the closure's forward is recorded (:class:`torchsso2.optim.adaptive.InputRecorder`).
 When the step is also given the batch's ``targets``, the closure returned the recorded forward's
-own output and its loss is the model's mean negative log-likelihood of them (checked on that
+own output (or the loss alone: the output is then that forward's, :mod:`.closure_output`) and its loss is the model's mean negative log-likelihood of them (checked on that
 output: equal to rounding), the loss after the update is that same function of one forward of
 the recorded input, without autograd: the same value as the closure's (to rounding: cross-entropy
 over fewer than 16 classes takes the faster log-softmax of :func:`_mean_nll`), at the cost of a
@@ -31,6 +31,7 @@ from torch import Tensor
 
 from curvature.likelihoods import FEW_CLASSES, mean_nll
 from curvature.options import LossType
+from curvature.selection import caller_stacklevel
 
 from . import sequential_jvp
 
@@ -46,7 +47,8 @@ def forward_only_closure(opt: Any, targets: Optional[Tensor], loss: Any, output:
     """A closure returning ``(loss, output)`` at the current parameters by one forward (no grad) of
     the step's recorded input, or None where it would not equal the user's closure (module
     docstring). ``opt``: a :class:`SecondOrderOptimizer` in adaptive mode after its closure ran;
-    ``loss``, ``output``: what the closure returned at this step. With several processes every
+    ``loss``, ``output``: the closure's loss at this step and its output (the model's, for a closure
+    returning the loss alone). With several processes every
     rank takes the same way (one all-reduce of a flag): a closure called on some ranks only could
     wait for a collective of the others (a DDP backward)."""
     recorder = opt.adaptive.recorder if opt.adaptive is not None else None
@@ -142,4 +144,4 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
             "model takes the curvature of the mean NLL and the gradient of the closure's loss, so a scaled loss "
             "(F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step by the "
             "same factor; return the mean NLL from the closure (plus any terms you mean to add)",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=caller_stacklevel())

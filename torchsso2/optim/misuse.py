@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from curvature.hook_marks import in_func_transform
 from curvature.options import parse
+from curvature.selection import caller_stacklevel
 
 E = TypeVar("E", bound=Enum)
 
@@ -140,7 +141,7 @@ class ClosureWatch:
             raise RuntimeError(
                 "the closure did not call backward(): no parameter's .grad was created or changed, so the "
                 "parameters would never move. The closure must compute the loss, call loss.backward() and "
-                "return (loss, output)")
+                "return the loss (or (loss, output))")
         if not self.check_output or not self.stats:
             return
         self.owner["output_checks_left"] = self.owner.get("output_checks_left", OUTPUT_CHECKS) - 1
@@ -158,7 +159,7 @@ class ClosureWatch:
                 "for a Gaussian one or compute F.cross_entropy in the closure. If it is the cross-entropy plus an "
                 "auxiliary term on the logits (a logit penalty, z-loss), the step is right: the curvature is the "
                 "cross-entropy's and the gradient the whole loss's; silence this warning with "
-                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning, stacklevel=4)
+                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning, stacklevel=caller_stacklevel())
 
 
 @contextlib.contextmanager

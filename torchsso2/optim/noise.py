@@ -72,12 +72,17 @@ class ObservationNoise:
         if not isinstance(targets, Tensor):
             raise TypeError(f"noise_variance='learned' needs step(closure, targets=y) with a tensor y, got "
                             f"{type(targets).__name__}")
+        if output is None:
+            raise ValueError("noise_variance='learned' compares the model output with the targets, and the closure "
+                             "returned the loss alone without running the optimizer's model (with gradients "
+                             "enabled); return (loss, output) from the closure")
         if not isinstance(output, Tensor) or tuple(output.shape) != tuple(targets.shape):
             shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
-            raise ValueError(f"noise_variance='learned' compares the closure's output with targets of the same shape; "
-                             f"got output {shape} and targets {tuple(targets.shape)}"
-                             + ("; with gradient accumulation, return all micro-batches' outputs concatenated "
-                                "(torch.cat(outs)) from the closure, in the targets' order"
+            raise ValueError(f"noise_variance='learned' compares the model output with targets of the same shape; "
+                             f"got output {shape} (returned by the closure, or its last forward of the model if it "
+                             f"returned the loss alone) and targets {tuple(targets.shape)}"
+                             + ("; with gradient accumulation, return (loss, torch.cat(outs)) from the closure: all "
+                                "micro-batches' outputs concatenated in the targets' order"
                                 if isinstance(output, Tensor) and output.shape[1:] == targets.shape[1:] else ""))
         return float((targets.detach().to(output.dtype) - output.detach()).pow(2).mean())
 

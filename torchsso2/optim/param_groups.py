@@ -123,7 +123,7 @@ class GroupChecks:
                     "KFACPreconditioner: precond.step() after the backward, before a torch.optim optimizer's step()."
                     ) if closure is None else ""
             raise TypeError("step() needs a closure that zero-grads, runs the model's forward, calls backward() and "
-                            "returns (loss, output): the curvature is captured while it runs; see the class docstring"
+                            "returns the loss (or (loss, output)): the curvature is captured while it runs; see the class docstring"
                             f"{dcp}.{loop}")
         self._check_group_values()
 

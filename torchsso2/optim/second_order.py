@@ -40,7 +40,7 @@ from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
 from .steps import add_weight_decay
-from .validation import MAX_LR, check_choice, check_int, check_number
+from .validation import MAX_LR, check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             both with different values is a ``ValueError``).
 
     ``step(closure, targets=None)``: the closure zeroes grads, runs the model, computes the loss,
-    calls ``backward()`` and returns ``(loss, output)``. The curvature is that of the mean negative
+    calls ``backward()`` and returns the loss, as torch.optim's closures do, or ``(loss, output)``;
+    ``step`` returns what the closure returned. The curvature is that of the mean negative
     log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½‖y − f‖²`` over all of an example's
     outputs, averaged over the examples, i.e. ``0.5 * (out - y).pow(2).reshape(len(out), -1).sum(1).mean()``
     — ``.sum(-1).mean()`` for ``[N, D]`` outputs, not for ``[N, T, D]`` —, not ``F.mse_loss``, which is
@@ -306,8 +307,21 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self.low_rank = solver
 
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
-    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
-        """One natural-gradient step; returns the closure's ``(loss, output)``."""
+    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
+        """One natural-gradient step; returns what the closure returned: the loss, or ``(loss, output)``.
+
+        ``closure``: zero-grads, runs the model's forward, calls ``backward()`` and returns the loss
+        (a tensor of one element), or ``(loss, output)`` (the model output, ``[N, ...]``).
+        ``targets``: the batch's labels ``[N]`` (or targets ``[N, ...]`` for ``loss="mse"``), needed by
+        the Hessian and by gradient accumulation with the empirical Fisher (class docstring)."""
+        return self._step_result(*self._natural_step(closure, targets))
+
+    def _needs_output(self) -> bool:
+        """Adaptive mode compares the closure's loss with the mean NLL of the model output."""
+        return self.adaptive is not None
+
+    def _natural_step(self, closure: Closure, targets: Optional[Tensor]) -> Tuple[Any, Any]:
+        """:meth:`step`'s work; ``(loss, output)`` (output None for a closure returning the loss alone)."""
         self._check_step_call(closure)
         check_targets(targets)
         warmup = self.num_steps < self.curv_warmup_steps  # every step estimates and decomposes
@@ -432,7 +446,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 predicted = lin + 0.5 * (quad + self.damping * sq)
         with torch.enable_grad():
             try:
-                new_loss, _ = closure()
+                new_loss = unpack_closure_result(closure())[0]
             except RuntimeError as err:
                 if self.grad_scaler is not None and "unscale_() has already been called" in str(err):
                     raise RuntimeError(

@@ -59,18 +59,34 @@ def check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
     return value
 
 
-def unpack_closure_result(result: Any) -> Tuple[Any, Any]:
-    """A closure must return ``(loss, output)``; anything else is a TypeError saying so."""
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        raise TypeError("the closure must return (loss, output): the loss tensor and the model output, "
-                        f"got {type(result).__name__}")
-    loss = result[0]
+def unpack_closure_result(result: Any) -> Tuple[Any, Any, bool]:
+    """``(loss, output, loss_only)`` of what a closure returned: ``(loss, output)`` (``loss_only``
+    False), or the loss alone, as torch.optim's closures return it (a tensor of one element or a Python
+    number; ``output`` None, ``loss_only`` True). Anything else is a TypeError saying what a closure
+    returns."""
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise TypeError("the closure must return the loss, or (loss, output): the loss tensor and the model "
+                            f"output; got a {type(result).__name__} of {len(result)} items")
+        loss, output, loss_only = result[0], result[1], False
+    elif isinstance(result, torch.Tensor) or (isinstance(result, (int, float)) and not isinstance(result, bool)):
+        loss, output, loss_only = result, None, True
+    elif result is None:
+        raise TypeError("the closure must return the loss (a tensor of one element), or (loss, output): the loss "
+                        "tensor and the model output; got None (a closure without `return loss`; PyTorch "
+                        "Lightning's training_step returning None to skip a batch is not supported: these "
+                        "optimizers take a loss at every step)")
+    else:
+        raise TypeError("the closure must return the loss (a tensor of one element), or (loss, output): the loss "
+                        f"tensor and the model output; got {type(result).__name__}")
     if not isinstance(loss, torch.Tensor) and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
         raise TypeError(f"the closure's loss must be a tensor or a Python number, got {type(loss).__name__}")
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        order = "the loss comes first in (loss, output)" if not loss_only else \
+            "return the mean loss of the batch, e.g. loss.mean()"
         raise ValueError(f"the closure's loss must be a single number (the mean loss of the batch), got a tensor of "
-                         f"shape {list(loss.shape)}; the closure returns (loss, output) in that order")
-    return loss, result[1]
+                         f"shape {list(loss.shape)}; {order}")
+    return loss, output, loss_only
 
 
 def as_loss_tensor(loss: Any) -> "torch.Tensor":

@@ -360,8 +360,15 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
 
     # ---- the step ---------------------------------------------------------------------------------
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
-    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
-        """One VI step (``num_mc_samples`` closure calls); returns the mean loss and the last output."""
+    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
+        """One VI step (``num_mc_samples`` closure calls, each at a weight sample); returns the mean loss
+        over the samples if the closure returns the loss alone (torch.optim's convention), else
+        ``(mean loss, last output)`` for a closure returning ``(loss, output)``.
+
+        ``closure``: zero-grads, runs the model's forward, calls ``backward()`` and returns the loss (a
+        tensor of one element) or ``(loss, output)`` (the model output, ``[N, ...]``). ``targets``: the
+        batch's labels ``[N]`` (targets ``[N, ...]`` for ``loss="mse"``), needed by
+        ``noise_variance="learned"``."""
         self._check_step_call(closure)
         check_targets(targets)
         self._follow_param_dtypes()  # before the weight noise is drawn from the decompositions
@@ -391,7 +398,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
             losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
             if self.noise.learned:
-                residuals.append(ObservationNoise.mean_squared_residual(self.engine.select_output(output), targets))
+                residuals.append(ObservationNoise.mean_squared_residual(
+                    None if output is None else self.engine.select_output(output), targets))
             if self.reparam and estimate:
                 for name, h in self._reparam_sample(noise).items():
                     hats[name] = hats[name] + h if name in hats else h
@@ -412,15 +420,20 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals))
 
-    def _output_checked(self, result: Tuple[Tensor, Any]) -> Tuple[Tensor, Any]:
-        """``result``; at the first step, the model output is checked to be (or to select, with
-        ``output_selector``) a tensor, so that a dict-returning model without ``output_selector`` fails
-        at once, not at ``predict`` after the training (the diagonal's step never reads the output)."""
+    def _needs_output(self) -> bool:
+        """The learned noise variance reads each sample's residuals; the first step checks the output."""
+        return self.noise.learned or not self.__dict__.get("_output_seen", False)
+
+    def _output_checked(self, result: Tuple[Tensor, Any]) -> Any:
+        """What ``step`` returns for ``result`` (``(mean loss, output)``); at the first step, the model
+        output is checked to be (or to select, with ``output_selector``) a tensor, so that a
+        dict-returning model without ``output_selector`` fails at once, not at ``predict`` after the
+        training (the diagonal's step never reads the output)."""
         if not self.__dict__.get("_output_seen", False):
             if result[1] is not None and not isinstance(result[1], Tensor):  # the closure may return either form
                 self.engine.select_output(result[1])
             self._output_seen = True
-        return result
+        return self._step_result(*result)
 
     def _finish_step(self, snapshot: Any, losses: List[Tensor], output: Any, hats: Dict[str, Tensor],
                      curvature: Optional[BlockAverage], residuals: Sequence[float] = ()) -> Tuple[Tensor, Tensor]:

@@ -1,0 +1,126 @@
+"""PyTorch Lightning's automatic optimization drives SecondOrderOptimizer and VIOptimizer.
+
+Lightning calls ``optimizer.step(closure=closure)`` with a closure that runs ``training_step``,
+zeroes the gradients, calls ``backward()`` and returns the loss alone (torch.optim's convention). A
+LightningModule returning either optimizer from ``configure_optimizers`` must train exactly as the
+same optimizer in a plain loop over the same batches: the parameters are compared bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+from optim_helpers import param_vec
+
+pl = pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not installed (pip install -e '.[test]')")
+
+EPOCHS = 2
+OPTIMIZERS = {
+    "second_order": lambda m: SecondOrderOptimizer(m, lr=0.1, curv_update_interval=2, inv_update_interval=4, seed=5),
+    "adaptive": lambda m: SecondOrderOptimizer(m, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                                               adaptive_damping=True, seed=5),
+    "vi": lambda m: VIOptimizer(m, dataset_size=96, lr=0.1, seed=5),
+    "vi-kfac": lambda m: VIOptimizer(m, dataset_size=96, approx="kfac", seed=5),
+}
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 6, generator=g)
+    return TensorDataset(x, (x @ torch.randn(6, 3, generator=g)).argmax(1))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+class _Module(pl.LightningModule):
+    def __init__(self, make, on_root: bool, skip_batch: int = -1) -> None:
+        super().__init__()
+        self.make, self.on_root, self.skip_batch = make, on_root, skip_batch
+        self.net = _net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        return None if batch_idx == self.skip_batch else loss  # None: Lightning skips the batch
+
+    def configure_optimizers(self):
+        return self.make(self if self.on_root else self.net)
+
+
+class _Wrapper(nn.Module):
+    """The LightningModule's shape without Lightning: a root module around the net (adaptive mode takes
+    its generic forward-mode path on it, its hand-written one on a bare nn.Sequential)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _plain_loop(make, on_root: bool) -> torch.Tensor:
+    root = _Wrapper()
+    model = root if on_root else root.net
+    opt = make(model)
+    for _ in range(EPOCHS):
+        for x, y in DataLoader(_data(), batch_size=32):
+            def closure():
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                return loss
+            opt.step(closure)
+    return param_vec(root.net)
+
+
+@pytest.mark.parametrize("on_root", [True, False], ids=["built-on-the-lightning-module", "built-on-its-net"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_lightning_automatic_optimization_equals_the_plain_loop(name, on_root):
+    _fit_and_compare(name, on_root)
+
+
+@pytest.mark.parametrize("name", ["second_order", "vi"])
+def test_a_batch_lightning_skips_is_a_clear_error(name):
+    """``training_step`` returning None (Lightning's skipped batch) is not supported: a TypeError that says so."""
+    module = _Module(OPTIMIZERS[name], on_root=True, skip_batch=1)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*training_step. returned .None.")
+        warnings.filterwarnings("ignore", module="pytorch_lightning")
+        logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+        with pytest.raises(TypeError, match="PyTorch Lightning's training_step returning None to skip a batch is not "
+                                            "supported"):
+            trainer.fit(module, DataLoader(_data(), batch_size=32))
+    assert trainer.global_step == 1
+
+
+def _fit_and_compare(name: str, on_root: bool) -> None:
+    module = _Module(OPTIMIZERS[name], on_root)
+    start = param_vec(module.net)
+    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="pytorch_lightning")  # its advice on num_workers, logging
+        warnings.filterwarnings("ignore", module="lightning_fabric")
+        logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+        trainer.fit(module, DataLoader(_data(), batch_size=32))
+    assert trainer.global_step == EPOCHS * 3
+    trained = param_vec(module.net)
+    assert not torch.equal(trained, start)
+    assert torch.equal(trained, _plain_loop(OPTIMIZERS[name], on_root))

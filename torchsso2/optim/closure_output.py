@@ -1,0 +1,64 @@
+"""A closure's model output when the closure returns the loss alone (torch.optim's convention).
+
+A closure passed to ``step`` returns ``(loss, output)`` or, as torch.optim's closures do, the loss
+alone; ``step`` then returns what the closure returned (the loss, or ``(loss, output)``). The
+curvature never needs the returned output: it is captured from the model's forward while the
+closure runs. Two uses read the output itself: ``VIOptimizer``'s learned noise variance
+(``noise_variance="learned"``: the residuals of each sample) and its check at the first step that the
+output is a tensor or selects one (``output_selector``); ``SecondOrderOptimizer``'s adaptive mode
+compares the closure's loss with the mean negative log-likelihood of the output. There, a forward
+hook on the model (:class:`OutputTap`) records the output of the closure's last forward run with
+gradients enabled, the forward the loss of an ordinary closure comes from, and a closure returning
+the loss alone is read as if it had returned that output too. The tap also runs at the first call
+and wherever the previous call returned the loss alone, so that an empty batch is the same clear
+error as with ``(loss, output)`` on steps that estimate no curvature; a closure returning the pair
+pays no hook there.
+
+A closure returning ``None`` is a TypeError, PyTorch Lightning's closure for a ``training_step``
+that returns ``None`` to skip a batch included: a step that is taken on some ranks and skipped on
+others would pair the ranks' collectives with other steps', and Lightning itself does not support
+that skip on several devices.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .validation import unpack_closure_result
+
+
+class OutputTap:
+    """Records the output of ``model``'s last forward with gradients enabled while the ``with`` block runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.output: Any = None
+        self._handle: Optional[RemovableHandle] = None
+
+    def __enter__(self) -> "OutputTap":
+        self._handle = self.model.register_forward_hook(self._record)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _record(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
+        if torch.is_grad_enabled():  # a no-grad forward in the closure (a metric) is not the loss's
+            self.output = output
+
+
+def call_closure(closure: Callable[[], Any], model: nn.Module, tap_output: bool) -> Tuple[Any, Any, bool]:
+    """Call ``closure`` (in the grad mode the caller set): ``(loss, output, loss_only)``, as
+    :func:`~torchsso2.optim.validation.unpack_closure_result`; with ``tap_output``, a closure that
+    returned the loss alone gets the output of its last forward of ``model`` (None if it ran none)."""
+    if not tap_output:
+        return unpack_closure_result(closure())
+    with OutputTap(model) as tap:
+        result = closure()
+    loss, output, loss_only = unpack_closure_result(result)
+    return loss, (tap.output if loss_only else output), loss_only
