@@ -83,6 +83,12 @@ def is_compiled(model: nn.Module) -> bool:
     return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
 
 
+def contains_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule runs through torch.compile (a LightningModule holding
+    ``self.net = torch.compile(net)``)."""
+    return any(is_compiled(m) for m in model.modules())
+
+
 def _check_reached(grads: Sequence[Optional[Tensor]], names: Sequence[str]) -> None:
     """ValueError when the model output reaches none of the covered modules' recorded outputs (each
     gradient None). A module the output does not use has zero blocks, but not every module: the
@@ -223,7 +229,7 @@ class CurvatureEngine:
             try:
                 return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled)
             except RuntimeError as err:
-                if "double backward" in str(err) and is_compiled(self.model):
+                if "double backward" in str(err) and contains_compiled(self.model):
                     raise ValueError(
                         f"kind='hessian' differentiates the model's backward, which a torch.compile'd model with an "
                         f"aot_autograd backend (the default inductor, aot_eager) does not support ({err}). Compile "
@@ -353,7 +359,7 @@ class CurvatureEngine:
 
     def _refuse_uncalled(self, capture: Capture, missing: List[str]) -> None:
         """ValueError for covered modules the forward did not call with gradients enabled."""
-        if not capture.records and is_compiled(self.model):
+        if not capture.records and contains_compiled(self.model):
             raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
         raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
                          "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
@@ -371,7 +377,7 @@ class CurvatureEngine:
         and the blocks are normalized by ``batch_size`` (default ``R``). ``R`` is the first dimension
         of the recorded root output (of the first covered module's output when there is none).
         """
-        if not capture.records and self._modules and is_compiled(self.model):
+        if not capture.records and self._modules and contains_compiled(self.model):
             raise ValueError(compiled_before_hooks(f"covered modules {list(self._modules)} were not recorded"))
         missing = [n for n in self._modules if n not in capture.records]
         if missing:

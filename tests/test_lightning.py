@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -124,3 +125,64 @@ def _fit_and_compare(name: str, on_root: bool) -> None:
     trained = param_vec(module.net)
     assert not torch.equal(trained, start)
     assert torch.equal(trained, _plain_loop(OPTIMIZERS[name], on_root))
+
+
+def _trainer(max_epochs: int, **kwargs: Any) -> Any:
+    return pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, **{"enable_checkpointing": False, **kwargs})
+
+
+def _quiet_fit(trainer: Any, module: Any, **kwargs: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="pytorch_lightning")
+        warnings.filterwarnings("ignore", module="lightning_fabric")
+        logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+        trainer.fit(module, DataLoader(_data(), batch_size=32), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["second_order", "vi", "vi-kfac"])
+def test_resuming_from_a_lightning_checkpoint_is_bit_exact(name, tmp_path):
+    """Lightning saves ``optimizer.state_dict()`` in its checkpoint and loads it on ``fit(ckpt_path=...)``:
+    4 epochs straight equal 2 epochs, a checkpoint, and 2 more in a new Trainer and module."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    straight = _Module(OPTIMIZERS[name], on_root=True)
+    _quiet_fit(_trainer(4), straight)
+    first = _Module(OPTIMIZERS[name], on_root=True)
+    _quiet_fit(_trainer(2, enable_checkpointing=True,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]), first)
+    resumed = _Module(OPTIMIZERS[name], on_root=True)
+    trainer = _trainer(4)
+    _quiet_fit(trainer, resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.optimizers[0].num_steps == 4 * 3
+    assert torch.equal(param_vec(resumed.net), param_vec(straight.net))
+    assert not torch.equal(param_vec(resumed.net), param_vec(first.net))
+
+
+class _WithTargets(_Module):
+    """Passes the batch's targets to ``step`` (the Hessian, VI's learned noise, adaptive mode's LM forward)
+    by overriding ``optimizer_step``."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._targets = batch[1]
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure, targets=self._targets)
+
+
+@pytest.mark.parametrize("name", ["hessian", "adaptive"])
+def test_targets_reach_step_through_optimizer_step(name):
+    make = {"hessian": lambda m: SecondOrderOptimizer(m, lr=0.1, curvature="hessian", approx="diag", seed=5),
+            "adaptive": OPTIMIZERS["adaptive"]}[name]
+    module = _WithTargets(make, on_root=True)
+    _quiet_fit(_trainer(EPOCHS), module)
+    root = _Wrapper()
+    opt = make(root)
+    for _ in range(EPOCHS):
+        for x, y in DataLoader(_data(), batch_size=32):
+            def closure():
+                loss = F.cross_entropy(root(x), y)
+                opt.zero_grad()
+                loss.backward()
+                return loss
+            opt.step(closure, targets=y)
+    assert torch.equal(param_vec(module.net), param_vec(root.net))

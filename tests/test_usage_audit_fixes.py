@@ -61,6 +61,40 @@ def test_a_compiled_model_traced_before_the_optimizer_gets_the_fix_named() -> No
         dynamo.reset()
 
 
+class _Holder(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_compiled_submodule_traced_before_the_optimizer_gets_the_fix_named() -> None:
+    """The optimizer built on a module holding a compiled network (a LightningModule with
+    ``self.net = torch.compile(net)``) whose graph was traced before it: the compile advice, not
+    'not called in the forward pass'."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torchsso2.kfac import KFACPreconditioner
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    try:
+        for face in ("second_order", "empirical_fisher", "kfac"):
+            dynamo.reset()
+            root = _Holder(torch.compile(_mlp(), backend="eager"))
+            root.net(x)  # a warm-up call: its graph has no curvature hooks
+            if face == "kfac":
+                pre = KFACPreconditioner(root)
+                torch.nn.functional.cross_entropy(root(x), y).backward()
+                with pytest.raises(RuntimeError, match="traced before the preconditioner's hooks existed"):
+                    pre.step()
+                continue
+            opt = SecondOrderOptimizer(root, curvature="fisher" if face == "second_order" else face)
+            with pytest.raises(ValueError, match=r"traced before the optimizer's hooks existed.*torch._dynamo.reset"):
+                opt.step(make_closure(opt, root, x, y))
+    finally:
+        dynamo.reset()
+
+
 def test_channels_last_trains_as_contiguous_under_vi_diag() -> None:
     """The flat step's fused kernels pair elements by memory position: a channels_last weight was
     paired with the wrong momentum entries from the second step on."""

@@ -127,7 +127,8 @@ class TorchCommunicator(BucketedCommunicator):
             logger.warning("the process group's timeout (%.0f s) is longer than the communicator's (%.0f s): a stuck "
                            "rank raises CollectiveTimeoutError on the others after %.0f s, but their processes "
                            "cannot exit before the group's pending collective times out; pass "
-                           "init_process_group(timeout=timedelta(seconds=%.0f)) (docs/distributed.md)",
+                           "init_process_group(timeout=timedelta(seconds=%.0f)) (PyTorch Lightning: "
+                           "DDPStrategy(timeout=...)) (docs/distributed.md)",
                            group_timeout, self.timeout, self.timeout, self.timeout)
 
     def barrier(self) -> None:

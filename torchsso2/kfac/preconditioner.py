@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.capture import on_gradient
-from curvature.engine import compile_advice, compiled_before_hooks, is_compiled
+from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
@@ -233,7 +233,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._model = model
         self._attach_hooks()
-        self._model_is_compiled = is_compiled(model)
+        self._model_is_compiled = contains_compiled(model)
         #: micro-batches recorded in this step (for the fold in the hooks): forwards of the whole model, where
         #: forwards with no backward between them count once (two views through the model, one backward)
         self._micro_batches = 0

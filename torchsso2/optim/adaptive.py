@@ -53,6 +53,7 @@ from curvature.blocks.base import owned_all_finite
 from curvature.hook_marks import in_func_transform
 from curvature.likelihoods import class_softmax, loss_rows, mean_nll
 from curvature.options import Kind, LossType
+from curvature.root_calls import NestedCalls
 from curvature.uses_static import observer_hook
 
 from . import sequential_jvp
@@ -95,19 +96,30 @@ class InputRecorder:
             else None
         child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
 
+        nesting = NestedCalls()  # a wrapper's call around the model's (curvature/root_calls.py) is dropped
+        open_calls: List[Optional[int]] = []  # per open call, innermost last: its index in self.calls
+
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            nesting.enter()
+            open_calls.append(None)
             if in_func_transform():
                 return
             if not torch.is_grad_enabled():  # a metric on other inputs inside the closure: not the batch's loss
                 if self.activations is not None:
                     self.activations.skip()
                 return
+            open_calls[-1] = len(self.calls)
             self.calls.append((args, dict(kwargs), torch.get_rng_state()))
             if self.activations is not None:
                 self.activations.start(module, args, kwargs)
 
         def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-            if torch.is_grad_enabled():
+            index = open_calls.pop() if open_calls else None
+            if not nesting.leave():  # a wrapper's call: the model's forward ran inside it
+                if index is not None:
+                    del self.calls[index]  # the calls recorded after it, inside it, are complete
+                return
+            if index is not None:  # (a call with grad disabled or in a torch.func transform is not recorded)
                 self.outputs.append(output)
 
         handles = [model.register_forward_pre_hook(observer_hook(hook), with_kwargs=True),

@@ -29,6 +29,8 @@ from curvature.linalg import LinalgError
 from curvature.linalg.checks import refuse_sparse
 from curvature import likelihoods
 from curvature.options import Kind, LossType
+from curvature.root_calls import NestedCalls
+from curvature.uses_static import observer_hook
 
 from ..distributed import Communicator, get_communicator
 from ..distributed.consistency import check_optimizer_settings, groups_digest, sizes_digest
@@ -222,15 +224,21 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
-            hook = self.model.register_forward_hook(
-                lambda _m, _i, out: watch.observe_output(out if self.engine.output_selector is None
-                                                         else self.engine.output_selector(out))) \
-                if watch.check_output else None
+            hooks = []
+            if watch.check_output:
+                calls = NestedCalls()  # not a wrapper's call around the model's (curvature/root_calls.py)
+
+                def show(_m: nn.Module, _i: Any, out: Any) -> None:
+                    if calls.leave():
+                        watch.observe_output(out if self.engine.output_selector is None
+                                             else self.engine.output_selector(out))
+                hooks = [self.model.register_forward_pre_hook(observer_hook(lambda _m, _a: calls.enter())),
+                         self.model.register_forward_hook(observer_hook(show))]
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)
             finally:
-                if hook is not None:
+                for hook in hooks:
                     hook.remove()
             self._check_nonempty(output)
             watch.after()

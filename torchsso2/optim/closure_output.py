@@ -7,7 +7,7 @@ closure runs. Two uses read the output itself: ``VIOptimizer``'s learned noise v
 (``noise_variance="learned"``: the residuals of each sample) and its check at the first step that the
 output is a tensor or selects one (``output_selector``); ``SecondOrderOptimizer``'s adaptive mode
 compares the closure's loss with the mean negative log-likelihood of the output. There, a forward
-hook on the model (:class:`OutputTap`) records the output of the closure's last forward run with
+hook on the model (:class:`OutputTap`) records the output of the closure's first forward run with
 gradients enabled, the forward the loss of an ordinary closure comes from, and a closure returning
 the loss alone is read as if it had returned that output too. The tap also runs at the first call
 and wherever the previous call returned the loss alone, so that an empty batch is the same clear
@@ -27,11 +27,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from curvature.uses_static import observer_hook
+
 from .validation import unpack_closure_result
 
 
 class OutputTap:
-    """Records the output of ``model``'s last forward with gradients enabled while the ``with`` block runs."""
+    """Records the output of ``model``'s first forward with gradients enabled while the ``with`` block
+    runs. The first to complete: where a wrapper's call of the module runs the model's call inside it
+    (:mod:`curvature.root_calls`), the model's completes first; no pre-hook is needed to tell them apart."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -39,7 +43,7 @@ class OutputTap:
         self._handle: Optional[RemovableHandle] = None
 
     def __enter__(self) -> "OutputTap":
-        self._handle = self.model.register_forward_hook(self._record)
+        self._handle = self.model.register_forward_hook(observer_hook(lambda m, i, o: self._record(m, i, o)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -48,14 +52,15 @@ class OutputTap:
             self._handle = None
 
     def _record(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
-        if torch.is_grad_enabled():  # a no-grad forward in the closure (a metric) is not the loss's
+        # a no-grad forward in the closure (a metric) is not the loss's
+        if self.output is None and torch.is_grad_enabled():
             self.output = output
 
 
 def call_closure(closure: Callable[[], Any], model: nn.Module, tap_output: bool) -> Tuple[Any, Any, bool]:
     """Call ``closure`` (in the grad mode the caller set): ``(loss, output, loss_only)``, as
     :func:`~torchsso2.optim.validation.unpack_closure_result`; with ``tap_output``, a closure that
-    returned the loss alone gets the output of its last forward of ``model`` (None if it ran none)."""
+    returned the loss alone gets the output of its first forward of ``model`` (None if it ran none)."""
     if not tap_output:
         return unpack_closure_result(closure())
     with OutputTap(model) as tap:
