@@ -39,28 +39,6 @@ def test_a_compiled_forward_inside_the_closure_gives_the_uncompiled_curvature() 
         torch.testing.assert_close(blocks[1][name], blocks[0][name])
 
 
-def test_a_compiled_model_traced_before_the_optimizer_gets_the_fix_named() -> None:
-    dynamo = pytest.importorskip("torch._dynamo")
-    from torchsso2.kfac import KFACPreconditioner
-    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    try:
-        for face in ("second_order", "empirical_fisher", "kfac"):
-            dynamo.reset()
-            compiled = torch.compile(_mlp(), backend="eager")
-            compiled(x)  # a warm-up call: its graph has no curvature hooks
-            if face == "kfac":
-                pre = KFACPreconditioner(compiled)
-                torch.nn.functional.cross_entropy(compiled(x), y).backward()
-                with pytest.raises(RuntimeError, match="traced before the preconditioner's hooks existed"):
-                    pre.step()
-                continue
-            opt = SecondOrderOptimizer(compiled, curvature="fisher" if face == "second_order" else face)
-            with pytest.raises(ValueError, match=r"traced before the optimizer's hooks existed.*torch._dynamo.reset"):
-                opt.step(make_closure(opt, compiled, x, y))
-    finally:
-        dynamo.reset()
-
-
 class _Holder(nn.Module):
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
@@ -70,9 +48,10 @@ class _Holder(nn.Module):
         return self.net(x)
 
 
-def test_a_compiled_submodule_traced_before_the_optimizer_gets_the_fix_named() -> None:
-    """The optimizer built on a module holding a compiled network (a LightningModule with
-    ``self.net = torch.compile(net)``) whose graph was traced before it: the compile advice, not
+@pytest.mark.parametrize("held", [False, True], ids=["compiled-model", "compiled-submodule"])
+def test_a_compiled_model_traced_before_the_optimizer_gets_the_fix_named(held: bool) -> None:
+    """A compiled model whose graph was traced before the optimizer was built, or a module holding such
+    a network (a LightningModule with ``self.net = torch.compile(net)``): the compile advice, not
     'not called in the forward pass'."""
     dynamo = pytest.importorskip("torch._dynamo")
     from torchsso2.kfac import KFACPreconditioner
@@ -80,17 +59,18 @@ def test_a_compiled_submodule_traced_before_the_optimizer_gets_the_fix_named() -
     try:
         for face in ("second_order", "empirical_fisher", "kfac"):
             dynamo.reset()
-            root = _Holder(torch.compile(_mlp(), backend="eager"))
-            root.net(x)  # a warm-up call: its graph has no curvature hooks
+            compiled = torch.compile(_mlp(), backend="eager")
+            compiled(x)  # a warm-up call: its graph has no curvature hooks
+            model = _Holder(compiled) if held else compiled
             if face == "kfac":
-                pre = KFACPreconditioner(root)
-                torch.nn.functional.cross_entropy(root(x), y).backward()
+                pre = KFACPreconditioner(model)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
                 with pytest.raises(RuntimeError, match="traced before the preconditioner's hooks existed"):
                     pre.step()
                 continue
-            opt = SecondOrderOptimizer(root, curvature="fisher" if face == "second_order" else face)
+            opt = SecondOrderOptimizer(model, curvature="fisher" if face == "second_order" else face)
             with pytest.raises(ValueError, match=r"traced before the optimizer's hooks existed.*torch._dynamo.reset"):
-                opt.step(make_closure(opt, root, x, y))
+                opt.step(make_closure(opt, model, x, y))
     finally:
         dynamo.reset()
 
