@@ -176,3 +176,49 @@ def test_targets_reach_step_through_optimizer_step(name):
     module = _WithTargets(make, on_root=True)
     _quiet_fit(_trainer(EPOCHS), module)
     assert torch.equal(param_vec(module.net), _plain_loop(make, on_root=True, with_targets=True))
+
+
+class _Preconditioned(pl.LightningModule):
+    """kfac_pytorch's pattern under Lightning: SGD from configure_optimizers, KFACPreconditioner.step()
+    in on_before_optimizer_step (after the backward, before SGD's update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        from torchsso2.kfac import KFACPreconditioner
+        self.precond = KFACPreconditioner(self.net, factor_update_steps=2, inv_update_steps=4)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.precond.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_kfac_preconditioner_in_on_before_optimizer_step_equals_the_plain_loop():
+    from torchsso2.kfac import KFACPreconditioner
+    module = _Preconditioned()
+    _quiet_fit(_trainer(EPOCHS), module)
+    trained = {}
+    for preconditioned in (True, False):
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        precond = KFACPreconditioner(net, factor_update_steps=2, inv_update_steps=4) if preconditioned else None
+        for _ in range(EPOCHS):
+            for x, y in DataLoader(_data(), batch_size=32):
+                opt.zero_grad()
+                F.cross_entropy(net(x), y).backward()
+                if precond is not None:
+                    precond.step()
+                opt.step()
+        trained[preconditioned] = param_vec(net)
+    assert module.precond.steps == EPOCHS * 3
+    assert torch.equal(param_vec(module.net), trained[True])
+    assert not torch.allclose(trained[True], trained[False])  # the preconditioner changed the steps
