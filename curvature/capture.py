@@ -145,9 +145,8 @@ class Capture:
         if self.root is not None and (self.on_output is not None or self._uses is not None):
             # a call of the root inside another (a wrapper's redirect, curvature/root_calls.py): the outer
             # call's output is not the model's
-            self._root_calls = NestedCalls()
             calls = self._root_calls
-            self._handles.append(self.root.register_forward_pre_hook(observer_hook(lambda _m, _a: calls.enter())))
+            self._handles.append(self.root.register_forward_pre_hook(observer_hook(lambda m, _a: calls.enter(m))))
             self._handles.append(self.root.register_forward_hook(self._root_hook))
         return self
 

@@ -1,39 +1,42 @@
-"""Which forward calls of a root module are the model's own, when one call runs inside another.
+"""Which forward calls of a root module are the model's own, when a wrapper runs one inside another.
 
 A wrapper may run a module's forward inside a call of that same module: PyTorch Lightning's
-strategies (DDP, FSDP, DeepSpeed) patch the LightningModule's ``forward`` to run ``training_step``
-and call the wrapper, and ``training_step`` calls the module again (``self(x)``). The module's
-forward hooks then fire twice per batch: first with the model output (the inner call), then with
-whatever ``training_step`` returned, the loss (the outer call). Only the innermost calls are the
-model's forwards; an outer call inside which a call of the same module completed is a wrapper, and
-its inputs and output are not the model's.
+strategies (DDP, FSDP, DeepSpeed) set the LightningModule's ``forward`` on the instance to a function
+that restores the original and runs ``training_step``, then call the wrapper (DDP), which calls the
+module; ``training_step`` calls the module again (``self(x)``). The module's forward hooks then fire
+twice per batch: first with the model output (the inner call), then with whatever
+``training_step`` returned, the loss (the outer call). Only the inner call is the model's forward.
 
-:class:`NestedCalls` tells them apart: ``enter()`` in a forward pre-hook, ``leave()`` in the
-forward hook, True for a call of the model's own (no call of the module completed inside it).
-Calls one after the other (gradient accumulation's micro-batches) are each the model's.
+:class:`NestedCalls` tells them apart: ``enter(module)`` in a forward pre-hook, ``leave()`` in the
+forward hook, False for a wrapper's call: one that started with a ``forward`` set on the instance
+(the redirection) and inside which a call of the module completed. A module calling itself in its
+own forward (no ``forward`` on the instance) and calls one after the other (gradient accumulation's
+micro-batches) are the model's calls as before.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import List
+
+from torch import nn
 
 
 class NestedCalls:
     """Forward calls of one module, tracked through its pre-hook and hook (module docstring)."""
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_open",)
 
     def __init__(self) -> None:
-        #: one entry per open call, innermost last: whether a call completed inside it
-        self._inner: List[bool] = []
+        #: one entry per open call, innermost last: [started redirected, a call completed inside it]
+        self._open: List[List[bool]] = []
 
-    def enter(self, *_args: Any) -> None:
-        """A call starts (call from a forward pre-hook; returns None, so the hook changes nothing)."""
-        self._inner.append(False)
+    def enter(self, module: nn.Module) -> None:
+        """A call of ``module`` starts (call from its forward pre-hook)."""
+        self._open.append(["forward" in module.__dict__, False])
 
     def leave(self) -> bool:
-        """A call ends: True if it is the model's own (no call of the module completed inside it).
-        A hook that saw no start (registered during the call) counts the call as the model's."""
-        had_inner = self._inner.pop() if self._inner else False
-        if self._inner:
-            self._inner[-1] = True
-        return not had_inner
+        """A call ends: False for a wrapper's call (module docstring), True for the model's. A hook that
+        saw no start (registered during the call) counts the call as the model's."""
+        redirected, had_inner = self._open.pop() if self._open else (False, False)
+        if self._open:
+            self._open[-1][1] = True
+        return not (redirected and had_inner)

@@ -24,7 +24,7 @@ from .modules import LayerFamily, family_of
 from .modules.base import SkipDoesNotHelp
 from .options import Approx, parse
 from .sharded import refuse_sharded
-from .stacklevel import caller_stacklevel  # noqa: F401  (re-exported: the optimizers' warnings use it)
+from .stacklevel import caller_stacklevel
 
 logger = logging.getLogger(__name__)
 

@@ -76,21 +76,29 @@ CASES: Dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 }
 
 
-def _train(make, loss: str, redirected: bool, with_targets: bool) -> torch.Tensor:
-    lit = _Lit(loss)
-    wrapper = _Wrapper(lit)
-    opt = make(lit)
+def _steps(opt: torch.optim.Optimizer, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss: str,
+           with_targets: bool, steps: int = 5) -> None:
+    """``steps`` steps on seeded batches ``x [12, 5]``, ``y`` (labels, or ``[12, 3]`` for mse) with a
+    closure returning ``loss_of(x, y)`` alone."""
     g = torch.Generator().manual_seed(1)
-    for _ in range(5):
+    for _ in range(steps):
         x = torch.randn(12, 5, generator=g)
         y = torch.randint(0, 3, (12,), generator=g) if loss == "cross_entropy" else torch.randn(12, 3, generator=g)
 
         def closure():
             opt.zero_grad()
-            value = redirect(wrapper, lit, "training_step", (x, y)) if redirected else nll(loss, lit(x), y)
+            value = loss_of(x, y)
             value.backward()
             return value
         opt.step(closure, **({"targets": y} if with_targets else {}))
+
+
+def _train(make, loss: str, redirected: bool, with_targets: bool) -> torch.Tensor:
+    lit = _Lit(loss)
+    wrapper = _Wrapper(lit)
+    opt = make(lit)
+    _steps(opt, lambda x, y: redirect(wrapper, lit, "training_step", (x, y)) if redirected else nll(loss, lit(x), y),
+           loss, with_targets)
     return param_vec(lit)
 
 
@@ -110,3 +118,78 @@ def test_vi_learned_noise_reads_the_inner_forward():
     ref = _train(make, "mse", redirected=False, with_targets=True)
     got = _train(make, "mse", redirected=True, with_targets=True)
     assert torch.equal(got, ref)
+
+
+class _SelfCalling(nn.Module):
+    """Calls itself inside its own forward: once under no_grad (a probe), or, with ``body``, for its body."""
+
+    def __init__(self, probe: bool = False, body: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.probe, self.body = probe, body
+
+    def forward(self, x, head: bool = True):
+        if not head:
+            return torch.tanh(self.a(x))
+        if self.probe:
+            with torch.no_grad():
+                self.seen = self(x, head=False)  # a no-grad call of itself: not the batch's forward
+        return self.b(self(x, head=False) if self.body else torch.tanh(self.a(x)))
+
+
+def _train_self_calling(make, model: nn.Module, with_targets: bool) -> torch.Tensor:
+    _steps(make(model), lambda x, y: nll("cross_entropy", model(x), y), "cross_entropy", with_targets, steps=4)
+    return param_vec(model)
+
+
+@pytest.mark.parametrize("name, with_targets", [(n, t) for n in sorted(CASES) for t in (False, True)])
+def test_a_model_calling_itself_is_not_a_wrapper(name, with_targets):
+    """Only a call that started with a forward set on the instance (the redirection) is a wrapper's: a
+    module calling itself under no_grad trains as without the call, and one calling itself with
+    gradients for its body is refused as before (its two forwards do not fit one batch), not read as a
+    wrapper around its own body."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = _train_self_calling(CASES[name], _SelfCalling(), with_targets)
+        assert torch.equal(_train_self_calling(CASES[name], _SelfCalling(probe=True), with_targets), ref)
+        if name == "vi-diag":  # its curvature needs no capture of the forward
+            return
+        with pytest.raises(ValueError, match="24 examples|not called in the forward pass|one forward per closure"):
+            _train_self_calling(CASES[name], _SelfCalling(body=True), with_targets)
+
+
+@pytest.mark.parametrize("with_targets", [False, True])
+def test_adaptive_mode_does_not_replay_a_forward_that_raised(with_targets):
+    """A closure that catches a failed forward of the model, then runs the batch: the quadratic model
+    replays the completed forward only."""
+    class Picky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(5, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            if x.shape[-1] != 5:
+                raise ValueError("bad input")
+            return self.b(torch.tanh(self.a(x)))
+
+    results = []
+    for try_bad_first in (False, True):
+        model = Picky()
+        opt = CASES["sso-adaptive"](model)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(12, 5, generator=g), torch.randint(0, 3, (12,), generator=g)
+
+            def closure():
+                opt.zero_grad()
+                if try_bad_first:
+                    with pytest.raises(ValueError, match="bad input"):
+                        model(torch.randn(12, 4))
+                loss = nll("cross_entropy", model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure, **({"targets": y} if with_targets else {}))
+        results.append(param_vec(model))
+    assert torch.equal(results[0], results[1])

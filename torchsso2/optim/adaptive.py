@@ -97,10 +97,13 @@ class InputRecorder:
         child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
 
         nesting = NestedCalls()  # a wrapper's call around the model's (curvature/root_calls.py) is dropped
-        open_calls: List[Optional[int]] = []  # per open call, innermost last: its index in self.calls
+        # per open call, innermost last: what a completed call records (None: a call not recorded, with
+        # gradients disabled or in a torch.func transform); recorded when it completes, so a forward that
+        # raised (caught in the closure) is never replayed
+        open_calls: List[Optional[Tuple[Call, Any]]] = []
 
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-            nesting.enter()
+            nesting.enter(module)
             open_calls.append(None)
             if in_func_transform():
                 return
@@ -108,19 +111,18 @@ class InputRecorder:
                 if self.activations is not None:
                     self.activations.skip()
                 return
-            open_calls[-1] = len(self.calls)
-            self.calls.append((args, dict(kwargs), torch.get_rng_state()))
-            if self.activations is not None:
-                self.activations.start(module, args, kwargs)
+            started = self.activations.start(module, args, kwargs) if self.activations is not None else None
+            open_calls[-1] = ((args, dict(kwargs), torch.get_rng_state()), started)
 
         def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-            index = open_calls.pop() if open_calls else None
-            if not nesting.leave():  # a wrapper's call: the model's forward ran inside it
-                if index is not None:
-                    del self.calls[index]  # the calls recorded after it, inside it, are complete
+            opened = open_calls.pop() if open_calls else None
+            if not nesting.leave() or opened is None:  # a wrapper's call (the model's ran inside it), or unrecorded
                 return
-            if index is not None:  # (a call with grad disabled or in a torch.func transform is not recorded)
-                self.outputs.append(output)
+            call, started = opened
+            self.calls.append(call)
+            self.outputs.append(output)
+            if self.activations is not None:
+                self.activations.records.append(started)
 
         handles = [model.register_forward_pre_hook(observer_hook(hook), with_kwargs=True),
                    model.register_forward_hook(observer_hook(out_hook))]

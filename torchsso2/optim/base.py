@@ -232,7 +232,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                     if calls.leave():
                         watch.observe_output(out if self.engine.output_selector is None
                                              else self.engine.output_selector(out))
-                hooks = [self.model.register_forward_pre_hook(observer_hook(lambda _m, _a: calls.enter())),
+                hooks = [self.model.register_forward_pre_hook(observer_hook(lambda m, _a: calls.enter(m))),
                          self.model.register_forward_hook(observer_hook(show))]
             try:
                 with torch.enable_grad(), watch:

@@ -7,8 +7,8 @@ closure runs. Two uses read the output itself: ``VIOptimizer``'s learned noise v
 (``noise_variance="learned"``: the residuals of each sample) and its check at the first step that the
 output is a tensor or selects one (``output_selector``); ``SecondOrderOptimizer``'s adaptive mode
 compares the closure's loss with the mean negative log-likelihood of the output. There, a forward
-hook on the model (:class:`OutputTap`) records the output of the closure's first forward run with
-gradients enabled, the forward the loss of an ordinary closure comes from, and a closure returning
+hook on the model (:class:`OutputTap`) records the output of the closure's first forward to complete
+with gradients enabled, the forward the loss of an ordinary closure comes from, and a closure returning
 the loss alone is read as if it had returned that output too. The tap also runs at the first call
 and wherever the previous call returned the loss alone, so that an empty batch is the same clear
 error as with ``(loss, output)`` on steps that estimate no curvature; a closure returning the pair
@@ -35,7 +35,9 @@ from .validation import unpack_closure_result
 class OutputTap:
     """Records the output of ``model``'s first forward with gradients enabled while the ``with`` block
     runs. The first to complete: where a wrapper's call of the module runs the model's call inside it
-    (:mod:`curvature.root_calls`), the model's completes first; no pre-hook is needed to tell them apart."""
+    (:mod:`curvature.root_calls`), the model's completes first, so no pre-hook is needed on this path,
+    which runs at every step of a closure returning the loss alone. (For a module calling itself in its
+    own forward, for its body, that is the body's output.)"""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -60,7 +62,8 @@ class OutputTap:
 def call_closure(closure: Callable[[], Any], model: nn.Module, tap_output: bool) -> Tuple[Any, Any, bool]:
     """Call ``closure`` (in the grad mode the caller set): ``(loss, output, loss_only)``, as
     :func:`~torchsso2.optim.validation.unpack_closure_result`; with ``tap_output``, a closure that
-    returned the loss alone gets the output of its first forward of ``model`` (None if it ran none)."""
+    returned the loss alone gets the output of its first forward of ``model`` to complete (None if it
+    ran none)."""
     if not tap_output:
         return unpack_closure_result(closure())
     with OutputTap(model) as tap:

@@ -7,8 +7,8 @@ digits CNN: ~1.7 ms, every ``damping_adaptation_interval`` steps).
 
 In adaptive mode the closure's forward is recorded (:class:`torchsso2.optim.adaptive.InputRecorder`).
 When the step is also given the batch's ``targets``, the closure returned the recorded forward's
-own output (or the loss alone: the output is then that forward's, :mod:`.closure_output`) and its loss is the model's mean negative log-likelihood of them (checked on that
-output: equal to rounding), the loss after the update is that same function of one forward of
+own output (or the loss alone: the output is then that forward's, :mod:`.closure_output`) and its
+loss is the model's mean negative log-likelihood of them (checked on that output: equal to rounding), the loss after the update is that same function of one forward of
 the recorded input, without autograd: the same value as the closure's (to rounding: cross-entropy
 over fewer than 16 classes takes the faster log-softmax of :func:`_mean_nll`), at the cost of a
 forward (for a plain ``nn.Sequential``: :func:`torchsso2.optim.sequential_jvp.sequential_forward`). The
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from curvature.likelihoods import FEW_CLASSES, mean_nll
 from curvature.options import LossType
-from curvature.selection import caller_stacklevel
+from curvature.stacklevel import caller_stacklevel
 
 from . import sequential_jvp
 

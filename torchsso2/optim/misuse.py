@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from curvature.hook_marks import in_func_transform
 from curvature.options import parse
-from curvature.selection import caller_stacklevel
+from curvature.stacklevel import caller_stacklevel
 
 E = TypeVar("E", bound=Enum)
 
@@ -159,7 +159,8 @@ class ClosureWatch:
                 "for a Gaussian one or compute F.cross_entropy in the closure. If it is the cross-entropy plus an "
                 "auxiliary term on the logits (a logit penalty, z-loss), the step is right: the curvature is the "
                 "cross-entropy's and the gradient the whole loss's; silence this warning with "
-                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning, stacklevel=caller_stacklevel())
+                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning,
+                stacklevel=caller_stacklevel())
 
 
 @contextlib.contextmanager

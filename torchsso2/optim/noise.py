@@ -79,8 +79,8 @@ class ObservationNoise:
         if not isinstance(output, Tensor) or tuple(output.shape) != tuple(targets.shape):
             shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
             raise ValueError(f"noise_variance='learned' compares the model output with targets of the same shape; "
-                             f"got output {shape} (returned by the closure, or its first forward of the model if it "
-                             f"returned the loss alone) and targets {tuple(targets.shape)}"
+                             f"got output {shape} (returned by the closure, or its first completed forward of the model "
+                             f"if it returned the loss alone) and targets {tuple(targets.shape)}"
                              + ("; with gradient accumulation, return (loss, torch.cat(outs)) from the closure: all "
                                 "micro-batches' outputs concatenated in the targets' order"
                                 if isinstance(output, Tensor) and output.shape[1:] == targets.shape[1:] else ""))

@@ -126,8 +126,8 @@ class GroupChecks:
                     "calls step() without it: use precision='bf16-mixed' or '32-true' there."
                     ) if closure is None else ""
             raise TypeError("step() needs a closure that zero-grads, runs the model's forward, calls backward() and "
-                            "returns the loss (or (loss, output)): the curvature is captured while it runs; see the class docstring"
-                            f"{dcp}.{loop}")
+                            "returns the loss (or (loss, output)): the curvature is captured while it runs; see the "
+                            f"class docstring{dcp}.{loop}")
         self._check_group_values()
 
     def _check_group_values(self) -> None:

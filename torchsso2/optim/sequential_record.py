@@ -50,6 +50,8 @@ class Activations:
     outputs: List[Tensor] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     indices: Dict[int, Tensor] = field(default_factory=dict)
+    #: a child returned something other than a tensor: nothing usable from this call
+    broken: bool = False
 
     def unchanged(self, i: int) -> bool:
         """Whether child ``i``'s output (``i = -1``: the input) still holds the recorded values."""
@@ -100,7 +102,7 @@ class ActivationRecorder:
                 return
             if not isinstance(output, Tensor):
                 self._current = None  # not a layer the pass supports: nothing usable from this call
-                self.records[-1] = None
+                rec.broken = True
                 return
             if isinstance(module, pools):
                 idx = _maxpool_indices(output)
@@ -116,14 +118,16 @@ class ActivationRecorder:
         outputs go to no record."""
         self._current = None
 
-    def start(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """A forward of ``model`` begins (``args``, ``kwargs`` its arguments)."""
+    def start(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Activations]:
+        """A forward of ``model`` begins (``args``, ``kwargs`` its arguments): the record its children's
+        outputs go to (None: a call the pass cannot use). The caller appends it to :attr:`records` when
+        the forward completes, so ``records[i]`` is the ``i``-th completed forward's."""
         if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
             self._current = None
         else:
             params = pass_params(model)
             self._current = Activations(args[0], args[0]._version, tuple(p._version for p in params), params)
-        self.records.append(self._current)
+        return self._current
 
     def usable(self, model: nn.Sequential, call: int) -> Optional[Activations]:
         """The record of the ``call``-th forward where the J·v pass may take its values from it:
@@ -133,7 +137,7 @@ class ActivationRecorder:
         if call >= len(self.records):
             return None
         rec = self.records[call]
-        if rec is None or len(rec.outputs) != len(model):
+        if rec is None or rec.broken or len(rec.outputs) != len(model):
             return None
         params = pass_params(model)  # the same tensors, none written in place since the forward
         if len(params) != len(rec.params) or any(p is not q for p, q in zip(params, rec.params)) \
