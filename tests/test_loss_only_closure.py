@@ -310,3 +310,41 @@ def test_the_loss_check_warning_points_at_the_users_step_call():
         opt.step(closure)
     ours = [w for w in record if "softmax" in str(w.message)]
     assert len(ours) == 1 and ours[0].filename == __file__
+
+
+@pytest.mark.parametrize("name", ["sso-adaptive", "vi-diag", "vi-kfac"])
+def test_a_pair_closure_pays_the_output_hook_at_its_first_call_only(name):
+    """The output tap is registered at the first call and after a loss-alone call: a closure returning
+    (loss, output) runs without it from the second call on."""
+    model = _mlp()
+    opt = CASES[name](model)
+    hooks_seen = {}  # step -> taps during its first closure call (the LM rule may call it again)
+    for i, (x, y) in enumerate(_batches("cross_entropy", steps=5)):
+        def closure(x=x, y=y, i=i, loss_only=(i == 3)):
+            hooks_seen.setdefault(i, sum("OutputTap" in h.__qualname__ for h in model._forward_hooks.values()))
+            opt.zero_grad()
+            out = model(x)
+            val = nll("cross_entropy", out, y)
+            val.backward()
+            return val if loss_only else (val, out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step(closure, targets=y)
+    # the first call, then after pair-returning calls, then the loss-alone call, then the call after it
+    assert list(hooks_seen.values()) == [1, 0, 0, 0, 1]
+
+
+def test_a_closure_changing_form_on_a_learned_noise_step_is_a_clear_error():
+    """The output of a loss-alone call right after pair-returning ones is not recorded: VI's learned
+    noise says to return (loss, output)."""
+    model = _mlp()
+    opt = VIOptimizer(model, dataset_size=100, loss="mse", noise_variance="learned", seed=1)
+    batches = list(_batches("mse", steps=2))
+    x, y = batches[0]
+    opt.step(_closure(opt, model, x, y, "mse", loss_only=False), targets=y)
+    x, y = batches[1]
+    with pytest.raises(ValueError, match=r"return \(loss, output\)"):
+        opt.step(_closure(opt, model, x, y, "mse", loss_only=True), targets=y)
+    assert opt.num_steps == 1
+    opt.step(_closure(opt, model, x, y, "mse", loss_only=True), targets=y)  # the form is known now
+    assert opt.num_steps == 2

@@ -197,16 +197,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     # ---- capture + estimate -------------------------------------------------------------
     def _call_closure(self, closure: Closure) -> Tuple[Any, Any]:
         """``(loss, output)`` of one call of ``closure``, which returns either or the loss alone
-        (:mod:`.closure_output`; the output is then the model's where :meth:`_needs_output`, at the first
-        call and where the previous call returned the loss alone, else None). Which form it returned
-        shapes what ``step`` returns (:meth:`_step_result`)."""
-        tap = self.__dict__.get("_loss_only", True) or self._needs_output()
-        loss, output, self._loss_only = call_closure(closure, self.model, tap)
+        (:mod:`.closure_output`; the output is then the model's at the first call and where the previous
+        call returned the loss alone, else None). Which form it returned shapes what ``step`` returns
+        (:meth:`_step_result`)."""
+        loss, output, self._loss_only = call_closure(closure, self.model, self.__dict__.get("_loss_only", True))
         return loss, output
-
-    def _needs_output(self) -> bool:
-        """True where this step reads the model output itself (a subclass's; :mod:`.closure_output`)."""
-        return False
 
     def _step_result(self, loss: Any, output: Any) -> Any:
         """What ``step`` returns: the loss if the closure returned the loss alone, else ``(loss, output)``."""

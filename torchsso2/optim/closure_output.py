@@ -6,13 +6,16 @@ curvature never needs the returned output: it is captured from the model's forwa
 closure runs. Two uses read the output itself: ``VIOptimizer``'s learned noise variance
 (``noise_variance="learned"``: the residuals of each sample) and its check at the first step that the
 output is a tensor or selects one (``output_selector``); ``SecondOrderOptimizer``'s adaptive mode
-compares the closure's loss with the mean negative log-likelihood of the output. There, a forward
-hook on the model (:class:`OutputTap`) records the output of the closure's first forward to complete
-with gradients enabled, the forward the loss of an ordinary closure comes from, and a closure returning
-the loss alone is read as if it had returned that output too. The tap also runs at the first call
-and wherever the previous call returned the loss alone, so that an empty batch is the same clear
-error as with ``(loss, output)`` on steps that estimate no curvature; a closure returning the pair
-pays no hook there.
+compares the closure's loss with the mean negative log-likelihood of the output; and the
+empty-batch check of steps that estimate no curvature reads its shape. For a closure that returns
+the loss alone, a forward hook on the model (:class:`OutputTap`) records the output of the closure's
+first forward to complete with gradients enabled, the forward the loss of an ordinary closure comes
+from, and the closure is read as if it had returned that output too. The hook is registered at the
+first call and wherever the previous call returned the loss alone (a loop calls one closure, so its
+form at one step is its form at the next); a closure returning the pair pays no hook after the first
+call. A closure that changes form between steps gets no output at its first loss-alone call: the
+adaptive mode then calls it again for the LM rule, and the learned noise variance is a ValueError
+saying to return ``(loss, output)``.
 
 A closure returning ``None`` is a TypeError, PyTorch Lightning's closure for a ``training_step``
 that returns ``None`` to skip a batch included: a step that is taken on some ranks and skipped on

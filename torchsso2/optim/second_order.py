@@ -316,10 +316,6 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         the Hessian and by gradient accumulation with the empirical Fisher (class docstring)."""
         return self._step_result(*self._natural_step(closure, targets))
 
-    def _needs_output(self) -> bool:
-        """Adaptive mode compares the closure's loss with the mean NLL of the model output."""
-        return self.adaptive is not None
-
     def _natural_step(self, closure: Closure, targets: Optional[Tensor]) -> Tuple[Any, Any]:
         """:meth:`step`'s work; ``(loss, output)`` (output None for a closure returning the loss alone)."""
         self._check_step_call(closure)

@@ -420,10 +420,6 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals))
 
-    def _needs_output(self) -> bool:
-        """The learned noise variance reads each sample's residuals; the first step checks the output."""
-        return self.noise.learned or not self.__dict__.get("_output_seen", False)
-
     def _output_checked(self, result: Tuple[Tensor, Any]) -> Any:
         """What ``step`` returns for ``result`` (``(mean loss, output)``); at the first step, the model
         output is checked to be (or to select, with ``output_selector``) a tensor, so that a
