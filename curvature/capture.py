@@ -31,7 +31,7 @@ from .modules.attention import attention_hook
 from .stacklevel import caller_stacklevel
 from .uses import UseWindows
 from .root_calls import NestedCalls
-from .uses_static import global_forward_hooks, observer_hook, uses_stay_inside
+from .uses_static import global_forward_hooks, uses_stay_inside
 
 
 @dataclass
@@ -103,7 +103,6 @@ class Capture:
         #: modules called with gradients disabled while recording (not recorded)
         self.called_without_grad: set = set()
         self.outputs: List[Tensor] = []
-        self._root_calls = NestedCalls()
         self._handles: List[RemovableHandle] = []
         self.freeze_batch_stats = freeze_batch_stats
         self.batch_norms = batch_norms
@@ -145,9 +144,7 @@ class Capture:
         if self.root is not None and (self.on_output is not None or self._uses is not None):
             # a call of the root inside another (a wrapper's redirect, curvature/root_calls.py): the outer
             # call's output is not the model's
-            calls = self._root_calls
-            self._handles.append(self.root.register_forward_pre_hook(observer_hook(lambda m, _a: calls.enter(m))))
-            self._handles.append(self.root.register_forward_hook(self._root_hook))
+            self._handles.extend(NestedCalls().register(self.root, self._root_hook))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -215,7 +212,7 @@ class Capture:
         return route_output(module, inputs[0], output, self.frozen)
 
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
-        if not self._root_calls.leave() or not torch.is_grad_enabled() or in_func_transform():
+        if not torch.is_grad_enabled() or in_func_transform():
             return
         if self.select_output is not None:
             output = self.select_output(output)

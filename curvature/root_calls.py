@@ -15,9 +15,13 @@ micro-batches) are the model's calls as before.
 """
 from __future__ import annotations
 
-from typing import List
+import functools
+from typing import Any, Callable, List
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .uses_static import observer_hook
 
 
 class NestedCalls:
@@ -40,3 +44,14 @@ class NestedCalls:
         if self._open:
             self._open[-1][1] = True
         return not (redirected and had_inner)
+
+    def register(self, module: nn.Module, hook: Callable[[nn.Module, Any, Any], None]) -> List[RemovableHandle]:
+        """Register on ``module`` the pre-hook that calls :meth:`enter` and the forward ``hook``,
+        called for the model's calls only (not a wrapper's); ``hook``'s marks (``observer_hook``) are
+        kept. Returns both handles (the caller removes them)."""
+        @functools.wraps(hook)  # copies its __dict__, the observer mark with it
+        def model_calls_only(mod: nn.Module, inputs: Any, output: Any) -> None:
+            if self.leave():
+                hook(mod, inputs, output)
+        return [module.register_forward_pre_hook(observer_hook(lambda mod, _args: self.enter(mod))),
+                module.register_forward_hook(model_calls_only)]

@@ -219,16 +219,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
-            hooks = []
-            if watch.check_output:
-                calls = NestedCalls()  # not a wrapper's call around the model's (curvature/root_calls.py)
-
-                def show(_m: nn.Module, _i: Any, out: Any) -> None:
-                    if calls.leave():
-                        watch.observe_output(out if self.engine.output_selector is None
-                                             else self.engine.output_selector(out))
-                hooks = [self.model.register_forward_pre_hook(observer_hook(lambda m, _a: calls.enter(m))),
-                         self.model.register_forward_hook(observer_hook(show))]
+            def show(_m: nn.Module, _i: Any, out: Any) -> None:
+                watch.observe_output(out if self.engine.output_selector is None else self.engine.output_selector(out))
+            # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
+            hooks = NestedCalls().register(self.model, observer_hook(show)) if watch.check_output else []
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)
