@@ -584,12 +584,17 @@ def test_kfac_preconditioner_flags_and_loglevel_are_checked() -> None:
             pre.loglevel = value
     pre.loglevel = 20
     assert pre.loglevel == 20
-    with pytest.raises(TypeError, match="include_factors must be a bool, got str 'no'"):
+    with pytest.raises(TypeError, match=r"include_factors must be a bool \(or 0/1\), got str 'no'"):
         pre.state_dict(include_factors="no")
     with pytest.raises(TypeError, match="include_decompositions must be a bool"):
-        pre.state_dict(include_decompositions=1)
+        pre.state_dict(include_decompositions=0.0)
     with pytest.raises(TypeError, match="compute_inverses must be a bool"):
         pre.load_state_dict(pre.state_dict(), compute_inverses="yes")
+    # 0/1 are bools here as in the constructor (and kfac_pytorch): the same state as True/False
+    assert pre.state_dict(include_factors=0, include_decompositions=1).keys() == \
+        pre.state_dict(include_factors=False, include_decompositions=True).keys()
+    assert "layers" not in pre.state_dict(include_factors=0)
+    pre.load_state_dict(pre.state_dict(), 1)
 
 
 def test_sso_failed_first_decomposition_is_a_skipped_step() -> None:

@@ -494,9 +494,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         :mod:`torchsso2.kfac.state`; ``include_decompositions=False`` gives exactly kfac_pytorch's
         keys). The tensors are the preconditioner's own (``torch.save`` them); with the
         decompositions a resumed run is bit-identical."""
-        for flag, value in (("include_factors", include_factors), ("include_decompositions", include_decompositions)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {type(value).__name__} {value!r}")
+        include_factors = parse_flag("include_factors", include_factors)  # 0/1 too, as the constructor's flags
+        include_decompositions = parse_flag("include_decompositions", include_decompositions)
         state: Dict[str, Any] = {"steps": self._steps}
         for name in HYPERPARAMS:
             value = getattr(self, f"_{name}")
@@ -523,8 +522,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         call it then). A layer listed as decomposed whose decompositions this rank needs but the
         state dict lacks (a checkpoint from a rank that did not hold them) is decomposed here.
         """
-        if not isinstance(compute_inverses, bool):
-            raise TypeError(f"compute_inverses must be a bool, got {type(compute_inverses).__name__} {compute_inverses!r}")
+        compute_inverses = parse_flag("compute_inverses", compute_inverses)
         staged = validate_state(state_dict, list(self.layers.values()), self.factor_dtype, self.inv_dtype)
         # from here on nothing can fail before the state is consistent again
         self._steps = staged.steps
