@@ -22,6 +22,7 @@ from .capture import Capture, ModuleRecord, batch_norm_modules
 from .cost import warn_full_blocks
 from .hessian import hessian_blocks
 from .modules import family_of
+from .modules.parameters import ParameterFamily
 from .modules.base import flat_per_example
 from .modules.linear import LinearFamily, WeightMatrixFamily
 from .options import Approx, Kind, KFACApprox, LossType, check_mc_samples, parse
@@ -125,7 +126,7 @@ class CurvatureEngine:
     def __init__(self, model: nn.Module, kind: str = "fisher", approx: ApproxSpec = "kfac",
                  loss: str = "cross_entropy", mc_samples: int = 1, skip_modules: SkipSpec = None,
                  output_selector: Optional[Callable[[Any], Tensor]] = None, kfac_approx: str = "expand",
-                 include: Optional[AbstractSet[int]] = None) -> None:
+                 include: Optional[AbstractSet[int]] = None, any_module: bool = False) -> None:
         self.kind = parse(Kind, kind, "kind")
         self.kfac_approx = parse(KFACApprox, kfac_approx, "kfac_approx")
         if output_selector is not None and not callable(output_selector):
@@ -134,7 +135,11 @@ class CurvatureEngine:
         self.loss = parse(LossType, loss, "loss")
         self.mc_samples = check_mc_samples(mc_samples, self.kind.value)
         self.model = model
-        self.layouts, self.approx = select_layouts(model, approx, skip_modules, include)
+        #: modules no layer family covers get diagonal blocks for gradient-only estimators (select_layouts)
+        self.any_module = any_module
+        self.layouts, self.approx = select_layouts(model, approx, skip_modules, include, any_module)
+        #: the modules covered that way (ParameterFamily): no capture-based estimate for them
+        self.generic = [n for n, lay in self.layouts.items() if isinstance(lay.family, ParameterFamily)]
         #: backpropagate the K vectors in one vmapped backward (see :func:`prefers_batched_backward`)
         self.batched_backward = prefers_batched_backward(model)
         #: the BatchNorms a capture may route (found once, like the covered modules)
@@ -186,7 +191,15 @@ class CurvatureEngine:
         """A context manager recording the next forward of the model.
 
         BatchNorms are routed (:mod:`curvature.frozen_norm`) only when the engine will run its own
-        backward passes on the record: not for blocks from the user's backward, nor for the Hessian."""
+        backward passes on the record: not for blocks from the user's backward, nor for the Hessian.
+        NotImplementedError when some covered module has no layer family (``any_module``): its
+        curvature comes from gradients alone, not from a recorded forward."""
+        if self.generic:
+            raise NotImplementedError(
+                f"modules {self.generic} have no layer curvature (their blocks are filled from the parameters' "
+                f"gradients alone, VIOptimizer's curvature='reparam'); kind={self.kind.value!r} needs each covered "
+                "layer's inputs and output gradients, which only Linear, Conv2d, BatchNorm1d/2d, LayerNorm, "
+                "Embedding and MultiheadAttention give")
         own_backward = not record_backward and self.kind is not Kind.HESSIAN
         # from the user's backward, a family that reads only the output's shape needs no clone of it
         # (Capture's shape_only; digits CNN at batch 128: ~25 µs a curvature step)
@@ -525,6 +538,7 @@ class CurvatureEngine:
         of all modules never exist at once (no stacking copy, K× less memory). Layer inputs in
         normal form and K-FAC's input-side factor are computed once, from the first chunk.
         """
+        refuse_swapped_parameters(records, self.layouts)
         inputs: Dict[str, Tensor] = {}
         sums: Dict[Any, List[Tensor]] = {}  # key: module name, or (module name, i) for its i-th tied use
         module_batch: Dict[Any, int] = {}
@@ -626,3 +640,30 @@ class CurvatureEngine:
             total = part if total is None else total + part
         assert total is not None
         return total
+
+
+def refuse_swapped_parameters(records: Dict[str, ModuleRecord], layouts: Dict[str, Any]) -> None:
+    """ValueError when a covered module ran with tensors other than parameters in place of its
+    covered parameters (``torch.func.functional_call(model, {"0.weight": 2 * W}, x)``, fast
+    weights, a mask applied through a stateless call): its recorded inputs and output gradients are
+    those of the swapped-in tensor, so a Fisher-type block would be the curvature of that tensor,
+    not of the parameter the optimizer updates. A module's parameter dict holds ``nn.Parameter``s
+    only (assigning a plain tensor to a registered parameter is a TypeError), so a plain tensor
+    there at the call is such a swap; ``functional_call`` with the model's own parameters passes.
+    (The dynamic check of :class:`curvature.uses.UseWindows` catches a computed swap on the models
+    it watches; a plain ``nn.Sequential`` is not watched, ``curvature/uses_static.py``.) Records
+    without their parameters (an attention's recomputed projections) are not checked."""
+    for name, rec in records.items():
+        lay = layouts.get(name)
+        if lay is None or not rec.parameters:
+            continue
+        covered = set(lay.param_names)
+        swapped = [f"{name}.{local}" for local, t in zip(lay.module._parameters, rec.parameters)
+                   if local in covered and isinstance(t, Tensor) and not isinstance(t, nn.Parameter)]
+        if swapped:
+            raise ValueError(
+                f"covered module {name!r} ({type(lay.module).__name__}) ran with other tensors in place of its "
+                f"parameters {swapped} (torch.func.functional_call or torch.nn.utils.stateless swapped them in: "
+                "fast weights, a masked or rescaled weight): its Fisher-type curvature would be that of those "
+                "tensors, not of the parameters the optimizer updates. Call the model with its own parameters, "
+                f"or leave the module to the plain update with skip_modules=[{'^' + name + '$'!r}]")

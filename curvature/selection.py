@@ -21,6 +21,7 @@ from torch.nn.parameter import is_lazy
 from .blocks import Layout
 from .blocks.layout import TiedUse
 from .modules import LayerFamily, family_of
+from .modules.parameters import ParameterFamily
 from .modules.base import SkipDoesNotHelp
 from .options import Approx, parse
 from .sharded import refuse_sharded
@@ -75,6 +76,34 @@ def _warn_unmatched(model: nn.Module, skip: Sequence[Union[str, type]], wrapped:
                           stacklevel=caller_stacklevel())
 
 
+class UncoveredModule(ValueError):
+    """A module with trainable parameters that no layer family covers (``select_layouts`` without
+    ``any_module``): the ValueError names it and the ways out."""
+
+
+#: the family of every module ``select_layouts(..., any_module=True)`` covers by its gradients alone
+GENERIC = ParameterFamily()
+
+
+def _needs_generic(module: nn.Module, fam: Optional[LayerFamily], direct: Sequence[Tuple[str, nn.Parameter]]) -> bool:
+    """Under ``any_module``: whether ``module``'s own parameters take a :class:`ParameterFamily` block:
+    no layer family knows it, or its family's formulas do not describe it (an option the family
+    refuses, as ``Conv2d(groups=4)``; parameters other than the layer's own, as the old hook-based
+    ``weight_norm``'s; a replaced ``forward``). A refusal that a skip would not help either
+    (:class:`SkipDoesNotHelp`, ``Embedding(sparse=True)``: the update needs dense gradients) stands."""
+    if fam is None:
+        return True
+    try:
+        fam.validate(module)
+    except SkipDoesNotHelp:
+        return False
+    except ValueError:
+        return True
+    if {n for n, _ in direct} - _LAYER_PARAMETERS - _OWN_PARAMETERS.get(type(module), set()):
+        return True
+    return forward_replaced(module, fam) is not None
+
+
 def _default_approx(module: nn.Module) -> Approx:
     fam = family_of(module)
     return Approx.KFAC if fam is not None and fam.supports_kfac else Approx.DIAG
@@ -122,7 +151,8 @@ def refuse_lazy_parameters(name: str, module: nn.Module) -> None:
 
 
 def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec = None,
-                   include: Optional[AbstractSet[int]] = None) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
+                   include: Optional[AbstractSet[int]] = None, any_module: bool = False
+                   ) -> Tuple[Dict[str, Layout], Dict[str, Approx]]:
     """Covered modules (``named_modules`` order) with their layouts and shapes.
 
     A module matched by ``skip_modules`` is left out with all its submodules: a parent may
@@ -139,6 +169,12 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
 
     ``include``: the ``id`` of the parameters to cover (an optimizer's own parameters); the others
     are treated as frozen. None: every trainable parameter.
+
+    ``any_module``: a module no layer family covers (an ``nn.GRU``, a custom module's own
+    ``nn.Parameter``, a container's ``cls_token``) gets a diagonal block of its direct parameters
+    (:class:`~curvature.modules.parameters.ParameterFamily`) instead of the ValueError, for an
+    estimator that needs only the gradients (``VIOptimizer``'s ``curvature="reparam"``); it must be
+    given a diagonal shape (``approx="diag"``, or a rule naming it).
 
     Raises ValueError for a module holding trainable parameters of an unsupported type
     (unless skipped) and for a model with no supported layer.
@@ -195,7 +231,9 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 "its layers are compiled code the curvature capture cannot hook. Build the optimizer on the original "
                 "nn.Module (script or trace it for deployment after training), or skip it with "
                 f"{skip_hint(name)}")
-        if isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, spectral_norm, ... (new API)
+        if any_module and _needs_generic(module, fam, direct):  # the gradient-only estimators' diagonal block
+            fam = GENERIC
+        if fam is not GENERIC and isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, ...
             layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
             if not layer:
                 raise ValueError(
@@ -208,8 +246,9 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
                 f"formulas do not cover; skip it with {skip_hint(layer)} (its parameters "
                 "then take the plain update) or remove the parametrization")
-        if fam is not None:  # the layer's own unsupported options first (nn.MultiheadAttention's kdim/vdim and
-            # add_bias_kv hold parameters of their own, which the check below would take for a reparametrization)
+        if fam is not None and fam is not GENERIC:  # the layer's own unsupported options first (kdim/vdim and
+            # add_bias_kv of nn.MultiheadAttention hold parameters of their own, which the check below would take
+            # for a reparametrization)
             try:
                 fam.validate(module)
             except ValueError as err:
@@ -220,7 +259,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                                              "weight/bias, e.g. from the old hook-based weight_norm, which the "
                                              "curvature does not cover either)")
                 raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{also}{hint}") from err
-        if fam is not None and {n for n, _ in direct} - _LAYER_PARAMETERS:
+        if fam is not None and fam is not GENERIC and {n for n, _ in direct} - _LAYER_PARAMETERS:
             extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
             raise ValueError(
                 f"module {name!r} ({type(module).__name__}) holds parameters {extra} that are not its layer's own "
@@ -232,7 +271,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             # it would skip its layers too
             qualified = [f"{name}.{n}" if name else n for n, _ in direct]
             names, as_set = ", ".join(qualified), ", ".join(map(repr, qualified))
-            raise ValueError(
+            raise UncoveredModule(
                 f"module {name!r} of type {type(module).__name__} holds trainable parameters itself ({names}) "
                 "outside any layer with curvature support (Linear, Conv2d, BatchNorm1d/2d, LayerNorm, Embedding, "
                 "MultiheadAttention); skip_modules would skip its layers too. Leave them out of the optimizer's "
@@ -240,12 +279,12 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 "afterwards with opt.add_param_group({'params': [...]}) for the plain (momentum SGD) update, "
                 "give them to another torch.optim optimizer, or freeze them")
         if fam is None:
-            raise ValueError(
+            raise UncoveredModule(
                 f"module {name!r} of type {type(module).__name__} has trainable parameters "
                 f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
                 "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
                 "(by name regex or type) or freeze its parameters")
-        replaced = forward_replaced(module, fam)
+        replaced = forward_replaced(module, fam) if fam is not GENERIC else None
         if replaced is not None:
             raise ValueError(
                 f"module {name!r} ({type(module).__name__}): {replaced}; the curvature formulas are those of the "
@@ -264,7 +303,13 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         if not direct:
             continue
         shape = next((v for k, v in rules if _matches(k, name, module, plain)), None)
-        if shape is None:
+        if fam is GENERIC:
+            shape = shape if shape is not None else default if default is not None else Approx.DIAG
+            if shape is not Approx.DIAG:
+                raise ValueError(f"module {name!r} of type {type(module).__name__} has no layer curvature: its "
+                                 f"parameters get a diagonal block from their gradients only, not approx="
+                                 f"{shape.value!r}; give it approx='diag' or skip it with {skip_hint(name)}")
+        elif shape is None:
             shape = default if default is not None else _default_approx(module)
             if shape is Approx.KFAC and not fam.supports_kfac:
                 if not fallback_logged:

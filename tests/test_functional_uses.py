@@ -156,3 +156,59 @@ def test_a_covered_linear_called_twice_through_its_weight_is_named() -> None:
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"\['lin.weight'\].*lin.weight: \['lin'\]"):
         curvature.compute(Twice(), torch.randn(4, 3), torch.randint(0, 2, (4,)), kind="fisher", approx="diag")
+
+
+def _swapped(which: str, w: torch.Tensor) -> torch.Tensor:
+    return {"scaled": 2 * w, "clone": w.clone(), "leaf": w.detach().clone().requires_grad_(True)}[which]
+
+
+@pytest.mark.parametrize("which", ["scaled", "clone", "leaf"])
+@pytest.mark.parametrize("make", [
+    lambda m: SecondOrderOptimizer(m, curvature="fisher", approx="diag"),
+    lambda m: SecondOrderOptimizer(m),  # fisher_mc, K-FAC
+    lambda m: SecondOrderOptimizer(m, curvature="empirical_fisher", approx="full"),  # from the user's backward
+    lambda m: VIOptimizer(m, dataset_size=N, approx="kfac"),
+], ids=["fisher-diag", "fisher_mc-kfac", "empirical-full", "vi-kfac"])
+def test_a_weight_swapped_in_by_functional_call_is_refused_on_a_sequential(which, make) -> None:
+    """torch.func.functional_call(model, {"0.weight": 2 * W}, x) on a plain nn.Sequential (which the
+    dynamic use check does not watch, curvature/uses_static.py): the layer computes with 2W, so its
+    recorded inputs and output gradients give the curvature of 2W, not of W (the diagonal was 0.25x
+    the brute-force Fisher of W, K-FAC 74-81% off), accepted without a word. Now the ValueError a
+    custom module got already, naming the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, 3))
+    x, y = torch.randn(N, D), torch.randint(0, 3, (N,))
+    opt = make(model)
+    w = model[0].weight
+
+    def closure():
+        opt.zero_grad()
+        out = torch.func.functional_call(model, {"0.weight": _swapped(which, w)}, (x,))
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"covered module '0' \(Linear\) ran with other tensors in place of its "
+                                         r"parameters \['0.weight'\] \(torch.func.functional_call"):
+        opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_functional_call_with_the_models_own_parameters_is_the_plain_call() -> None:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x, y = torch.randn(N, D), torch.randint(0, 3, (N,))
+    opts = [SecondOrderOptimizer(m, curvature="fisher", approx="kfac") for m in models]
+    calls = [lambda m, inp: m(inp), lambda m, inp: torch.func.functional_call(m, dict(m.named_parameters()), (inp,))]
+    for _ in range(3):
+        for m, opt, call in zip(models, opts, calls):
+            def closure(m=m, opt=opt, call=call):
+                opt.zero_grad()
+                out = call(m, x)
+                loss = F.cross_entropy(out, y)
+                loss.backward()
+                return loss, out
+            opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))

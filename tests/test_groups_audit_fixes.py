@@ -41,6 +41,33 @@ def test_named_parameters_are_taken_as_torch_optim_takes_them() -> None:
     assert len(VIOptimizer(model, dataset_size=8, params=model.named_parameters()).param_groups[0]["params"]) == 4
 
 
+@pytest.mark.parametrize("cls", [SecondOrderOptimizer, VIOptimizer])
+def test_named_parameters_keep_their_names_as_in_torch_optim(cls, tmp_path) -> None:
+    model = _model()
+    x, y = _data()
+    make = (lambda params: cls(model, params=params)) if cls is SecondOrderOptimizer else \
+        (lambda params: cls(model, dataset_size=8, params=params))
+    opt = make(model.named_parameters())
+    opt.step(make_closure(opt, model, x, y))
+    reference = torch.optim.SGD(model.named_parameters(), lr=0.1)
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert opt.param_groups[0]["param_names"] == reference.param_groups[0]["param_names"] == names
+    assert opt.state_dict()["param_groups"][0]["param_names"] == names  # torch's key for matching state to a model
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    again = make(model.named_parameters())
+    again.load_state_dict(torch.load(tmp_path / "opt.pt"))  # weights_only=True, torch's default
+    assert again.param_groups[0]["param_names"] == names
+    groups = make([{"params": model[0].named_parameters()}, {"params": model[2].named_parameters(), "lr": 0.25}])
+    assert [g["param_names"] for g in groups.param_groups] == [["weight", "bias"]] * 2
+    # torch.optim's rules: a group names all its parameters or none, and all groups alike
+    with pytest.raises(ValueError, match="Some param names are missing"):
+        make([("0.weight", model[0].weight), model[0].bias])
+    with pytest.raises(ValueError, match="with/without names"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    opt.add_param_group({"params": [("extra", nn.Parameter(torch.zeros(2)))]})
+    assert opt.param_groups[-1]["param_names"] == ["extra"]
+
+
 def test_numpy_float_hyperparameters_are_their_values() -> None:
     plain = _run(lambda m: m.parameters(), lr=0.5, momentum=0.25)  # exact in float32 and float64
     torch.testing.assert_close(_run(lambda m: m.parameters(), lr=np.float32(0.5), momentum=np.float32(0.25)), plain,

@@ -108,3 +108,59 @@ def test_parameters_of_covered_modules_added_later_are_named_as_parameters():
     assert messages[0].startswith("add_param_group: modules ['1'] have curvature support but were not covered")
     assert messages[1].startswith("add_param_group: parameters ['0.bias', '2.bias'] of modules this "
                                   "SecondOrderOptimizer covers were not in its params")
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_a_layer_unfrozen_without_add_param_group_is_named(face):
+    """Built on the model's trainable parameters, an optimizer leaves a frozen layer out of its groups
+    (as torch.optim does with filter(requires_grad)): unfrozen later, its gradients are never applied,
+    which was silent. Now a UserWarning, once, naming the parameters and add_param_group."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = _build(face, model)
+    opt.step(_closure(opt, model))
+    model[0].requires_grad_(True)
+    w = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"parameters \['0.weight', '0.bias'\] were frozen \(requires_grad=False\) "
+                                         r"when this \w+ was built and are trainable now: they are not in its param "
+                                         r"groups .* does not update them\. Modules \['0'\] have curvature support"
+                      ) as rec:
+        opt.step(_closure(opt, model))
+    assert [r.filename for r in rec] == [__file__]  # once, at the user's call
+    assert torch.equal(model[0].weight.detach(), w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        opt.step(_closure(opt, model))
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_a_frozen_layer_listed_in_params_takes_the_plain_update_when_unfrozen_and_says_so(face):
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = _build(face, model, params=model.parameters())  # as torch.optim: the frozen layer in the groups
+    opt.step(_closure(opt, model))
+    model[0].requires_grad_(True)
+    w = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"parameters \['0.weight', '0.bias'\] were frozen .* they take the plain "
+                                         r"update \((momentum SGD, no curvature|their mean as a point estimate)"):
+        opt.step(_closure(opt, model))
+    assert not torch.equal(model[0].weight.detach(), w)
+    assert sorted(opt.engine.layouts) == ["2"]
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+def test_no_unfrozen_warning_after_add_param_group_or_for_a_layer_left_out_of_params(face):
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = _build(face, model)
+    model[0].requires_grad_(True)
+    with pytest.warns(UserWarning, match="add_param_group: modules"):  # the documented route warns there
+        opt.add_param_group({"params": model[0].parameters()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(_closure(opt, model))
+        other = _mlp()
+        other[0].requires_grad_(False)
+        mine = _build(face, other, params=other[2].parameters())  # the user's choice of parameters
+        other[0].requires_grad_(True)
+        mine.step(_closure(mine, other))

@@ -31,7 +31,7 @@ def test_from_arguments_takes_every_field_by_name_and_overrides_first() -> None:
                 curv_update_interval=2, inv_update_interval=4, on_nonfinite="skip", linalg=None,
                 communicator="none", seed=3, decomposition_dtype=torch.float64, grad_scaler=None,
                 grad_worker_fraction="comm_opt", assignment_strategy="compute", output_selector=None,
-                max_consecutive_skips=None, kfac_approx="reduce", unrelated="ignored")
+                max_consecutive_skips=None, kfac_approx="reduce", any_module=True, unrelated="ignored")
     s = CurvatureSettings.from_arguments(args, approx="kfac")
     assert [getattr(s, n) for n in names] == [args[n] if n != "approx" else "kfac" for n in names]
     with pytest.raises(KeyError):

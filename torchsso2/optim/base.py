@@ -45,7 +45,7 @@ from .misuse import ClosureWatch, check_model_argument
 from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
 from .copying import copy_fields
-from .late_groups import warn_uncovered_layers
+from .late_groups import warn_uncovered_layers, warn_unfrozen
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
@@ -121,7 +121,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self.engine = CurvatureEngine(model, kind=settings.curvature, approx=settings.approx, loss=settings.loss,
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
                                       output_selector=settings.output_selector, kfac_approx=settings.kfac_approx,
-                                      include=include)
+                                      include=include, any_module=settings.any_module)
         self.ema_decay = settings.ema_decay
         self.curv_update_interval = settings.curv_update_interval
         self.inv_update_interval = settings.inv_update_interval
@@ -131,6 +131,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self.num_amp_skipped = 0
         self.decomposition_dtype = settings.decomposition_dtype
         communicator, seed = settings.communicator, settings.seed
+        implicit = params is None
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
@@ -166,6 +167,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self._streak = SkipStreak(settings.max_consecutive_skips)  # consecutive skipped steps (torchsso2/optim/skips.py)
         self._undo = StepUndo(model)  # what a skipped step gives back
         self._covered_at_start = list(self.engine.params)  # the covered parameters at construction
+        # parameters frozen at construction, in the param groups (params=[...] listed them) or, built on the
+        # model's trainable parameters, left out of them: a warning when one is unfrozen (.late_groups)
+        self._frozen_in_groups = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._frozen_outside = [p for p in model.parameters() if not p.requires_grad] if implicit else []
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -189,6 +194,21 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if "running" in self.__dict__:  # built: a group added later (the constructor's pass here first)
             warn_uncovered_layers(self, self.param_groups[-1]["params"])
 
+    def _warn_unfrozen(self) -> None:
+        """Warn once about parameters frozen at construction that are trainable now (:mod:`.late_groups`):
+        those in the param groups take the plain update; those left out of them, unless added since
+        (``add_param_group`` warned then), are not updated at all."""
+        if any(p.requires_grad for p in self._frozen_in_groups):
+            thawed = [p for p in self._frozen_in_groups if p.requires_grad]
+            self._frozen_in_groups = [p for p in self._frozen_in_groups if not p.requires_grad]
+            warn_unfrozen(self, thawed, in_groups=True)
+        if any(p.requires_grad for p in self._frozen_outside):
+            own = {id(p) for g in self.param_groups for p in g["params"]}
+            thawed = [p for p in self._frozen_outside if p.requires_grad and id(p) not in own]
+            self._frozen_outside = [p for p in self._frozen_outside if not p.requires_grad]
+            if thawed:
+                warn_unfrozen(self, thawed, in_groups=False)
+
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled as an object (its curvature engine holds hooks "
                         "on the model); save opt.state_dict() with torch.save and load it into a new optimizer "
@@ -211,6 +231,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                      ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
         """Run the closure once; when ``estimate``, also estimate this batch's curvature. The step checked
         the call first (:meth:`_check_step_call`)."""
+        if self._frozen_in_groups or self._frozen_outside:
+            self._warn_unfrozen()
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():

@@ -1,16 +1,21 @@
-"""A warning for layers added to an optimizer after it was built (``add_param_group``).
+"""Warnings for layers that join an optimizer's updates after it was built (``add_param_group``, or
+parameters of its groups unfrozen with ``requires_grad_(True)``).
 
 Which modules get curvature (and, with VIOptimizer, weight noise) is fixed when the optimizer is
 built, from the model's trainable parameters then. A layer of a supported type whose parameters
 join later, a new head appended to the model or a layer unfrozen for fine-tuning and added with
 ``add_param_group``, takes the plain update (SGD with momentum; VI: its mean as a point estimate,
-no noise). That is allowed, but silent it looks like curvature that is not there, so it is a
-UserWarning naming the modules and the way to give them curvature.
+no noise); so does a parameter frozen when the optimizer was built that ``params=[...]`` listed,
+once unfrozen. That is allowed, but silent it looks like curvature that is not there, so it is a
+UserWarning naming the modules and the way to give them curvature. A parameter frozen when an
+optimizer was built on the model's trainable parameters (no ``params``) is not in its groups: once
+unfrozen it gets gradients the optimizer never applies, which is a UserWarning too (naming
+``add_param_group``).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, List
 
 from curvature.selection import caller_stacklevel, select_layouts
 
@@ -28,7 +33,8 @@ def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
     try:
         with warnings.catch_warnings():  # a skip_modules entry matching nothing was warned about at construction
             warnings.simplefilter("ignore")
-            would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=new)
+            would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=new,
+                                       any_module=opt.engine.any_module)
     except (ValueError, TypeError, NotImplementedError):  # no supported layer among them, or one it refuses
         return
     fresh = sorted(n for n in would if n not in opt.engine.layouts)
@@ -47,3 +53,37 @@ def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
             f"add_param_group: parameters {partial} of modules this {what} covers were not in its params when it "
             "was built, so they take the plain update; list them in the constructor's params to give them "
             "curvature, or filter this warning", UserWarning, stacklevel=caller_stacklevel())
+
+
+def warn_unfrozen(opt: Any, params: List[Any], in_groups: bool) -> None:
+    """UserWarning naming ``params``: parameters frozen when ``opt`` was built (so not covered) and
+    trainable now. ``in_groups``: they are in its param groups (``params=[...]`` listed them) and take
+    the plain update; else (built on the model's trainable parameters) it does not update them at all.
+    Modules among them with curvature support are named with the way to give them curvature."""
+    what = type(opt).__name__
+    ids = {id(p) for p in params}
+    names = [n for n, p in opt.model.named_parameters() if id(p) in ids] or [f"{len(params)} parameters"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=ids,
+                                       any_module=opt.engine.any_module)
+    except (ValueError, TypeError, NotImplementedError):  # no supported layer among them, or one it refuses
+        would = {}
+    fresh = sorted(would)
+    how = (f" Modules {fresh} have curvature support: to give them curvature, build the optimizer with them "
+           "trainable, then freeze them with requires_grad_(False) until they should train (a frozen covered module "
+           "keeps its curvature).") if fresh else ""
+    if in_groups:
+        plain = "their mean as a point estimate, without weight noise" if hasattr(opt, "dataset_size") else \
+            "momentum SGD, no curvature"
+        what_happens = f"they take the plain update ({plain}), since the covered modules are fixed at construction"
+        keep = "To keep the plain update, filter this warning"
+    else:
+        what_happens = ("they are not in its param groups (it was built on the model's trainable parameters, as "
+                        "torch.optim is with filter(lambda p: p.requires_grad, model.parameters())), so it does not "
+                        "update them")
+        keep = "For the plain update, add them with opt.add_param_group({'params': [...]})"
+    warnings.warn(
+        f"parameters {names} were frozen (requires_grad=False) when this {what} was built and are trainable now: "
+        f"{what_happens}.{how} {keep}", UserWarning, stacklevel=caller_stacklevel())

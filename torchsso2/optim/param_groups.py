@@ -23,8 +23,10 @@ def listed_groups(params: Iterable[Any]) -> List[Any]:
     out: List[Any] = []
     for g in params:
         if isinstance(g, dict) and "params" in g:
-            g = {**g, "params": _param_list(g["params"])}
-        out.append(_unnamed(g))
+            g = named_group(g, _param_list(g["params"]))
+        out.append(g)
+    if out and not isinstance(out[0], dict) and any(_is_named(g) for g in out):  # model.named_parameters()
+        out = [named_group({}, out)]
     for g in out:
         if isinstance(g, dict) and "params" not in g:
             raise ValueError(f"parameter group didn't specify a value of required optimization parameter params "
@@ -40,7 +42,7 @@ def listed_groups(params: Iterable[Any]) -> List[Any]:
 def refuse_sparse_gradients(model: nn.Module, groups: List[Dict[str, Any]]) -> None:
     """ValueError for a parameter of the optimizer that gets sparse gradients (``nn.Embedding(sparse=True)``,
     ``nn.EmbeddingBag(sparse=True)``): every update here (curvature and plain) needs dense gradients."""
-    own = {id(p) for g in groups for p in g["params"]}
+    own = {id(p) for g in groups for p in g["params"] if p.requires_grad}  # a frozen one gets no gradient
     sparse = [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in own]
     if sparse:
@@ -60,7 +62,7 @@ def _param_list(params: Any) -> List[Any]:
     if isinstance(params, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
                         "of tensors in sets will change between runs. Please use a list instead.")
-    return [_unnamed(p) for p in params]
+    return list(params)
 
 
 #: per-group options of other torch.optim optimizers, and constructor options of these optimizers that hold for
@@ -71,12 +73,22 @@ _TORCH_ONLY_GROUP_KEYS = frozenset({"maximize", "nesterov", "dampening", "foreac
                                     "mc_samples", "kl_weighting", "num_mc_samples", "dataset_size"})
 
 
-def _unnamed(item: Any) -> Any:
-    """A ``(name, parameter)`` pair (``model.named_parameters()``, which torch.optim accepts) as the
-    parameter; anything else unchanged."""
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor):
-        return item[1]
-    return item
+def _is_named(item: Any) -> bool:
+    """Whether ``item`` is a ``(name, parameter)`` pair (``model.named_parameters()``)."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor)
+
+
+def named_group(group: Dict[str, Any], entries: List[Any]) -> Dict[str, Any]:
+    """``group`` with ``params`` the parameters of ``entries``; where those are ``(name, parameter)``
+    pairs, their names go to ``param_names``, as torch.optim keeps them (torch >= 2.6: in
+    ``state_dict()`` too, for matching state to a changed model). ValueError, torch.optim's, for a
+    group naming only some of its parameters."""
+    named = [_is_named(e) for e in entries]
+    if not any(named):
+        return {**group, "params": entries}
+    if not all(named):
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    return {**group, "params": [e[1] for e in entries], "param_names": [e[0] for e in entries]}
 
 
 
@@ -100,8 +112,8 @@ class GroupChecks:
             if not self._REFUSED_GROUP_KEYS.isdisjoint(param_group):
                 raise ValueError(self._refused_keys_message("param group", param_group))
             params = param_group.get("params")
-            listed = _param_list(params) if params is not None else []
-            param_group = {**param_group, "params": listed}
+            param_group = named_group(param_group, _param_list(params) if params is not None else [])
+            listed = param_group["params"]
             if len({id(p) for p in listed}) != len(listed):
                 raise ValueError("a param group lists a parameter more than once (torch.optim only warns; here it "
                                  "would take a plain update besides its curvature step); list each parameter once")

@@ -43,6 +43,9 @@ class CurvatureSettings:
     output_selector: Any
     max_consecutive_skips: Optional[int]
     kfac_approx: Any = "expand"
+    #: cover modules no layer family knows by diagonal blocks of their own parameters (VIOptimizer's
+    #: curvature="reparam": its estimate needs only the gradients; curvature.selection.select_layouts)
+    any_module: bool = False
 
     def __post_init__(self) -> None:
         check_mc_samples(self.mc_samples, check_option(Kind, self.curvature, "curvature").value, "curvature")

@@ -49,6 +49,7 @@ from curvature.blocks import DiagBlock
 from curvature.blocks.base import like_dtype
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, check_mc_samples, close_matches, parse
+from curvature.selection import UncoveredModule
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .base import BlockAverage, Closure, CurvatureOptimizer
@@ -92,11 +93,16 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         curvature: kind of curvature; ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
             ``"reparam"`` (with ``approx="diag"``): IVON's estimator ``ĥ = g ⊙ ε/σ²`` from the gradient
             at the weight sample, no second backward pass (:mod:`torchsso2.optim.reparam`); its EMA
-            uses IVON's positivity-preserving update. Default ``None``: ``"reparam"`` for
+            uses IVON's positivity-preserving update. It needs only the gradients, so it covers every
+            trainable parameter of any module, those no layer family knows (``nn.GRU``, a custom
+            module's own ``nn.Parameter``) with a diagonal block of their own
+            (:mod:`curvature.modules.parameters`); the other kinds refuse such a module (skip it, or
+            use ``"reparam"``). Default ``None``: ``"reparam"`` for
             ``approx="diag"`` (the curvature costs no second backward; on the digits tasks its quality
             equals ``fisher_mc``'s, docs/defaults.md), ``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts,
             and also for diag with ``curvature_init=None`` (where ``"reparam"`` is not available) or
-            with several processes and ``grad_worker_fraction < 1``. With a ``grad_scaler`` ĥ takes
+            with several processes and ``grad_worker_fraction < 1`` (a ``NotImplementedError`` when a
+            module only ``"reparam"`` covers is present). With a ``grad_scaler`` ĥ takes
             the unscaled gradient (an overflow skips the step as usual); with several processes
             each rank's ĥ comes from its shard's gradient and is averaged over the ranks like any
             curvature (W ranks on W shards equal one process at the same defaults), which needs
@@ -247,10 +253,26 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         curv_update_interval, inv_update_interval, ema_decay = vi_schedule(
             approx, curv_update_interval, inv_update_interval, ema_decay, DEFAULT_VI_EMA_DECAY)
         self.mc_parallel = mc_parallel  # compared across ranks (checked below)
-        settings = CurvatureSettings.from_arguments(locals(), curvature=kind)
-        super().__init__(model, params, defaults, settings)
+        # reparam's estimate needs only the gradients: any module's own parameters get a diagonal block
+        settings = CurvatureSettings.from_arguments(locals(), curvature=kind, any_module=self.reparam)
+        try:
+            super().__init__(model, params, defaults, settings)
+        except UncoveredModule as err:  # VIOptimizer's own way out: the default diagonal covers it
+            why = " (curvature_init=None turns the default 'reparam' off: it needs a starting curvature)" \
+                if curvature is None and approx == "diag" else ""
+            raise UncoveredModule(
+                f"{err}. VIOptimizer's default diagonal (curvature='reparam' with approx='diag') covers any module "
+                f"by its parameters' gradients; curvature={kind!r}{why} needs layer curvature. A module left to the "
+                "plain update with skip_modules has no weight noise: its mean is a point estimate") from None
         if curvature is None and self.reparam and self.placement.active \
                 and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) < self.comm.world_size:
+            if self.engine.generic:  # those blocks have no other estimate
+                raise NotImplementedError(
+                    f"modules {self.engine.generic} have no layer curvature: VIOptimizer covers them with "
+                    "curvature='reparam' (the default with approx='diag'), which with several processes needs every "
+                    f"rank to hold every decomposition (grad_worker_fraction='comm_opt'); got grad_worker_fraction="
+                    f"{self.placement.grad_worker_fraction!r} on {self.comm.world_size} ranks. Use 'comm_opt', or "
+                    "skip them (skip_modules=[...]: their mean is then a point estimate, without weight noise)")
             self.reparam = False  # reparam needs every decomposition on every rank (_check_reparam): the default falls back
         self.grid = SampleGrid(self.comm.world_size, check_int("mc_parallel", mc_parallel))  # [issue #7]
         self._noise_streams = NoiseStreams()  # the generators of the weight noise, re-seeded per (step, sample)
