@@ -45,6 +45,7 @@ from .misuse import ClosureWatch, check_model_argument
 from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
 from .copying import copy_fields
+from .ddp_sync import DDPSync, fingerprint
 from .late_groups import warn_uncovered_layers, warn_unfrozen
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
@@ -173,6 +174,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self._frozen_outside = [p for p in model.parameters() if not p.requires_grad] if implicit else []
         self._decomposed = False
         self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
+        #: several processes, built on the bare model: whether a DDP wrapper averaged a step's gradients already
+        self._ddp_sync = DDPSync(model, self.comm.world_size) \
+            if self.comm.world_size > 1 and self._average_gradients else None
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CurvatureOptimizer":
         """``copy.deepcopy(opt)``: an independent optimizer with everything copied — its model
@@ -220,7 +224,14 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         (:mod:`.closure_output`; the output is then the model's at the first call and where the previous
         call returned the loss alone, else None). Which form it returned shapes what ``step`` returns
         (:meth:`_step_result`)."""
-        loss, output, self._loss_only = call_closure(closure, self.model, self.__dict__.get("_loss_only", True))
+        sync = self.__dict__.get("_ddp_sync")
+        handle = sync.watch() if sync is not None else None
+        try:
+            loss, output, self._loss_only = call_closure(closure, self.model, self.__dict__.get("_loss_only", True))
+        finally:
+            if handle is not None:
+                handle.remove()
+                sync.end_call()
         return loss, output
 
     def _step_result(self, loss: Any, output: Any) -> Any:
@@ -360,7 +371,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
         exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
         settings = [float(d) for d in groups_digest(self.param_groups, exact)]
-        if self._average_gradients:
+        flag, at = None, 1
+        if self._average_gradients and self._ddp_sync is not None and self._ddp_sync.take():
+            flag = self._flag_if_ddp_averaged(params, bad, settings, dtype, dev)
+        if flag is not None:  # a DDP wrapper averaged this step's gradients: equal on every rank (ddp_sync.py)
+            pass
+        elif self._average_gradients:
             # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
             # flag, so a parameter no rank has a gradient for keeps grad None
@@ -386,10 +402,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                     if none and share > 0:
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
+            at = 4
         else:
             flag = torch.tensor([1.0 if bad else 0.0] + settings, dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
-        at = 4 if self._average_gradients else 1
         if flag[at:at + 2].tolist() != settings:
             raise ValueError(
                 f"{type(self).__name__}: the param groups' settings (lr, momentum, weight_decay, ...) differ between "
@@ -406,6 +422,23 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             if rest:
                 self.comm.allreduce(rest, op="mean")
         return True, params, groups
+
+    def _flag_if_ddp_averaged(self, params: List[nn.Parameter], bad: bool, settings: List[float],
+                              dtype: torch.dtype, dev: torch.device) -> Optional[Tensor]:
+        """The step's flag ``[bad, settings…]`` averaged over the ranks when a DistributedDataParallel
+        wrapper averaged every closure call's gradients (:class:`DDPSync`) and every rank's gradients
+        have the same :func:`fingerprint` (one slot per rank in the flag); None otherwise, after that
+        one small all-reduce: the caller then averages the gradients itself."""
+        grads = [p.grad for p in params]
+        refuse_sparse(grads)
+        slots = torch.zeros(self.comm.world_size, dtype=torch.float64, device=dev)
+        slots[self.comm.rank] = fingerprint(grads).to(dev)
+        flag = torch.cat([torch.tensor([1.0 if bad else 0.0] + settings, dtype=torch.float64, device=dev), slots])
+        self.comm.allreduce([flag], op="mean")
+        shares = flag[3:]
+        if not bool((shares == shares[0]).all()):
+            return None
+        return flag[:3].to(dtype)
 
     def _grads_unscaled(self) -> bool:
         """Whether the closure unscaled the gradients itself (``scaler.unscale_(opt)``, to clip them):
