@@ -52,7 +52,8 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
             treat positions ``T`` of ``[N, T, d]`` inputs (:class:`curvature.options.KFACApprox`).
 
     Returns:
-        :class:`Curvature` with ``.blocks`` and ``.dense()``.
+        :class:`Curvature` with ``.blocks`` and ``.dense()``. The model's parameters, gradients and
+        buffers are left as they were (a training-mode BatchNorm's running statistics too).
     """
     engine = CurvatureEngine(model, kind=kind, approx=approx, loss=loss, mc_samples=mc_samples,
                              skip_modules=skip_modules, output_selector=output_selector,
@@ -63,6 +64,20 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     _check_inputs_match_model(model, args)
     check_generator(generator)
     check_targets(targets)
+    # the model's buffers as they were (a training-mode BatchNorm's forward updates its running statistics):
+    # compute() is an analysis call, it leaves the model as it found it
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    try:
+        return _estimate(engine, model, args, targets, generator)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
+def _estimate(engine: CurvatureEngine, model: nn.Module, args: Tuple[Tensor, ...], targets: Tensor,
+              generator: Optional[torch.Generator]) -> Curvature:
+    """:func:`compute`'s recorded forward and estimate."""
     # the estimate's backward passes run with the capture's hooks in place: a region under non-reentrant
     # activation checkpointing is recomputed then, and must repeat the recorded forward's ops
     with torch.enable_grad(), engine.capture() as cap:

@@ -655,3 +655,78 @@ def test_the_objective_bound_counts_the_weight_decay():
                                weight_decay=wd, use_adaptive_learning_rate=True)
     opt.step(make_closure(opt, model, x, y, loss="mse"), targets=y)
     torch.testing.assert_close(param_vec(model), theta0 + alpha * delta, rtol=0, atol=1e-9)
+
+
+def _adaptive(model):
+    return SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True, use_adaptive_learning_rate=True,
+                                use_adaptive_momentum=True)
+
+
+@pytest.mark.parametrize("scale", [100.0, 300.0])
+def test_a_float16_model_on_pixel_scale_inputs_trains_in_adaptive_mode(scale):
+    """The quadratic model's J·v of a first step's preconditioned gradient (entries ~1e3) on inputs ~1e2
+    overflowed float16 (and so did the Gram's sums of products): every step was skipped, and the run
+    stalled, where the plain mode trained. Each direction is scaled to max |v| <= 1 by a power of two
+    for the pass (J·v is linear in v) and the Gram is formed in float32, scaled back in float64."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(64, 16, generator=g) * scale).half(), torch.randint(0, 10, (64,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)).half()
+    opt = _adaptive(model)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        return loss
+    first = float(closure())
+    for _ in range(10):
+        loss = opt.step(closure)
+    assert opt.num_skipped == 0 and opt.num_steps == 10
+    assert float(loss) < 0.5 * first
+
+
+def test_the_scaled_gram_equals_the_unscaled_one_in_float64():
+    """The power-of-two scaling is exact: with float64 it is not applied, and the scaled float16 Gram of
+    small directions equals the float64 one to float16's resolution."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    params = list(model.parameters())
+    dirs = [[torch.randn_like(p) * 1e3 for p in params], [torch.randn_like(p) for p in params]]
+    names = [n for n, _ in model.named_parameters()]
+    want = ggn_gram(model, [((x,), {}, torch.get_rng_state())], names, params, dirs, LossType.CROSS_ENTROPY,
+                    lambda o: o, identity_select=True)
+    half = copy.deepcopy(model).half()
+    got = ggn_gram(half, [((x.half(),), {}, torch.get_rng_state())], names, list(half.parameters()),
+                   [[t.half() for t in d] for d in dirs], LossType.CROSS_ENTROPY, lambda o: o, identity_select=True)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3 * float(want.abs().max()))
+
+
+def test_a_closure_without_backward_after_the_watched_calls_is_the_clear_error():
+    """After the closure's first (watched) calls, a closure that forgot backward() reached the J·v pass
+    with no tangent (an internal ValueError) after the curvature EMA had been updated; now the
+    RuntimeError of the first calls, with the state as before the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    opt = _adaptive(model)
+
+    def closure(backward=True):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if backward:
+            loss.backward()
+        return loss
+    for _ in range(6):
+        opt.step(closure)
+    curvature = {n: [t.clone() for t in b.tensors()] for n, b in opt.running.blocks.items()}
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"the closure did not call backward\(\)"):
+        opt.step(lambda: closure(backward=False))
+    assert opt.num_steps == 6 and all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    for name, blk in opt.running.blocks.items():
+        assert all(torch.equal(a, b) for a, b in zip(curvature[name], blk.tensors())), name
+    opt.step(closure)
+    assert opt.num_steps == 7

@@ -348,3 +348,43 @@ def test_optimizers_train_a_model_with_multihead_attention() -> None:
                 return loss, out
             losses.append(float(opt.step(closure)[0].detach()))
         assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+class _TransposedSelfAttention(nn.Module):
+    """Self-attention on a sequence-first MultiheadAttention, the transpose taken once or once per argument."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(4, 4)
+        self.att = nn.MultiheadAttention(4, 2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q = h.transpose(0, 1)
+        kv = {"one": q, "twice": h.transpose(0, 1), "detached": q.detach()}[self.mode]
+        return self.head(self.att(q, kv, kv, need_weights=False)[0].mean(0))  # [N, C]
+
+
+@pytest.mark.parametrize("kind", ["fisher", "empirical_fisher"])
+def test_self_attention_on_the_same_view_taken_twice_is_self_attention(kind: str) -> None:
+    """att(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1)) is self-attention as much as one
+    transposed tensor passed three times: it was taken for cross-attention (tensor identity), whose
+    K-FAC convention gave another in-projection block (10% off). A detached key/value is another
+    function (no gradient path through them): not taken for self-attention, and its full blocks are
+    the brute force's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 4, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    one = _TransposedSelfAttention("one").double()
+    twice = _TransposedSelfAttention("twice").double()
+    twice.load_state_dict(one.state_dict())
+    for approx in ("kfac", "full"):
+        a, b = (curvature.compute(m, x, y, kind=kind, approx=approx) for m in (one, twice))
+        for name in a.blocks:
+            torch.testing.assert_close(a.blocks[name].dense(), b.blocks[name].dense(), rtol=1e-12, atol=1e-14)
+    detached = _TransposedSelfAttention("detached").double()
+    detached.load_state_dict(one.state_dict())
+    c = curvature.compute(detached, x, y, kind=kind, approx="full")
+    expected = Reference(detached, x, y, "cross_entropy").shaped(kind, "full", None)
+    assert float((c.dense() - expected).abs().max()) <= 1e-8 * max(1.0, float(expected.abs().max()))

@@ -183,14 +183,17 @@ def test_hessian_of_a_module_with_more_than_256_parameters(approx: str) -> None:
     assert_close(c.dense(), ref.shaped("hessian", approx))
 
 
-def test_curvature_does_not_touch_model() -> None:
-    """compute() leaves parameters, .grad and buffers alone."""
+@pytest.mark.parametrize("training", [False, True])
+def test_curvature_does_not_touch_model(training: bool) -> None:
+    """compute() leaves parameters, .grad and buffers alone, also in training mode (a BatchNorm's forward
+    moved its running statistics and num_batches_tracked by one batch there)."""
     build, batch = MODELS["norm_cnn"]
-    model = build()
+    model = build().train(training)
     x, y = batch(N, "cross_entropy")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for kind in KINDS:
-        curvature.compute(model, x, y, kind=kind, approx="full")
+        for approx in ("full", "diag"):
+            curvature.compute(model, x, y, kind=kind, approx=approx)
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -111,14 +111,16 @@ def test_a_subclass_replacing_forward_is_refused_with_the_skip(face: str) -> Non
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     build = {"compute": lambda m: curvature.compute(m, x, y),
              "second_order": lambda m: SecondOrderOptimizer(m),
-             "vi": lambda m: VIOptimizer(m, dataset_size=6)}[face]
+             "vi": lambda m: VIOptimizer(m, dataset_size=6, approx="kfac")}[face]
     with pytest.raises(ValueError, match=r"ScaledLinear.forward overrides torch.nn.modules.linear.Linear.forward.*skip_modules=\['\^0\$'\]"):
         build(model)
     build(nn.Sequential(KeptLinear(4, 5), nn.Tanh(), nn.Linear(5, 3)))  # keeps Linear.forward: covered
     if face != "compute":  # the skip named in the message works
         opt = SecondOrderOptimizer(model, skip_modules=["^0$"]) if face == "second_order" \
-            else VIOptimizer(model, dataset_size=6, skip_modules=["^0$"])
+            else VIOptimizer(model, dataset_size=6, approx="kfac", skip_modules=["^0$"])
         assert "0" not in opt.engine.layouts
+    if face == "vi":  # VI's default diagonal needs only the gradients: it covers the module by its parameters
+        assert VIOptimizer(model, dataset_size=6).engine.generic == ["0"]
 
 
 def test_a_forward_set_on_the_instance_is_refused() -> None:

@@ -107,6 +107,21 @@ def _additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tenso
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor, or the same view of one tensor taken twice (same memory,
+    offset, shape, strides and dtype, made by the same kind of autograd node from the same inputs:
+    two calls of ``x.transpose(0, 1)``): the same values on the same gradient path, so the projections
+    see one input. A detached copy (another gradient path) or a clone (other memory) is not."""
+    if a is b:
+        return True
+    if a.dtype != b.dtype or a.device != b.device or a.shape != b.shape or a.stride() != b.stride() \
+            or a.storage_offset() != b.storage_offset() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    fa, fb = a.grad_fn, b.grad_fn
+    return fa is fb or (fa is not None and fb is not None and type(fa) is type(fb)
+                        and fa.next_functions == fb.next_functions)
+
+
 def recorded_forward(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
                      key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                      attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
@@ -114,7 +129,8 @@ def recorded_forward(module: nn.MultiheadAttention, query: Tensor, key: Tensor, 
     """``((attn_output, attn_weights), x, z)``: the module's result recomputed from its parameters,
     with the batch-first in-projection input ``x`` and output ``z = x W_inᵀ + b_in`` (``[N, P, 3E]``).
 
-    Self-attention (``query is key is value``): ``x`` is the input, ``P = T``. Otherwise ``x`` is the
+    Self-attention (``query``, ``key`` and ``value`` one tensor, or the same view of one tensor, as two
+    calls of ``x.transpose(0, 1)`` give: :func:`_same_values`): ``x`` is the input, ``P = T``. Otherwise ``x`` is the
     query, key and value positions one after the other (``P = T + 2S``) and only the Q columns of ``z``
     at query positions, the K columns at key positions and the V columns at value positions are used
     (the others get zero gradients), so the Linear math on ``(x, ∂z)`` gives the exact per-example
@@ -130,7 +146,7 @@ def recorded_forward(module: nn.MultiheadAttention, query: Tensor, key: Tensor, 
     n, tq, e = xq.shape
     h = module.num_heads
     hd = e // h
-    if query is key and key is value:
+    if _same_values(query, key) and _same_values(key, value):
         x = xq
         z = F.linear(x, module.in_proj_weight, module.in_proj_bias)
         zq, zk, zv = z.chunk(3, dim=-1)

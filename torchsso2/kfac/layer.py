@@ -17,6 +17,8 @@ Decompositions run in ``float64`` if the factor or ``inv_dtype`` is ``float64``,
 """
 from __future__ import annotations
 
+import math
+
 import logging
 from typing import Dict, List, Optional, Tuple
 
@@ -298,9 +300,20 @@ class KFACLayer:
 
 
 def grad_scale_of(grad_scaler: object) -> Optional[float]:
-    """The current loss scale of a ``GradScaler`` (``get_scale()``) or a callable, or None."""
+    """The current loss scale of a ``GradScaler`` (``get_scale()``) or a callable, or None.
+
+    Raises:
+        ValueError: a callable's scale that is not a finite number > 0 (0 or NaN made every output-side
+            factor contribution count as an AMP overflow, so the layers were never preconditioned; inf
+            zeroed them)."""
     if grad_scaler is None:
         return None
     get = getattr(grad_scaler, "get_scale", None)
-    return float(get() if callable(get) else grad_scaler())  # type: ignore[operator]
+    if callable(get):
+        return float(get())
+    scale = float(grad_scaler())  # type: ignore[operator]
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"grad_scaler() returned {scale!r}; the loss scale must be a finite number > 0 (the factor "
+                         "by which the loss, and so every gradient, was multiplied)")
+    return scale
 

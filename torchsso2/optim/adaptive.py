@@ -208,6 +208,13 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
     total = 0
     primals: Optional[List[Tensor]] = None
     tangents: Optional[Dict[int, Tensor]] = None
+    scales: Optional[List[float]] = None
+    if any(p.dtype in _HALF for p in params):  # J·v is linear in v: each direction scaled to max |v| <= 1 (a power
+        # of two, exact) so that float16 tangents do not overflow (a first step's Δ of ~1e3 on inputs ~1e2 did);
+        # the Gram is scaled back in float64
+        scales = [_pow2_scale(d) for d in directions]
+        directions = [[t / c for t in d] for d, c in zip(directions, scales)]
+        stacked = None
     for index, call in enumerate(calls):
         if identity_select and sequential_jvp.supports(model, call[0], call[1]):
             # an nn.Sequential of plain layers: all directions in one hand-written pass (same products)
@@ -226,11 +233,27 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
             hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out), class_dim=out.dim() - 1).reshape(-1)
                                 for j in jvs])
         total += loss_rows(loss, out)  # N, or N·T for cross-entropy logits [N, T, C] (the rows the loss averages)
+        if jmat.dtype in _HALF:  # the sums of products overflow float16's 65504
+            jmat, hmat = jmat.float(), hmat.float()
         part = (jmat @ hmat.t()).double()
         gram = part if gram is None else gram.add_(part)
     if gram is None:
         return torch.zeros(k, k, dtype=torch.float64)
+    if scales is not None:
+        c = torch.tensor(scales, dtype=torch.float64)
+        gram = gram * torch.outer(c, c)
     return (gram + gram.t()).mul_(0.5 / max(total, 1))
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _pow2_scale(tensors: Sequence[Tensor]) -> float:
+    """The power of two at or above ``max |t|`` over ``tensors`` (1 for zero or non-finite tensors)."""
+    top = max((float(t.detach().abs().max()) for t in tensors if t.numel()), default=0.0)
+    if not math.isfinite(top) or top <= 0:
+        return 1.0
+    return float(2.0 ** math.ceil(math.log2(top)))
 
 
 def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], params: Sequence[Tensor],
@@ -545,7 +568,11 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
                 _forget_previous_update(states)       # after a zero-loss batch, and no skip
                 ada.last = {"learning_rate": 0.0, "momentum": 0.0, "quad_model": 0.0, "steps": ada.last["steps"] + 1}
                 return 0.0
-            logger.warning("step %d: %s; no update", opt.num_steps, err)
+            half = params[0].dtype in (torch.float16, torch.bfloat16)
+            why = (" (the products J·v of the quadratic model overflowed in the parameters' "
+                   f"{str(params[0].dtype).replace('torch.', '')}: run the model in float32 under autocast, or "
+                   "in bfloat16)") if half and "nan" in str(err) else ""
+            logger.warning("step %d: %s%s; no update", opt.num_steps, err, why)
             return None
         if loss is not None:
             objective = loss + decay_term(params, wds)

@@ -44,6 +44,10 @@ E = TypeVar("E", bound=Enum)
 
 #: how many closure calls per optimizer are watched at all (then the watch costs nothing)
 CLOSURE_CHECKS = 5
+#: the error for a closure that computed no gradient (checked at the first calls, and wherever a step needs one)
+NO_BACKWARD = ("the closure did not call backward(): no parameter's .grad was created or changed, so the "
+               "parameters would never move. The closure must compute the loss, call loss.backward() and "
+               "return the loss (or (loss, output))")
 #: how many curvature-estimating closure calls (among those) check the loss against ``loss=``
 OUTPUT_CHECKS = 3
 #: relative row-sum of the output gradient above which the loss is not a function of softmax(output)
@@ -52,8 +56,14 @@ SHIFT_TOLERANCE = 1e-2
 
 def check_model_argument(model: Any, face: str) -> None:
     """TypeError unless ``model`` is an ``nn.Module``; says "pass the model itself" for an iterable of
-    parameters (``model.parameters()``) or parameter groups."""
+    parameters (``model.parameters()``) or parameter groups. ValueError for parameters on the meta device."""
     if isinstance(model, nn.Module):
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:  # to_empty() / load_state_dict(assign=True) replace them: the optimizer would hold dead ones
+            raise ValueError(f"{face}: parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} are on the meta device "
+                             "(no data yet); materialize the model first (model.to_empty(device=...) and initialize "
+                             "it, or load_state_dict(..., assign=True)), then build the optimizer: those calls "
+                             "replace the parameters, and an optimizer built before would hold the old ones")
         return
     if isinstance(model, (Iterator, list, tuple)) or hasattr(model, "__next__"):
         raise TypeError(f"{face} takes the model (a torch.nn.Module), not its parameters: pass the model itself "
@@ -138,10 +148,7 @@ class ClosureWatch:
         changed = replaced or any(g is not None and g._version != v for g, (_, v) in zip(now, self.before))
         backward = self.accumulated or replaced if self.handles else changed
         if self.params and not backward:
-            raise RuntimeError(
-                "the closure did not call backward(): no parameter's .grad was created or changed, so the "
-                "parameters would never move. The closure must compute the loss, call loss.backward() and "
-                "return the loss (or (loss, output))")
+            raise RuntimeError(NO_BACKWARD)
         if not self.check_output or not self.stats:
             return
         self.owner["output_checks_left"] = self.owner.get("output_checks_left", OUTPUT_CHECKS) - 1

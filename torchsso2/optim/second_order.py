@@ -35,6 +35,7 @@ from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
+from .misuse import NO_BACKWARD
 from .plan import PartialBlock, UpdatePlan
 from .precision import full_precision_step
 from .clipped_update import clip_scale
@@ -324,13 +325,20 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         estimate = warmup or self.num_steps % self.curv_update_interval == 0
         self._follow_param_dtypes()
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
-        with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
-                self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
-            loss, output, fresh = self._run_closure(closure, targets, estimate)
+        try:
+            with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
+                    self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
+                loss, output, fresh = self._run_closure(closure, targets, estimate)
+        except BaseException:  # a closure that raised (a bad batch caught by the caller): the Monte-Carlo labels
+            snapshot.restore()  # it drew are given back, so training on is as if the call never happened
+            raise
         if not self._unscale_grads():  # an AMP overflow: as if the batch was never seen (num_steps stays)
             snapshot.restore()
             return loss, output
         agreed, params, groups = self._average_over_ranks(fresh, loss)
+        if not params and self.adaptive is not None:  # no gradient at all: nothing to solve a step for (the first
+            snapshot.restore()  # closure calls are checked for it, later ones here), and no state changed
+            raise RuntimeError(NO_BACKWARD)
         grads = [p.grad for p in params]
         decompose = warmup or self.num_steps % self.inv_update_interval == 0 or not self._decomposed
         # the gradients are checked here only when the curvature state would change before the
