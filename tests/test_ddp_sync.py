@@ -67,12 +67,17 @@ SCRIPT = textwrap.dedent("""
                                          "changed-after-check-off")}
         gathered = [torch.zeros_like(res["ddp"][0]) for _ in range(2)]
         torch.distributed.all_gather(gathered, res["ddp"][0])
-        print(f"rank {comm.rank} {face}: "
-              f"ddp=check-off {torch.equal(res['ddp'][0], res['check-off'][0])} "
-              f"ddp=built-on-ddp {torch.equal(res['ddp'][0], res['built-on-ddp'][0])} "
-              f"ranks-equal {torch.equal(*gathered)} "
-              f"changed=check-off {torch.equal(res['changed-after'][0], res['changed-after-check-off'][0])} "
-              + " ".join(f"{m}:{res[m][1]}" for m in res), flush=True)
+        line = (f"rank {comm.rank} {face}: "
+                f"ddp=check-off {torch.equal(res['ddp'][0], res['check-off'][0])} "
+                f"ddp=built-on-ddp {torch.equal(res['ddp'][0], res['built-on-ddp'][0])} "
+                f"ranks-equal {torch.equal(*gathered)} "
+                f"changed=check-off {torch.equal(res['changed-after'][0], res['changed-after-check-off'][0])} "
+                + " ".join(f"{m}:{res[m][1]}" for m in res))
+        lines = [None, None]
+        torch.distributed.all_gather_object(lines, line)  # printed by one rank: the ranks' output interleaves
+        if comm.rank == 0:
+            for text in lines:
+                print(text, flush=True)
     shutdown()
 """)
 

@@ -83,3 +83,23 @@ def test_kfac_preconditioner_refuses_a_loss_scale_that_is_not_finite_and_positiv
     (4.0 * F.cross_entropy(model(x), y)).backward()
     pre.step()
     assert not pre.last_step_skipped and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_stall_of_failed_decompositions_names_a_singular_curvature():
+    """damping=0 with fewer examples than a factor's size: every decomposition fails; the stall error blamed
+    divergence or NaN/inf data alone."""
+    from torchsso2 import NonFiniteError
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 3))
+    opt = SecondOrderOptimizer(model, damping=0.0, max_consecutive_skips=3)
+    x, y = torch.randn(4, 20), torch.randint(0, 3, (4,))
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    with pytest.raises(NonFiniteError, match=r"failed decomposition .* The damped curvature is singular \(damping=0 "
+                                             r"with a rank-deficient estimate"):
+        for _ in range(5):
+            opt.step(closure)

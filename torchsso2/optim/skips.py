@@ -125,9 +125,12 @@ class SkipStreak:
         self.count += 1
         if self.limit is not None and self.count >= self.limit:
             found = f" (this step: {details})" if details else ""
+            cause = ("The damped curvature is singular (damping=0 with a rank-deficient estimate, e.g. fewer examples "
+                     "than a Kronecker factor's size) or not finite (the model diverged or the data holds NaN/inf)"
+                     if "decomposition" in what else "The model diverged or the data holds NaN/inf")
             raise NonFiniteError(
                 f"training has stalled: {self.count} consecutive steps were skipped at step {step} because of a "
-                f"non-finite {what}{found}. The model diverged or the data holds NaN/inf. Try a lower lr, more "
+                f"non-finite {what}{found}. {cause}. Try a lower lr, more "
                 "damping (for VIOptimizer also a larger prior_precision or init_precision), "
                 "decomposition_dtype=torch.float64, or restore a checkpoint and check the data; "
                 "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. "
