@@ -66,12 +66,14 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     check_targets(targets)
     # the model's buffers as they were (a training-mode BatchNorm's forward updates its running statistics):
     # compute() is an analysis call, it leaves the model as it found it
-    buffers = [(b, b.clone()) for b in model.buffers()]
+    # (each buffer by its module and name: a forward may also rebind one, `self.count = self.count + 1`)
+    buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None]
     try:
         return _estimate(engine, model, args, targets, generator)
     finally:
         with torch.no_grad():
-            for b, value in buffers:
+            for m, name, b, value in buffers:
+                m._buffers[name] = b
                 b.copy_(value)
 
 

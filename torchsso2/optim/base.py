@@ -191,6 +191,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 new.__dict__[key] = OrderedDict()
         return new
 
+    def _check_step_call(self, closure: Any) -> None:
+        """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
+        super()._check_step_call(closure)
+        if self.__dict__.get("_ddp_sync") is not None:
+            self._ddp_sync.begin_step()
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As :meth:`GroupChecks.add_param_group`; after construction, a group holding parameters of
         layers with curvature support that are not covered is a UserWarning (:mod:`.late_groups`)."""
@@ -226,12 +232,14 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         (:meth:`_step_result`)."""
         sync = self.__dict__.get("_ddp_sync")
         handle = sync.watch() if sync is not None else None
+        completed = False
         try:
             loss, output, self._loss_only = call_closure(closure, self.model, self.__dict__.get("_loss_only", True))
+            completed = True
         finally:
             if handle is not None:
                 handle.remove()
-                sync.end_call()
+                sync.end_call(completed)
         return loss, output
 
     def _step_result(self, loss: Any, output: Any) -> Any:

@@ -19,7 +19,7 @@ back to the averaging; equal gradients averaged again would only be themselves.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -51,20 +51,30 @@ class DDPSync:
         synced, self.synced = bool(self.synced), None
         return synced
 
+    def begin_step(self) -> None:
+        """A step begins: no verdict yet (one left by a step that ended early, e.g. a closure that raised on
+        this rank only, must not decide this one: the ranks would take different collectives)."""
+        self.synced = None
+
     def watch(self) -> RemovableHandle:
         """Register the pre-hook for one closure call (the caller removes it, then calls :meth:`end_call`)."""
         self._call = None
         return self.model.register_forward_pre_hook(self._pre)
 
-    def end_call(self) -> None:
-        seen = bool(self._call)
+    def end_call(self, completed: bool = True) -> None:
+        """One closure call ended (``completed``: it returned; a call that raised leaves no verdict)."""
+        seen = bool(self._call) and completed
         self.synced = seen if self.synced is None else (self.synced and seen)
 
+    @torch.compiler.disable
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if self._call is not None or not torch.is_grad_enabled():
+        # every call with gradients counts: a second pass of the bare model in the same closure (outside the
+        # wrapper) adds gradients DDP never averaged (the nested calls of a wrapper's redirect are inside it)
+        if not torch.is_grad_enabled():
             return
         ddp = _active_ddp()
-        self._call = ddp is not None and bool(getattr(ddp, "require_backward_grad_sync", False)) and self._owns(ddp)
+        synced = ddp is not None and bool(getattr(ddp, "require_backward_grad_sync", False)) and self._owns(ddp)
+        self._call = synced if self._call is None else (self._call and synced)
 
     def _owns(self, ddp: nn.Module) -> bool:
         """Whether ``ddp`` wraps the model (it or a module containing it) over ``world_size`` processes."""
@@ -78,13 +88,47 @@ class DDPSync:
         return self._owners[key]
 
 
+#: the block length of the fingerprint's projection (a fixed random vector of this length is reused)
+_BLOCK = 1024
+
+
+class _Projection:
+    """Fixed pseudo-random float64 vectors (seeded, the same on every rank), by length and device."""
+
+    def __init__(self) -> None:
+        self._vectors: Dict[Tuple[int, int, str], Tensor] = {}
+
+    def vector(self, which: int, length: int, device: torch.device) -> Tensor:
+        key = (which, length, str(device))
+        if key not in self._vectors:
+            g = torch.Generator().manual_seed(0x5EED + 7919 * which + length)
+            self._vectors[key] = torch.randn(length, generator=g, dtype=torch.float64).to(device)
+        return self._vectors[key]
+
+
+_PROJECTION = _Projection()
+
+
 def fingerprint(grads: List[Tensor]) -> Tensor:
-    """A number that equal gradient lists give equally on every rank: ``Σ_i (i + 1)·‖g_i‖₂ + count``
-    (0-dim float64 on the first gradient's device; different gradients give different numbers but
-    for a coincidence of every norm). Non-finite gradients give a non-finite number, which compares
-    unequal (NaN) or equal (inf) as the values would."""
+    """A number that equal gradient lists give equally on every rank, and different ones (almost
+    surely) not: a fixed random projection of all the gradients' entries in float64 (each
+    gradient cut into rows of :data:`_BLOCK` entries, each row projected on one random vector and the
+    rows' results on another, each gradient weighted by its position), plus the count. A sign flip,
+    a permutation or any change of an entry larger than ~1e-13 of the gradients' norm moves it. 0-dim
+    float64 on the first gradient's device; non-finite gradients give a non-finite number (NaN compares
+    unequal, so the gradients are averaged and the non-finite policy sees them)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     dev = grads[0].device
-    norms = torch.stack([n.to(device=dev, dtype=torch.float64) for n in torch._foreach_norm(grads)])
-    return norms @ torch.arange(1, len(grads) + 1, dtype=torch.float64, device=dev) + len(grads)
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    for i, g in enumerate(grads):
+        flat = g.detach().reshape(-1).to(device=dev, dtype=torch.float64)
+        rows, rest = divmod(flat.numel(), _BLOCK)
+        part = torch.zeros((), dtype=torch.float64, device=dev)
+        if rows:
+            per_row = flat[:rows * _BLOCK].view(rows, _BLOCK) @ _PROJECTION.vector(0, _BLOCK, dev)
+            part = part + per_row @ _PROJECTION.vector(1, rows, dev)
+        if rest:
+            part = part + flat[rows * _BLOCK:] @ _PROJECTION.vector(2, rest, dev)
+        total = total + (i + 1) * part
+    return total + len(grads)
