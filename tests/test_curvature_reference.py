@@ -268,3 +268,22 @@ def test_batchnorm_train_mode_upstream_layers(name: str, loss: str, kind: str, a
     for s in ref.slices:
         if s.name in before:
             assert_close(c.blocks[s.name].dense(), expected[s.start:s.stop, s.start:s.stop], what=s.name)
+
+
+def test_curvature_restores_a_buffer_the_forward_rebinds() -> None:
+    """A forward that rebinds a buffer (``self.count = self.count + 1``) instead of updating it in place:
+    the module's buffer is the original tensor again, with its value."""
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count = self.count + 1
+            return self.fc(x)
+
+    model = Counting()
+    original = model.count
+    curvature.compute(model, torch.randn(4, 3), torch.randint(0, 2, (4,)), kind="fisher", approx="diag")
+    assert model.count is original and float(model.count) == 0.0

@@ -194,6 +194,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     def _check_step_call(self, closure: Any) -> None:
         """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
         super()._check_step_call(closure)
+        if self.__dict__.get("_sampling", False):  # VIOptimizer.sampled_params(): the weights are a sample
+            self._check_not_sampling("step()")  # type: ignore[attr-defined]
         if self.__dict__.get("_ddp_sync") is not None:
             self._ddp_sync.begin_step()
 

@@ -4,11 +4,12 @@ which provides the noise draws (``_draw_noise``), the running curvature and the 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Optional, Tuple, Union
+from typing import ContextManager, Dict, Iterator, Optional, Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from curvature.blocks import DiagBlock, KFACBlock
 from curvature.options import LossType, check_generator
 
 from .grid import mix_seed
@@ -23,12 +24,32 @@ class PosteriorUse:
     @contextlib.contextmanager
     def sampled_params(self, generator: Optional[torch.Generator] = None) -> Iterator[None]:
         """Temporarily replace the covered weights by one posterior sample (restored on exit).
-        Without ``generator`` the sample comes from :meth:`sampling_generator` (not the training streams)."""
+
+        Without ``generator`` the sample comes from :meth:`sampling_generator`, which gives the **same**
+        sample at every call between two steps (reproducible, apart from the training streams): for
+        several samples pass one generator to all of them, as in
+        ``g = torch.Generator().manual_seed(0)`` then ``with opt.sampled_params(generator=g): ...`` in a
+        loop (or use :meth:`predict`). ``step()``, :meth:`predict` and another ``sampled_params()``
+        inside the context are a ``RuntimeError``: the weights there are a sample, not the mean (a step
+        taken there would be undone on exit)."""
         self._check_posterior("sampled_params()")
         check_generator(generator)
+        self._check_not_sampling("sampled_params()")
         gen = generator if generator is not None else self.sampling_generator()
         with self._perturbed(self._draw_noise(gen)):
-            yield
+            self._sampling = True
+            try:
+                yield
+            finally:
+                self._sampling = False
+
+    def _check_not_sampling(self, what: str) -> None:
+        """RuntimeError inside :meth:`sampled_params` (the weights are a sample there)."""
+        if self.__dict__.get("_sampling", False):
+            raise RuntimeError(f"{what} inside `with opt.sampled_params():`: the model's weights are a posterior "
+                               "sample there, not the mean (a step taken there would be undone when the context "
+                               "restores the mean, and predict() would sample around the sample); call it outside "
+                               "the context")
 
     def _has_posterior(self) -> bool:
         """Whether there is a posterior to sample: a decomposition, or the isotropic start's precision."""
@@ -91,10 +112,13 @@ class PosteriorUse:
             raise ValueError(f"predict(return_variance=True) is the predictive variance of loss='mse'; this optimizer's "
                              f"loss is {self.engine.loss.value!r}")
         self._check_posterior("predict()")
+        self._check_not_sampling("predict()")
         if not isinstance(antithetic, bool):
             raise TypeError(f"antithetic must be a bool, got {type(antithetic).__name__} {antithetic!r}")
         gen = generator if generator is not None else self.sampling_generator()
-        outs = []
+        # running mean and sum of squared deviations (Welford): memory of one output, whatever num_samples
+        mean: Optional[Tensor] = None
+        m2: Optional[Tensor] = None
         shift: Optional[Shift] = None
         with eval_mode(self.model):
             for i in range(num_samples):
@@ -116,15 +140,56 @@ class PosteriorUse:
                         "torch.sigmoid(model(x)) over samples yourself (`with opt.sampled_params(generator=g):` with one "
                         "torch.Generator g for all of them), or output two logits ([-z/2, z/2] gives the same "
                         "probabilities)")
-                outs.append(torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out)
-        stacked = torch.stack(outs)
-        mean = stacked.mean(0)
+                y = torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out
+                y = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y  # sums in float32 at least
+                if mean is None:
+                    mean, dtype = y.clone(), out.dtype
+                    m2 = torch.zeros_like(y) if return_variance else None
+                    continue
+                delta = y - mean
+                mean.add_(delta, alpha=1.0 / (i + 1))
+                if m2 is not None:
+                    m2.addcmul_(delta, y - mean)
+        assert mean is not None
         if return_variance:
-            return mean, (stacked - mean).square().mean(0) + self.noise.variance
-        return mean
+            assert m2 is not None
+            return mean.to(dtype), (m2 / num_samples + self.noise.variance).to(dtype)
+        return mean.to(dtype)
+
+    def posterior_variance(self) -> Dict[nn.Parameter, Tensor]:
+        """The posterior variance of every covered weight, ``{parameter: tensor of its shape}``: the
+        diagonal of ``posterior_precision()⁻¹`` without forming the dense ``[P, P]`` matrix (diagonal
+        blocks ``τ/(N·C + τδ + damping)`` elementwise; K-FAC blocks from their factors' eigenvectors,
+        ``(U∘U) D (V∘V)ᵀ`` over the parameter matrix; full blocks the diagonal of their inverse). For
+        uncertainty per weight (signal-to-noise pruning, plots), from the running curvature as
+        :meth:`posterior_precision`."""
+        if not self.running.blocks:
+            raise RuntimeError("no curvature estimate yet: call step() first")
+        size, shift, tau = self.likelihood_size, self.precision_shift, self.kl_weighting
+        out: Dict[nn.Parameter, Tensor] = {}
+        for blk in self.running.blocks.values():
+            lay = blk.layout
+            if isinstance(blk, DiagBlock):
+                parts = lay.unflatten(tau / (size * blk.diagonal.double() + shift))
+            elif isinstance(blk, KFACBlock):
+                (ea, ua), (eb, ub) = (_factor_eig(f) for f in (blk.left, blk.right))
+                m = tau / (size * torch.outer(ea, eb) + shift)  # [rows, cols] in the factors' eigenbases
+                if ua is not None:
+                    m = ua.square() @ m
+                if ub is not None:
+                    m = m @ ub.square().t()
+                parts = lay.family.from_matrix(lay.module, m, lay.param_names)
+            else:
+                dense = blk.dense().double() * size
+                dense.diagonal().add_(shift)
+                parts = lay.unflatten(tau * torch.cholesky_inverse(torch.linalg.cholesky(dense)).diagonal())
+            for p, v in zip(lay.params, parts):
+                out[p] = v.reshape(p.shape).to(p.dtype)
+        return out
 
     def posterior_precision(self) -> Tensor:
-        """Dense ``[P, P]`` block-diagonal posterior precision ``(N·C + τδ + damping)/τ`` over the covered params,
+        """Dense ``[P, P]`` block-diagonal posterior precision (``P²`` numbers: for per-weight variances on
+        a model of any size use :meth:`posterior_variance`) ``(N·C + τδ + damping)/τ`` over the covered params,
         from the running curvature ``C``. The weight samples (``sampled_params``, ``predict``, the steps)
         use its last decomposition, redone every ``inv_update_interval`` steps: between two, ``C`` may
         have moved on (``curv_update_interval`` < ``inv_update_interval``) and the samples follow the
@@ -135,3 +200,11 @@ class PosteriorUse:
         dense = torch.block_diag(*mats)
         return (dense + self.precision_shift * torch.eye(dense.shape[0], dtype=dense.dtype, device=dense.device)
                 ) / self.kl_weighting
+
+
+def _factor_eig(f: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(eigenvalues, eigenvectors)`` of a K-FAC factor in float64 (a diagonal factor: itself, None)."""
+    if f.dim() == 1:
+        return f.double(), None
+    values, vectors = torch.linalg.eigh(f.double())
+    return values, vectors
