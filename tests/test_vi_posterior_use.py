@@ -99,3 +99,56 @@ def test_step_predict_and_nested_samples_inside_sampled_params_are_refused():
     opt.step(make_closure(opt, model, x, y))  # outside: as before
     opt.predict(x)
     assert opt.num_steps == steps + 1
+
+
+def test_sampling_calls_inside_a_step_closure_are_refused():
+    """IVON's `with opt.sampled_params(train=True)` ported into a closure sampled the step's sample again
+    (twice the noise); predict() there sampled around the sample."""
+    model, opt, x = _trained()
+    y = torch.randint(0, 3, (16,))
+    for call in (lambda: opt.sampled_params().__enter__(), lambda: opt.predict(x)):
+        def closure():
+            opt.zero_grad()
+            call()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        with pytest.raises(RuntimeError, match=r"inside step\(\)'s closure"):
+            opt.step(closure)
+    opt.step(make_closure(opt, model, x, y))  # the flag does not outlive the refused calls
+    opt.predict(x)
+
+
+def test_deepcopy_inside_sampled_params_is_refused():
+    import copy
+    model, opt, _ = _trained()
+    with opt.sampled_params(generator=torch.Generator().manual_seed(0)):
+        with pytest.raises(RuntimeError, match="deepcopy of the optimizer inside"):
+            copy.deepcopy((model, opt))
+    copy.deepcopy((model, opt))
+
+
+def test_posterior_variance_is_zero_for_frozen_weights_and_refuses_an_indefinite_precision():
+    model, opt, x = _trained()
+    model[0].requires_grad_(False)
+    opt.step(make_closure(opt, model, x, torch.randint(0, 3, (16,))))
+    variance = opt.posterior_variance()
+    assert all(bool((variance[p] == 0).all()) for p in model[0].parameters())
+    assert all(bool((variance[p] > 0).all()) for p in model[2].parameters())
+    for blk in opt.running.blocks.values():  # an indefinite curvature (as a Hessian estimate can be)
+        blk.diagonal.fill_(-1.0)
+    with pytest.raises(RuntimeError, match=r"precision of block '\d' is not positive"):
+        opt.posterior_variance()
+
+
+def test_posterior_variance_of_float32_kfac_factors_of_low_rank_is_positive():
+    """A float32 factor of rank below its size has eigenvalues a rounding below 0: unclamped they made
+    some variances negative where the sampler (which clamps them) draws positive ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(50, 20), nn.Tanh(), nn.Linear(20, 3))
+    opt = VIOptimizer(model, dataset_size=10 ** 6, approx="kfac", prior_precision=1e-3, curvature_init=None,
+                      ema_decay=0.5)
+    x, y = torch.randn(4, 50), torch.randint(0, 3, (4,))
+    for _ in range(3):
+        opt.step(make_closure(opt, model, x, y))
+    assert all(bool((v > 0).all()) and v.dtype == torch.float32 for v in opt.posterior_variance().values())

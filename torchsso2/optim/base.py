@@ -184,6 +184,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         random streams — so both continue identically. Copy the model and the optimizer together
         (``model2, opt2 = copy.deepcopy((model, opt))``) to get ``opt2.model is model2``. Not
         supported with several processes (a communicator cannot be copied): ``TypeError``."""
+        if self.__dict__.get("_sampling"):
+            raise RuntimeError(f"copy.deepcopy of the optimizer inside {self._sampling}: the model's weights are a "
+                               "posterior sample there, not the mean; copy outside it")
         # as torch.optim's copies: no hooks, no scheduler's wrapper of step
         new = copy_fields(self, memo, "an optimizer", "a new optimizer", "opt", _NOT_COPIED.__contains__)
         for key in _NOT_COPIED.intersection(self.__dict__):
@@ -194,7 +197,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     def _check_step_call(self, closure: Any) -> None:
         """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
         super()._check_step_call(closure)
-        if self.__dict__.get("_sampling", False):  # VIOptimizer.sampled_params(): the weights are a sample
+        if self.__dict__.get("_sampling"):  # VIOptimizer.sampled_params() or a closure: the weights are a sample
             self._check_not_sampling("step()")  # type: ignore[attr-defined]
         if self.__dict__.get("_ddp_sync") is not None:
             self._ddp_sync.begin_step()

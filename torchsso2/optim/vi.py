@@ -294,6 +294,15 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                              f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
                              f"damping={self.damping!r}")
 
+    def _call_closure(self, closure: Closure) -> Tuple[Any, Any]:
+        """The closure at a weight sample: ``predict()``, ``sampled_params()`` and ``step()`` inside it are
+        refused (:meth:`_check_not_sampling`)."""
+        self._sampling = "step()'s closure"
+        try:
+            return super()._call_closure(closure)
+        finally:
+            self._sampling = None
+
     def _check_reparam(self) -> None:
         """``curvature="reparam"`` needs diagonal blocks, a starting curvature and, with several processes,
         every decomposition on every rank (the noise's variance); a ``grad_scaler`` is fine (the

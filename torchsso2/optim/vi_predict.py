@@ -36,20 +36,27 @@ class PosteriorUse:
         check_generator(generator)
         self._check_not_sampling("sampled_params()")
         gen = generator if generator is not None else self.sampling_generator()
-        with self._perturbed(self._draw_noise(gen)):
-            self._sampling = True
-            try:
-                yield
-            finally:
-                self._sampling = False
+        with self._perturbed(self._draw_noise(gen)), self._sampling_in("`with opt.sampled_params():`"):
+            yield
+
+    @contextlib.contextmanager
+    def _sampling_in(self, place: str) -> Iterator[None]:
+        """Mark the weights as a posterior sample while in ``place`` (:meth:`sampled_params`, a step's closure)."""
+        self._sampling = place
+        try:
+            yield
+        finally:
+            self._sampling = None
 
     def _check_not_sampling(self, what: str) -> None:
-        """RuntimeError inside :meth:`sampled_params` (the weights are a sample there)."""
-        if self.__dict__.get("_sampling", False):
-            raise RuntimeError(f"{what} inside `with opt.sampled_params():`: the model's weights are a posterior "
-                               "sample there, not the mean (a step taken there would be undone when the context "
-                               "restores the mean, and predict() would sample around the sample); call it outside "
-                               "the context")
+        """RuntimeError where the weights are a posterior sample (inside :meth:`sampled_params` or a
+        step's closure): ``step()``, :meth:`predict` and :meth:`sampled_params` need the mean there."""
+        place = self.__dict__.get("_sampling")
+        if place:
+            raise RuntimeError(f"{what} inside {place}: the model's weights are a posterior sample there, not the "
+                               "mean (a step taken there would be undone when the sample is replaced by the mean, "
+                               "and predict() or sampled_params() would sample around the sample, doubling the "
+                               "noise); call it outside")
 
     def _has_posterior(self) -> bool:
         """Whether there is a posterior to sample: a decomposition, or the isotropic start's precision."""
@@ -160,20 +167,31 @@ class PosteriorUse:
         """The posterior variance of every covered weight, ``{parameter: tensor of its shape}``: the
         diagonal of ``posterior_precision()⁻¹`` without forming the dense ``[P, P]`` matrix (diagonal
         blocks ``τ/(N·C + τδ + damping)`` elementwise; K-FAC blocks from their factors' eigenvectors,
-        ``(U∘U) D (V∘V)ᵀ`` over the parameter matrix; full blocks the diagonal of their inverse). For
-        uncertainty per weight (signal-to-noise pruning, plots), from the running curvature as
-        :meth:`posterior_precision`."""
-        if not self.running.blocks:
-            raise RuntimeError("no curvature estimate yet: call step() first")
-        size, shift, tau = self.likelihood_size, self.precision_shift, self.kl_weighting
+        ``(U∘U) D (V∘V)ᵀ`` over the parameter matrix, eigenvalues clamped at 0 as for the samples; full
+        blocks the diagonal of their inverse), in float32 at least. For uncertainty per weight
+        (signal-to-noise pruning, plots), from the running curvature as :meth:`posterior_precision`;
+        before the first step the isotropic start's variance; 0 for a weight frozen since construction
+        (it is not sampled). RuntimeError without a posterior or for a block whose precision is not
+        positive definite."""
+        self._check_posterior("posterior_variance()")
         out: Dict[nn.Parameter, Tensor] = {}
-        for blk in self.running.blocks.values():
+        if not self.running.blocks:  # before the first step: the isotropic start predict() samples
+            var = 1.0 / float(self._first_precision)  # type: ignore[arg-type]
+            for p in self.engine.params:
+                out[p] = torch.full(p.shape, var, dtype=_at_least_float32(p.dtype), device=p.device)
+            return out
+        size, shift, tau = self.likelihood_size, self.precision_shift, self.kl_weighting
+        for name, blk in self.running.blocks.items():
             lay = blk.layout
             if isinstance(blk, DiagBlock):
-                parts = lay.unflatten(tau / (size * blk.diagonal.double() + shift))
-            elif isinstance(blk, KFACBlock):
+                denom = size * blk.diagonal.double() + shift
+                _check_positive(denom, name)
+                parts = lay.unflatten(tau / denom)
+            elif isinstance(blk, KFACBlock):  # eigenvalues clamped at 0, as the sampler's decomposition clamps them
                 (ea, ua), (eb, ub) = (_factor_eig(f) for f in (blk.left, blk.right))
-                m = tau / (size * torch.outer(ea, eb) + shift)  # [rows, cols] in the factors' eigenbases
+                denom = size * torch.outer(ea, eb) + shift  # [rows, cols] in the factors' eigenbases
+                _check_positive(denom, name)
+                m = tau / denom
                 if ua is not None:
                     m = ua.square() @ m
                 if ub is not None:
@@ -182,9 +200,15 @@ class PosteriorUse:
             else:
                 dense = blk.dense().double() * size
                 dense.diagonal().add_(shift)
-                parts = lay.unflatten(tau * torch.cholesky_inverse(torch.linalg.cholesky(dense)).diagonal())
+                chol, info = torch.linalg.cholesky_ex(dense)
+                if int(info) != 0:
+                    raise RuntimeError(f"posterior_variance(): the posterior precision of block {name!r} is not "
+                                       "positive definite; increase prior_precision or damping")
+                parts = lay.unflatten(tau * torch.cholesky_inverse(chol).diagonal())
             for p, v in zip(lay.params, parts):
-                out[p] = v.reshape(p.shape).to(p.dtype)
+                # a weight frozen since construction is not sampled (vi_shift.unfrozen): its variance is 0
+                v = v.reshape(p.shape) if p.requires_grad else torch.zeros(p.shape, dtype=v.dtype, device=v.device)
+                out[p] = v.to(_at_least_float32(p.dtype))
         return out
 
     def posterior_precision(self) -> Tensor:
@@ -203,8 +227,20 @@ class PosteriorUse:
 
 
 def _factor_eig(f: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(eigenvalues, eigenvectors)`` of a K-FAC factor in float64 (a diagonal factor: itself, None)."""
+    """``(eigenvalues clamped at 0, eigenvectors)`` of a K-FAC factor in float64 (a diagonal factor:
+    itself, None): a float32 factor of rank below its size has eigenvalues a rounding below 0, which
+    the sampler's decomposition clamps too (curvature/blocks/kfac.py)."""
     if f.dim() == 1:
-        return f.double(), None
+        return f.double().clamp_min(0.0), None
     values, vectors = torch.linalg.eigh(f.double())
-    return values, vectors
+    return values.clamp_min_(0.0), vectors
+
+
+def _check_positive(denom: Tensor, name: str) -> None:
+    if not bool((denom > 0).all()):
+        raise RuntimeError(f"posterior_variance(): the posterior precision of block {name!r} is not positive "
+                           f"(smallest {float(denom.min()):.3e}); increase prior_precision or damping")
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
