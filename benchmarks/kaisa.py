@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/kaisa.py``
 import torch
 
 from benchmarks.common import load_average, machine_info, markdown_table, summarize, write_json
+from examples.common import nonnegative_int, positive_int  # noqa: E402
 
 STRATEGIES = ("COMM_OPT", "HYBRID_OPT", "MEM_OPT")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "kaisa.json"
@@ -162,16 +163,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "--quick writes no file unless given)")
     p.add_argument("--world-sizes", type=str, default="1,2", help="comma-separated numbers of ranks")
     p.add_argument("--strategies", type=str, default=",".join(STRATEGIES), help='comma-separated KAISA grad_worker_fraction strategies (default: all of them)')
-    p.add_argument("--width", type=int, default=None, help="ResNet base width (default 16; quick 4)")
+    p.add_argument("--width", type=positive_int, default=None, help="ResNet base width (default 16; quick 4)")
     p.add_argument("--depths", type=str, default=None, help="blocks per stage (default 2,2,2,2; quick 1,1,1,1)")
-    p.add_argument("--image-size", type=int, default=None, help="default 32; quick 16")
-    p.add_argument("--num-classes", type=int, default=10, help='classes of the synthetic ResNet task (default 10)')
-    p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32; quick 8)")
-    p.add_argument("--factor-update-steps", type=int, default=1, help='K-FAC factor update interval (default 1)')
-    p.add_argument("--inv-update-steps", type=int, default=None, help="default 10; quick 2")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; quick 4)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; quick 1)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--image-size", type=positive_int, default=None, help="default 32; quick 16")
+    p.add_argument("--num-classes", type=positive_int, default=10, help='classes of the synthetic ResNet task (default 10)')
+    p.add_argument("--batch-size", type=positive_int, default=None, help="per rank (default 32; quick 8)")
+    p.add_argument("--factor-update-steps", type=positive_int, default=1, help='K-FAC factor update interval (default 1)')
+    p.add_argument("--inv-update-steps", type=positive_int, default=None, help="default 10; quick 2")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 20; quick 4)")
+    p.add_argument("--warmup", type=nonnegative_int, default=None, help="untimed steps (default 2; quick 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     return p.parse_args(argv)
 
 

@@ -62,6 +62,7 @@ from torch import Tensor, nn  # noqa: E402
 
 from benchmarks._peer_utils import peer, skip_message  # noqa: E402
 from benchmarks.common import load_average, machine_info, write_json  # noqa: E402
+from examples.common import fraction_in, nonnegative_int, positive_int  # noqa: E402
 from torchsso2 import KFACPreconditioner, SecondOrderOptimizer  # noqa: E402
 from torchsso2.optim.skips import NonFiniteError  # noqa: E402
 
@@ -399,10 +400,10 @@ def _intervals(text: str) -> Tuple[int, int]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/kfac_robustness.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default: 0 1 2)")
-    p.add_argument("--epochs", type=int, default=60, help="epochs per run (default: 60)")
-    p.add_argument("--batch-size", type=int, default=512, help="batch size (default: 512)")
-    p.add_argument("--target", type=float, default=0.97, help="test accuracy to reach (default: 0.97)")
+    p.add_argument("--seeds", type=nonnegative_int, nargs="+", default=None, help="training seeds (default: 0 1 2; --quick 0)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="epochs per run (default: 60; --quick 2)")
+    p.add_argument("--batch-size", type=positive_int, default=512, help="batch size (default: 512)")
+    p.add_argument("--target", type=fraction_in(0, 1, low_open=True), default=0.97, help="test accuracy to reach (default: 0.97)")
     p.add_argument("--scalings", nargs="+", default=list(SCALINGS), choices=SCALINGS,
                    help="input scalings (default: both)")
     p.add_argument("--intervals", type=_intervals, nargs="+", default=list(INTERVALS), metavar="CURV/INV",
@@ -417,9 +418,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help=f"output plot (default: {DEFAULT_PLOT})")
     p.add_argument("--readme", action="store_true", help="print README's block from the JSON and exit")
     args = p.parse_args(argv)
-    if args.quick:
-        args.seeds, args.epochs, args.scalings = [0], 2, ["standardize"]
-        args.intervals, args.adaptive_intervals = [(10, 100)], [(10, 100)]
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1, 2]
+    if args.epochs is None:
+        args.epochs = 2 if args.quick else 60
+    if args.quick:  # what the user gave wins; the rest of --quick's smaller grid
+        args.scalings = ["standardize"] if args.scalings == list(SCALINGS) else args.scalings
+        args.intervals = [(10, 100)] if args.intervals == list(INTERVALS) else args.intervals
+        args.adaptive_intervals = [(10, 100)] if args.adaptive_intervals == [(1, 1), (10, 100)] else args.adaptive_intervals
     return args
 
 

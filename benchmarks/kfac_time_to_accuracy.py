@@ -74,6 +74,7 @@ from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, markdown_table, progress, write_json  # noqa: E402
 from benchmarks.kfac_robustness import load_data  # noqa: E402
+from examples.common import fraction_in, nonnegative_int, positive_float, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 from torchsso2.optim.skips import NonFiniteError  # noqa: E402
 
@@ -717,15 +718,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="one grid point per method, one seed, one setting, few epochs (a smoke run)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2)")
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 512 128)")
+    p.add_argument("--seeds", type=nonnegative_int, nargs="+", default=None, help="training seeds (default 0 1 2)")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=None, help="batch sizes (default 512 128)")
     p.add_argument("--models", nargs="+", default=None, choices=["mlp", "cnn"], help="models (default mlp cnn)")
-    p.add_argument("--max-epochs", type=int, default=None, help="epochs at most per run (default 80)")
-    p.add_argument("--time-cap", type=float, default=None,
+    p.add_argument("--max-epochs", type=positive_int, default=None, help="epochs at most per run (default 80)")
+    p.add_argument("--time-cap", type=positive_float, default=None,
                    help="training seconds at most per run; a run past it counts as missing the target (default 20)")
-    p.add_argument("--target", type=float, default=0.97, help="test accuracy to reach (default 0.97)")
-    p.add_argument("--retime", type=int, default=None, help="extra timing passes of each method's fastest points (default 6)")
-    p.add_argument("--cost-repeats", type=int, default=None, help="repeats of the step-cost timings (default 60)")
+    p.add_argument("--target", type=fraction_in(0, 1, low_open=True), default=0.97, help="test accuracy to reach (default 0.97)")
+    p.add_argument("--retime", type=nonnegative_int, default=None, help="extra timing passes of each method's fastest points (default 6)")
+    p.add_argument("--cost-repeats", type=positive_int, default=None, help="repeats of the step-cost timings (default 60)")
     p.add_argument("--readme", action="store_true", help=f"rewrite README.md's {README_BEGIN} block")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: print (and with --readme / --plot write) the report of the existing JSON")
@@ -739,13 +740,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     torch.set_num_threads(1)
     logging.getLogger("torchsso2").setLevel(logging.CRITICAL)  # skipped steps and stalls are in the JSON
     q = args.quick
-    seeds = args.seeds or ([0] if q else [0, 1, 2])
-    batches = args.batches or ([512] if q else [512, 128])
+    seeds = args.seeds if args.seeds is not None else ([0] if q else [0, 1, 2])
+    batches = args.batches if args.batches is not None else ([512] if q else [512, 128])
     models = args.models or (["mlp"] if q else ["mlp", "cnn"])
-    max_epochs = args.max_epochs or (3 if q else 80)
+    max_epochs = args.max_epochs if args.max_epochs is not None else (3 if q else 80)
     time_cap = args.time_cap if args.time_cap is not None else 20.0
     retime = args.retime if args.retime is not None else (0 if q else 6)
-    cost_repeats = args.cost_repeats or (3 if q else 60)
+    cost_repeats = args.cost_repeats if args.cost_repeats is not None else (3 if q else 60)
     json_path = args.json if args.json is not None else (None if q else DEFAULT_JSON)
     plot_path = args.plot if args.plot is not None else (None if q else DEFAULT_PLOT)
     if args.report_only:

@@ -42,6 +42,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks import _peer_utils as pu  # noqa: E402
 from benchmarks.common import progress  # noqa: E402
+from examples.common import positive_int  # noqa: E402
 from benchmarks.peers_training import OPTIMIZERS, make_stepper  # noqa: E402
 
 MIB = 2.0 ** 20
@@ -54,16 +55,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="width 256, 2 steps")
     mode.add_argument("--full", action="store_true", help="width 1024, 5 steps (the default)")
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS), help='optimizers to measure (default: all)')
-    p.add_argument("--width", type=int, default=None, help="hidden width w (default 1024; --quick 256)")
-    p.add_argument("--in-features", type=int, default=784, help='input width of the MLP (default 784)')
-    p.add_argument("--batch", type=int, default=128, help='batch size (default 128)')
-    p.add_argument("--steps", type=int, default=None, help='training steps measured (default 5; --quick 2)')
+    p.add_argument("--width", type=positive_int, default=None, help="hidden width w (default 1024; --quick 256)")
+    p.add_argument("--in-features", type=positive_int, default=784, help='input width of the MLP (default 784)')
+    p.add_argument("--batch", type=positive_int, default=128, help='batch size (default 128)')
+    p.add_argument("--steps", type=positive_int, default=None, help='training steps measured (default 5; --quick 2)')
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help='auto: cuda when available, else cpu (default auto)')
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help='write the JSON report here (default: none)')
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.width = a.width or (256 if a.quick else 1024)
-    a.steps = a.steps or (2 if a.quick else 5)
+    a.width = a.width if a.width is not None else (256 if a.quick else 1024)
+    a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     return a

@@ -84,6 +84,7 @@ from torch import Tensor, nn  # noqa: E402
 import curvature  # noqa: E402
 from benchmarks import _peer_utils as pu  # noqa: E402
 from benchmarks.common import progress  # noqa: E402
+from examples.common import positive_float, positive_int  # noqa: E402
 
 logger = logging.getLogger("benchmarks.peers_curvature")
 
@@ -128,14 +129,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--full", action="store_true", help=f"models {' '.join(FULL_MODELS)}, batch 128 (the default)")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None, help='models (default: the --full set; --quick a smaller one)')
     p.add_argument("--quantities", nargs="+", choices=QUANTITIES, default=list(QUANTITIES), help='curvature quantities to compare (default: all)')
-    p.add_argument("--batch", type=int, default=None, help="batch size N (default 128; --quick 64)")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--batch", type=positive_int, default=None, help="batch size N (default 128; --quick 32)")
+    p.add_argument("--budget", type=positive_float, default=None,
                    help="seconds of timed calls per measurement after one warm-up (3 to 30 calls; "
                    "default 1.0, --quick 0.3); dense P×P computations get one timed call")
-    p.add_argument("--dense-max-params", type=int, default=None,
+    p.add_argument("--dense-max-params", type=positive_int, default=None,
                    help="largest model (parameters) for the dense comparisons (default 4000; --quick 2000)")
     p.add_argument("--seed", type=int, default=0, help='seed of the models and data (default 0)')
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch.set_num_threads for the run (default: torch's choice, one per core); the "
                    "ratios depend on it: BackPACK's few large batched ops gain more from a second thread "
                    "than our many smaller ones on the small CNNs (docs/benchmarks.md)")
@@ -150,9 +151,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.json is None and not a.quick and not a.models and a.quantities == list(QUANTITIES) and a.threads is None:
         a.json = Path(__file__).resolve().parent / "results" / "peers_curvature.json"
     a.models = a.models or list(QUICK_MODELS if a.quick else FULL_MODELS)
-    a.batch = a.batch or (32 if a.quick else 128)
+    a.batch = a.batch if a.batch is not None else (32 if a.quick else 128)
     a.budget = a.budget if a.budget is not None else (0.3 if a.quick else 1.0)
-    a.dense_max_params = a.dense_max_params or (2000 if a.quick else DENSE_MAX_PARAMS)
+    a.dense_max_params = a.dense_max_params if a.dense_max_params is not None else (2000 if a.quick else DENSE_MAX_PARAMS)
     return a
 
 

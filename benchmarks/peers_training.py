@@ -44,6 +44,7 @@ from torch import Tensor, nn  # noqa: E402
 
 from benchmarks import _peer_utils as pu  # noqa: E402
 from benchmarks.common import progress  # noqa: E402
+from examples.common import fraction_in, nonnegative_int, positive_int  # noqa: E402
 
 logger = logging.getLogger("benchmarks.peers_training")
 
@@ -75,10 +76,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--full", action="store_true", help="MLP and CNN, 3 seeds (MLP) / 1 seed (CNN), up to 40 epochs")
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS), help='optimizers (default: all; a peer that is not installed is skipped)')
     p.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=None, help='models (default: mlp; --full mlp cnn)')
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help='seeds (default 0 1 2; --quick 0)')
-    p.add_argument("--epochs", type=int, default=None, help="max epochs per run")
-    p.add_argument("--batch-size", type=int, default=64, help='batch size (default 64)')
-    p.add_argument("--target", type=float, default=TARGET, help="test accuracy to reach")
+    p.add_argument("--seeds", type=nonnegative_int, nargs="+", default=None, help='seeds (default 0 1 2; --quick 0)')
+    p.add_argument("--epochs", type=positive_int, default=None, help="max epochs per run (default 40; --quick 2)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help='batch size (default 64)')
+    p.add_argument("--target", type=fraction_in(0, 1, low_open=True), default=TARGET, help="test accuracy to reach, in (0, 1]")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="write the JSON report here (default benchmarks/results/peers_training.json with --full, "
                    "the run README's table needs; none otherwise)")
@@ -87,8 +88,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.json is None and a.full and not a.models and a.optimizers == list(OPTIMIZERS):
         a.json = Path(__file__).resolve().parent / "results" / "peers_training.json"
     a.models = a.models or (["mlp", "cnn"] if a.full else ["mlp"])
-    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
-    a.epochs = a.epochs or (2 if a.quick else 40)
+    a.seeds = a.seeds if a.seeds is not None else ([0] if a.quick else [0, 1, 2])
+    a.epochs = a.epochs if a.epochs is not None else (2 if a.quick else 40)
     return a
 
 

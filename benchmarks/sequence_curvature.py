@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -38,7 +37,9 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import curvature  # noqa: E402
-from benchmarks.common import load_average, markdown_table  # noqa: E402
+from benchmarks.common import load_average, markdown_table, write_json  # noqa: E402
+from examples.common import positive_int  # noqa: E402
+from benchmarks._peer_utils import peer, skip_message  # noqa: E402
 
 
 class MLPLM(nn.Module):
@@ -158,24 +159,30 @@ def run_model(name: str, args: argparse.Namespace) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--models", nargs="+", default=["lm-mlp", "lm-attn"], choices=["lm-mlp", "lm-attn"], help='language models: an MLP LM and an attention LM (default: both)')
-    p.add_argument("--batch", type=int, default=8, help='sequences per batch (default 8)')
-    p.add_argument("--seq-len", type=int, default=32, help='tokens per sequence (default 32)')
-    p.add_argument("--vocab", type=int, default=40, help='vocabulary size = classes C (default 40)')
-    p.add_argument("--d-model", type=int, default=32, help='model width (default 32)')
-    p.add_argument("--heads", type=int, default=4, help='attention heads (default 4)')
-    p.add_argument("--layers", type=int, default=2, help='layers (default 2)')
-    p.add_argument("--repeats", type=int, default=5, help='round-robin timing repeats (default 5)')
-    p.add_argument("--threads", type=int, default=1, help='torch.set_num_threads (default 1)')
+    p.add_argument("--batch", type=positive_int, default=None, help='sequences per batch (default 8; --quick 2)')
+    p.add_argument("--seq-len", type=positive_int, default=None, help='tokens per sequence (default 32; --quick 6)')
+    p.add_argument("--vocab", type=positive_int, default=None, help='vocabulary size = classes C >= 2 (default 40; --quick 7)')
+    p.add_argument("--d-model", type=positive_int, default=None, help='model width (default 32; --quick 8)')
+    p.add_argument("--heads", type=positive_int, default=None, help='attention heads, dividing --d-model (default 4; --quick 2)')
+    p.add_argument("--layers", type=positive_int, default=2, help='layers (default 2)')
+    p.add_argument("--repeats", type=positive_int, default=None, help='round-robin timing repeats (default 5; --quick 2)')
+    p.add_argument("--threads", type=positive_int, default=1, help='torch.set_num_threads (default 1)')
     p.add_argument("--seed", type=int, default=0, help='seed of the model and data (default 0)')
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
     p.add_argument("--json", type=Path, default=None, help='write the JSON report here (default: none)')
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.seq_len, args.vocab, args.d_model, args.repeats = 2, 6, 7, 8, 2
-        args.heads = 2
+    sizes = {"batch": (8, 2), "seq_len": (32, 6), "vocab": (40, 7), "d_model": (32, 8), "repeats": (5, 2), "heads": (4, 2)}
+    for key, (default, quick) in sizes.items():  # what is given wins; --quick fills in the rest smaller
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else default)
+    if args.vocab < 2 or args.d_model % args.heads:
+        p.error(f"--vocab must be >= 2 and --heads must divide --d-model (got vocab {args.vocab}, d-model "
+                f"{args.d_model}, heads {args.heads})")
     torch.set_num_threads(args.threads)
     report: Dict[str, Any] = {"threads": args.threads, "load_average_before": load_average(),
-                              "results": [run_model(m, args) for m in args.models]}
+                              "results": [run_model(m, args) for m in args.models],
+                              "skipped": {} if peer("backpack") is not None or "lm-mlp" not in args.models
+                              else {"backpack": skip_message("backpack")}}
     report["load_average_after"] = load_average()
     table = []
     for r in report["results"]:
@@ -187,9 +194,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for r in report["results"]:
         if r["backpack_max_rel_diff"] is not None:
             print(f"{r['model']}: exact vs BackPACK diagonal max relative difference {r['backpack_max_rel_diff']:.1e}")
+    for name, why in report["skipped"].items():
+        print(f"skipped {name}: {why}")
     print(f"load average {report['load_average_before']} -> {report['load_average_after']}")
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
     return report
 
 

@@ -45,6 +45,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, write_json  # noqa: E402
+from examples.common import nonnegative_int, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer, VIOptimizer  # noqa: E402
 from torchsso2.kfac import KFACPreconditioner  # noqa: E402
 
@@ -194,11 +195,11 @@ def create_destroy(face: str, count: int, reps: int = 200) -> Dict[str, Any]:
 def main(argv: List[str] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5000, help="soak steps per face (default 5000)")
-    parser.add_argument("--warmup", type=int, default=50, help="steps before the start figures (default 50)")
-    parser.add_argument("--window", type=int, default=200, help="steps in each timing window (default 200)")
-    parser.add_argument("--create", type=int, default=200, help="optimizers created and dropped per face (default 200)")
-    parser.add_argument("--timing-reps", type=int, default=200,
+    parser.add_argument("--steps", type=positive_int, default=5000, help="soak steps per face (default 5000)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=50, help="steps before the start figures (default 50)")
+    parser.add_argument("--window", type=positive_int, default=200, help="steps in each timing window (default 200)")
+    parser.add_argument("--create", type=nonnegative_int, default=200, help="optimizers created and dropped per face (default 200)")
+    parser.add_argument("--timing-reps", type=positive_int, default=200,
                         help="forward+backward passes per timing of the create/destroy model (default 200)")
     parser.add_argument("--faces", nargs="+", choices=FACES, default=list(FACES), help="faces to run (default: all)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"output file (default {DEFAULT_JSON})")

@@ -52,6 +52,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.common import (epochs_per_seed_text, fmt_ratio, load_average, machine_info, machine_line,  # noqa: E402
                                markdown_table, summarize, time_training_steps, try_import, write_json)
+from examples.common import fraction_in, nonnegative_int, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
 logger = logging.getLogger("benchmarks.step_overhead")
@@ -509,10 +510,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny models, 2 repeats, 2 epochs (smoke run)")
     size.add_argument("--full", action="store_true", help="more batch sizes, 5 repeats, 30 epochs")
-    p.add_argument("--repeats", type=int, default=None, help="timed windows per config (default 3; quick 2; full 5)")
-    p.add_argument("--epochs", type=int, default=None, help="max digits epochs (default 20; quick 2; full 30)")
-    p.add_argument("--target", type=float, default=0.97, help="test accuracy target (default 0.97)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed windows per config (default 3; quick 2; full 5)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="max digits epochs (default 20; quick 2; full 30)")
+    p.add_argument("--target", type=fraction_in(0, 1, low_open=True), default=0.97, help="test accuracy target (default 0.97)")
+    p.add_argument("--seeds", type=nonnegative_int, nargs="+", default=None, metavar="SEED",
                    help="digits seeds (model init, batch order, sampling); medians over them are reported "
                    "(default 0..9; quick 0; full 0..11)")
     p.add_argument("--models", nargs="+", default=None, metavar="NAME",
@@ -531,7 +532,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",
                    help=f"save the accuracy-vs-time plot here (default {DEFAULT_PLOT.relative_to(ROOT)}; none when no "
                    "default JSON is written)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("-v", "--verbose", action="store_true", help='log progress (INFO)')
     args = p.parse_args(argv)
     args.mode = "quick" if args.quick else ("full" if args.full else "default")

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
                                time_call, write_json)
 from examples import train_transformer as tt  # noqa: E402
+from examples.common import nonnegative_int, positive_float, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer, VIOptimizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,37 +194,52 @@ def run_quality(args: argparse.Namespace, data_by_seed: Dict[int, tt.TextData], 
                                     for i, b in enumerate(args.budgets)}}
 
 
+#: options --quick makes smaller, as (default, --quick): a value given on the command line wins
+QUICK = {"d_model": (64, 32), "seq_len": (128, 32), "repeats": (3, 1), "window_cap": (0, 10),
+         "budgets": ([100, 150, 200], [20, 30]), "adamw_lrs": ([3e-3, 5e-3, 1e-2, 2e-2], [3e-3, 5e-3]),
+         "seeds": ([0, 1, 2], [0]), "train_chars": (200_000, 20_000), "val_chars": (16_384, 4_000)}
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python benchmarks/transformer.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per batch")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--d-model", type=int, default=64, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows per optimizer")
-    p.add_argument("--window-cap", type=int, default=0, help="cap on the steps of a timed window (0: none)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[100, 150, 200],
-                   help="AdamW step budgets of the quality part (each a multiple of --eval-every)")
-    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 5e-3, 1e-2, 2e-2],
-                   help="AdamW learning rates of the quality part (the best final validation loss is the target)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                   help="seeds of the quality part (text, init and batch order)")
-    p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses of the quality part")
-    p.add_argument("--train-chars", type=int, default=200_000, help="characters of training text")
-    p.add_argument("--val-chars", type=int, default=16_384, help="characters of validation text")
-    p.add_argument("--seed", type=int, default=0, help="seed of the timing part's text and init")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--quick", action="store_true", help="smoke run: d=32, 32 tokens, short windows and budget")
+    p = argparse.ArgumentParser(prog="python benchmarks/transformer.py", description=__doc__.split("\n\n")[0])
+
+    def sizes(key: str) -> str:
+        default, quick = QUICK[key]
+        show = (lambda v: " ".join(map(str, v))) if isinstance(default, list) else str
+        return f" (default {show(default)}; --quick {show(quick)})"
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per batch (default 32)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence" + sizes("seq_len"))
+    p.add_argument("--d-model", type=positive_int, default=None, help="model width" + sizes("d_model"))
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads, dividing --d-model (default 4)")
+    p.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed windows per optimizer" + sizes("repeats"))
+    p.add_argument("--window-cap", type=nonnegative_int, default=None,
+                   help="cap on the steps of a timed window (0: none)" + sizes("window_cap"))
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=None,
+                   help="AdamW step budgets of the quality part (each a multiple of --eval-every)" + sizes("budgets"))
+    p.add_argument("--adamw-lrs", type=positive_float, nargs="+", default=None,
+                   help="AdamW learning rates of the quality part (the best final validation loss is the target)"
+                        + sizes("adamw_lrs"))
+    p.add_argument("--seeds", type=nonnegative_int, nargs="+", default=None,
+                   help="seeds of the quality part (text, init and batch order)" + sizes("seeds"))
+    p.add_argument("--eval-every", type=positive_int, default=10,
+                   help="steps between validation losses of the quality part (default 10)")
+    p.add_argument("--train-chars", type=positive_int, default=None, help="characters of training text" + sizes("train_chars"))
+    p.add_argument("--val-chars", type=positive_int, default=None, help="characters of validation text" + sizes("val_chars"))
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the timing part's text and init (default 0)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--quick", action="store_true", help="smoke run: the smaller sizes above, short windows and budget")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"where to write the report (default {DEFAULT_JSON.relative_to(ROOT)}; --quick: none)")
     args = p.parse_args(argv)
-    if args.eval_every < 1 or any(b < 1 or b % args.eval_every for b in args.budgets):
+    for key, (default, quick) in QUICK.items():
+        if getattr(args, key) is None:
+            value = quick if args.quick else default
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    if any(b % args.eval_every for b in args.budgets):
         p.error(f"--budgets {args.budgets} must be positive multiples of --eval-every {args.eval_every}")
-    if args.quick:
-        args.d_model, args.seq_len, args.repeats, args.window_cap, args.budgets = 32, 32, 1, 10, [20, 30]
-        args.adamw_lrs, args.seeds = args.adamw_lrs[:2], args.seeds[:1]
-        args.train_chars, args.val_chars = 20_000, 4_000
+    if args.d_model % args.heads:
+        p.error(f"--heads {args.heads} must divide --d-model {args.d_model}")
     return args
 
 

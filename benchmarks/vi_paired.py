@@ -16,6 +16,7 @@ The first ``--seeds`` seeds are the protocol's own runs (their test metrics are 
 from __future__ import annotations
 
 import argparse
+import sys
 import math
 import statistics
 from typing import Any, Dict, List, Mapping, Sequence
@@ -100,3 +101,10 @@ def paired_text(paired: Mapping[str, Any]) -> str:
                       for ref, d in paired["differences"].items())
     return (f"Paired extra over {paired['seeds']} seeds at the same lrs (mean; differences per seed, "
             f"mean ± standard error): {means}; {diffs}.")
+
+
+if __name__ == "__main__":  # a part of benchmarks/vi.py, not a benchmark of its own
+    argparse.ArgumentParser(prog="python benchmarks/vi_paired.py", description=(
+        "A part of benchmarks/vi.py (see this module's docstring), run by it: "
+        "python benchmarks/vi.py --help lists its options; this module has none of its own.")).parse_args()
+    sys.exit("benchmarks/vi_paired.py is run by benchmarks/vi.py: python benchmarks/vi.py --help")

@@ -21,6 +21,7 @@ splits where VI diag is at least as good. The NLL's paired numbers are also give
 from __future__ import annotations
 
 import argparse
+import sys
 import math
 import statistics
 from typing import Any, Dict, List, Mapping, Sequence
@@ -127,3 +128,10 @@ def format_splits(res: Mapping[str, Any]) -> str:
                          f"{e['vi_at_least_as_good']}/{e['n']}")
         lines.append(f"vi-diag − {ref} (paired over splits): " + "; ".join(parts))
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # a part of benchmarks/vi.py, not a benchmark of its own
+    argparse.ArgumentParser(prog="python benchmarks/vi_splits.py", description=(
+        "A part of benchmarks/vi.py (see this module's docstring), run by it: "
+        "python benchmarks/vi.py --help lists its options; this module has none of its own.")).parse_args()
+    sys.exit("benchmarks/vi_splits.py is run by benchmarks/vi.py: python benchmarks/vi.py --help")

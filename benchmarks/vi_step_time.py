@@ -54,6 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import load_average, machine_info, markdown_table, try_import, write_json  # noqa: E402
+from examples.common import nonnegative_int, positive_int  # noqa: E402
 from torchsso2 import VIOptimizer  # noqa: E402
 
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "torchsso2-bench" / "vi_step_time.json"
@@ -248,17 +249,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Writes one JSON report to --out and prints a table per model.")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
-    p.add_argument("--steps", type=int, default=400, help="timed steps per variant on the digits MLP (default 400)")
-    p.add_argument("--transformer-steps", type=int, default=200,
-                   help="timed steps per variant on the transformer (default 200; 0: skip the transformer)")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps per variant first (default 20)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 10 timed steps, 2 warm-up steps")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed steps per variant on the digits MLP (default 400; --quick 10)")
+    p.add_argument("--transformer-steps", type=nonnegative_int, default=None,
+                   help="timed steps per variant on the transformer (default 200; --quick 4; 0: skip the transformer)")
+    p.add_argument("--warmup", type=nonnegative_int, default=None,
+                   help="untimed steps per variant first (default 20; --quick 2)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--quick", action="store_true", help="smoke run: the smaller counts above (a given one wins)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.transformer_steps, args.warmup = 10, min(args.transformer_steps, 4), 2
-    if args.steps < 1 or args.transformer_steps < 0 or args.warmup < 0 or args.threads < 1:
-        p.error("--steps and --threads must be >= 1, --transformer-steps and --warmup >= 0")
+    for key, default, quick in (("steps", 400, 10), ("transformer_steps", 200, 4), ("warmup", 20, 2)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else default)
     return args
 
 
@@ -287,6 +289,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{args.transformer_steps} timed steps per variant")
         print(table(tr, "adamw"))
     report["load_average_after"] = load_average()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
     print(f"\nload average after: {report['load_average_after']}")
     write_json(args.out, report)
     print(f"wrote {args.out}")

@@ -234,3 +234,45 @@ def test_step_overhead_best_configuration_reaches_on_the_most_seeds_first(monkey
                                                                optimizers=["sgd"], repeats=0))
     b = conv["best"]["sgd"]
     assert (b["lr"], b["momentum"], b["reached"], b["epochs_to_target"]) == (0.3, 0.8, 3, 6)
+
+
+BAD_ARGUMENTS = [
+    ("kfac_robustness.py", ["--quick", "--epochs", "0"], "--epochs: expected an int >= 1"),
+    ("peers_training.py", ["--quick", "--target", "2"], "--target: expected a number in (0, 1]"),
+    ("peers_training.py", ["--quick", "--batch-size", "0"], "--batch-size: expected an int >= 1"),
+    ("peers_curvature.py", ["--batch", "0"], "--batch: expected an int >= 1"),
+    ("kaisa.py", ["--quick", "--steps", "0"], "--steps: expected an int >= 1"),
+    ("memory.py", ["--quick", "--width", "-3"], "--width: expected an int >= 1"),
+    ("step_overhead.py", ["--quick", "--repeats", "0"], "--repeats: expected an int >= 1"),
+    ("kfac_time_to_accuracy.py", ["--quick", "--batches", "0"], "--batches: expected an int >= 1"),
+    ("sequence_curvature.py", ["--quick", "--heads", "3"], "--heads must divide --d-model"),
+    ("transformer.py", ["--quick", "--seq-len", "0"], "--seq-len: expected an int >= 1"),
+    ("vi_step_time.py", ["--quick", "--steps", "0"], "--steps: expected an int >= 1"),
+    ("soak.py", ["--create", "-1"], "--create: expected an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("script, args, message", BAD_ARGUMENTS, ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_ARGUMENTS])
+def test_benchmark_options_out_of_range_are_argparse_errors(script, args, message):
+    """They crashed after the run had started (empty min(), zero division), were swapped for the default
+    (0 → the default by `x or default`) or accepted (a target accuracy of 2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_quick_keeps_the_options_given():
+    """--quick overwrote explicit options (--quick --epochs 4 --seeds 0 1 ran 2 epochs of seed 0)."""
+    from benchmarks import sequence_curvature, transformer, vi_step_time
+    args = transformer.parse_args(["--quick", "--seq-len", "16", "--seeds", "3", "4"])
+    assert (args.seq_len, args.seeds, args.d_model) == (16, [3, 4], 32)
+    assert transformer.parse_args([]).seq_len == 128
+    args = vi_step_time.parse_args(["--quick", "--steps", "7"])
+    assert (args.steps, args.warmup) == (7, 2)
+    report = sequence_curvature.main(["--quick", "--repeats", "1", "--models", "lm-mlp"])
+    assert report["results"][0]["batch"] == 2 and "skipped" in report
