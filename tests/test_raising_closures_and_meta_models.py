@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
 
@@ -26,22 +27,9 @@ def _run(bad_batch: bool) -> torch.Tensor:
     opt = SecondOrderOptimizer(model, lr=0.1, seed=0)  # fisher_mc: labels drawn from the optimizer's generator
     for t, (x, y) in enumerate(_batches()):
         if bad_batch and t == 2:
-            def bad():
-                opt.zero_grad()
-                out = model(x)
-                loss = F.cross_entropy(out, y + 10)  # a label out of range: torch's IndexError in the closure
-                loss.backward()
-                return loss, out
-            with pytest.raises(IndexError):
-                opt.step(bad)
-
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            return loss, out
-        opt.step(closure)
+            with pytest.raises(IndexError):  # a label out of range: torch's IndexError in the closure
+                opt.step(make_closure(opt, model, x, y + 10))
+        opt.step(make_closure(opt, model, x, y))
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
