@@ -120,6 +120,14 @@ def epochs_per_seed_text(run: Dict[str, Any], missed: str = "-") -> str:
     return " ".join(str(e) if e else missed for e in run["epochs_per_seed"])
 
 
+def fill_unset(args: Any, values: Dict[str, Any]) -> None:
+    """Set each option of ``values`` that the command line left None (a given value wins, as ``--quick``
+    promises: it fills in the rest); a list is copied."""
+    for name, value in values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(value) if isinstance(value, list) else value)
+
+
 def write_json(path: Path, report: Dict[str, Any]) -> None:
     """Write ``report`` as indented JSON (creating the parent directory), stamped with the time
     it was written (``measured_at_unix``, unless the report has one): the README's dates come

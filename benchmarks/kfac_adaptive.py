@@ -42,8 +42,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table,  # noqa: E402
-                               write_json)
+from benchmarks.common import (fill_unset, fmt_ratio, load_average, machine_info, machine_line,  # noqa: E402
+                               markdown_table, write_json)
 from examples.common import fraction_in, make_closure, positive_float, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
 
@@ -312,9 +312,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     ap.add_argument("--json", type=Path, default=None, help=f"output file (default {DEFAULT_JSON.relative_to(ROOT)})")
     args = ap.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, list(value) if isinstance(value, list) else value)
+    fill_unset(args, QUICK if args.quick else FULL)
     return args
 
 

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import curvature  # noqa: E402
-from benchmarks.common import load_average, markdown_table, write_json  # noqa: E402
+from benchmarks.common import fill_unset, load_average, markdown_table, write_json  # noqa: E402
 from examples.common import positive_int  # noqa: E402
 from benchmarks._peer_utils import peer, skip_message  # noqa: E402
 
@@ -172,9 +172,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--json", type=Path, default=None, help='write the JSON report here (default: none)')
     args = p.parse_args(argv)
     sizes = {"batch": (8, 2), "seq_len": (32, 6), "vocab": (40, 7), "d_model": (32, 8), "repeats": (5, 2), "heads": (4, 2)}
-    for key, (default, quick) in sizes.items():  # what is given wins; --quick fills in the rest smaller
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else default)
+    fill_unset(args, {key: pair[args.quick] for key, pair in sizes.items()})  # (default, --quick)
     if args.vocab < 2 or args.d_model % args.heads:
         p.error(f"--vocab must be >= 2 and --heads must divide --d-model (got vocab {args.vocab}, d-model "
                 f"{args.d_model}, heads {args.heads})")

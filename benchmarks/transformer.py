@@ -43,8 +43,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from benchmarks.common import (fmt_ratio, load_average, machine_info, machine_line, markdown_table, summarize,  # noqa: E402
-                               time_call, write_json)
+from benchmarks.common import (fill_unset, fmt_ratio, load_average, machine_info, machine_line,  # noqa: E402
+                               markdown_table, summarize, time_call, write_json)
 from examples import train_transformer as tt  # noqa: E402
 from examples.common import nonnegative_int, positive_float, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer, VIOptimizer  # noqa: E402
@@ -232,10 +232,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"where to write the report (default {DEFAULT_JSON.relative_to(ROOT)}; --quick: none)")
     args = p.parse_args(argv)
-    for key, (default, quick) in QUICK.items():
-        if getattr(args, key) is None:
-            value = quick if args.quick else default
-            setattr(args, key, list(value) if isinstance(value, list) else value)
+    fill_unset(args, {key: pair[args.quick] for key, pair in QUICK.items()})
     if any(b % args.eval_every for b in args.budgets):
         p.error(f"--budgets {args.budgets} must be positive multiples of --eval-every {args.eval_every}")
     if args.d_model % args.heads:

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks.common import load_average, machine_info, markdown_table, try_import, write_json  # noqa: E402
+from benchmarks.common import fill_unset, load_average, machine_info, markdown_table, try_import, write_json  # noqa: E402
 from examples.common import nonnegative_int, positive_int  # noqa: E402
 from torchsso2 import VIOptimizer  # noqa: E402
 
@@ -258,9 +258,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--quick", action="store_true", help="smoke run: the smaller counts above (a given one wins)")
     args = p.parse_args(argv)
-    for key, default, quick in (("steps", 400, 10), ("transformer_steps", 200, 4), ("warmup", 20, 2)):
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else default)
+    fill_unset(args, {"steps": 10 if args.quick else 400, "transformer_steps": 4 if args.quick else 200,
+                      "warmup": 2 if args.quick else 20})
     return args
 
 

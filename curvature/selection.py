@@ -85,23 +85,69 @@ class UncoveredModule(ValueError):
 GENERIC = ParameterFamily()
 
 
-def _needs_generic(module: nn.Module, fam: Optional[LayerFamily], direct: Sequence[Tuple[str, nn.Parameter]]) -> bool:
-    """Under ``any_module``: whether ``module``'s own parameters take a :class:`ParameterFamily` block:
-    no layer family knows it, or its family's formulas do not describe it (an option the family
-    refuses, as ``Conv2d(groups=4)``; parameters other than the layer's own, as the old hook-based
-    ``weight_norm``'s; a replaced ``forward``). A refusal that a skip would not help either
-    (:class:`SkipDoesNotHelp`, ``Embedding(sparse=True)``: the update needs dense gradients) stands."""
+def _refuse_unsupported(model: nn.Module, name: str, module: nn.Module, fam: Optional[LayerFamily],
+                        direct: Sequence[Tuple[str, nn.Parameter]]) -> None:
+    """ValueError (:class:`UncoveredModule` where no family knows the module) naming module ``name``
+    and the way out, when its family's formulas do not describe it: a parametrization, an option the
+    family refuses (the family's error as ``__cause__``), parameters other than the layer's own, no
+    family, a replaced ``forward``."""
+    if isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, spectral_norm, ... (new API)
+        layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+        if not layer:
+            raise ValueError(
+                f"the model itself ({type(model).__name__}) has a parametrized parameter ({name}: "
+                "torch.nn.utils.parametrize): its weight is computed from other parameters, which the curvature "
+                "formulas do not cover, and skipping it would leave no layer; remove the parametrization, or "
+                "train this model with a torch.optim optimizer")
+        raise ValueError(
+            f"module {layer!r} has a parametrized parameter ({name}: torch.nn.utils.parametrize, e.g. "
+            "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
+            f"formulas do not cover; skip it with {skip_hint(layer)} (its parameters "
+            "then take the plain update) or remove the parametrization")
+    if fam is not None:  # the layer's own unsupported options first (nn.MultiheadAttention's kdim/vdim and
+        # add_bias_kv hold parameters of their own, which the check below would take for a reparametrization)
+        try:
+            fam.validate(module)
+        except ValueError as err:
+            hint = "" if isinstance(err, SkipDoesNotHelp) else \
+                f"; or leave the module to the plain update with {skip_hint(name)}"
+            extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS - _OWN_PARAMETERS.get(type(module), set()))
+            also = "" if not extra else (f" (it also holds parameters {extra} that are not its layer's own "
+                                         "weight/bias, e.g. from the old hook-based weight_norm, which the "
+                                         "curvature does not cover either)")
+            raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{also}{hint}") from err
+    if fam is not None and {n for n, _ in direct} - _LAYER_PARAMETERS:
+        extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}) holds parameters {extra} that are not its layer's own "
+            "weight/bias: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, hook-based "
+            "API) computes the weight from them, which the curvature formulas do not cover; skip it with "
+            f"{skip_hint(name)} or remove the reparametrization")
+    if fam is None and any(True for _ in module.children()):
+        # a container holding parameters itself (a ViT's cls_token, a learned temperature): skipping
+        # it would skip its layers too
+        qualified = [f"{name}.{n}" if name else n for n, _ in direct]
+        names, as_set = ", ".join(qualified), ", ".join(map(repr, qualified))
+        raise UncoveredModule(
+            f"module {name!r} of type {type(module).__name__} holds trainable parameters itself ({names}) "
+            "outside any layer with curvature support (Linear, Conv2d, BatchNorm1d/2d, LayerNorm, Embedding, "
+            "MultiheadAttention); skip_modules would skip its layers too. Leave them out of the optimizer's "
+            f"params (params=[p for n, p in model.named_parameters() if n not in {{{as_set}}}]) and add them "
+            "afterwards with opt.add_param_group({'params': [...]}) for the plain (momentum SGD) update, "
+            "give them to another torch.optim optimizer, or freeze them")
     if fam is None:
-        return True
-    try:
-        fam.validate(module)
-    except SkipDoesNotHelp:
-        return False
-    except ValueError:
-        return True
-    if {n for n, _ in direct} - _LAYER_PARAMETERS - _OWN_PARAMETERS.get(type(module), set()):
-        return True
-    return forward_replaced(module, fam) is not None
+        raise UncoveredModule(
+            f"module {name!r} of type {type(module).__name__} has trainable parameters "
+            f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
+            "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
+            "(by name regex or type) or freeze its parameters")
+    replaced = forward_replaced(module, fam)
+    if replaced is not None:
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}): {replaced}; the curvature formulas are those of the "
+            "layer's own forward and would be silently wrong for another function (a scaled output, a "
+            "standardized or masked weight, a permuted normalization axis); leave the module to the plain "
+            f"update with {skip_hint(name)}, or use the plain layer class")
 
 
 def _default_approx(module: nn.Module) -> Approx:
@@ -231,66 +277,14 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 "its layers are compiled code the curvature capture cannot hook. Build the optimizer on the original "
                 "nn.Module (script or trace it for deployment after training), or skip it with "
                 f"{skip_hint(name)}")
-        if any_module and _needs_generic(module, fam, direct):  # the gradient-only estimators' diagonal block
+        try:
+            _refuse_unsupported(model, name, module, fam, direct)
+        except ValueError as err:
+            # any_module: a module the layer families do not describe takes the gradients' diagonal block
+            # (ParameterFamily), unless a skip would not help either (Embedding(sparse=True))
+            if not any_module or isinstance(err.__cause__, SkipDoesNotHelp):
+                raise
             fam = GENERIC
-        if fam is not GENERIC and isinstance(module, nn.utils.parametrize.ParametrizationList):  # weight_norm, ...
-            layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
-            if not layer:
-                raise ValueError(
-                    f"the model itself ({type(model).__name__}) has a parametrized parameter ({name}: "
-                    "torch.nn.utils.parametrize): its weight is computed from other parameters, which the curvature "
-                    "formulas do not cover, and skipping it would leave no layer; remove the parametrization, or "
-                    "train this model with a torch.optim optimizer")
-            raise ValueError(
-                f"module {layer!r} has a parametrized parameter ({name}: torch.nn.utils.parametrize, e.g. "
-                "parametrizations.weight_norm): its weight is computed from other parameters, which the curvature "
-                f"formulas do not cover; skip it with {skip_hint(layer)} (its parameters "
-                "then take the plain update) or remove the parametrization")
-        if fam is not None and fam is not GENERIC:  # the layer's own unsupported options first (kdim/vdim and
-            # add_bias_kv of nn.MultiheadAttention hold parameters of their own, which the check below would take
-            # for a reparametrization)
-            try:
-                fam.validate(module)
-            except ValueError as err:
-                hint = "" if isinstance(err, SkipDoesNotHelp) else \
-                    f"; or leave the module to the plain update with {skip_hint(name)}"
-                extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS - _OWN_PARAMETERS.get(type(module), set()))
-                also = "" if not extra else (f" (it also holds parameters {extra} that are not its layer's own "
-                                             "weight/bias, e.g. from the old hook-based weight_norm, which the "
-                                             "curvature does not cover either)")
-                raise ValueError(f"module {name!r} ({type(module).__name__}): {err}{also}{hint}") from err
-        if fam is not None and fam is not GENERIC and {n for n, _ in direct} - _LAYER_PARAMETERS:
-            extra = sorted({n for n, _ in direct} - _LAYER_PARAMETERS)
-            raise ValueError(
-                f"module {name!r} ({type(module).__name__}) holds parameters {extra} that are not its layer's own "
-                "weight/bias: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, hook-based "
-                "API) computes the weight from them, which the curvature formulas do not cover; skip it with "
-                f"{skip_hint(name)} or remove the reparametrization")
-        if fam is None and any(True for _ in module.children()):
-            # a container holding parameters itself (a ViT's cls_token, a learned temperature): skipping
-            # it would skip its layers too
-            qualified = [f"{name}.{n}" if name else n for n, _ in direct]
-            names, as_set = ", ".join(qualified), ", ".join(map(repr, qualified))
-            raise UncoveredModule(
-                f"module {name!r} of type {type(module).__name__} holds trainable parameters itself ({names}) "
-                "outside any layer with curvature support (Linear, Conv2d, BatchNorm1d/2d, LayerNorm, Embedding, "
-                "MultiheadAttention); skip_modules would skip its layers too. Leave them out of the optimizer's "
-                f"params (params=[p for n, p in model.named_parameters() if n not in {{{as_set}}}]) and add them "
-                "afterwards with opt.add_param_group({'params': [...]}) for the plain (momentum SGD) update, "
-                "give them to another torch.optim optimizer, or freeze them")
-        if fam is None:
-            raise UncoveredModule(
-                f"module {name!r} of type {type(module).__name__} has trainable parameters "
-                f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
-                "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
-                "(by name regex or type) or freeze its parameters")
-        replaced = forward_replaced(module, fam) if fam is not GENERIC else None
-        if replaced is not None:
-            raise ValueError(
-                f"module {name!r} ({type(module).__name__}): {replaced}; the curvature formulas are those of the "
-                "layer's own forward and would be silently wrong for another function (a scaled output, a "
-                "standardized or masked weight, a permuted normalization axis); leave the module to the plain "
-                f"update with {skip_hint(name)}, or use the plain layer class")
         own = []
         for local, p in direct:
             if id(p) in owner:  # tied: the first module (named_parameters order) holds the block

@@ -184,9 +184,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         random streams — so both continue identically. Copy the model and the optimizer together
         (``model2, opt2 = copy.deepcopy((model, opt))``) to get ``opt2.model is model2``. Not
         supported with several processes (a communicator cannot be copied): ``TypeError``."""
-        if self.__dict__.get("_sampling"):
-            raise RuntimeError(f"copy.deepcopy of the optimizer inside {self._sampling}: the model's weights are a "
-                               "posterior sample there, not the mean; copy outside it")
         # as torch.optim's copies: no hooks, no scheduler's wrapper of step
         new = copy_fields(self, memo, "an optimizer", "a new optimizer", "opt", _NOT_COPIED.__contains__)
         for key in _NOT_COPIED.intersection(self.__dict__):
@@ -197,8 +194,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     def _check_step_call(self, closure: Any) -> None:
         """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
         super()._check_step_call(closure)
-        if self.__dict__.get("_sampling"):  # VIOptimizer.sampled_params() or a closure: the weights are a sample
-            self._check_not_sampling("step()")  # type: ignore[attr-defined]
         if self.__dict__.get("_ddp_sync") is not None:
             self._ddp_sync.begin_step()
 
@@ -385,11 +380,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
         settings = [float(d) for d in groups_digest(self.param_groups, exact)]
         flag, at = None, 1
-        if self._average_gradients and self._ddp_sync is not None and self._ddp_sync.take():
-            flag = self._flag_if_ddp_averaged(params, bad, settings, dtype, dev)
-        if flag is not None:  # a DDP wrapper averaged this step's gradients: equal on every rank (ddp_sync.py)
-            pass
-        elif self._average_gradients:
+        if self._ddp_sync is not None and self._ddp_sync.take():  # a DDP wrapper averaged the gradients (ddp_sync.py)
+            flag = self._flag_if_ddp_averaged(params, bad, settings, dtype, dev)  # None: the ranks' differ
+        if flag is None and self._average_gradients:
             # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
             # flag, so a parameter no rank has a gradient for keeps grad None
@@ -416,7 +409,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
             at = 4
-        else:
+        elif flag is None:
             flag = torch.tensor([1.0 if bad else 0.0] + settings, dtype=dtype, device=dev)
             self.comm.allreduce([flag], op="mean")
         if flag[at:at + 2].tolist() != settings:
@@ -445,7 +438,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         grads = [p.grad for p in params]
         refuse_sparse(grads)
         slots = torch.zeros(self.comm.world_size, dtype=torch.float64, device=dev)
-        slots[self.comm.rank] = fingerprint(grads).to(dev)
+        slots[self.comm.rank] = fingerprint(grads, self._ddp_sync.projection).to(dev)  # type: ignore[union-attr]
         flag = torch.cat([torch.tensor([1.0 if bad else 0.0] + settings, dtype=torch.float64, device=dev), slots])
         self.comm.allreduce([flag], op="mean")
         shares = flag[3:]

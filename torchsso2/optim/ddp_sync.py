@@ -45,6 +45,8 @@ class DDPSync:
         self.synced: Optional[bool] = None
         self._call: Optional[bool] = None
         self._owners: Dict[int, bool] = {}  # id(DDP wrapper) -> whether it averages our model's gradients
+        #: the fixed random vectors of :func:`fingerprint`, by length and device
+        self.projection = _Projection()
 
     def take(self) -> bool:
         """This step's verdict (False without any watched call), and a fresh start for the next step."""
@@ -106,17 +108,15 @@ class _Projection:
         return self._vectors[key]
 
 
-_PROJECTION = _Projection()
-
-
-def fingerprint(grads: List[Tensor]) -> Tensor:
+def fingerprint(grads: List[Tensor], projection: _Projection) -> Tensor:
     """A number that equal gradient lists give equally on every rank, and different ones (almost
     surely) not: a fixed random projection of all the gradients' entries in float64 (each
     gradient cut into rows of :data:`_BLOCK` entries, each row projected on one random vector and the
     rows' results on another, each gradient weighted by its position), plus the count. A sign flip,
     a permutation or any change of an entry larger than ~1e-13 of the gradients' norm moves it. 0-dim
     float64 on the first gradient's device; non-finite gradients give a non-finite number (NaN compares
-    unequal, so the gradients are averaged and the non-finite policy sees them)."""
+    unequal, so the gradients are averaged and the non-finite policy sees them). ``projection``: the
+    random vectors (:attr:`DDPSync.projection`, the same on every rank)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     dev = grads[0].device
@@ -126,9 +126,9 @@ def fingerprint(grads: List[Tensor]) -> Tensor:
         rows, rest = divmod(flat.numel(), _BLOCK)
         part = torch.zeros((), dtype=torch.float64, device=dev)
         if rows:
-            per_row = flat[:rows * _BLOCK].view(rows, _BLOCK) @ _PROJECTION.vector(0, _BLOCK, dev)
-            part = part + per_row @ _PROJECTION.vector(1, rows, dev)
+            per_row = flat[:rows * _BLOCK].view(rows, _BLOCK) @ projection.vector(0, _BLOCK, dev)
+            part = part + per_row @ projection.vector(1, rows, dev)
         if rest:
-            part = part + flat[rows * _BLOCK:] @ _PROJECTION.vector(2, rest, dev)
+            part = part + flat[rows * _BLOCK:] @ projection.vector(2, rest, dev)
         total = total + (i + 1) * part
     return total + len(grads)

@@ -15,9 +15,23 @@ unfrozen it gets gradients the optimizer never applies, which is a UserWarning t
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, List
+from typing import Any, Dict, Iterable, List, Set
 
+from curvature.blocks import Layout
 from curvature.selection import caller_stacklevel, select_layouts
+
+
+def _would_cover(opt: Any, ids: Set[int]) -> Dict[str, Layout]:
+    """The layouts ``opt``'s ``approx`` and ``skip_modules`` would give the parameters ``ids`` (by ``id``)
+    had they been trainable and in it at construction; empty where none has curvature support."""
+    try:
+        with warnings.catch_warnings():  # a skip_modules entry matching nothing was warned about at construction
+            warnings.simplefilter("ignore")
+            would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=ids,
+                                       any_module=opt.engine.any_module)
+    except (ValueError, TypeError, NotImplementedError):  # no supported layer among them, or one it refuses
+        return {}
+    return would
 
 
 def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
@@ -30,13 +44,7 @@ def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
     new = {id(p) for p in params if p.requires_grad} - covered
     if not new:
         return
-    try:
-        with warnings.catch_warnings():  # a skip_modules entry matching nothing was warned about at construction
-            warnings.simplefilter("ignore")
-            would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=new,
-                                       any_module=opt.engine.any_module)
-    except (ValueError, TypeError, NotImplementedError):  # no supported layer among them, or one it refuses
-        return
+    would = _would_cover(opt, new)
     fresh = sorted(n for n in would if n not in opt.engine.layouts)
     partial = [f"{n}.{local}" for n in sorted(would) if n in opt.engine.layouts for local in would[n].param_names]
     what = type(opt).__name__
@@ -63,14 +71,7 @@ def warn_unfrozen(opt: Any, params: List[Any], in_groups: bool) -> None:
     what = type(opt).__name__
     ids = {id(p) for p in params}
     names = [n for n, p in opt.model.named_parameters() if id(p) in ids] or [f"{len(params)} parameters"]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            would, _ = select_layouts(opt.model, opt.settings.approx, opt.settings.skip_modules, include=ids,
-                                       any_module=opt.engine.any_module)
-    except (ValueError, TypeError, NotImplementedError):  # no supported layer among them, or one it refuses
-        would = {}
-    fresh = sorted(would)
+    fresh = sorted(_would_cover(opt, ids))
     how = (f" Modules {fresh} have curvature support: to give them curvature, build the optimizer with them "
            "trainable, then freeze them with requires_grad_(False) until they should train (a frozen covered module "
            "keeps its curvature).") if fresh else ""

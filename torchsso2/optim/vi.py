@@ -297,7 +297,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
     def _call_closure(self, closure: Closure) -> Tuple[Any, Any]:
         """The closure at a weight sample: ``predict()``, ``sampled_params()`` and ``step()`` inside it are
         refused (:meth:`_check_not_sampling`)."""
-        self._sampling = "step()'s closure"
+        self._sampling = "step()'s closure"  # the mark sampled_params() sets (PosteriorUse._check_not_sampling)
         try:
             return super()._call_closure(closure)
         finally:

@@ -4,7 +4,7 @@ which provides the noise draws (``_draw_noise``), the running curvature and the 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, ContextManager, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,17 +36,27 @@ class PosteriorUse:
         check_generator(generator)
         self._check_not_sampling("sampled_params()")
         gen = generator if generator is not None else self.sampling_generator()
-        with self._perturbed(self._draw_noise(gen)), self._sampling_in("`with opt.sampled_params():`"):
-            yield
+        with self._perturbed(self._draw_noise(gen)):
+            self._sampling = "`with opt.sampled_params():`"  # where the weights are a sample (also a step's closure)
+            try:
+                yield
+            finally:
+                self._sampling = None
 
-    @contextlib.contextmanager
-    def _sampling_in(self, place: str) -> Iterator[None]:
-        """Mark the weights as a posterior sample while in ``place`` (:meth:`sampled_params`, a step's closure)."""
-        self._sampling = place
-        try:
-            yield
-        finally:
-            self._sampling = None
+    def _check_step_call(self, closure: Any) -> None:
+        """The step's checks (:class:`~torchsso2.optim.base.CurvatureOptimizer`), and none where the weights
+        are a sample (:meth:`_check_not_sampling`)."""
+        super()._check_step_call(closure)  # type: ignore[misc]
+        self._check_not_sampling("step()")
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
+        """A copy (:class:`~torchsso2.optim.base.CurvatureOptimizer`), not where the weights are a sample:
+        it would take the sample for its mean and keep a sampling mark no context clears."""
+        place = self.__dict__.get("_sampling")
+        if place:
+            raise RuntimeError(f"copy.deepcopy of the optimizer inside {place}: the model's weights are a "
+                               "posterior sample there, not the mean; copy outside it")
+        return super().__deepcopy__(memo)  # type: ignore[misc]
 
     def _check_not_sampling(self, what: str) -> None:
         """RuntimeError where the weights are a posterior sample (inside :meth:`sampled_params` or a
