@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
-from curvature.blocks.base import like_dtype
+from curvature.blocks.base import compute_dtype, like_dtype
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, check_mc_samples, close_matches, parse
 from curvature.selection import UncoveredModule
@@ -403,6 +403,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         self._check_step_call(closure)
         check_targets(targets)
         self._follow_param_dtypes()  # before the weight noise is drawn from the decompositions
+        if self.reparam and self._decomposed and len(self.running.blocks) != len(self.engine.layouts):
+            self._start_unfrozen_blocks()
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
             if done is not None:
@@ -450,6 +452,25 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals))
+
+    def _start_unfrozen_blocks(self) -> None:
+        """``curvature="reparam"``: a covered module frozen before the first step and trainable now (in the
+        param groups) gets its block at ``curvature_init·I``, decomposed, before this step's noise is drawn.
+        Its estimate ``ĥ = g·ε/σ²`` needs a weight sample of it, and the noise is drawn from the running
+        blocks: without this it would never be sampled and never get a block (a point estimate)."""
+        in_groups = {id(p) for g in self.param_groups for p in g["params"]}
+        missing = [lay for name, lay in self.engine.layouts.items() if name not in self.running.blocks
+                   and any(p.requires_grad and id(p) in in_groups for p in lay.params)]
+        if not missing:
+            return
+        init = float(self.curvature_init)  # type: ignore[arg-type]  # reparam requires it
+        for lay in missing:
+            first = lay.params[0]
+            self.running.blocks[lay.name] = DiagBlock(lay, torch.full((lay.numel,), init, device=first.device,
+                                                                      dtype=compute_dtype(first.dtype)))
+        # a positive diagonal plus a positive shift: the decomposition cannot fail
+        self.running.decompose(self.precision_shift, scale=self.likelihood_size, backend=self.linalg,
+                               dtype=self.decomposition_dtype, names=[lay.name for lay in missing])
 
     def _output_checked(self, result: Tuple[Tensor, Any]) -> Any:
         """What ``step`` returns for ``result`` (``(mean loss, output)``); at the first step, the model
