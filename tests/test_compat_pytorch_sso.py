@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import torchsso2
 from torchsso2.compat.pytorch_sso import SecondOrderOptimizer, VIOptimizer, from_config
@@ -471,20 +472,51 @@ def test_accumulation_as_the_acc_steps_message_says() -> None:
 
 def test_weight_decay_after_a_raw_average_follows_the_groups_lr_from_zero() -> None:
     """Built with lr=0 (a warm-up from 0 set on the groups later), the decay after a raw gradient EMA is
-    still lr·wd·θ at PyTorch-SSO's lr = the groups' lr / d (the factor was taken as 1 at lr=0: d× too
-    little decay)."""
+    lr·wd·θ at the lr the groups hold then (PyTorch-SSO's lr)."""
     moved = []
     for lr0 in (0.05, 0.0):
         model = _mlp()
         opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Diag"}, {"damping": 0.1}, lr=lr0, grad_ema_decay=0.2,
                                    weight_decay=0.1)
         for g in opt.param_groups:
-            g["lr"] = 0.05 * 0.2  # the native lr of PyTorch-SSO's lr 0.05
+            g["lr"] = 0.05
         x, y = _batches(1)[0]
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         opt.step(make_closure(opt, model, x, y))
         moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
     torch.testing.assert_close(moved[1], moved[0], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("face", ["so", "vi"])
+@pytest.mark.parametrize("ema_type", ["raw", "preconditioned"])
+def test_groups_hold_pytorch_sso_lr_under_a_gradient_ema(face: str, ema_type: str) -> None:
+    """With grad_ema_decay d the native step runs at lr·d (momentum 1 − d), but the groups hold
+    PyTorch-SSO's lr: a script that reads it, sets it (a warm-up) or schedules it uses PyTorch-SSO's
+    units. Setting the groups' lr to L after a step gives the same run as building with lr=L and
+    continuing (bit for bit), and the groups read L before and after the step."""
+    def run(lr_built: float, lr_set: Optional[float]) -> Tensor:
+        model = _mlp()
+        if face == "so":
+            opt = SecondOrderOptimizer(model, "Cov", {"Linear": "Kron"}, {"damping": 0.1}, lr=lr_built,
+                                       grad_ema_decay=0.2, grad_ema_type=ema_type, weight_decay=0.1)
+        else:
+            opt = VIOptimizer(model, 50, "Cov", {"Linear": "Diag"}, {"damping": 1e-2}, lr=lr_built,
+                              grad_ema_decay=0.2, grad_ema_type=ema_type, weight_decay=0.1,
+                              num_mc_samples=1, init_precision=1e-2)
+        assert [g["lr"] for g in opt.param_groups] == [lr_built]
+        for i, (x, y) in enumerate(_batches(3)):
+            if i == 1 and lr_set is not None:
+                for g in opt.param_groups:
+                    g["lr"] = lr_set
+            opt.step(make_closure(opt, model, x, y))
+        assert [g["lr"] for g in opt.param_groups] == [lr_set if lr_set is not None else lr_built]
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    same = run(0.05, None)
+    # built at 0.05 and set to 0.05 after the first step: identical (the groups' lr is not converted twice)
+    torch.testing.assert_close(run(0.05, 0.05), same, rtol=0, atol=0)
+    # and a real change of lr changes the run
+    assert not torch.equal(run(0.05, 0.01), same)
 
 
 def test_prior_ramp_before_any_update_and_decay_buffer_dtype() -> None:
@@ -520,3 +552,48 @@ def test_vi_kron_init_precision_is_the_per_example_curvature_start() -> None:
     prec = opt.posterior_precision()
     torch.testing.assert_close(prec, n_data / kl * (init + damping) * torch.eye(26, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_native_keywords_the_compat_classes_set_name_where_pytorch_sso_takes_them() -> None:
+    """damping=/ema_decay= go in curv_kwargs there (Python's "multiple values for keyword" blamed a
+    keyword given once)."""
+    for kw, where in ((dict(damping=1e-3), r"damping= comes from curv_kwargs"),
+                      (dict(ema_decay=0.1), r"ema_decay= comes from curv_kwargs"),
+                      (dict(approx="kfac"), r"approx= comes from curv_shapes"),
+                      (dict(mc_samples=2), r"mc_samples= comes from fisher_args")):
+        with pytest.raises(TypeError, match=where):
+            SecondOrderOptimizer(_mlp(), "Cov", {"Linear": "Kron"}, {}, **kw)
+        with pytest.raises(TypeError, match=where + r".*native torchsso2.VIOptimizer"):
+            VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {}, **kw)
+    with pytest.raises(TypeError, match="mc_group_id.*one process"):
+        VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {}, mc_group_id=0)
+
+
+def test_continual_learning_keys_given_to_the_constructor() -> None:
+    """prior_precision / init_prec_ema / prior_mean=0 of the continual-learning branch's constructor: the
+    same optimizer as from_config builds (and as master's prior_variance / init_precision)."""
+    curv = {"damping": 1e-3, "ema_decay": 0.01}
+    direct = VIOptimizer(_mlp(), 500, "Cov", {"Linear": "Diag"}, curv, prior_precision=4.0, init_prec_ema=8e-3,
+                         prior_mean=0)
+    master = VIOptimizer(_mlp(), 500, "Cov", {"Linear": "Diag"}, curv, prior_variance=0.25, init_precision=8e-3)
+    torch.testing.assert_close(direct.posterior_precision(), master.posterior_precision())
+    assert direct.prior_precision == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="both prior_precision=4.0 and prior_variance=3"):
+        VIOptimizer(_mlp(), 500, "Cov", {"Linear": "Diag"}, curv, prior_precision=4.0, prior_variance=3)
+    with pytest.raises(NotImplementedError, match="prior_mean=0.5"):
+        VIOptimizer(_mlp(), 500, "Cov", {"Linear": "Diag"}, curv, prior_mean=0.5)
+
+
+def test_a_class_absent_from_curv_shapes_with_a_huge_full_block_is_refused_at_construction() -> None:
+    """PyTorch-SSO's absent shape is a full block: for a 1800→300 Linear that is 540,300² entries (the
+    first step failed allocating 1.2 TB); small layers keep it."""
+    big = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(1800, 300))
+    with pytest.raises(ValueError, match=r"no entry for 'Linear'.*540300 parameters.*curv_shapes\['Linear'\]"):
+        SecondOrderOptimizer(big, "Cov", {"Conv2d": "Kron"}, {"damping": 1e-3})
+    opt = SecondOrderOptimizer(_mlp(), "Cov", {}, {"damping": 1e-3})
+    assert set(opt.engine.approx[n].value for n in opt.engine.layouts) == {"full"}
+
+
+def test_val_num_mc_samples_is_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"val_num_mc_samples=-1 must be an int >= 0"):
+        VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {}, val_num_mc_samples=-1)

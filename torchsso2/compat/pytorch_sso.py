@@ -28,9 +28,10 @@ KL warm-up, ``update_inv=False``, ``precondition_grad=False``; several processes
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -138,6 +139,25 @@ def _decay_decoupled(params: List[nn.Parameter], old: List[Tensor], lrs: List[fl
             p.add_(o, alpha=-lr * wd)
 
 
+@contextlib.contextmanager
+def _native_lr(opt: Any) -> Iterator[None]:
+    """The groups' lr (PyTorch-SSO's, as set and scheduled by the user) times ``opt._lr_scale`` (``d`` of a
+    gradient EMA, :func:`~torchsso2.compat.sso_conventions.momentum_settings`) inside the block, then the
+    values the groups held put back as they were."""
+    scale = opt._lr_scale
+    if scale == 1.0:
+        yield
+        return
+    held = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = g["lr"] * scale
+    try:
+        yield
+    finally:
+        for g, lr in zip(opt.param_groups, held):
+            g["lr"] = lr
+
+
 def _probabilities(output: Tensor) -> Tensor:
     """PyTorch-SSO's probabilities of a model output: ``softmax(·, dim=1)`` of ``[N, C]`` logits, the
     sigmoid of ``[N]`` (binary) logits; other shapes are a ValueError there and here."""
@@ -163,6 +183,8 @@ class SecondOrderOptimizer(_NativeSO):
                  bias_correction: bool = False, lars: bool = False, lars_type: str = "preconditioned",
                  update_inv: bool = True, precondition_grad: bool = True,
                  fisher_args: Optional[Mapping[str, Any]] = None, **native: Any) -> None:
+        conv.check_native_keywords(native, "SecondOrderOptimizer",
+                                   ("curvature", "approx", "damping", "kfac_method", "ema_decay", "mc_samples"))
         conv.reject_unsupported(lars=lars, normalizing_weights=normalizing_weights, bias_correction=bias_correction,
                                 non_reg_for_bn=non_reg_for_bn)
         conv.check_acc_steps(acc_steps)
@@ -177,8 +199,8 @@ class SecondOrderOptimizer(_NativeSO):
         conv.check_hessian_shapes(kind, curv_shapes)
         ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
         momentum_given = momentum
-        lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
-                                              native="preconditioned")
+        self._lr_scale, momentum = conv.momentum_settings(momentum, momentum_type, grad_ema_decay, grad_ema_type,
+                                                          native="preconditioned")
         self.decoupled_weight_decay = float(weight_decay)
         # in the buffer of preconditioned gradients: the native momentum
         self._decay_in_buffer, self._decay_lr_factor = conv.decay_placement(momentum_given, momentum_type,
@@ -198,8 +220,9 @@ class SecondOrderOptimizer(_NativeSO):
     def _apply_update(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> bool:
         wd = self.decoupled_weight_decay
         old = [p.detach().clone() for p in params] if wd else []
-        if not super()._apply_update(params, groups):
-            return False
+        with _native_lr(self):
+            if not super()._apply_update(params, groups):
+                return False
         if wd:
             _decay_decoupled(params, old, [g["lr"] * self._decay_lr_factor for g in groups], wd,
                              [self.state[p] for p in params] if self._decay_in_buffer else None)
@@ -221,6 +244,11 @@ class VIOptimizer(_NativeVI):
                  warmup_kl_weighting_steps: Optional[int] = None, prior_variance: float = 1,
                  init_precision: Optional[float] = None, seed: int = 1, total_steps: int = 1000,
                  fisher_args: Optional[Mapping[str, Any]] = None, **native: Any) -> None:
+        conv.check_native_keywords(native, "VIOptimizer", ("curvature", "approx", "damping", "ema_decay", "mc_samples"))
+        branch = conv.branch_vi_keys({**native, "prior_variance": prior_variance, "init_precision": init_precision},
+                                     prior_variance_default=1)  # the continual-learning branch's keywords
+        prior_variance, init_precision = branch.pop("prior_variance"), branch.pop("init_precision")
+        native = branch
         conv.reject_unsupported(lars=lars, normalizing_weights=normalizing_weights, bias_correction=bias_correction,
                                 non_reg_for_bn=non_reg_for_bn, warmup_kl_weighting_steps=warmup_kl_weighting_steps)
         conv.check_acc_steps(acc_steps)
@@ -235,14 +263,16 @@ class VIOptimizer(_NativeVI):
         kind, mc = conv.curvature_kind(curv_type, fisher_args)
         ema_decay, damping, _ = conv.curvature_settings(curv_kwargs)
         momentum_given = momentum
-        lr, momentum = conv.momentum_settings(lr, momentum, momentum_type, grad_ema_decay, grad_ema_type,
-                                              native="raw")
+        self._lr_scale, momentum = conv.momentum_settings(momentum, momentum_type, grad_ema_decay, grad_ema_type,
+                                                          native="raw")
         approx = conv.approx_map(model, curv_shapes)
         self.decoupled_weight_decay = float(weight_decay)
         # in the buffer of preconditioned gradients: its own (DECAY_BUFFER) beside the native momentum of raw
         # gradients, with the native momentum and lr
         self._decay_in_buffer, self._decay_lr_factor = conv.decay_placement(momentum_given, momentum_type,
                                                                             grad_ema_decay, grad_ema_type)
+        if not isinstance(val_num_mc_samples, int) or isinstance(val_num_mc_samples, bool) or val_num_mc_samples < 0:
+            raise ValueError(f"val_num_mc_samples={val_num_mc_samples!r} must be an int >= 0 (0: the mean weights)")
         self.val_num_mc_samples = val_num_mc_samples  # PyTorch-SSO's default of predict(); pass num_samples here
         self._prior_ramp = False  # set by _start_at (init_precision): see precision_shift
         # PyTorch-SSO: no KL clip, and the curvature average starts at the first batch (or init_precision)
@@ -324,7 +354,8 @@ class VIOptimizer(_NativeVI):
     def _update_mean(self, params: List[nn.Parameter], groups: List[Dict[str, Any]], grads: List[Tensor]) -> None:
         wd = self.decoupled_weight_decay
         old = [p.detach().clone() for p in params] if wd else []
-        super()._update_mean(params, groups, grads)
+        with _native_lr(self):
+            super()._update_mean(params, groups, grads)
         if not wd:
             return
         if not self._decay_in_buffer:
@@ -339,7 +370,7 @@ class VIOptimizer(_NativeVI):
                 elif buf.dtype != o.dtype or buf.device != o.device:  # the model moved (model.double(), .to())
                     buf = state[DECAY_BUFFER] = buf.to(o)
                 buf.mul_(g["momentum"]).add_(o, alpha=wd)
-                p.add_(buf, alpha=-g["lr"])
+                p.add_(buf, alpha=-g["lr"] * self._decay_lr_factor)
 
 
 def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optional[int] = None,
@@ -362,22 +393,7 @@ def from_config(config: Mapping[str, Any], model: nn.Module, dataset_size: Optio
     if name == "VIOptimizer":
         if dataset_size is None:
             raise ValueError("a VIOptimizer config needs dataset_size (the number of training examples)")
-        # keys of the example configs that PyTorch-SSO's constructor does not take under that name
-        if "prior_precision" in args:  # lenet_noisykfac.json: the prior as a precision
-            precision = args.pop("prior_precision")
-            if "prior_variance" in args:
-                raise ValueError("the config gives both prior_precision and prior_variance; give one")
-            if not isinstance(precision, (int, float)) or isinstance(precision, bool) or precision <= 0:
-                raise ValueError(f"prior_precision={precision!r} must be a number > 0")
-            args["prior_variance"] = 1.0 / precision
-        if "init_prec_ema" in args:  # the continual-learning branch's name of init_precision
-            if "init_precision" in args:
-                raise ValueError("the config gives both init_prec_ema and init_precision; give one")
-            args["init_precision"] = args.pop("init_prec_ema")
-        prior_mean = args.pop("prior_mean", 0)
-        if prior_mean != 0:
-            raise NotImplementedError(f"prior_mean={prior_mean!r}: a prior centred away from 0 has no equivalent in "
-                                      "torchsso2 (its prior is N(0, prior_variance·I))")
+        args = conv.branch_vi_keys(args)  # the continual-learning branch's keys
         return VIOptimizer(model, dataset_size, args.pop("curv_type"), args.pop("curv_shapes", None), curv,
                            fisher_args=fisher, **args, **native)
     if name in ("SGD", "Adam", "AdamW"):

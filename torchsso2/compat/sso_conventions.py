@@ -24,7 +24,8 @@ VI ``init_precision``       per example, the curvature EMA's       the running c
                             starting value; the prior's ``l2`` in  ``init_precision·I`` (per example), the
                             the damping is averaged in from 0      prior's share ramped in alike
 VI ``prior_variance`` σ²    ``l2 = kl/(N σ²)``                      ``prior_variance = σ²``
-``grad_ema_decay`` d        ``buf ← (1−d)·buf + d·g``              ``momentum = 1 − d``, ``lr × d``
+``grad_ema_decay`` d        ``buf ← (1−d)·buf + d·g``              ``momentum = 1 − d``, ``lr × d`` in the
+                                                                   step (the groups hold PyTorch-SSO's lr)
 ==========================  =====================================  ==========================================
 """
 from __future__ import annotations
@@ -74,6 +75,11 @@ def check_hessian_shapes(kind: str, curv_shapes: Optional[Mapping[str, str]]) ->
             "curv_type 'Fisher' or 'Cov' with 'Kron'")
 
 
+#: the most entries a full block may have that a class absent from ``curv_shapes`` implies (2²⁸: 1 GiB in
+#: float32, a layer of 16,384 parameters); above it the compat classes refuse at construction
+MAX_IMPLIED_FULL = 2 ** 28
+
+
 def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str, str]:
     """``approx`` dict by module class name: the given shapes converted, and ``'full'`` for every
     other class of a leaf module with parameters, ``nn.MultiheadAttention`` included (PyTorch-SSO's
@@ -88,7 +94,14 @@ def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str
         # leaf modules, and nn.MultiheadAttention (its in-projection is its own parameters; out_proj a child)
         leaf = not list(module.children()) or isinstance(module, nn.MultiheadAttention)
         if leaf and any(True for _ in module.parameters(recurse=False)):
-            out.setdefault(type(module).__name__, "full")
+            cls = type(module).__name__
+            out.setdefault(cls, "full")
+            numel = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+            if cls not in curv_shapes and numel ** 2 > MAX_IMPLIED_FULL:
+                raise ValueError(
+                    f"curv_shapes has no entry for {cls!r}: a class absent from it gets a full block, and a {cls} "
+                    f"here has {numel} parameters, a {numel}x{numel} block ({numel ** 2 * 4 / 2 ** 30:.3g} GiB in "
+                    f"float32); give curv_shapes[{cls!r}] = 'Kron' or 'Diag'")
     return out
 
 
@@ -123,14 +136,16 @@ def curvature_settings(curv_kwargs: Optional[Mapping[str, Any]]) -> Tuple[float,
     return 1.0 - beta, damping, pi_type
 
 
-def momentum_settings(lr: float, momentum: float, momentum_type: str, grad_ema_decay: float, grad_ema_type: str,
+def momentum_settings(momentum: float, momentum_type: str, grad_ema_decay: float, grad_ema_type: str,
                       native: str) -> Tuple[float, float]:
-    """``(lr, momentum)`` here for PyTorch-SSO's momentum and gradient EMA.
+    """``(lr scale, momentum)`` here for PyTorch-SSO's momentum and gradient EMA.
 
     ``native`` is the kind of gradient torchsso2's momentum accumulates in the target optimizer:
     ``'preconditioned'`` (SecondOrderOptimizer) or ``'raw'`` (VIOptimizer). The other kind is
     the same while the curvature is constant and is applied with a logged warning. A gradient
-    EMA ``buf ← (1−d)·buf + d·g`` is the momentum ``1 − d`` with the learning rate times ``d``."""
+    EMA ``buf ← (1−d)·buf + d·g`` is the momentum ``1 − d`` with the learning rate times ``d``:
+    the lr scale ``d``, by which the compat classes multiply their groups' lr (PyTorch-SSO's, as
+    the user sets and schedules it) inside each update."""
     if momentum < 0:
         raise ValueError(f"momentum={momentum!r} must be >= 0")
     if not 0.0 <= grad_ema_decay <= 1.0:
@@ -149,20 +164,69 @@ def momentum_settings(lr: float, momentum: float, momentum_type: str, grad_ema_d
     if uses_ema:
         if grad_ema_decay == 0:
             raise ValueError("grad_ema_decay=0 never uses a gradient")
-        return lr * grad_ema_decay, 1.0 - grad_ema_decay
-    return lr, momentum
+        return grad_ema_decay, 1.0 - grad_ema_decay
+    return 1.0, momentum
 
 
 def decay_placement(momentum: float, momentum_type: str, grad_ema_decay: float,
                     grad_ema_type: str) -> Tuple[bool, float]:
-    """Where PyTorch-SSO's decoupled ``weight_decay`` goes: ``(into the buffer, lr factor)``. It adds
-    ``wd·θ`` to the preconditioned gradient, so a buffer (momentum, else the gradient EMA) of
-    preconditioned gradients takes it in, at the native lr (factor 1); after a buffer of raw gradients
-    (or none) it is ``θ ← θ − lr·wd·θ`` at PyTorch-SSO's lr, which is the native lr / ``d`` after a
-    gradient EMA (:func:`momentum_settings`), whatever lr the groups hold later."""
+    """Where PyTorch-SSO's decoupled ``weight_decay`` goes: ``(into the buffer, lr factor)``, the factor
+    applied to the groups' lr (PyTorch-SSO's). It adds ``wd·θ`` to the preconditioned gradient, so a
+    buffer (momentum, else the gradient EMA) of preconditioned gradients takes it in, at the native lr
+    (the groups' lr times ``d`` after a gradient EMA, :func:`momentum_settings`); after a buffer of raw
+    gradients (or none) it is ``θ ← θ − lr·wd·θ`` at PyTorch-SSO's lr (factor 1)."""
     kind = momentum_type if momentum > 0 else (grad_ema_type if grad_ema_decay != 1.0 else None)
     in_buffer = kind == "preconditioned"
-    return in_buffer, 1.0 if in_buffer or grad_ema_decay == 1.0 else 1.0 / grad_ema_decay
+    return in_buffer, grad_ema_decay if in_buffer else 1.0
+
+
+#: native keywords the compat classes set from PyTorch-SSO's arguments, and where each is given there
+_SET_FROM = {"damping": "curv_kwargs={'damping': ...}", "ema_decay": "curv_kwargs={'ema_decay': ...}",
+             "curvature": "curv_type ('Cov', 'Fisher', 'Hessian')", "approx": "curv_shapes ({'Linear': 'Kron', ...})",
+             "mc_samples": "fisher_args={'approx_type': 'mc', 'num_mc': ...}",
+             "kfac_method": "nothing (PyTorch-SSO inverts the damped factors; fixed here)"}
+
+
+def check_native_keywords(native: Mapping[str, Any], face: str, sets: Tuple[str, ...]) -> None:
+    """TypeError for a native keyword in ``native`` that the compat ``face`` sets itself (``sets``) from
+    PyTorch-SSO's arguments, naming where PyTorch-SSO takes it (rather than Python's "got multiple values
+    for keyword argument", which blames a keyword given once)."""
+    clash = [k for k in native if k in sets]
+    if clash:
+        where = "; ".join(f"{k}= comes from {_SET_FROM[k]}" for k in clash)
+        raise TypeError(f"compat {face}: {where} in PyTorch-SSO's signature; give it there, or build the native "
+                        f"torchsso2.{face} to pass {', '.join(clash)} directly")
+
+
+def branch_vi_keys(args: Dict[str, Any], prior_variance_default: Optional[float] = None) -> Dict[str, Any]:
+    """``args`` with the VI keywords of PyTorch-SSO's ``continual-learning`` branch in ``master``'s terms:
+    ``prior_precision`` p as ``prior_variance = 1/p``, ``init_prec_ema`` as ``init_precision``, ``prior_mean``
+    0 dropped (else NotImplementedError). ``prior_variance_default``: a ``prior_variance`` equal to it is
+    taken as not given (the compat constructor's default); another value with ``prior_precision`` is a
+    ValueError."""
+    args = dict(args)
+    if "prior_precision" in args:
+        precision = args.pop("prior_precision")
+        given = args.get("prior_variance", prior_variance_default)
+        if "prior_variance" in args and given not in (prior_variance_default, None):
+            raise ValueError(f"both prior_precision={precision!r} and prior_variance={given!r} are given; give one "
+                             "(prior_variance = 1/prior_precision)")
+        if not isinstance(precision, (int, float)) or isinstance(precision, bool) or precision <= 0:
+            raise ValueError(f"prior_precision={precision!r} must be a number > 0")
+        args["prior_variance"] = 1.0 / precision
+    if "init_prec_ema" in args:
+        if args.get("init_precision") is not None:
+            raise ValueError("both init_prec_ema and init_precision are given; give one (the same setting)")
+        args["init_precision"] = args.pop("init_prec_ema")
+    prior_mean = args.pop("prior_mean", 0)
+    if prior_mean != 0:
+        raise NotImplementedError(f"prior_mean={prior_mean!r}: a prior centred away from 0 has no equivalent in "
+                                  "torchsso2 (its prior is N(0, prior_variance·I))")
+    if "mc_group_id" in args:
+        raise TypeError("mc_group_id= is DistributedVIOptimizer's (a rank's group of Monte-Carlo samples): the "
+                        "compat classes run in one process; the native torchsso2.VIOptimizer spreads the samples "
+                        "over ranks itself (docs/scaling.md)")
+    return args
 
 
 def reject_unsupported(**flags: Any) -> None:
