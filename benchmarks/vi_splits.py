@@ -24,10 +24,14 @@ import argparse
 import sys
 import math
 import statistics
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence
 
-from benchmarks import vi_quality as vq
-from benchmarks.common import markdown_table
+if __package__ in (None, ""):  # run as a script (its --help): make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import vi_quality as vq  # noqa: E402
+from benchmarks.common import markdown_table  # noqa: E402
 
 #: the task of ``benchmarks/vi.py``'s ``regression_splits``
 TASK = "diabetes"

@@ -61,19 +61,22 @@ def _matches(key: Union[str, type], name: str, module: nn.Module, plain: Optiona
         or (plain is not None and plain != name and re.search(key, plain) is not None)
 
 
-def _warn_unmatched(model: nn.Module, skip: Sequence[Union[str, type]], wrapped: bool) -> None:
-    """Warn about each ``skip_modules`` entry that picks no module of ``model`` (a typo, or a name
-    regex written for another model), so that a layer meant to be left out is not covered silently."""
+def _warn_unmatched(model: nn.Module, keys: Sequence[Union[str, type]], wrapped: bool,
+                    argument: str = "skip_modules") -> None:
+    """Warn about each ``skip_modules`` entry (or ``approx`` dict key, ``argument="approx"``) that picks no
+    module of ``model`` (a typo, or a name regex written for another model), so that a layer meant to be
+    left out, or given a shape, does not silently get the default."""
     modules = list(model.named_modules())
     names = [n for n, _ in modules if n][:3]
-    for key in skip:
+    effect = "nothing is skipped for it" if argument == "skip_modules" else \
+        "the modules no key matches take their layer's default shape (K-FAC for Linear, Conv2d, Embedding)"
+    for key in keys:
         if not any(_matches(key, name, module, unwrapped_name(name) if wrapped else None) for name, module in modules):
             what = key.__name__ if isinstance(key, type) else repr(key)
             seen = f"e.g. {names}" if names else "the model has no submodules"
-            warnings.warn(f"skip_modules entry {what} matches no module of the model: entries are matched against "
-                          f"the names in model.named_modules() ({seen}) and the modules' class names; nothing is "
-                          "skipped for it", UserWarning,
-                          stacklevel=caller_stacklevel())
+            warnings.warn(f"{argument} entry {what} matches no module of the model: entries are matched against "
+                          f"the names in model.named_modules() ({seen}) and the modules' class names; {effect}",
+                          UserWarning, stacklevel=caller_stacklevel())
 
 
 class UncoveredModule(ValueError):
@@ -248,6 +251,8 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     if isinstance(approx, Mapping):
         rules = [(k, parse(Approx, v, f"approx[{k!r}]")) for k, v in approx.items()]
         default: Optional[Approx] = None
+        # string keys only: a type cannot be misspelt, and a dict written for several models may name absent ones
+        _warn_unmatched(model, [k for k, _ in rules if isinstance(k, str)], _is_wrapper(model), "approx")
     else:
         rules, default = [], parse(Approx, approx, "approx")
     layouts: Dict[str, Layout] = {}

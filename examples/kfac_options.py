@@ -30,6 +30,11 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 import torchsso2.kfac as kfac
+if __package__ in (None, ""):  # run as a script (its --help): make the repository root importable
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
 from examples.common import nonnegative_int, positive_float, positive_int
 
 STRATEGY_NAMES = ("comm-opt", "mem-opt", "hybrid-opt")
@@ -138,3 +143,10 @@ def make_kfac(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: ar
         inv_update_steps_lambda=step_lambda(args.kfac_update_steps_alpha, args.kfac_update_steps_decay),
     )
     return preconditioner, scheduler, lr_scheduler
+
+
+if __name__ == "__main__":  # a module of examples/cifar10_resnet.py and examples/imagenet_resnet.py, not a program of its own
+    argparse.ArgumentParser(prog="python examples/kfac_options.py", description=(
+        "A module of examples/cifar10_resnet.py and examples/imagenet_resnet.py, which take its options: python examples/cifar10_resnet.py "
+        "--help lists them; this module has none of its own.")).parse_args()
+    raise SystemExit("examples/kfac_options.py is used by examples/cifar10_resnet.py and examples/imagenet_resnet.py: python examples/cifar10_resnet.py --help")

@@ -110,6 +110,11 @@ from typing import Callable, Tuple  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset  # noqa: E402
 
+if __package__ in (None, ""):  # run as a script (its --help): make the repository root importable
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
 from examples.common import (fraction_in, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
                              positive_int, positive_int_list)
 from examples.kfac_options import add_kfac_arguments, make_kfac  # noqa: E402
@@ -367,3 +372,10 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
                       f"lr {preconditioner.lr:g}, K-FAC steps so far {preconditioner.steps}")
     env.print(f"final test accuracy: {test_acc:.2f}%")
     env.close()
+
+
+if __name__ == "__main__":  # a module of examples/cifar10_resnet.py and examples/imagenet_resnet.py, not a program of its own
+    argparse.ArgumentParser(prog="python examples/resnet.py", description=(
+        "A module of examples/cifar10_resnet.py and examples/imagenet_resnet.py, which take its options: python examples/cifar10_resnet.py "
+        "--help lists them; this module has none of its own.")).parse_args()
+    raise SystemExit("examples/resnet.py is used by examples/cifar10_resnet.py and examples/imagenet_resnet.py: python examples/cifar10_resnet.py --help")

@@ -46,6 +46,24 @@ def test_a_skip_modules_entry_matching_no_module_warns(build) -> None:
         build(model, [nn.Embedding])
 
 
+@pytest.mark.parametrize("build", [
+    lambda model, approx: curvature.compute(model, torch.randn(4, 3), torch.randint(0, 2, (4,)), approx=approx),
+    lambda model, approx: SecondOrderOptimizer(model, approx=approx),
+    lambda model, approx: VIOptimizer(model, dataset_size=10, approx=approx),
+])
+def test_an_approx_key_matching_no_module_warns(build) -> None:
+    """``approx={"fc2": "diag"}`` in a model whose layers are ``0`` and ``2`` left layer ``2`` at its
+    default K-FAC without a word: a string key that picks no module is named in a warning (a type key
+    is not: it cannot be misspelt, and a dict written for several models may name absent classes)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"approx entry 'fc2' matches no module .*default shape") as rec:
+        out = build(model, {"fc2": "diag", "^0$": "diag", nn.Conv2d: "kfac"})
+    ours = [w for w in rec if "approx entry" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+    approx = out.approx if hasattr(out, "approx") and isinstance(out.approx, dict) else out.engine.approx
+    assert {n: getattr(a, "value", a) for n, a in approx.items()} == {"0": "diag", "2": "kfac"}
+
+
 def test_a_mistyped_skip_warns_before_the_module_it_was_meant_for_raises() -> None:
     """The typo's warning comes even when the module it was meant to skip then stops the construction."""
     model = nn.Sequential(nn.Linear(3, 3), nn.PReLU())

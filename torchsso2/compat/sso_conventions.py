@@ -85,11 +85,13 @@ def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str
     other class of a leaf module with parameters, ``nn.MultiheadAttention`` included (PyTorch-SSO's
     default when a class is absent)."""
     curv_shapes = dict(curv_shapes or {})
+    present = {type(m).__name__ for m in model.modules()}
     out: Dict[str, str] = {}
     for cls, shape in curv_shapes.items():
         if shape not in SHAPES:
             raise ValueError(f"curv_shapes[{cls!r}]={shape!r}; PyTorch-SSO's shapes are 'Kron', 'Diag' (or absent: full)")
-        out[cls] = SHAPES[shape]
+        if cls in present:  # PyTorch-SSO's configs list classes a model may not have (BatchNorm2d for an MLP)
+            out[cls] = SHAPES[shape]
     for module in model.modules():
         # leaf modules, and nn.MultiheadAttention (its in-projection is its own parameters; out_proj a child)
         leaf = not list(module.children()) or isinstance(module, nn.MultiheadAttention)
