@@ -88,8 +88,16 @@ def closure_loss_and_nll(opt: Any, recorder: Any, targets: Optional[Tensor], los
     """``(closure's loss, mean NLL of its output and targets)`` when the closure ran the model once and
     returned that forward's output (in the parameters' dtype); None where that cannot be told (no
     targets, several forwards, targets that do not fit the output)."""
-    if not isinstance(targets, Tensor) or len(recorder.calls) != 1 or len(recorder.outputs) != 1 \
-            or recorder.outputs[0] is not output or not isinstance(output, Tensor) \
+    if len(recorder.calls) != 1 or len(recorder.outputs) != 1 or recorder.outputs[0] is not output:
+        return None
+    return loss_and_nll(opt, targets, loss, output)
+
+
+def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) -> Optional[Tuple[float, float]]:
+    """``(loss, mean NLL of output and targets)`` under ``opt``'s likelihood (``loss=``, its
+    ``output_selector``); None where that cannot be told (no targets, an output that is not a tensor
+    of the parameters' dtype, a loss of more than one element, targets that do not fit the output)."""
+    if not isinstance(targets, Tensor) or not isinstance(output, Tensor) \
             or not isinstance(loss, Tensor) or loss.numel() != 1:
         return None
     if not output.is_floating_point() or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
@@ -101,6 +109,12 @@ def closure_loss_and_nll(opt: Any, recorder: Any, targets: Optional[Tensor], los
         except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
             return None
     return float(loss.detach()), ref
+
+
+def mean_nll_form(opt: Any) -> str:
+    """What the mean negative log-likelihood of ``opt``'s ``loss=`` is, in torch terms (for messages)."""
+    return "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
+        else "F.cross_entropy with reduction='mean'"
 
 
 def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
@@ -135,8 +149,7 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
     opt._loss_scale_checked = True
     value, ref = pair
     if abs(value - ref) > LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
-        what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
-            else "F.cross_entropy with reduction='mean'"
+        what = mean_nll_form(opt)
         ratio = f"{value / ref:.4g}×" if ref else "not"
         warnings.warn(
             f"adaptive learning rate: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood "

@@ -40,6 +40,7 @@ independent of the label sampling, and the same on every rank that draws sample 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -63,6 +64,7 @@ from .reparam import reparam_ema_, reparam_sample
 from .noise import ObservationNoise
 from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
+from .vi_checks import warn_about_batch
 from .vi_flat import FlatDiagPath
 from .vi_schedule import vi_schedule
 from .vi_defaults import (DEFAULT_CURVATURE_INIT, DEFAULT_VI_EMA_DECAY, DEFAULT_VI_KL_CLIP, DEFAULT_VI_LR,
@@ -73,6 +75,13 @@ from .vi_shift import Shift, negated, shifted_params
 
 __all__ = ["VIOptimizer", "DEFAULT_CURVATURE_INIT", "DEFAULT_VI_EMA_DECAY", "DEFAULT_VI_KL_CLIP", "DEFAULT_VI_LR",
            "DEFAULT_VI_MOMENTUM_DEBIAS", "default_is_reparam", "negated", "shifted_params"]
+
+
+def _no_weight_decay(given: str) -> str:
+    """The message refusing a weight decay (``given``: what was passed)."""
+    return (f"VIOptimizer has no weight decay ({given}): its L2 regulariser is the Gaussian prior, set with "
+            "prior_precision (weight decay wd on the mean loss corresponds to prior_precision = "
+            "wd * dataset_size / kl_weighting, divided by the noise variance σ² for loss='mse')")
 
 
 def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
@@ -87,7 +96,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
 
     Args:
         model: the network; its weights are the posterior mean.
-        dataset_size: N, the number of training examples (>= 1).
+        dataset_size: N, the number of training examples (>= 1); a first batch larger than it warns
+            (it is not the number of batches or steps: the data weigh N × the mean loss).
         lr: step size of the mean (and of nothing else: the precision is an EMA). Default
             :data:`DEFAULT_VI_LR` = 1e-2 (the defaults train for lr in 1e-3 … 1e-1, see there).
         curvature: kind of curvature; ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
@@ -134,6 +144,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             count, one for every group: a group added with ``add_param_group`` later (or a momentum
             changed by a scheduler) starts its buffer without the correction. Default
             :data:`DEFAULT_VI_MOMENTUM_DEBIAS` = False (see there why).
+        weight_decay: 0 only (IVON's constructor takes one): the L2 term is the prior, weight decay ``wd``
+            on the mean loss is ``prior_precision = wd·N/kl_weighting``; another value is a ValueError.
         momentum, ema_decay, damping: see the module docstring. Defaults 0.9 (as SGD),
             :data:`DEFAULT_VI_EMA_DECAY` = 0.99999 **per step** (IVON's β₂; see there why), 0.0 (the
             prior alone keeps Λ positive definite). The EMA is updated every ``curv_update_interval``
@@ -150,7 +162,11 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             worse on the CNN at a small lr; docs/defaults.md, ``benchmarks/vi_kfac_intervals.py``),
             1 and 1 for ``"full"`` and dicts (:mod:`torchsso2.optim.vi_schedule`). Explicit values
             are used as given.
-        loss: ``"cross_entropy"`` or ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``).
+        loss: ``"cross_entropy"`` or ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``;
+            ``F.mse_loss`` also averages over the D outputs: ``2/D`` of it). The closure's loss is the mean
+            negative log-likelihood (``reduction="mean"``, no L2 term: the prior is built in); a first step
+            given ``targets`` and returning ``(loss, output)`` warns when it is not (its factor tempers the
+            posterior).
         noise_variance: observation noise ``σ²`` of the Gaussian likelihood (``loss="mse"`` only;
             :mod:`torchsso2.optim.noise`): a float > 0, or ``"learned"`` (the running mean of the
             squared residuals at the weight samples, the ELBO's maximiser over ``σ²``; needs
@@ -201,8 +217,10 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                  curvature_init: Optional[float] = DEFAULT_CURVATURE_INIT,
                  kl_clip: Optional[float] = DEFAULT_VI_KL_CLIP, kfac_approx: str = "expand",
                  noise_variance: Union[float, str, None] = None,
-                 momentum_debias: bool = DEFAULT_VI_MOMENTUM_DEBIAS) -> None:
+                 momentum_debias: bool = DEFAULT_VI_MOMENTUM_DEBIAS, weight_decay: float = 0.0) -> None:
         check_not_pytorch_sso_call(lr, "VIOptimizer")
+        if weight_decay != 0.0:  # IVON's constructor takes it; here the prior is the L2 term
+            raise ValueError(_no_weight_decay(f"weight_decay={weight_decay!r}"))
         self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)
         check_number("lr", lr, low=0.0, high=MAX_LR)
         if prior_precision is not None and prior_variance is not None:
@@ -408,11 +426,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
             if done is not None:
-                return self._output_checked(done)
-        if self.__dict__.pop("_loaded_undecomposed", False) and not self._decomposed:
-            # a loaded posterior without its decompositions (saved on a rank that held only part of them):
-            # this step's weight noise is a sample of it, not of the isotropic start
-            self._decompose(self.precision_shift, scale=self.likelihood_size)
+                return self._output_checked(done, targets)
+        self._redo_loaded_decompositions()
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
@@ -451,7 +466,15 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
-        return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals))
+        return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals), targets)
+
+    def _redo_loaded_decompositions(self) -> None:
+        """A loaded posterior whose decompositions are missing (saved on a rank that held only part of them)
+        or another posterior's (built with another ``dataset_size``, prior, ``kl_weighting``, damping or noise
+        variance): decomposed now, before the next weight sample (a step's, ``sampled_params``'s or
+        ``predict``'s), so that the sample is of it, not of the isotropic start or the old posterior."""
+        if self.__dict__.pop("_loaded_undecomposed", False) and not self._decomposed:
+            self._decompose(self.precision_shift, scale=self.likelihood_size)
 
     def _start_unfrozen_blocks(self) -> None:
         """``curvature="reparam"``: a covered module frozen before the first step and trainable now (in the
@@ -472,15 +495,19 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         self.running.decompose(self.precision_shift, scale=self.likelihood_size, backend=self.linalg,
                                dtype=self.decomposition_dtype, names=[lay.name for lay in missing])
 
-    def _output_checked(self, result: Tuple[Tensor, Any]) -> Any:
+    def _output_checked(self, result: Tuple[Tensor, Any], targets: Optional[Tensor]) -> Any:
         """What ``step`` returns for ``result`` (``(mean loss, output)``); at the first step, the model
         output is checked to be (or to select, with ``output_selector``) a tensor, so that a
         dict-returning model without ``output_selector`` fails at once, not at ``predict`` after the
-        training (the diagonal's step never reads the output)."""
+        training (the diagonal's step never reads the output); the batch's size and the loss's scale
+        are checked once (:mod:`torchsso2.optim.vi_checks`: warnings)."""
         if not self.__dict__.get("_output_seen", False):
             if result[1] is not None and not isinstance(result[1], Tensor):  # the closure may return either form
                 self.engine.select_output(result[1])
             self._output_seen = True
+        if not self.__dict__.get("_batch_checked", False):  # the first step's closure: the same later
+            self._batch_checked = True
+            warn_about_batch(self, targets, *result)
         return self._step_result(*result)
 
     def _finish_step(self, snapshot: Any, losses: List[Tensor], output: Any, hats: Dict[str, Tensor],
@@ -596,10 +623,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                                  "one isotropic Gaussian for every parameter (the constructor's prior_precision / "
                                  "prior_variance); a per-group prior is not supported")
         if isinstance(param_group, dict) and param_group.get("weight_decay", 0.0) != 0.0:
-            raise ValueError(f"VIOptimizer has no weight decay (param group weight_decay="
-                             f"{param_group['weight_decay']!r}): its L2 regulariser is the Gaussian prior, set with "
-                             "prior_precision (weight decay wd on the mean loss corresponds to prior_precision = "
-                             "wd * dataset_size / kl_weighting, divided by the noise variance σ² for loss='mse')")
+            raise ValueError(_no_weight_decay(f"param group weight_decay={param_group['weight_decay']!r}"))
         super().add_param_group(param_group)
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
@@ -613,13 +637,26 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 raise ValueError(f"checkpoint entry ['torchsso2']['extra']['noise'] must be a dict, got {noise!r}; "
                                  "the optimizer is unchanged")
             ObservationNoise("learned").load(noise)  # validates on a throwaway copy
+        posterior = state.get("posterior")
+        if posterior is not None and not (isinstance(posterior, (list, tuple)) and len(posterior) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in posterior)):
+            raise ValueError(f"checkpoint entry ['torchsso2']['extra']['posterior'] must be two finite numbers "
+                             f"[scale, shift], got {posterior!r}; the optimizer is unchanged")
 
     def _extra_state(self) -> Dict[str, Any]:
-        # momentum buffers of the mean loss's gradient (since 2026-11-24); the learned σ²'s running mean
-        return {"momentum": "mean-loss", "noise": self.noise.state()}
+        # momentum buffers of the mean loss's gradient (since 2026-11-24); the learned σ²'s running mean; the
+        # scale and shift the saved decompositions were built with (scale·C + shift: N/σ², τδ + damping)
+        return {"momentum": "mean-loss", "noise": self.noise.state(),
+                "posterior": [float(self.likelihood_size), float(self.precision_shift)]}
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self.noise.load(state.get("noise"))
+        saved = state.get("posterior")
+        if saved is not None and self._decomposed and not all(
+                math.isclose(a, b, rel_tol=1e-12) for a, b in zip(saved, (self.likelihood_size, self.precision_shift))):
+            # built with another dataset_size, prior, kl_weighting, damping or noise variance: the saved
+            # decompositions are another posterior's; redone (before the next weight sample) from the curvature
+            self._decomposed = False
         if state.get("momentum") != "mean-loss":  # an older checkpoint kept N·m (VOGN's summed-loss momentum)
             with torch.no_grad():
                 for p in (q for g in self.param_groups for q in g["params"]):

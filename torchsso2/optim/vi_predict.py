@@ -70,7 +70,8 @@ class PosteriorUse:
 
     def _has_posterior(self) -> bool:
         """Whether there is a posterior to sample: a decomposition, or the isotropic start's precision."""
-        return self._decomposed or self._first_precision is not None
+        return self._decomposed or self._first_precision is not None or \
+            bool(self.__dict__.get("_loaded_undecomposed", False))  # decomposed at the next sample
 
     def _check_posterior(self, what: str) -> None:
         """RuntimeError when there is no posterior to sample (every sample would be the mean weights)."""
@@ -180,15 +181,17 @@ class PosteriorUse:
         ``(U∘U) D (V∘V)ᵀ`` over the parameter matrix, eigenvalues clamped at 0 as for the samples; full
         blocks the diagonal of their inverse), in float32 at least. For uncertainty per weight
         (signal-to-noise pruning, plots), from the running curvature as :meth:`posterior_precision`;
-        before the first step the isotropic start's variance; 0 for a weight frozen since construction
-        (it is not sampled). RuntimeError without a posterior or for a block whose precision is not
-        positive definite."""
+        before the first step the isotropic start's variance; 0 for a weight frozen after the optimizer
+        was built (it is not sampled; one frozen when it was built is not covered: no entry) and for an
+        Embedding's ``padding_idx`` row (never sampled). RuntimeError without a posterior or for a block
+        whose precision is not positive definite."""
         self._check_posterior("posterior_variance()")
         out: Dict[nn.Parameter, Tensor] = {}
         if not self.running.blocks:  # before the first step: the isotropic start predict() samples
             var = 1.0 / float(self._first_precision)  # type: ignore[arg-type]
             for p in self.engine.params:
                 out[p] = torch.full(p.shape, var, dtype=_at_least_float32(p.dtype), device=p.device)
+            self._zero_padding_rows(out)
             return out
         size, shift, tau = self.likelihood_size, self.precision_shift, self.kl_weighting
         for name, blk in self.running.blocks.items():
@@ -216,10 +219,18 @@ class PosteriorUse:
                                        "positive definite; increase prior_precision or damping")
                 parts = lay.unflatten(tau * torch.cholesky_inverse(chol).diagonal())
             for p, v in zip(lay.params, parts):
-                # a weight frozen since construction is not sampled (vi_shift.unfrozen): its variance is 0
+                # a weight frozen after construction is not sampled (vi_shift.unfrozen): its variance is 0
                 v = v.reshape(p.shape) if p.requires_grad else torch.zeros(p.shape, dtype=v.dtype, device=v.device)
                 out[p] = v.to(_at_least_float32(p.dtype))
+        self._zero_padding_rows(out)
         return out
+
+    def _zero_padding_rows(self, variances: Dict[nn.Parameter, Tensor]) -> None:
+        """An Embedding's ``padding_idx`` row is never sampled (``vi_noise``): its variance is 0."""
+        for p, v in variances.items():
+            row = self._padding_rows.get(id(p))
+            if row is not None:
+                v[row] = 0.0
 
     def posterior_precision(self) -> Tensor:
         """Dense ``[P, P]`` block-diagonal posterior precision (``P²`` numbers: for per-weight variances on

@@ -1,0 +1,61 @@
+"""Once-per-optimizer warnings of VIOptimizer about what its closure's batch says of the setup.
+
+The posterior weighs the data by ``dataset_size × the closure's loss`` against the prior, so
+(i) a loss that is not the mean negative log-likelihood of the output (``F.mse_loss`` averages over
+the D outputs as well: ``2/D`` of it; ``reduction="sum"``: ``N``×) tempers the posterior by that
+factor, and (ii) a ``dataset_size`` smaller than one batch is almost surely the number of batches
+or of steps, not of training examples. Both are warned about at the first step, when it can tell
+(the loss check needs ``step(closure, targets=y)``, a closure returning ``(loss, output)`` and one
+weight sample per step); neither changes what the step does.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+from torch import Tensor
+
+from curvature.stacklevel import caller_stacklevel
+
+from .lm_forward import LOSS_SCALE_WARN_RTOL, loss_and_nll, mean_nll_form
+
+__all__ = ["warn_about_batch"]
+
+
+def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) -> None:
+    """The checks of the module docstring for VIOptimizer ``opt`` after a step whose closure returned
+    ``loss`` (the mean over the step's samples) and ``output`` (None for a loss-only closure)."""
+    batch = _batch_size(opt, targets, output)
+    if batch is not None and batch > opt.dataset_size:
+        warnings.warn(
+            f"VIOptimizer: dataset_size={opt.dataset_size} is smaller than this step's batch of {batch} "
+            "examples; dataset_size is the number of training examples N (the data's weight against the "
+            "prior, N × the mean loss), not of batches or steps (a deliberately tempered posterior is "
+            "kl_weighting)", UserWarning, stacklevel=caller_stacklevel())
+    pair = loss_and_nll(opt, targets, loss, output) if opt.num_mc_samples == 1 else None
+    if pair is None:
+        return
+    value, ref = pair
+    if abs(value - ref) > LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
+        ratio = f"{value / ref:.4g}×" if ref else "not"
+        warnings.warn(
+            f"VIOptimizer: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its "
+            f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {mean_nll_form(opt)}). The "
+            "posterior weighs the data as dataset_size × the closure's loss, so a scaled loss (F.mse_loss: 2/D "
+            "for D outputs per example; reduction='sum': N) tempers it by that factor; return the mean NLL from "
+            "the closure (the prior is VIOptimizer's own: add no L2 term)", UserWarning,
+            stacklevel=caller_stacklevel())
+
+
+def _batch_size(opt: Any, targets: Optional[Tensor], output: Any) -> Optional[int]:
+    """The number of examples of the step's batch: the targets' first dimension, else the (selected)
+    output's; None when neither is known."""
+    if isinstance(targets, Tensor) and targets.dim() > 0:
+        return int(targets.shape[0])
+    if output is None:
+        return None
+    try:
+        out = opt.engine.select_output(output)
+    except (TypeError, ValueError):
+        return None
+    return int(out.shape[0]) if isinstance(out, Tensor) and out.dim() > 0 else None
