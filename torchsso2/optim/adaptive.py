@@ -173,6 +173,23 @@ def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim
     return u
 
 
+@contextlib.contextmanager
+def forward_mode_kernels() -> Iterator[None]:
+    """Attention on kernels that have forward-mode formulas, for the block: ``scaled_dot_product_attention``'s
+    math backend (the fused flash / memory-efficient kernels have none: a NotImplementedError) and no fast
+    path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` (a fused op without one, taken under
+    ``no_grad`` or in eval mode). The same attention, up to rounding; models without attention unaffected."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
 def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call,
                primals: Sequence[Tensor], directions: Sequence[Sequence[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
     """The output of a recorded forward and ``J v`` (flattened) for every direction: one
@@ -181,8 +198,18 @@ def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], T
     jvs = []
     out = None
     for v in directions:
-        with _rng_of(call), fwAD.dual_level():
-            res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
+        with _rng_of(call), fwAD.dual_level(), forward_mode_kernels():
+            try:
+                res = f(*[fwAD.make_dual(p, t.detach().to(p.dtype)) for p, t in zip(primals, v)])
+            except NotImplementedError as err:
+                if "forward" not in str(err).lower() and "jvp" not in str(err).lower():
+                    raise
+                raise NotImplementedError(
+                    "adaptive mode (use_adaptive_learning_rate / use_adaptive_momentum) computes J·v of the model by "
+                    "forward-mode AD (dual numbers), and an operation of this model's forward has no forward-mode "
+                    f"formula: {err} A custom torch.autograd.Function needs a jvp staticmethod (or "
+                    "torch.func-style setup_context + jvp); otherwise use the fixed lr/momentum (adaptive off). "
+                    "The optimizer is as it was before this step.") from err
             out, jv = fwAD.unpack_dual(res)
         if jv is None:  # the output does not depend on the optimized parameters
             jv = torch.zeros_like(out)

@@ -30,6 +30,7 @@ from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
 from .lm_forward import forward_only_closure, warn_if_not_mean_nll
+from .rollback import CurvatureRollback
 from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
@@ -348,6 +349,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
+        # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back
+        rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None else None
         if fresh is not None:
             new = any(name not in self.running.blocks for name in fresh)
             self.running.update(fresh, self.ema_decay)
@@ -367,7 +370,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 wds = self._plans.get(params, groups, self.running.blocks).values("weight_decay")
                 decay = (wds, decay_term(params, wds))
             warn_if_not_mean_nll(self, targets, loss, output)
-            predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
+            try:
+                predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
+            except BaseException:  # the step (its J·v pass) raised before any parameter moved: as if never called
+                assert rollback is not None
+                rollback.restore(self)
+                snapshot.restore()
+                raise
             applied = predicted is not None
         else:
             applied = self._apply_update(params, groups)

@@ -43,7 +43,8 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
             f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {mean_nll_form(opt)}). The "
             "posterior weighs the data as dataset_size × the closure's loss, so a scaled loss (F.mse_loss: 2/D "
             "for D outputs per example; reduction='sum': N) tempers it by that factor; return the mean NLL from "
-            "the closure (the prior is VIOptimizer's own: add no L2 term)", UserWarning,
+            "the closure (the prior is VIOptimizer's own: add no L2 term), or ignore this if the other "
+            "likelihood is meant (label smoothing, class weights)", UserWarning,
             stacklevel=caller_stacklevel())
 
 

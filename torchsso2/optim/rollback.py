@@ -1,0 +1,42 @@
+"""The running curvature as it was before a step folded its batch in, to put back if the step raises
+after that (adaptive mode's forward-mode pass: a model op without a forward-mode formula, a
+``KeyboardInterrupt``), so that training on is as if the call never happened.
+
+Held for one step: the statistics of the blocks the step's EMA writes in place (clones), every
+block's decomposition (the dicts: a decomposition is replaced, never written in place), the block
+set, the update count and whether a decomposition exists. The blocks' derived caches follow their
+sources' versions (:class:`curvature.blocks.base.DerivedCache`), so they rebuild after the restore.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch import Tensor
+
+from curvature.blocks import Block
+
+__all__ = ["CurvatureRollback"]
+
+
+class CurvatureRollback:
+    """What :meth:`restore` puts back into optimizer ``opt``'s running curvature; ``statistics``: whether
+    this step updates the statistics (then they are cloned; else only references are kept)."""
+
+    def __init__(self, opt: Any, statistics: bool) -> None:
+        self.blocks: Dict[str, Tuple[Block, Optional[List[Tensor]], Any]] = {
+            name: (blk, [t.clone() for t in blk.tensors()] if statistics else None, blk.decomposition)
+            for name, blk in opt.running.blocks.items()}
+        self.num_updates = opt.running.num_updates
+        self.decomposed = opt._decomposed
+
+    def restore(self, opt: Any) -> None:
+        blocks: Dict[str, Block] = {}
+        for name, (blk, saved, decomposition) in self.blocks.items():
+            if saved is not None:
+                for t, s in zip(blk.tensors(), saved):
+                    t.copy_(s)
+            blk.decomposition = decomposition
+            blocks[name] = blk
+        opt.running.blocks = blocks
+        opt.running.num_updates = self.num_updates
+        opt._decomposed = self.decomposed
