@@ -51,6 +51,8 @@ def _train(approx: str, unfreeze_at: int, steps: int, seen=None):
 def test_a_layer_unfrozen_after_the_first_steps_is_sampled_and_gets_a_posterior(approx: str) -> None:
     model, opt = _train(approx, unfreeze_at=5, steps=5)
     assert set(opt.running.blocks) == {"2"}  # frozen so far: no block, not sampled
+    # posterior_variance() says so (it raised KeyError for the layer's weight: no entry)
+    assert bool((opt.posterior_variance()[model[0].weight] == 0).all())
     mean_w, mean_b = model[0].weight.detach().clone(), model[0].bias.detach().clone()
     seen = []
     # the diagonal's estimate comes from every step; K-FAC's at its next curvature step

@@ -111,10 +111,14 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) ->
     return float(loss.detach()), ref
 
 
-def mean_nll_form(opt: Any) -> str:
-    """What the mean negative log-likelihood of ``opt``'s ``loss=`` is, in torch terms (for messages)."""
-    return "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
+def scaled_loss_text(opt: Any, value: float, ref: float) -> str:
+    """The shared part of the warnings about a closure loss ``value`` that is not the mean NLL ``ref`` of its
+    output (adaptive mode's here, VIOptimizer's in :mod:`torchsso2.optim.vi_checks`)."""
+    what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
         else "F.cross_entropy with reduction='mean'"
+    ratio = f"{value / ref:.4g}×" if ref else "not"
+    return (f"the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its output and the "
+            f"targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what})")
 
 
 def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
@@ -149,11 +153,8 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
     opt._loss_scale_checked = True
     value, ref = pair
     if abs(value - ref) > LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
-        what = mean_nll_form(opt)
-        ratio = f"{value / ref:.4g}×" if ref else "not"
         warnings.warn(
-            f"adaptive learning rate: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood "
-            f"of its output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}). The quadratic "
+            f"adaptive learning rate: {scaled_loss_text(opt, value, ref)}. The quadratic "
             "model takes the curvature of the mean NLL and the gradient of the closure's loss, so a scaled loss "
             "(F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step by the "
             "same factor; return the mean NLL from the closure (plus any terms you mean to add)",

@@ -28,6 +28,7 @@ With one rank every method reduces to the plain local computation (no collective
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -40,6 +41,8 @@ from curvature.running import decompose_all_or_nothing
 from ..distributed import AssignmentStrategy, DistributedStrategy, Group, WorkAssignment, parse_enum
 from ..distributed.assignment import grad_worker_count
 from .steps import precondition as local_precondition
+
+logger = logging.getLogger(__name__)
 
 Ranks = Tuple[int, ...]
 #: compute(name, block, receivers) -> tensors; ``receivers`` are the ranks that will get them
@@ -139,16 +142,20 @@ class Placement:
 
     # ---- the assignment ---------------------------------------------------------------------
     def assign(self, blocks: Dict[str, Block]) -> WorkAssignment:
-        """The assignment of ``blocks`` (made once; collective the first time: ``new_group``)."""
-        if self.assignment is None:
+        """The assignment of ``blocks``: made at the first call, and made again over all of them when a
+        block appears that it does not place (a layer unfrozen, or first called, after the first
+        decomposition); collective then (``new_group``): every rank meets the same blocks at the same
+        step. A new block comes with a decomposition of every block (``decompose``), which places them
+        anew, or, with every rank a grad worker (``reparam``'s diagonal), decomposed on every rank."""
+        if self.assignment is None or any(n not in self.assignment.work for n in blocks):
+            if self.assignment is not None:
+                logger.debug("work assignment made again: new blocks %s",
+                             [n for n in blocks if n not in self.assignment.work])
             work = {name: block_work(blk, self.strategy) for name, blk in blocks.items()}
             self.assignment = WorkAssignment(work, self.comm.world_size, self.grad_worker_fraction,
                                              strategy=self.strategy, colocate_factors=True)
-            self._groups = {ranks: self.comm.new_group(list(ranks))
-                            for ranks in self.assignment.communication_groups()}
-        missing = [n for n in blocks if n not in self.assignment.work]
-        if missing:
-            raise RuntimeError(f"blocks {missing} were not in the work assignment {list(self.assignment.work)}")
+            self._groups.update({ranks: self.comm.new_group(list(ranks))
+                                 for ranks in self.assignment.communication_groups() if ranks not in self._groups})
         return self.assignment
 
     def inv_worker(self, name: str) -> int:

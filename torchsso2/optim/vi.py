@@ -50,6 +50,7 @@ from curvature.blocks import DiagBlock
 from curvature.blocks.base import compute_dtype, like_dtype
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, check_mc_samples, close_matches, parse
+from curvature.linalg import LinalgError
 from curvature.selection import UncoveredModule
 
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -421,13 +422,13 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         self._check_step_call(closure)
         check_targets(targets)
         self._follow_param_dtypes()  # before the weight noise is drawn from the decompositions
+        self._redo_loaded_decompositions()
         if self.reparam and self._decomposed and len(self.running.blocks) != len(self.engine.layouts):
             self._start_unfrozen_blocks()
         if self.reparam:  # the one-process diagonal step on flat buffers (torchsso2/optim/vi_flat.py)
             done = self._flat.step(self, closure, targets)
             if done is not None:
                 return self._output_checked(done, targets)
-        self._redo_loaded_decompositions()
         estimate = self.num_steps % self.curv_update_interval == 0
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         trainable = [p for g in self.param_groups for p in g["params"]] if self.num_mc_samples > 1 else []
@@ -469,12 +470,32 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals), targets)
 
     def _redo_loaded_decompositions(self) -> None:
-        """A loaded posterior whose decompositions are missing (saved on a rank that held only part of them)
-        or another posterior's (built with another ``dataset_size``, prior, ``kl_weighting``, damping or noise
-        variance): decomposed now, before the next weight sample (a step's, ``sampled_params``'s or
-        ``predict``'s), so that the sample is of it, not of the isotropic start or the old posterior."""
-        if self.__dict__.pop("_loaded_undecomposed", False) and not self._decomposed:
+        """At the start of a step (every rank is there): a loaded posterior whose decompositions are missing
+        (saved on a rank that held only part of them) or another posterior's (built with another
+        ``dataset_size``, prior, ``kl_weighting``, damping or noise variance) is decomposed before the step's
+        weight noise, so that it is a sample of it, not of the isotropic start or of the old posterior."""
+        self.__dict__.pop("_loaded_decomposed_here", None)
+        if self.__dict__.pop("_loaded_undecomposed", False):
             self._decompose(self.precision_shift, scale=self.likelihood_size)
+
+    def _decompose_loaded_here(self) -> None:
+        """The same before a sample outside a step (``sampled_params``, ``predict``), which one rank may take
+        alone (an evaluation on rank 0): this rank decomposes every block itself (each rank holds the whole
+        running curvature), without collectives and without the skip policy (a failure is a RuntimeError);
+        the next step still decomposes on every rank together."""
+        if not self.__dict__.get("_loaded_undecomposed", False) or self.__dict__.get("_loaded_decomposed_here"):
+            return
+        if not self.placement.active:  # one process: no collectives, the step's own decomposition
+            self._redo_loaded_decompositions()
+            return
+        try:
+            self.running.decompose(self.precision_shift, scale=self.likelihood_size, backend=self.linalg,
+                                   dtype=self.decomposition_dtype, kfac_method=self.kfac_method)
+        except LinalgError as err:
+            raise RuntimeError(f"the loaded posterior could not be decomposed for this sample ({err}); take a step "
+                               "first (it decomposes under the optimizer's non-finite policy)") from err
+        self._decomposed = True
+        self._loaded_decomposed_here = True
 
     def _start_unfrozen_blocks(self) -> None:
         """``curvature="reparam"``: a covered module frozen before the first step and trainable now (in the

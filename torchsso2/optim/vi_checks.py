@@ -17,9 +17,14 @@ from torch import Tensor
 
 from curvature.stacklevel import caller_stacklevel
 
-from .lm_forward import LOSS_SCALE_WARN_RTOL, loss_and_nll, mean_nll_form
+from .lm_forward import loss_and_nll, scaled_loss_text
 
-__all__ = ["warn_about_batch"]
+__all__ = ["warn_about_batch", "VI_LOSS_SCALE_WARN_RTOL"]
+
+#: relative difference between the closure's loss and the mean NLL beyond which VIOptimizer warns: the
+#: scale mistakes differ by 2× or more (F.mse_loss of one output, reduction='sum'), and deliberate other
+#: likelihoods near it (label smoothing 0.1: 0.999×, class weights) are not warned about
+VI_LOSS_SCALE_WARN_RTOL = 0.1
 
 
 def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) -> None:
@@ -36,16 +41,13 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
     if pair is None:
         return
     value, ref = pair
-    if abs(value - ref) > LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
-        ratio = f"{value / ref:.4g}×" if ref else "not"
+    if abs(value - ref) > VI_LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
         warnings.warn(
-            f"VIOptimizer: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its "
-            f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {mean_nll_form(opt)}). The "
-            "posterior weighs the data as dataset_size × the closure's loss, so a scaled loss (F.mse_loss: 2/D "
-            "for D outputs per example; reduction='sum': N) tempers it by that factor; return the mean NLL from "
-            "the closure (the prior is VIOptimizer's own: add no L2 term), or ignore this if the other "
-            "likelihood is meant (label smoothing, class weights)", UserWarning,
-            stacklevel=caller_stacklevel())
+            f"VIOptimizer: {scaled_loss_text(opt, value, ref)}. The posterior weighs the data as dataset_size × "
+            "the closure's loss, so a scaled loss (F.mse_loss: 2/D for D outputs per example; reduction='sum': "
+            "N) tempers it by that factor; return the mean NLL from the closure (the prior is VIOptimizer's own: "
+            "add no L2 term), or ignore this if the other likelihood is meant (label smoothing, class weights)",
+            UserWarning, stacklevel=caller_stacklevel())
 
 
 def _batch_size(opt: Any, targets: Optional[Tensor], output: Any) -> Optional[int]:

@@ -149,7 +149,7 @@ class WeightNoise:
 
     def _draw_noise(self, generator: torch.Generator) -> Optional[Shift]:
         """``ε ~ N(0, τ·Λ⁻¹)`` for every covered parameter, or None before any curvature/init precision."""
-        self._redo_loaded_decompositions()
+        self._decompose_loaded_here()  # a no-op in a step (the step decomposed it first)
         if self._decomposed:
             if self.placement.active:  # [issue #7]
                 for name, blk in self.running.blocks.items():

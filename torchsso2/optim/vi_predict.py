@@ -181,16 +181,18 @@ class PosteriorUse:
         ``(U∘U) D (V∘V)ᵀ`` over the parameter matrix, eigenvalues clamped at 0 as for the samples; full
         blocks the diagonal of their inverse), in float32 at least. For uncertainty per weight
         (signal-to-noise pruning, plots), from the running curvature as :meth:`posterior_precision`;
-        before the first step the isotropic start's variance; 0 for a weight frozen after the optimizer
-        was built (it is not sampled; one frozen when it was built is not covered: no entry) and for an
-        Embedding's ``padding_idx`` row (never sampled). RuntimeError without a posterior or for a block
+        before the first step the isotropic start's variance; 0 for a weight the samples leave alone: frozen
+        after the optimizer was built, or covered but in no block yet (frozen before the first step; it gets
+        one at the first step it trains), and an Embedding's ``padding_idx`` row (one frozen when the
+        optimizer was built is not covered: no entry). RuntimeError without a posterior or for a block
         whose precision is not positive definite."""
         self._check_posterior("posterior_variance()")
         out: Dict[nn.Parameter, Tensor] = {}
         if not self.running.blocks:  # before the first step: the isotropic start predict() samples
             var = 1.0 / float(self._first_precision)  # type: ignore[arg-type]
-            for p in self.engine.params:
-                out[p] = torch.full(p.shape, var, dtype=_at_least_float32(p.dtype), device=p.device)
+            for p in self.engine.params:  # (a weight frozen since construction is not sampled: 0, below)
+                out[p] = torch.full(p.shape, var if p.requires_grad else 0.0, dtype=_at_least_float32(p.dtype),
+                                    device=p.device)
             self._zero_padding_rows(out)
             return out
         size, shift, tau = self.likelihood_size, self.precision_shift, self.kl_weighting
@@ -222,6 +224,10 @@ class PosteriorUse:
                 # a weight frozen after construction is not sampled (vi_shift.unfrozen): its variance is 0
                 v = v.reshape(p.shape) if p.requires_grad else torch.zeros(p.shape, dtype=v.dtype, device=v.device)
                 out[p] = v.to(_at_least_float32(p.dtype))
+        have = {id(q) for q in out}
+        for p in self.engine.params:  # covered, but in no block yet (frozen before the first step): not sampled
+            if id(p) not in have:
+                out[p] = torch.zeros(p.shape, dtype=_at_least_float32(p.dtype), device=p.device)
         self._zero_padding_rows(out)
         return out
 
