@@ -79,6 +79,12 @@ def _warn_unmatched(model: nn.Module, keys: Sequence[Union[str, type]], wrapped:
                           UserWarning, stacklevel=caller_stacklevel())
 
 
+def _is_torch_layer_name(key: str) -> bool:
+    """Whether ``key`` is the name of a ``torch.nn`` module class (``"Conv2d"``, ``"BatchNorm2d"``)."""
+    cls = getattr(nn, key, None)
+    return isinstance(cls, type) and issubclass(cls, nn.Module)
+
+
 class UncoveredModule(ValueError):
     """A module with trainable parameters that no layer family covers (``select_layouts`` without
     ``any_module``): the ValueError names it and the ways out."""
@@ -251,8 +257,10 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     if isinstance(approx, Mapping):
         rules = [(k, parse(Approx, v, f"approx[{k!r}]")) for k, v in approx.items()]
         default: Optional[Approx] = None
-        # string keys only: a type cannot be misspelt, and a dict written for several models may name absent ones
-        _warn_unmatched(model, [k for k, _ in rules if isinstance(k, str)], _is_wrapper(model), "approx")
+        # not for a type or the name of one of torch.nn's layer classes: those cannot be typos, and a dict
+        # written for several models may name classes some of them lack ({"Conv2d": ..., "Linear": ...})
+        _warn_unmatched(model, [k for k, _ in rules if isinstance(k, str) and not _is_torch_layer_name(k)],
+                        _is_wrapper(model), "approx")
     else:
         rules, default = [], parse(Approx, approx, "approx")
     layouts: Dict[str, Layout] = {}

@@ -54,10 +54,11 @@ def test_a_skip_modules_entry_matching_no_module_warns(build) -> None:
 def test_an_approx_key_matching_no_module_warns(build) -> None:
     """``approx={"fc2": "diag"}`` in a model whose layers are ``0`` and ``2`` left layer ``2`` at its
     default K-FAC without a word: a string key that picks no module is named in a warning (a type key
-    is not: it cannot be misspelt, and a dict written for several models may name absent classes)."""
+    or a torch.nn class name is not: they cannot be misspelt, and a dict written for several models may
+    name absent classes)."""
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match=r"approx entry 'fc2' matches no module .*default shape") as rec:
-        out = build(model, {"fc2": "diag", "^0$": "diag", nn.Conv2d: "kfac"})
+        out = build(model, {"fc2": "diag", "^0$": "diag", nn.Conv2d: "kfac", "BatchNorm2d": "diag"})
     ours = [w for w in rec if "approx entry" in str(w.message)]
     assert len(ours) == 1 and ours[0].filename == __file__
     approx = out.approx if hasattr(out, "approx") and isinstance(out.approx, dict) else out.engine.approx

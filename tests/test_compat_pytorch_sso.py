@@ -592,6 +592,31 @@ def test_a_class_absent_from_curv_shapes_with_a_huge_full_block_is_refused_at_co
         SecondOrderOptimizer(big, "Cov", {"Conv2d": "Kron"}, {"damping": 1e-3})
     opt = SecondOrderOptimizer(_mlp(), "Cov", {}, {"damping": 1e-3})
     assert set(opt.engine.approx[n].value for n in opt.engine.layouts) == {"full"}
+    # a module left out (skip_modules, params=) gets no block: nothing to refuse
+    SecondOrderOptimizer(big, "Cov", {"Conv2d": "Kron"}, {"damping": 1e-3}, skip_modules=[nn.Linear])
+    SecondOrderOptimizer(big, "Cov", {"Conv2d": "Kron"}, {"damping": 1e-3}, params=big[0].parameters())
+
+
+@pytest.mark.parametrize("face", ["so", "vi"])
+def test_a_checkpoint_from_when_the_groups_held_the_native_lr_resumes_at_the_same_lr(face: str) -> None:
+    """Checkpoints saved before the groups held PyTorch-SSO's lr under a gradient EMA hold lr·d and no
+    'groups_lr' mark: loading divides by d, so the run goes on at the lr it had."""
+    def build():
+        if face == "so":
+            return SecondOrderOptimizer(_mlp(), "Cov", {"Linear": "Kron"}, {"damping": 0.1}, lr=0.05,
+                                        grad_ema_decay=0.2)
+        return VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {"damping": 1e-2}, lr=0.05, grad_ema_decay=0.2,
+                           num_mc_samples=1, init_precision=1e-2)
+    opt = build()
+    sd = opt.state_dict()
+    assert sd["torchsso2"]["extra"]["groups_lr"] == "pytorch-sso"
+    old = {**sd, "torchsso2": {**sd["torchsso2"], "extra": {k: v for k, v in sd["torchsso2"]["extra"].items()
+                                                            if k != "groups_lr"}},
+           "param_groups": [{**g, "lr": g["lr"] * 0.2} for g in sd["param_groups"]]}
+    for saved in (sd, old):
+        fresh = build()
+        fresh.load_state_dict(saved)
+        assert [g["lr"] for g in fresh.param_groups] == pytest.approx([0.05])
 
 
 def test_val_num_mc_samples_is_checked_at_construction() -> None:

@@ -169,7 +169,25 @@ def _probabilities(output: Tensor) -> Tensor:
                      f"shape {tuple(output.shape)}; the native predict(x, num_samples) takes [N, T, C] logits too")
 
 
-class SecondOrderOptimizer(_NativeSO):
+class _SSOGroups:
+    """What the compat classes' checkpoints add: a mark that the groups' lr is PyTorch-SSO's (times
+    ``_lr_scale`` inside each update, :func:`_native_lr`); a checkpoint without it was saved when the
+    groups held the native ``lr·d`` under a gradient EMA, which is converted back on loading."""
+
+    _lr_scale: float
+    param_groups: List[Dict[str, Any]]
+
+    def _extra_state(self) -> Dict[str, Any]:
+        return {**super()._extra_state(), "groups_lr": "pytorch-sso"}  # type: ignore[misc]
+
+    def _load_extra_state(self, state: Dict[str, Any]) -> None:
+        super()._load_extra_state(state)  # type: ignore[misc]
+        if state.get("groups_lr") != "pytorch-sso" and self._lr_scale != 1.0:
+            for g in self.param_groups:
+                g["lr"] = g["lr"] / self._lr_scale
+
+
+class SecondOrderOptimizer(_SSOGroups, _NativeSO):
     """PyTorch-SSO's ``SecondOrderOptimizer(model, curv_type, curv_shapes, curv_kwargs, ...)``.
 
     Its arguments and defaults (``momentum=0``, ``momentum_type='preconditioned'``, ...), plus
@@ -209,6 +227,7 @@ class SecondOrderOptimizer(_NativeSO):
         super().__init__(model, lr=lr, momentum=momentum, weight_decay=float(l2_reg), curvature=kind,
                          approx=conv.approx_map(model, curv_shapes), damping=damping + float(l2_reg),
                          kfac_method="inverse", ema_decay=ema_decay, mc_samples=mc, **native)
+        conv.check_implied_full(self, curv_shapes)
         _single_process(self)
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
@@ -229,7 +248,7 @@ class SecondOrderOptimizer(_NativeSO):
         return True
 
 
-class VIOptimizer(_NativeVI):
+class VIOptimizer(_SSOGroups, _NativeVI):
     """PyTorch-SSO's ``VIOptimizer(model, dataset_size, curv_type, curv_shapes, curv_kwargs, ...)``
     (VOGN, noisy K-FAC). See the module doc for what is converted."""
 
@@ -281,6 +300,7 @@ class VIOptimizer(_NativeVI):
         super().__init__(model, n, lr=lr, curvature=kind, approx=approx, prior_variance=float(prior_variance),
                          num_mc_samples=num_mc_samples, kl_weighting=float(kl_weighting), momentum=momentum,
                          ema_decay=ema_decay, damping=damping * n, mc_samples=mc, seed=seed, **native)
+        conv.check_implied_full(self, curv_shapes)
         _single_process(self)
         if init_precision is not None:
             self._start_at(float(init_precision))

@@ -96,15 +96,24 @@ def approx_map(model: Any, curv_shapes: Optional[Mapping[str, str]]) -> Dict[str
         # leaf modules, and nn.MultiheadAttention (its in-projection is its own parameters; out_proj a child)
         leaf = not list(module.children()) or isinstance(module, nn.MultiheadAttention)
         if leaf and any(True for _ in module.parameters(recurse=False)):
-            cls = type(module).__name__
-            out.setdefault(cls, "full")
-            numel = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
-            if cls not in curv_shapes and numel ** 2 > MAX_IMPLIED_FULL:
-                raise ValueError(
-                    f"curv_shapes has no entry for {cls!r}: a class absent from it gets a full block, and a {cls} "
-                    f"here has {numel} parameters, a {numel}x{numel} block ({numel ** 2 * 4 / 2 ** 30:.3g} GiB in "
-                    f"float32); give curv_shapes[{cls!r}] = 'Kron' or 'Diag'")
+            out.setdefault(type(module).__name__, "full")
     return out
+
+
+def check_implied_full(opt: Any, curv_shapes: Optional[Mapping[str, str]]) -> None:
+    """ValueError for a covered module of ``opt`` (after ``skip_modules`` / ``params``) whose class is absent
+    from ``curv_shapes`` and whose full block would have more than :data:`MAX_IMPLIED_FULL` entries (the
+    first step would fail to allocate it), naming ``curv_shapes``."""
+    given = set(curv_shapes or {})
+    for name, lay in opt.engine.layouts.items():
+        cls = type(lay.module).__name__
+        numel = lay.numel
+        if cls not in given and opt.engine.approx[name].value == "full" and numel ** 2 > MAX_IMPLIED_FULL:
+            raise ValueError(
+                f"curv_shapes has no entry for {cls!r}: a class absent from it gets a full block, and {cls} "
+                f"{name!r} has {numel} parameters, a {numel}x{numel} block ({numel ** 2 * 4 / 2 ** 30:.3g} GiB in "
+                f"float32); give curv_shapes[{cls!r}] = 'Kron' or 'Diag' (or leave the module out with "
+                "skip_modules)")
 
 
 def curvature_settings(curv_kwargs: Optional[Mapping[str, Any]]) -> Tuple[float, float, str]:
