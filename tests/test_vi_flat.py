@@ -412,3 +412,18 @@ def test_flat_step_with_a_noise_variance_equals_the_general_step(noise_variance)
         assert fast.noise.variance != 1.0 and not any(taken)
     else:
         assert taken == [False] + [True] * 5
+
+
+def test_the_flat_path_keeps_no_copies_of_the_general_paths_reciprocals() -> None:
+    """The first step (general path) caches 1/denom and 1/√denom in each block; the flat buffers then
+    take over with their own, and the blocks' caches held the old three parameter-sized tensors alive
+    for the optimizer's life (a 512-wide MLP's VI state was 14× its parameters, 11× without them)."""
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    opt = VIOptimizer(model, dataset_size=N_DATA, curvature="reparam", seed=3)
+    x, y = batch()
+    for _ in range(4):
+        opt.step(make_closure(opt, model, x, y))
+    assert opt._flat._link is not None  # the flat path runs
+    for blk in opt.running.blocks.values():
+        assert blk._reciprocal_cache._value is None and blk._reciprocal_cache._sources == ()

@@ -55,6 +55,25 @@ class EmbeddingFamily(LayerFamily):
         oh = self._one_hot(module, a, g.dtype)
         return {"weight": torch.einsum("ntv,kntd->knvd", oh, g)}
 
+    def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
+        """``Σ_{k,n} (per-example gradient)²`` as ``[V·D]`` without the ``[K, N, V, D]`` per-example tensor
+        (``Embedding(50000, 64)`` at 64×16 tokens: 2.4 GB and seconds): an example's gradient is nonzero in
+        the rows of its distinct tokens only, each the sum of ``g`` over that token's positions. Those
+        sums (``[K, U, D]``, ``U ≤ N·T`` distinct (example, token) pairs) are squared, summed over ``k``
+        and added into their rows; the padding row stays zero."""
+        if list(names) != ["weight"]:
+            return None
+        k, n, t, d = g.shape
+        v = module.num_embeddings
+        tokens = a.reshape(n, t).long()
+        key = (torch.arange(n, device=a.device).unsqueeze(1) * v + tokens).reshape(-1)  # (example, token)
+        pairs, where = torch.unique(key, return_inverse=True)
+        sums = g.new_zeros(k, pairs.numel(), d).index_add_(1, where, g.reshape(k, n * t, d))
+        out = g.new_zeros(v, d).index_add_(0, pairs % v, sums.pow(2).sum(0))
+        if module.padding_idx is not None:
+            out[module.padding_idx] = 0
+        return out.reshape(-1)
+
     def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor,
                      names: Sequence[str]) -> Tuple[Tensor, Tensor]:
         if "weight" not in names:

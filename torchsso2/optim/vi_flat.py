@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock
-from curvature.blocks.base import all_finite
+from curvature.blocks.base import DerivedCache, all_finite
 
 from .grid import noise_seed
 from .plan import params_with_grad
@@ -109,6 +109,9 @@ class _Link:
             n = lay.numel
             blk.diagonal = self.curv.narrow(0, offset, n)
             blk.decomposition = {"denom": self.denom.narrow(0, offset, n)}
+            # its cache held the general path's 1/denom and 1/√denom (and their source) alive: three
+            # parameter-sized tensors for the optimizer's life; rebuilt if the general path runs again
+            blk._reciprocal_cache = DerivedCache()
             self.denom_views[0].append(blk.decomposition["denom"])
             self.denom_views[1].append(self.spare.narrow(0, offset, n))
             self.diagonals.append(blk.diagonal)
