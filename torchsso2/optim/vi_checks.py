@@ -51,14 +51,15 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
 
 
 def _batch_size(opt: Any, targets: Optional[Tensor], output: Any) -> Optional[int]:
-    """The number of examples of the step's batch: the targets' first dimension, else the (selected)
-    output's; None when neither is known."""
+    """The number of examples of the step's batch: the targets' first dimension, else the output's (a
+    tensor's own, as the closure returned it: it may already be the selected one; else the
+    ``output_selector``'s pick); None when neither is known."""
     if isinstance(targets, Tensor) and targets.dim() > 0:
         return int(targets.shape[0])
-    if output is None:
-        return None
-    try:
-        out = opt.engine.select_output(output)
-    except (TypeError, ValueError):
-        return None
+    out = output
+    if output is not None and not isinstance(output, Tensor):
+        try:
+            out = opt.engine.select_output(output)
+        except Exception:  # a selector that does not fit what the closure returned: nothing to tell
+            return None
     return int(out.shape[0]) if isinstance(out, Tensor) and out.dim() > 0 else None
