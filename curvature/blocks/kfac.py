@@ -206,6 +206,10 @@ class KFACBlock(Block):
             m = self._to_matrix(vecs, d["linv"].dtype)
             return self._from_matrix(self._mul_factor_right(self._mul_factor_left(d["linv"], m), d["rinv"]), vecs)
         rows, cols = d["denom"].shape
+        if p["ql"] is None and p["qr"] is not None and len(vecs) == 1 and vecs[0].numel() == rows * cols:
+            sparse = self._solve_rows(vecs[0], p, rows, cols)
+            if sparse is not None:
+                return [sparse]
         if p["buffer"] is None:
             m = self._to_matrix(vecs, p["denom"].dtype, p["spans"])
         else:  # straight into the block's zero-padded buffer (kept: no fresh pages every step)
@@ -221,6 +225,26 @@ class KFACBlock(Block):
         if p["ql"] is not None:
             left = torch.mm(p["ql"], left)[:rows]
         return [like_dtype(torch.mm(left, q).view_as(x), x) for q, x in zip(p["qr_parts"], vecs)]
+
+    @staticmethod
+    def _solve_rows(v: Tensor, p: Dict[str, Any], rows: int, cols: int) -> Optional[Tensor]:
+        """The solve of a diagonal left factor (an Embedding's token counts) on the rows of ``v`` (``[rows,
+        cols]`` row-major) that are not zero, when they are at most half of them (the tokens a batch saw
+        in a wide table): the rows are independent, ``x_v = ((v_v Q_R) ⊘ denom_v) Q_Rᵀ``, and a zero row
+        solves to zero. Embedding(50000, 64) at 64×16 tokens: two [50000, 64] GEMMs and elementwise
+        passes over the table (~11 ms) become the same on ≤ 1024 rows. None: solve densely."""
+        m = v.reshape(rows, cols)
+        live = m.any(1).nonzero().squeeze(1)  # NaN/inf rows count as live: they stay non-finite
+        if 2 * live.numel() > rows:
+            return None
+        qr, denom = p["qr"], p["denom"]
+        sub = m.index_select(0, live).to(denom.dtype)
+        if qr.shape[0] != cols:  # the padded basis (zero rows/columns beyond cols)
+            sub = torch.nn.functional.pad(sub, (0, qr.shape[0] - cols))
+        solved = torch.mm(torch.mm(sub, qr).div_(denom.index_select(0, live)), qr.t())[:, :cols]
+        out = torch.zeros_like(m)
+        out.index_copy_(0, live, solved.to(out.dtype))
+        return out.view_as(v)
 
     @staticmethod
     def _solve_direct(vecs: Sequence[Tensor], direct: Tuple[Any, ...]) -> List[Tensor]:
