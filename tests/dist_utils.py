@@ -40,6 +40,16 @@ def mpi_env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 
+def mpi_rank_results(script: Path, out: Path, ranks: int = 2, timeout: float = 300.0) -> List[dict]:
+    """Run ``mpiexec -n ranks python script out`` (skipped without MPI) and load each rank's
+    ``out/rank<r>.pt`` (``weights_only``); the job must exit 0."""
+    mpiexec = require_mpiexec()
+    proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, str(script), str(out)], env=mpi_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
+
+
 def start_ranks(target: Callable[..., None], world_size: int, args: tuple, preload: Sequence[str],
                 deadline_s: float, wait_ranks: Optional[Sequence[int]] = None) -> List[Optional[int]]:
     """Run ``target(rank, *args)`` on ``world_size`` processes; return their exit codes (None: killed).

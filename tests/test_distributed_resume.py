@@ -7,7 +7,6 @@ first resumed step drawing the isotropic start's noise, and every rank replaying
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,19 +14,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import mpi_env, require_mpiexec  # noqa: E402
+from dist_utils import mpi_rank_results  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "resume_worker.py"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory):
-    mpiexec = require_mpiexec()
-    out = tmp_path_factory.mktemp("resume")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(SCRIPT), str(out)], env=mpi_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return mpi_rank_results(SCRIPT, tmp_path_factory.mktemp("resume"))
 
 
 @pytest.mark.parametrize("config", ["vi-kfac", "vi-diag", "vi-kfac-mem"])

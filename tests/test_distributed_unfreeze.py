@@ -4,7 +4,6 @@ after loading a checkpoint under other posterior settings takes no collectives (
 other rank's barrier and aborted the job). The replicas stay bit-identical."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,19 +11,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import mpi_env, require_mpiexec  # noqa: E402
+from dist_utils import mpi_rank_results  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "unfreeze_worker.py"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory):
-    mpiexec = require_mpiexec()
-    out = tmp_path_factory.mktemp("unfreeze")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(SCRIPT), str(out)], env=mpi_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return mpi_rank_results(SCRIPT, tmp_path_factory.mktemp("unfreeze"))
 
 
 @pytest.mark.parametrize("config", ["vi-diag", "vi-kfac", "sso-kfac-mem"])
