@@ -49,19 +49,27 @@ def test_a_wide_table_gets_its_diagonal_from_the_tokens_it_saw() -> None:
     assert bool((big[rest] == 0).all())
 
 
-def test_kfac_solve_of_a_wide_table_works_on_the_rows_the_batch_saw(monkeypatch) -> None:
+@pytest.mark.parametrize("width", [24, 260])  # 260: the right basis zero-padded to 264 for BLAS
+def test_kfac_solve_of_a_wide_table_works_on_the_rows_the_batch_saw(monkeypatch, width: int) -> None:
     """K-FAC's left factor of an Embedding is diagonal (token counts), so its solve is row by row and a
     zero gradient row solves to zero: the rows a batch saw are solved alone (two GEMMs over the whole
     table per step before). The same result as the dense solve, and (A ⊗ G + λI) x = g."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(3000, 24), nn.Flatten(), nn.Linear(4 * 24, 3)).double()
+    model = nn.Sequential(nn.Embedding(3000, width), nn.Flatten(), nn.Linear(4 * width, 3)).double()
     tokens, y = torch.randint(0, 3000, (16, 4)), torch.randint(0, 3, (16,))
     blk = curvature.compute(model, tokens, y, kind="empirical_fisher", approx="kfac").blocks["0"]
     blk.decompose(0.1)
-    grad = torch.zeros(3000, 24, dtype=torch.float64)
+    grad = torch.zeros(3000, width, dtype=torch.float64)
     seen = torch.unique(tokens)
-    grad[seen] = torch.randn(len(seen), 24, dtype=torch.float64)
+    grad[seen] = torch.randn(len(seen), width, dtype=torch.float64)
+    real, ran = type(blk)._solve_rows, []
+
+    def counted(*args):
+        ran.append(real(*args))
+        return ran[-1]
+    monkeypatch.setattr(type(blk), "_solve_rows", staticmethod(counted))
     sparse = blk.solve([grad])[0]
+    assert len(ran) == 1 and ran[0] is not None  # the row path ran
     torch.testing.assert_close(blk.mvp([sparse])[0] + 0.1 * sparse, grad, rtol=1e-10, atol=1e-12)
     monkeypatch.setattr(type(blk), "_solve_rows", staticmethod(lambda *args: None))
     torch.testing.assert_close(sparse, blk.solve([grad])[0], rtol=1e-12, atol=1e-14)

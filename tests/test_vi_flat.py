@@ -427,3 +427,10 @@ def test_the_flat_path_keeps_no_copies_of_the_general_paths_reciprocals() -> Non
     assert opt._flat._link is not None  # the flat path runs
     for blk in opt.running.blocks.values():
         assert blk._reciprocal_cache._value is None and blk._reciprocal_cache._sources == ()
+    # a predict() between steps samples on the general path, which fills the caches again: the next step
+    # drops them (they stayed for the rest of the run: 11 parameter-sized buffers instead of 9)
+    opt.predict(x, num_samples=2)
+    assert any(blk._reciprocal_cache._value is not None for blk in opt.running.blocks.values())
+    opt.step(make_closure(opt, model, x, y))
+    for blk in opt.running.blocks.values():
+        assert blk._reciprocal_cache._value is None

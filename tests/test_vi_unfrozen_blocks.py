@@ -78,3 +78,50 @@ def test_a_layer_frozen_since_construction_and_never_unfrozen_stays_a_point_esti
     assert set(opt.running.blocks) == {"2"}
     assert model[0].weight not in opt.posterior_variance() or \
         bool((opt.posterior_variance()[model[0].weight] == 0).all())
+
+
+@pytest.mark.parametrize("face", ["sso", "vi-kfac", "vi-diag-fisher"])
+def test_a_failed_decomposition_at_the_step_a_layer_joins_skips_it(face: str, monkeypatch) -> None:
+    """The step that first sees an unfrozen layer decomposes every block; when that fails (skip policy)
+    the others keep their decompositions for the step, but the new block had none and the step raised
+    'call decompose() before solve()'. Now it leaves the curvature and joins at the next step."""
+    import curvature.running as running_module
+    import torchsso2.optim.base as base_module
+    from curvature.linalg import LinalgError
+    from torchsso2 import SecondOrderOptimizer
+
+    real = base_module.decompose_block
+    failing = {"now": False}
+
+    def decompose_or_fail(blk, *args, **kwargs):
+        if failing["now"]:
+            raise LinalgError("injected")
+        return real(blk, *args, **kwargs)
+    monkeypatch.setattr(base_module, "decompose_block", decompose_or_fail)
+    monkeypatch.setattr(running_module, "decompose_block", decompose_or_fail)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    if face == "sso":
+        opt = SecondOrderOptimizer(model, seed=1)
+    else:
+        opt = VIOptimizer(model, dataset_size=N, seed=1, approx="kfac" if face == "vi-kfac" else "diag",
+                          curvature="fisher_mc", curv_update_interval=1, inv_update_interval=1)
+    model[0].requires_grad_(False)
+    x, y = _data()
+    for i in range(6):
+        if i == 3:
+            model[0].requires_grad_(True)
+        failing["now"] = i == 3
+        xb, yb = x[i * 10:(i + 1) * 10], y[i * 10:(i + 1) * 10]
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            return loss
+        opt.step(closure)
+        if i == 3:
+            assert "0" not in opt.running.blocks and opt.num_skipped == 1
+    assert set(opt.running.blocks) == {"0", "2"}
+    assert all(b.decomposition is not None for b in opt.running.blocks.values())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -172,7 +172,8 @@ def _probabilities(output: Tensor) -> Tensor:
 class _SSOGroups:
     """What the compat classes' checkpoints add: a mark that the groups' lr is PyTorch-SSO's (times
     ``_lr_scale`` inside each update, :func:`_native_lr`); a checkpoint without it was saved when the
-    groups held the native ``lr·d`` under a gradient EMA, which is converted back on loading."""
+    groups held the native ``lr·d`` under a gradient EMA, which is converted back on loading (``lr`` and an
+    lr scheduler's ``initial_lr``; a scheduler's own state, ``base_lrs``, is the scheduler's to convert)."""
 
     _lr_scale: float
     param_groups: List[Dict[str, Any]]
@@ -184,7 +185,9 @@ class _SSOGroups:
         super()._load_extra_state(state)  # type: ignore[misc]
         if state.get("groups_lr") != "pytorch-sso" and self._lr_scale != 1.0:
             for g in self.param_groups:
-                g["lr"] = g["lr"] / self._lr_scale
+                for key in ("lr", "initial_lr"):  # initial_lr: an lr scheduler's start, kept in the groups
+                    if key in g:
+                        g[key] = g[key] / self._lr_scale
 
 
 class SecondOrderOptimizer(_SSOGroups, _NativeSO):

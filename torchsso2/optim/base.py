@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -513,6 +513,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     @max_consecutive_skips.setter
     def max_consecutive_skips(self, value: Optional[int]) -> None:
         self._streak = SkipStreak(value)
+
+    def _forget_blocks(self, names: Sequence[str]) -> None:
+        """After a failed decomposition, with earlier ones in use for the step: the blocks first seen in this
+        step (a layer unfrozen or first called) have none, so they leave the running curvature; their
+        modules take this step as before they were seen, and the next step meets them anew."""
+        for name in names:
+            self.running.blocks.pop(name, None)
 
     def _snapshot(self) -> StepUndo:
         """What a skipped step must give back (saved before the closure runs): the sampling

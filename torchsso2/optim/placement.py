@@ -146,7 +146,8 @@ class Placement:
         block appears that it does not place (a layer unfrozen, or first called, after the first
         decomposition); collective then (``new_group``): every rank meets the same blocks at the same
         step. A new block comes with a decomposition of every block (``decompose``), which places them
-        anew, or, with every rank a grad worker (``reparam``'s diagonal), decomposed on every rank."""
+        anew (a failed one gives the old assignment back with the old decompositions), or, with every
+        rank a grad worker (``reparam``'s diagonal), decomposed on every rank."""
         if self.assignment is None or any(n not in self.assignment.work for n in blocks):
             if self.assignment is not None:
                 logger.debug("work assignment made again: new blocks %s",
@@ -190,6 +191,7 @@ class Placement:
             return None
         if not blocks:  # nothing covered: nothing to place (every rank sees the same empty set)
             return None
+        previous = self.assignment  # given back with the old decompositions if a decomposition fails
         wa = self.assign(blocks)
         rank = self.comm.rank
         old = {n: b.decomposition for n, b in blocks.items()}
@@ -208,6 +210,7 @@ class Placement:
         if float(flag) > 0:
             for n, b in blocks.items():
                 b.decomposition = old[n]
+            self.assignment = previous  # the old decompositions sit where the old assignment placed them
             return error or f"a decomposition failed on another rank ({int(float(flag))} rank(s) failed)"
         pending: Dict[Tuple[int, Ranks], List[Tensor]] = {}
         for name, blk in blocks.items():

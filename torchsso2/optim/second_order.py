@@ -351,8 +351,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             return loss, output
         # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back
         rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None else None
+        new = [name for name in fresh if name not in self.running.blocks] if fresh is not None else []
         if fresh is not None:
-            new = any(name not in self.running.blocks for name in fresh)
             self.running.update(fresh, self.ema_decay)
             if new and self._decomposed:  # a block seen for the first time (a head earlier batches did not call)
                 decompose = True
@@ -361,6 +361,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if decompose and not self._decompose(self.damping):
             if not self._decomposed:  # nothing to precondition with yet: a skipped step, which leaves the step
                 return loss, output   # count (the schedules, the label streams) as it was; the curvature keeps the batch
+            self._forget_blocks(new)  # the others keep their decompositions; a new one has none
         adapt = self._adapt_now()  # the LM rule after the update; adaptive mode predicts without the old values
         old = [p.detach().clone() for p in params] if adapt and self.adaptive is None else None
         predicted = None

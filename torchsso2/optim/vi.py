@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from curvature.blocks import DiagBlock
+from curvature.blocks import Block, DiagBlock
 from curvature.blocks.base import compute_dtype, like_dtype
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, check_mc_samples, close_matches, parse
@@ -555,6 +555,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
             self.noise.update(residual)
         new = False
+        missing: Dict[str, Block] = {}
         if fresh is not None:
             before = dict(self.running.blocks), self.running.num_updates  # what an overflowing update puts back
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
@@ -589,10 +590,12 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             else:
                 self.running.update(fresh, self.ema_decay)
         if self.num_steps % self.inv_update_interval == 0 or not self._decomposed or new:
-            if not self._decompose(self.precision_shift, scale=self.likelihood_size) and not self._decomposed:
-                # no posterior to step with yet: a skipped step, which leaves the step count (the weight noise,
-                # the schedules and momentum_debias's step t) as it was; the curvature keeps the batch
-                return mean_loss, output
+            if not self._decompose(self.precision_shift, scale=self.likelihood_size):
+                if not self._decomposed:
+                    # no posterior to step with yet: a skipped step, which leaves the step count (the weight noise,
+                    # the schedules and momentum_debias's step t) as it was; the curvature keeps the batch
+                    return mean_loss, output
+                self._forget_blocks(list(missing))  # the others keep their decompositions; a new one has none
         self._update_mean(params, groups, grads)
         self._step_taken()
         self.num_steps += 1

@@ -210,6 +210,9 @@ class FlatDiagPath:
         state does not fit flat buffers (the general step runs)."""
         link = self._link
         if link is not None and link.intact(opt):
+            for blk in link.blocks:  # a predict() / sampled_params() between steps filled it (see _Link)
+                if blk._reciprocal_cache._value is not None:
+                    blk._reciprocal_cache = DerivedCache()
             return link
         self._link = link = self._build(opt)
         return link
