@@ -51,6 +51,17 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused(face):
 
 
 @pytest.mark.parametrize("face", FACES)
+def test_a_kfac_preconditioner_checkpoint_is_named(face):
+    """A KFACPreconditioner's (or kfac_pytorch's) dict was 'saved by a different optimizer'."""
+    from torchsso2.kfac import KFACPreconditioner
+    model, opt = _trained(face, seed=1)
+    ck = KFACPreconditioner(tiny_mlp(seed=2)).state_dict()
+    _refused(opt, model, ck, r"KFACPreconditioner \(kfac_pytorch\) checkpoint .*KFACPreconditioner.load_state_dict")
+    del ck["torchsso2"]  # exactly kfac_pytorch's keys
+    _refused(opt, model, ck, r"KFACPreconditioner \(kfac_pytorch\) checkpoint")
+
+
+@pytest.mark.parametrize("face", FACES)
 def test_a_momentum_buffer_of_the_wrong_size_is_refused(face):
     """The segfault case: 5 elements instead of the parameter's (torch._fused_sgd_ checks no shapes)."""
     model, opt = _trained(face)
