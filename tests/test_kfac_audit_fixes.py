@@ -139,6 +139,15 @@ def test_values_set_by_the_scheduler_are_checked(name: str, fn, error) -> None:
         sched.step()
 
 
+def test_a_refused_scheduler_step_changes_no_hyper_parameter() -> None:
+    """All or nothing: the valid factor_update_steps was doubled before the damping was refused."""
+    pre = KFACPreconditioner(_mlp(), factor_update_steps=2, inv_update_steps=4, damping=0.01)
+    sched = LambdaParamScheduler(pre, factor_update_steps_lambda=lambda s: 2, damping_lambda=lambda s: -1)
+    with pytest.raises(ValueError, match="damping.*no hyper-parameter was changed"):
+        sched.step()
+    assert (pre.factor_update_steps, pre.damping) == (2, 0.01)
+
+
 def test_layers_sharing_a_weight_are_announced() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
     model[2].weight = model[0].weight

@@ -425,6 +425,14 @@ assert kfac is torchsso2.kfac
 assert KFACPreconditioner is torchsso2.kfac.KFACPreconditioner
 assert ComputeMethod is torchsso2.kfac.ComputeMethod
 assert kfac.hyperparams.exp_decay_factor_averaging is torchsso2.kfac.exp_decay_factor_averaging
+import kfac.layer  # one of ours: the same module object, not a second copy loaded from the same file
+assert kfac.layer is torchsso2.kfac.layer is sys.modules["torchsso2.kfac.layer"]
+try:
+    import kfac.layers  # kfac_pytorch's internals are not provided
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("kfac.layers imported")
 print("ok")
 """
 

@@ -11,7 +11,8 @@
 
 It registers ``kfac`` and the mirrored submodules (``kfac.preconditioner``, ``kfac.enums``,
 ``kfac.scheduler``, ``kfac.hyperparams``, ``kfac.base_preconditioner``, ``kfac.warnings``)
-in ``sys.modules``; kfac_pytorch's internals (``kfac.layers``, ``kfac.assignment``,
+in ``sys.modules`` (and torchsso2's own, ``kfac.layer`` is ``torchsso2.kfac.layer``); kfac_pytorch's
+internals (``kfac.layers``, ``kfac.assignment``,
 ``kfac.distributed``, ``kfac.gpt_neox``, ``kfac.tracing``) are not provided. Without the
 call nothing is registered, and an installed kfac_pytorch stays importable as ``kfac``.
 """
@@ -49,5 +50,11 @@ def install_as_kfac(force: bool = False) -> ModuleType:
     modules: Dict[str, ModuleType] = {"kfac": ours}
     for name in MIRRORED:
         modules[f"kfac.{name}"] = sys.modules[f"torchsso2.kfac.{name}"]
+    # our own submodules too (all imported with the package): `import kfac.layer` must give the module
+    # torchsso2.kfac uses, not a second copy loaded from the same file (whose classes isinstance misses)
+    prefix = "torchsso2.kfac."
+    for key, module in list(sys.modules.items()):
+        if key.startswith(prefix) and module is not None:
+            modules.setdefault("kfac." + key[len(prefix):], module)
     sys.modules.update(modules)
     return ours

@@ -84,6 +84,7 @@ class LambdaParamScheduler:
         """
         pre = self._preconditioner
         at = pre.steps if step is None else step
+        values = {}  # every new value computed and checked first, then all set: a refused one sets none
         for name, fn in self._lambdas.items():
             current = getattr(pre, f"_{name}")
             if callable(current):
@@ -94,5 +95,8 @@ class LambdaParamScheduler:
             try:  # the checks a callable's value gets (kfac_pytorch checks none)
                 check_value(name, value, from_callable=True)
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{exc} (set by LambdaParamScheduler at step {at})") from None
+                raise type(exc)(f"{exc} (set by LambdaParamScheduler at step {at}; no hyper-parameter was "
+                                "changed)") from None
+            values[name] = value
+        for name, value in values.items():
             setattr(pre, f"_{name}", value)
