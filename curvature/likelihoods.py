@@ -48,8 +48,9 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
             raise ValueError(
                 f"loss='cross_entropy' got logits of shape {tuple(outputs.shape)} with one class: a softmax over one "
                 "logit is constant, so its Fisher is zero. For a binary classifier trained with "
-                "F.binary_cross_entropy_with_logits, output two logits ([-z/2, z/2] gives the same probabilities) "
-                "or, for a regression output, pass loss='mse'")
+                "F.binary_cross_entropy_with_logits, output two logits ([-z/2, z/2] gives the same probabilities), "
+                "or take the curvature of that loss from your own backward (curvature='empirical_fisher' without "
+                "targets); for a regression output, pass loss='mse'")
         if targets is None:
             return
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -63,9 +64,13 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
                                 "takes the classes last: pass output_selector=lambda out: out.movedim(1, -1)"
                                 if torch_layout else ""))
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= outputs.shape[-1]):
+            low = int(targets.min())
             raise ValueError(
                 f"targets must be class indices in [0, {outputs.shape[-1]}), got range "
-                f"[{int(targets.min())}, {int(targets.max())}]")
+                f"[{low}, {int(targets.max())}]" + (
+                    "; ignored positions (ignore_index, e.g. -100 padding) have no likelihood: select the valid "
+                    "rows, output_selector=lambda out: out[mask] with targets=y[mask] (README, sequence outputs)"
+                    if low < 0 else ""))
     else:
         if outputs.dim() < 1:
             raise ValueError("loss='mse' expects outputs of shape [N, ...], got a scalar")

@@ -375,3 +375,19 @@ def test_cross_entropy_class_dim_1_layout_names_the_fix() -> None:
         curvature.compute(model, x, y)
     c = curvature.compute(model, x, y, output_selector=lambda out: out.movedim(1, -1))
     assert c.dense().abs().max() > 0
+
+
+def test_ignore_index_targets_point_to_the_masking_recipe() -> None:
+    """-100 (F.cross_entropy's ignore_index) in the targets: the range error says how to leave the positions
+    out; the one-logit error names the empirical Fisher from the user's backward too."""
+    import pytest
+    import torch
+    from torch import nn
+
+    import curvature
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, -100, 1, 0])
+    with pytest.raises(ValueError, match=r"range \[-100, 2\].*ignore_index.*output_selector=lambda out: out\[mask\]"):
+        curvature.compute(model, x, y, kind="fisher", approx="diag")
+    with pytest.raises(ValueError, match=r"one class.*curvature='empirical_fisher' without targets"):
+        curvature.compute(nn.Linear(4, 1), x, y.clamp(min=0), kind="fisher", approx="diag")

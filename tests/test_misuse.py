@@ -222,3 +222,87 @@ def test_an_optimizer_without_estimating_closures_checks_its_plain_steps() -> No
     assert opt._misuse["output_checks_left"] == 2
     with pytest.warns(UserWarning, match="not a function of softmax"):
         opt.step(_closure(opt, model, _mse))
+
+
+def test_the_softmax_warning_says_what_uses_the_likelihood() -> None:
+    """The empirical Fisher from the user's own backward is the curvature of whatever the loss is (a
+    multi-label BCE, as the guide recommends): no warning. VIOptimizer's default diagonal reads the
+    gradients only, but predict() averages softmax(output): the warning names that, not the curvature.
+    A Fisher kind names the curvature."""
+    multi = (torch.rand(16, 3) > 0.5).float()
+
+    def bce(out):
+        return F.binary_cross_entropy_with_logits(out, multi)
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.05, curvature="empirical_fisher")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.step(_closure(opt, model, bce))
+    vi = VIOptimizer(model, dataset_size=50, lr=0.01)
+    with pytest.warns(UserWarning, match=r"softmax.*predict\(\) averages softmax\(output\)") as rec:
+        vi.step(_closure(vi, model, bce))
+    assert "The curvature is that of a categorical" not in str(rec[0].message)
+    sso = SecondOrderOptimizer(model, lr=0.05, curvature="fisher_mc")
+    with pytest.warns(UserWarning, match="The curvature is that of a categorical likelihood"):
+        sso.step(_closure(sso, model, bce))
+
+
+def test_a_head_the_selected_output_does_not_reach_is_named() -> None:
+    """A two-head model whose closure adds both heads' losses, with output_selector picking one: the
+    Fisher of the picked output has a zero output factor for the other head, whose step would be
+    lr·g/damping (1000× SGD's at damping 1e-3). A warning names it, once; the empirical Fisher from the
+    user's backward (the whole loss) and VI's default diagonal (the gradients) do not warn."""
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk = nn.Sequential(nn.Linear(4, 5), nn.Tanh())
+            self.ha, self.hb = nn.Linear(5, 3), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = self.trunk(x)
+            return self.ha(h), self.hb(h)
+    yb = torch.randint(0, 2, (16,))
+
+    def run(make):
+        torch.manual_seed(0)
+        model = TwoHeads()
+        opt = make(model)
+
+        def closure():
+            opt.zero_grad()
+            a, b = model(X)
+            loss = F.cross_entropy(a, Y) + F.cross_entropy(b, yb)
+            loss.backward()
+            return loss
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                opt.step(closure)
+        return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+    pick = dict(output_selector=lambda out: out[0])
+    for make in (lambda m: SecondOrderOptimizer(m, **pick), lambda m: VIOptimizer(m, 50, approx="kfac", **pick)):
+        found = run(make)
+        assert len(found) == 1 and "['hb']" in found[0] and "skip_modules=['hb']" in found[0]
+    assert run(lambda m: SecondOrderOptimizer(m, curvature="empirical_fisher", **pick)) == []
+    assert run(lambda m: VIOptimizer(m, 50, **pick)) == []
+
+
+@pytest.mark.parametrize("kind", ["hessian", "empirical_fisher"])
+def test_a_curvature_of_the_targets_warns_when_the_closure_minimises_another_loss(kind: str) -> None:
+    """The Hessian (and the empirical Fisher given targets) is taken of the mean NLL of the output and the
+    targets: a closure minimising the label-smoothed or summed loss got that curvature without a word
+    (adaptive mode already warned). Once, and not for the mean NLL itself or for the Fisher kinds."""
+    def warned(curvature: str, loss_fn) -> list:
+        model = _mlp()
+        opt = SecondOrderOptimizer(model, lr=0.01, curvature=curvature, approx="diag", damping=10.0)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                opt.step(_closure(opt, model, loss_fn), targets=Y)
+        return [str(w.message) for w in rec if "given targets" in str(w.message)]
+    smoothed = warned(kind, lambda out: F.cross_entropy(out, Y, label_smoothing=0.3))
+    assert len(smoothed) == 1 and f"curvature='{kind}'" in smoothed[0]
+    assert "16×" in warned(kind, lambda out: F.cross_entropy(out, Y, reduction="sum"))[0]
+    assert warned(kind, lambda out: F.cross_entropy(out, Y)) == []
+    assert warned("fisher_mc", lambda out: F.cross_entropy(out, Y, reduction="sum")) == []

@@ -258,7 +258,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 loss, output = self._call_closure(closure)
             self._check_nonempty(output)
             return loss, output, None
-        watch = ClosureWatch(self.param_groups, self.engine.loss is LossType.CROSS_ENTROPY, misuse, estimate)
+        watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             def show(_m: nn.Module, _i: Any, out: Any) -> None:
                 watch.observe_output(out if self.engine.output_selector is None else self.engine.output_selector(out))
@@ -513,6 +513,16 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     @max_consecutive_skips.setter
     def max_consecutive_skips(self, value: Optional[int]) -> None:
         self._streak = SkipStreak(value)
+
+    def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
+        """What uses the categorical likelihood of ``loss='cross_entropy'`` (for the closure watch's warning
+        about a loss that is not a function of softmax(output)); None where nothing does: another loss, or
+        the empirical Fisher from the user's own backward (the curvature of whatever loss it was)."""
+        if self.engine.loss is not LossType.CROSS_ENTROPY:
+            return None
+        if self.engine.kind is Kind.EMPIRICAL_FISHER and targets is None:
+            return None
+        return "The curvature is that of a categorical likelihood."
 
     def _forget_blocks(self, names: Sequence[str]) -> None:
         """After a failed decomposition, with earlier ones in use for the step: the blocks first seen in this

@@ -121,6 +121,20 @@ def scaled_loss_text(opt: Any, value: float, ref: float) -> str:
             f"targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what})")
 
 
+def warn_if_loss_is_not_the_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, who: str,
+                                consequence: str, rtol: float) -> None:
+    """Warn when the closure's ``loss`` differs from the mean NLL of its ``output`` and ``targets`` by more
+    than ``rtol`` relative (``who``: the warning's subject; ``consequence``: what the difference does);
+    nothing when that cannot be told (:func:`loss_and_nll`)."""
+    pair = loss_and_nll(opt, targets, loss, output)
+    if pair is None:
+        return
+    value, ref = pair
+    if abs(value - ref) > rtol * max(abs(ref), 1e-12):
+        warnings.warn(f"{who}: {scaled_loss_text(opt, value, ref)}. {consequence}", UserWarning,
+                      stacklevel=caller_stacklevel())
+
+
 def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
     """True when the closure ran the model once, returned that forward's output (in the parameters'
     dtype) and a loss equal to the mean NLL of it and ``targets``."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from enum import Enum
-from typing import Any, Iterator, List, Optional, Tuple, Type, TypeVar
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -85,7 +85,11 @@ class ClosureWatch:
     """Watches one closure call; see the module docstring. ``checks_left`` is shared per optimizer
     through :attr:`owner` (a ``dict`` the optimizer keeps)."""
 
-    def __init__(self, param_groups: List[dict], cross_entropy: bool, owner: dict, estimating: bool = True) -> None:
+    def __init__(self, param_groups: List[dict], categorical: Optional[str], owner: dict,
+                 estimating: bool = True) -> None:
+        """``categorical``: what uses the categorical likelihood of ``loss='cross_entropy'`` (a sentence for
+        the warning), or None when nothing does (another loss, or a curvature from the user's own
+        gradients alone): the output is then not checked."""
         left = owner.get("closure_checks_left", CLOSURE_CHECKS)
         self.active = left > 0
         self.params: List[Tensor] = []
@@ -104,7 +108,8 @@ class ClosureWatch:
             if any(g is not None for g, _ in self.before) else []
         self.owner = owner
         self.estimating = estimating
-        self.check_output = cross_entropy and owner.get("output_checks_left", OUTPUT_CHECKS) > 0 \
+        self.categorical = categorical
+        self.check_output = categorical is not None and owner.get("output_checks_left", OUTPUT_CHECKS) > 0 \
             and (estimating or not owner.get("estimating_output_checked", False))
 
     @staticmethod
@@ -161,13 +166,34 @@ class ClosureWatch:
             warnings.warn(
                 "loss='cross_entropy' but the closure's loss is not a function of softmax(output): the rows "
                 f"of its gradient with respect to the output do not sum to zero (relative row sum "
-                f"{row / total:.2g} > {SHIFT_TOLERANCE:g}), e.g. an MSE loss on the logits. The curvature is that "
-                "of a categorical likelihood. If the loss is another likelihood on the outputs, pass loss='mse' "
+                f"{row / total:.2g} > {SHIFT_TOLERANCE:g}), e.g. an MSE loss on the logits. {self.categorical} "
+                "If the loss is another likelihood on the outputs, pass loss='mse' "
                 "for a Gaussian one or compute F.cross_entropy in the closure. If it is the cross-entropy plus an "
                 "auxiliary term on the logits (a logit penalty, z-loss), the step is right: the curvature is the "
                 "cross-entropy's and the gradient the whole loss's; silence this warning with "
                 "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning,
                 stacklevel=caller_stacklevel())
+
+
+def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
+    """Warn (once per optimizer, at its first curvature estimate) about covered modules whose fresh block
+    is zero in a factor or everywhere while their parameters have a nonzero gradient: the likelihood the
+    curvature is taken from (the model output, or ``output_selector``'s pick) does not depend on them,
+    the loss does (a second head whose loss the closure adds). Their preconditioned step would be
+    ``lr·g/damping``."""
+    if opt.__dict__.get("_reach_checked"):
+        return
+    opt._reach_checked = True
+    unreached = [name for name, blk in fresh.items()
+                 if any(not bool(t.any()) for t in blk.tensors())
+                 and any(p.grad is not None and bool(p.grad.any()) for p in blk.layout.params)]
+    if unreached:
+        warnings.warn(
+            f"the curvature of modules {unreached} is zero although the loss has a gradient for their parameters: "
+            "the likelihood the curvature is taken from (the model output, or output_selector's pick) does not "
+            "depend on them, e.g. a second head whose loss the closure adds. Their update would be lr·g/damping. "
+            f"Leave them to the plain update (skip_modules={unreached!r}), or take the curvature of the whole "
+            "loss from your own backward (curvature='empirical_fisher')", UserWarning, stacklevel=caller_stacklevel())
 
 
 @contextlib.contextmanager

@@ -29,14 +29,14 @@ from curvature.options import Kind
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
-from .lm_forward import forward_only_closure, warn_if_not_mean_nll
+from .lm_forward import LOSS_SCALE_WARN_RTOL, forward_only_closure, warn_if_loss_is_not_the_nll, warn_if_not_mean_nll
 from .rollback import CurvatureRollback
 from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
-from .misuse import NO_BACKWARD
+from .misuse import NO_BACKWARD, warn_unreached_blocks
 from .plan import PartialBlock, UpdatePlan
 from .precision import full_precision_step
 from .clipped_update import clip_scale
@@ -333,6 +333,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         except BaseException:  # a closure that raised (a bad batch caught by the caller): the Monte-Carlo labels
             snapshot.restore()  # it drew are given back, so training on is as if the call never happened
             raise
+        if self.adaptive is None and targets is not None and not self.__dict__.get("_loss_checked"):
+            self._loss_checked = True
+            self._check_loss_against_targets(targets, loss, output)
         if not self._unscale_grads():  # an AMP overflow: as if the batch was never seen (num_steps stays)
             snapshot.restore()
             return loss, output
@@ -352,6 +355,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back
         rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None else None
         new = [name for name in fresh if name not in self.running.blocks] if fresh is not None else []
+        if fresh:
+            warn_unreached_blocks(self, fresh)
         if fresh is not None:
             self.running.update(fresh, self.ema_decay)
             if new and self._decomposed:  # a block seen for the first time (a head earlier batches did not call)
@@ -392,6 +397,18 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self._step_taken()  # a counted step whose damping was not adapted, not a half-counted one
             self.num_steps += 1
         return loss, output
+
+    def _check_loss_against_targets(self, targets: Tensor, loss: Any, output: Any) -> None:
+        """The Hessian, and the empirical Fisher given ``targets``, are taken of the mean NLL of the output and
+        the targets, not of the closure's loss: warn (first step) when the two differ (label smoothing, an L2
+        term, class weights, a scaled loss), as adaptive mode does."""
+        kind = self.engine.kind
+        if kind is Kind.HESSIAN or kind is Kind.EMPIRICAL_FISHER:
+            warn_if_loss_is_not_the_nll(
+                self, targets, loss, output, f"SecondOrderOptimizer (curvature={kind.value!r}, given targets)",
+                "The curvature is taken of the mean NLL of the output and these targets, not of the closure's loss, "
+                "and the step preconditions the closure's gradient; return the mean NLL from the closure, or "
+                "ignore this if the other loss is meant (its curvature is then the mean NLL's)", LOSS_SCALE_WARN_RTOL)
 
     @torch.no_grad()
     def _apply_update(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> bool:

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from curvature.blocks import Block, DiagBlock
 from curvature.blocks.base import compute_dtype, like_dtype
 from curvature.likelihoods import check_targets
-from curvature.options import Kind, check_mc_samples, close_matches, parse
+from curvature.options import Kind, LossType, check_mc_samples, close_matches, parse
 from curvature.linalg import LinalgError
 from curvature.selection import UncoveredModule
 
@@ -63,6 +63,7 @@ from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditione
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_ema_, reparam_sample
 from .noise import ObservationNoise
+from .misuse import warn_unreached_blocks
 from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
 from .vi_checks import warn_about_batch
@@ -469,6 +470,12 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals), targets)
 
+    def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
+        if self.engine.loss is not LossType.CROSS_ENTROPY:
+            return None
+        own = None if self.reparam else super()._categorical_use(targets)
+        return own or "predict() averages softmax(output) over the weight samples: a categorical likelihood."
+
     def _redo_loaded_decompositions(self) -> None:
         """At the start of a step (every rank is there): a loaded posterior whose decompositions are missing
         (saved on a rank that held only part of them) or another posterior's (built with another
@@ -556,6 +563,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             self.noise.update(residual)
         new = False
         missing: Dict[str, Block] = {}
+        if fresh:
+            warn_unreached_blocks(self, fresh)
         if fresh is not None:
             before = dict(self.running.blocks), self.running.num_updates  # what an overflowing update puts back
             if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from curvature.stacklevel import caller_stacklevel
 
-from .lm_forward import loss_and_nll, scaled_loss_text
+from .lm_forward import warn_if_loss_is_not_the_nll
 
 __all__ = ["warn_about_batch", "VI_LOSS_SCALE_WARN_RTOL"]
 
@@ -37,17 +37,13 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
             "examples; dataset_size is the number of training examples N (the data's weight against the "
             "prior, N × the mean loss), not of batches or steps (a deliberately tempered posterior is "
             "kl_weighting)", UserWarning, stacklevel=caller_stacklevel())
-    pair = loss_and_nll(opt, targets, loss, output) if opt.num_mc_samples == 1 else None
-    if pair is None:
-        return
-    value, ref = pair
-    if abs(value - ref) > VI_LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
-        warnings.warn(
-            f"VIOptimizer: {scaled_loss_text(opt, value, ref)}. The posterior weighs the data as dataset_size × "
-            "the closure's loss, so a scaled loss (F.mse_loss: 2/D for D outputs per example; reduction='sum': "
-            "N) tempers it by that factor; return the mean NLL from the closure (the prior is VIOptimizer's own: "
-            "add no L2 term), or ignore this if the other likelihood is meant (label smoothing, class weights)",
-            UserWarning, stacklevel=caller_stacklevel())
+    if opt.num_mc_samples == 1:  # (the mean loss over several samples is not one output's NLL)
+        warn_if_loss_is_not_the_nll(
+            opt, targets, loss, output, "VIOptimizer",
+            "The posterior weighs the data as dataset_size × the closure's loss, so a scaled loss (F.mse_loss: 2/D "
+            "for D outputs per example; reduction='sum': N) tempers it by that factor; return the mean NLL from the "
+            "closure (the prior is VIOptimizer's own: add no L2 term), or ignore this if the other likelihood is "
+            "meant (label smoothing, class weights)", VI_LOSS_SCALE_WARN_RTOL)
 
 
 def _batch_size(opt: Any, targets: Optional[Tensor], output: Any) -> Optional[int]:
