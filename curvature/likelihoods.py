@@ -49,8 +49,8 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
                 f"loss='cross_entropy' got logits of shape {tuple(outputs.shape)} with one class: a softmax over one "
                 "logit is constant, so its Fisher is zero. For a binary classifier trained with "
                 "F.binary_cross_entropy_with_logits, output two logits ([-z/2, z/2] gives the same probabilities), "
-                "or take the curvature of that loss from your own backward (curvature='empirical_fisher' without "
-                "targets); for a regression output, pass loss='mse'")
+                "or take the curvature of that loss from your own backward (the optimizers' "
+                "curvature='empirical_fisher' without targets); for a regression output, pass loss='mse'")
         if targets is None:
             return
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):

@@ -59,6 +59,8 @@ def test_a_kfac_preconditioner_checkpoint_is_named(face):
     _refused(opt, model, ck, r"KFACPreconditioner \(kfac_pytorch\) checkpoint .*KFACPreconditioner.load_state_dict")
     del ck["torchsso2"]  # exactly kfac_pytorch's keys
     _refused(opt, model, ck, r"KFACPreconditioner \(kfac_pytorch\) checkpoint")
+    without_factors = KFACPreconditioner(tiny_mlp(seed=2)).state_dict(include_factors=False)  # no 'layers'
+    _refused(opt, model, without_factors, r"KFACPreconditioner \(kfac_pytorch\) checkpoint")
 
 
 @pytest.mark.parametrize("face", FACES)

@@ -281,7 +281,8 @@ def test_a_head_the_selected_output_does_not_reach_is_named() -> None:
                 opt.step(closure)
         return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
     pick = dict(output_selector=lambda out: out[0])
-    for make in (lambda m: SecondOrderOptimizer(m, **pick), lambda m: VIOptimizer(m, 50, approx="kfac", **pick)):
+    for make in (lambda m: SecondOrderOptimizer(m, **pick),
+                 lambda m: VIOptimizer(m, 50, approx="kfac", curv_update_interval=1, **pick)):
         found = run(make)
         assert len(found) == 1 and "['hb']" in found[0] and "skip_modules=['hb']" in found[0]
     assert run(lambda m: SecondOrderOptimizer(m, curvature="empirical_fisher", **pick)) == []
@@ -306,3 +307,83 @@ def test_a_curvature_of_the_targets_warns_when_the_closure_minimises_another_los
     assert "16×" in warned(kind, lambda out: F.cross_entropy(out, Y, reduction="sum"))[0]
     assert warned(kind, lambda out: F.cross_entropy(out, Y)) == []
     assert warned("fisher_mc", lambda out: F.cross_entropy(out, Y, reduction="sum")) == []
+
+
+def test_the_unreached_warning_waits_for_a_second_estimate_and_looks_at_late_heads() -> None:
+    """A zero-initialised classifier head zeroes the layers' output factors below it at the first estimate
+    only (an L2 term in the closure gives them a gradient): no warning. A second head first called after
+    the first estimate is looked at when it appears."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+    nn.init.zeros_(model[4].weight)
+    nn.init.zeros_(model[4].bias)
+    opt = SecondOrderOptimizer(model, lr=0.05)
+
+    def l2(out):
+        return F.cross_entropy(out, Y) + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.step(_closure(opt, model, l2))
+    assert not [w for w in rec if "curvature of modules" in str(w.message)]
+
+    class LateAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk, self.ha, self.hb = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 2)
+            self.aux = False
+
+        def forward(self, x):
+            h = torch.tanh(self.trunk(x))
+            return self.ha(h), (self.hb(h) if self.aux else None)
+    torch.manual_seed(0)
+    late = LateAux()
+    opt = SecondOrderOptimizer(late, output_selector=lambda out: out[0])
+    yb = torch.randint(0, 2, (16,))
+
+    def closure():
+        opt.zero_grad()
+        a, b = late(X)
+        loss = F.cross_entropy(a, Y) + (F.cross_entropy(b, yb) if b is not None else 0.0)
+        loss.backward()
+        return loss
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for step in range(5):
+            late.aux = step >= 2
+            opt.step(closure)
+    found = [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+    assert len(found) == 1 and "['hb']" in found[0]
+
+
+def test_the_loss_checks_read_the_whole_batch_and_cover_adaptive_momentum_alone() -> None:
+    """Micro-batches of one example (MSE: [1, D] broadcasts against [N, D] targets) made the Hessian's check
+    compare one example's output with the whole batch; an adaptive momentum alone (no adaptive lr, whose
+    own check is skipped then) had no check; adaptive mode with the empirical Fisher from the backward still
+    takes the categorical curvature in its quadratic model, so the softmax check stays on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    x, t = torch.randn(8, 4), torch.randn(8, 2)
+    opt = SecondOrderOptimizer(model, lr=0.01, curvature="hessian", loss="mse", approx="diag", damping=1.0)
+
+    def accumulated():
+        opt.zero_grad()
+        total = 0.0
+        for i in range(8):
+            part = 0.5 * (model(x[i:i + 1]) - t[i:i + 1]).pow(2).sum(1).mean() / 8
+            part.backward()
+            total = total + part.detach()
+        return total
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(accumulated, targets=t)
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.01, curvature="hessian", approx="diag", damping=10.0,
+                               use_adaptive_momentum=True)
+    with pytest.warns(UserWarning, match="given targets"):
+        opt.step(_closure(opt, model, lambda out: F.cross_entropy(out, Y, label_smoothing=0.3)), targets=Y)
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher", use_adaptive_learning_rate=True,
+                               use_adaptive_momentum=True, adaptive_damping=True, damping=1.0)
+    with pytest.warns(UserWarning, match="quadratic model takes the categorical"):
+        opt.step(_closure(opt, model, lambda out: F.mse_loss(out, F.one_hot(Y, 3).float())))

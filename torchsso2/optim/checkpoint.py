@@ -248,10 +248,10 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     docstring. Raises ``ValueError`` naming the bad entry; changes nothing."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_state_dict expects the dict returned by state_dict(), got {type(state_dict).__name__}")
-    if "layers" in state_dict and "steps" in state_dict and "param_groups" not in state_dict:
-        raise ValueError(f"this is a KFACPreconditioner (kfac_pytorch) checkpoint (keys 'steps', 'layers'), not a "
-                         f"{opt.face_name}'s: load it with KFACPreconditioner.load_state_dict; the optimizer is "
-                         "unchanged")
+    if "steps" in state_dict and "param_groups" not in state_dict:  # ('layers' only with include_factors)
+        raise ValueError("this is a KFACPreconditioner (kfac_pytorch) checkpoint (key 'steps', no 'param_groups'), "
+                         f"not a {opt.face_name}'s: load it with KFACPreconditioner.load_state_dict; the optimizer "
+                         "is unchanged")
     extra = state_dict.get("torchsso2")
     if not isinstance(extra, dict):
         raise ValueError("state_dict has no 'torchsso2' entry: it was not saved by SecondOrderOptimizer or "

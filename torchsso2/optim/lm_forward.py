@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from curvature.likelihoods import FEW_CLASSES, mean_nll
+from curvature.likelihoods import FEW_CLASSES, check_outputs_targets, mean_nll
 from curvature.options import LossType
 from curvature.stacklevel import caller_stacklevel
 
@@ -100,12 +100,17 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) ->
     if not isinstance(targets, Tensor) or not isinstance(output, Tensor) \
             or not isinstance(loss, Tensor) or loss.numel() != 1:
         return None
-    if not output.is_floating_point() or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
-        return None
+    if output.dtype not in (torch.float32, torch.float64) \
+            or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
+        return None  # (half precision: the two computations' rounding alone differs by up to 1%)
     engine = opt.engine
     with torch.no_grad():
         try:
-            ref = float(_mean_nll(engine.loss, engine.select_output(output.detach()), targets))
+            selected = engine.select_output(output.detach())
+            # the output of the batch the targets are of: a micro-batch's output broadcasts against the
+            # whole batch's regression targets ([1, D] against [N, D]) without an error
+            check_outputs_targets(engine.loss, selected, targets)
+            ref = float(_mean_nll(engine.loss, selected, targets))
         except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
             return None
     return float(loss.detach()), ref

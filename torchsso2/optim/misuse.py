@@ -175,25 +175,39 @@ class ClosureWatch:
                 stacklevel=caller_stacklevel())
 
 
+#: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the
+#: warning names it: a zero-initialised head makes the layers below it look unreached at the first
+UNREACHED_LOOKS = 2
+
+
 def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
-    """Warn (once per optimizer, at its first curvature estimate) about covered modules whose fresh block
-    is zero in a factor or everywhere while their parameters have a nonzero gradient: the likelihood the
-    curvature is taken from (the model output, or ``output_selector``'s pick) does not depend on them,
-    the loss does (a second head whose loss the closure adds). Their preconditioned step would be
-    ``lr·g/damping``."""
-    if opt.__dict__.get("_reach_checked"):
+    """Warn about covered modules whose fresh block is zero (in a factor, or everywhere) while their
+    parameters have a nonzero gradient, at each of their first :data:`UNREACHED_LOOKS` curvature
+    estimates: the likelihood the curvature is taken from (the model output, or ``output_selector``'s
+    pick) does not depend on them, the loss does (a second head whose loss the closure adds). Each
+    module is looked at in its first estimates (also one first called later); once per optimizer."""
+    looks: Dict[str, int] = opt.__dict__.setdefault("_reach_looks", {})
+    if looks.get("", 0):  # warned already
         return
-    opt._reach_checked = True
-    unreached = [name for name, blk in fresh.items()
-                 if any(not bool(t.any()) for t in blk.tensors())
-                 and any(p.grad is not None and bool(p.grad.any()) for p in blk.layout.params)]
+    unreached = []
+    for name, blk in fresh.items():
+        seen = looks.get(name, 0)
+        if seen < 0 or seen >= UNREACHED_LOOKS:
+            continue
+        zero = any(not bool(t.any()) for t in blk.tensors()) \
+            and any(p.grad is not None and bool(p.grad.any()) for p in blk.layout.params)
+        looks[name] = seen + 1 if zero else -1  # -1: reached, not looked at again
+        if zero and seen + 1 == UNREACHED_LOOKS:
+            unreached.append(name)
     if unreached:
+        looks[""] = 1
         warnings.warn(
-            f"the curvature of modules {unreached} is zero although the loss has a gradient for their parameters: "
-            "the likelihood the curvature is taken from (the model output, or output_selector's pick) does not "
-            "depend on them, e.g. a second head whose loss the closure adds. Their update would be lr·g/damping. "
-            f"Leave them to the plain update (skip_modules={unreached!r}), or take the curvature of the whole "
-            "loss from your own backward (curvature='empirical_fisher')", UserWarning, stacklevel=caller_stacklevel())
+            f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
+            "parameters: the likelihood the curvature is taken from (the model output, or output_selector's pick) "
+            "does not depend on them, e.g. a second head whose loss the closure adds. Their preconditioned step is "
+            "the gradient over the damping (bounded by kl_clip). Leave them to the plain update "
+            f"(skip_modules={unreached!r}), or take the curvature of the whole loss from your own backward "
+            "(curvature='empirical_fisher')", UserWarning, stacklevel=caller_stacklevel())
 
 
 @contextlib.contextmanager

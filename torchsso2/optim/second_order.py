@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import check_targets
-from curvature.options import Kind
+from curvature.options import Kind, LossType
 
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -333,7 +333,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         except BaseException:  # a closure that raised (a bad batch caught by the caller): the Monte-Carlo labels
             snapshot.restore()  # it drew are given back, so training on is as if the call never happened
             raise
-        if self.adaptive is None and targets is not None and not self.__dict__.get("_loss_checked"):
+        # (an adaptive learning rate checks the closure's loss itself: lm_forward.warn_if_not_mean_nll)
+        if (self.adaptive is None or not self.adaptive.learning_rate) and targets is not None \
+                and not self.__dict__.get("_loss_checked"):
             self._loss_checked = True
             self._check_loss_against_targets(targets, loss, output)
         if not self._unscale_grads():  # an AMP overflow: as if the batch was never seen (num_steps stays)
@@ -397,6 +399,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self._step_taken()  # a counted step whose damping was not adapted, not a half-counted one
             self.num_steps += 1
         return loss, output
+
+    def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
+        own = super()._categorical_use(targets)
+        if own is None and self.adaptive is not None and self.engine.loss is LossType.CROSS_ENTROPY:
+            # the quadratic model's products take the categorical output Hessian whatever the kind
+            return "The adaptive step's quadratic model takes the categorical likelihood's curvature."
+        return own
 
     def _check_loss_against_targets(self, targets: Tensor, loss: Any, output: Any) -> None:
         """The Hessian, and the empirical Fisher given ``targets``, are taken of the mean NLL of the output and
