@@ -6,7 +6,8 @@ hand, gradients come from plain ``torch.autograd``, and reference curvature come
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -178,3 +179,26 @@ def digits_split(dtype: torch.dtype = torch.float32):
     y = torch.tensor(y)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0)
     return xtr, xte, ytr, yte
+
+
+@contextlib.contextmanager
+def failing_decompositions() -> Iterator[Dict[str, bool]]:
+    """Every block decomposition the optimizers start raises ``LinalgError("injected")`` while the yielded
+    switch's ``"now"`` is True (patched where they call it: ``torchsso2.optim.base`` and
+    ``curvature.running``); restored on exit."""
+    import curvature.running as running_module
+    import torchsso2.optim.base as base_module
+    from curvature.linalg import LinalgError
+
+    real = base_module.decompose_block
+    switch = {"now": False}
+
+    def decompose_or_fail(blk: Any, *args: Any, **kwargs: Any) -> None:
+        if switch["now"]:
+            raise LinalgError("injected")
+        return real(blk, *args, **kwargs)
+    base_module.decompose_block = running_module.decompose_block = decompose_or_fail
+    try:
+        yield switch
+    finally:
+        base_module.decompose_block = running_module.decompose_block = real

@@ -81,24 +81,13 @@ def test_a_layer_frozen_since_construction_and_never_unfrozen_stays_a_point_esti
 
 
 @pytest.mark.parametrize("face", ["sso", "vi-kfac", "vi-diag-fisher"])
-def test_a_failed_decomposition_at_the_step_a_layer_joins_skips_it(face: str, monkeypatch) -> None:
+def test_a_failed_decomposition_at_the_step_a_layer_joins_skips_it(face: str) -> None:
     """The step that first sees an unfrozen layer decomposes every block; when that fails (skip policy)
     the others keep their decompositions for the step, but the new block had none and the step raised
     'call decompose() before solve()'. Now it leaves the curvature and joins at the next step."""
-    import curvature.running as running_module
-    import torchsso2.optim.base as base_module
-    from curvature.linalg import LinalgError
+    from optim_helpers import failing_decompositions
     from torchsso2 import SecondOrderOptimizer
 
-    real = base_module.decompose_block
-    failing = {"now": False}
-
-    def decompose_or_fail(blk, *args, **kwargs):
-        if failing["now"]:
-            raise LinalgError("injected")
-        return real(blk, *args, **kwargs)
-    monkeypatch.setattr(base_module, "decompose_block", decompose_or_fail)
-    monkeypatch.setattr(running_module, "decompose_block", decompose_or_fail)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
     if face == "sso":
@@ -108,6 +97,14 @@ def test_a_failed_decomposition_at_the_step_a_layer_joins_skips_it(face: str, mo
                           curvature="fisher_mc", curv_update_interval=1, inv_update_interval=1)
     model[0].requires_grad_(False)
     x, y = _data()
+    with failing_decompositions() as failing:
+        _six_steps_failing_at_3(opt, model, x, y, failing)
+    assert set(opt.running.blocks) == {"0", "2"}
+    assert all(b.decomposition is not None for b in opt.running.blocks.values())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def _six_steps_failing_at_3(opt, model, x, y, failing) -> None:
     for i in range(6):
         if i == 3:
             model[0].requires_grad_(True)
@@ -122,6 +119,3 @@ def test_a_failed_decomposition_at_the_step_a_layer_joins_skips_it(face: str, mo
         opt.step(closure)
         if i == 3:
             assert "0" not in opt.running.blocks and opt.num_skipped == 1
-    assert set(opt.running.blocks) == {"0", "2"}
-    assert all(b.decomposition is not None for b in opt.running.blocks.values())
-    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -5,6 +5,7 @@ both ranks. Writes ``<out>/rank<r>.pt``: {config: (parameters, covered blocks)}.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from torch import nn
 
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.distributed import get_communicator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers
+from optim_helpers import failing_decompositions  # noqa: E402
 
 comm = get_communicator(timeout=60)
 rank = comm.rank
@@ -61,32 +65,17 @@ for name, build in builds.items():
 
 # the decomposition of the step that first sees the unfrozen layer fails (injected): a skipped decomposition,
 # the old assignment and decompositions in use, the new block met again (and placed) at the next step
-import curvature.running as running_module  # noqa: E402
-import torchsso2.optim.base as base_module  # noqa: E402
-from curvature.linalg import LinalgError  # noqa: E402
-
-real = base_module.decompose_block
-failing = {"now": False}
-
-
-def decompose_or_fail(blk, *args, **kwargs):
-    if failing["now"]:
-        raise LinalgError("injected")
-    return real(blk, *args, **kwargs)
-
-
-base_module.decompose_block = running_module.decompose_block = decompose_or_fail
-for gwf in ("mem_opt", "comm_opt"):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = SecondOrderOptimizer(model, seed=1, grad_worker_fraction=gwf)
-    model[0].requires_grad_(False)
-    for i in range(6):
-        failing["now"] = i == 3
-        train(opt, model, 1, unfreeze_at=3, start=i)
-    failing["now"] = False
-    results[f"sso-fail-{gwf}"] = (flat(model), sorted(opt.running.blocks))
-base_module.decompose_block = running_module.decompose_block = real
+with failing_decompositions() as failing:
+    for gwf in ("mem_opt", "comm_opt"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = SecondOrderOptimizer(model, seed=1, grad_worker_fraction=gwf)
+        model[0].requires_grad_(False)
+        for i in range(6):
+            failing["now"] = i == 3
+            train(opt, model, 1, unfreeze_at=3, start=i)
+        failing["now"] = False
+        results[f"sso-fail-{gwf}"] = (flat(model), sorted(opt.running.blocks))
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
