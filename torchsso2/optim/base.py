@@ -173,10 +173,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self._frozen_in_groups = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._frozen_outside = [p for p in model.parameters() if not p.requires_grad] if implicit else []
         self._decomposed = False
-        self._average_gradients = not isinstance(model, nn.parallel.DistributedDataParallel)
-        #: several processes, built on the bare model: whether a DDP wrapper averaged a step's gradients already
-        self._ddp_sync = DDPSync(model, self.comm.world_size) \
-            if self.comm.world_size > 1 and self._average_gradients else None
+        #: several processes: the optimizer averages the gradients itself unless a DDP wrapper did (its own
+        #: model's wrapper too: a parameter DDP does not sync, frozen when DDP was built and trainable now,
+        #: had gone unaveraged and the replicas drifted apart): whether one did, per step (ddp_sync.py)
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self._ddp_sync = DDPSync(inner, self.comm.world_size) if self.comm.world_size > 1 else None
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CurvatureOptimizer":
         """``copy.deepcopy(opt)``: an independent optimizer with everything copied — its model
@@ -382,7 +383,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         flag, at = None, 1
         if self._ddp_sync is not None and self._ddp_sync.take():  # a DDP wrapper averaged the gradients (ddp_sync.py)
             flag = self._flag_if_ddp_averaged(params, bad, settings, dtype, dev)  # None: the ranks' differ
-        if flag is None and self._average_gradients:
+        if flag is None:
             # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
             # flag, so a parameter no rank has a gradient for keeps grad None
@@ -409,9 +410,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
             at = 4
-        elif flag is None:
-            flag = torch.tensor([1.0 if bad else 0.0] + settings, dtype=dtype, device=dev)
-            self.comm.allreduce([flag], op="mean")
         if flag[at:at + 2].tolist() != settings:
             raise ValueError(
                 f"{type(self).__name__}: the param groups' settings (lr, momentum, weight_decay, ...) differ between "
