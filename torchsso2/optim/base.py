@@ -176,8 +176,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         #: several processes: the optimizer averages the gradients itself unless a DDP wrapper did (its own
         #: model's wrapper too: a parameter DDP does not sync, frozen when DDP was built and trainable now,
         #: had gone unaveraged and the replicas drifted apart): whether one did, per step (ddp_sync.py)
-        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        self._ddp_sync = DDPSync(inner, self.comm.world_size) if self.comm.world_size > 1 else None
+        built_on_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        inner = model.module if built_on_ddp else model
+        # built on the wrapper, the model always runs inside it: the fingerprints are compared when the set of
+        # parameters with gradients changes (a layer unfrozen), not at every step (DDPSync.verified)
+        self._ddp_sync = DDPSync(inner, self.comm.world_size, recheck_on_change_only=built_on_ddp) \
+            if self.comm.world_size > 1 else None
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CurvatureOptimizer":
         """``copy.deepcopy(opt)``: an independent optimizer with everything copied — its model
@@ -433,15 +437,20 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         wrapper averaged every closure call's gradients (:class:`DDPSync`) and every rank's gradients
         have the same :func:`fingerprint` (one slot per rank in the flag); None otherwise, after that
         one small all-reduce: the caller then averages the gradients itself."""
+        sync = self._ddp_sync
+        assert sync is not None
         grads = [p.grad for p in params]
         refuse_sparse(grads)
         slots = torch.zeros(self.comm.world_size, dtype=torch.float64, device=dev)
-        slots[self.comm.rank] = fingerprint(grads, self._ddp_sync.projection).to(dev)  # type: ignore[union-attr]
+        signature = tuple(map(id, params))
+        if not sync.trusts(signature):  # (a trusted set leaves its slot 0 on every rank: equal)
+            slots[self.comm.rank] = fingerprint(grads, sync.projection).to(dev)
         flag = torch.cat([torch.tensor([1.0 if bad else 0.0] + settings, dtype=torch.float64, device=dev), slots])
         self.comm.allreduce([flag], op="mean")
         shares = flag[3:]
         if not bool((shares == shares[0]).all()):
             return None
+        sync.verified(signature)
         return flag[:3].to(dtype)
 
     def _grads_unscaled(self) -> bool:

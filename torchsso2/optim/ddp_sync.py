@@ -38,15 +38,29 @@ class DDPSync:
     """Per step: whether every closure call ran the model inside a DDP wrapper that averages its
     gradients over all ``world_size`` ranks (:attr:`synced`; None before any call this step)."""
 
-    def __init__(self, model: nn.Module, world_size: int) -> None:
+    def __init__(self, model: nn.Module, world_size: int, recheck_on_change_only: bool = False) -> None:
         self.model = model
         self.world_size = world_size
+        #: an optimizer built on the DDP wrapper: the fingerprints are compared at the first step and again
+        #: whenever the set of parameters with gradients changes (what DDP syncs is fixed when it is built;
+        #: a parameter it does not hold shows up as a new member of that set), not at every step
+        self.recheck_on_change_only = recheck_on_change_only
+        self._verified: Optional[Tuple[int, ...]] = None
         #: this step's verdict over its closure calls (read and reset by :meth:`take`)
         self.synced: Optional[bool] = None
         self._call: Optional[bool] = None
         self._owners: Dict[int, bool] = {}  # id(DDP wrapper) -> whether it averages our model's gradients
         #: the fixed random vectors of :func:`fingerprint`, by length and device
         self.projection = _Projection()
+
+    def trusts(self, signature: Tuple[int, ...]) -> bool:
+        """Whether this step may skip the fingerprint: built on the wrapper, with the same parameters
+        having gradients (``signature``: their ids) as at the last step whose fingerprints agreed."""
+        return self.recheck_on_change_only and signature == self._verified
+
+    def verified(self, signature: Tuple[int, ...]) -> None:
+        """Every rank's fingerprint agreed (or was trusted) for these parameters."""
+        self._verified = signature
 
     def take(self) -> bool:
         """This step's verdict (False without any watched call), and a fresh start for the next step."""
