@@ -116,28 +116,26 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) ->
     return float(loss.detach()), ref
 
 
-def scaled_loss_text(opt: Any, value: float, ref: float) -> str:
-    """The shared part of the warnings about a closure loss ``value`` that is not the mean NLL ``ref`` of its
-    output (adaptive mode's here, VIOptimizer's in :mod:`torchsso2.optim.vi_checks`)."""
-    what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
-        else "F.cross_entropy with reduction='mean'"
-    ratio = f"{value / ref:.4g}×" if ref else "not"
-    return (f"the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its output and the "
-            f"targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what})")
-
-
 def warn_if_loss_is_not_the_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, who: str,
-                                consequence: str, rtol: float) -> None:
+                                consequence: str, rtol: float, recorder: Any = None) -> bool:
     """Warn when the closure's ``loss`` differs from the mean NLL of its ``output`` and ``targets`` by more
-    than ``rtol`` relative (``who``: the warning's subject; ``consequence``: what the difference does);
-    nothing when that cannot be told (:func:`loss_and_nll`)."""
-    pair = loss_and_nll(opt, targets, loss, output)
+    than ``rtol`` relative (``who``: the warning's subject; ``consequence``: what the difference does).
+    ``recorder``: the model calls the closure made, when known (then its one forward's output only,
+    :func:`closure_loss_and_nll`). Returns whether it could tell (False: nothing compared,
+    :func:`loss_and_nll`)."""
+    pair = loss_and_nll(opt, targets, loss, output) if recorder is None else \
+        closure_loss_and_nll(opt, recorder, targets, loss, output)
     if pair is None:
-        return
+        return False
     value, ref = pair
     if abs(value - ref) > rtol * max(abs(ref), 1e-12):
-        warnings.warn(f"{who}: {scaled_loss_text(opt, value, ref)}. {consequence}", UserWarning,
-                      stacklevel=caller_stacklevel())
+        what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
+            else "F.cross_entropy with reduction='mean'"
+        ratio = f"{value / ref:.4g}×" if ref else "not"
+        warnings.warn(f"{who}: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its "
+                      f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}). {consequence}",
+                      UserWarning, stacklevel=caller_stacklevel())
+    return True
 
 
 def _matches(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any) -> bool:
@@ -166,15 +164,10 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
     minimiser."""
     if opt.__dict__.get("_loss_scale_checked") or opt.adaptive is None or not opt.adaptive.learning_rate:
         return
-    pair = closure_loss_and_nll(opt, opt.adaptive.recorder, targets, loss, output)
-    if pair is None:
-        return
-    opt._loss_scale_checked = True
-    value, ref = pair
-    if abs(value - ref) > LOSS_SCALE_WARN_RTOL * max(abs(ref), 1e-12):
-        warnings.warn(
-            f"adaptive learning rate: {scaled_loss_text(opt, value, ref)}. The quadratic "
-            "model takes the curvature of the mean NLL and the gradient of the closure's loss, so a scaled loss "
-            "(F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step by the "
-            "same factor; return the mean NLL from the closure (plus any terms you mean to add)",
-            UserWarning, stacklevel=caller_stacklevel())
+    if warn_if_loss_is_not_the_nll(
+            opt, targets, loss, output, "adaptive learning rate",
+            "The quadratic model takes the curvature of the mean NLL and the gradient of the closure's loss, so a "
+            "scaled loss (F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step "
+            "by the same factor; return the mean NLL from the closure (plus any terms you mean to add)",
+            LOSS_SCALE_WARN_RTOL, recorder=opt.adaptive.recorder):
+        opt._loss_scale_checked = True

@@ -186,9 +186,9 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
     estimates: the likelihood the curvature is taken from (the model output, or ``output_selector``'s
     pick) does not depend on them, the loss does (a second head whose loss the closure adds). Each
     module is looked at in its first estimates (also one first called later); once per optimizer."""
-    looks: Dict[str, int] = opt.__dict__.setdefault("_reach_looks", {})
-    if looks.get("", 0):  # warned already
+    if opt.__dict__.get("_reach_warned"):
         return
+    looks: Dict[str, int] = opt.__dict__.setdefault("_reach_looks", {})
     unreached = []
     for name, blk in fresh.items():
         seen = looks.get(name, 0)
@@ -200,7 +200,7 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
         if zero and seen + 1 == UNREACHED_LOOKS:
             unreached.append(name)
     if unreached:
-        looks[""] = 1
+        opt._reach_warned = True
         warnings.warn(
             f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
             "parameters: the likelihood the curvature is taken from (the model output, or output_selector's pick) "
