@@ -281,7 +281,7 @@ class Reference:
                         continue
                     counts[int(tok[n, tt])] += 1
                     big_g += jt[n, :, tt].t() @ m[n] @ jt[n, :, tt]
-            big_a = counts / (self.N * t)
+            big_a = counts / max(float(counts.sum()), 1.0)  # over the positions that reach the weight
             big_g = big_g / self.N
             return big_a, big_g, torch.kron(torch.diag(big_a), big_g)
         if isinstance(mod, nn.Linear):

@@ -80,10 +80,15 @@ class EmbeddingFamily(LayerFamily):
             raise ValueError("K-FAC for Embedding needs a trainable weight")
         n, t = a.shape[0], a.shape[1]
         # token counts, not a [N, T, V] one-hot (V = 30k and N·T = 4096 would be 0.5 GB of floats)
+        # A = counts / M over the M positions G sums: a padding position reaches no row (G leaves it out),
+        # so M counts the others (K-FAC = the full block for one example; dividing by N·T shrank the block
+        # by the share of real tokens)
         counts = torch.bincount(a.reshape(-1).long(), minlength=module.num_embeddings).to(g.dtype)
+        positions = float(n * t)
         if module.padding_idx is not None:
+            positions -= float(counts[module.padding_idx])
             counts[module.padding_idx] = 0
-        return counts.div_(n * t), self.kfac_output_factor(module, a, g, names)
+        return counts.div_(max(positions, 1.0)), self.kfac_output_factor(module, a, g, names)
 
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         if module.padding_idx is not None:

@@ -43,7 +43,9 @@ class LMDamping:
 
     def update(self, actual_change: float, predicted_change: float) -> float:
         """Adjust and return the damping from one measured ratio ρ."""
-        if predicted_change >= 0 or actual_change != actual_change:  # no predicted decrease or NaN
+        if predicted_change == 0 and actual_change == 0:  # no step (a zero gradient): nothing to judge, ρ is
+            rho = float("nan")                            # NaN and the damping stays (kfac-jax's 0/0)
+        elif predicted_change >= 0 or actual_change != actual_change:  # no predicted decrease or NaN
             rho = float("-inf")
         else:
             rho = actual_change / predicted_change

@@ -31,6 +31,7 @@ from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
 from .lm_forward import LOSS_SCALE_WARN_RTOL, forward_only_closure, warn_if_loss_is_not_the_nll, warn_if_not_mean_nll
 from .rollback import CurvatureRollback
+from .update_undo import UpdateUndo
 from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
@@ -354,8 +355,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back
-        rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None else None
+        # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back;
+        # the LM rule's steps: what an update after which the loss is not finite gives back (update_undo.py)
+        adapt = self._adapt_now()
+        rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None or adapt else None
         new = [name for name in fresh if name not in self.running.blocks] if fresh is not None else []
         if fresh:
             warn_unreached_blocks(self, fresh)
@@ -369,8 +372,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if not self._decomposed:  # nothing to precondition with yet: a skipped step, which leaves the step
                 return loss, output   # count (the schedules, the label streams) as it was; the curvature keeps the batch
             self._forget_blocks(new)  # the others keep their decompositions; a new one has none
-        adapt = self._adapt_now()  # the LM rule after the update; adaptive mode predicts without the old values
-        old = [p.detach().clone() for p in params] if adapt and self.adaptive is None else None
+        undo = UpdateUndo(self, params, rollback, snapshot) if adapt and rollback is not None else None
+        old = undo.values if undo is not None and self.adaptive is None else None  # adaptive mode predicts without
         predicted = None
         decay: Optional[Tuple[List[float], float]] = None
         if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
@@ -391,13 +394,21 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not applied:
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
+        taken = True
         try:
             if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
-                self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
+                taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
         finally:  # the update is applied: a closure raising in the LM rule's call (KeyboardInterrupt) ends
-            self._step_taken()  # a counted step whose damping was not adapted, not a half-counted one
-            self.num_steps += 1
+            if taken:  # a counted step whose damping was not adapted, not a half-counted one
+                self._step_taken()
+                self.num_steps += 1
+        if not taken:  # the loss after the update is not finite: the update is undone and the step skipped
+            assert undo is not None
+            undo.restore(self)
+            if self.on_nonfinite == "skip":  # the LM rule's answer to a failed step (ρ = -inf): more damping
+                self._set_damping(self.lm.update(math.nan, math.nan))
+            self._nonfinite("loss after the update (adaptive_damping's evaluation; the update was undone)")
         return loss, output
 
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
@@ -462,12 +473,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
                        grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None,
-                       decay: Optional[Tuple[List[float], float]] = None) -> None:
+                       decay: Optional[Tuple[List[float], float]] = None) -> bool:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
         change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
         the update ``θ − old`` (``old``: the parameters before it). ``decay``: in adaptive mode, each
         parameter's weight decay and the term ``Σ ½·wd·‖θ‖²`` before the update: the model predicts
-        the change of loss plus that term, so the actual change includes it."""
+        the change of loss plus that term, so the actual change includes it. False (the damping
+        unchanged) when the loss after the update is not finite."""
         assert self.lm is not None
         with torch.no_grad():
             if predicted is None:  # the change predicted by C + λI
@@ -497,15 +509,21 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                         "scaler.get_scale())") from err
                 raise
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
+        if not math.isfinite(actual):  # the same on every rank: the caller undoes the update
+            return False
         if decay is not None:  # equal on every rank (the same parameters)
             actual += decay_term(params, decay[0]) - decay[1]
-        old_damping, self.damping = self.damping, self.lm.update(actual, predicted)
-        # a changed damping: K-FAC eigen decompositions take it in place (torchsso2/optim/redamp.py),
-        # other decompositions are redone at the next step
+        self._set_damping(self.lm.update(actual, predicted))
+        logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
+        return True
+
+    def _set_damping(self, damping: float) -> None:
+        """The LM rule's new damping: K-FAC eigen decompositions take it in place
+        (torchsso2/optim/redamp.py), other decompositions are redone at the next step."""
+        old_damping, self.damping = self.damping, damping
         if self.damping != old_damping and (self.placement.active
                                             or not redamp(self.running.blocks, old_damping, self.damping)):
             self._decomposed = False
-        logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
 
     face_name = "SecondOrderOptimizer"
 

@@ -1,0 +1,58 @@
+"""An update to give back when the loss after it is not finite.
+
+With ``adaptive_damping`` the Levenberg–Marquardt rule evaluates the loss after the update. When
+that loss is not finite the update has carried the parameters where the model diverges: keeping
+it would leave every later batch non-finite (each step skipped, the damping's rise never used)
+and, under ``on_nonfinite="raise"``, the error would come one step late with the parameters
+already spoilt. :class:`UpdateUndo`, saved on the LM rule's steps before the update, puts back
+the parameters, their optimizer state (momentum buffers, adaptive mode's last update), adaptive
+mode's last coefficients, the running curvature (:class:`~torchsso2.optim.rollback.CurvatureRollback`)
+and what the closure changed (:class:`~torchsso2.optim.skips.StepUndo`): the step is then skipped
+like any other non-finite step.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .rollback import CurvatureRollback
+from .skips import StepUndo
+
+__all__ = ["UpdateUndo"]
+
+
+class UpdateUndo:
+    """The state an update of ``params`` by optimizer ``opt`` changes, saved before it.
+
+    ``values``: the parameters' values (``[P_i]`` clones, in ``params`` order; the LM rule also
+    takes the update as ``θ − values``); ``rollback``: the running curvature as before the step's
+    EMA; ``snapshot``: the closure's random streams and normalisation statistics."""
+
+    def __init__(self, opt: Any, params: List[nn.Parameter], rollback: CurvatureRollback,
+                 snapshot: StepUndo) -> None:
+        self.params = params
+        with torch.no_grad():
+            self.values: List[Tensor] = [p.detach().clone() for p in params]
+        self.states: List[Optional[Dict[str, Any]]] = [
+            {k: v.clone() if isinstance(v, Tensor) else copy.copy(v) for k, v in opt.state[p].items()}
+            if p in opt.state else None for p in params]
+        self.adaptive_last = dict(opt.adaptive.last) if opt.adaptive is not None else None
+        self.rollback, self.snapshot = rollback, snapshot
+
+    def restore(self, opt: Any) -> None:
+        """Put everything saved back into ``opt`` (its parameters are written in place)."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self.values):
+                p.copy_(v)
+        for p, s in zip(self.params, self.states):
+            if s is None:
+                opt.state.pop(p, None)
+            else:
+                opt.state[p] = s
+        if self.adaptive_last is not None:
+            opt.adaptive.last = self.adaptive_last
+        self.rollback.restore(opt)
+        self.snapshot.restore()
