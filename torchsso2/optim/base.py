@@ -199,6 +199,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     def _check_step_call(self, closure: Any) -> None:
         """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
         super()._check_step_call(closure)
+        if self.grad_scaler is not None and self._grads_unscaled():  # its last step's unscale_ still stands
+            raise RuntimeError(
+                f"{type(self).__name__}.step() called again without scaler.update() since the last step: the "
+                "grad_scaler would leave this step's gradients scaled (torch's GradScaler.step raises here too); "
+                "call scaler.update() after every step()")
         if self.__dict__.get("_ddp_sync") is not None:
             self._ddp_sync.begin_step()
 

@@ -47,6 +47,13 @@ from .validation import MAX_LR, check_choice, check_int, check_number, unpack_cl
 
 logger = logging.getLogger(__name__)
 
+#: adaptive_damping's second closure call with a closure that unscales (torch allows one unscale_ per update)
+LM_UNSCALE_IN_CLOSURE = (
+    "adaptive_damping calls the closure a second time, after the update, to measure the loss change, and torch "
+    "allows one scaler.unscale_(opt) per scaler.update(): with a grad_scaler and adaptive_damping, do not unscale "
+    "in the closure (step unscales the gradients itself; to clip, use clip_grad_norm_ on the scaled gradients "
+    "with max_norm times scaler.get_scale())")
+
 #: per-module-type shapes used when ``approx`` is not given (PyTorch-SSO's choice)
 DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv2d: "kfac", nn.Embedding: "kfac",
                   nn.BatchNorm1d: "diag", nn.BatchNorm2d: "diag", nn.LayerNorm: "diag"}
@@ -334,6 +341,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         except BaseException:  # a closure that raised (a bad batch caught by the caller): the Monte-Carlo labels
             snapshot.restore()  # it drew are given back, so training on is as if the call never happened
             raise
+        if self.lm is not None and self.adaptive is None and self.grad_scaler is not None and self._grads_unscaled():
+            snapshot.restore()  # the LM rule's call of this closure would unscale a second time: said at once
+            raise RuntimeError(LM_UNSCALE_IN_CLOSURE)
         # (an adaptive learning rate checks the closure's loss itself: lm_forward.warn_if_not_mean_nll)
         if (self.adaptive is None or not self.adaptive.learning_rate) and targets is not None \
                 and not self.__dict__.get("_loss_checked"):
@@ -395,15 +405,18 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         taken = True
-        try:
-            if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
+        if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
+            assert undo is not None
+            try:
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
                 taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
-        finally:  # the update is applied: a closure raising in the LM rule's call (KeyboardInterrupt) ends
-            if taken:  # a counted step whose damping was not adapted, not a half-counted one
-                self._step_taken()
-                self.num_steps += 1
-        if not taken:  # the loss after the update is not finite: the update is undone and the step skipped
+            except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
+                undo.restore(self)  # unscale_): the update is undone, as if the call never happened
+                raise
+        if taken:
+            self._step_taken()
+            self.num_steps += 1
+        else:  # the loss after the update is not finite: the update is undone and the step skipped
             assert undo is not None
             undo.restore(self)
             if self.on_nonfinite == "skip":  # the LM rule's answer to a failed step (ρ = -inf): more damping
@@ -501,12 +514,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 new_loss = unpack_closure_result(closure())[0]
             except RuntimeError as err:
                 if self.grad_scaler is not None and "unscale_() has already been called" in str(err):
-                    raise RuntimeError(
-                        "adaptive_damping calls the closure a second time, after the update, to measure the loss "
-                        "change, and torch allows one scaler.unscale_(opt) per scaler.update(): with a grad_scaler "
-                        "and adaptive_damping, do not unscale in the closure (step unscales the gradients itself; "
-                        "to clip, use clip_grad_norm_ on the scaled gradients with max_norm times "
-                        "scaler.get_scale())") from err
+                    raise RuntimeError(LM_UNSCALE_IN_CLOSURE) from err
                 raise
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         if not math.isfinite(actual):  # the same on every rank: the caller undoes the update

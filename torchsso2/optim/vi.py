@@ -200,7 +200,10 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         params: optional torch.optim-style param groups (default: all trainable parameters of
             ``model``). Only these have a posterior: the model's other parameters are neither
             sampled nor updated (a Bayesian last layer: ``params=model.head.parameters()``).
-        mc_samples, linalg, decomposition_dtype, grad_scaler: as in :class:`SecondOrderOptimizer`.
+        mc_samples, linalg, decomposition_dtype, grad_scaler: as in :class:`SecondOrderOptimizer`. The
+            weight noise is drawn in float64 when the model or ``decomposition_dtype`` is, else in float32:
+            the same seed gives other samples after a change of ``decomposition_dtype`` (the same
+            distribution).
     """
 
     def __init__(self, model: nn.Module, dataset_size: int, lr: float = DEFAULT_VI_LR, *,
