@@ -47,6 +47,8 @@ class ModuleRecord:
     #: the tensors the call ran with as the module's parameters (torch.func.functional_call swaps in
     #: others: the Hessian's fast diagonal path then does not apply)
     parameters: Tuple[Any, ...] = ()
+    #: the module's own parameters when the capture began (before the closure could swap others in)
+    own_parameters: Tuple[Any, ...] = ()
 
 
 class Capture:
@@ -114,8 +116,12 @@ class Capture:
         # left out where it provably passes (a plain nn.Sequential of torch layers: curvature/uses_static.py)
         self._uses: Optional[UseWindows] = UseWindows(modules) if check_uses and root is not None \
             and not uses_stay_inside(root, modules) else None
+        self._own: Dict[str, Tuple[Any, ...]] = {}
 
     def __enter__(self) -> "Capture":
+        # each module's parameters before the forward: a torch.func.functional_call in the closure swaps others
+        # in for the call, and an estimate during the forward (the root hook) would see those as the module's
+        self._own = {name: tuple(module._parameters.values()) for name, module in self.modules.items()}
         if self.modules and global_forward_hooks():
             warnings.warn(
                 "a global forward hook (torch.nn.modules.module.register_module_forward_hook) is registered: torch "
@@ -195,7 +201,8 @@ class Capture:
                                output=output,
                                input_nodes=tuple(i.grad_fn for i in inputs
                                                  if isinstance(i, Tensor) and i.grad_fn is not None),
-                               parameters=tuple(module._parameters.values()))
+                               parameters=tuple(module._parameters.values()),
+                               own_parameters=self._own.get(name, ()))
             self.records[name] = rec
             if self.record_backward and output.requires_grad:
                 on_gradient(output, grad_appender(rec.backward_grads))
@@ -211,6 +218,7 @@ class Capture:
             return None
         return route_output(module, inputs[0], output, self.frozen)
 
+    @torch.compiler.disable  # eager under torch.compile: traced, the estimate it starts (the Hessian's) broke dynamo
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
         if not torch.is_grad_enabled() or in_func_transform():
             return

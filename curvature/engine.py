@@ -647,9 +647,10 @@ def refuse_swapped_parameters(records: Dict[str, ModuleRecord], layouts: Dict[st
     covered parameters (``torch.func.functional_call(model, {"0.weight": 2 * W}, x)``, fast
     weights, a mask applied through a stateless call): its recorded inputs and output gradients are
     those of the swapped-in tensor, so a Fisher-type block would be the curvature of that tensor,
-    not of the parameter the optimizer updates. A module's parameter dict holds ``nn.Parameter``s
-    only (assigning a plain tensor to a registered parameter is a TypeError), so a plain tensor
-    there at the call is such a swap; ``functional_call`` with the model's own parameters passes.
+    not of the parameter the optimizer updates. A tensor at the call other than the module's own
+    parameter when the capture began (``ModuleRecord.own_parameters``; a plain tensor or another
+    ``nn.Parameter``, an EMA copy's) is such a swap; ``functional_call`` with the model's own
+    parameters passes.
     (The dynamic check of :class:`curvature.uses.UseWindows` catches a computed swap on the models
     it watches; a plain ``nn.Sequential`` is not watched, ``curvature/uses_static.py``.) Records
     without their parameters (an attention's recomputed projections) are not checked."""
@@ -658,8 +659,9 @@ def refuse_swapped_parameters(records: Dict[str, ModuleRecord], layouts: Dict[st
         if lay is None or not rec.parameters:
             continue
         covered = set(lay.param_names)
-        swapped = [f"{name}.{local}" for local, t in zip(lay.module._parameters, rec.parameters)
-                   if local in covered and isinstance(t, Tensor) and not isinstance(t, nn.Parameter)]
+        own = rec.own_parameters or tuple(lay.module._parameters.values())
+        swapped = [f"{name}.{local}" for local, t, o in zip(lay.module._parameters, rec.parameters, own)
+                   if local in covered and isinstance(t, Tensor) and t is not o]
         if swapped:
             raise ValueError(
                 f"covered module {name!r} ({type(lay.module).__name__}) ran with other tensors in place of its "

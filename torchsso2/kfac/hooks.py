@@ -43,7 +43,9 @@ def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) 
             return getattr(target, method)(module, inputs if inputs else tuple(kwargs.values()), output)
         return None
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    # first among the module's forward hooks: G is the gradient of the layer's own output, not of what a
+    # user's hook registered earlier (in the model's __init__) makes of it (kfac_pytorch's hook runs last)
+    handles = [m.register_forward_hook(hook, with_kwargs=True, prepend=True) for m in modules]
     weakref.finalize(owner, _remove, handles)
     return handles
 

@@ -11,6 +11,7 @@ import warnings
 from typing import List, Sequence, Tuple
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from curvature.modules import family_of
 from curvature.modules.base import LayerFamily
@@ -48,6 +49,15 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
     refuse_sharded(model, "KFACPreconditioner")
     found = []
     for name, module in model.named_modules():
+        if isinstance(module, SUPPORTED_TYPES) and parametrize.is_parametrized(module) \
+                and not any(r.search(name) or r.search(type(module).__name__) for r in regexes):
+            # not a leaf (its parametrizations are children): kfac_pytorch leaves it out silently
+            warnings.warn(f"layer {name!r} ({type(module).__name__}) is parametrized (torch.nn.utils.parametrize: "
+                          "orthogonal, spectral_norm, weight_norm): its weight is computed from other parameters, "
+                          "which K-FAC's factors do not cover, so it is not preconditioned (its gradient passes "
+                          f"through unchanged, as in kfac_pytorch); add {name!r} to skip_layers to silence this",
+                          UserWarning, stacklevel=3)
+            continue
         if any(True for _ in module.children()) or not isinstance(module, SUPPORTED_TYPES):
             continue
         if any(r.search(name) or r.search(type(module).__name__) for r in regexes):
