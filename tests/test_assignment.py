@@ -218,3 +218,10 @@ def test_grad_worker_count_rounds_a_product_within_tolerance(world: int, fractio
     want = max(1, round(world * fraction))
     assert abs(world * fraction - want) < 1e-6 and world % want == 0  # the premise: a legal input
     assert grad_worker_count(world, fraction) == want
+
+
+def test_hybrid_opt_at_an_odd_world_size_names_the_strategy() -> None:
+    from torchsso2.distributed.assignment import DistributedStrategy, grad_worker_count
+    with pytest.raises(ValueError, match="HYBRID_OPT is 0.5 at 3 ranks; it needs an even world size"):
+        grad_worker_count(3, DistributedStrategy.HYBRID_OPT)
+    assert grad_worker_count(4, DistributedStrategy.HYBRID_OPT) == 2

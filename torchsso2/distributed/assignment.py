@@ -123,7 +123,8 @@ def grad_worker_count(world_size: int, grad_worker_fraction: float | Distributed
     if raw >= 1 and not math.isclose(raw, count, rel_tol=0, abs_tol=1e-6):
         raise ValueError(
             f"world_size * grad_worker_fraction must be an integer: {world_size} * {fraction} = {raw}"
-        )
+            + (f" (grad_worker_fraction {grad_worker_fraction.name} is {fraction} at {world_size} ranks; it needs an "
+               "even world size)" if isinstance(grad_worker_fraction, DistributedStrategy) else ""))
     if world_size % count != 0:
         raise ValueError(
             f"world_size {world_size} must be a multiple of the grad-worker count {count} "
