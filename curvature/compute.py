@@ -58,6 +58,9 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     engine = CurvatureEngine(model, kind=kind, approx=approx, loss=loss, mc_samples=mc_samples,
                              skip_modules=skip_modules, output_selector=output_selector,
                              kfac_approx=kfac_approx)
+    if torch.is_inference_mode_enabled():  # enable_grad() cannot lift it: no output would require a gradient
+        raise RuntimeError("curvature.compute cannot run under torch.inference_mode(): it takes gradients of the "
+                           "model; call it outside inference mode (under torch.no_grad() it works)")
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if not all(isinstance(x, Tensor) for x in args):
         raise TypeError("inputs must be a Tensor or a tuple of Tensors")

@@ -116,7 +116,7 @@ if __package__ in (None, ""):  # run as a script (its --help): make the reposito
     _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
 from examples.common import (fraction_in, nonnegative_float, nonnegative_int, positive_float,  # noqa: E402
-                             positive_int, positive_int_list)
+                             positive_int, positive_int_list, progress_bar)
 from examples.kfac_options import add_kfac_arguments, make_kfac  # noqa: E402
 
 STRATEGIES = {"comm-opt": "COMM_OPT", "mem-opt": "MEM_OPT", "hybrid-opt": "HYBRID_OPT"}
@@ -175,6 +175,7 @@ def build_parser(description: str, image_size: int, num_classes: int, width: int
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and data")
     p.add_argument("--threads", type=nonnegative_int, default=0, help="torch.set_num_threads (0: leave the default)")
     p.add_argument("--cpu", action="store_true", help="do not use CUDA even if available")
+    p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar of each epoch")
     add_kfac_arguments(p)
     return p
 
@@ -318,6 +319,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
         n_batches = min(len(train_loader), args.steps_per_epoch) if args.steps_per_epoch else len(train_loader)
         optimizer.zero_grad(set_to_none=True)
         group_time = 0.0
+        bar = progress_bar(n_batches, f"epoch {epoch}/{args.epochs}", args.no_progress or env.rank != 0)
         for step, (x, y) in enumerate(train_loader):
             if step >= n_batches:
                 break
@@ -346,8 +348,13 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
             loss_sum += float(loss.detach()) * len(y)
             correct += float((out.argmax(1) == y).sum())
             count += len(y)
+            bar.update()
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        bar.close()
         loss_sum, correct, count = env.sum((loss_sum, correct, count))
 
+        if env.mode == "mpi":  # BatchNorm's running statistics of rank 0, as DDP's broadcast_buffers gives torchrun
+            env.comm.broadcast(list(model.buffers()), src=0)
         model.eval()
         t_loss, t_correct, t_count = 0.0, 0.0, 0.0
         with torch.no_grad():

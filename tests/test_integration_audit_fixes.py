@@ -38,6 +38,17 @@ def test_a_step_under_inference_mode_names_it(face):
     assert opt.num_steps == 1
 
 
+def test_curvature_compute_under_inference_mode_names_it():
+    import curvature
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"curvature.compute cannot run under "
+                                                                    r"torch.inference_mode\(\)"):
+        curvature.compute(model, x, y)
+    with torch.no_grad():
+        assert curvature.compute(model, x, y).dense().shape == (43, 43)
+
+
 @pytest.mark.parametrize("face", ["sso", "vi"])
 def test_params_of_another_model_are_named_as_such(face):
     with pytest.raises(ValueError, match=r"none of the 2 parameters in params belongs to the model the "

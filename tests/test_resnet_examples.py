@@ -117,3 +117,16 @@ def test_batches_per_allreduce_accumulates():
     assert "K-FAC steps so far 2" in out, out
     out = _launch([sys.executable], SCRIPTS[0], *args)
     assert "K-FAC steps so far 3" in out, out
+
+
+def test_mpiexec_and_torchrun_report_the_same_run():
+    """BatchNorm's running statistics: DDP broadcasts rank 0's (torchrun); the MPI path broadcasts them before
+    evaluating, so both launchers evaluate the same model (the test loss differed before)."""
+    mpiexec = require_mpiexec()
+    args = [*SMALL, "--kfac-grad-worker-fraction", "comm-opt"]
+    runs = [_launch([mpiexec, "-n", "2", sys.executable], SCRIPTS[0], *args),
+            _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+                    SCRIPTS[0], *args)]
+    results = [next(line for line in out.splitlines() if line.startswith("epoch 1/1:")).split("| step time")[0]
+               for out in runs]
+    assert results[0] == results[1], runs
