@@ -372,10 +372,12 @@ def _vi_quality_table(res: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
 def _target_text(key: str, v: Dict[str, Any]) -> str:
     """One target of benchmarks/vi_quality.check_targets as prose: ``NLL ≤ IVON's and Adam's: met (by 0.012)``."""
     refs = " and ".join({"ivon": "IVON's", "adam": "Adam's"}.get(r, r) for r in key.split("_le_")[-1].split("_and_"))
+    pp = 100 * abs(v["margin"])
+    pp_text = f"{pp:.2f} pp" if pp >= 0.005 or pp == 0 else f"{pp:.1g} pp"  # a miss of 0.004 pp is not 'by 0.00'
     if key.startswith("accuracy"):
-        what, margin = "accuracy ≥ Adam's − 0.5 pp", f"{100 * abs(v['margin']):.2f} pp"
+        what, margin = "accuracy ≥ Adam's − 0.5 pp", pp_text
     elif key.startswith("ece"):
-        what, margin = f"ECE ≤ {refs}", f"{100 * abs(v['margin']):.2f} pp"
+        what, margin = f"ECE ≤ {refs}", pp_text
     else:
         what, margin = f"NLL ≤ {refs}", f"{abs(v['margin']):.3f}"
     return f"{what}: {'met' if v['met'] else 'missed'} (by {margin})"

@@ -44,6 +44,8 @@ logger = logging.getLogger("benchmarks.scaling")
 OPTIMIZERS = ("so", "vi")
 SHAPES = ("full", "diag", "kfac")
 PLACEMENTS = ("comm_opt", "mem_opt")
+#: the settings a row was measured at beyond its key: rows of a saved report measured at others are dropped
+SAME_RUN_KEYS = ("global_batch", "width", "steps", "warmup", "threads")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "scaling.json"
 
 
@@ -88,6 +90,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.json = DEFAULT_JSON
         args.no_json = args.no_json or args.quick
     return args
+
+
+def merge_rows(saved: Optional[Dict[str, Any]], rows: List[Dict[str, Any]],
+               args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """This run's ``rows`` with the rows of a ``saved`` report this run did not measure again (by optimizer,
+    shape, placement and ranks), when the report was measured at this run's :data:`SAME_RUN_KEYS`; rows of
+    another model, batch or step count are dropped (a merged table would put ranks of different models side
+    by side under this run's title and speed-ups)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("rows"), list) or not isinstance(saved.get("config"), dict) \
+            or any(saved["config"].get(k) != getattr(args, k) for k in SAME_RUN_KEYS):
+        return list(rows)
+    key = lambda r: (r["optimizer"], r["shape"], r["placement"], r["ranks"])  # noqa: E731
+    mine = {key(r) for r in rows}
+    return [r for r in saved["rows"] if key(r) not in mine] + rows
 
 
 def build(shape: str, width: int) -> nn.Module:
@@ -260,18 +276,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows += run_spawned(world, args)
     print(table(rows))
     if not args.no_json:
-        old: List[Dict[str, Any]] = []
+        saved: Optional[Dict[str, Any]] = None
         if args.json.exists():
             try:
-                old = json.loads(args.json.read_text())["rows"]
-            except (ValueError, KeyError):
-                old = []
-        key = lambda r: (r["optimizer"], r["shape"], r["placement"], r["ranks"])  # noqa: E731
-        mine = {key(r) for r in rows}
+                saved = json.loads(args.json.read_text())
+            except ValueError:
+                saved = None
         now = time.time()
         for r in rows:  # rows kept from an earlier run keep their own time stamp
             r["measured_at_unix"] = now
-        merged = [r for r in old if key(r) not in mine] + rows
+        merged = merge_rows(saved, rows, args)
         write_json(args.json, {"machine": machine_info(), "load_average": load_average(),
                                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                "rows": merged})

@@ -129,13 +129,19 @@ def _step_fn(shape: str, d: int, batch: int) -> Any:
     return lambda: opt.step(closure)
 
 
+def _fit_points(rows: List[Dict[str, Any]], shape: str) -> List[Dict[str, Any]]:
+    """The rows of ``shape`` its throughput is fitted to: the larger half of its widths."""
+    rs = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["d"])
+    return rs[len(rs) // 2:]
+
+
 def fit_model(rows: List[Dict[str, Any]]) -> None:
     """Add ``fitted_flops_per_s`` and ``model_s`` to ``rows``: one throughput per shape, the
     geometric mean of measured FLOP/s over the larger half of its widths (where the FLOPs, not
     the fixed per-step overhead, dominate)."""
     for shape in {r["shape"] for r in rows}:
+        big = _fit_points(rows, shape)
         rs = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["d"])
-        big = rs[len(rs) // 2:]
         rate = math.exp(sum(math.log(r["model_flops"] / r["min_s"]) for r in big) / len(big))
         for r in rs:
             r["fitted_flops_per_s"] = rate
@@ -166,16 +172,19 @@ def format_table(rep: Dict[str, Any]) -> str:
     shapes = [s for s in rep["config"]["shapes"] if any(r["shape"] == s for r in rep["results"])]
     widths = rep["config"]["widths"]
     by = {(r["shape"], r["d"]): r for r in rep["results"]}
+    # a throughput fitted to one point gives that point 1.00 by construction: not a measured agreement
+    alone = {(s, fit[0]["d"]) for s in shapes for fit in [_fit_points(rep["results"], s)] if len(fit) == 1}
     hdr = ["d"] + [f"{s} ms (min)" for s in shapes] + [f"{s} / model" for s in shapes if s != "sgd"]
     rows = []
     for d in widths:
         row: List[Any] = [d]
         row += [pu.fmt(1e3 * by[(s, d)]["min_s"], ".2f") if (s, d) in by else "" for s in shapes]
-        row += [pu.fmt(by[(s, d)]["min_s"] / by[(s, d)]["model_s"], ".2f") if (s, d) in by else ""
-                for s in shapes if s != "sgd"]
+        row += [("fit" if (s, d) in alone else pu.fmt(by[(s, d)]["min_s"] / by[(s, d)]["model_s"], ".2f"))
+                if (s, d) in by else "" for s in shapes if s != "sgd"]
         rows.append(row)
     note = ("\n\n`shape / model` = measured time ÷ FLOP-model time (one fitted throughput per shape): "
-            "≈ 1 everywhere means the growth follows the FLOP model.")
+            "≈ 1 everywhere means the growth follows the FLOP model; `fit`: the one point a shape's throughput "
+            "is fitted to (1 by construction).")
     return pu.markdown_table(hdr, rows, "r" * len(hdr)) + note
 
 

@@ -70,3 +70,19 @@ def test_scaling_quick_writes_no_published_json(tmp_path: Path) -> None:
     assert not full.no_json and full.json == scaling.DEFAULT_JSON
     chosen = scaling.parse_args(["--quick", "--json", str(tmp_path / "s.json")])
     assert not chosen.no_json and chosen.json == tmp_path / "s.json"
+
+
+def test_scaling_keeps_saved_rows_only_of_the_same_model_and_batch() -> None:
+    """A run at another width kept the saved rows of the old width under the new run's title (a 1-rank row of
+    one model beside a 2-rank row of another, and speed-ups between them)."""
+    from benchmarks import scaling
+    args = scaling.parse_args(["--ranks", "1", "--width", "32", "--global-batch", "64"])
+    row = lambda ranks, ms: {"optimizer": "so", "shape": "kfac", "placement": "comm_opt", "ranks": ranks,  # noqa: E731
+                             "step_ms": ms}
+    config = {k: getattr(args, k) for k in scaling.SAME_RUN_KEYS}
+    new = [row(1, 7.8)]
+    same = {"config": dict(config), "rows": [row(1, 9.0), row(2, 20.8)]}
+    assert scaling.merge_rows(same, new, args) == [row(2, 20.8), row(1, 7.8)]
+    other = {"config": dict(config, width=256), "rows": [row(1, 9.0), row(2, 20.8)]}
+    assert scaling.merge_rows(other, new, args) == new
+    assert scaling.merge_rows(None, new, args) == new
