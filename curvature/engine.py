@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -231,7 +231,7 @@ class CurvatureEngine:
         missing = [n for n in self._modules if n not in capture.records]
         if missing and self.allow_uncalled and not capture.called_without_grad.intersection(missing) \
                 and self._unused(missing, outputs):
-            with self._restricted_to(capture.records):  # the blocks of the modules this forward called
+            with self.restricted_to(capture.records):  # the blocks of the modules this forward called
                 return self.estimate(capture, *given, generator=generator)
         if missing:
             self._refuse_uncalled(capture, missing)
@@ -296,8 +296,9 @@ class CurvatureEngine:
         return not reaches(outputs, [p for n in names for p in self.layouts[n].params])
 
     @contextlib.contextmanager
-    def _restricted_to(self, records: Dict[str, ModuleRecord]) -> Iterator[None]:
-        """The engine's covered modules, layouts and shapes restricted to those of ``records``."""
+    def restricted_to(self, records: Collection[str]) -> Iterator[None]:
+        """The engine's covered modules, layouts and shapes restricted to those named in ``records`` (a
+        dict of records or a set of names)."""
         saved = self._modules, self.layouts, self.approx
         self._modules = {n: m for n, m in self._modules.items() if n in records}
         self.layouts = {n: lay for n, lay in self.layouts.items() if n in records}
@@ -407,7 +408,7 @@ class CurvatureEngine:
             bad = missing if not self.allow_uncalled else [n for n in missing if used(n)]
             if bad:
                 self._refuse_uncalled(capture, bad)
-            with self._restricted_to(capture.records):
+            with self.restricted_to(capture.records):
                 return self.estimate_from_backward(capture, batch_size, loss_scale)
         group = 1
         if capture.outputs:

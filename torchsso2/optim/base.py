@@ -286,6 +286,36 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         engine = self.engine
         if engine.kind is Kind.HESSIAN and targets is None:
             raise ValueError(HESSIAN_NEEDS_TARGETS)
+        trainable = self._trainable_modules()
+        if trainable is None:
+            return self._estimating_call(closure, targets, watch)
+        # modules frozen since construction are left out of the capture and the estimate (their running
+        # curvature is kept): a frozen backbone may run under torch.no_grad, and the Hessian cannot
+        # differentiate with respect to parameters that do not require a gradient
+        with engine.restricted_to(trainable):
+            return self._estimating_call(closure, targets, watch)
+
+    def _trainable_modules(self) -> Optional[List[str]]:
+        """The covered modules with a covered parameter that requires a gradient, when some module has none
+        (None: nothing frozen). A module frozen in part under ``curvature="hessian"`` is a ValueError."""
+        if all(p.requires_grad for p in self._covered_at_start):  # the common case: nothing frozen
+            return None
+        layouts = self.engine.layouts
+        trainable = [n for n, lay in layouts.items() if any(p.requires_grad for p in lay.params)]
+        if self.engine.kind is Kind.HESSIAN:
+            for n in trainable:
+                frozen = [f"{n}.{q}" for q, p in zip(layouts[n].param_names, layouts[n].params) if not p.requires_grad]
+                if frozen:
+                    raise ValueError(
+                        f"curvature='hessian' differentiates the loss with respect to every covered parameter of "
+                        f"module {n!r}, and {frozen} do not require a gradient: freeze the whole module "
+                        "(requires_grad_(False) on all its parameters: it then keeps its curvature) or none of it")
+        return trainable if len(trainable) < len(layouts) else None
+
+    def _estimating_call(self, closure: Closure, targets: Optional[Tensor], watch: ClosureWatch
+                         ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
+        """:meth:`_run_closure`'s call of the closure that estimates the batch's curvature."""
+        engine = self.engine
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
         acc = BlockAverage()
         micro = MicroBatchTargets(targets)  # each forward's rows of targets (torchsso2/optim/accumulation.py)

@@ -509,6 +509,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 lin = sum(float((g[k] * d).sum()) for k, d in deltas.items())
                 sq = sum(float(d.pow(2).sum()) for d in deltas.values())
                 predicted = lin + 0.5 * (quad + self.damping * sq)
+        # parameters outside this optimizer (a body on another optimizer) keep the gradient of the step's own
+        # call: this second call would add to it (or, zeroed, replace it with the gradient after the update)
+        own = {id(p) for g in self.param_groups for p in g["params"]}
+        outside = [(p, None if p.grad is None else p.grad.clone()) for p in self.model.parameters()
+                   if id(p) not in own and p.requires_grad]
         with torch.enable_grad():
             try:
                 new_loss = unpack_closure_result(closure())[0]
@@ -516,6 +521,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 if self.grad_scaler is not None and "unscale_() has already been called" in str(err):
                     raise RuntimeError(LM_UNSCALE_IN_CLOSURE) from err
                 raise
+            finally:
+                for p, grad in outside:
+                    p.grad = grad
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         if not math.isfinite(actual):  # the same on every rank: the caller undoes the update
             return False
