@@ -571,3 +571,43 @@ def test_two_rank_resume_is_bit_exact_from_each_ranks_own_checkpoint(tmp_path):
             assert torch.isfinite(res["rank0"]).all(), (name, r)
             if name.startswith("comm_opt"):
                 assert torch.equal(res["rank0"], res["straight"]), (name, r)
+
+
+def _dropped_batch_run(with_bad: bool, checkpoint: bool = False) -> Tuple[Tensor, List[bool]]:
+    """SGD + KFACPreconditioner where the user drops a NaN batch on its loss without calling step()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    pre = KFACPreconditioner(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(4)]
+    skipped: List[bool] = []
+    for i in ([0, 1, -1, 2, 3] if with_bad else [0, 1, 2, 3]):
+        sgd.zero_grad()
+        xb, yb = batches[max(i, 0)]
+        if i < 0:
+            xb = xb.clone()
+            xb[0, 0] = float("nan")
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        if not torch.isfinite(loss):  # dropped: no step
+            if checkpoint:  # a checkpoint taken now loads, and holds the factors of the last step
+                other = KFACPreconditioner(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
+                other.load_state_dict(pre.state_dict())
+                for name, layer in pre.layers.items():
+                    for t in other.layers[name].factors():
+                        assert bool(torch.isfinite(t).all())
+            continue
+        pre.step()
+        skipped.append(pre.last_step_skipped)
+        if not pre.last_step_skipped:
+            sgd.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), skipped
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_batch_dropped_without_step_neither_spoils_the_checkpoint_nor_the_next_batch(checkpoint: bool) -> None:
+    clean, _ = _dropped_batch_run(False)
+    params, skipped = _dropped_batch_run(True, checkpoint)
+    assert not any(skipped)  # the next good batch is not lost to the dropped one's NaN factors
+    assert torch.equal(params, clean)

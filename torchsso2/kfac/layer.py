@@ -149,6 +149,8 @@ class KFACLayer:
             return False
         if self._before_fold is None:  # the fold makes new tensors: the old ones are kept as they are
             self._before_fold = (self.a_factor, self.g_factor)
+        elif not self._folded_finite():  # a non-finite batch folded and never stepped (the user dropped it on
+            self.a_factor, self.g_factor = self._before_fold  # its NaN loss): this batch starts from the last step's
         if self.a_batch is not None:
             self.a_factor = self._ema(self.a_factor, self.a_batch / self.a_count if self.a_count > 1
                                       else self.a_batch, decay)
@@ -283,7 +285,18 @@ class KFACLayer:
             "g_inverses": sum(_nbytes(self.inv.get(k)) for k in g_keys),
         }
 
+    def _folded_finite(self) -> bool:
+        """Whether the factors folded since the last step are finite (True when none were folded)."""
+        return self._before_fold is None or all(bool(torch.isfinite(t).all()) for t in (self.a_factor, self.g_factor)
+                                                if t is not None)
+
     def state_dict(self) -> Dict[str, Optional[Tensor]]:
+        """``{"A": [a, a], "G": [g, g]}``; a non-finite fold not yet checked by a step (a batch the user
+        dropped without calling step) is left out: the factors of the last step."""
+        if not self._folded_finite():
+            assert self._before_fold is not None
+            a, g = self._before_fold
+            return {"A": a, "G": g}
         return {"A": self.a_factor, "G": self.g_factor}
 
     def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
