@@ -158,8 +158,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
         if seed is not None:
             check_int("seed", seed, low=0, high=2 ** 63 - 1)
-        self.seed = agree_on_start(self.comm, model,
-                                   int(seed) if seed is not None else int(torch.initial_seed()) % (2 ** 62))
+        # seed=None: one draw of torch's global generator, as a DataLoader's base seed (torch.initial_seed() gave
+        # every optimizer built after one torch.manual_seed the same stream: an ensemble's members shared noise)
+        self.seed = agree_on_start(self.comm, model, int(seed) if seed is not None
+                                   else int(torch.randint(0, 2 ** 62, (), dtype=torch.int64)))
         self.generator = torch.Generator()
         self.generator.manual_seed(rank_seed(self.seed, self.comm.rank))
         # [end issue #7]

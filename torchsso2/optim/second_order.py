@@ -185,7 +185,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             ``TORCHSSO2_ABORT_ON_EXCEPTION=0`` or ``get_communicator("mpi", abort_on_exception=False)``);
             collectives give up after ``TORCHSSO2_DIST_TIMEOUT`` s (60). The ranks' settings are
             compared at construction (``ValueError`` naming any that differ). See docs/distributed.md.
-        seed: seed of the sampling generator (saved in state_dict).
+        seed: seed of the sampling generator (saved in state_dict). None (default): drawn from torch's
+            global generator at construction (one draw, as a DataLoader's base seed): ``torch.manual_seed``
+            makes a run repeatable, and optimizers built one after another get different streams.
         grad_scaler: a ``torch.amp.GradScaler``; the closure calls ``scaler.scale(loss).backward()``,
             ``step`` unscales (skipping the step on overflow, as if the batch was never seen:
             ``num_steps`` and the schedules stay) and the user calls ``scaler.update()`` (not

@@ -180,7 +180,9 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             gradients are averaged: W ranks on W equal shards learn the ``σ²`` of one process on
             the whole batch (with ``mc_parallel = R``: of one process with ``R·m`` samples), and
             every rank holds the same ``σ²``. Unequal shards count equally, as in the gradient.
-        seed: seed of the sampling generator (saved in state_dict).
+        seed: seed of the sampling generator (saved in state_dict). None (default): drawn from torch's
+            global generator at construction (one draw, as a DataLoader's base seed): ``torch.manual_seed``
+            makes a run repeatable, and optimizers built one after another get different streams.
         communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
             :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
             collective timeout ``TORCHSSO2_DIST_TIMEOUT``, settings compared across ranks).
