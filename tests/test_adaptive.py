@@ -142,11 +142,11 @@ def test_ggn_gram_reuses_the_dropout_mask_and_leaves_batchnorm_statistics_alone(
     for b, s in zip(model.buffers(), stats):
         assert torch.equal(b, s)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    torch.set_rng_state(rec.calls[0][2])  # the dropout mask of the recorded forward
+    torch.set_rng_state(rec.calls[0][2][0])  # the dropout mask of the recorded forward
     theta = param_vec(model)
     jac = torch.autograd.functional.jacobian(
         lambda v: torch.func.functional_call(model, {**_unflatten(model, v), **buffers}, (x,)), theta)
-    torch.set_rng_state(rec.calls[0][2])
+    torch.set_rng_state(rec.calls[0][2][0])
     out = torch.func.functional_call(model, {**dict(model.named_parameters()), **buffers}, (x,)).detach()
     sq = sqrt_output_hessian(LossType.CROSS_ENTROPY, out)
     h = torch.einsum("knc,knd->ncd", sq, sq)

@@ -63,7 +63,7 @@ from .clipped_update import clip_scale
 logger = logging.getLogger(__name__)
 
 #: a recorded forward call: (positional args, keyword args, CPU RNG state before the forward)
-Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]
+Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tuple[Tensor, Dict[int, Tensor]]]
 
 
 class InputRecorder:
@@ -112,7 +112,7 @@ class InputRecorder:
                     self.activations.skip()
                 return
             started = self.activations.start(module, args, kwargs) if self.activations is not None else None
-            open_calls[-1] = ((args, dict(kwargs), torch.get_rng_state()), started)
+            open_calls[-1] = ((args, dict(kwargs), _rng_states(module)), started)
 
         def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             opened = open_calls.pop() if open_calls else None
@@ -154,11 +154,23 @@ def _functional(model: nn.Module, names: Sequence[str], select: Callable[[Any], 
     return f
 
 
+def _rng_states(module: nn.Module) -> Tuple[Tensor, Dict[int, Tensor]]:
+    """The CPU RNG state and that of each CUDA device holding ``module``'s parameters (dropout on a GPU
+    draws from the device's generator): what a recorded forward saw."""
+    devices = {p.device.index if p.device.index is not None else torch.cuda.current_device()
+               for p in module.parameters() if p.device.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}
+
+
 @contextlib.contextmanager
 def _rng_of(call: Call) -> Iterator[None]:
-    """Run with the CPU RNG state the recorded forward saw (restored afterwards)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(call[2])
+    """Run with the RNG states the recorded forward saw, CPU and CUDA (restored afterwards): its dropout masks,
+    and the user's streams left as they were."""
+    cpu, cuda = call[2]
+    with torch.random.fork_rng(devices=list(cuda)):
+        torch.set_rng_state(cpu)
+        for device, state in cuda.items():
+            torch.cuda.set_rng_state(state, device)
         yield
 
 
