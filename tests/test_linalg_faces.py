@@ -59,6 +59,28 @@ def test_env_var_selects_backend(monkeypatch):
     assert torch.allclose(a, _train("sso", None, "kfac"), atol=1e-9)
 
 
+def test_the_env_var_is_read_once_at_construction(monkeypatch, caplog):
+    import logging
+    model, x, y = _setup()
+    monkeypatch.setenv("TORCHSSO2_LINALG", "numpy")
+    with caplog.at_level(logging.DEBUG, logger="curvature.linalg.select"):
+        opt = SecondOrderOptimizer(model)
+    assert opt.linalg == "numpy" and "from environment variable TORCHSSO2_LINALG" in caplog.text
+    monkeypatch.setenv("TORCHSSO2_LINALG", "bogus")  # a change mid-run does not switch the run's backend
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="curvature.linalg.select"):
+        for _ in range(3):
+            opt.step(closure)
+    assert "selected" not in caplog.text  # no line per decomposition
+
+
 def test_kfac_preconditioner_numpy_backend_matches_torch():
     grads = []
     for backend in ("torch", "numpy"):

@@ -33,7 +33,8 @@ def test_from_arguments_takes_every_field_by_name_and_overrides_first() -> None:
                 grad_worker_fraction="comm_opt", assignment_strategy="compute", output_selector=None,
                 max_consecutive_skips=None, kfac_approx="reduce", any_module=True, unrelated="ignored")
     s = CurvatureSettings.from_arguments(args, approx="kfac")
-    assert [getattr(s, n) for n in names] == [args[n] if n != "approx" else "kfac" for n in names]
+    expected = {**args, "approx": "kfac", "linalg": "torch"}  # linalg=None: resolved once, here "torch"
+    assert [getattr(s, n) for n in names] == [expected[n] for n in names]
     with pytest.raises(KeyError):
         CurvatureSettings.from_arguments({"curvature": "fisher"})
 

@@ -64,5 +64,6 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
         raise ValueError(
             f"unknown linalg backend {name!r} (from {source}); expected one of {BACKEND_NAMES}"
         )
-    logger.debug("linalg backend %r selected (from %s)", key, source)
+    if source != "the linalg argument":  # resolved from the environment or the default: said once per resolution
+        logger.debug("linalg backend %r selected (from %s)", key, source)
     return factories[key]()

@@ -54,7 +54,11 @@ class CurvatureSettings:
         self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval)
         self.inv_update_interval = check_int("inv_update_interval", self.inv_update_interval)
         self.on_nonfinite = check_choice("on_nonfinite", self.on_nonfinite, ("skip", "raise"))
-        get_backend(self.linalg)  # validates the name (and cupy's availability) now, not at the first decomposition
+        # validates the name (and cupy's availability) now, not at the first decomposition; None (the environment
+        # variable, else "torch") is resolved once: every decomposition of the run takes the same backend
+        backend = get_backend(self.linalg)
+        if self.linalg is None:
+            self.linalg = backend.name
         scaler = self.grad_scaler
         if scaler is not None and not all(hasattr(scaler, a) for a in ("unscale_", "get_scale")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
