@@ -35,7 +35,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,12 +60,23 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
-def live_tensors() -> int:
-    """Tensors tracked by the garbage collector, after a full collection."""
+def _tensors() -> List[torch.Tensor]:
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
+def tensor_baseline() -> Dict[int, Any]:
+    """The tensors alive now (weakly, by id): :func:`live_tensors` leaves them out, so what a process held
+    before a soak (an earlier test's compiled graph freed mid-run) does not count as the soak's."""
+    return {id(t): weakref.ref(t) for t in _tensors()}
+
+
+def live_tensors(baseline: Optional[Dict[int, Any]] = None) -> int:
+    """Tensors tracked by the garbage collector after a full collection, except those of ``baseline``."""
+    before = baseline or {}
+    return sum(1 for t in _tensors() if id(t) not in before or before[id(t)]() is not t)
 
 
 def hooks_on(model: nn.Module) -> int:
@@ -120,6 +131,7 @@ def make_stepper(face: str, model: nn.Module) -> Tuple[Callable[[torch.Tensor, t
 
 
 def soak(face: str, steps: int, warmup: int, window: int) -> Dict[str, Any]:
+    baseline = tensor_baseline()
     model = make_model()
     data = make_data()
     step, opt = make_stepper(face, model)
@@ -131,7 +143,7 @@ def soak(face: str, steps: int, warmup: int, window: int) -> Dict[str, Any]:
     every = max(1, steps // 10)
     for i in range(steps):
         if i == warmup:
-            start = {"rss_mib": rss_mib(), "live_tensors": live_tensors()}
+            start = {"rss_mib": rss_mib(), "live_tensors": live_tensors(baseline)}
         if i % every == 0:
             trace.append((i, round(rss_mib(), 1)))
         x, y = data[i % len(data)]
@@ -139,7 +151,7 @@ def soak(face: str, steps: int, warmup: int, window: int) -> Dict[str, Any]:
         losses.append(step(x, y))
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    end = {"rss_mib": rss_mib(), "live_tensors": live_tensors()}
+    end = {"rss_mib": rss_mib(), "live_tensors": live_tensors(baseline)}
     t_start = statistics.median(times[warmup:warmup + window]) * 1e3
     t_end = statistics.median(times[-window:]) * 1e3
     return {
