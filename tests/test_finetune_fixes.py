@@ -107,3 +107,34 @@ def test_adaptive_damping_leaves_another_optimizers_gradients_alone(zero_body: b
     opt.step(closure)  # an LM step: the closure ran twice
     for p, q in zip(model[:4].parameters(), ref[:4].parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["empirical_fisher", "fisher_mc", "hessian", "vi-kfac"])
+def test_every_covered_module_frozen_takes_no_estimate_and_trains_the_plain_group(kind: str) -> None:
+    """A temperature on the plain update trains alone: the frozen model keeps its curvature (the step
+    had been refused as a non-finite output, or raised torch's "'inputs' argument to 'grad()' cannot be empty")."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    opt = VIOptimizer(model, dataset_size=100, approx="kfac", on_nonfinite="raise") if kind == "vi-kfac" else \
+        SecondOrderOptimizer(model, curvature=kind, on_nonfinite="raise", damping=1.0,
+                             approx="full" if kind == "hessian" else "kfac")
+    temperature = nn.Parameter(torch.ones(()))
+    opt.add_param_group({"params": [temperature]})
+    kw = {"targets": y} if kind == "hessian" else {}
+
+    def closure():
+        opt.zero_grad()
+        out = model(x) * temperature
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    opt.step(closure, **kw)
+    model.requires_grad_(False)
+    blocks = {n: [t.clone() for t in b.tensors()] for n, b in opt.running.blocks.items()}
+    before = float(temperature.detach())
+    for _ in range(3):
+        opt.step(closure, **kw)
+    assert opt.num_steps == 4 and opt.num_skipped == 0 and float(temperature.detach()) != before
+    for n, ts in blocks.items():
+        assert all(torch.equal(a, b) for a, b in zip(ts, opt.running.blocks[n].tensors()))

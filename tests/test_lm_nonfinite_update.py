@@ -1,6 +1,6 @@
 """The Levenberg–Marquardt rule's evaluation after the update: an update after which the loss is not
-finite is undone (parameters, momentum, adaptive state, curvature, closure's streams) and the step is
-skipped, or raised under ``on_nonfinite="raise"``; a step the quadratic model predicts no change for
+finite is undone (parameters, momentum, adaptive state, closure's streams; the curvature keeps the
+batch) and the step is skipped, or raised under ``on_nonfinite="raise"``; a step the quadratic model predicts no change for
 (a zero gradient) leaves the damping alone."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from torchsso2.optim.damping import LMDamping
 from torchsso2.optim.skips import NonFiniteError
 
 
-def _state_tensors(opt: SecondOrderOptimizer, decompositions: bool = True) -> list:
-    """Every tensor of the optimizer's checkpoint (without the decompositions: ``decompositions=False``),
-    in a fixed order."""
+def _state_tensors(opt: SecondOrderOptimizer) -> list:
+    """Every tensor of the optimizer's checkpoint but its curvature, in a fixed order (the curvature keeps
+    the batch, whose statistics are finite, as for a non-finite update)."""
     out = []
 
     def walk(x):
@@ -26,7 +26,7 @@ def _state_tensors(opt: SecondOrderOptimizer, decompositions: bool = True) -> li
             out.append(x.detach().clone())
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
-                if decompositions or k != "decomposition":
+                if k != "curvature":
                     walk(x[k])
         elif isinstance(x, (list, tuple)):
             for v in x:
@@ -61,7 +61,7 @@ def test_a_nonfinite_loss_after_the_update_undoes_it_and_skips_the_step(adaptive
     model, opt, closure, calls = _setup(adaptive, "skip")
     opt.step(closure)  # step 0: no LM evaluation (interval 2)
     params = [p.detach().clone() for p in model.parameters()]
-    state = _state_tensors(opt, decompositions=False)  # the K-FAC eigen decompositions take the new damping
+    state = _state_tensors(opt)
     damping = opt.damping
     calls["poison"] = calls["n"] + 2  # step 1's second closure call: the LM rule's evaluation
     opt.step(closure)
@@ -70,7 +70,7 @@ def test_a_nonfinite_loss_after_the_update_undoes_it_and_skips_the_step(adaptive
     assert opt.damping == pytest.approx(damping / opt.lm.decay)  # the rule's answer to a failed step
     for p, q in zip(model.parameters(), params):
         assert torch.equal(p, q)
-    after = _state_tensors(opt, decompositions=False)
+    after = _state_tensors(opt)
     assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(after, state))
     # training goes on: the next step is taken, the LM rule evaluated at the same step index
     opt.step(closure)

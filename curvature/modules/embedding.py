@@ -84,11 +84,11 @@ class EmbeddingFamily(LayerFamily):
         # so M counts the others (K-FAC = the full block for one example; dividing by N·T shrank the block
         # by the share of real tokens)
         counts = torch.bincount(a.reshape(-1).long(), minlength=module.num_embeddings).to(g.dtype)
-        positions = float(n * t)
-        if module.padding_idx is not None:
-            positions -= float(counts[module.padding_idx])
-            counts[module.padding_idx] = 0
-        return counts.div_(max(positions, 1.0)), self.kfac_output_factor(module, a, g, names)
+        if module.padding_idx is None:
+            return counts.div_(n * t), self.kfac_output_factor(module, a, g, names)
+        positions = (n * t - counts[module.padding_idx]).clamp_min(1.0)  # a tensor: no host sync on a GPU
+        counts[module.padding_idx] = 0
+        return counts.div_(positions), self.kfac_output_factor(module, a, g, names)
 
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         if module.padding_idx is not None:

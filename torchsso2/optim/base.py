@@ -264,6 +264,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         the call first (:meth:`_check_step_call`)."""
         if self._frozen_in_groups or self._frozen_outside:
             self._warn_unfrozen()
+        trainable = self._trainable_modules() if estimate else None
+        if trainable == []:  # every covered module frozen (a plain group trains alone): no estimate, the
+            estimate = False  # running curvature is kept
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
@@ -288,7 +291,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         engine = self.engine
         if engine.kind is Kind.HESSIAN and targets is None:
             raise ValueError(HESSIAN_NEEDS_TARGETS)
-        trainable = self._trainable_modules()
         if trainable is None:
             return self._estimating_call(closure, targets, watch)
         # modules frozen since construction are left out of the capture and the estimate (their running

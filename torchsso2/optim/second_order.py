@@ -367,10 +367,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back;
-        # the LM rule's steps: what an update after which the loss is not finite gives back (update_undo.py)
-        adapt = self._adapt_now()
-        rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None or adapt else None
+        # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back
+        rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None else None
         new = [name for name in fresh if name not in self.running.blocks] if fresh is not None else []
         if fresh:
             warn_unreached_blocks(self, fresh)
@@ -384,7 +382,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if not self._decomposed:  # nothing to precondition with yet: a skipped step, which leaves the step
                 return loss, output   # count (the schedules, the label streams) as it was; the curvature keeps the batch
             self._forget_blocks(new)  # the others keep their decompositions; a new one has none
-        undo = UpdateUndo(self, params, rollback, snapshot) if adapt and rollback is not None else None
+        adapt = self._adapt_now()  # the LM rule after the update; an update it finds non-finite is undone
+        undo = UpdateUndo(self, params, snapshot) if adapt else None  # (update_undo.py)
         old = undo.values if undo is not None and self.adaptive is None else None  # adaptive mode predicts without
         predicted = None
         decay: Optional[Tuple[List[float], float]] = None
@@ -411,7 +410,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             assert undo is not None
             try:
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
-                taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay)
+                taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
+                                            backward=lm_closure is None)
             except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
                 undo.restore(self)  # unscale_): the update is undone, as if the call never happened
                 raise
@@ -488,13 +488,14 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
                        grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None,
-                       decay: Optional[Tuple[List[float], float]] = None) -> bool:
+                       decay: Optional[Tuple[List[float], float]] = None, backward: bool = True) -> bool:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
         change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
         the update ``θ − old`` (``old``: the parameters before it). ``decay``: in adaptive mode, each
         parameter's weight decay and the term ``Σ ½·wd·‖θ‖²`` before the update: the model predicts
-        the change of loss plus that term, so the actual change includes it. False (the damping
-        unchanged) when the loss after the update is not finite."""
+        the change of loss plus that term, so the actual change includes it. ``backward``: whether
+        ``closure`` runs a backward (the user's closure; adaptive mode's forward-only one does not).
+        False (the damping unchanged) when the loss after the update is not finite."""
         assert self.lm is not None
         with torch.no_grad():
             if predicted is None:  # the change predicted by C + λI
@@ -515,7 +516,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # call: this second call would add to it (or, zeroed, replace it with the gradient after the update)
         own = {id(p) for g in self.param_groups for p in g["params"]}
         outside = [(p, None if p.grad is None else p.grad.clone()) for p in self.model.parameters()
-                   if id(p) not in own and p.requires_grad]
+                   if id(p) not in own and p.requires_grad] if backward else []
         with torch.enable_grad():
             try:
                 new_loss = unpack_closure_result(closure())[0]
@@ -523,9 +524,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 if self.grad_scaler is not None and "unscale_() has already been called" in str(err):
                     raise RuntimeError(LM_UNSCALE_IN_CLOSURE) from err
                 raise
-            finally:
+            finally:  # written into the tensor the closure left where it can be (a DDP bucket view stays one)
                 for p, grad in outside:
-                    p.grad = grad
+                    if grad is not None and p.grad is not None and p.grad.shape == grad.shape:
+                        p.grad.copy_(grad)
+                    else:
+                        p.grad = grad
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         if not math.isfinite(actual):  # the same on every rank: the caller undoes the update
             return False

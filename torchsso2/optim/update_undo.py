@@ -6,9 +6,13 @@ it would leave every later batch non-finite (each step skipped, the damping's ri
 and, under ``on_nonfinite="raise"``, the error would come one step late with the parameters
 already spoilt. :class:`UpdateUndo`, saved on the LM rule's steps before the update, puts back
 the parameters, their optimizer state (momentum buffers, adaptive mode's last update), adaptive
-mode's last coefficients, the running curvature (:class:`~torchsso2.optim.rollback.CurvatureRollback`)
-and what the closure changed (:class:`~torchsso2.optim.skips.StepUndo`): the step is then skipped
-like any other non-finite step.
+mode's last coefficients and what the closure changed (:class:`~torchsso2.optim.skips.StepUndo`):
+the step is then skipped like a step whose update is not finite, and like it keeps the batch's
+(finite) curvature.
+
+Its cost, on the LM rule's steps only: one copy of the parameters (the fixed mode's rule needs it
+anyway, for the update ``θ − old``) and, in the fixed mode, of the momentum buffers (written in
+place by the update; adaptive mode replaces its state tensors, so references are kept).
 """
 from __future__ import annotations
 
@@ -18,7 +22,6 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from .rollback import CurvatureRollback
 from .skips import StepUndo
 
 __all__ = ["UpdateUndo"]
@@ -28,19 +31,19 @@ class UpdateUndo:
     """The state an update of ``params`` by optimizer ``opt`` changes, saved before it.
 
     ``values``: the parameters' values (``[P_i]`` clones, in ``params`` order; the LM rule also
-    takes the update as ``θ − values``); ``rollback``: the running curvature as before the step's
-    EMA; ``snapshot``: the closure's random streams and normalisation statistics."""
+    takes the update as ``θ − values``); ``snapshot``: the closure's random streams and normalisation
+    statistics."""
 
-    def __init__(self, opt: Any, params: List[nn.Parameter], rollback: CurvatureRollback,
-                 snapshot: StepUndo) -> None:
+    def __init__(self, opt: Any, params: List[nn.Parameter], snapshot: StepUndo) -> None:
         self.params = params
         with torch.no_grad():
             self.values: List[Tensor] = [p.detach().clone() for p in params]
+        in_place = opt.adaptive is None  # the fused momentum writes its buffers in place
         self.states: List[Optional[Dict[str, Any]]] = [
-            {k: v.clone() if isinstance(v, Tensor) else copy.copy(v) for k, v in opt.state[p].items()}
+            {k: v.clone() if in_place and isinstance(v, Tensor) else copy.copy(v) for k, v in opt.state[p].items()}
             if p in opt.state else None for p in params]
         self.adaptive_last = dict(opt.adaptive.last) if opt.adaptive is not None else None
-        self.rollback, self.snapshot = rollback, snapshot
+        self.snapshot = snapshot
 
     def restore(self, opt: Any) -> None:
         """Put everything saved back into ``opt`` (its parameters are written in place)."""
@@ -54,5 +57,4 @@ class UpdateUndo:
                 opt.state[p] = s
         if self.adaptive_last is not None:
             opt.adaptive.last = self.adaptive_last
-        self.rollback.restore(opt)
         self.snapshot.restore()
