@@ -138,3 +138,24 @@ def test_every_covered_module_frozen_takes_no_estimate_and_trains_the_plain_grou
     assert opt.num_steps == 4 and opt.num_skipped == 0 and float(temperature.detach()) != before
     for n, ts in blocks.items():
         assert all(torch.equal(a, b) for a, b in zip(ts, opt.running.blocks[n].tensors()))
+
+
+@pytest.mark.parametrize("face", ["second_order", "vi-kfac"])
+def test_every_covered_module_frozen_before_the_first_step_names_it(face: str) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    opt = SecondOrderOptimizer(model) if face == "second_order" else VIOptimizer(model, dataset_size=100, approx="kfac")
+    temperature = nn.Parameter(torch.ones(()))
+    opt.add_param_group({"params": [temperature]})
+    model.requires_grad_(False)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x) * temperature
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    with pytest.raises(ValueError, match="every covered module is frozen .* no curvature has been estimated yet"):
+        opt.step(closure)
+    assert opt.num_steps == 0

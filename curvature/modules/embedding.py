@@ -86,7 +86,8 @@ class EmbeddingFamily(LayerFamily):
         counts = torch.bincount(a.reshape(-1).long(), minlength=module.num_embeddings).to(g.dtype)
         if module.padding_idx is None:
             return counts.div_(n * t), self.kfac_output_factor(module, a, g, names)
-        positions = (n * t - counts[module.padding_idx]).clamp_min(1.0)  # a tensor: no host sync on a GPU
+        # a tensor (no host sync on a GPU), in float32 (a float16 count of more than 65504 tokens is inf)
+        positions = (n * t - counts[module.padding_idx].to(torch.float32)).clamp_min(1.0)
         counts[module.padding_idx] = 0
         return counts.div_(positions), self.kfac_output_factor(module, a, g, names)
 

@@ -266,7 +266,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             self._warn_unfrozen()
         trainable = self._trainable_modules() if estimate else None
         if trainable == []:  # every covered module frozen (a plain group trains alone): no estimate, the
-            estimate = False  # running curvature is kept
+            if not self.running.blocks:  # running curvature is kept; without one there is nothing to keep
+                raise ValueError(
+                    "every covered module is frozen (requires_grad=False) and no curvature has been estimated "
+                    "yet: take a step with them trainable first (a frozen module keeps its curvature), or build "
+                    "the optimizer on the parameters that train (params=...)")
+            estimate = False
         misuse = self.__dict__.setdefault("_misuse", {})
         if not estimate and not ClosureWatch.watching(misuse):  # the watch is over: nothing to set up
             with torch.enable_grad():
