@@ -10,7 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
+
+
+class _Scale(nn.Module):
+    """``x · t`` for a parameter ``t`` the module does not own (a temperature in a plain param group)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__()
+        self.t = [t]  # not registered: the model's covered modules stay the model's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.t[0]
 
 
 class _Net(nn.Module):
@@ -47,12 +59,7 @@ def test_a_layer_frozen_after_construction_keeps_its_curvature_under_no_grad(nam
     opt = BUILDERS[name](model)
     kw = {"targets": y} if name.startswith("hessian") else {}
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
     opt.step(closure, **kw)
     body = [p.detach().clone() for p in model.body.parameters()]
     block = [t.clone() for t in opt.running.blocks["body.0"].tensors()]
@@ -72,12 +79,7 @@ def test_hessian_with_part_of_a_module_frozen_names_it() -> None:
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     opt = SecondOrderOptimizer(model, curvature="hessian", approx="full", damping=1.0)
 
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
     opt.step(closure, targets=y)
     model[2].bias.requires_grad_(False)
     with pytest.raises(ValueError, match=r"module '2', and \['2.bias'\] do not require a gradient"):
@@ -123,12 +125,7 @@ def test_every_covered_module_frozen_takes_no_estimate_and_trains_the_plain_grou
     opt.add_param_group({"params": [temperature]})
     kw = {"targets": y} if kind == "hessian" else {}
 
-    def closure():
-        opt.zero_grad()
-        out = model(x) * temperature
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, nn.Sequential(model, _Scale(temperature)), x, y)
     opt.step(closure, **kw)
     model.requires_grad_(False)
     blocks = {n: [t.clone() for t in b.tensors()] for n, b in opt.running.blocks.items()}
@@ -150,12 +147,7 @@ def test_every_covered_module_frozen_before_the_first_step_names_it(face: str) -
     opt.add_param_group({"params": [temperature]})
     model.requires_grad_(False)
 
-    def closure():
-        opt.zero_grad()
-        out = model(x) * temperature
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, nn.Sequential(model, _Scale(temperature)), x, y)
     with pytest.raises(ValueError, match="every covered module is frozen .* no curvature has been estimated yet"):
         opt.step(closure)
     assert opt.num_steps == 0
