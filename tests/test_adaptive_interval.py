@@ -78,7 +78,7 @@ def test_lm_steps_always_solve_and_a_checkpoint_resumes_bit_exactly(monkeypatch)
     fed = []
     original = SecondOrderOptimizer._adapt_damping
     monkeypatch.setattr(SecondOrderOptimizer, "_adapt_damping",
-                        lambda self, *a: fed.append(a[5]) or original(self, *a))  # a[5]: predicted
+                        lambda self, *a, **k: fed.append(a[5]) or original(self, *a, **k))  # a[5]: predicted
     for _ in range(7):
         opt.step(closure)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
