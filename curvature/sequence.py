@@ -26,7 +26,7 @@ The per-example quantity is the sequence: with ``ℓ_nt`` the loss of row ``(n, 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -127,6 +127,26 @@ def leaking_modules(outputs: Tensor, module_outputs: Dict[str, Tensor], per_exam
     return []
 
 
+def rows_mixing_examples(outputs: Tensor, module_outputs: Dict[str, Tensor], rows: Sequence[int] = (0, -1)
+                         ) -> List[str]:
+    """The modules of ``module_outputs`` (``[B, ...]``) at more than one of whose first-dimension entries
+    a single loss row of ``outputs [R, ...]`` arrives (rows ``rows``, one backward pass each; empty when
+    none). A loss row is one example's, so where the first dimension holds the examples it reaches one
+    entry: the test of :func:`check_reduce_layout` when the rows cannot be attributed to examples (a
+    padding mask's rows, uneven per example)."""
+    names = [n for n, o in module_outputs.items() if o.requires_grad and o.shape[0] > 1]
+    for r in rows:
+        v = torch.zeros_like(outputs)
+        v[r] = 1
+        grads = torch.autograd.grad(outputs, [module_outputs[n] for n in names], grad_outputs=v,
+                                    retain_graph=True, allow_unused=True)
+        leaked = [n for n, g in zip(names, grads)
+                  if g is not None and int(g.reshape(g.shape[0], -1).ne(0).any(1).sum()) > 1]
+        if leaked:
+            return leaked
+    return []
+
+
 def per_position_vectors(vectors: Tensor, per_example: int, group: int) -> Iterator[Tuple[Tensor, Tensor]]:
     """The ``K·T`` per-position vectors of ``vectors [K, R, *out]`` (``T = per_example``, rows
     example-major), in chunks of at most ``group``: vector ``(k, t)`` is ``vectors[k]`` on the rows
@@ -201,9 +221,14 @@ def check_reduce_layout(outputs: Tensor, examples: Optional[int], linear: Dict[s
             by_batch.setdefault(o.shape[0], {})[n] = o
     for b, mods in by_batch.items():
         wrong = examples is not None and b not in (examples, 1)  # (batch 1: broadcast over the examples)
-        if not wrong and (b == 0 or rows % b):
-            continue  # (loss rows of a padding mask: nothing to check them against)
-        leaked = list(mods) if wrong else leaking_modules(outputs, mods, rows // b)
+        if wrong:
+            leaked = list(mods)
+        elif b <= 1:
+            continue
+        elif rows % b == 0 and rows // b in (1, *(o.shape[1:-1].numel() for o in mods.values())):
+            leaked = leaking_modules(outputs, mods, rows // b)  # the rows are the examples' in equal runs
+        else:  # the loss rows of a padding mask (uneven per example) or another selection: which example a
+            leaked = rows_mixing_examples(outputs, mods)  # row is, is unknown; a row is one example's
         if leaked:
             raise ValueError(
                 f"kfac_approx='reduce' averages a Linear layer's inputs over their middle dimensions, the positions "

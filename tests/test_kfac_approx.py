@@ -208,3 +208,35 @@ def test_reduce_is_exact_for_a_conv_behind_global_average_pooling() -> None:
     _close(c.dense(), ref)
     e = curvature.compute(model, x, y, loss="mse", kind="fisher", approx="kfac")
     assert float((e.dense() - ref).abs().max()) > 0.1 * float(ref.abs().max())
+
+
+class _SeqFirstLM(nn.Module):
+    """Positions mixed along the first dimension of its Linear's output: a sequence-first layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.Embedding(11, 8)
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.e(t).transpose(0, 1)).cumsum(0)  # [T, N, d]
+        return self.head(h).transpose(0, 1)  # [N, T, C]
+
+
+@pytest.mark.parametrize("padding", [[4, 5, 5, 6], [4, 5, 5, 5]])  # 20 valid rows (divisible by N) and 19
+def test_reduce_takes_a_padding_mask_and_still_refuses_a_sequence_first_layout(padding) -> None:
+    """The layout check assumed rows // N consecutive loss rows per example whenever the masked row count
+    was divisible by N, and refused a batch-first model with 'build it with batch_first=True'."""
+    torch.manual_seed(0)
+    lm = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 11))
+    ids, nxt = torch.randint(1, 11, (4, 6)), torch.randint(1, 11, (4, 6))
+    for i, valid in enumerate(padding):
+        nxt[i, valid:] = 0
+    mask = nxt != 0
+    c = curvature.compute(lm, ids, nxt[mask], kind="fisher_mc", approx="kfac", kfac_approx="reduce",
+                          output_selector=lambda out: out[mask])
+    assert c.dense().shape == (419, 419)
+    with pytest.raises(ValueError, match="whose first dimension is not the examples"):
+        curvature.compute(_SeqFirstLM(), ids, nxt[mask], kind="fisher_mc", approx="kfac", kfac_approx="reduce",
+                          output_selector=lambda out: out[mask])
