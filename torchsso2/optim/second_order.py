@@ -435,8 +435,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _check_loss_against_targets(self, targets: Tensor, loss: Any, output: Any) -> None:
         """The Hessian, and the empirical Fisher given ``targets``, are taken of the mean NLL of the output and
-        the targets, not of the closure's loss: warn (first step) when the two differ (label smoothing, an L2
-        term, class weights, a scaled loss), as adaptive mode does."""
+        the targets, not of the closure's loss: warn (first step) when the two values differ by more than
+        0.1% (a scaled loss, an L2 term, class weights; label smoothing only where the first predictions are
+        not near uniform), as adaptive mode does."""
         kind = self.engine.kind
         if kind is Kind.HESSIAN or kind is Kind.EMPIRICAL_FISHER:
             warn_if_loss_is_not_the_nll(

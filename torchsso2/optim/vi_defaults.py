@@ -29,7 +29,7 @@ DEFAULT_VI_EMA_DECAY = 0.99999
 DEFAULT_VI_LR = 1e-2
 
 #: Default KL clip of the mean's step (kfac_pytorch's ``kl_clip`` idea applied to VI): the step
-#: ``lr·u``, ``u = N·Λ⁻¹m``, is scaled by ``ν = min(1, √(kl_clip / (lr²·uᵀm)))``, a bound on
+#: ``lr·u``, ``u = N·(N·C + τδ + λ)⁻¹m``, is scaled by ``ν = min(1, √(kl_clip / (lr²·uᵀm)))``, a bound on
 #: the step's size under the per-example precision ``Λ/N``. While ``C`` is near its start (``u ≈ m``) it
 #: binds once ``lr·‖m‖ > √kl_clip``: inactive for lr <= 0.1 on the digits MLP, active at lr 0.1 on wider
 #: models (784-1024-1024-10: ν ≈ 0.6), where larger lrs then take the same step; as the slow EMA moves ``C`` to the data's (smaller)
