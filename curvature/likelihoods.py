@@ -39,6 +39,9 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
     if not isinstance(outputs, Tensor):
         raise TypeError(f"the model output must be a Tensor, got {type(outputs).__name__}")
     check_targets(targets)
+    if targets is not None and targets.device != outputs.device:
+        raise ValueError(f"targets are on device {targets.device}, the model output on {outputs.device}: move the "
+                         f"targets to the output's device (targets.to({str(outputs.device)!r}))")
     if loss is LossType.CROSS_ENTROPY:
         if outputs.dim() < 2:
             raise ValueError(

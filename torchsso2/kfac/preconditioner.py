@@ -33,6 +33,7 @@ from curvature.linalg import Backend, get_backend
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
 from torchsso2.optim.copying import copy_fields
+from torchsso2.optim.misuse import check_model_argument
 
 from .arguments import check_dtype, resolve_grad_worker_fraction
 from .base_preconditioner import BaseKFACPreconditioner, parse_flag
@@ -151,8 +152,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         on_nonfinite: str = "skip",
         max_consecutive_skips: Optional[int] = 20,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_model_argument(model, "KFACPreconditioner", "skip_layers")
         self._init_hyperparams(
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
             factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,
@@ -380,11 +380,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         except (TypeError, ValueError):
             self._forget_step(layers)
             raise
-        if factor_step and layers and not any(self._mini_steps.values()) \
-                and not any(layer.has_factors() for layer in layers) and any(layer.has_grad() for layer in layers):
-            # gradients but no recorded forward before the first factors: kfac_pytorch raises here too
-            # ("Cannot eigendecompose A before A has been computed")
-            what = "no forward of a registered layer was recorded before step()"
+        if factor_step and layers and not any(layer.has_factors() for layer in layers) \
+                and (not any(self._mini_steps.values()) or not any(layer.has_grad() for layer in layers)):
+            # no recorded forward, or no gradient, before the first factors: kfac_pytorch raises here too
+            # ("Cannot eigendecompose A before A has been computed"); a silent no-op would count the step
+            what = ("no forward of a registered layer was recorded before step()" if not any(self._mini_steps.values())
+                    else "no registered layer has a gradient at the first step()")
+            self._forget_step(layers)
             raise RuntimeError(compiled_before_hooks(what, "the preconditioner", uncompiled=False)
                                if self._model_is_compiled else
                                f"{what}, so there are no factors to precondition with: run the model's forward (with "

@@ -45,16 +45,17 @@ E = TypeVar("E", bound=Enum)
 #: how many closure calls per optimizer are watched at all (then the watch costs nothing)
 CLOSURE_CHECKS = 5
 #: the error for a closure that computed no gradient (checked at the first calls, and wherever a step needs one)
-NO_BACKWARD = ("the closure did not call backward(): no parameter's .grad was created or changed, so the "
-               "parameters would never move. The closure must compute the loss, call loss.backward() and "
-               "return the loss (or (loss, output))")
+NO_BACKWARD = ("the closure did not call backward() (no parameter's .grad was created or changed), or it "
+               "cleared the gradients after it (zero_grad() after loss.backward()), so the parameters would never "
+               "move. The closure must call opt.zero_grad(), compute the loss, call "
+               "loss.backward() and return the loss (or (loss, output))")
 #: how many curvature-estimating closure calls (among those) check the loss against ``loss=``
 OUTPUT_CHECKS = 3
 #: relative row-sum of the output gradient above which the loss is not a function of softmax(output)
 SHIFT_TOLERANCE = 1e-2
 
 
-def check_model_argument(model: Any, face: str) -> None:
+def check_model_argument(model: Any, face: str, skip_argument: str = "skip_modules") -> None:
     """TypeError unless ``model`` is an ``nn.Module``; says "pass the model itself" for an iterable of
     parameters (``model.parameters()``) or parameter groups. ValueError for parameters on the meta device."""
     if isinstance(model, nn.Module):
@@ -68,7 +69,7 @@ def check_model_argument(model: Any, face: str) -> None:
     if isinstance(model, (Iterator, list, tuple)) or hasattr(model, "__next__"):
         raise TypeError(f"{face} takes the model (a torch.nn.Module), not its parameters: pass the model itself "
                         f"({face}(model, ...)); got {type(model).__name__}. To train only some parameters, "
-                        "set requires_grad=False on the others or use skip_modules=[...]")
+                        f"set requires_grad=False on the others or use {skip_argument}=[...]")
     raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
@@ -152,7 +153,7 @@ class ClosureWatch:
         replaced = any(g is not None and g is not then for g, (then, _) in zip(now, self.before))
         changed = replaced or any(g is not None and g._version != v for g, (_, v) in zip(now, self.before))
         backward = self.accumulated or replaced if self.handles else changed
-        if self.params and not backward:
+        if self.params and (not backward or all(g is None for g in now)):  # (None: zero_grad() after backward)
             raise RuntimeError(NO_BACKWARD)
         if not self.check_output or not self.stats:
             return
