@@ -107,7 +107,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     def __init__(self, model: nn.Module, params: Optional[Iterable[Any]], defaults: Dict[str, Any],
                  settings: CurvatureSettings) -> None:
         check_model_argument(model, type(self).__name__)
-        if type(model).forward is nn.Module.forward and not self.__dict__.get("reparam", False):
+        if getattr(model.forward, "__func__", None) is nn.Module.forward and not self.__dict__.get("reparam", False):
+            # (the instance's forward: torch.compile's OptimizedModule sets its own on the instance)
             # (VIOptimizer's default diagonal needs the gradients only, not the model's forward)
             raise TypeError(f"{type(self).__name__} records the forward of the model it is given, and "
                             f"{type(model).__name__} has no forward() (a container such as nn.ModuleList or "
