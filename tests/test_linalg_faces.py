@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from optim_helpers import make_closure
 from torchsso2 import KFACPreconditioner, SecondOrderOptimizer, VIOptimizer
 
 
@@ -67,13 +68,7 @@ def test_the_env_var_is_read_once_at_construction(monkeypatch, caplog):
         opt = SecondOrderOptimizer(model)
     assert opt.linalg == "numpy" and "from environment variable TORCHSSO2_LINALG" in caplog.text
     monkeypatch.setenv("TORCHSSO2_LINALG", "bogus")  # a change mid-run does not switch the run's backend
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, x, y)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="curvature.linalg.select"):
         for _ in range(3):

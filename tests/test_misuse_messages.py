@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
 
@@ -25,12 +26,7 @@ def test_zero_grad_after_backward_in_the_closure_is_named(face: str, good_first:
     model = _model()
     opt = SecondOrderOptimizer(model) if face == "second_order" else VIOptimizer(model, dataset_size=100)
 
-    def good():
-        opt.zero_grad()
-        out = model(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
+    good = make_closure(opt, model, X, Y)
 
     def bad():
         loss, out = good()
@@ -67,13 +63,7 @@ def test_kfac_preconditioner_given_the_parameters_says_pass_the_model() -> None:
 def test_targets_on_another_device_are_named() -> None:
     model = _model()
     opt = SecondOrderOptimizer(model, curvature="empirical_fisher")
-
-    def closure():
-        opt.zero_grad()
-        out = model(X)
-        loss = F.cross_entropy(out, Y)
-        loss.backward()
-        return loss, out
+    closure = make_closure(opt, model, X, Y)
     with pytest.raises(ValueError, match="targets are on device meta, the model output on cpu"):
         opt.step(closure, targets=Y.to("meta"))
     assert opt.num_steps == 0

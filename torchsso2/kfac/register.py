@@ -48,9 +48,12 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
     regexes = _compile(skip_layers)
     refuse_sharded(model, "KFACPreconditioner")
     found = []
+
+    def skipped(name: str, module: nn.Module) -> bool:
+        return any(r.search(name) or r.search(type(module).__name__) for r in regexes)
+
     for name, module in model.named_modules():
-        if isinstance(module, SUPPORTED_TYPES) and parametrize.is_parametrized(module) \
-                and not any(r.search(name) or r.search(type(module).__name__) for r in regexes):
+        if isinstance(module, SUPPORTED_TYPES) and parametrize.is_parametrized(module) and not skipped(name, module):
             # not a leaf (its parametrizations are children): kfac_pytorch leaves it out silently
             warnings.warn(f"layer {name!r} ({type(module).__name__}) is parametrized (torch.nn.utils.parametrize: "
                           "orthogonal, spectral_norm, weight_norm): its weight is computed from other parameters, "
@@ -60,7 +63,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
             continue
         if any(True for _ in module.children()) or not isinstance(module, SUPPORTED_TYPES):
             continue
-        if any(r.search(name) or r.search(type(module).__name__) for r in regexes):
+        if skipped(name, module):
             continue
         if not all(p.requires_grad for p in module.parameters()):
             continue

@@ -62,7 +62,8 @@ from .clipped_update import clip_scale
 
 logger = logging.getLogger(__name__)
 
-#: a recorded forward call: (positional args, keyword args, CPU RNG state before the forward)
+#: a recorded forward call: (positional args, keyword args, (CPU RNG state, {CUDA device: RNG state}) before
+#: the forward)
 Call = Tuple[Tuple[Any, ...], Dict[str, Any], Tuple[Tensor, Dict[int, Tensor]]]
 
 
@@ -157,6 +158,8 @@ def _functional(model: nn.Module, names: Sequence[str], select: Callable[[Any], 
 def _rng_states(module: nn.Module) -> Tuple[Tensor, Dict[int, Tensor]]:
     """The CPU RNG state and that of each CUDA device holding ``module``'s parameters (dropout on a GPU
     draws from the device's generator): what a recorded forward saw."""
+    if not torch.cuda.is_initialized():  # no CUDA tensor can exist: no walk over the parameters at every step
+        return torch.get_rng_state(), {}
     devices = {p.device.index if p.device.index is not None else torch.cuda.current_device()
                for p in module.parameters() if p.device.type == "cuda"}
     return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}

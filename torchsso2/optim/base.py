@@ -316,16 +316,17 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if all(p.requires_grad for p in self._covered_at_start):  # the common case: nothing frozen
             return None
         layouts = self.engine.layouts
-        trainable = [n for n, lay in layouts.items() if any(p.requires_grad for p in lay.params)]
+        frozen = self._frozen_modules()
+        trainable = [n for n in layouts if n not in frozen]
         if self.engine.kind is Kind.HESSIAN:
             for n in trainable:
-                frozen = [f"{n}.{q}" for q, p in zip(layouts[n].param_names, layouts[n].params) if not p.requires_grad]
-                if frozen:
+                part = [f"{n}.{q}" for q, p in zip(layouts[n].param_names, layouts[n].params) if not p.requires_grad]
+                if part:
                     raise ValueError(
                         f"curvature='hessian' differentiates the loss with respect to every covered parameter of "
-                        f"module {n!r}, and {frozen} do not require a gradient: freeze the whole module "
+                        f"module {n!r}, and {part} do not require a gradient: freeze the whole module "
                         "(requires_grad_(False) on all its parameters: it then keeps its curvature) or none of it")
-        return trainable if len(trainable) < len(layouts) else None
+        return trainable if frozen else None
 
     def _estimating_call(self, closure: Closure, targets: Optional[Tensor], watch: ClosureWatch
                          ) -> Tuple[Tensor, Tensor, Optional[Dict[str, Block]]]:
@@ -373,7 +374,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             raise RuntimeError("the closure did not run the model's forward; call model(...) inside the closure. If it "
                                "calls a torch.compile'd copy of the model, its graph was traced before the optimizer's "
                                "hooks existed: " + compile_advice("the optimizer"))
-        return loss, output, self._without_frozen(acc.result())
+        return loss, output, acc.result()  # (frozen modules were left out of the capture: _run_closure)
 
     def _follow_param_dtypes(self) -> None:
         """Momentum buffers follow their parameter's dtype and device, and the running curvature and its
@@ -397,17 +398,18 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             converted, _ = check_blocks(self, self.running.state_dict())  # the load path's conversion
             self.running.blocks.update(converted)
 
-    def _without_frozen(self, fresh: Dict[str, Block]) -> Dict[str, Block]:
-        """``fresh`` without the blocks of modules frozen since construction (``requires_grad_(False)``
-        on all their covered parameters): their running curvature is kept as it was, not decayed
-        towards the zero output gradients they now get, so unfreezing them later finds it intact."""
+    def _frozen_modules(self) -> List[str]:
+        """The covered modules frozen since construction (``requires_grad_(False)`` on all their covered
+        parameters): their running curvature is kept as it was, so unfreezing them later finds it intact."""
         if all(p.requires_grad for p in self._covered_at_start):  # the common case: nothing frozen
-            return fresh
-        layouts = self.engine.layouts
-        frozen = [n for n in fresh if not any(p.requires_grad for p in layouts[n].params)]
-        if not frozen:
-            return fresh
-        return {n: b for n, b in fresh.items() if n not in frozen}
+            return []
+        return [n for n, lay in self.engine.layouts.items() if not any(p.requires_grad for p in lay.params)]
+
+    def _without_frozen(self, fresh: Dict[str, Block]) -> Dict[str, Block]:
+        """``fresh`` without the blocks of :meth:`_frozen_modules` (not decayed towards the zero output
+        gradients they now get)."""
+        frozen = self._frozen_modules()
+        return {n: b for n, b in fresh.items() if n not in frozen} if frozen else fresh
 
     # ---- gradients -------------------------------------------------------------------------
     def _average_over_ranks(self, blocks: Optional[Dict[str, Block]], loss: Optional[Tensor] = None
