@@ -80,6 +80,56 @@ def test_mse_loss_with_cross_entropy_optimizer_warns(face: str) -> None:
         opt.step(_closure(opt, model, lambda out: F.mse_loss(out, F.one_hot(Y, 3).float())))
 
 
+class _ClassesAtDim1(nn.Module):
+    """Logits in F.cross_entropy's own layout ``[N, C, L]`` (classes at dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).movedim(-1, 1)
+
+
+@pytest.mark.parametrize("face", ["sso", "vi-diag", "vi-kfac"])
+def test_logits_with_the_classes_at_dim_1_are_named(face: str) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5, 2), torch.randint(0, 3, (8, 5))
+    make = {"sso": lambda m, **kw: SecondOrderOptimizer(m, lr=0.05, **kw),
+            "vi-diag": lambda m, **kw: VIOptimizer(m, dataset_size=8, **kw),
+            "vi-kfac": lambda m, **kw: VIOptimizer(m, dataset_size=8, approx="kfac", **kw)}[face]
+
+    def closure_of(opt, model):
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            return loss, out
+        return closure
+    # without targets: the warning names the layout and the fix (not the MSE / z-loss text)
+    model = _ClassesAtDim1()
+    opt = make(model)
+    with pytest.warns(UserWarning, match=r"over dim 1, not over the last dim.*out\.movedim\(1, -1\)"):
+        opt.step(closure_of(opt, model))
+    # with targets: a ValueError naming the fix, before anything changed (VIOptimizer's default diagonal
+    # never estimates with its closure, so its first plain steps check them)
+    model = _ClassesAtDim1()
+    opt = make(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"classes at dim 1.*out\.movedim\(1, -1\)"):
+        opt.step(closure_of(opt, model), targets=y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.num_steps == 0
+    # the fix: no warning, no error
+    model = _ClassesAtDim1()
+    opt = make(model, output_selector=lambda out: out.movedim(1, -1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            opt.step(closure_of(opt, model), targets=y)
+
+
 @pytest.mark.parametrize("loss_fn", [
     lambda out: F.cross_entropy(out, Y),
     lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),

@@ -287,9 +287,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             def show(_m: nn.Module, _i: Any, out: Any) -> None:
-                watch.observe_output(out if self.engine.output_selector is None else self.engine.output_selector(out))
+                out = out if self.engine.output_selector is None else self.engine.output_selector(out)
+                if targets is not None and isinstance(out, Tensor):  # as an estimating call checks them (no
+                    likelihoods.check_outputs_targets(self.engine.loss, out, targets)  # step has changed anything)
+                watch.observe_output(out)
             # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
-            hooks = NestedCalls().register(self.model, observer_hook(show)) if watch.check_output else []
+            hooks = NestedCalls().register(self.model, observer_hook(show)) \
+                if watch.check_output or (watch.active and targets is not None) else []
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)

@@ -96,7 +96,7 @@ class ClosureWatch:
         self.params: List[Tensor] = []
         self.handles: List[Any] = []
         self.check_output = False
-        self.stats: List[Tuple[Tensor, Tensor]] = []
+        self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
         if not self.active:  # checked enough closure calls: no cost from here on
             return
         owner["closure_checks_left"] = left - 1
@@ -131,7 +131,9 @@ class ClosureWatch:
 
     def _record(self, g: Tensor) -> None:
         g = g.detach().float()
-        self.stats.append((g.sum(-1).abs().sum(), g.abs().sum()))
+        # with more than two dims, also the sums over dim 1: F.cross_entropy's own layout [N, C, ...]
+        # (classes at dim 1) gives rows summing to zero there, not over the last dim
+        self.stats.append((g.sum(-1).abs().sum(), g.abs().sum(), g.sum(1).abs().sum() if g.dim() > 2 else None))
 
     def _accumulated(self, _: Tensor) -> None:
         self.accumulated = True
@@ -160,10 +162,20 @@ class ClosureWatch:
         self.owner["output_checks_left"] = self.owner.get("output_checks_left", OUTPUT_CHECKS) - 1
         if self.estimating:  # from here on, only curvature-estimating steps check the output
             self.owner["estimating_output_checked"] = True
-        row = float(sum(s for s, _ in self.stats))
-        total = float(sum(t for _, t in self.stats))
+        row = float(sum(s for s, _, _ in self.stats))
+        total = float(sum(t for _, t, _ in self.stats))
         if total > 0 and row > SHIFT_TOLERANCE * total:
             self.owner["output_checks_left"] = 0
+            dim1 = [d for _, _, d in self.stats]
+            if all(d is not None for d in dim1) and float(sum(dim1)) <= SHIFT_TOLERANCE * total:
+                warnings.warn(
+                    "loss='cross_entropy' but the closure's loss is a function of softmax(output) over dim 1, not "
+                    "over the last dim: the output has F.cross_entropy's layout with the classes at dim 1 "
+                    "([N, C, ...]), and the curvature and predict() take the classes last (the rows of the loss's "
+                    "gradient with respect to the output sum to zero over dim 1, not over the last dim). Pass "
+                    "output_selector=lambda out: out.movedim(1, -1) to the optimizer (and targets of shape "
+                    "[N, ...] with step(closure, targets=y))", UserWarning, stacklevel=caller_stacklevel())
+                return
             warnings.warn(
                 "loss='cross_entropy' but the closure's loss is not a function of softmax(output): the rows "
                 f"of its gradient with respect to the output do not sum to zero (relative row sum "
