@@ -164,3 +164,36 @@ def test_no_unfrozen_warning_after_add_param_group_or_for_a_layer_left_out_of_pa
         mine = _build(face, other, params=other[2].parameters())  # the user's choice of parameters
         other[0].requires_grad_(True)
         mine.step(_closure(mine, other))
+
+
+class _Scaled(nn.Module):
+    """A container holding a parameter itself (a learned temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("approx", ["diag", "kfac"])
+def test_a_containers_own_parameter_added_later_is_named_with_a_way_that_works(approx):
+    """README's recipe (the container's own parameters by add_param_group): VIOptimizer's default diagonal
+    could have covered them, and says how (not skip_modules, which would skip the whole container)."""
+    model = _Scaled()
+    opt = VIOptimizer(model, dataset_size=32, approx=approx, params=model.lin.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.add_param_group({"params": [model.scale]})
+    messages = [str(w.message) for w in caught]
+    if approx == "kfac":  # no layer family describes the container: the plain update is all there is
+        assert messages == []
+    else:
+        assert len(messages) == 1 and messages[0].startswith("add_param_group: parameters ['scale'] take the plain")
+        assert "list them in the constructor's params" in messages[0] and "skip_modules" not in messages[0]
+    before = model.scale.detach().clone()
+    opt.step(_closure(opt, model))
+    assert not torch.equal(model.scale, before)  # it trains (the plain update)

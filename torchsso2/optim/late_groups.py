@@ -18,6 +18,7 @@ import warnings
 from typing import Any, Dict, Iterable, List, Set
 
 from curvature.blocks import Layout
+from curvature.modules.parameters import ParameterFamily
 from curvature.selection import caller_stacklevel, select_layouts
 
 
@@ -45,7 +46,19 @@ def warn_uncovered_layers(opt: Any, params: Iterable[Any]) -> None:
     if not new:
         return
     would = _would_cover(opt, new)
-    fresh = sorted(n for n in would if n not in opt.engine.layouts)
+    # a module no layer family describes (VIOptimizer's default diagonal covers any module by its gradients:
+    # a container's own cls_token or temperature): skip_modules is no way out there (it would skip the
+    # container, the covered layers in it too), so its parameters are named with the way to give them noise
+    generic = [n for n in would if n not in opt.engine.layouts and isinstance(would[n].family, ParameterFamily)]
+    if generic:
+        names = [f"{n}.{local}" if n else local for n in sorted(generic) for local in would[n].param_names]
+        warnings.warn(
+            f"add_param_group: parameters {names} take the plain update (their mean as a point estimate, without "
+            f"weight noise): this {type(opt).__name__}'s diagonal covers any parameter by its gradients, but the "
+            "covered parameters are fixed when it is built. To give them weight noise, list them in the constructor's "
+            "params (or build it on the whole model); else filter this warning", UserWarning,
+            stacklevel=caller_stacklevel())
+    fresh = sorted(n for n in would if n not in opt.engine.layouts and n not in generic)
     partial = [f"{n}.{local}" for n in sorted(would) if n in opt.engine.layouts for local in would[n].param_names]
     what = type(opt).__name__
     if fresh:
