@@ -157,3 +157,18 @@ def test_preconditioned_gradient_differs_from_whole_batch_process():
 
     whole_batch = common.train(model, pre, whole)
     assert _rel(whole_batch, accumulated) > 1e-3
+    # by how much (docs/kfac.md, "Ranks versus one process"): after one step, G of the W shards is W² times
+    # the whole batch's, A the same
+    factors = []
+    for micro, batches in ((world, [common.shard(0, r) for r in range(world)]), (1, whole(0))):
+        model = common.build()
+        pre = KFACPreconditioner(model, communicator=LocalCommunicator(), accumulation_steps=micro,
+                                 **{**common.BASE, "factor_decay": lambda step: 0.0})  # the batch alone
+        for x, y in batches:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        factors.append({n: (layer.a_factor.clone(), layer.g_factor.clone()) for n, layer in pre.layers.items()})
+    for n, (a_ranks, g_ranks) in factors[0].items():
+        a_whole, g_whole = factors[1][n]
+        assert _rel(a_ranks, a_whole) < RTOL, n
+        assert _rel(g_ranks, world ** 2 * g_whole) < RTOL, n

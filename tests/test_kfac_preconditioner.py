@@ -563,7 +563,8 @@ class Seq3d(nn.Module):
 
 @pytest.mark.parametrize("kind", ["mlp", "conv", "seq3d"])
 @pytest.mark.parametrize("method,prediv", [("eigen", True), ("eigen", False), ("inverse", True)])
-@pytest.mark.parametrize("in_hook,micro", [(True, 1), (False, 2)])
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("in_hook", [True, False])
 def test_matches_kfac_pytorch(kind, method, prediv, in_hook, micro, record_property):
     """Our preconditioned gradients equal kfac_pytorch's on the same model, data and arguments."""
     kfac = pytest.importorskip("kfac.preconditioner", reason="kfac_pytorch is not installed: "
