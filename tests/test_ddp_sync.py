@@ -42,11 +42,13 @@ SCRIPT = textwrap.dedent("""
             net = model if mode == "bare" else DDP(model)
         if mode.endswith("check-off"):
             opt._ddp_sync = None  # the path before: the optimizer averages the gradients itself
-        calls, original = [], opt.comm.allreduce
-        def counting(tensors, *args, **kwargs):  # whether the call carries the gradients
+        calls, sizes, original = [], [], opt.comm.allreduce
+        def counting(tensors, *args, **kwargs):  # whether the call carries the gradients, and its bytes
             grads = {id(p.grad) for p in model.parameters() if p.grad is not None}
             calls.append(any(id(t) in grads for t in tensors))
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors))
             return original(tensors, *args, **kwargs)
+        firsts = []  # the bytes of each step's first all-reduce (the flag, when DDP averaged the gradients)
         opt.comm.allreduce = counting
         for x, y in batches:
             def closure():
@@ -62,9 +64,11 @@ SCRIPT = textwrap.dedent("""
                 if mode.startswith("bare-pass"):  # a second pass of the bare model: gradients DDP never saw
                     (1e-3 * model(x + 1).pow(2).mean()).backward()
                 return loss, out
+            mark = len(calls)
             opt.step(closure)
+            firsts.append(sizes[mark])
         grads_reduced = sum(calls)
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), grads_reduced
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), grads_reduced, sorted(set(firsts))
 
     for face in ("kfac", "vi", "vi-2", "adaptive"):
         res = {m: run(face, m) for m in ("ddp", "check-off", "built-on-ddp", "no_sync", "changed-after", "bare",
@@ -78,7 +82,8 @@ SCRIPT = textwrap.dedent("""
                 f"ranks-equal {torch.equal(*gathered)} "
                 + " ".join(f"{m}=check-off {torch.equal(res[m][0], res[m + '-check-off'][0])}"
                            for m in ("changed-after", "sign-flip", "bare-pass")) + " "
-                + " ".join(f"{m}:{res[m][1]}" for m in res))
+                + " ".join(f"{m}:{res[m][1]}" for m in res)
+                + f" ddp-flag:{res['ddp'][2]} built-on-ddp-flag:{res['built-on-ddp'][2]}")
         lines = [None, None]
         torch.distributed.all_gather_object(lines, line)  # printed by one rank: the ranks' output interleaves
         if comm.rank == 0:
@@ -105,6 +110,9 @@ def test_ddp_averaged_gradients_are_not_averaged_again(tmp_path) -> None:
         # outside DDP (no_sync, a bare model) and where the ranks' gradients differ after DDP, ours runs
         assert " ddp:0 check-off:5 built-on-ddp:0 no_sync:5 changed-after:5 bare:5" in line, line
         assert " sign-flip:5 " in line and " bare-pass:5 " in line, line
+        # docs/scaling.md, bytes per step: where DDP averaged the gradients, the flag alone, 8·(3 + W) bytes per rank
+        # (float64: the flag, two settings digests, one fingerprint slot per rank), built on either model
+        assert " ddp-flag:[40] built-on-ddp-flag:[40]" in line, line
 
 
 RAISING = textwrap.dedent("""
