@@ -225,3 +225,17 @@ def test_hybrid_opt_at_an_odd_world_size_names_the_strategy() -> None:
     with pytest.raises(ValueError, match="HYBRID_OPT is 0.5 at 3 ranks; it needs an even world size"):
         grad_worker_count(3, DistributedStrategy.HYBRID_OPT)
     assert grad_worker_count(4, DistributedStrategy.HYBRID_OPT) == 2
+
+
+def test_the_fraction_by_name_and_a_bad_type_are_clear() -> None:
+    """The optimizers take grad_worker_fraction="comm_opt": so does WorkAssignment (it raised float()'s
+    "could not convert string to float")."""
+    work = {"x": {"A": 1.0}}
+    for name, strategy in (("comm_opt", DistributedStrategy.COMM_OPT), ("Mem_Opt", DistributedStrategy.MEM_OPT),
+                           ("hybrid_opt", DistributedStrategy.HYBRID_OPT)):
+        assert (WorkAssignment(work, 4, name).grad_workers_per_layer
+                == WorkAssignment(work, 4, strategy).grad_workers_per_layer)
+    with pytest.raises(ValueError, match=r"grad_worker_fraction='bogus' is not valid; expected one of COMM_OPT"):
+        WorkAssignment(work, 4, "bogus")
+    with pytest.raises(TypeError, match=r"grad_worker_fraction must be a float in \(0, 1\].*got NoneType None"):
+        WorkAssignment(work, 4, None)

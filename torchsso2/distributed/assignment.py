@@ -30,6 +30,7 @@ the per-step gradient broadcasts inside a node. Results are identical either way
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from enum import Enum
 from typing import Type, TypeVar, Union
@@ -100,7 +101,7 @@ def memory_cost(n: int) -> float:
     return float(n) ** 2
 
 
-def grad_worker_count(world_size: int, grad_worker_fraction: float | DistributedStrategy) -> int:
+def grad_worker_count(world_size: int, grad_worker_fraction: float | DistributedStrategy | str) -> int:
     """Number ``g`` of grad workers per layer, validated as KAISA requires.
 
     ``g = max(1, round(world_size * fraction))``; ``world_size * fraction`` must be an
@@ -112,8 +113,14 @@ def grad_worker_count(world_size: int, grad_worker_fraction: float | Distributed
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(grad_worker_fraction, str):  # "comm_opt", as the optimizers take it
+        grad_worker_fraction = parse_enum(grad_worker_fraction, DistributedStrategy, "grad_worker_fraction")
     if isinstance(grad_worker_fraction, DistributedStrategy):
         fraction = grad_worker_fraction.fraction(world_size)
+    elif isinstance(grad_worker_fraction, bool) or not isinstance(grad_worker_fraction, numbers.Real):
+        raise TypeError(f"grad_worker_fraction must be a float in (0, 1], a DistributedStrategy or its name "
+                        f"('comm_opt', 'mem_opt', 'hybrid_opt'), got {type(grad_worker_fraction).__name__} "
+                        f"{grad_worker_fraction!r}")
     else:
         fraction = float(grad_worker_fraction)
     if not 0.0 < fraction <= 1.0:
