@@ -130,6 +130,29 @@ def test_logits_with_the_classes_at_dim_1_are_named(face: str) -> None:
             opt.step(closure_of(opt, model), targets=y)
 
 
+@pytest.mark.parametrize("face", ["sso-plain-steps", "vi-diag"])
+def test_plain_steps_check_each_micro_batch_against_its_rows_of_the_targets(face: str) -> None:
+    """Gradient accumulation: the closure's forwards take consecutive rows of targets (as estimating steps)."""
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.05, curv_update_interval=3) if face == "sso-plain-steps" else \
+        VIOptimizer(model, dataset_size=64)
+
+    def closure():
+        opt.zero_grad()
+        total = 0.0
+        for i in range(2):
+            loss = F.cross_entropy(model(X[4 * i:4 * i + 4]), Y[4 * i:4 * i + 4]) / 2
+            loss.backward()
+            total += float(loss.detach())
+        return torch.tensor(total)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            opt.step(closure, targets=Y[:8])
+    with pytest.raises(ValueError, match=r"expects targets of shape \[N\]=\(4,\)"):  # rows of another shape
+        VIOptimizer(model, dataset_size=64).step(closure, targets=Y[:8, None].expand(8, 2))
+
+
 @pytest.mark.parametrize("loss_fn", [
     lambda out: F.cross_entropy(out, Y),
     lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),

@@ -286,10 +286,17 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
+            micro = MicroBatchTargets(targets)  # each forward's rows (gradient accumulation)
+
             def show(_m: nn.Module, _i: Any, out: Any) -> None:
                 out = out if self.engine.output_selector is None else self.engine.output_selector(out)
-                if targets is not None and isinstance(out, Tensor):  # as an estimating call checks them (no
-                    likelihoods.check_outputs_targets(self.engine.loss, out, targets)  # step has changed anything)
+                if targets is not None and isinstance(out, Tensor) and out.dim() > 0:
+                    try:
+                        rows = micro.next(out.shape[0])
+                    except ValueError:  # rows this plain step cannot attribute: an estimating step says so
+                        rows = None
+                    # checked as an estimating call checks them, before the step has changed anything
+                    likelihoods.check_outputs_targets(self.engine.loss, out, rows)
                 watch.observe_output(out)
             # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
             hooks = NestedCalls().register(self.model, observer_hook(show)) \
