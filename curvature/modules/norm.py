@@ -5,7 +5,8 @@ Per-example gradients: ``∂ℓ/∂γ = Σ_t g_t ⊙ x̂_t``, ``∂ℓ/∂β = �
 
 BatchNorm in training mode: the batch statistics are treated as constants (the usual
 convention of K-FAC/Fisher libraries), so the block is that of the affine map applied to
-the observed ``x̂``; in eval mode the running statistics are used and this is exact. The
+the observed ``x̂``; in eval mode the running statistics are used and this is exact (a BatchNorm with
+``track_running_stats=False`` normalizes with batch statistics in eval mode too: constants there as well). The
 engine's backward passes also cross the BatchNorm with its statistics frozen, so layers
 before it get frozen-statistics blocks too (:mod:`curvature.frozen_norm`).
 Shapes: ``full`` and ``diag`` (no K-FAC).

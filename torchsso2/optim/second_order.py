@@ -142,7 +142,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             ``λ(G⊗I + I⊗A) + λ²I`` is added instead of ``λI``), two matmuls per layer and step and
             Cholesky inverses instead of eigendecompositions. Diagonal and full blocks are exact
             either way. Pick λ for the method: the same number damps much more under ``"inverse"``.
-        ema_decay: in [0, 1): ``C ← ema_decay·C + (1 − ema_decay)·C_batch``.
+        ema_decay: in [0, 1): ``C ← ema_decay·C + (1 − ema_decay)·C_batch``; the first estimate is taken as it
+            is (no start at zero, no bias correction).
         curv_update_interval, inv_update_interval: steps between curvature estimates / decompositions.
         curv_warmup_steps: the first ``curv_warmup_steps`` steps (default 0) each estimate the
             curvature and decompose it, whatever the intervals; the intervals apply from then on.
@@ -174,8 +175,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         max_consecutive_skips: after this many consecutive skipped steps (default 20) the step
             raises :class:`NonFiniteError` naming what is non-finite and what to try (lower lr,
             more damping); ``None`` never raises.
-        skip_modules: module names (regex), class names or types left to plain SGD, each with its
-            submodules.
+        skip_modules: module names (regex), class names or types left to the plain update (momentum SGD,
+            scaled by the KL clip's ν, to whose sum they contribute; ``kl_clip=None``: exactly momentum
+            SGD), each with its submodules.
         params: optional torch.optim-style param groups (default: all trainable params of model).
             Curvature is estimated for these only; the model's other parameters are left alone.
         linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).

@@ -22,7 +22,8 @@ and the mean ``μ`` = the model's weights. One ``step(closure)``:
    covariance per module). The buffer in ``state`` holds
    ``b ← momentum·b + (ḡ + τδσ²/N·μ)`` (the momentum of the mean loss's gradient; one fused kernel, see
    ``_update_mean``) and the step is taken along ``(N/σ²)·Λ⁻¹ b`` with the current ``σ²``: ``m = N·b/σ²``
-   when ``σ²`` is fixed (with ``noise_variance="learned"`` the current ``σ²`` weighs the whole buffer).
+   when ``σ²`` is fixed (with ``noise_variance="learned"`` the current ``σ²`` weighs the whole buffer). The KL
+   clip's ``ν = min(1, √(kl_clip / Σ lr²·((N/σ²)·bᵀΛ⁻¹b [covered] + bᵀb [not covered])))``.
 
 Parameters not covered by a block keep a point estimate: they get ``μ ← μ − ν·lr·σ²·m/N`` with the
 same momentum (i.e. SGD on the mean loss plus the prior term, scaled by the KL clip's ``ν``, to whose
@@ -103,8 +104,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         lr: step size of the mean (and of nothing else: the precision is an EMA). Default
             :data:`DEFAULT_VI_LR` = 1e-2 (the defaults train for lr in 1e-3 … 1e-1, see there).
         curvature: kind of curvature; ``approx``: ``"diag" | "kfac" | "full"`` or a dict.
-            ``"reparam"`` (with ``approx="diag"``): IVON's estimator ``ĥ = g ⊙ ε/σ²`` from the gradient
-            at the weight sample, no second backward pass (:mod:`torchsso2.optim.reparam`); its EMA
+            ``"reparam"`` (with ``approx="diag"``): IVON's estimator ``ĥ = g ⊙ ε/s²`` from the gradient
+            at the weight sample (``s² = τ/Λ``, its variance per weight), no second backward pass (:mod:`torchsso2.optim.reparam`); its EMA
             uses IVON's positivity-preserving update. It needs only the gradients, so it covers every
             trainable parameter of any module, those no layer family knows (``nn.GRU``, a custom
             module's own ``nn.Parameter``) with a diagonal block of their own
@@ -345,7 +346,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                                       f"{self.placement.grad_worker_fraction!r} on {self.comm.world_size} ranks")
 
     def _reparam_sample(self, noise: Optional[Shift]) -> Dict[str, Tensor]:
-        """``ĥ = g ⊙ ε / σ²`` of one weight sample, ``[P_b]`` per block (:func:`~torchsso2.optim.reparam.reparam_sample`)."""
+        """``ĥ = g ⊙ ε / s²`` of one weight sample, ``[P_b]`` per block (:func:`~torchsso2.optim.reparam.reparam_sample`)."""
         return reparam_sample(self, noise)
 
     # ---- the posterior ---------------------------------------------------------------------
@@ -512,7 +513,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
     def _start_unfrozen_blocks(self) -> None:
         """``curvature="reparam"``: a covered module frozen before the first step and trainable now (in the
         param groups) gets its block at ``curvature_init·I``, decomposed, before this step's noise is drawn.
-        Its estimate ``ĥ = g·ε/σ²`` needs a weight sample of it, and the noise is drawn from the running
+        Its estimate ``ĥ = g·ε/s²`` needs a weight sample of it, and the noise is drawn from the running
         blocks: without this it would never be sampled and never get a block (a point estimate)."""
         in_groups = {id(p) for g in self.param_groups for p in g["params"]}
         missing = [lay for name, lay in self.engine.layouts.items() if name not in self.running.blocks
@@ -556,7 +557,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         residual = self._mean_over_ranks(sum(residuals) / len(residuals)) if residuals else None
         fresh = curvature.result() if curvature is not None else None
         if hats:
-            # ĥ = g ⊙ ε/σ² of each sample (unscaled as formed, see _reparam_sample): their mean
+            # ĥ = g ⊙ ε/s² of each sample (unscaled as formed, see _reparam_sample): their mean
             fresh = self._without_frozen({name: DiagBlock(self.engine.layouts[name], h / len(losses))
                                           for name, h in hats.items()})
         agreed, params, groups = self._average_over_ranks(fresh, mean_loss)
