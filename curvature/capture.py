@@ -105,6 +105,8 @@ class Capture:
         #: modules called with gradients disabled while recording (not recorded)
         self.called_without_grad: set = set()
         self.outputs: List[Tensor] = []
+        #: the model's outputs as it returned them (before ``select_output``), one per recorded forward
+        self.raw_outputs: List[Any] = []
         self._handles: List[RemovableHandle] = []
         self.freeze_batch_stats = freeze_batch_stats
         self.batch_norms = batch_norms
@@ -222,6 +224,7 @@ class Capture:
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
         if not torch.is_grad_enabled() or in_func_transform():
             return
+        raw = output
         if self.select_output is not None:
             output = self.select_output(output)
         if self._uses is not None:
@@ -229,6 +232,7 @@ class Capture:
         if self.on_output is None:  # registered for the check alone
             return
         self.outputs.append(output)
+        self.raw_outputs.append(raw)
         self.on_output(output)
 
 

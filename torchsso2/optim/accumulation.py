@@ -21,7 +21,8 @@ ACCUMULATION_NEEDS_TARGETS = (
     "curvature='empirical_fisher' without targets reads the per-example gradients from the closure's own "
     "backward, which supports one forward per closure; for gradient accumulation (several forwards in one "
     "closure) call step(closure, targets=y) with y the targets of all micro-batches, concatenated in the "
-    "order the closure runs them")
+    "order the closure runs them. A forward whose output the loss does not use (pseudo-labels, a metric) "
+    "belongs under torch.no_grad()")
 
 
 class MicroBatchTargets:
@@ -46,7 +47,8 @@ class MicroBatchTargets:
             raise ValueError(
                 f"targets has {t.shape[0]} rows, but the closure's forwards so far have {self.offset + n} examples "
                 f"(forward {self.forwards} has {n}); for gradient accumulation pass the targets of all "
-                "micro-batches, concatenated in the order the closure runs them, to step(closure, targets=...)")
+                "micro-batches, concatenated in the order the closure runs them, to step(closure, targets=...); "
+                "run a forward whose output the loss does not use (pseudo-labels, a metric) under torch.no_grad()")
         rows = t.narrow(0, self.offset, n)
         self.offset += n
         return rows

@@ -42,6 +42,7 @@ from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, Mi
                            is_second_forward_reuse)
 from .precision import without_autocast
 from .misuse import ClosureWatch, check_model_argument
+from .used_forwards import UsedForwards
 from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
 from .copying import copy_fields
@@ -345,6 +346,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         engine = self.engine
         from_backward = engine.kind is Kind.EMPIRICAL_FISHER and targets is None
         acc = BlockAverage()
+        used = UsedForwards(acc)  # the forwards whose output the closure's backward reaches (used_forwards.py)
         micro = MicroBatchTargets(targets)  # each forward's rows of targets (torchsso2/optim/accumulation.py)
 
         def on_output(out: Tensor) -> None:
@@ -357,12 +359,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 watch.observe_output(out)
                 return
             rows = micro.next(out.shape[0])
-            if not likelihoods.outputs_finite(engine.loss, out):  # (-inf logits of masked classes are finite)
-                acc.nonfinite = True
-            else:
+            blocks = None
+            if likelihoods.outputs_finite(engine.loss, out):  # (-inf logits of masked classes are finite)
                 with without_autocast():  # statistics in float32 from the autocast activations
-                    acc.add(engine.estimate(cap, out, rows, self.generator), likelihoods.loss_rows(engine.loss, out))
-            watch.observe_output(out)  # after the engine's own backward passes: sees the user's only
+                    blocks = engine.estimate(cap, out, rows, self.generator)
+            # after the engine's own backward passes: the hooks see the user's only
+            used.add(blocks, likelihoods.loss_rows(engine.loss, out), cap.raw_outputs[-1])
+            watch.observe_output(out)
             cap.records.clear()
 
         with torch.enable_grad(), watch, engine.capture(on_output=on_output, record_backward=from_backward) as cap:
@@ -372,6 +375,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 if from_backward and is_second_forward_reuse(err, len(cap.outputs)):
                     raise ValueError(ACCUMULATION_NEEDS_TARGETS) from err
                 raise
+            finally:
+                used.finish()
         watch.after()
         micro.finish()
         if from_backward:
