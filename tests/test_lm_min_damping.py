@@ -26,6 +26,16 @@ def test_default_bound_is_1e_4_and_an_explicit_bound_is_used_as_given():
     assert opt.lm.min_damping == 1e-8
 
 
+
+def test_an_initial_damping_below_the_bound_is_refused():
+    """It sat below the bound (the floor applies to decreases) and a good step raised it to the bound."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"damping=1e-05 is below min_damping=0\.0001"):
+        SecondOrderOptimizer(model, damping=1e-5, adaptive_damping=True)
+    SecondOrderOptimizer(model, damping=1e-5, adaptive_damping=True, min_damping=1e-6)  # the fix it names
+    SecondOrderOptimizer(model, damping=1e-5)  # no rule, no bound
+
+
 def test_adaptive_kfac_stays_trained_after_its_loss_reaches_zero():
     """Digits MLP at batch 128, adaptive lr, momentum and damping from 0.01: 97% test accuracy
     after 2 epochs, training loss ~1e-5 after 25. With a bound of 1e-8 the damping reached it

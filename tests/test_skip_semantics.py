@@ -159,3 +159,21 @@ def test_skip_keeps_the_label_stream_of_fisher_mc():
         opt_b.step(make_closure(opt_b, model_b, x, y))
     assert not torch.equal(param_vec(model_a), param_vec(model_b))
     assert F.cross_entropy(model_a(x), y).isfinite()
+
+
+def test_one_step_call_counts_at_most_one_skip():
+    """A failed decomposition (indefinite Hessian; the old decomposition serves) followed by an adaptive
+    quadratic model that is not positive definite (the step skipped) added 2 to num_skipped in one call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", damping=0.2, ema_decay=0.0,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    g = torch.Generator().manual_seed(0)
+    increments = []
+    for _ in range(12):
+        x = 2 * torch.randn(8, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (8,), generator=g)
+        before = opt.num_skipped
+        opt.step(make_closure(opt, model, x, y), targets=y)
+        increments.append(opt.num_skipped - before)
+    assert max(increments) == 1 and sum(increments) >= 3, increments  # skips happened, one per call at most

@@ -208,6 +208,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     def _check_step_call(self, closure: Any) -> None:
         """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
         super()._check_step_call(closure)
+        self._skip_counted = False  # num_skipped counts a step call once, whatever failed in it
         if self.grad_scaler is not None and self._grads_unscaled():  # its last step's unscale_ still stands
             raise RuntimeError(
                 f"{type(self).__name__}.step() called again without scaler.update() since the last step: the "
@@ -627,7 +628,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             details = found() if found is not None else ""
             raise NonFiniteError(f"non-finite {what} at step {self.num_steps}" + (f" ({details})" if details else "")
                                  + "; the optimizer state is unchanged")
-        self.num_skipped += 1
+        self._count_skip()
         limit = self._streak.limit
         details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""
         streak = self._streak.skipped(self.num_steps, what, details)
@@ -639,6 +640,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
                          "VIOptimizer), lower lr, or restore a checkpoint.", streak)
+
+    def _count_skip(self) -> None:
+        """``num_skipped`` += 1, once per step call (a failed decomposition and then a skipped update are one)."""
+        if not self.__dict__.get("_skip_counted", False):
+            self.num_skipped += 1
+            self._skip_counted = True
 
     def _check_nonempty(self, output: Any) -> None:
         """The empty-batch ``ValueError`` for a step that records nothing (the estimating steps check
@@ -658,7 +665,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         so it extends the streak of skipped steps (``max_consecutive_skips`` raises at its limit)."""
         if self.on_nonfinite == "raise":
             raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
-        self.num_skipped += 1
+        self._count_skip()
         in_float64 = self.decomposition_dtype == torch.float64 or all(
             p.dtype == torch.float64 for p in self.engine.params)
         (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(

@@ -165,9 +165,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             multiplies or divides the damping by ``damping_adaptation_decay ** damping_adaptation_interval``
             (0.95⁵ ≈ 0.774 at the defaults), never below ``min_damping`` (default
             :data:`~torchsso2.optim.damping.DEFAULT_MIN_DAMPING` = 1e-4: lower, long runs whose
-            loss goes to zero diverged or stalled). Its
-            quadratic model is ``C + λI`` with either ``kfac_method`` (Martens & Grosse 2015 also
-            adapt λ on that model while preconditioning with factored damping).
+            loss goes to zero diverged or stalled; an initial damping below it is a ValueError) nor above
+            1e4. Its quadratic model is ``C + λI`` with either ``kfac_method`` (Martens & Grosse 2015 also
+            adapt λ on that model while preconditioning with factored damping); in adaptive mode
+            (``use_adaptive_learning_rate`` / ``use_adaptive_momentum``) it is the exact-curvature model
+            of docs/adaptive.md that solved the step. A step the model predicts no decrease for (one
+            coefficient fixed) gives ρ = −inf: the damping rises.
         on_nonfinite: ``"skip"`` (default; the state after a skipped step equals the state
             before it, logged and counted in ``num_skipped``) or ``"raise"`` (NonFiniteError).
             A skipped step does not advance ``num_steps``, the sampling generator or BatchNorm's
@@ -299,6 +302,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if adaptive_damping:
             if self.damping <= 0:
                 raise ValueError("adaptive_damping needs an initial damping > 0")
+            if self.damping < min_damping:  # the rule floors every decrease there: it could only climb to it
+                raise ValueError(f"damping={self.damping!r} is below min_damping={min_damping!r}, the adaptive damping "
+                                 "rule's lower bound: start at or above it (or lower min_damping)")
             # kfac-jax's convention: the decay is per step, so one adjustment every `interval` steps
             # moves the damping by decay ** interval (torchsso2/optim/damping.py)
             self.lm = LMDamping(self.damping, per_adjustment_decay(decay, self.damping_adaptation_interval),
