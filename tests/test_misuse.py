@@ -153,6 +153,27 @@ def test_plain_steps_check_each_micro_batch_against_its_rows_of_the_targets(face
         VIOptimizer(model, dataset_size=64).step(closure, targets=Y[:8, None].expand(8, 2))
 
 
+@pytest.mark.parametrize("face", ["sso", "vi", "empirical"])
+def test_a_scaled_loss_without_the_grad_scaler_is_named(face: str) -> None:
+    """scaler.scale(loss).backward() with the scaler not given to the optimizer: the step was 1024× too long
+    and the empirical Fisher from the backward 1024²× too large, silently."""
+    model = _mlp()
+    opt = {"sso": lambda: SecondOrderOptimizer(model, lr=0.05),
+           "vi": lambda: VIOptimizer(model, dataset_size=64),
+           "empirical": lambda: SecondOrderOptimizer(model, lr=0.05, curvature="empirical_fisher")}[face]()
+    with pytest.warns(UserWarning, match=r"gradient of the closure's loss with respect to the output is .*× what a "
+                                         r"mean cross-entropy gives.*grad_scaler=scaler"):
+        opt.step(_closure(opt, model, lambda out: 1024.0 * F.cross_entropy(out, Y)))
+    # a mean loss, class weights and label smoothing are within the bound
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loss_fn in (lambda out: F.cross_entropy(out, Y), lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),
+                        lambda out: F.cross_entropy(out, Y, weight=torch.tensor([1.0, 20.0, 1.0]))):
+            opt.step(_closure(opt, model, loss_fn))
+
+
 @pytest.mark.parametrize("loss_fn", [
     lambda out: F.cross_entropy(out, Y),
     lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),

@@ -286,7 +286,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 loss, output = self._call_closure(closure)
             self._check_nonempty(output)
             return loss, output, None
-        watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate)
+        watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate,
+                             check_scale=self.engine.loss is LossType.CROSS_ENTROPY and self.grad_scaler is None)
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             micro = MicroBatchTargets(targets)  # each forward's rows (gradient accumulation)
 
@@ -302,7 +303,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 watch.observe_output(out)
             # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
             hooks = NestedCalls().register(self.model, observer_hook(show)) \
-                if watch.check_output or (watch.active and targets is not None) else []
+                if watch.check_output or watch.check_scale or (watch.active and targets is not None) else []
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)

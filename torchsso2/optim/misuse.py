@@ -20,7 +20,11 @@
     is checked on its first plain steps; a K-FAC optimizer's plain steps between estimates cost
     nothing: ~0.16 ms each for the digits CNN at batch 128).
 
-  Both watch the first :data:`CLOSURE_CHECKS` closure calls of an optimizer (a misused closure
+  - ``loss="cross_entropy"`` and no ``grad_scaler``, but the output gradient is more than
+    :data:`SCALE_LIMIT` times a mean cross-entropy's bound ``1/rows``: ``UserWarning``, once (a
+    GradScaler the optimizer was not given, a summed loss over many rows).
+
+  They watch the first :data:`CLOSURE_CHECKS` closure calls of an optimizer (a misused closure
   is misused from its first call); later calls cost nothing (~13 µs per watched call for four
   parameters).
 * :func:`eval_mode`: a model put into ``eval()`` for a prediction and then given back its own
@@ -53,6 +57,9 @@ NO_BACKWARD = ("the closure did not call backward() (no parameter's .grad was cr
 OUTPUT_CHECKS = 3
 #: relative row-sum of the output gradient above which the loss is not a function of softmax(output)
 SHIFT_TOLERANCE = 1e-2
+#: a mean cross-entropy's gradient with respect to the logits is at most 1/rows in every entry ((p − y)/N);
+#: this many times more is a scaled loss (a GradScaler the optimizer was not given, ``reduction="sum"``)
+SCALE_LIMIT = 64.0
 
 
 def check_model_argument(model: Any, face: str, skip_argument: str = "skip_modules") -> None:
@@ -87,15 +94,19 @@ class ClosureWatch:
     through :attr:`owner` (a ``dict`` the optimizer keeps)."""
 
     def __init__(self, param_groups: List[dict], categorical: Optional[str], owner: dict,
-                 estimating: bool = True) -> None:
+                 estimating: bool = True, check_scale: bool = False) -> None:
         """``categorical``: what uses the categorical likelihood of ``loss='cross_entropy'`` (a sentence for
         the warning), or None when nothing does (another loss, or a curvature from the user's own
-        gradients alone): the output is then not checked."""
+        gradients alone): the output is then not checked for it. ``check_scale``: the loss is a cross-entropy
+        whose gradient the optimizer takes unscaled (no ``grad_scaler``): the output gradient's size is
+        checked against a mean's (:data:`SCALE_LIMIT`)."""
         left = owner.get("closure_checks_left", CLOSURE_CHECKS)
         self.active = left > 0
         self.params: List[Tensor] = []
         self.handles: List[Any] = []
         self.check_output = False
+        self.check_scale = False
+        self.sizes: List[Tuple[Tensor, int]] = []  # (max |∂L/∂output|, loss rows) per observed output
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
         if not self.active:  # checked enough closure calls: no cost from here on
             return
@@ -112,6 +123,7 @@ class ClosureWatch:
         self.categorical = categorical
         self.check_output = categorical is not None and owner.get("output_checks_left", OUTPUT_CHECKS) > 0 \
             and (estimating or not owner.get("estimating_output_checked", False))
+        self.check_scale = check_scale and not owner.get("scale_warned", False)
 
     @staticmethod
     def watching(owner: dict) -> bool:
@@ -121,19 +133,33 @@ class ClosureWatch:
 
     def observe_output(self, out: Tensor) -> None:
         """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
-        if not self.check_output or not isinstance(out, Tensor) or not out.requires_grad or out.dim() < 2 \
-                or out.shape[-1] < 2 or not out.is_floating_point() or out.numel() == 0 or in_func_transform():
+        if not (self.check_output or self.check_scale) or not isinstance(out, Tensor) or not out.requires_grad \
+                or out.dim() < 2 or out.shape[-1] < 2 or not out.is_floating_point() or out.numel() == 0 \
+                or in_func_transform():
             return
         with torch.no_grad():
             if torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3:
                 return  # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
-        out.register_hook(self._record)
+        if self.check_scale:
+            rows = out.numel() // out.shape[-1]
+            out.register_hook(lambda g: self.sizes.append((g.detach().abs().max(), rows)))
+        if self.check_output:
+            out.register_hook(self._record)
 
     def _record(self, g: Tensor) -> None:
         g = g.detach().float()
         # with more than two dims, also the sums over dim 1: F.cross_entropy's own layout [N, C, ...]
         # (classes at dim 1) gives rows summing to zero there, not over the last dim
         self.stats.append((g.sum(-1).abs().sum(), g.abs().sum(), g.sum(1).abs().sum() if g.dim() > 2 else None))
+
+    def _check_scale(self) -> None:
+        """Warn (once per optimizer) when the output gradient is :data:`SCALE_LIMIT` times a mean cross-entropy's."""
+        if not self.check_scale or not self.sizes:
+            return
+        ratio = _scale_ratio(self.sizes)
+        if ratio > SCALE_LIMIT:
+            self.owner["scale_warned"] = True
+            warnings.warn(SCALED_LOSS.format(ratio=ratio), UserWarning, stacklevel=caller_stacklevel())
 
     def _accumulated(self, _: Tensor) -> None:
         self.accumulated = True
@@ -157,6 +183,7 @@ class ClosureWatch:
         backward = self.accumulated or replaced if self.handles else changed
         if self.params and (not backward or all(g is None for g in now)):  # (None: zero_grad() after backward)
             raise RuntimeError(NO_BACKWARD)
+        self._check_scale()
         if not self.check_output or not self.stats:
             return
         self.owner["output_checks_left"] = self.owner.get("output_checks_left", OUTPUT_CHECKS) - 1
@@ -186,6 +213,19 @@ class ClosureWatch:
                 "cross-entropy's and the gradient the whole loss's; silence this warning with "
                 "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning,
                 stacklevel=caller_stacklevel())
+
+
+#: (ClosureWatch._check_scale's text)
+SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with respect to the output is {ratio:.3g}× "
+               "what a mean cross-entropy gives (every entry of (p − y)/rows is at most 1/rows): is the loss scaled? A "
+               "GradScaler must be given to the optimizer (grad_scaler=scaler, so that it unscales the gradients), and "
+               "the loss is the mean over the batch (reduction='mean'); else the step is that many times too long and "
+               "a curvature taken from your backward (empirical_fisher without targets) its square. Silence it with "
+               "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but the gradient\")")
+
+
+def _scale_ratio(sizes: List[Tuple[Tensor, int]]) -> float:
+    return max(float(m) * rows for m, rows in sizes)
 
 
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the
