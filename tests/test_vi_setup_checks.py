@@ -2,6 +2,8 @@
 the warnings about a closure's batch (a scaled loss, a dataset_size below the batch)."""
 from __future__ import annotations
 
+import math
+
 import warnings
 
 import pytest
@@ -126,6 +128,20 @@ def test_a_loss_that_is_not_the_mean_nll_warns_once_naming_the_factor() -> None:
     assert _warnings_of_first_step(lambda o, t: F.mse_loss(o, t), out_dim=2, loss="mse") == []
     # without the targets nothing can be told
     assert _warnings_of_first_step(lambda o, t: F.cross_entropy(o, t, reduction="sum"), targets=False) == []
+
+
+def test_the_loss_factor_is_that_of_the_gradient_not_of_the_value() -> None:
+    """A constant in the loss (F.gaussian_nll_loss's ½·log σ², log 2π) moved the value-based factor: the
+    exact NLL plus a constant was warned about as 2.2×, a 4×-scaled Gaussian NLL as 3.04×."""
+    def nll_plus_constant(o, t):
+        return 0.5 * (o - t).pow(2).sum(-1).mean() + 0.5 * o.shape[-1] * math.log(2 * math.pi)
+    assert _warnings_of_first_step(nll_plus_constant, out_dim=3, loss="mse") == []
+    var = _warnings_of_first_step(lambda o, t: F.gaussian_nll_loss(o, t, torch.full_like(o, 0.25)), out_dim=1,
+                                  loss="mse")
+    assert len(var) == 1 and "is 4× that of the mean negative log-likelihood" in var[0]
+    three = _warnings_of_first_step(lambda o, t: F.gaussian_nll_loss(o, t, torch.full_like(o, 0.25)), out_dim=3,
+                                    loss="mse")
+    assert len(three) == 1 and "is 1.333× that" in three[0]
 
 
 def test_a_dataset_size_below_the_batch_warns_once() -> None:

@@ -287,7 +287,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             self._check_nonempty(output)
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate,
-                             check_scale=self.engine.loss is LossType.CROSS_ENTROPY and self.grad_scaler is None)
+                             check_scale=self.engine.loss is LossType.CROSS_ENTROPY and self.grad_scaler is None,
+                             keep_output_grads=self._keeps_output_grads(targets))
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             micro = MicroBatchTargets(targets)  # each forward's rows (gradient accumulation)
 
@@ -590,6 +591,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     @max_consecutive_skips.setter
     def max_consecutive_skips(self, value: Optional[int]) -> None:
         self._streak = SkipStreak(value)
+
+    def _keeps_output_grads(self, targets: Optional[Tensor]) -> bool:
+        """Whether this closure call's watch keeps each output's gradient (a subclass's first-step check)."""
+        return False
 
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
         """What uses the categorical likelihood of ``loss='cross_entropy'`` (for the closure watch's warning

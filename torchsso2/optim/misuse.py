@@ -94,12 +94,14 @@ class ClosureWatch:
     through :attr:`owner` (a ``dict`` the optimizer keeps)."""
 
     def __init__(self, param_groups: List[dict], categorical: Optional[str], owner: dict,
-                 estimating: bool = True, check_scale: bool = False) -> None:
+                 estimating: bool = True, check_scale: bool = False, keep_output_grads: bool = False) -> None:
         """``categorical``: what uses the categorical likelihood of ``loss='cross_entropy'`` (a sentence for
         the warning), or None when nothing does (another loss, or a curvature from the user's own
         gradients alone): the output is then not checked for it. ``check_scale``: the loss is a cross-entropy
         whose gradient the optimizer takes unscaled (no ``grad_scaler``): the output gradient's size is
-        checked against a mean's (:data:`SCALE_LIMIT`)."""
+        checked against a mean's (:data:`SCALE_LIMIT`). ``keep_output_grads``: each observed output and the
+        gradient the user's backward gave it are left in ``owner["output_grads"]`` (VIOptimizer's loss-scale
+        check, :mod:`torchsso2.optim.vi_checks`)."""
         left = owner.get("closure_checks_left", CLOSURE_CHECKS)
         self.active = left > 0
         self.params: List[Tensor] = []
@@ -107,6 +109,8 @@ class ClosureWatch:
         self.check_output = False
         self.check_scale = False
         self.sizes: List[Tuple[Tensor, int]] = []  # (max |∂L/∂output|, loss rows) per observed output
+        self.keep_output_grads = False
+        self.output_grads: List[Tuple[Tensor, Tensor]] = []  # (output, ∂L/∂output) per observed output
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
         if not self.active:  # checked enough closure calls: no cost from here on
             return
@@ -124,6 +128,7 @@ class ClosureWatch:
         self.check_output = categorical is not None and owner.get("output_checks_left", OUTPUT_CHECKS) > 0 \
             and (estimating or not owner.get("estimating_output_checked", False))
         self.check_scale = check_scale and not owner.get("scale_warned", False)
+        self.keep_output_grads = keep_output_grads
 
     @staticmethod
     def watching(owner: dict) -> bool:
@@ -133,9 +138,13 @@ class ClosureWatch:
 
     def observe_output(self, out: Tensor) -> None:
         """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
-        if not (self.check_output or self.check_scale) or not isinstance(out, Tensor) or not out.requires_grad \
-                or out.dim() < 2 or out.shape[-1] < 2 or not out.is_floating_point() or out.numel() == 0 \
-                or in_func_transform():
+        if not isinstance(out, Tensor) or not out.requires_grad or in_func_transform():
+            return
+        if self.keep_output_grads:
+            seen = out.detach()
+            out.register_hook(lambda g: self.output_grads.append((seen, g.detach())))
+        if not (self.check_output or self.check_scale) or out.dim() < 2 or out.shape[-1] < 2 \
+                or not out.is_floating_point() or out.numel() == 0:
             return
         with torch.no_grad():
             if torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3:
@@ -183,6 +192,8 @@ class ClosureWatch:
         backward = self.accumulated or replaced if self.handles else changed
         if self.params and (not backward or all(g is None for g in now)):  # (None: zero_grad() after backward)
             raise RuntimeError(NO_BACKWARD)
+        if self.keep_output_grads:
+            self.owner["output_grads"] = self.output_grads
         self._check_scale()
         if not self.check_output or not self.stats:
             return

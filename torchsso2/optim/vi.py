@@ -168,8 +168,9 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         loss: ``"cross_entropy"`` or ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``;
             ``F.mse_loss`` also averages over the D outputs: ``2/D`` of it). The closure's loss is the mean
             negative log-likelihood (``reduction="mean"``, no L2 term: the prior is built in); a first step
-            given ``targets`` and returning ``(loss, output)`` warns when it is not (its factor tempers the
-            posterior).
+            given ``targets`` and returning ``(loss, output)`` warns when its gradient is not (a factor ``c`` on
+            the gradient weighs the data ``c``-fold in the mean's update; with ``"reparam"`` in the
+            curvature too: a tempered posterior; :mod:`torchsso2.optim.vi_checks`).
         noise_variance: observation noise ``σ²`` of the Gaussian likelihood (``loss="mse"`` only;
             :mod:`torchsso2.optim.noise`): a float > 0, or ``"learned"`` (the running mean of the
             squared residuals at the weight samples, the ELBO's maximiser over ``σ²``; needs
@@ -475,6 +476,10 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals), targets)
+
+    def _keeps_output_grads(self, targets: Optional[Tensor]) -> bool:
+        """The first step's watch keeps the output's gradient for the loss-scale check (:mod:`.vi_checks`)."""
+        return targets is not None and self.num_mc_samples == 1 and not self.__dict__.get("_batch_checked", False)
 
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
         if self.engine.loss is not LossType.CROSS_ENTROPY:

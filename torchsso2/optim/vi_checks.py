@@ -1,23 +1,33 @@
 """Once-per-optimizer warnings of VIOptimizer about what its closure's batch says of the setup.
 
-The posterior weighs the data by ``dataset_size × the closure's loss`` against the prior, so
-(i) a loss that is not the mean negative log-likelihood of the output (``F.mse_loss`` averages over
-the D outputs as well: ``2/D`` of it; ``reduction="sum"``: ``N``×) tempers the posterior by that
-factor, and (ii) a ``dataset_size`` smaller than one batch is almost surely the number of batches
-or of steps, not of training examples. Both are warned about at the first step, when it can tell
-(the loss check needs ``step(closure, targets=y)``, a closure returning ``(loss, output)`` and one
-weight sample per step); neither changes what the step does.
+The posterior weighs the data by ``dataset_size × the closure's gradient`` against the prior, so
+(i) a loss whose gradient is ``c``× the mean negative log-likelihood's (``F.mse_loss`` averages over
+the D outputs as well: ``c = 2/D``; ``reduction="sum"``: ``N``; ``F.gaussian_nll_loss`` with the
+noise variance σ² that ``noise_variance`` already divides by: ``1/σ²``) weighs the data ``c``-fold in
+the mean's update: with ``curvature="reparam"`` (the diag default) the curvature follows, a posterior
+tempered by ``c``; with the Fisher kinds the curvature is the mean NLL's, so the mean is that of the
+``c``-tempered posterior and the covariance that of ``c = 1``. (ii) A ``dataset_size`` smaller than
+one batch is almost surely the number of batches or of steps, not of training examples. Both are
+warned about at the first step, when it can tell (the loss check needs ``step(closure, targets=y)``,
+a closure returning ``(loss, output)`` and one weight sample per step); neither changes what the
+step does. ``c`` is measured on the gradient with respect to the output (``⟨g, r⟩/⟨r, r⟩`` with ``r``
+the mean NLL's gradient), so a constant in the loss (``log 2π``, ``log σ²``) does not count; where the
+output's gradient was not seen (an ``output_selector`` whose pick the loss does not use), the loss
+values are compared instead.
 """
 from __future__ import annotations
 
 import warnings
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
+from curvature.likelihoods import check_outputs_targets
+from curvature.options import LossType
 from curvature.stacklevel import caller_stacklevel
 
-from .lm_forward import warn_if_loss_is_not_the_nll
+from .lm_forward import _mean_nll, warn_if_loss_is_not_the_nll
 
 __all__ = ["warn_about_batch", "VI_LOSS_SCALE_WARN_RTOL"]
 
@@ -37,13 +47,50 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
             "examples; dataset_size is the number of training examples N (the data's weight against the "
             "prior, N × the mean loss), not of batches or steps (a deliberately tempered posterior is "
             "kl_weighting)", UserWarning, stacklevel=caller_stacklevel())
-    if opt.num_mc_samples == 1:  # (the mean loss over several samples is not one output's NLL)
-        warn_if_loss_is_not_the_nll(
-            opt, targets, loss, output, "VIOptimizer",
-            "The posterior weighs the data as dataset_size × the closure's loss, so a scaled loss (F.mse_loss: 2/D "
-            "for D outputs per example; reduction='sum': N) tempers it by that factor; return the mean NLL from the "
-            "closure (the prior is VIOptimizer's own: add no L2 term), or ignore this if the other likelihood is "
-            "meant (label smoothing, class weights)", VI_LOSS_SCALE_WARN_RTOL)
+    seen = opt.__dict__.get("_misuse", {}).pop("output_grads", None)
+    if opt.num_mc_samples != 1:  # (the mean loss over several samples is not one output's NLL)
+        return
+    consequence = (
+        "The posterior weighs the data as dataset_size × the closure's gradient, so a scaled loss (F.mse_loss: 2/D "
+        "for D outputs per example; reduction='sum': N; F.gaussian_nll_loss with the σ² that noise_variance "
+        "divides by already: 1/σ²) weighs the data by that factor in the mean's update (with "
+        "curvature='reparam', the diag default, in the covariance too: a tempered posterior; with the Fisher "
+        "kinds the covariance stays the mean NLL's); return the mean NLL from the closure (the prior is "
+        "VIOptimizer's own: add no L2 term), or ignore this if the other likelihood is meant (label "
+        "smoothing, class weights)")
+    factor = _gradient_factor(opt, targets, seen)
+    if factor is None:
+        warn_if_loss_is_not_the_nll(opt, targets, loss, output, "VIOptimizer", consequence, VI_LOSS_SCALE_WARN_RTOL)
+    elif abs(factor - 1.0) > VI_LOSS_SCALE_WARN_RTOL:
+        what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
+            else "F.cross_entropy with reduction='mean'"
+        warnings.warn(f"VIOptimizer: the gradient of the closure's loss with respect to the output is {factor:.4g}× "
+                      f"that of the mean negative log-likelihood of the output and the targets (loss="
+                      f"{opt.engine.loss.value!r}: {what}). {consequence}", UserWarning,
+                      stacklevel=caller_stacklevel())
+
+
+def _gradient_factor(opt: Any, targets: Optional[Tensor], seen: Any) -> Optional[float]:
+    """``c = ⟨g, r⟩/⟨r, r⟩``: the closure loss's output gradient ``g`` (one observed forward) against the mean
+    NLL's ``r`` at the same output; None where it cannot be told (no targets, not one forward seen, targets
+    that do not fit, a zero ``r``)."""
+    if not isinstance(targets, Tensor) or not seen or len(seen) != 1:
+        return None
+    out, g = seen[0]
+    if out.shape != g.shape or out.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        check_outputs_targets(opt.engine.loss, out, targets)
+        with torch.enable_grad():
+            leaf = out.detach().requires_grad_(True)
+            r, = torch.autograd.grad(_mean_nll(opt.engine.loss, leaf, targets), leaf)
+    except (RuntimeError, ValueError, IndexError, TypeError):
+        return None
+    rr = float((r.double() * r.double()).sum())
+    if not rr > 0:
+        return None
+    return float((g.double() * r.double()).sum()) / rr
+
 
 
 def _batch_size(opt: Any, targets: Optional[Tensor], output: Any) -> Optional[int]:
