@@ -6,6 +6,7 @@ the rest of the engine never compares magic strings.
 from __future__ import annotations
 
 import difflib
+import numbers
 from enum import Enum
 from typing import List, Type, TypeVar
 
@@ -101,8 +102,11 @@ def check_mc_samples(mc_samples: object, kind: str, what: str = "kind", hint: st
     """``mc_samples`` checked: an int >= 1, and above 1 only for the Monte-Carlo Fisher (with any other
     ``kind`` it would be accepted without effect). ``what`` names the argument the caller calls the
     kind; ``hint`` is appended to the second error."""
-    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, numbers.Integral):
+        raise TypeError(f"mc_samples must be an int >= 1, got {type(mc_samples).__name__} {mc_samples!r}")
+    if mc_samples < 1:
         raise ValueError(f"mc_samples={mc_samples!r} is invalid; expected an int >= 1")
+    mc_samples = int(mc_samples)
     if mc_samples != 1 and kind != Kind.FISHER_MC.value:
         raise ValueError(f"mc_samples={mc_samples!r} has no effect with {what}={kind!r}: it is the number of labels "
                          f"sampled per example for the Monte-Carlo Fisher ({what}='fisher_mc'){hint}")

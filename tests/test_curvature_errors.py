@@ -49,11 +49,47 @@ def test_unknown_approx_in_dict(mlp) -> None:
         _compute(model, x, y, approx={3: "full"})
 
 
-@pytest.mark.parametrize("mc", [0, -1, 1.5, True, "2", None])
-def test_mc_samples_must_be_positive_int(mlp, mc) -> None:
+@pytest.mark.parametrize("mc,error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                      ("2", TypeError), (None, TypeError)])
+def test_mc_samples_must_be_positive_int(mlp, mc, error) -> None:
     model, x, y = mlp
-    with pytest.raises(ValueError, match="mc_samples"):
+    with pytest.raises(error, match="mc_samples"):
         _compute(model, x, y, kind="fisher_mc", mc_samples=mc)
+
+
+def test_numpy_integers_and_numbers_are_taken_where_python_ones_are(mlp) -> None:
+    """mc_samples, max_consecutive_skips and noise_variance refused NumPy scalars; a closure's NumPy float32
+    loss was refused too."""
+    import numpy as np
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    model, x, y = mlp
+    _compute(model, x, y, kind="fisher_mc", mc_samples=np.int64(2))
+    opt = SecondOrderOptimizer(model, mc_samples=np.int64(1), max_consecutive_skips=np.int64(5))
+    assert type(opt.max_consecutive_skips) is int
+    VIOptimizer(torch.nn.Linear(3, 1), dataset_size=10, loss="mse", noise_variance=np.float32(0.5))
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return np.float32(loss.item())
+    opt.step(closure)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: __import__("torchsso2").SecondOrderOptimizer(m, inv_update_interval=10 ** 400),
+    lambda m: __import__("torchsso2").VIOptimizer(m, dataset_size=10, curv_update_interval=10 ** 400),
+    lambda m: __import__("torchsso2").SecondOrderOptimizer(m, grad_worker_fraction=10 ** 400),
+    lambda m: __import__("torchsso2").kfac.KFACPreconditioner(m, grad_worker_fraction=10 ** 400),
+    lambda m: __import__("torchsso2").kfac.KFACPreconditioner(m, allreduce_bucket_cap_mb=10 ** 400),
+    lambda m: __import__("torchsso2").VIOptimizer(m, dataset_size=10, loss="mse", noise_variance=10 ** 400),
+], ids=["inv_update_interval", "vi-curv_update_interval", "grad_worker_fraction", "kfac-grad_worker_fraction",
+        "allreduce_bucket_cap_mb", "noise_variance"])
+def test_an_int_beyond_a_float_is_a_value_error_naming_the_argument(make) -> None:
+    """It was Python's OverflowError from a float conversion, naming nothing."""
+    with pytest.raises(ValueError, match=r"(update_interval|grad_worker_fraction|allreduce_bucket_cap_mb|"
+                                         r"noise_variance)"):
+        make(torch.nn.Linear(3, 2))
 
 
 def test_generator_type_checked(mlp) -> None:
@@ -391,3 +427,10 @@ def test_ignore_index_targets_point_to_the_masking_recipe() -> None:
         curvature.compute(model, x, y, kind="fisher", approx="diag")
     with pytest.raises(ValueError, match=r"one class.*curvature='empirical_fisher' without targets"):
         curvature.compute(nn.Linear(4, 1), x, y.clamp(min=0), kind="fisher", approx="diag")
+
+
+def test_vi_weight_decay_of_another_type_is_a_type_error() -> None:
+    """A tensor of two values crashed in `weight_decay != 0.0` (torch's ambiguous truth value)."""
+    from torchsso2 import VIOptimizer
+    with pytest.raises(TypeError, match="weight_decay"):
+        VIOptimizer(torch.nn.Linear(3, 2), dataset_size=10, weight_decay=torch.tensor([0.1, 0.2]))

@@ -122,7 +122,10 @@ def grad_worker_count(world_size: int, grad_worker_fraction: float | Distributed
                         f"('comm_opt', 'mem_opt', 'hybrid_opt'), got {type(grad_worker_fraction).__name__} "
                         f"{grad_worker_fraction!r}")
     else:
-        fraction = float(grad_worker_fraction)
+        try:
+            fraction = float(grad_worker_fraction)
+        except OverflowError:  # an int beyond the largest float: out of range
+            fraction = math.inf
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in (0, 1], got {grad_worker_fraction!r}")
     raw = world_size * fraction

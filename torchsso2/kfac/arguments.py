@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import math
 import numbers
 from enum import Enum
 from typing import Optional, Tuple, Union
@@ -38,7 +39,10 @@ def resolve_grad_worker_fraction(value: Union[DistributedStrategy, Enum, float],
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"grad_worker_fraction must be a DistributedStrategy or a float in [0, 1], "
                         f"got {type(value).__name__} {value!r}")
-    fraction = float(value)
+    try:
+        fraction = float(value)
+    except OverflowError:  # an int beyond the largest float: out of range
+        fraction = math.inf
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in [0, 1] (0 means 1/world_size), got {value!r}")
     if fraction == 0.0:

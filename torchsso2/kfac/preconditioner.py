@@ -19,6 +19,7 @@ factors, :mod:`curvature.linalg` for the decompositions), scaled as kfac_pytorch
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from collections import defaultdict
 import warnings
@@ -160,8 +161,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         )
         if isinstance(allreduce_bucket_cap_mb, bool) or not isinstance(allreduce_bucket_cap_mb, numbers.Real):
             raise TypeError(f"allreduce_bucket_cap_mb must be a float >= 0, got {allreduce_bucket_cap_mb!r}")
-        if not allreduce_bucket_cap_mb >= 0:
-            raise ValueError(f"allreduce_bucket_cap_mb must be >= 0 (0: no bucketing), got {allreduce_bucket_cap_mb!r}")
+        try:
+            finite = math.isfinite(float(allreduce_bucket_cap_mb))
+        except OverflowError:  # an int beyond the largest float
+            finite = False
+        if not (finite and allreduce_bucket_cap_mb >= 0):
+            raise ValueError(f"allreduce_bucket_cap_mb must be a finite float >= 0 (0: no bucketing), got "
+                             f"{allreduce_bucket_cap_mb!r}")
         self.assignment_strategy = parse_choice(assignment_strategy, AssignmentStrategy, "assignment_strategy")
         self.compute_method = parse_choice(compute_method, ComputeMethod, "compute_method")
         self.colocate_factors = parse_flag("colocate_factors", colocate_factors)

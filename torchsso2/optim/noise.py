@@ -18,6 +18,7 @@ W equal shards learn the ``σ²`` of one process on the whole batch.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -48,12 +49,16 @@ class ObservationNoise:
             self.learned = True
             self._given = 1.0
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"noise_variance must be a float > 0 or 'learned', got {type(value).__name__} {value!r}")
-            if not math.isfinite(float(value)) or float(value) <= 0:
+            try:
+                as_float = float(value)
+            except OverflowError:  # an int beyond the largest float
+                as_float = math.inf
+            if not math.isfinite(as_float) or as_float <= 0:
                 raise ValueError(f"noise_variance must be a finite float > 0 or 'learned', got {value!r}")
             self.learned = False
-            self._given = float(value)
+            self._given = as_float
         self.ema = 0.0  #: running mean of the squared residuals (not bias-corrected)
         self.count = 0  #: batches folded into ``ema``
 

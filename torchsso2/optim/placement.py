@@ -29,6 +29,8 @@ With one rank every method reduces to the plain local computation (no collective
 from __future__ import annotations
 
 import logging
+import numbers
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -59,10 +61,16 @@ def parse_grad_worker_fraction(value: Union[float, str, DistributedStrategy]) ->
     """A float in ``(0, 1]``, a ``DistributedStrategy`` or ``"comm_opt" | "mem_opt" | "hybrid_opt"``."""
     if isinstance(value, (DistributedStrategy, str)):
         return parse_enum(value, DistributedStrategy, "grad_worker_fraction")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"grad_worker_fraction={value!r}; expected a float in (0, 1], a DistributedStrategy "
-                         "or one of 'comm_opt', 'mem_opt', 'hybrid_opt'")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"grad_worker_fraction={value!r}; expected a float in (0, 1], a DistributedStrategy "
+                        "or one of 'comm_opt', 'mem_opt', 'hybrid_opt'")
+    try:
+        fraction = float(value)
+    except OverflowError:  # an int beyond the largest float
+        fraction = math.inf
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"grad_worker_fraction must be in (0, 1], got {value!r}")
+    return fraction
 
 
 def block_work(blk: Block, strategy: AssignmentStrategy) -> Dict[str, float]:

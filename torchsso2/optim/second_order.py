@@ -43,7 +43,7 @@ from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
 from .steps import add_weight_decay
-from .validation import MAX_LR, check_choice, check_int, check_number, unpack_closure_result
+from .validation import MAX_LR, MAX_STEPS, check_choice, check_int, check_number, unpack_closure_result
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def default_kl_clip(inv_update_interval: Any) -> float:
     at 94–96.9%, and no point diverges at any of the three (docs/defaults.md). At interval 1 it stays 1e-3 (tests/test_defaults.py: the
     batch-64 digits runs train as well as SGD; 1e-4 was 0.040 against SGD's 0.023 at lr 0.1).
     An invalid interval is left to the interval's own check (returns DEFAULT_KL_CLIP then)."""
-    if isinstance(inv_update_interval, bool) or not isinstance(inv_update_interval, int) or inv_update_interval < 1:
+    if isinstance(inv_update_interval, bool) or not isinstance(inv_update_interval, int) or inv_update_interval < 1 \
+            or inv_update_interval > MAX_STEPS:
         return DEFAULT_KL_CLIP
     return DEFAULT_KL_CLIP / math.sqrt(inv_update_interval)
 
@@ -271,7 +272,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                  kfac_approx: str = "expand", curv_warmup_steps: int = 0,
                  adaptive_coefficients_interval: int = 1, use_adaptive_damping: Optional[bool] = None) -> None:
         check_not_pytorch_sso_call(lr, "SecondOrderOptimizer")
-        self.curv_warmup_steps = check_int("curv_warmup_steps", curv_warmup_steps, low=0)
+        self.curv_warmup_steps = check_int("curv_warmup_steps", curv_warmup_steps, low=0, high=MAX_STEPS)
         check_number("lr", lr, low=0.0, high=MAX_LR)
         if not isinstance(low_rank_solve, bool):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
@@ -291,10 +292,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # compared across ranks (distributed/consistency.py): adaptive mode all-reduces its 2×2 model
         self.use_adaptive_learning_rate = use_adaptive_learning_rate
         self.use_adaptive_momentum = use_adaptive_momentum
-        self.adaptive_coefficients_interval = check_int("adaptive_coefficients_interval", adaptive_coefficients_interval)
+        self.adaptive_coefficients_interval = check_int("adaptive_coefficients_interval", adaptive_coefficients_interval,
+                                                        high=MAX_STEPS)
         adaptive_damping = _adaptive_damping(adaptive_damping, use_adaptive_damping)
         self.lm: Optional[LMDamping] = None
-        self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval)
+        self.damping_adaptation_interval = check_int("damping_adaptation_interval", damping_adaptation_interval,
+                                                     high=MAX_STEPS)
         # checked whether or not adaptive_damping is on (as torch.optim checks every argument)
         decay = check_number("damping_adaptation_decay", damping_adaptation_decay,
                              low=0.0, high=1.0, low_open=True, high_open=True)

@@ -16,7 +16,7 @@ from curvature.linalg import get_backend
 from curvature.options import Kind, KFACApprox, check_mc_samples, parse
 
 from .misuse import check_option
-from .validation import check_choice, check_int, check_number
+from .validation import MAX_STEPS, check_choice, check_int, check_number
 
 
 @dataclass
@@ -51,8 +51,8 @@ class CurvatureSettings:
         check_mc_samples(self.mc_samples, check_option(Kind, self.curvature, "curvature").value, "curvature")
         self.kfac_approx = parse(KFACApprox, self.kfac_approx, "kfac_approx").value
         self.ema_decay = check_number("ema_decay", self.ema_decay, low=0.0, high=1.0, high_open=True)
-        self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval)
-        self.inv_update_interval = check_int("inv_update_interval", self.inv_update_interval)
+        self.curv_update_interval = check_int("curv_update_interval", self.curv_update_interval, high=MAX_STEPS)
+        self.inv_update_interval = check_int("inv_update_interval", self.inv_update_interval, high=MAX_STEPS)
         self.on_nonfinite = check_choice("on_nonfinite", self.on_nonfinite, ("skip", "raise"))
         # validates the name (and cupy's availability) now, not at the first decomposition; None (the environment
         # variable, else "torch") is resolved once: every decomposition of the run takes the same backend

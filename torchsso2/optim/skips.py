@@ -14,6 +14,8 @@ training has stalled (the model produces non-finite values at every step) and th
 """
 from __future__ import annotations
 
+import numbers
+
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -34,12 +36,12 @@ def check_max_consecutive_skips(value: Optional[int]) -> Optional[int]:
     """``None`` (never raise) or an int >= 1."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"max_consecutive_skips must be an int >= 1 or None, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"max_consecutive_skips={value!r} is invalid: max_consecutive_skips must be an int >= 1 "
                          "or None (never raise)")
-    return value
+    return int(value)
 
 
 def norm_layers(model: nn.Module) -> List[_NormBase]:

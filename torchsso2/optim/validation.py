@@ -40,6 +40,11 @@ def check_number(name: str, value: Any, *, low: float = -math.inf, high: float =
     return v
 
 
+#: the largest step count or interval taken (2**53, the largest integer a float holds exactly): schedules
+#: compute with them as floats (a default KL clip of 1e-3/√interval, an EMA decay to the interval's power)
+MAX_STEPS = 2 ** 53
+
+
 def check_int(name: str, value: Any, *, low: int = 1, high: Optional[int] = None) -> int:
     """An int >= ``low`` (and <= ``high`` when given; bool is rejected; a NumPy integer is taken as
     its Python int)."""
@@ -69,7 +74,7 @@ def unpack_closure_result(result: Any) -> Tuple[Any, Any, bool]:
             raise TypeError("the closure must return the loss, or (loss, output): the loss tensor and the model "
                             f"output; got a {type(result).__name__} of {len(result)} items")
         loss, output, loss_only = result[0], result[1], False
-    elif isinstance(result, torch.Tensor) or (isinstance(result, (int, float)) and not isinstance(result, bool)):
+    elif isinstance(result, torch.Tensor) or (isinstance(result, numbers.Real) and not isinstance(result, bool)):
         loss, output, loss_only = result, None, True
     elif result is None:
         raise TypeError("the closure must return the loss (a tensor of one element), or (loss, output): the loss "
@@ -79,7 +84,7 @@ def unpack_closure_result(result: Any) -> Tuple[Any, Any, bool]:
     else:
         raise TypeError("the closure must return the loss (a tensor of one element), or (loss, output): the loss "
                         f"tensor and the model output; got {type(result).__name__}")
-    if not isinstance(loss, torch.Tensor) and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+    if not isinstance(loss, torch.Tensor) and (isinstance(loss, bool) or not isinstance(loss, numbers.Real)):
         raise TypeError(f"the closure's loss must be a tensor or a Python number, got {type(loss).__name__}")
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
         order = "the loss comes first in (loss, output)" if not loss_only else \
@@ -94,7 +99,7 @@ def as_loss_tensor(loss: Any) -> "torch.Tensor":
     is); anything else is a TypeError naming what a closure must return."""
     if isinstance(loss, torch.Tensor):
         return loss
-    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
         raise TypeError(f"the closure's loss must be a tensor or a Python number, got {type(loss).__name__}")
     return torch.tensor(float(loss), dtype=torch.float64)
 

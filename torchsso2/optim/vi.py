@@ -228,6 +228,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                  noise_variance: Union[float, str, None] = None,
                  momentum_debias: bool = DEFAULT_VI_MOMENTUM_DEBIAS, weight_decay: float = 0.0) -> None:
         check_not_pytorch_sso_call(lr, "VIOptimizer")
+        check_number("weight_decay", weight_decay, low=0.0)
         if weight_decay != 0.0:  # IVON's constructor takes it; here the prior is the L2 term
             raise ValueError(_no_weight_decay(f"weight_decay={weight_decay!r}"))
         self.dataset_size = check_int("dataset_size", dataset_size, low=1, high=MAX_DATASET_SIZE)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from .validation import check_int
+from .validation import MAX_STEPS, check_int
 
 #: ``(curv_update_interval, inv_update_interval)`` by ``approx`` when not given (others: 1, 1).
 #: noisy K-FAC at 10/10 against 1/1 (digits MLP 40 epochs and digits CNN 15 epochs, validation,
@@ -40,5 +40,5 @@ def vi_schedule(approx: Any, curv_update_interval: Optional[int], inv_update_int
     curv = curv_default if curv_update_interval is None else curv_update_interval
     inv = inv_default if inv_update_interval is None else inv_update_interval
     if ema_decay is None:
-        ema_decay = per_step_decay ** check_int("curv_update_interval", curv)
+        ema_decay = per_step_decay ** check_int("curv_update_interval", curv, high=MAX_STEPS)
     return curv, inv, ema_decay
