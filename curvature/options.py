@@ -85,9 +85,8 @@ def parse(enum_type: Type[E], value: object, what: str) -> E:
         raise ValueError(f"{what}={value!r} is another library's name (PyTorch-SSO's curv_type/curv_shapes, "
                          f"or a K-FAC spelling): here it is {new}; expected one of {choices} "
                          "(torchsso2.compat.pytorch_sso converts PyTorch-SSO's arguments)")
-    close = close_matches(value, [m.value for m in enum_type])
-    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-    raise ValueError(f"{what}={value!r} is not supported{hint}; expected one of {choices}")
+    raise ValueError(f"{what}={value!r} is not supported{did_you_mean(value, [m.value for m in enum_type])}; "
+                     f"expected one of {choices}")
 
 
 def check_generator(generator: object) -> None:
@@ -111,6 +110,17 @@ def check_mc_samples(mc_samples: object, kind: str, what: str = "kind", hint: st
         raise ValueError(f"mc_samples={mc_samples!r} has no effect with {what}={kind!r}: it is the number of labels "
                          f"sampled per example for the Monte-Carlo Fisher ({what}='fisher_mc'){hint}")
     return mc_samples
+
+
+def a_or_an(word: str) -> str:
+    """The indefinite article for ``word`` (a name: "an AssignmentStrategy", "a ComputeMethod")."""
+    return "an" if word[:1].upper() in "AEIOU" else "a"
+
+
+def did_you_mean(value: object, choices: List[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid names closest to ``value``, or ``""``."""
+    close = close_matches(value, choices)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def close_matches(value: object, choices: List[str]) -> List[str]:

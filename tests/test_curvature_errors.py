@@ -434,3 +434,25 @@ def test_vi_weight_decay_of_another_type_is_a_type_error() -> None:
     from torchsso2 import VIOptimizer
     with pytest.raises(TypeError, match="weight_decay"):
         VIOptimizer(torch.nn.Linear(3, 2), dataset_size=10, weight_decay=torch.tensor([0.1, 0.2]))
+
+
+@pytest.mark.parametrize("make,suggestion", [
+    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, kfac_method="eigh"), "eigen"),
+    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, on_nonfinite="skp"), "skip"),
+    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, linalg="numpi"), "numpy"),
+    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, communicator="mpl"), "mpi"),
+    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, assignment_strategy="memry"), "memory"),
+    (lambda m: __import__("torchsso2").VIOptimizer(m, dataset_size=10, loss="mse", noise_variance="learnd"), "learned"),
+    (lambda m: __import__("torchsso2").kfac.KFACPreconditioner(m, compute_method="eigne"), "eigen"),
+], ids=["kfac_method", "on_nonfinite", "linalg", "communicator", "assignment_strategy", "noise_variance",
+        "compute_method"])
+def test_a_misspelt_choice_names_the_closest_one(make, suggestion) -> None:
+    """Some choice arguments suggested the closest name (approx, curvature, loss), these did not."""
+    with pytest.raises(ValueError, match=rf"did you mean '{suggestion}'"):
+        make(torch.nn.Linear(3, 2))
+
+
+def test_choices_of_another_case_are_taken_as_kfac_preconditioner_takes_them() -> None:
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    assert SecondOrderOptimizer(torch.nn.Linear(3, 2), kfac_method=" Inverse", on_nonfinite="RAISE").kfac_method == "inverse"
+    assert VIOptimizer(torch.nn.Linear(3, 1), dataset_size=10, loss="mse", noise_variance="Learned").noise.learned

@@ -203,7 +203,7 @@ def test_enum_members_of_another_library_are_accepted_by_value():
     with pytest.raises(TypeError, match="no counterpart"):
         KFACPreconditioner(tiny(), compute_method=wrong.CHOLESKY)
     other = _foreign("Colour", [("EIGEN", 1)])
-    with pytest.raises(TypeError, match="compute_method must be an ComputeMethod"):
+    with pytest.raises(TypeError, match="compute_method must be a ComputeMethod"):
         KFACPreconditioner(tiny(), compute_method=other.EIGEN)
 
 

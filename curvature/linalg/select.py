@@ -5,6 +5,8 @@ import logging
 import os
 from typing import Callable, Literal, Union
 
+from ..options import did_you_mean
+
 from .base import Backend
 from .cupy_backend import cupy_backend
 from .numpy_backend import numpy_backend
@@ -62,7 +64,8 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
     }
     if key not in factories:
         raise ValueError(
-            f"unknown linalg backend {name!r} (from {source}); expected one of {BACKEND_NAMES}"
+            f"unknown linalg backend {name!r} (from {source}){did_you_mean(name, list(BACKEND_NAMES))}; expected one of "
+            f"{BACKEND_NAMES}"
         )
     if source != "the linalg argument":  # resolved from the environment or the default: said once per resolution
         logger.debug("linalg backend %r selected (from %s)", key, source)

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Type, TypeVar, Union
 
+from curvature.options import a_or_an, did_you_mean
+
 
 E = TypeVar("E", bound=Enum)
 
@@ -53,9 +55,12 @@ def parse_enum(value: Union[E, str], enum: Type[E], arg: str) -> E:
         try:
             return enum[value.strip().upper()]
         except KeyError:
-            raise ValueError(f"{arg}={value!r} is not valid; expected one of {choices} "
-                             f"(an {enum.__name__} or its name)") from None
-    raise TypeError(f"{arg} must be an {enum.__name__} or a string, got {type(value).__name__} {value!r}")
+            hint = did_you_mean(value, [m.name.lower() for m in enum])
+            raise ValueError(f"{arg}={value!r} is not valid{hint}; expected one of {choices} "
+                             f"({a_or_an(enum.__name__)} {enum.__name__} or its name)") from None
+    raise TypeError(f"{arg} must be {a_or_an(enum.__name__)} {enum.__name__} or a string, got {type(value).__name__} "
+                    f"{value!r}")
+
 
 
 class AssignmentStrategy(Enum):

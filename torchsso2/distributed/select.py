@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from enum import Enum
 
+from curvature.options import did_you_mean
+
 from torchsso2.distributed.communicator import Communicator
 from torchsso2.distributed.local import LocalCommunicator
 from torchsso2.distributed.faults import resolve_abort_on_exception, resolve_timeout
@@ -26,10 +28,11 @@ class Backend(str, Enum):
     def parse(cls, name: str | Backend) -> Backend:
         """Return the member for ``name``; ``ValueError`` naming it and the choices if unknown."""
         try:
-            return cls(name)
+            return cls(name.strip().lower() if isinstance(name, str) else name)
         except ValueError:
-            choices = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"unknown communicator backend {name!r}; expected one of {choices}") from None
+            choices = [m.value for m in cls]
+            raise ValueError(f"unknown communicator backend {name!r}{did_you_mean(name, choices)}; expected one of "
+                             f"{', '.join(map(repr, choices))}") from None
 
 
 def _torch_initialized() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Type, TypeVar, Union
 
+from curvature.options import a_or_an, did_you_mean
 from torchsso2.distributed import AssignmentStrategy, DistributedStrategy, parse_enum
 
 __all__ = ["AllreduceMethod", "AssignmentStrategy", "ComputeMethod", "DistributedStrategy",
@@ -79,7 +80,9 @@ def parse_choice(value: Union[E, Enum, str], enum: Type[E], arg: str) -> E:
     if isinstance(value, str):
         member = enum.__members__.get(value.strip().upper())
         if member is None:
-            raise UnknownChoiceError(f"{arg}={value!r} is not valid; expected one of {choices} "
-                                     f"(an {enum.__name__} or its name)")
+            hint = did_you_mean(value, [m.name.lower() for m in enum])
+            raise UnknownChoiceError(f"{arg}={value!r} is not valid{hint}; expected one of {choices} "
+                                     f"({a_or_an(enum.__name__)} {enum.__name__} or its name)")
         return member
-    raise TypeError(f"{arg} must be an {enum.__name__} or a string, got {type(value).__name__} {value!r}")
+    raise TypeError(f"{arg} must be {a_or_an(enum.__name__)} {enum.__name__} or a string, got {type(value).__name__} "
+                    f"{value!r}")

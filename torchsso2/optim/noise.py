@@ -24,6 +24,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import Tensor
 
+from curvature.options import did_you_mean
+
 __all__ = ["ObservationNoise", "NOISE_EMA_DECAY", "MIN_NOISE_VARIANCE"]
 
 #: decay of the running mean of the squared residuals (``noise_variance="learned"``): ~100 steps,
@@ -44,8 +46,9 @@ class ObservationNoise:
 
     def __init__(self, value: Union[float, str]) -> None:
         if isinstance(value, str):
-            if value != "learned":
-                raise ValueError(f"noise_variance must be a float > 0 or 'learned', got {value!r}")
+            if value.strip().lower() != "learned":
+                raise ValueError(f"noise_variance must be a float > 0 or 'learned', got {value!r}"
+                                 f"{did_you_mean(value, ['learned'])}")
             self.learned = True
             self._given = 1.0
         else:

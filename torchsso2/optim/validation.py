@@ -8,6 +8,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from curvature.options import did_you_mean
+
 #: largest accepted learning rate: a natural-gradient step is O(1), so anything above is a typo (lr=1e39
 #: is not even a float32)
 MAX_LR = 1e6
@@ -59,9 +61,12 @@ def check_int(name: str, value: Any, *, low: int = 1, high: Optional[int] = None
 
 
 def check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, choices))}")
-    return value
+    """One of the lower-case ``choices`` (a string of any case and surrounding spaces is taken); else a
+    ValueError naming the value, the choices and the closest of them."""
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ValueError(f"{name}={value!r} is not supported{did_you_mean(value, list(choices))}; expected one of "
+                     f"{', '.join(map(repr, choices))}")
 
 
 def unpack_closure_result(result: Any) -> Tuple[Any, Any, bool]:
