@@ -75,7 +75,7 @@ def test_a_momentum_buffer_of_the_wrong_size_is_refused(face):
 
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("bad", ["nan_buffer", "int_buffer", "nan_factor", "nan_decomposition", "nan_lr",
-                                 "missing_group_key", "generator", "num_steps"])
+                                 "missing_group_key", "generator", "num_steps", "missing_state"])
 def test_a_bad_entry_is_refused_and_named(face, bad):
     model, opt = _trained(face)
     ck = copy.deepcopy(opt.state_dict())
@@ -102,6 +102,9 @@ def test_a_bad_entry_is_refused_and_named(face, bad):
     elif bad == "generator":
         ck["torchsso2"]["generator"] = torch.zeros(3, dtype=torch.uint8)
         match = "generator"
+    elif bad == "missing_state":  # it said "is a NoneType"
+        del ck["state"]
+        match = r"\['state'\] is missing"
     else:
         ck["torchsso2"]["num_steps"] = -1
         match = "num_steps"

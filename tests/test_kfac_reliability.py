@@ -491,7 +491,7 @@ def test_load_state_dict_refuses_and_changes_nothing(what, edit, message):
     _run(target_model, target, range(2, 3))  # a different state than the checkpoint's
     before = snapshot(target, target_model)
     handles = {n: (l.a_factor, l.g_factor, dict(l.inv)) for n, l in target.layers.items()}
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(TypeError if what == "not a dict" else ValueError) as info:  # (optimizers: TypeError too)
         target.load_state_dict(bad)
     assert message in str(info.value), str(info.value)
     assert_same(snapshot(target, target_model), before)

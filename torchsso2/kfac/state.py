@@ -122,7 +122,7 @@ def validate_state(state: Any, layers: Sequence[KFACLayer], factor_dtype: Option
     decompositions or factors to compute them from.
     """
     if not isinstance(state, Mapping):
-        raise ValueError(f"KFACPreconditioner.load_state_dict: state_dict must be a dict from "
+        raise TypeError(f"KFACPreconditioner.load_state_dict: state_dict must be a dict from "
                          f"KFACPreconditioner.state_dict(), got {type(state).__name__}")
     if "steps" not in state:
         raise _fail("", "has no 'steps' key (it must come from KFACPreconditioner.state_dict())")

@@ -205,7 +205,9 @@ def _check_optimizer_state(opt: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
         params.extend(group["params"])
     index = {pid: k for k, pid in enumerate(pid for g in saved_groups for pid in g["params"])}
     names = {id(p): n for n, p in opt.model.named_parameters()}
-    state = sd.get("state")
+    if "state" not in sd:
+        _fail("['state']", "is missing (a state_dict() has 'state' and 'param_groups')")
+    state = sd["state"]
     if not isinstance(state, dict):
         _fail("['state']", f"is a {type(state).__name__}, expected a dict")
     cloned: Dict[Any, Any] = {}

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from curvature.blocks import Block, DiagBlock
 from curvature.blocks.base import compute_dtype, like_dtype
 from curvature.likelihoods import check_targets
-from curvature.options import Kind, LossType, check_mc_samples, close_matches, parse
+from curvature.options import Kind, LossType, check_mc_samples, did_you_mean, parse
 from curvature.linalg import LinalgError
 from curvature.selection import UncoveredModule
 
@@ -267,13 +267,11 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             try:
                 kind = parse(Kind, kind, "curvature").value
             except ValueError as err:
-                if "another library's name" in str(err) or not isinstance(curvature, str):
+                if "another library's name" in str(err):
                     raise
                 choices = ["reparam"] + [k.value for k in Kind]  # VIOptimizer's, with its own 'reparam'
-                close = close_matches(curvature, choices)
-                hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-                raise ValueError(f"curvature={curvature!r} is not supported{hint}; expected None or one of "
-                                 f"{', '.join(map(repr, choices))}") from None
+                raise ValueError(f"curvature={curvature!r} is not supported{did_you_mean(curvature, choices)}; "
+                                 f"expected None or one of {', '.join(map(repr, choices))}") from None
         default = " (curvature=None is 'reparam' with approx='diag')" if curvature is None and self.reparam else ""
         check_mc_samples(mc_samples, "reparam" if self.reparam else kind, "curvature",
                          f"{default}; weight samples per step are num_mc_samples")
