@@ -174,6 +174,22 @@ def test_a_scaled_loss_without_the_grad_scaler_is_named(face: str) -> None:
             opt.step(_closure(opt, model, loss_fn))
 
 
+@pytest.mark.parametrize("kind", ["fisher", "fisher_mc"])
+def test_a_summed_loss_given_targets_is_named_under_the_fisher_kinds(kind: str) -> None:
+    """The step preconditions the closure's gradient with the mean likelihood's curvature: a summed loss gave
+    an N-fold step without a word (VIOptimizer and the other kinds warned)."""
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.05, curvature=kind)
+    with pytest.warns(UserWarning, match=rf"curvature='{kind}', given targets\): the gradient of the closure's loss "
+                                         r"with respect to the output is 16× that of the mean negative"):
+        opt.step(_closure(opt, model, lambda out: F.cross_entropy(out, Y, reduction="sum")), targets=Y)
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, lr=0.05, curvature=kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(_closure(opt, model, lambda out: F.cross_entropy(out, Y, label_smoothing=0.1)), targets=Y)
+
+
 @pytest.mark.parametrize("loss_fn", [
     lambda out: F.cross_entropy(out, Y),
     lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -25,10 +26,12 @@ from torch import Tensor, nn
 from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, LossType
+from curvature.stacklevel import caller_stacklevel
 
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
+from .loss_scale import gradient_factor
 from .lm_forward import LOSS_SCALE_WARN_RTOL, forward_only_closure, warn_if_loss_is_not_the_nll, warn_if_not_mean_nll
 from .rollback import CurvatureRollback
 from .update_undo import UpdateUndo
@@ -66,6 +69,10 @@ DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv2d: "kfac", nn.Embedding: "kfac",
 #: on the digits MLP and README's quick-tour model it trains at least as well as SGD with the
 #: same lr for lr in {0.01, 0.03, 0.1}, K-FAC and diagonal (tests/test_defaults.py).
 DEFAULT_DAMPING = 0.1
+
+#: relative difference of a Fisher kind's closure-loss gradient from the mean NLL's (``step(closure, targets=y)``)
+#: beyond which the first step warns (label smoothing 0.1 and moderate class weights stay within it)
+FISHER_LOSS_SCALE_RTOL = 0.1
 
 #: Default KL clip (kfac_pytorch's default). It bounds the size of each preconditioned step
 #: whatever lr and damping are, so a large lr or a small damping shrinks the step instead of
@@ -444,12 +451,33 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             return "The adaptive step's quadratic model takes the categorical likelihood's curvature."
         return own
 
+    def _keeps_output_grads(self, targets: Optional[Tensor]) -> bool:
+        """The first step given ``targets`` under a Fisher kind keeps the output's gradient for the loss-scale
+        check (:meth:`_check_loss_against_targets`)."""
+        return targets is not None and self.engine.kind in (Kind.FISHER, Kind.FISHER_MC) \
+            and not self.__dict__.get("_loss_checked") and (self.adaptive is None or not self.adaptive.learning_rate)
+
     def _check_loss_against_targets(self, targets: Tensor, loss: Any, output: Any) -> None:
         """The Hessian, and the empirical Fisher given ``targets``, are taken of the mean NLL of the output and
         the targets, not of the closure's loss: warn (first step) when the two values differ by more than
         0.1% (a scaled loss, an L2 term, class weights; label smoothing only where the first predictions are
-        not near uniform), as adaptive mode does."""
+        not near uniform), as adaptive mode does. The Fisher kinds are the model's likelihood whatever the
+        loss, so only the loss's scale is checked there: its gradient with respect to the output against the
+        mean NLL's (:mod:`.loss_scale`), by more than 10% (a summed loss, ``F.mse_loss``'s ``2/D``)."""
         kind = self.engine.kind
+        seen = self.__dict__.get("_misuse", {}).pop("output_grads", None)
+        if kind in (Kind.FISHER, Kind.FISHER_MC):
+            factor = gradient_factor(self, targets, seen)
+            if factor is not None and abs(factor - 1.0) > FISHER_LOSS_SCALE_RTOL:
+                warnings.warn(
+                    f"SecondOrderOptimizer (curvature={kind.value!r}, given targets): the gradient of the closure's "
+                    f"loss with respect to the output is {factor:.4g}× that of the mean negative log-likelihood of "
+                    f"the output and the targets (loss={self.engine.loss.value!r}). The curvature is the mean "
+                    "likelihood's and the step preconditions the closure's gradient, so the step is that many "
+                    "times the natural-gradient step (reduction='sum': N×; F.mse_loss: 2/D for D outputs); return "
+                    "the mean NLL from the closure, or ignore this if the factor is meant", UserWarning,
+                    stacklevel=caller_stacklevel())
+            return
         if kind is Kind.HESSIAN or kind is Kind.EMPIRICAL_FISHER:
             warn_if_loss_is_not_the_nll(
                 self, targets, loss, output, f"SecondOrderOptimizer (curvature={kind.value!r}, given targets)",

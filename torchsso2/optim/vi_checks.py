@@ -20,14 +20,13 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
-from curvature.likelihoods import check_outputs_targets
 from curvature.options import LossType
 from curvature.stacklevel import caller_stacklevel
 
-from .lm_forward import _mean_nll, warn_if_loss_is_not_the_nll
+from .lm_forward import warn_if_loss_is_not_the_nll
+from .loss_scale import gradient_factor
 
 __all__ = ["warn_about_batch", "VI_LOSS_SCALE_WARN_RTOL"]
 
@@ -58,7 +57,7 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
         "kinds the covariance stays the mean NLL's); return the mean NLL from the closure (the prior is "
         "VIOptimizer's own: add no L2 term), or ignore this if the other likelihood is meant (label "
         "smoothing, class weights)")
-    factor = _gradient_factor(opt, targets, seen)
+    factor = gradient_factor(opt, targets, seen)
     if factor is None:
         warn_if_loss_is_not_the_nll(opt, targets, loss, output, "VIOptimizer", consequence, VI_LOSS_SCALE_WARN_RTOL)
     elif abs(factor - 1.0) > VI_LOSS_SCALE_WARN_RTOL:
@@ -68,28 +67,6 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
                       f"that of the mean negative log-likelihood of the output and the targets (loss="
                       f"{opt.engine.loss.value!r}: {what}). {consequence}", UserWarning,
                       stacklevel=caller_stacklevel())
-
-
-def _gradient_factor(opt: Any, targets: Optional[Tensor], seen: Any) -> Optional[float]:
-    """``c = ⟨g, r⟩/⟨r, r⟩``: the closure loss's output gradient ``g`` (one observed forward) against the mean
-    NLL's ``r`` at the same output; None where it cannot be told (no targets, not one forward seen, targets
-    that do not fit, a zero ``r``)."""
-    if not isinstance(targets, Tensor) or not seen or len(seen) != 1:
-        return None
-    out, g = seen[0]
-    if out.shape != g.shape or out.dtype not in (torch.float32, torch.float64):
-        return None
-    try:
-        check_outputs_targets(opt.engine.loss, out, targets)
-        with torch.enable_grad():
-            leaf = out.detach().requires_grad_(True)
-            r, = torch.autograd.grad(_mean_nll(opt.engine.loss, leaf, targets), leaf)
-    except (RuntimeError, ValueError, IndexError, TypeError):
-        return None
-    rr = float((r.double() * r.double()).sum())
-    if not rr > 0:
-        return None
-    return float((g.double() * r.double()).sum()) / rr
 
 
 

@@ -1,0 +1,40 @@
+"""The factor by which a closure's loss weighs the data, measured on its gradient with respect to the output.
+
+A loss ``c``× the mean negative log-likelihood (``F.mse_loss`` of D outputs: ``2/D``; ``reduction="sum"``: the
+rows) makes the step ``c``× what the optimizer's curvature assumes. ``c = ⟨g, r⟩/⟨r, r⟩`` with ``g`` the
+closure loss's gradient with respect to the (selected) output, seen by the closure watch
+(:class:`~torchsso2.optim.misuse.ClosureWatch`, ``keep_output_grads``), and ``r`` the mean NLL's gradient at
+the same output: a constant in the loss (``log 2π``, ``log σ²``) does not count, as it does not in the step.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from curvature.likelihoods import check_outputs_targets
+
+from .lm_forward import _mean_nll
+
+
+def gradient_factor(opt: Any, targets: Optional[Tensor], seen: Any) -> Optional[float]:
+    """``c = ⟨g, r⟩/⟨r, r⟩``: the closure loss's output gradient ``g`` (one observed forward) against the mean
+    NLL's ``r`` at the same output; None where it cannot be told (no targets, not one forward seen, targets
+    that do not fit, a zero ``r``)."""
+    if not isinstance(targets, Tensor) or not seen or len(seen) != 1:
+        return None
+    out, g = seen[0]
+    if out.shape != g.shape or out.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        check_outputs_targets(opt.engine.loss, out, targets)
+        with torch.enable_grad():
+            leaf = out.detach().requires_grad_(True)
+            r, = torch.autograd.grad(_mean_nll(opt.engine.loss, leaf, targets), leaf)
+    except (RuntimeError, ValueError, IndexError, TypeError):
+        return None
+    rr = float((r.double() * r.double()).sum())
+    if not rr > 0:
+        return None
+    return float((g.double() * r.double()).sum()) / rr
