@@ -418,7 +418,8 @@ def _fixed_closure(opt, model, loss_fn):
 def test_a_curvature_of_the_targets_warns_when_the_closure_minimises_another_loss(kind: str) -> None:
     """The Hessian (and the empirical Fisher given targets) is taken of the mean NLL of the output and the
     targets: a closure minimising the label-smoothed or summed loss got that curvature without a word
-    (adaptive mode already warned). Once, and not for the mean NLL itself or for the Fisher kinds."""
+    (adaptive mode already warned). Once, and not for the mean NLL itself; the Fisher kinds (the model's
+    likelihood whatever the loss) only for the loss's scale."""
     def warned(curvature: str, loss_fn) -> list:
         model = _mlp()
         opt = SecondOrderOptimizer(model, lr=0.01, curvature=curvature, approx="diag", damping=10.0)
@@ -432,7 +433,8 @@ def test_a_curvature_of_the_targets_warns_when_the_closure_minimises_another_los
     assert len(smoothed) == 1 and f"curvature='{kind}'" in smoothed[0]
     assert "16×" in warned(kind, lambda out, y: F.cross_entropy(out, y, reduction="sum"))[0]
     assert warned(kind, lambda out, y: F.cross_entropy(out, y)) == []
-    assert warned("fisher_mc", lambda out, y: F.cross_entropy(out, y, reduction="sum")) == []
+    assert "is 16× that" in warned("fisher_mc", lambda out, y: F.cross_entropy(out, y, reduction="sum"))[0]
+    assert warned("fisher_mc", lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1)) == []
 
 
 def test_the_unreached_warning_waits_for_a_second_estimate_and_looks_at_late_heads() -> None:

@@ -17,6 +17,10 @@ from curvature.likelihoods import check_outputs_targets
 
 from .lm_forward import _mean_nll
 
+#: ``|c − 1|`` beyond which a closure's loss is warned about: the scale mistakes are 2/3× (``F.mse_loss`` of 3
+#: outputs) or further off, while deliberate other likelihoods stay within it (label smoothing 0.1 on near-uniform
+#: first predictions: c ≈ 0.9; moderate class weights)
+GRADIENT_FACTOR_RTOL = 0.3
 
 def gradient_factor(opt: Any, targets: Optional[Tensor], seen: Any) -> Optional[float]:
     """``c = ⟨g, r⟩/⟨r, r⟩``: the closure loss's output gradient ``g`` (one observed forward) against the mean

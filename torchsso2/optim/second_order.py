@@ -31,7 +31,7 @@ from curvature.stacklevel import caller_stacklevel
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
-from .loss_scale import gradient_factor
+from .loss_scale import GRADIENT_FACTOR_RTOL, gradient_factor
 from .lm_forward import LOSS_SCALE_WARN_RTOL, forward_only_closure, warn_if_loss_is_not_the_nll, warn_if_not_mean_nll
 from .rollback import CurvatureRollback
 from .update_undo import UpdateUndo
@@ -69,10 +69,6 @@ DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv2d: "kfac", nn.Embedding: "kfac",
 #: on the digits MLP and README's quick-tour model it trains at least as well as SGD with the
 #: same lr for lr in {0.01, 0.03, 0.1}, K-FAC and diagonal (tests/test_defaults.py).
 DEFAULT_DAMPING = 0.1
-
-#: relative difference of a Fisher kind's closure-loss gradient from the mean NLL's (``step(closure, targets=y)``)
-#: beyond which the first step warns (label smoothing 0.1 and moderate class weights stay within it)
-FISHER_LOSS_SCALE_RTOL = 0.1
 
 #: Default KL clip (kfac_pytorch's default). It bounds the size of each preconditioned step
 #: whatever lr and damping are, so a large lr or a small damping shrinks the step instead of
@@ -463,12 +459,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         0.1% (a scaled loss, an L2 term, class weights; label smoothing only where the first predictions are
         not near uniform), as adaptive mode does. The Fisher kinds are the model's likelihood whatever the
         loss, so only the loss's scale is checked there: its gradient with respect to the output against the
-        mean NLL's (:mod:`.loss_scale`), by more than 10% (a summed loss, ``F.mse_loss``'s ``2/D``)."""
+        mean NLL's (:mod:`.loss_scale`), off by more than 30% (a summed loss, ``F.mse_loss``'s ``2/D``)."""
         kind = self.engine.kind
         seen = self.__dict__.get("_misuse", {}).pop("output_grads", None)
         if kind in (Kind.FISHER, Kind.FISHER_MC):
             factor = gradient_factor(self, targets, seen)
-            if factor is not None and abs(factor - 1.0) > FISHER_LOSS_SCALE_RTOL:
+            if factor is not None and abs(factor - 1.0) > GRADIENT_FACTOR_RTOL:
                 warnings.warn(
                     f"SecondOrderOptimizer (curvature={kind.value!r}, given targets): the gradient of the closure's "
                     f"loss with respect to the output is {factor:.4g}× that of the mean negative log-likelihood of "

@@ -26,7 +26,7 @@ from curvature.options import LossType
 from curvature.stacklevel import caller_stacklevel
 
 from .lm_forward import warn_if_loss_is_not_the_nll
-from .loss_scale import gradient_factor
+from .loss_scale import GRADIENT_FACTOR_RTOL, gradient_factor
 
 __all__ = ["warn_about_batch", "VI_LOSS_SCALE_WARN_RTOL"]
 
@@ -60,7 +60,7 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
     factor = gradient_factor(opt, targets, seen)
     if factor is None:
         warn_if_loss_is_not_the_nll(opt, targets, loss, output, "VIOptimizer", consequence, VI_LOSS_SCALE_WARN_RTOL)
-    elif abs(factor - 1.0) > VI_LOSS_SCALE_WARN_RTOL:
+    elif abs(factor - 1.0) > GRADIENT_FACTOR_RTOL:
         what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
             else "F.cross_entropy with reduction='mean'"
         warnings.warn(f"VIOptimizer: the gradient of the closure's loss with respect to the output is {factor:.4g}× "
