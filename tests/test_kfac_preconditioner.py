@@ -291,6 +291,14 @@ def test_skip_layers_by_name_and_class():
     assert list(KFACPreconditioner(model).layers) == ["fc1", "fc3"]
 
 
+def test_a_skip_layers_entry_matching_nothing_is_named():
+    with pytest.warns(UserWarning, match=r"skip_layers entry 'fc_2' matches no module of the model"):
+        assert list(KFACPreconditioner(build("conv"), skip_layers=["fc_2", "conv2"]).layers) == ["conv1", "fc"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KFACPreconditioner(build("conv"), skip_layers=["Linear"])
+
+
 def test_skipped_and_unsupported_layers_keep_their_gradient():
     model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)).to(DT)
     pre = KFACPreconditioner(model, skip_layers=["^2$"])

@@ -52,6 +52,13 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
     def skipped(name: str, module: nn.Module) -> bool:
         return any(r.search(name) or r.search(type(module).__name__) for r in regexes)
 
+    modules = list(model.named_modules())
+    for pattern, r in zip(skip_layers, regexes):  # a typo would leave the layer registered (kfac_pytorch: silently)
+        if not any(r.search(name) or r.search(type(module).__name__) for name, module in modules):
+            warnings.warn(f"skip_layers entry {pattern!r} matches no module of the model: entries are regexes searched "
+                          f"in the names of model.named_modules() (e.g. {[n for n, _ in modules if n][:3]}) and the "
+                          "modules' class names; nothing is skipped for it", UserWarning, stacklevel=3)
+
     for name, module in model.named_modules():
         if isinstance(module, SUPPORTED_TYPES) and parametrize.is_parametrized(module) and not skipped(name, module):
             # not a leaf (its parametrizations are children): kfac_pytorch leaves it out silently
