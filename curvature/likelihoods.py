@@ -57,7 +57,9 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
         if targets is None:
             return
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise ValueError(f"loss='cross_entropy' expects integer class targets, got dtype {targets.dtype}")
+            raise ValueError(f"loss='cross_entropy' expects integer class targets, got dtype {targets.dtype}"
+                             + ("; class-probability (soft-label) targets are not taken: 'fisher' and 'fisher_mc' need "
+                                "no targets (the model's own likelihood)" if targets.is_floating_point() else ""))
         if targets.shape != outputs.shape[:-1]:
             what = "[N]" if outputs.dim() == 2 else "[N, T] (the logits' shape without the classes)"
             torch_layout = outputs.dim() > 2 and targets.shape == outputs.shape[:1] + outputs.shape[2:]
