@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
 
@@ -100,13 +101,7 @@ def test_logits_with_the_classes_at_dim_1_are_named(face: str) -> None:
             "vi-kfac": lambda m, **kw: VIOptimizer(m, dataset_size=8, approx="kfac", **kw)}[face]
 
     def closure_of(opt, model):
-        def closure():
-            opt.zero_grad()
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            return loss, out
-        return closure
+        return make_closure(opt, model, x, y)  # F.cross_entropy on [N, C, L] logits
     # without targets: the warning names the layout and the fix (not the MSE / z-loss text)
     model = _ClassesAtDim1()
     opt = make(model)
