@@ -76,3 +76,17 @@ def test_adaptive_kfac_stays_trained_after_its_loss_reaches_zero():
 def test_lm_thresholds_are_a_quarter_and_three_quarters(rho: float, factor: float) -> None:
     """Martens & Grosse (2015, §6.5) and kfac-jax: λ ← λ/ω below ρ = 1/4, λ ← ω·λ above 3/4, kept between."""
     assert LMDamping(1e-2, decay=0.5).update(-rho, -1.0) == pytest.approx(1e-2 * factor, rel=1e-15)
+
+
+def test_a_checkpoint_restores_the_damping_not_the_bounds():
+    """A checkpoint's min_damping (1e-8) replaced the new optimizer's (1e-4) while it reported 1e-4: the damping
+    kept falling below it. The bounds are the optimizer's own; a damping outside them is brought in, warned."""
+    model = torch.nn.Linear(3, 2)
+    old = SecondOrderOptimizer(model, damping=1e-6, adaptive_damping=True, min_damping=1e-8)
+    new = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True)
+    with pytest.warns(UserWarning, match=r"adaptive damping 1e-06 is outside this optimizer's \[min_damping, 1e4\]"):
+        new.load_state_dict(old.state_dict())
+    assert new.lm.min_damping == 1e-4 and new.lm.damping == 1e-4 and new.damping == 1e-4
+    same = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True, min_damping=1e-8)
+    same.load_state_dict(old.state_dict())  # the checkpoint's own bounds: as saved
+    assert same.lm.damping == 1e-6 and same.lm.min_damping == 1e-8

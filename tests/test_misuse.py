@@ -156,7 +156,7 @@ def test_a_scaled_loss_without_the_grad_scaler_is_named(face: str) -> None:
     opt = {"sso": lambda: SecondOrderOptimizer(model, lr=0.05),
            "vi": lambda: VIOptimizer(model, dataset_size=64),
            "empirical": lambda: SecondOrderOptimizer(model, lr=0.05, curvature="empirical_fisher")}[face]()
-    with pytest.warns(UserWarning, match=r"gradient of the closure's loss with respect to the output is .*× what a "
+    with pytest.warns(UserWarning, match=r"gradient of the closure's loss with respect to the output is .*× the most a "
                                          r"mean cross-entropy gives.*grad_scaler=scaler"):
         opt.step(_closure(opt, model, lambda out: 1024.0 * F.cross_entropy(out, Y)))
     # a mean loss, class weights and label smoothing are within the bound
@@ -167,6 +167,42 @@ def test_a_scaled_loss_without_the_grad_scaler_is_named(face: str) -> None:
         for loss_fn in (lambda out: F.cross_entropy(out, Y), lambda out: F.cross_entropy(out, Y, label_smoothing=0.1),
                         lambda out: F.cross_entropy(out, Y, weight=torch.tensor([1.0, 20.0, 1.0]))):
             opt.step(_closure(opt, model, loss_fn))
+
+
+def test_correct_losses_do_not_trip_the_scale_checks() -> None:
+    """A GradScaler given to the optimizer (its scale is in the output's gradient), a loss on a few masked rows
+    of many (node classification), ignore_index padding and a heavy class weight are all mean losses."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(400, 4, generator=g), torch.randint(0, 3, (400,), generator=g)
+    mask = torch.zeros(400, dtype=torch.bool)
+    mask[:4] = True
+    padded = torch.where(mask, y, torch.full_like(y, -100))
+    rare = torch.zeros(400, dtype=torch.long)
+    rare[0] = 1
+    cases = [(lambda out: F.cross_entropy(out[mask], y[mask]), None),
+             (lambda out: F.cross_entropy(out, padded, ignore_index=-100), None),
+             (lambda out: F.cross_entropy(out, rare, weight=torch.tensor([1.0, 100.0, 1.0])), None),
+             (lambda out: F.cross_entropy(out, y), "scaler")]
+    for face in ("sso", "vi"):
+        for loss_fn, scaled in cases:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
+            opt = SecondOrderOptimizer(model, lr=0.05, curvature="fisher", grad_scaler=scaler) if face == "sso" else \
+                VIOptimizer(model, dataset_size=4000, grad_scaler=scaler)
+
+            def closure():
+                opt.zero_grad()
+                out = model(x)
+                loss = loss_fn(out)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                return loss, out
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                for _ in range(2):
+                    opt.step(closure, targets=y if scaled else None)
+                    if scaler is not None:
+                        scaler.update()
 
 
 @pytest.mark.parametrize("kind", ["fisher", "fisher_mc"])

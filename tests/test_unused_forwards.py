@@ -115,3 +115,35 @@ def test_targets_with_an_unused_forward_name_no_grad():
         return loss, out
     with pytest.raises(ValueError, match=r"pseudo-labels, a metric\) under torch\.no_grad\(\)"):
         opt.step(closure, targets=y)
+
+
+def test_an_unused_forward_of_a_model_returning_a_dataclass_is_left_out():
+    """Its output has no tensor leaves to hook: the selected output is hooked too."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _mlp()
+
+        def forward(self, x):
+            return Out(self.body(x))
+    x, y, xu = _data()
+    model = Net()
+    select = lambda out: out.logits  # noqa: E731
+    ref = curvature.compute(model, x, y, kind="fisher", approx="kfac", output_selector=select).dense()
+    opt = SecondOrderOptimizer(model, curvature="fisher", lr=0.0, kl_clip=None, output_selector=select)
+
+    def closure():
+        opt.zero_grad()
+        model(xu).logits.argmax(-1)
+        out = model(x)
+        loss = F.cross_entropy(out.logits, y)
+        loss.backward()
+        return loss, out
+    opt.step(closure)
+    assert torch.allclose(_dense(opt), ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))

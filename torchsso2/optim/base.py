@@ -367,7 +367,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 with without_autocast():  # statistics in float32 from the autocast activations
                     blocks = engine.estimate(cap, out, rows, self.generator)
             # after the engine's own backward passes: the hooks see the user's only
-            used.add(blocks, likelihoods.loss_rows(engine.loss, out), cap.raw_outputs[-1])
+            used.add(blocks, likelihoods.loss_rows(engine.loss, out), (cap.raw_outputs[-1], out))
             watch.observe_output(out)
             cap.records.clear()
 

@@ -41,4 +41,6 @@ def gradient_factor(opt: Any, targets: Optional[Tensor], seen: Any) -> Optional[
     rr = float((r.double() * r.double()).sum())
     if not rr > 0:
         return None
-    return float((g.double() * r.double()).sum()) / rr
+    # a GradScaler given to the optimizer scaled the backward (the output's gradient too) by its scale
+    scale = float(opt.grad_scaler.get_scale()) if getattr(opt, "grad_scaler", None) is not None else 1.0
+    return float((g.double() * r.double()).sum()) / rr / scale

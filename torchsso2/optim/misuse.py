@@ -21,7 +21,8 @@
     nothing: ~0.16 ms each for the digits CNN at batch 128).
 
   - ``loss="cross_entropy"`` and no ``grad_scaler``, but the output gradient is more than
-    :data:`SCALE_LIMIT` times a mean cross-entropy's bound ``1/rows``: ``UserWarning``, once (a
+    :data:`SCALE_LIMIT` times a mean cross-entropy's bound (``Σ_rows max_c |∂L/∂z| ≤ 1``, class weights,
+    masks and ``ignore_index`` included): ``UserWarning``, once (a
     GradScaler the optimizer was not given, a summed loss over many rows).
 
   They watch the first :data:`CLOSURE_CHECKS` closure calls of an optimizer (a misused closure
@@ -57,8 +58,9 @@ NO_BACKWARD = ("the closure did not call backward() (no parameter's .grad was cr
 OUTPUT_CHECKS = 3
 #: relative row-sum of the output gradient above which the loss is not a function of softmax(output)
 SHIFT_TOLERANCE = 1e-2
-#: a mean cross-entropy's gradient with respect to the logits is at most 1/rows in every entry ((p − y)/N);
-#: this many times more is a scaled loss (a GradScaler the optimizer was not given, ``reduction="sum"``)
+#: a mean cross-entropy's gradient with respect to the logits, ``w_n (p_n − y_n) / Σ w`` per row (weights 1,
+#: or 0 for rows it leaves out: a mask, ``ignore_index``), has ``Σ_rows max_c |g| ≤ 1``; this many times more is
+#: a scaled loss (a GradScaler the optimizer was not given, ``reduction="sum"`` over many rows)
 SCALE_LIMIT = 64.0
 
 
@@ -108,7 +110,7 @@ class ClosureWatch:
         self.handles: List[Any] = []
         self.check_output = False
         self.check_scale = False
-        self.sizes: List[Tuple[Tensor, int]] = []  # (max |∂L/∂output|, loss rows) per observed output
+        self.sizes: List[Tensor] = []  # Σ_rows max_c |∂L/∂output| per observed output
         self.keep_output_grads = False
         self.output_grads: List[Tuple[Tensor, Tensor]] = []  # (output, ∂L/∂output) per observed output
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
@@ -149,9 +151,8 @@ class ClosureWatch:
         with torch.no_grad():
             if torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3:
                 return  # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
-        if self.check_scale:
-            rows = out.numel() // out.shape[-1]
-            out.register_hook(lambda g: self.sizes.append((g.detach().abs().max(), rows)))
+        if self.check_scale:  # Σ over the rows of each row's largest |∂L/∂z| (classes last)
+            out.register_hook(lambda g: self.sizes.append(g.detach().abs().amax(-1).sum()))
         if self.check_output:
             out.register_hook(self._record)
 
@@ -228,15 +229,16 @@ class ClosureWatch:
 
 #: (ClosureWatch._check_scale's text)
 SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with respect to the output is {ratio:.3g}× "
-               "what a mean cross-entropy gives (every entry of (p − y)/rows is at most 1/rows): is the loss scaled? A "
+               "the most a mean cross-entropy gives (the sum over the rows of each row's largest entry of "
+               "w·(p − y)/Σw is at most 1): is the loss scaled? A "
                "GradScaler must be given to the optimizer (grad_scaler=scaler, so that it unscales the gradients), and "
                "the loss is the mean over the batch (reduction='mean'); else the step is that many times too long and "
                "a curvature taken from your backward (empirical_fisher without targets) its square. Silence it with "
                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but the gradient\")")
 
 
-def _scale_ratio(sizes: List[Tuple[Tensor, int]]) -> float:
-    return max(float(m) * rows for m, rows in sizes)
+def _scale_ratio(sizes: List[Tensor]) -> float:
+    return max(float(s) for s in sizes)
 
 
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the

@@ -610,8 +610,20 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self.damping = float(state["damping"])
         if self.lm is not None and state.get("lm") is not None:
-            for k, v in state["lm"].items():
-                setattr(self.lm, k, v)
+            # the rule's state (its damping, the last ρ); its settings (decay, bounds) stay this optimizer's own,
+            # as built: a checkpoint's min_damping of 1e-8 kept the damping falling below the 1e-4 it reported
+            saved = state["lm"]
+            damping = float(saved.get("damping", self.lm.damping))
+            bounded = min(max(damping, self.lm.min_damping), self.lm.max_damping)
+            if bounded != damping:
+                warnings.warn(f"load_state_dict: the checkpoint's adaptive damping {damping!r} is outside this "
+                              f"optimizer's [min_damping, 1e4] = [{self.lm.min_damping!r}, {self.lm.max_damping!r}]; it "
+                              f"continues from {bounded!r} (build it with the checkpoint's min_damping to keep it)",
+                              UserWarning, stacklevel=caller_stacklevel())
+            self.lm.damping = bounded
+            if bounded != damping:
+                self.damping = bounded
+            self.lm.last_rho = float(saved.get("last_rho", self.lm.last_rho))
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])
 

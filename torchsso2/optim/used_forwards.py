@@ -50,7 +50,8 @@ class UsedForwards:
 
     def add(self, blocks: Optional[Dict[str, Any]], rows: int, output: Any) -> None:
         """A forward's ``blocks`` (None: not finite) over ``rows`` loss rows; ``output``: the model's output
-        as returned (any nesting of tensors), after the engine's own backward passes on it."""
+        as returned and as selected (``(raw, selected)``: a dataclass output has no tensor leaves, a selection
+        may be a new tensor the loss does not use), after the engine's own backward passes on it."""
         self._fold(reached_only=True)
         self.pending.append(_Forward(blocks, rows, output))
 

@@ -259,7 +259,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                              f"noise_variance={noise_variance!r} with loss={loss!r}")
         #: σ² of the Gaussian likelihood (1 unless loss="mse" with noise_variance=...)
         self.noise = ObservationNoise(1.0 if noise_variance is None else noise_variance)
-        self.noise_variance = noise_variance  # compared across ranks (distributed/consistency.py)
+        # compared across ranks (distributed/consistency.py): "learned" in one spelling
+        self.noise_variance = "learned" if self.noise.learned else noise_variance
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
