@@ -349,7 +349,11 @@ def class_probs(run: Trained, x: Tensor, num_samples: int) -> Tensor:
 
 
 def gaussian_nll(mean: Tensor, var: Tensor, y: Tensor) -> float:
-    """Mean Gaussian negative log-likelihood ``½ log(2π v) + (y − m)²/(2v)`` (float64)."""
+    """Mean Gaussian negative log-likelihood ``½ log(2π v) + (y − m)²/(2v)`` (float64); all three of one shape
+    (a [N, 1] mean against [N] targets would broadcast to [N, N])."""
+    if not mean.shape == var.shape == y.shape:
+        raise ValueError(f"gaussian_nll: mean {tuple(mean.shape)}, var {tuple(var.shape)} and y {tuple(y.shape)} "
+                         "must have one shape")
     mean, var, y = mean.double(), var.double(), y.double()
     return float((0.5 * torch.log(2 * math.pi * var) + (y - mean).pow(2) / (2 * var)).mean())
 

@@ -29,9 +29,9 @@ The predictions of the VI models are Bayesian model averages over ``--mc-samples
 from __future__ import annotations
 
 import argparse
-import tempfile
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if process_rank() != 0:  # only rank 0 reports and writes files
         args.no_progress = True
         sys.stdout = open(os.devnull, "w")
-        args.out_dir = Path(os.devnull).parent / "tmp" / f"bayesian_digits_rank{process_rank()}"
+        args.out_dir = Path(tempfile.mkdtemp(prefix=f"bayesian_digits_rank{process_rank()}_"))  # (not /dev/tmp)
     data = load_digits_data()
     if world_size() > 1:
         print(f"data-parallel run{launch_note()}: methods {', '.join(args.methods)}", flush=True)

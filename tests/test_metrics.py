@@ -281,12 +281,26 @@ def test_bad_probs_raise(probs, exc, pattern):
         metrics.predictive_entropy(probs)
 
 
-def test_row_sum_tolerance_is_1e_4():
-    ok = torch.tensor([[0.5, 0.5 + 5e-5]], dtype=torch.float64)
+def test_row_sum_tolerance_is_1e_2_whatever_the_dtype():
+    """A bfloat16/float16 softmax cast to float32 for evaluation (rows off by ~2e-3) was refused at 1e-4."""
+    ok = torch.tensor([[0.5, 0.5 + 5e-3]], dtype=torch.float64)
     metrics.nll(ok, torch.tensor([0]))
-    bad = torch.tensor([[0.5, 0.5 + 2e-4]], dtype=torch.float64)
-    with pytest.raises(ValueError, match="sum to 1"):
-        metrics.nll(bad, torch.tensor([0]))
+    half = torch.softmax((3 * torch.randn(256, 10, generator=torch.Generator().manual_seed(0))).bfloat16(), -1)
+    metrics.evaluate(half.float(), torch.zeros(256, dtype=torch.long))
+    near = torch.tensor([[0.5, 0.52]], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"sum to 1 \(within 0.01\), but row 0 sums to 1.02; renormalise"):
+        metrics.nll(near, torch.tensor([0]))
+    with pytest.raises(ValueError, match="not logits"):
+        metrics.nll(torch.tensor([[2.0, 3.0]]), torch.tensor([0]))
+
+
+def test_a_non_finite_entry_is_named_alone_and_a_sure_prediction_has_zero_nll():
+    p = torch.full((2, 50000), 2e-5)
+    p[1, 7] = float("nan")
+    with pytest.raises(ValueError) as info:
+        metrics.nll(p, torch.zeros(2, dtype=torch.long))
+    assert "probs[1, 7] = nan" in str(info.value) and len(str(info.value)) < 200  # (it printed the whole row)
+    assert str(metrics.nll(torch.eye(2), torch.arange(2))) == "0.0"  # (it was -0.0)
 
 
 @pytest.mark.parametrize(
@@ -356,7 +370,14 @@ def test_save_reliability_diagram_bad_input(tmp_path):
         save_reliability_diagram({"a": {"bin_count": [1]}}, tmp_path / "x.png")
     with pytest.raises(TypeError, match="ReliabilityData"):
         save_reliability_diagram([1, 2], tmp_path / "x.png")
+    d = metrics.reliability_diagram_data(PROBS, TARGETS, n_bins=5)
+    with pytest.raises(ValueError, match="two panels named '1'"):  # one hid the other
+        save_reliability_diagram({1: d, "1": d}, tmp_path / "x.png")
+    with pytest.raises(ValueError, match="writes no 'xyz' files"):
+        save_reliability_diagram(d, tmp_path / "x.xyz")
     assert not (tmp_path / "x.png").exists()
+    # the suffix picks the format (a .pdf held PNG bytes)
+    assert save_reliability_diagram(d, tmp_path / "d.pdf").read_bytes()[:5] == b"%PDF-"
 
 
 def test_save_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):

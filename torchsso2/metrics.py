@@ -2,7 +2,7 @@
 
 All functions take *probabilities* (not logits): ``probs`` is a floating-point
 tensor of shape ``[N, C]`` whose rows are non-negative and sum to one (within
-``1e-4``), and ``targets`` is a ``torch.long`` tensor of shape ``[N]`` with
+``1e-2``: a float16 or bfloat16 softmax cast to float32 is off by up to ~3e-3), and ``targets`` is a ``torch.long`` tensor of shape ``[N]`` with
 values in ``[0, C)``.  Scalar metrics are returned as Python ``float`` and are
 computed in float64 without tracking gradients.
 
@@ -44,9 +44,13 @@ __all__ = [
     "reliability_diagram_data",
 ]
 
-#: Tolerance on ``|sum_c probs[n, c] - 1|`` accepted by the input validation (at least the
-#: dtype's machine epsilon: a float16 softmax sums to 1 within ~3e-4, a bfloat16 one within ~2e-3).
-ROW_SUM_ATOL = 1e-4
+#: Tolerance on ``|sum_c probs[n, c] - 1|`` accepted by the input validation, whatever the dtype: a float16
+#: softmax sums to 1 within ~3e-4 and a bfloat16 one within ~3e-3, and they stay so when cast to float32 or
+#: float64 for evaluation; logits and unnormalised scores are off by far more.
+ROW_SUM_ATOL = 1e-2
+#: a row off by more than this is not probabilities at all (logits, scores): the message says so; below it,
+#: to renormalise
+RENORMALISE_BELOW = 0.05
 
 
 # --------------------------------------------------------------------------- #
@@ -63,25 +67,27 @@ def _check_probs(probs: object, name: str = "probs") -> Tensor:
     n, c = probs.shape
     if n < 1 or c < 1:
         raise ValueError(f"{name} must have at least one example and one class, got shape {tuple(probs.shape)}")
-    with torch.no_grad():
-        p = probs.detach().to(torch.float64)
-        if not bool(torch.isfinite(p).all()):
-            bad = int((~torch.isfinite(p)).any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"{name} must be finite, but row {bad} contains {probs[bad].tolist()}")
+    with torch.no_grad():  # checked on the tensor itself: no float64 copy of a large [N, C]
+        p = probs.detach()
+        finite = torch.isfinite(p)
+        if not bool(finite.all()):
+            idx = (~finite).nonzero()[0]
+            raise ValueError(f"{name} must be finite, but {name}[{int(idx[0])}, {int(idx[1])}] = "
+                             f"{float(p[idx[0], idx[1]])}")
         if bool((p < 0).any()):
             idx = (p < 0).nonzero()[0]
             raise ValueError(
                 f"{name} must be non-negative, but {name}[{int(idx[0])}, {int(idx[1])}] = "
                 f"{float(p[idx[0], idx[1]])}"
             )
-        dev = (p.sum(dim=1) - 1.0).abs()
-        atol = max(ROW_SUM_ATOL, torch.finfo(probs.dtype).eps)
-        if bool((dev > atol).any()):
+        dev = (p.sum(dim=1, dtype=torch.float64) - 1.0).abs()
+        if bool((dev > ROW_SUM_ATOL).any()):
             bad = int(dev.argmax())
-            raise ValueError(
-                f"rows of {name} must sum to 1 (within {atol:g} for {probs.dtype}), but row {bad} sums to "
-                f"{float(p[bad].sum())}; pass probabilities (e.g. softmax(logits)), not logits"
-            )
+            total = float(p[bad].sum(dtype=torch.float64))
+            advice = ("renormalise them (probs / probs.sum(-1, keepdim=True))" if float(dev[bad]) < RENORMALISE_BELOW
+                      else "pass probabilities (e.g. softmax(logits)), not logits")
+            raise ValueError(f"rows of {name} must sum to 1 (within {ROW_SUM_ATOL:g}), but row {bad} sums to "
+                             f"{total}; {advice}")
     return probs
 
 
@@ -146,11 +152,13 @@ def nll(probs: Tensor, targets: Tensor, eps: float = 1e-12) -> float:
         The mean NLL in nats (a Python float, ``>= 0``).
     """
     probs = _check_probs(probs)
-    targets = _check_targets(targets, probs)
-    eps = _check_eps(eps)
+    return _nll(probs, _check_targets(targets, probs), _check_eps(eps))
+
+
+def _nll(probs: Tensor, targets: Tensor, eps: float) -> float:
     with torch.no_grad():
-        p_true = probs.detach().to(torch.float64).gather(1, targets.unsqueeze(1)).squeeze(1)
-        return float(-torch.log(p_true.clamp_min(eps)).mean())
+        p_true = probs.detach().gather(1, targets.unsqueeze(1)).squeeze(1).to(torch.float64)
+        return float(-torch.log(p_true.clamp_min(eps)).mean()) + 0.0  # (+ 0.0: no "-0.0" when every p is 1)
 
 
 def accuracy(probs: Tensor, targets: Tensor) -> float:
@@ -166,7 +174,10 @@ def accuracy(probs: Tensor, targets: Tensor) -> float:
         Accuracy in ``[0, 1]`` (a Python float).
     """
     probs = _check_probs(probs)
-    targets = _check_targets(targets, probs)
+    return _accuracy(probs, _check_targets(targets, probs))
+
+
+def _accuracy(probs: Tensor, targets: Tensor) -> float:
     with torch.no_grad():
         return float((probs.detach().argmax(dim=1) == targets).to(torch.float64).mean())
 
@@ -182,11 +193,15 @@ def brier(probs: Tensor, targets: Tensor) -> float:
         The Brier score in ``[0, 2]`` (a Python float; 0 is perfect).
     """
     probs = _check_probs(probs)
-    targets = _check_targets(targets, probs)
-    with torch.no_grad():
-        p = probs.detach().to(torch.float64)
-        onehot = torch.zeros_like(p).scatter_(1, targets.unsqueeze(1), 1.0)
-        return float((p - onehot).pow(2).sum(dim=1).mean())
+    return _brier(probs, _check_targets(targets, probs))
+
+
+def _brier(probs: Tensor, targets: Tensor) -> float:
+    with torch.no_grad():  # Σ_c p² − 2 p_y + 1 per row, without a one-hot [N, C]
+        p = probs.detach()
+        squares = p.pow(2).sum(dim=1, dtype=torch.float64)
+        p_true = p.gather(1, targets.unsqueeze(1)).squeeze(1).to(torch.float64)
+        return float((squares - 2.0 * p_true + 1.0).mean())
 
 
 # --------------------------------------------------------------------------- #
@@ -250,8 +265,10 @@ def reliability_diagram_data(probs: Tensor, targets: Tensor, n_bins: int = 15) -
         (edges) and ``[n_bins]`` (confidence, accuracy, count), on the CPU.
     """
     probs = _check_probs(probs)
-    targets = _check_targets(targets, probs)
-    n_bins = _check_n_bins(n_bins)
+    return _reliability(probs, _check_targets(targets, probs), _check_n_bins(n_bins))
+
+
+def _reliability(probs: Tensor, targets: Tensor, n_bins: int) -> ReliabilityData:
     with torch.no_grad():
         p = probs.detach().cpu()
         t = targets.cpu()
@@ -308,8 +325,8 @@ def predictive_entropy(probs: Tensor) -> Tensor:
         probs: ``[N, C]`` predictive probabilities.
 
     Returns:
-        ``[N]`` tensor of entropies in ``[0, log C]`` with the dtype and device
-        of ``probs`` (differentiable where ``probs > 0``).
+        ``[N]`` tensor of entropies in ``[0, log C]`` (up to the rounding of ``probs``' dtype) with the
+        dtype and device of ``probs`` (differentiable where ``probs > 0``).
     """
     probs = _check_probs(probs)
     return torch.special.entr(probs).sum(dim=1)
@@ -353,9 +370,11 @@ def evaluate(probs: Tensor, targets: Tensor, n_bins: int = 15) -> Dict[str, floa
         ``{"accuracy": float, "nll": float, "ece": float, "brier": float}``.
     """
     n_bins = _check_n_bins(n_bins)
+    probs = _check_probs(probs)  # validated once for the four
+    targets = _check_targets(targets, probs)
     return {
-        "accuracy": accuracy(probs, targets),
-        "nll": nll(probs, targets),
-        "ece": ece(probs, targets, n_bins),
-        "brier": brier(probs, targets),
+        "accuracy": _accuracy(probs, targets),
+        "nll": _nll(probs, targets, 1e-12),
+        "ece": _reliability(probs, targets, n_bins).ece,
+        "brier": _brier(probs, targets),
     }

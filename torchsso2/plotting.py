@@ -36,7 +36,7 @@ def save_reliability_diagram(
     path: Union[str, "os.PathLike[str]"],
     title: Optional[str] = None,
 ) -> Path:
-    """Draw a reliability diagram (or several side by side) and save it as a PNG.
+    """Draw a reliability diagram (or several side by side) and save it (PNG, or the suffix's format).
 
     Each panel shows, per confidence bin, a bar whose height is the bin's
     accuracy, the shaded gap between accuracy and the bin's mean confidence,
@@ -47,8 +47,8 @@ def save_reliability_diagram(
         data: one :class:`~torchsso2.metrics.ReliabilityData` (from
             :func:`torchsso2.metrics.reliability_diagram_data`) or a non-empty
             mapping ``name -> ReliabilityData`` to draw one panel per model.
-        path: output file; the image is written in PNG format whatever the suffix.
-            The parent directory must exist.
+        path: output file; its suffix picks the format (``.png``, ``.pdf``, ``.svg``: any matplotlib
+            writes), PNG without a suffix. The parent directory must exist.
         title: optional figure title.
 
     Returns:
@@ -57,7 +57,8 @@ def save_reliability_diagram(
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
         TypeError: ``data`` is not a ReliabilityData or a mapping of them.
-        ValueError: ``data`` is an empty mapping.
+        ValueError: ``data`` is an empty mapping, two of its names are the same as strings (``1`` and
+            ``"1"``: one panel would hide the other), or the suffix is not a format matplotlib writes.
     """
     if isinstance(data, ReliabilityData):
         panels = {"": data}
@@ -71,6 +72,8 @@ def save_reliability_diagram(
                     f"data[{name!r}] must be a ReliabilityData (from metrics.reliability_diagram_data), "
                     f"got {type(d).__name__}"
                 )
+            if str(name) in panels:
+                raise ValueError(f"data has two panels named {str(name)!r} (as strings): one would hide the other")
             panels[str(name)] = d
     else:
         raise TypeError(
@@ -117,5 +120,9 @@ def save_reliability_diagram(
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, format="png", bbox_inches="tight")  # tight_layout alone clips the x label under equal aspect
+    fmt = out.suffix[1:].lower() or "png"
+    if fmt not in fig.canvas.get_supported_filetypes():
+        raise ValueError(f"path {str(out)!r}: matplotlib writes no {fmt!r} files; use one of "
+                         f"{sorted(fig.canvas.get_supported_filetypes())}")
+    fig.savefig(out, format=fmt, bbox_inches="tight")  # tight_layout alone clips the x label under equal aspect
     return out
