@@ -1,7 +1,7 @@
 """Issue #14 proof (b): under the same 2-rank torch.distributed launch (DDP, gloo), our
 KFACPreconditioner's preconditioned gradients equal kfac_pytorch's, for COMM_OPT/MEM_OPT/HYBRID,
-eigen and inverse. Opt-in: skipped unless kfac_pytorch is installed (it is not on PyPI;
-see README/benchmarks for installing it from a source snapshot)."""
+eigen and inverse. Opt-in: skipped unless kfac_pytorch is installed (README, "How we know the math is right": from PyPI where
+the index has it, else from its repository or a source snapshot)."""
 from __future__ import annotations
 
 import sys
