@@ -457,3 +457,29 @@ def test_choices_of_another_case_are_taken_as_kfac_preconditioner_takes_them() -
     assert SecondOrderOptimizer(torch.nn.Linear(3, 2), kfac_method=" Inverse", on_nonfinite="RAISE").kfac_method == "inverse"
     vi = VIOptimizer(torch.nn.Linear(3, 1), dataset_size=10, loss="mse", noise_variance=" Learned")
     assert vi.noise.learned and vi.noise_variance == "learned"  # one spelling, compared across ranks
+
+
+def test_lr_schedules_drive_lr_and_momentum_and_a_tensor_lr_is_named() -> None:
+    """README: OneCycleLR cycles the groups' lr and momentum; lr is a number (a tensor lr is a TypeError)."""
+    import torch.nn.functional as F
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    for make in (lambda m: SecondOrderOptimizer(m, lr=0.1), lambda m: VIOptimizer(m, dataset_size=100)):
+        model = torch.nn.Linear(3, 2)
+        opt = make(model)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+        seen = []
+        for _ in range(3):
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+            schedule.step()
+            seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]))
+        assert seen[0][0] < seen[-1][0] and seen[0][1] > seen[-1][1]  # warm-up: lr up, momentum down
+    with pytest.raises(TypeError, match=r"lr must be a real number, got Tensor.*pass a Python float"):
+        SecondOrderOptimizer(torch.nn.Linear(3, 2), lr=torch.tensor(0.1))
+    with pytest.raises(TypeError, match=r"lr must be a real number, got Tensor.*pass a Python float"):
+        VIOptimizer(torch.nn.Linear(3, 2), dataset_size=100, lr=torch.tensor(0.1))
