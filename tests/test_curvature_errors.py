@@ -57,41 +57,6 @@ def test_mc_samples_must_be_positive_int(mlp, mc, error) -> None:
         _compute(model, x, y, kind="fisher_mc", mc_samples=mc)
 
 
-def test_numpy_integers_and_numbers_are_taken_where_python_ones_are(mlp) -> None:
-    """mc_samples, max_consecutive_skips and noise_variance refused NumPy scalars; a closure's NumPy float32
-    loss was refused too."""
-    import numpy as np
-    from torchsso2 import SecondOrderOptimizer, VIOptimizer
-    model, x, y = mlp
-    _compute(model, x, y, kind="fisher_mc", mc_samples=np.int64(2))
-    opt = SecondOrderOptimizer(model, mc_samples=np.int64(1), max_consecutive_skips=np.int64(5))
-    assert type(opt.max_consecutive_skips) is int
-    VIOptimizer(torch.nn.Linear(3, 1), dataset_size=10, loss="mse", noise_variance=np.float32(0.5))
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return np.float32(loss.item())
-    opt.step(closure)
-
-
-@pytest.mark.parametrize("make", [
-    lambda m: __import__("torchsso2").SecondOrderOptimizer(m, inv_update_interval=10 ** 400),
-    lambda m: __import__("torchsso2").VIOptimizer(m, dataset_size=10, curv_update_interval=10 ** 400),
-    lambda m: __import__("torchsso2").SecondOrderOptimizer(m, grad_worker_fraction=10 ** 400),
-    lambda m: __import__("torchsso2").kfac.KFACPreconditioner(m, grad_worker_fraction=10 ** 400),
-    lambda m: __import__("torchsso2").kfac.KFACPreconditioner(m, allreduce_bucket_cap_mb=10 ** 400),
-    lambda m: __import__("torchsso2").VIOptimizer(m, dataset_size=10, loss="mse", noise_variance=10 ** 400),
-], ids=["inv_update_interval", "vi-curv_update_interval", "grad_worker_fraction", "kfac-grad_worker_fraction",
-        "allreduce_bucket_cap_mb", "noise_variance"])
-def test_an_int_beyond_a_float_is_a_value_error_naming_the_argument(make) -> None:
-    """It was Python's OverflowError from a float conversion, naming nothing."""
-    with pytest.raises(ValueError, match=r"(update_interval|grad_worker_fraction|allreduce_bucket_cap_mb|"
-                                         r"noise_variance)"):
-        make(torch.nn.Linear(3, 2))
-
-
 def test_generator_type_checked(mlp) -> None:
     model, x, y = mlp
     with pytest.raises(TypeError, match="generator"):
@@ -427,59 +392,3 @@ def test_ignore_index_targets_point_to_the_masking_recipe() -> None:
         curvature.compute(model, x, y, kind="fisher", approx="diag")
     with pytest.raises(ValueError, match=r"one class.*curvature='empirical_fisher' without targets"):
         curvature.compute(nn.Linear(4, 1), x, y.clamp(min=0), kind="fisher", approx="diag")
-
-
-def test_vi_weight_decay_of_another_type_is_a_type_error() -> None:
-    """A tensor of two values crashed in `weight_decay != 0.0` (torch's ambiguous truth value)."""
-    from torchsso2 import VIOptimizer
-    with pytest.raises(TypeError, match="weight_decay"):
-        VIOptimizer(torch.nn.Linear(3, 2), dataset_size=10, weight_decay=torch.tensor([0.1, 0.2]))
-
-
-@pytest.mark.parametrize("make,suggestion", [
-    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, kfac_method="eigh"), "eigen"),
-    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, on_nonfinite="skp"), "skip"),
-    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, linalg="numpi"), "numpy"),
-    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, communicator="mpl"), "mpi"),
-    (lambda m: __import__("torchsso2").SecondOrderOptimizer(m, assignment_strategy="memry"), "memory"),
-    (lambda m: __import__("torchsso2").VIOptimizer(m, dataset_size=10, loss="mse", noise_variance="learnd"), "learned"),
-    (lambda m: __import__("torchsso2").kfac.KFACPreconditioner(m, compute_method="eigne"), "eigen"),
-], ids=["kfac_method", "on_nonfinite", "linalg", "communicator", "assignment_strategy", "noise_variance",
-        "compute_method"])
-def test_a_misspelt_choice_names_the_closest_one(make, suggestion) -> None:
-    """Some choice arguments suggested the closest name (approx, curvature, loss), these did not."""
-    with pytest.raises(ValueError, match=rf"did you mean '{suggestion}'"):
-        make(torch.nn.Linear(3, 2))
-
-
-def test_choices_of_another_case_are_taken_as_kfac_preconditioner_takes_them() -> None:
-    from torchsso2 import SecondOrderOptimizer, VIOptimizer
-    assert SecondOrderOptimizer(torch.nn.Linear(3, 2), kfac_method=" Inverse", on_nonfinite="RAISE").kfac_method == "inverse"
-    vi = VIOptimizer(torch.nn.Linear(3, 1), dataset_size=10, loss="mse", noise_variance=" Learned")
-    assert vi.noise.learned and vi.noise_variance == "learned"  # one spelling, compared across ranks
-
-
-def test_lr_schedules_drive_lr_and_momentum_and_a_tensor_lr_is_named() -> None:
-    """README: OneCycleLR cycles the groups' lr and momentum; lr is a number (a tensor lr is a TypeError)."""
-    import torch.nn.functional as F
-    from torchsso2 import SecondOrderOptimizer, VIOptimizer
-    for make in (lambda m: SecondOrderOptimizer(m, lr=0.1), lambda m: VIOptimizer(m, dataset_size=100)):
-        model = torch.nn.Linear(3, 2)
-        opt = make(model)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
-        x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
-        seen = []
-        for _ in range(3):
-            def closure():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                return loss
-            opt.step(closure)
-            schedule.step()
-            seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]))
-        assert seen[0][0] < seen[-1][0] and seen[0][1] > seen[-1][1]  # warm-up: lr up, momentum down
-    with pytest.raises(TypeError, match=r"lr must be a real number, got Tensor.*pass a Python float"):
-        SecondOrderOptimizer(torch.nn.Linear(3, 2), lr=torch.tensor(0.1))
-    with pytest.raises(TypeError, match=r"lr must be a real number, got Tensor.*pass a Python float"):
-        VIOptimizer(torch.nn.Linear(3, 2), dataset_size=100, lr=torch.tensor(0.1))
