@@ -11,9 +11,6 @@ form given.
 from __future__ import annotations
 
 import copy
-
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
@@ -21,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .blocks import Block, Layout
+from .blocks.base import check_damping
 
 Vector = Union[Tensor, Sequence[Tensor]]
 
@@ -124,15 +122,17 @@ class Curvature:
     def solve(self, v: Vector, damping: float) -> Vector:
         """``(C + damping·I)⁻¹ v`` over all blocks (exact damping: K-FAC blocks are decomposed in
         their eigenbases, ``(L ⊗ R + λI)⁻¹``). The decompositions are kept for further solves with
-        the same ``damping``. Raises ``curvature.linalg.LinalgError`` when ``C + damping·I`` is
-        not positive definite (``damping=0`` on a singular ``C``)."""
+        the same ``damping``, a number (a one-element tensor is read as its value, without gradient). Raises
+        ``curvature.linalg.LinalgError`` when ``C + damping·I`` is not positive definite (``damping=0`` on a
+        singular ``C``; full blocks keep the round-off negative eigenvalues of a singular ``C``, so a damping
+        below them fails there, where diag and K-FAC blocks clamp theirs at 0)."""
         if isinstance(damping, Tensor) and damping.numel() == 1 and not damping.is_complex():
-            damping = damping.item()
-        if not isinstance(damping, numbers.Real) or isinstance(damping, bool):
-            raise TypeError(f"damping must be a real number >= 0, got {type(damping).__name__} {damping!r}")
+            damping = damping.item()  # taken as a number: no gradient flows to a damping that requires one
+        if isinstance(damping, Tensor):
+            raise TypeError(f"damping must be a real number >= 0 or a one-element real tensor, got a tensor of shape "
+                            f"{tuple(damping.shape)} and dtype {damping.dtype}")
+        check_damping(damping)
         damping = float(damping)
-        if not math.isfinite(damping) or damping < 0:
-            raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
         narrow = [t.dtype for b in self.blocks.values() for t in b.tensors()[:1]
                   if t.is_floating_point() and t.dtype != torch.float64]
         if narrow and damping > torch.finfo(narrow[0]).max:

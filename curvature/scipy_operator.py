@@ -21,6 +21,7 @@ def to_linear_operator(curv: "Curvature") -> Any:
     except ImportError as err:  # pragma: no cover - scipy is installed in the test environment
         raise ImportError("Curvature.to_scipy() needs scipy (pip install scipy)") from err
     dtype = curv.dtype
+    device = next((t.device for b in curv.blocks.values() for t in b.tensors()), torch.device("cpu"))
 
     def real(x: np.ndarray) -> np.ndarray:
         # a contiguous, writable float64 copy where needed: torch takes no negative strides (x[::-1]) and
@@ -28,7 +29,8 @@ def to_linear_operator(curv: "Curvature") -> Any:
         x = np.asarray(x, dtype=np.float64)
         if not (x.flags.c_contiguous and x.flags.writeable):
             x = np.array(x, dtype=np.float64, order="C", copy=True)
-        return curv.matvec(torch.from_numpy(x).to(dtype)).to(torch.float64).numpy()
+        # numpy lives on the host: the vector goes to the curvature's device (a CUDA result) and back
+        return curv.matvec(torch.from_numpy(x).to(device=device, dtype=dtype)).to(torch.float64).cpu().numpy()
 
     def apply(x: np.ndarray) -> np.ndarray:  # C is real: a complex vector's parts are mapped separately
         x = np.asarray(x)

@@ -14,6 +14,7 @@ module, in ``named_parameters`` order).
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,8 +35,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_damping(damping: Any) -> None:
+    """A damping given to a decomposition or a solve: a real number >= 0 and finite (TypeError / ValueError
+    naming it); a tensor damping is the caller's (the optimizers' own, checked where it is set)."""
+    if isinstance(damping, Tensor):
+        return
+    if isinstance(damping, bool) or not isinstance(damping, numbers.Real):
+        raise TypeError(f"damping must be a real number >= 0, got {type(damping).__name__} {damping!r}")
+    if not math.isfinite(float(damping)) or damping < 0:
+        raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+
+
 class Block(ABC):
-    """One module's curvature in one shape. Subclasses: FullBlock, DiagBlock, KFACBlock."""
+    """One module's curvature in one shape. Subclasses: FullBlock, DiagBlock, KFACBlock.
+
+    Its methods (``mvp``, ``solve``, ``sample``) are the optimizers' hot path and take vectors as they are:
+    parameter-shaped tensors in the layout's order (``layout.shapes``), unchecked. :class:`curvature.Curvature`'s
+    ``matvec`` / ``solve`` check the vectors (length, order, dtype, device) and are the user-facing ones."""
 
     approx: str = ""
 

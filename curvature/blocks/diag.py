@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .base import Block, DerivedCache, check_positive, compute_dtype
+from .base import Block, check_damping, DerivedCache, check_positive, compute_dtype
 from .layout import Layout
 
 
@@ -34,6 +34,7 @@ class DiagBlock(Block):
 
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None) -> None:
+        check_damping(damping)
         diag = self.diagonal.to(dtype) if dtype is not None else self.diagonal
         denom = scale * diag + damping
         check_positive(denom, f"diag block {self.layout.name!r}")

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import get_backend
-from .base import Block, check_positive, compute_dtype
+from .base import Block, check_damping, check_positive, compute_dtype
 from .layout import Layout
 
 
@@ -27,13 +27,14 @@ class FullBlock(Block):
         return [True]
 
     def dense(self) -> Tensor:
-        return self.matrix
+        return self.matrix.clone()  # (a copy, as the other shapes': not the statistics themselves)
 
     def param_diagonal(self) -> List[Tensor]:
         return self.layout.unflatten(self.matrix.diagonal().clone())
 
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None) -> None:
+        check_damping(damping)
         evals, evecs = get_backend(backend).eigh(self.matrix, dtype=dtype)
         denom = scale * evals + damping
         check_positive(denom, f"full block {self.layout.name!r}", size=self.matrix.shape[0] if damping == 0 else 0,

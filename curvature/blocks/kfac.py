@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..linalg import get_backend
 from ..modules.base import pack_columns
-from .base import Block, DerivedCache, check_positive, compute_dtype, like_dtype
+from .base import Block, check_damping, DerivedCache, check_positive, compute_dtype, like_dtype
 from .layout import Layout
 
 
@@ -113,6 +113,7 @@ class KFACBlock(Block):
     # ---- decomposition -------------------------------------------------------------------------
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None, method: str = "eigen") -> None:
+        check_damping(damping)
         if method == "eigen":
             (el, ql), (er, qr) = self._factor_eigs(backend, dtype)
             denom = torch.outer(el, er.to(el.dtype))  # scale·λ_L λ_Rᵀ + damping, in place (same rounding)
