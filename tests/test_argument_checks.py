@@ -99,3 +99,15 @@ def test_lr_schedules_drive_lr_and_momentum_and_a_tensor_lr_is_named() -> None:
         SecondOrderOptimizer(torch.nn.Linear(3, 2), lr=torch.tensor(0.1))
     with pytest.raises(TypeError, match=r"lr must be a real number, got Tensor.*pass a Python float"):
         VIOptimizer(torch.nn.Linear(3, 2), dataset_size=100, lr=torch.tensor(0.1))
+
+
+def test_numpy_interval_takes_its_default_kl_clip_and_kfac_on_nonfinite_takes_any_case() -> None:
+    import numpy as np
+    from torchsso2 import SecondOrderOptimizer
+    from torchsso2.kfac import KFACPreconditioner
+    ref = SecondOrderOptimizer(torch.nn.Linear(3, 3), inv_update_interval=10).kl_clip
+    assert SecondOrderOptimizer(torch.nn.Linear(3, 3), inv_update_interval=np.int64(10)).kl_clip == ref  # (was 1e-3)
+    assert SecondOrderOptimizer(torch.nn.Linear(3, 2), linalg=" NumPy ").linalg == "numpy"
+    assert KFACPreconditioner(torch.nn.Linear(3, 2), on_nonfinite="RAISE").on_nonfinite == "raise"
+    with pytest.raises(ValueError, match="did you mean 'skip'"):
+        KFACPreconditioner(torch.nn.Linear(3, 2), on_nonfinite="skp")

@@ -90,3 +90,14 @@ def test_a_checkpoint_restores_the_damping_not_the_bounds():
     same = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True, min_damping=1e-8)
     same.load_state_dict(old.state_dict())  # the checkpoint's own bounds: as saved
     assert same.lm.damping == 1e-6 and same.lm.min_damping == 1e-8
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "abc", 0.0])
+def test_a_checkpoint_with_a_bad_lm_damping_is_refused_at_load(bad):
+    model = torch.nn.Linear(3, 2)
+    state = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True).state_dict()
+    state["torchsso2"]["extra"]["lm"]["damping"] = bad
+    opt = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True)
+    with pytest.raises(ValueError, match=r"\['lm'\]\['damping'\] is .*expected a finite number > 0"):
+        opt.load_state_dict(state)
+    assert opt.lm.damping == 1e-2

@@ -196,10 +196,15 @@ def brier(probs: Tensor, targets: Tensor) -> float:
     return _brier(probs, _check_targets(targets, probs))
 
 
+#: rows of a [N, C] table squared in float64 at a time by :func:`brier` (bounded memory, float64 squares)
+_BRIER_CHUNK_ELEMENTS = 1 << 22
+
+
 def _brier(probs: Tensor, targets: Tensor) -> float:
-    with torch.no_grad():  # Σ_c p² − 2 p_y + 1 per row, without a one-hot [N, C]
+    with torch.no_grad():  # Σ_c p² − 2 p_y + 1 per row, without a one-hot [N, C]; squared in float64, in row chunks
         p = probs.detach()
-        squares = p.pow(2).sum(dim=1, dtype=torch.float64)
+        rows = max(1, _BRIER_CHUNK_ELEMENTS // max(1, p.shape[1]))
+        squares = torch.cat([p[i:i + rows].to(torch.float64).pow(2).sum(dim=1) for i in range(0, p.shape[0], rows)])
         p_true = p.gather(1, targets.unsqueeze(1)).squeeze(1).to(torch.float64)
         return float((squares - 2.0 * p_true + 1.0).mean())
 

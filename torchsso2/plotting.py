@@ -47,8 +47,9 @@ def save_reliability_diagram(
         data: one :class:`~torchsso2.metrics.ReliabilityData` (from
             :func:`torchsso2.metrics.reliability_diagram_data`) or a non-empty
             mapping ``name -> ReliabilityData`` to draw one panel per model.
-        path: output file; its suffix picks the format (``.png``, ``.pdf``, ``.svg``: any matplotlib
-            writes), PNG without a suffix. The parent directory must exist.
+        path: output file; its suffix picks the format where it is one matplotlib writes (``.png``,
+            ``.pdf``, ``.svg``, ...), else PNG (no suffix, or a dotted name like ``rel_lr0.1``). The parent
+            directory must exist.
         title: optional figure title.
 
     Returns:
@@ -57,8 +58,8 @@ def save_reliability_diagram(
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
         TypeError: ``data`` is not a ReliabilityData or a mapping of them.
-        ValueError: ``data`` is an empty mapping, two of its names are the same as strings (``1`` and
-            ``"1"``: one panel would hide the other), or the suffix is not a format matplotlib writes.
+        ValueError: ``data`` is an empty mapping, or two of its names are the same as strings (``1`` and
+            ``"1"``: one panel would hide the other).
     """
     if isinstance(data, ReliabilityData):
         panels = {"": data}
@@ -120,9 +121,8 @@ def save_reliability_diagram(
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    fmt = out.suffix[1:].lower() or "png"
+    fmt = out.suffix[1:].lower()
     if fmt not in fig.canvas.get_supported_filetypes():
-        raise ValueError(f"path {str(out)!r}: matplotlib writes no {fmt!r} files; use one of "
-                         f"{sorted(fig.canvas.get_supported_filetypes())}")
+        fmt = "png"
     fig.savefig(out, format=fmt, bbox_inches="tight")  # tight_layout alone clips the x label under equal aspect
     return out

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from curvature.linalg.checks import all_finite
+from curvature.options import did_you_mean
 from torchsso2.optim import NonFiniteError
 from torchsso2.optim.skips import check_max_consecutive_skips  # one rule for all three faces
 
@@ -53,9 +54,9 @@ def check_on_nonfinite(value: object) -> str:
     """``"skip"`` or ``"raise"``."""
     if not isinstance(value, str):
         raise TypeError(f"on_nonfinite must be 'skip' or 'raise', got {type(value).__name__} {value!r}")
-    if value not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {value!r}")
-    return value
+    if value.strip().lower() not in ON_NONFINITE:  # any case, as the optimizers take it
+        raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {value!r}{did_you_mean(value, list(ON_NONFINITE))}")
+    return value.strip().lower()
 
 
 def nonfinite_entries(layers: Sequence[KFACLayer], updated: Iterable[str], check_grads: bool) -> List[str]:

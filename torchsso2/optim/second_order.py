@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -89,10 +90,10 @@ def default_kl_clip(inv_update_interval: Any) -> float:
     at 94–96.9%, and no point diverges at any of the three (docs/defaults.md). At interval 1 it stays 1e-3 (tests/test_defaults.py: the
     batch-64 digits runs train as well as SGD; 1e-4 was 0.040 against SGD's 0.023 at lr 0.1).
     An invalid interval is left to the interval's own check (returns DEFAULT_KL_CLIP then)."""
-    if isinstance(inv_update_interval, bool) or not isinstance(inv_update_interval, int) or inv_update_interval < 1 \
-            or inv_update_interval > MAX_STEPS:
+    if isinstance(inv_update_interval, bool) or not isinstance(inv_update_interval, numbers.Integral) \
+            or inv_update_interval < 1 or inv_update_interval > MAX_STEPS:
         return DEFAULT_KL_CLIP
-    return DEFAULT_KL_CLIP / math.sqrt(inv_update_interval)
+    return DEFAULT_KL_CLIP / math.sqrt(int(inv_update_interval))  # (a NumPy int too: its interval's clip)
 
 
 class _DefaultKLClip:
@@ -469,9 +470,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                     f"SecondOrderOptimizer (curvature={kind.value!r}, given targets): the gradient of the closure's "
                     f"loss with respect to the output is {factor:.4g}× that of the mean negative log-likelihood of "
                     f"the output and the targets (loss={self.engine.loss.value!r}). The curvature is the mean "
-                    "likelihood's and the step preconditions the closure's gradient, so the step is that many "
-                    "times the natural-gradient step (reduction='sum': N×; F.mse_loss: 2/D for D outputs); return "
-                    "the mean NLL from the closure, or ignore this if the factor is meant", UserWarning,
+                    "likelihood's and the step preconditions the closure's gradient, so a loss c× the mean NLL "
+                    "makes the step c× the natural-gradient step (reduction='sum': N×; F.mse_loss: 2/D for D "
+                    "outputs); return the mean NLL from the closure, or ignore this if the loss is another on "
+                    "purpose (mixup, distillation)", UserWarning,
                     stacklevel=caller_stacklevel())
             return
         if kind is Kind.HESSIAN or kind is Kind.EMPIRICAL_FISHER:
@@ -598,6 +600,16 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if state.get("lm") is not None and not isinstance(state["lm"], dict):
             raise ValueError("checkpoint entry ['torchsso2']['extra']['lm'] must be a dict or None; "
                              "the optimizer is unchanged")
+        lm = state.get("lm") or {}
+        for key, positive in (("damping", True), ("last_rho", False)):  # the rule's state, restored on load
+            if key in lm:
+                v = lm[key]
+                ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and (
+                    math.isfinite(float(v)) and float(v) > 0 if positive else True)
+                if not ok:
+                    raise ValueError(f"checkpoint entry ['torchsso2']['extra']['lm'][{key!r}] is {v!r}, expected "
+                                     + ("a finite number > 0" if positive else "a number")
+                                     + "; the optimizer is unchanged")
 
     def _extra_snapshot(self) -> Any:
         return None if self.lm is None else vars(self.lm).copy()

@@ -57,7 +57,7 @@ class CurvatureSettings:
         # validates the name (and cupy's availability) now, not at the first decomposition; None (the environment
         # variable, else "torch") is resolved once: every decomposition of the run takes the same backend
         backend = get_backend(self.linalg)
-        if self.linalg is None:
+        if self.linalg is None or isinstance(self.linalg, str):  # resolved, and one spelling (" NumPy " → "numpy")
             self.linalg = backend.name
         scaler = self.grad_scaler
         if scaler is not None and not all(hasattr(scaler, a) for a in ("unscale_", "get_scale")):

@@ -3,7 +3,7 @@
 The posterior weighs the data by ``dataset_size × the closure's gradient`` against the prior, so
 (i) a loss whose gradient is ``c``× the mean negative log-likelihood's (``F.mse_loss`` averages over
 the D outputs as well: ``c = 2/D``; ``reduction="sum"``: ``N``; ``F.gaussian_nll_loss`` with the
-noise variance σ² that ``noise_variance`` already divides by: ``1/σ²``) weighs the data ``c``-fold in
+noise variance σ² that ``noise_variance`` already divides by: ``1/(D·σ²)``) weighs the data ``c``-fold in
 the mean's update: with ``curvature="reparam"`` (the diag default) the curvature follows, a posterior
 tempered by ``c``; with the Fisher kinds the curvature is the mean NLL's, so the mean is that of the
 ``c``-tempered posterior and the covariance that of ``c = 1``. (ii) A ``dataset_size`` smaller than
@@ -52,7 +52,7 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
     consequence = (
         "The posterior weighs the data as dataset_size × the closure's gradient, so a scaled loss (F.mse_loss: 2/D "
         "for D outputs per example; reduction='sum': N; F.gaussian_nll_loss with the σ² that noise_variance "
-        "divides by already: 1/σ²) weighs the data by that factor in the mean's update (with "
+        "divides by already: 1/(D·σ²)) weighs the data by that factor in the mean's update (with "
         "curvature='reparam', the diag default, in the covariance too: a tempered posterior; with the Fisher "
         "kinds the covariance stays the mean NLL's); return the mean NLL from the closure (the prior is "
         "VIOptimizer's own: add no L2 term), or ignore this if the other likelihood is meant (label "
