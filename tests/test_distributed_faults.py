@@ -176,6 +176,25 @@ def test_describe_is_stable_text() -> None:
     assert describe(torch.float32) == "torch.float32"
     assert describe([1, 2.5, None]) == "[1, 2.5, None]"
     assert describe(print) == "callable print"
+    # one number, one text: lr=1 on one rank and 1.0 (or np.float64(1.0)) on another is one setting
+    import numpy as np
+    assert describe(1) == describe(1.0) == describe(np.float64(1.0)) == describe(np.int64(1)) == "1"
+    assert describe(0.1) == describe(np.float64(0.1)) == "0.1" and describe(True) != describe(1)
+
+
+@pytest.mark.parametrize("face,kwargs", [
+    ("sso", [dict(lr=1), dict(lr=1.0)]),
+    ("sso", [dict(momentum=0), dict(momentum=0.0)]),
+    ("sso", [dict(grad_worker_fraction="comm_opt"), dict(grad_worker_fraction=1.0)]),
+    ("sso", [dict(kfac_method="Eigen"), dict(kfac_method="eigen")]),
+    ("vi", [dict(noise_variance=__import__("numpy").float64(0.5), loss="mse"), dict(noise_variance=0.5, loss="mse")]),
+])
+def test_equal_settings_in_other_spellings_agree_across_ranks(face: str, kwargs: List[Dict[str, Any]]) -> None:
+    """They were refused as different settings. (The two threads' communicator serves the settings check alone:
+    a construction past it stops at the next collective, NotImplementedError.)"""
+    errors = _construct_on_two_ranks(face, kwargs)
+    assert all(isinstance(e, NotImplementedError) and "not needed by the settings check" in str(e)
+               for e in errors), errors
 
 
 def test_timeout_and_opt_out_configuration() -> None:

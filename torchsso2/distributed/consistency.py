@@ -12,11 +12,13 @@ native optimizers and of :class:`~torchsso2.kfac.KFACPreconditioner`.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from torchsso2.distributed.assignment import grad_worker_count
 from torchsso2.distributed.communicator import BucketedCommunicator
 
 #: characters of each differing value's text that travel in the error message
@@ -41,6 +43,11 @@ def describe(value: Any) -> str:
         return f"{type(value).__name__}.{value.name}"
     if callable(value) and not isinstance(value, type):
         return f"callable {getattr(value, '__qualname__', type(value).__name__)}"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # an int, a NumPy int: exactly
+        return repr(int(value))
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # 1.0, np.float64(1.0): the int 1's
+        number = float(value)
+        return repr(int(number)) if number.is_integer() else repr(number)
     return repr(value)
 
 
@@ -176,7 +183,11 @@ def check_optimizer_settings(opt: Any) -> None:
     }
     placement = getattr(opt, "placement", None)
     if placement is not None:
-        settings["grad_worker_fraction"] = placement.grad_worker_fraction
+        # the grad workers per block it gives at this world size: "comm_opt" on one rank and 1.0 on another agree
+        try:
+            settings["grad_worker_fraction"] = grad_worker_count(opt.comm.world_size, placement.grad_worker_fraction)
+        except ValueError:  # not one for this world size: the placement's own check names it
+            settings["grad_worker_fraction"] = placement.grad_worker_fraction
         settings["assignment_strategy"] = placement.strategy
     for key, value in opt.defaults.items():
         settings[f"defaults.{key}"] = value
