@@ -240,7 +240,8 @@ class CurvatureEngine:
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                           and (m.training or m.running_mean is None) for m in self.batch_norms)
             try:
-                return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled)
+                return hessian_blocks(loss, self.layouts, self.approx, capture.records, examples_independent=not coupled,
+                                      announced=self.__dict__.setdefault("_announced_costs", set()))
             except RuntimeError as err:
                 if "double backward" in str(err) and contains_compiled(self.model):
                     raise ValueError(

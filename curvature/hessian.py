@@ -11,7 +11,7 @@ diagonal blocks take the ``P_m`` rows and keep their diagonal.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Set
 
 import torch
 from torch import Tensor
@@ -35,13 +35,14 @@ def _hessian_rows(runner: ProductRunner, p: int, rows: range, dtype: torch.dtype
 
 def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, Approx],
                    records: Optional[Mapping[str, object]] = None,
-                   examples_independent: bool = False) -> Dict[str, Block]:
+                   examples_independent: bool = False, announced: Optional[Set[Any]] = None) -> Dict[str, Block]:
     """Full or diagonal Hessian block of the scalar ``loss`` for every module in ``layouts``.
 
     ``records``: the capture's ``ModuleRecord`` per module (inputs, output in the graph); with
     ``examples_independent`` (nothing after a layer mixes the examples of the batch) the diagonal
     blocks of Linear/Conv2d layers come from :func:`curvature.hessian_diag.diag_block` when that
-    needs fewer products than the ``P_m`` rows.
+    needs fewer products than the ``P_m`` rows. ``announced``: the caller's set of blocks whose cost was
+    announced already (each is logged once).
     """
     names = list(layouts)
     fast: Dict[str, Block] = {}
@@ -62,7 +63,7 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
         diag = diag_block(loss, lay.module, rec.inputs, rec.output, list(lay.param_names))
         if diag is None:  # the examples (rows of the output's first dimension) are coupled
             continue
-        warn_hessian_products(name, count, p, "diagonal")
+        warn_hessian_products(name, count, p, "diagonal", announced)
         if diag.numel() == 0:
             diag = torch.zeros(p, dtype=loss.dtype, device=loss.device)
         fast[name] = DiagBlock(lay, diag.to(compute_dtype(diag.dtype)))
@@ -80,7 +81,7 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
         i += len(mp)
         flat = torch.cat([g.reshape(-1) for g in mg])
         p = flat.numel()
-        warn_hessian_products(name, p, p, "full" if approx[name] is Approx.FULL else "diagonal")
+        warn_hessian_products(name, p, p, "full" if approx[name] is Approx.FULL else "diagonal", announced)
         if not flat.requires_grad:  # the loss does not depend on this module at second order
             h_rows = [torch.zeros(min(_CHUNK, p - s), p, dtype=flat.dtype) for s in range(0, p, _CHUNK)]
         else:

@@ -109,7 +109,13 @@ def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
     scale = max(float(hv[1].abs().max()), float(expected.abs().max()))
     if scale == 0.0:
         return True
-    return float((hv[1] - expected).abs().max()) <= 64 * torch.finfo(z.dtype).eps * scale
+    return float((hv[1] - expected).abs().max()) <= ROWS_TOLERANCE_ULPS * torch.finfo(z.dtype).eps * scale
+
+
+#: ulps of the products' scale within which the rows test takes them as equal: a float32 MLP's last, short batch
+#: (29 rows) came out 73 ulps apart at 64 (rows that are independent); a statistic over the batch couples rows
+#: by about 1/N of the scale, above this tolerance for batches of up to ~30,000 rows
+ROWS_TOLERANCE_ULPS = 256
 
 
 def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: Tensor,

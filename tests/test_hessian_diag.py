@@ -277,3 +277,27 @@ def test_hessian_of_a_module_called_twice(approx) -> None:
     assert (got - expected).abs().max() <= 1e-10
     with pytest.raises(ValueError, match="called more than once"):
         curvature.compute(model, x, y, kind="fisher", approx=approx)
+
+
+def test_an_optimizer_announces_a_hessian_blocks_cost_once(caplog):
+    """Each step logged it again (bfloat16 autocast takes the generic path: two WARNING lines a step)."""
+    import logging
+    import torch.nn.functional as F
+    from torchsso2 import SecondOrderOptimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))  # 2080 parameters in '0'
+    opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", damping=10.0)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+
+    def closure():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y)
+        loss.backward()
+        return loss, out
+    with caplog.at_level(logging.WARNING, logger="curvature"):
+        for _ in range(3):
+            opt.step(closure, targets=y)
+    announced = [r.getMessage() for r in caplog.records if "Hessian-vector products" in r.getMessage()]
+    assert len(announced) == 1 and "module '0'" in announced[0], announced

@@ -630,3 +630,29 @@ def test_torch_amp_grad_scaler_object():
     scaler.step(opt)
     scaler.update()
     assert pre.steps == 1 and torch.isfinite(model.fc1.weight).all()
+
+
+def test_a_grad_scaler_whose_gradients_were_not_unscaled_is_named():
+    """kfac_pytorch (and ours) precondition whatever p.grad holds: without scaler.unscale_(optimizer) before
+    step() the gradients are still scaled and training stalls, silently."""
+    def run(unscale):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        pre = KFACPreconditioner(model, grad_scaler=scaler)
+        x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                sgd.zero_grad()
+                scaler.scale(F.cross_entropy(model(x), y)).backward()
+                if unscale:
+                    scaler.unscale_(sgd)
+                pre.step()
+                scaler.step(sgd)
+                scaler.update()
+        return [str(w.message) for w in caught if "KFACPreconditioner(grad_scaler" in str(w.message)]
+    missed = run(False)
+    assert len(missed) == 1 and "call scaler.unscale_(optimizer) before preconditioner.step()" in missed[0]
+    assert run(True) == []

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -210,6 +211,9 @@ def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], T
     """The output of a recorded forward and ``J v`` (flattened) for every direction: one
     forward-mode pass (dual numbers) per direction, with the forward's RNG state and buffer copies."""
     f = _functional(model, names, select, call)
+    with warnings.catch_warnings():  # torch's first make_dual loads its JVP decompositions by torch.jit.script,
+        warnings.simplefilter("ignore", DeprecationWarning)  # deprecated: 18 DeprecationWarnings of torch's own
+        import torch._decomp.decompositions_for_jvp  # noqa: F401  (once: Python keeps the module)
     jvs = []
     out = None
     for v in directions:

@@ -133,7 +133,8 @@ def warn_if_loss_is_not_the_nll(opt: Any, targets: Optional[Tensor], loss: Any, 
             else "F.cross_entropy with reduction='mean'"
         ratio = f"{value / ref:.4g}×" if ref else "not"
         warnings.warn(f"{who}: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its "
-                      f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}). {consequence}",
+                      f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}; label smoothing, "
+                      f"class weights, mixup or an added term make the two differ too). {consequence}",
                       UserWarning, stacklevel=caller_stacklevel())
     return True
 
