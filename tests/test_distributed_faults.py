@@ -180,6 +180,7 @@ def test_describe_is_stable_text() -> None:
     import numpy as np
     assert describe(1) == describe(1.0) == describe(np.float64(1.0)) == describe(np.int64(1)) == "1"
     assert describe(0.1) == describe(np.float64(0.1)) == "0.1" and describe(True) != describe(1)
+    assert describe(torch.tensor(1.0)) == describe(1.0)  # a tensor lr is its number's setting
 
 
 @pytest.mark.parametrize("face,kwargs", [

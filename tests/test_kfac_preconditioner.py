@@ -656,3 +656,18 @@ def test_a_grad_scaler_whose_gradients_were_not_unscaled_is_named():
     missed = run(False)
     assert len(missed) == 1 and "call scaler.unscale_(optimizer) before preconditioner.step()" in missed[0]
     assert run(True) == []
+
+
+def test_step_runs_without_recording_autograd():
+    """A helper placed between @torch.no_grad() and step() took the decorator: after a create_graph backward
+    the preconditioning was recorded by autograd (and the KL clip warned about a scalar requiring grad)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    pre = KFACPreconditioner(model, kl_clip=0.001)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()), create_graph=True)
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g  # gradients in a graph (a double-backward user's)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre.step()

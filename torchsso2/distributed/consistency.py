@@ -33,8 +33,8 @@ def describe(value: Any) -> str:
     """
     if isinstance(value, torch.dtype):
         return str(value)
-    if isinstance(value, torch.Tensor):  # a tensor lr: its value, not its repr (device, print precision)
-        return repr(value.item()) if value.numel() == 1 else f"tensor {list(value.shape)} {value.dtype}"
+    if isinstance(value, torch.Tensor):  # a tensor lr: its value, as that number's (not its repr: device, precision)
+        return describe(value.item()) if value.numel() == 1 else f"tensor {list(value.shape)} {value.dtype}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(describe(v) for v in value) + "]"
     if isinstance(value, Mapping):

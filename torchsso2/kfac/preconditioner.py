@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from curvature.capture import on_gradient
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.linalg import Backend, get_backend
+from curvature.stacklevel import caller_stacklevel
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
 from torchsso2.optim.copying import copy_fields
@@ -363,7 +364,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._handles.clear()
 
     # ---- the step ------------------------------------------------------------------------------
-    @torch.no_grad()
     def _warn_scaled_gradients(self) -> None:
         """Once: a GradScaler whose scale is not 1 and which has unscaled no optimizer's gradients this step
         (``scaler.unscale_(optimizer)`` before ``step()``, as kfac_pytorch requires): the gradients are still
@@ -377,8 +377,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             warnings.warn("KFACPreconditioner(grad_scaler=...): step() found the gradients still scaled (the scaler "
                           "has unscaled no optimizer's gradients since its last update()): call "
                           "scaler.unscale_(optimizer) before preconditioner.step(), as kfac_pytorch requires, "
-                          "then scaler.step(optimizer) and scaler.update()", UserWarning, stacklevel=2)
+                          "then scaler.step(optimizer) and scaler.update() (every optimizer holding a registered "
+                          "layer: only whether any was unscaled is seen)", UserWarning, stacklevel=caller_stacklevel())
 
+    @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients of the registered layers in place (then call ``optimizer.step()``).
 
