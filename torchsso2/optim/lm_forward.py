@@ -116,6 +116,12 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) ->
     return float(loss.detach()), ref
 
 
+def nll_description(loss: LossType) -> str:
+    """What the mean NLL of ``loss=`` is, for the loss-scale warnings."""
+    return "½·Σ over the outputs, mean over the examples" if loss is LossType.MSE \
+        else "F.cross_entropy with reduction='mean'"
+
+
 def warn_if_loss_is_not_the_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, who: str,
                                 consequence: str, rtol: float, recorder: Any = None) -> bool:
     """Warn when the closure's ``loss`` differs from the mean NLL of its ``output`` and ``targets`` by more
@@ -129,11 +135,10 @@ def warn_if_loss_is_not_the_nll(opt: Any, targets: Optional[Tensor], loss: Any, 
         return False
     value, ref = pair
     if abs(value - ref) > rtol * max(abs(ref), 1e-12):
-        what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
-            else "F.cross_entropy with reduction='mean'"
         ratio = f"{value / ref:.4g}×" if ref else "not"
         warnings.warn(f"{who}: the closure's loss ({value:.6g}) is {ratio} the mean negative log-likelihood of its "
-                      f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: {what}; label smoothing, "
+                      f"output and the targets ({ref:.6g}; loss={opt.engine.loss.value!r}: "
+                      f"{nll_description(opt.engine.loss)}; label smoothing, "
                       f"class weights, mixup or an added term make the two differ too). {consequence}",
                       UserWarning, stacklevel=caller_stacklevel())
     return True

@@ -166,7 +166,7 @@ class ClosureWatch:
         """Warn (once per optimizer) when the output gradient is :data:`SCALE_LIMIT` times a mean cross-entropy's."""
         if not self.check_scale or not self.sizes:
             return
-        ratio = _scale_ratio(self.sizes)
+        ratio = max(float(s) for s in self.sizes)
         if ratio > SCALE_LIMIT:
             self.owner["scale_warned"] = True
             warnings.warn(SCALED_LOSS.format(ratio=ratio), UserWarning, stacklevel=caller_stacklevel())
@@ -235,10 +235,6 @@ SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with
                "the loss is the mean over the batch (reduction='mean'); else the step is that many times too long and "
                "a curvature taken from your backward (empirical_fisher without targets) its square. Silence it with "
                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but the gradient\")")
-
-
-def _scale_ratio(sizes: List[Tensor]) -> float:
-    return max(float(s) for s in sizes)
 
 
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the

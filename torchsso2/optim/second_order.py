@@ -32,7 +32,7 @@ from curvature.stacklevel import caller_stacklevel
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
-from .loss_scale import GRADIENT_FACTOR_RTOL, gradient_factor
+from .loss_scale import warn_if_gradient_is_not_the_nll
 from .lm_forward import LOSS_SCALE_WARN_RTOL, forward_only_closure, warn_if_loss_is_not_the_nll, warn_if_not_mean_nll
 from .rollback import CurvatureRollback
 from .update_undo import UpdateUndo
@@ -464,17 +464,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         kind = self.engine.kind
         seen = self.__dict__.get("_misuse", {}).pop("output_grads", None)
         if kind in (Kind.FISHER, Kind.FISHER_MC):
-            factor = gradient_factor(self, targets, seen)
-            if factor is not None and abs(factor - 1.0) > GRADIENT_FACTOR_RTOL:
-                warnings.warn(
-                    f"SecondOrderOptimizer (curvature={kind.value!r}, given targets): the gradient of the closure's "
-                    f"loss with respect to the output is {factor:.4g}× that of the mean negative log-likelihood of "
-                    f"the output and the targets (loss={self.engine.loss.value!r}). The curvature is the mean "
-                    "likelihood's and the step preconditions the closure's gradient, so a loss c× the mean NLL "
-                    "makes the step c× the natural-gradient step (reduction='sum': N×; F.mse_loss: 2/D for D "
-                    "outputs); return the mean NLL from the closure, or ignore this if the loss is another on "
-                    "purpose (mixup, distillation)", UserWarning,
-                    stacklevel=caller_stacklevel())
+            warn_if_gradient_is_not_the_nll(
+                self, targets, seen, f"SecondOrderOptimizer (curvature={kind.value!r}, given targets)",
+                "The curvature is the mean likelihood's and the step preconditions the closure's gradient, so a loss "
+                "c× the mean NLL makes the step c× the natural-gradient step (reduction='sum': N×; F.mse_loss: 2/D "
+                "for D outputs); return the mean NLL from the closure, or ignore this if the loss is another on "
+                "purpose (mixup, distillation)")
             return
         if kind is Kind.HESSIAN or kind is Kind.EMPIRICAL_FISHER:
             warn_if_loss_is_not_the_nll(
@@ -632,9 +627,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                               f"optimizer's [min_damping, 1e4] = [{self.lm.min_damping!r}, {self.lm.max_damping!r}]; it "
                               f"continues from {bounded!r} (build it with the checkpoint's min_damping to keep it)",
                               UserWarning, stacklevel=caller_stacklevel())
-            self.lm.damping = bounded
-            if bounded != damping:
                 self.damping = bounded
+            self.lm.damping = bounded
             self.lm.last_rho = float(saved.get("last_rho", self.lm.last_rho))
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])

@@ -22,11 +22,10 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from curvature.options import LossType
 from curvature.stacklevel import caller_stacklevel
 
 from .lm_forward import warn_if_loss_is_not_the_nll
-from .loss_scale import GRADIENT_FACTOR_RTOL, gradient_factor
+from .loss_scale import warn_if_gradient_is_not_the_nll
 
 __all__ = ["warn_about_batch", "VI_LOSS_SCALE_WARN_RTOL"]
 
@@ -57,17 +56,8 @@ def warn_about_batch(opt: Any, targets: Optional[Tensor], loss: Any, output: Any
         "kinds the covariance stays the mean NLL's); return the mean NLL from the closure (the prior is "
         "VIOptimizer's own: add no L2 term), or ignore this if the other likelihood is meant (label "
         "smoothing, class weights)")
-    factor = gradient_factor(opt, targets, seen)
-    if factor is None:
+    if not warn_if_gradient_is_not_the_nll(opt, targets, seen, "VIOptimizer", consequence):
         warn_if_loss_is_not_the_nll(opt, targets, loss, output, "VIOptimizer", consequence, VI_LOSS_SCALE_WARN_RTOL)
-    elif abs(factor - 1.0) > GRADIENT_FACTOR_RTOL:
-        what = "½·Σ over the outputs, mean over the examples" if opt.engine.loss is LossType.MSE \
-            else "F.cross_entropy with reduction='mean'"
-        warnings.warn(f"VIOptimizer: the gradient of the closure's loss with respect to the output is {factor:.4g}× "
-                      f"that of the mean negative log-likelihood of the output and the targets (loss="
-                      f"{opt.engine.loss.value!r}: {what}). {consequence}", UserWarning,
-                      stacklevel=caller_stacklevel())
-
 
 
 def _batch_size(opt: Any, targets: Optional[Tensor], output: Any) -> Optional[int]:
