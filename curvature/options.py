@@ -6,6 +6,7 @@ the rest of the engine never compares magic strings.
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 from enum import Enum
 from typing import List, Type, TypeVar
@@ -110,6 +111,15 @@ def check_mc_samples(mc_samples: object, kind: str, what: str = "kind", hint: st
         raise ValueError(f"mc_samples={mc_samples!r} has no effect with {what}={kind!r}: it is the number of labels "
                          f"sampled per example for the Monte-Carlo Fisher ({what}='fisher_mc'){hint}")
     return mc_samples
+
+
+def float_or_inf(value: "numbers.Real") -> float:
+    """``float(value)``, and ``±inf`` for an int beyond the largest float (``10**400``: Python's
+    ``OverflowError`` otherwise), so that a range check names the value."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def a_or_an(word: str) -> str:

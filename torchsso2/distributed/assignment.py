@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Type, TypeVar, Union
 
-from curvature.options import a_or_an, did_you_mean
+from curvature.options import a_or_an, did_you_mean, float_or_inf
 
 
 E = TypeVar("E", bound=Enum)
@@ -127,10 +127,7 @@ def grad_worker_count(world_size: int, grad_worker_fraction: float | Distributed
                         f"('comm_opt', 'mem_opt', 'hybrid_opt'), got {type(grad_worker_fraction).__name__} "
                         f"{grad_worker_fraction!r}")
     else:
-        try:
-            fraction = float(grad_worker_fraction)
-        except OverflowError:  # an int beyond the largest float: out of range
-            fraction = math.inf
+        fraction = float_or_inf(grad_worker_fraction)
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in (0, 1], got {grad_worker_fraction!r}")
     raw = world_size * fraction

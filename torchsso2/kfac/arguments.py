@@ -7,12 +7,13 @@
 """
 from __future__ import annotations
 
-import math
 import numbers
 from enum import Enum
 from typing import Optional, Tuple, Union
 
 import torch
+
+from curvature.options import float_or_inf
 
 from .enums import DistributedStrategy, parse_choice
 
@@ -39,10 +40,7 @@ def resolve_grad_worker_fraction(value: Union[DistributedStrategy, Enum, float],
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"grad_worker_fraction must be a DistributedStrategy or a float in [0, 1], "
                         f"got {type(value).__name__} {value!r}")
-    try:
-        fraction = float(value)
-    except OverflowError:  # an int beyond the largest float: out of range
-        fraction = math.inf
+    fraction = float_or_inf(value)
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in [0, 1] (0 means 1/world_size), got {value!r}")
     if fraction == 0.0:

@@ -18,6 +18,8 @@ from typing import Callable, Union
 
 import torch
 
+from curvature.options import float_or_inf
+
 __all__ = ["Schedule", "as_number", "check_schedule", "check_value", "evaluate", "exp_decay_factor_averaging"]
 
 Schedule = Union[Callable[[int], float], float, int]
@@ -52,10 +54,7 @@ def _check_number(name: str, value: object, from_callable: bool = False) -> None
     pred, expected, integer = CALLABLE_RULES.get(name, RULES[name]) if from_callable else RULES[name]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {expected} or a callable of the step, got {type(value).__name__} {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond the largest float (10**400)
-        number = math.inf
+    number = float_or_inf(value)
     if integer and not isinstance(value, numbers.Integral) and not number.is_integer():
         raise TypeError(f"{name} must be {expected} or a callable of the step, got {value!r}")
     whole = integer and isinstance(value, numbers.Integral)  # an int step count of any size is an int

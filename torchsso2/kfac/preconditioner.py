@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from curvature.capture import on_gradient
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.linalg import Backend, get_backend
+from curvature.options import float_or_inf
 from curvature.stacklevel import caller_stacklevel
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
@@ -162,11 +163,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         )
         if isinstance(allreduce_bucket_cap_mb, bool) or not isinstance(allreduce_bucket_cap_mb, numbers.Real):
             raise TypeError(f"allreduce_bucket_cap_mb must be a float >= 0, got {allreduce_bucket_cap_mb!r}")
-        try:
-            finite = math.isfinite(float(allreduce_bucket_cap_mb))
-        except OverflowError:  # an int beyond the largest float
-            finite = False
-        if not (finite and allreduce_bucket_cap_mb >= 0):
+        if not (math.isfinite(float_or_inf(allreduce_bucket_cap_mb)) and allreduce_bucket_cap_mb >= 0):
             raise ValueError(f"allreduce_bucket_cap_mb must be a finite float >= 0 (0: no bucketing), got "
                              f"{allreduce_bucket_cap_mb!r}")
         self.assignment_strategy = parse_choice(assignment_strategy, AssignmentStrategy, "assignment_strategy")

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from curvature.options import did_you_mean
+from curvature.options import did_you_mean, float_or_inf
 
 __all__ = ["ObservationNoise", "NOISE_EMA_DECAY", "MIN_NOISE_VARIANCE"]
 
@@ -54,10 +54,7 @@ class ObservationNoise:
         else:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"noise_variance must be a float > 0 or 'learned', got {type(value).__name__} {value!r}")
-            try:
-                as_float = float(value)
-            except OverflowError:  # an int beyond the largest float
-                as_float = math.inf
+            as_float = float_or_inf(value)
             if not math.isfinite(as_float) or as_float <= 0:
                 raise ValueError(f"noise_variance must be a finite float > 0 or 'learned', got {value!r}")
             self.learned = False

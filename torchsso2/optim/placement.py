@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import math
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -38,6 +37,7 @@ from torch import Tensor
 
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.linalg import LinalgError
+from curvature.options import float_or_inf
 from curvature.running import decompose_all_or_nothing
 
 from ..distributed import AssignmentStrategy, DistributedStrategy, Group, WorkAssignment, parse_enum
@@ -64,10 +64,7 @@ def parse_grad_worker_fraction(value: Union[float, str, DistributedStrategy]) ->
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"grad_worker_fraction={value!r}; expected a float in (0, 1], a DistributedStrategy "
                         "or one of 'comm_opt', 'mem_opt', 'hybrid_opt'")
-    try:
-        fraction = float(value)
-    except OverflowError:  # an int beyond the largest float
-        fraction = math.inf
+    fraction = float_or_inf(value)
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in (0, 1], got {value!r}")
     return fraction
