@@ -24,6 +24,26 @@ class TiedUse:
     owner_param: str
 
 
+def parameter_gone(name: str, module: nn.Module, param: str) -> ValueError:
+    """The error for a covered parameter ``param`` that module ``name`` no longer holds as a parameter:
+    a reparametrization applied after the optimizer was built (``torch.nn.utils.parametrize``'s
+    ``weight_norm`` / ``spectral_norm`` / ``orthogonal`` move the weight to
+    ``parametrizations.weight.original``; ``torch.nn.utils.prune`` to ``weight_orig``), or the
+    attribute deleted. The curvature would precondition a computed tensor that no optimizer updates."""
+    moved = sorted(n for n in module._parameters if n.startswith(param))
+    where = f" (its parameters are now {moved})" if moved else ""
+    if nn.utils.parametrize.is_parametrized(module, param):
+        where = f" (torch.nn.utils.parametrize moved it to 'parametrizations.{param}.original')"
+    qualified = f"module {name!r}" if name else "the model itself"
+    return ValueError(
+        f"{qualified} ({type(module).__name__}) no longer holds its parameter {param!r} as a parameter{where}: a "
+        "reparametrization (torch.nn.utils.parametrizations.weight_norm / spectral_norm / orthogonal, "
+        "torch.nn.utils.prune, the old weight_norm / spectral_norm) or a deletion after the optimizer was built. "
+        "The covered modules and their parameters are fixed when it is built, and its curvature formulas do not "
+        "describe a computed weight: build the optimizer after reparametrizing, with the module in skip_modules "
+        "(skip_layers for KFACPreconditioner), or remove the reparametrization (e.g. torch.nn.utils.prune.remove)")
+
+
 @dataclass
 class Layout:
     """The covered parameters of one module, in ``named_parameters`` order.
@@ -57,7 +77,10 @@ class Layout:
         # looked up each time, so a swapped Parameter is seen; from the module's parameter dict
         # (covered names are direct parameters): nn.Module.__getattr__ costs ~0.5 µs a name
         own = self.module._parameters
-        return [own[n] if n in own else getattr(self.module, n) for n in self.param_names]
+        try:
+            return [own[n] for n in self.param_names]
+        except KeyError as err:
+            raise parameter_gone(self.name, self.module, err.args[0]) from None
 
     @property
     def numel(self) -> int:

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from curvature.blocks.layout import parameter_gone
 from curvature.linalg import Backend, LinalgError
 from curvature.modules.base import LayerFamily
 
@@ -93,8 +94,11 @@ class KFACLayer:
     # ---- parameters -------------------------------------------------------------------
     @property
     def params(self) -> List[nn.Parameter]:
-        own = dict(self.module.named_parameters(recurse=False))
-        return [own[n] for n in self.param_names]
+        own = self.module._parameters
+        try:
+            return [own[n] for n in self.param_names]
+        except KeyError as err:
+            raise parameter_gone(self.name, self.module, err.args[0]) from None
 
     def has_grad(self) -> bool:
         return all(p.grad is not None for p in self.params)

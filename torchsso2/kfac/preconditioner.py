@@ -48,7 +48,7 @@ from .kl_clip import kl_clip_scale
 from .layer import KFACLayer, grad_scale_of
 from .nonfinite import (SkipPolicy, decompositions_before, nonfinite_entries, nonfinite_results,
                         restore_decompositions)
-from .register import find_layers
+from .register import attention_out_projections, find_layers
 from .state import EXTENSION, HYPERPARAMS, decompositions_state, layers_state, validate_state
 
 logger = logging.getLogger(__name__)
@@ -207,6 +207,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                               self.inv_dtype, self.backend)
             self.layers[name] = layer
             logger.log(self.loglevel, "Registered name=%r: %r", name, layer)
+        out_projs = attention_out_projections(model)  # warned about at registration: not again at step()
+        self._unrecorded_warned = {n for n, layer in self.layers.items() if id(layer.module) in out_projs}
         holders: Dict[int, str] = {}
         for name, layer in self.layers.items():
             for p in layer.params:
@@ -377,6 +379,23 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           "then scaler.step(optimizer) and scaler.update() (every optimizer holding a registered "
                           "layer: only whether any was unscaled is seen)", UserWarning, stacklevel=caller_stacklevel())
 
+    def _warn_unrecorded(self, layers: List[KFACLayer]) -> None:
+        """Once per layer: a registered layer with a gradient but no forward recorded in a factor step in which
+        other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x, layer.weight)``, or
+        the layer run in eval mode): its gradient stays unpreconditioned, silently under kfac_pytorch."""
+        if not any(self._mini_steps.values()):
+            return
+        warned = self._unrecorded_warned
+        names = [layer.name for layer in layers if layer.name not in warned
+                 and not self._mini_steps.get(layer.name) and layer.has_grad()]
+        if names:
+            warned.update(names)
+            warnings.warn(f"KFACPreconditioner: registered layer(s) {names} have gradients but no forward of them was "
+                          "recorded (their weight is used without calling the module, e.g. F.linear(x, layer.weight), "
+                          "or they ran in eval mode or under no_grad): they have no factors and their gradients stay "
+                          "unpreconditioned; call the module itself in training mode, or add them to skip_layers",
+                          UserWarning, stacklevel=caller_stacklevel())
+
     @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients of the registered layers in place (then call ``optimizer.step()``).
@@ -416,6 +435,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                "was traced before the preconditioner's hooks existed: "
                                + compile_advice("the preconditioner"))
         self._warn_scaled_gradients()
+        if factor_step:
+            self._warn_unrecorded(layers)
         if decay is not None:
             # every batch of the step, or (factors updated in the hooks) those no hook folded
             # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Set, Tuple
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -95,8 +95,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
                           f"wrong if its forward computes something else: add {name!r} to skip_layers then",
                           UserWarning, stacklevel=3)
         found.append((name, module, family))
-    # nn.MultiheadAttention computes with out_proj's weight without calling out_proj: no forward of it is seen
-    uncalled = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    uncalled = attention_out_projections(model)
     names = [name for name, module, _ in found if id(module) in uncalled]
     if names:
         warnings.warn(f"layers {names} are nn.MultiheadAttention out_proj layers, whose weight the attention uses "
@@ -104,3 +103,9 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
                       "(kfac_pytorch fails on them); add 'out_proj' to skip_layers to leave them out",
                       UserWarning, stacklevel=3)
     return found
+
+
+def attention_out_projections(model: nn.Module) -> Set[int]:
+    """``id`` of every ``nn.MultiheadAttention``'s ``out_proj`` in ``model``: the attention computes with
+    its weight without calling it, so no forward of it is ever seen."""
+    return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
