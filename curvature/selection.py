@@ -130,8 +130,8 @@ def _refuse_unsupported(model: nn.Module, name: str, module: nn.Module, fam: Opt
         raise ValueError(
             f"module {name!r} ({type(module).__name__}) holds parameters {extra} that are not its layer's own "
             "weight/bias: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, hook-based "
-            "API) computes the weight from them, which the curvature formulas do not cover; skip it with "
-            f"{skip_hint(name)} or remove the reparametrization")
+            "API, or torch.nn.utils.prune) computes the weight from them, which the curvature formulas do not "
+            f"cover; skip it with {skip_hint(name)} or remove the reparametrization")
     if fam is None and any(True for _ in module.children()):
         # a container holding parameters itself (a ViT's cls_token, a learned temperature): skipping
         # it would skip its layers too

@@ -86,7 +86,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
         if "weight" not in own:  # kfac_pytorch fails at the first step (a TypeError)
             raise ValueError(f"module {name!r} ({type(module).__name__}) holds parameters {sorted(own)} and no weight "
                              "parameter: a reparametrization (torch.nn.utils.weight_norm / spectral_norm of the old, "
-                             "hook-based API) computes the weight from them, which K-FAC's factors do not cover; add "
+                             "hook-based API, or torch.nn.utils.prune) computes the weight from them, which K-FAC's factors do not cover; add "
                              f"{name!r} to skip_layers, or remove the reparametrization")
         replaced = forward_replaced(module, family)
         if replaced is not None:  # kfac_pytorch registers it silently
