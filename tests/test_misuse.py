@@ -389,6 +389,26 @@ def test_the_softmax_warning_says_what_uses_the_likelihood() -> None:
         sso.step(_closure(sso, model, bce))
 
 
+def test_an_optimizer_on_a_backbone_under_a_head_is_told_to_take_the_whole_model() -> None:
+    """Built on a submodule whose output the head turns into the logits, the Fisher kinds would take the
+    backbone's features as logits: the softmax warning names params=backbone.parameters() (and, for a loss
+    that is no likelihood, the empirical Fisher) before loss='mse' could silence it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(6, 12), nn.Tanh()), nn.Linear(12, 3))
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(net[0], lr=0.05, curvature="fisher")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+    with pytest.warns(UserWarning, match="not a function of softmax") as rec:
+        opt.step(closure)
+    text = str(rec[0].message)
+    assert "params=backbone.parameters()" in text and "curvature='empirical_fisher'" in text, text
+
+
 def test_a_head_the_selected_output_does_not_reach_is_named() -> None:
     """A two-head model whose closure adds both heads' losses, with output_selector picking one: the
     Fisher of the picked output has a zero output factor for the other head, whose step would be

@@ -21,8 +21,10 @@ ACCUMULATION_NEEDS_TARGETS = (
     "curvature='empirical_fisher' without targets reads the per-example gradients from the closure's own "
     "backward, which supports one forward per closure; for gradient accumulation (several forwards in one "
     "closure) call step(closure, targets=y) with y the targets of all micro-batches, concatenated in the "
-    "order the closure runs them. A forward whose output the loss does not use (pseudo-labels, a metric) "
-    "belongs under torch.no_grad()")
+    "order the closure runs them. A forward whose output the loss does not use (pseudo-labels, a metric, a "
+    "detached target network's output) belongs under torch.no_grad(). If the loss combines several forwards "
+    "(siamese, triplet, two views), targets do not apply: run one forward on the concatenated inputs, or use "
+    "a Fisher kind or VIOptimizer's default diagonal")
 
 
 class MicroBatchTargets:

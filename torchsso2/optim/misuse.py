@@ -220,7 +220,12 @@ class ClosureWatch:
                 f"of its gradient with respect to the output do not sum to zero (relative row sum "
                 f"{row / total:.2g} > {SHIFT_TOLERANCE:g}), e.g. an MSE loss on the logits. {self.categorical} "
                 "If the loss is another likelihood on the outputs, pass loss='mse' "
-                "for a Gaussian one or compute F.cross_entropy in the closure. If it is the cross-entropy plus an "
+                "for a Gaussian one or compute F.cross_entropy in the closure. If the optimizer was built on a "
+                "submodule (a backbone) whose output the rest of the model turns into the logits, build it on the "
+                "whole model with params=backbone.parameters(). If the loss is no likelihood of the output (a GAN "
+                "generator's, a contrastive or self-supervised loss), neither loss= describes it: use "
+                "curvature='empirical_fisher' (the loss as written, from your backward) or VIOptimizer's default "
+                "diagonal. If it is the cross-entropy plus an "
                 "auxiliary term on the logits (a logit penalty, z-loss), the step is right: the curvature is the "
                 "cross-entropy's and the gradient the whole loss's; silence this warning with "
                 "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but\")", UserWarning,
@@ -233,7 +238,9 @@ SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with
                "w·(p − y)/Σw is at most 1): is the loss scaled? A "
                "GradScaler must be given to the optimizer (grad_scaler=scaler, so that it unscales the gradients), and "
                "the loss is the mean over the batch (reduction='mean'); else the step is that many times too long and "
-               "a curvature taken from your backward (empirical_fisher without targets) its square. Silence it with "
+               "a curvature taken from your backward (empirical_fisher without targets) its square. A per-example "
+               "weighting (policy-gradient advantages, importance weights) scales it too: normalise the weights, "
+               "or silence it with "
                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but the gradient\")")
 
 
