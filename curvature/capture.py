@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
-from .hook_marks import capture_hook, in_func_transform, is_marked
+from .hook_marks import LocalHook, capture_hook, in_func_transform, is_marked
 from .modules.attention import attention_hook
 from .stacklevel import caller_stacklevel
 from .uses import UseWindows
@@ -139,16 +139,17 @@ class Capture:
         # (o -> 2·o); the gradient reaching the recorded output then carries the user's hook too
         for name, module in self.modules.items():
             if isinstance(module, nn.MultiheadAttention):  # recomputed to expose its projections
-                self._handles.append(module.register_forward_hook(attention_hook(self, name), with_kwargs=True,
+                self._handles.append(module.register_forward_hook(LocalHook(attention_hook(self, name)), with_kwargs=True,
                                                                   prepend=True))
                 continue
-            self._handles.append(module.register_forward_hook(self._make_hook(name), with_kwargs=True, prepend=True))
+            self._handles.append(module.register_forward_hook(LocalHook(self._make_hook(name)), with_kwargs=True,
+                                                              prepend=True))
         if self.freeze_batch_stats and self.root is not None:
             # prepended after the recording hooks, so they run before them: a covered BatchNorm records the
             # routed output
             norms = self.batch_norms if self.batch_norms is not None else batch_norm_modules(self.root)
             for module in norms:
-                self._handles.append(module.register_forward_hook(self._route_hook, prepend=True))
+                self._handles.append(module.register_forward_hook(LocalHook(self._route_hook), prepend=True))
         if self.root is not None and (self.on_output is not None or self._uses is not None):
             # a call of the root inside another (a wrapper's redirect, curvature/root_calls.py): the outer
             # call's output is not the model's

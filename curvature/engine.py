@@ -229,6 +229,8 @@ class CurvatureEngine:
         if self.kind in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) and targets is None:
             raise ValueError(f"kind={self.kind.value!r} needs the targets")
         missing = [n for n in self._modules if n not in capture.records]
+        if missing:
+            self._refuse_replaced(missing)
         if missing and self.allow_uncalled and not capture.called_without_grad.intersection(missing) \
                 and self._unused(missing, outputs):
             with self.restricted_to(capture.records):  # the blocks of the modules this forward called
@@ -372,6 +374,26 @@ class CurvatureEngine:
                 yield grads, positions[done:done + k]  # the positions let blocks skip the sum over T
                 done += k
 
+    def _refuse_replaced(self, missing: List[str]) -> None:
+        """ValueError for covered modules the forward did not call because they are no longer the model's:
+        replaced (``model.head = nn.Linear(...)``, a transfer-learning head swap) or removed after the
+        optimizer was built. The optimizer would keep the old module's curvature and parameters, and the new
+        module's parameters are in no param group: it would never be trained."""
+        gone = []
+        for name in missing:
+            try:
+                now = self.model.get_submodule(name) if name else self.model
+            except AttributeError:
+                now = None
+            if now is not self._modules[name]:
+                gone.append(name)
+        if gone:
+            raise ValueError(
+                f"covered modules {gone} are no longer the model's own (replaced or removed after the optimizer "
+                "was built, e.g. model.head = nn.Linear(...)): the optimizer's curvature and param groups hold the "
+                "old modules, and a new one's parameters would never be updated. Build a new optimizer after "
+                "changing the model")
+
     def _refuse_uncalled(self, capture: Capture, missing: List[str]) -> None:
         """ValueError for covered modules the forward did not call with gradients enabled."""
         if not capture.records and contains_compiled(self.model):
@@ -396,6 +418,7 @@ class CurvatureEngine:
             raise ValueError(compiled_before_hooks(f"covered modules {list(self._modules)} were not recorded"))
         missing = [n for n in self._modules if n not in capture.records]
         if missing:
+            self._refuse_replaced(missing)
             # a head this batch did not call keeps its running curvature (one process, as estimate()); one
             # called under no_grad, tied to a called module, or whose parameters the output depends on
             # without its call (a parent computing with them) cannot be estimated

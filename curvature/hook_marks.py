@@ -1,16 +1,25 @@
-"""The mark on the hook functions a curvature capture registers on modules.
+"""The marks on the hooks this library registers on modules, and the wrapper that keeps them off copies.
 
-:meth:`curvature.capture.Capture.foreign_hooks` tells a user's hooks from the captures' own by it
-(several captures may be active at once: the optimizer's and the low-rank solver's recorder).
+:meth:`curvature.capture.Capture.foreign_hooks` tells a user's hooks from the captures' own by the
+capture mark (several captures may be active at once: the optimizer's and the low-rank solver's
+recorder); a lasting hook (a ``KFACPreconditioner``'s) carries a weak reference to its owner, so a
+new optimizer sees one still attached (:func:`warn_if_attached`). :class:`LocalHook` gives a copy or
+a pickle of a module a hook that does nothing in place of ours.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Tuple, TypeVar
 
 import torch
+from torch import nn
+
+from .stacklevel import caller_stacklevel
 
 #: the attribute set on a capture's hook functions
 CAPTURE_HOOK = "_curvature_capture_hook"
+#: the attribute holding a weak reference to the owner of a lasting hook (a KFACPreconditioner's)
+OWNER_MARK = "_curvature_hook_owner"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,3 +41,73 @@ def in_func_transform() -> bool:
 def is_marked(fn: Any) -> bool:
     """Whether ``fn`` was marked by :func:`capture_hook`."""
     return bool(getattr(fn, CAPTURE_HOOK, False))
+
+
+def _inert_hook(*_args: Any, **_kwargs: Any) -> None:
+    """What a copied :class:`LocalHook` becomes: does nothing (a forward hook or pre-hook returning None)."""
+    return None
+
+
+setattr(_inert_hook, CAPTURE_HOOK, True)
+_inert_hook.observes_only = True  # type: ignore[attr-defined]  # (curvature.uses_static.observer_hook's mark)
+
+
+def _inert() -> Callable[..., None]:
+    return _inert_hook
+
+
+class LocalHook:
+    """A module hook that belongs to the module it was registered on: ``copy.deepcopy`` and pickling of
+    the module (a "best model" snapshot taken inside the closure, ``torch.save(model)``) give the copy a
+    hook that does nothing in its place.
+
+    torch copies a module's hook dictionaries with it, and a handle removes its hook from the original
+    only: a copied capture hook would go on recording the copy's forwards into the capture it belongs to
+    (and hold it, and its activations), and a hook that is a local function cannot be pickled. Attributes
+    (the marks :func:`capture_hook` and ``observer_hook`` set, a bound method's ``__self__``) are read
+    from the wrapped function."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fn":  # not set yet (during construction by copy or pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Callable[..., None]:
+        return _inert_hook
+
+    def __reduce__(self) -> Tuple[Callable[[], Callable[..., None]], Tuple[()]]:
+        return _inert, ()
+
+
+def _nobody() -> None:
+    return None
+
+
+def attached_owners(module: nn.Module) -> List[Any]:
+    """The live owners whose hooks (marked with :data:`OWNER_MARK`, e.g. by
+    ``torchsso2.kfac.hooks.attach_forward_hooks``) are on ``module``."""
+    owners = [getattr(h, OWNER_MARK, _nobody)() for h in module._forward_hooks.values()]
+    return [o for o in owners if o is not None]
+
+
+def warn_if_attached(layers: Iterable[Any], building: str) -> None:
+    """UserWarning when a live preconditioner's hooks are on the ``module`` of any of ``layers`` (objects
+    with ``name`` and ``module``), naming them: ``building`` (a class name) would share those layers with it."""
+    held = {id(o): o for layer in layers for o in attached_owners(layer.module)}
+    if not held:
+        return
+    names = [layer.name for layer in layers if attached_owners(layer.module)]
+    warnings.warn(f"{building}: {len(held)} KFACPreconditioner(s) still attached to layers {names[:5]}"
+                  f"{' ...' if len(names) > 5 else ''} of this model record every forward and backward of them (the "
+                  "backward passes this optimizer runs too) into their factors, and stepping several "
+                  "preconditioners preconditions the gradients more than once: call remove_hooks() on the one "
+                  "you no longer use (or drop every reference to it) before building this one",
+                  UserWarning, stacklevel=caller_stacklevel())

@@ -21,6 +21,7 @@ from typing import Any, Callable, List
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .hook_marks import LocalHook
 from .uses_static import observer_hook
 
 
@@ -53,5 +54,5 @@ class NestedCalls:
         def model_calls_only(mod: nn.Module, inputs: Any, output: Any) -> None:
             if self.leave():
                 hook(mod, inputs, output)
-        return [module.register_forward_pre_hook(observer_hook(lambda mod, _args: self.enter(mod))),
-                module.register_forward_hook(model_calls_only)]
+        return [module.register_forward_pre_hook(LocalHook(observer_hook(lambda mod, _args: self.enter(mod)))),
+                module.register_forward_hook(LocalHook(model_calls_only))]

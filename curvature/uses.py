@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .hook_marks import capture_hook, in_func_transform
+from .hook_marks import LocalHook, capture_hook, in_func_transform
 
 __all__ = ["UseWindows", "reaches"]
 
@@ -100,8 +100,8 @@ class UseWindows:
         for name, module in self.modules.items():
             if not any(name in holders for _, holders in self.params.values()):
                 continue
-            handles.append(module.register_forward_pre_hook(self._opener(name)))
-            handles.append(module.register_forward_hook(self._closer(name), prepend=True))
+            handles.append(module.register_forward_pre_hook(LocalHook(self._opener(name))))
+            handles.append(module.register_forward_hook(LocalHook(self._closer(name)), prepend=True))
         return handles
 
     def _opener(self, name: str):  # type: ignore[no-untyped-def]

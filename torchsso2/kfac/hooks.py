@@ -4,10 +4,10 @@ The forward hook registered on each layer holds only a weak reference to the pre
 and a :func:`weakref.finalize` removes the hooks when the preconditioner is garbage-collected:
 dropping a ``KFACPreconditioner`` without :meth:`~KFACPreconditioner.remove_hooks` leaves the
 model as it was before it (no hook, no cost in forward/backward). The tensor hook a forward
-registers on a layer output for the backward pass holds a weak reference too. A deep copy of the
-model taken while the hooks are attached carries them: they ignore every module but the registered
-ones, so the copy's forwards leave the preconditioner alone, and they stay on the copy (doing
-nothing) after the preconditioner is gone.
+registers on a layer output for the backward pass holds a weak reference too. A deep copy (or a
+pickle) of the model taken while the hooks are attached carries a hook that does nothing in their
+place (:class:`curvature.hook_marks.LocalHook`): the copy's forwards leave the preconditioner alone,
+and the copy can be saved whole.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from curvature.hook_marks import OWNER_MARK, LocalHook
 
 __all__ = ["attach_forward_hooks", "weak_grad_hook"]
 
@@ -43,9 +45,10 @@ def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) 
             return getattr(target, method)(module, inputs if inputs else tuple(kwargs.values()), output)
         return None
 
+    setattr(hook, OWNER_MARK, ref)  # (curvature.hook_marks.attached_owners)
     # first among the module's forward hooks: G is the gradient of the layer's own output, not of what a
     # user's hook registered earlier (in the model's __init__) makes of it (kfac_pytorch's hook runs last)
-    handles = [m.register_forward_hook(hook, with_kwargs=True, prepend=True) for m in modules]
+    handles = [m.register_forward_hook(LocalHook(hook), with_kwargs=True, prepend=True) for m in modules]
     weakref.finalize(owner, _remove, handles)
     return handles
 

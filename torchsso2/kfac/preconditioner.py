@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from curvature.capture import on_gradient
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
+from curvature.hook_marks import warn_if_attached
 from curvature.linalg import Backend, get_backend
 from curvature.options import float_or_inf
 from curvature.stacklevel import caller_stacklevel
@@ -238,6 +239,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._model = model
+        warn_if_attached(self.layers.values(), "KFACPreconditioner")
         self._attach_hooks()
         self._model_is_compiled = contains_compiled(model)
         #: micro-batches recorded in this step (for the fold in the hooks): forwards of the whole model, where

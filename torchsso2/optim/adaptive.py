@@ -51,7 +51,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
-from curvature.hook_marks import in_func_transform
+from curvature.hook_marks import LocalHook, in_func_transform
 from curvature.likelihoods import class_softmax, loss_rows, mean_nll
 from curvature.options import Kind, LossType
 from curvature.root_calls import NestedCalls
@@ -126,8 +126,8 @@ class InputRecorder:
             if self.activations is not None:
                 self.activations.records.append(started)
 
-        handles = [model.register_forward_pre_hook(observer_hook(hook), with_kwargs=True),
-                   model.register_forward_hook(observer_hook(out_hook))]
+        handles = [model.register_forward_pre_hook(LocalHook(observer_hook(hook)), with_kwargs=True),
+                   model.register_forward_hook(LocalHook(observer_hook(out_hook)))]
         try:
             yield self
         finally:

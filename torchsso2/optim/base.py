@@ -28,6 +28,7 @@ from curvature.blocks.base import all_finite, owned_all_finite
 from curvature.linalg import LinalgError
 from curvature.linalg.checks import refuse_sparse
 from curvature import likelihoods
+from curvature.hook_marks import warn_if_attached
 from curvature.options import Kind, LossType
 from curvature.root_calls import NestedCalls
 from curvature.uses_static import observer_hook
@@ -47,7 +48,7 @@ from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
 from .copying import copy_fields
 from .ddp_sync import DDPSync, fingerprint
-from .late_groups import warn_uncovered_layers, warn_unfrozen
+from .late_groups import warn_params_gone, warn_uncovered_layers, warn_unfrozen
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
 from .settings import CurvatureSettings
@@ -130,6 +131,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
                                       output_selector=settings.output_selector, kfac_approx=settings.kfac_approx,
                                       include=include, any_module=settings.any_module)
+        if self.engine.kind is not Kind.EMPIRICAL_FISHER and not self.__dict__.get("reparam", False):
+            # (the curvature's own backward passes would reach a KFACPreconditioner's factors: docs/kfac.md)
+            warn_if_attached(self.engine.layouts.values(), type(self).__name__)
         self.ema_decay = settings.ema_decay
         self.curv_update_interval = settings.curv_update_interval
         self.inv_update_interval = settings.inv_update_interval
@@ -443,6 +447,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         and statistics need no flag: the mean spreads them to every rank.)
         """
         params, groups = params_with_grad(self.param_groups)
+        warn_params_gone(self, params)
         if self.comm.world_size <= 1:
             return True, params, groups
         bad = (blocks is not None and not blocks) or \

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from curvature.hook_marks import LocalHook
 from curvature.uses_static import observer_hook
 
 from .validation import unpack_closure_result
@@ -48,7 +49,7 @@ class OutputTap:
         self._handle: Optional[RemovableHandle] = None
 
     def __enter__(self) -> "OutputTap":
-        self._handle = self.model.register_forward_hook(observer_hook(lambda m, i, o: self._record(m, i, o)))
+        self._handle = self.model.register_forward_hook(LocalHook(observer_hook(lambda m, i, o: self._record(m, i, o))))
         return self
 
     def __exit__(self, *exc: Any) -> None:

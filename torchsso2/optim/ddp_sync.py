@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from curvature.hook_marks import LocalHook
+
 __all__ = ["DDPSync", "fingerprint"]
 
 
@@ -75,7 +77,7 @@ class DDPSync:
     def watch(self) -> RemovableHandle:
         """Register the pre-hook for one closure call (the caller removes it, then calls :meth:`end_call`)."""
         self._call = None
-        return self.model.register_forward_pre_hook(self._pre)
+        return self.model.register_forward_pre_hook(LocalHook(self._pre))
 
     def end_call(self, completed: bool = True) -> None:
         """One closure call ended (``completed``: it returned; a call that raised leaves no verdict)."""

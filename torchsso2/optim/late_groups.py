@@ -10,7 +10,8 @@ once unfrozen. That is allowed, but silent it looks like curvature that is not t
 UserWarning naming the modules and the way to give them curvature. A parameter frozen when an
 optimizer was built on the model's trainable parameters (no ``params``) is not in its groups: once
 unfrozen it gets gradients the optimizer never applies, which is a UserWarning too (naming
-``add_param_group``).
+``add_param_group``). So are parameters of the groups that have left the model (a layer replaced after
+the optimizer was built: the new one is in no group).
 """
 from __future__ import annotations
 
@@ -101,3 +102,26 @@ def warn_unfrozen(opt: Any, params: List[Any], in_groups: bool) -> None:
     warnings.warn(
         f"parameters {names} were frozen (requires_grad=False) when this {what} was built and are trainable now: "
         f"{what_happens}.{how} {keep}", UserWarning, stacklevel=caller_stacklevel())
+
+
+def warn_params_gone(opt: Any, with_grad: List[Any]) -> None:
+    """Once per set of ``opt``'s parameters with a gradient that leaves some out: a UserWarning naming the
+    parameters of the groups that have no gradient and are no longer in the model (a layer replaced or
+    removed after the optimizer was built and the new one's parameters in no group: never trained,
+    silently, as under torch.optim). Costs a count per step; the model is searched only when it changes."""
+    if len(with_grad) == sum(len(g["params"]) for g in opt.param_groups):
+        return
+    key = tuple(map(id, with_grad))
+    if opt.__dict__.get("_gone_checked") == key:
+        return
+    opt._gone_checked = key
+    own = {id(p) for p in opt.model.parameters()}
+    gone = [p for g in opt.param_groups for p in g["params"] if p.grad is None and id(p) not in own]
+    if gone:
+        shapes = [tuple(p.shape) for p in gone[:6]]
+        warnings.warn(f"{type(opt).__name__}: {len(gone)} of its parameters (shapes {shapes}"
+                      f"{' ...' if len(gone) > 6 else ''}) have no gradient and are no longer in the model: a layer "
+                      "replaced or removed after the optimizer was built (model.head = nn.Linear(...)) leaves the "
+                      "new layer's parameters in no param group, and they are never updated. Build a new optimizer "
+                      "after changing the model (or add_param_group for a layer added on purpose)",
+                      UserWarning, stacklevel=caller_stacklevel())

@@ -53,7 +53,9 @@ CLOSURE_CHECKS = 5
 NO_BACKWARD = ("the closure did not call backward() (no parameter's .grad was created or changed), or it "
                "cleared the gradients after it (zero_grad() after loss.backward()), so the parameters would never "
                "move. The closure must call opt.zero_grad(), compute the loss, call "
-               "loss.backward() and return the loss (or (loss, output))")
+               "loss.backward() and return the loss (or (loss, output)), with the model the optimizer was built "
+               "with (opt.model: copy.deepcopy(opt) alone copies the model too; copy both together, "
+               "copy.deepcopy((model, opt)))")
 #: how many curvature-estimating closure calls (among those) check the loss against ``loss=``
 OUTPUT_CHECKS = 3
 #: relative row-sum of the output gradient above which the loss is not a function of softmax(output)

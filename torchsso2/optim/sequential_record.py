@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from curvature.hook_marks import LocalHook
 from curvature.uses_static import observer_hook
 
 #: the autograd node of ``F.max_pool2d`` run with grad, and where it keeps the argmax (``result1``
@@ -111,7 +112,7 @@ class ActivationRecorder:
             rec.outputs.append(output)
             rec.versions.append(output._version)
 
-        return [child.register_forward_hook(observer_hook(hook)) for child in model]
+        return [child.register_forward_hook(LocalHook(observer_hook(hook))) for child in model]
 
     def skip(self) -> None:
         """A forward of the model that is not recorded (under ``torch.no_grad``) begins: its children's

@@ -1,0 +1,165 @@
+"""The optimizers' hooks and a model that is copied, saved or changed while they exist.
+
+* A copy of the model taken inside the closure (a "best model" snapshot) carried the step's hooks for
+  good: torch copies a module's hook dictionaries, and the step removes its hooks from the original
+  only. The copy's forwards then recorded into the finished step's capture (plain SGD on the copy
+  raised "called more than once"), and the copy could not be saved whole. A copy now gets hooks
+  that do nothing (``curvature.hook_marks.LocalHook``); the same holds for KFACPreconditioner's
+  lasting hooks, so ``torch.save(model)`` works while one is attached.
+* A KFACPreconditioner still attached when another preconditioner, or an optimizer whose curvature
+  runs backward passes of its own, is built on the same layers is named in a UserWarning.
+* A covered module replaced after the optimizer was built is a ValueError at the next estimate; the
+  replaced parameters, gradient-less and out of the model, a UserWarning.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from torchsso2.kfac import KFACPreconditioner
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def _roundtrip(module: nn.Module) -> nn.Module:
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _sgd_steps(model: nn.Module, x, y, n: int = 3) -> float:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(n):
+        sgd.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        sgd.step()
+    return float(loss.detach())
+
+
+@pytest.mark.parametrize("face", ["second_order", "vi", "kfac"])
+def test_a_copy_taken_during_a_step_is_an_ordinary_module(face: str) -> None:
+    x, y = _data()
+    model = _model()
+    snapshot = {}
+    if face == "kfac":
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        pre = KFACPreconditioner(model)
+        sgd.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        snapshot["best"] = copy.deepcopy(model)
+        pre.step()
+        sgd.step()
+    else:
+        opt = SecondOrderOptimizer(model, lr=0.05) if face == "second_order" else \
+            VIOptimizer(model, dataset_size=100, lr=0.01)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            snapshot.setdefault("best", copy.deepcopy(model))
+            return loss
+        opt.step(closure)
+    best = snapshot["best"]
+    bare = copy.deepcopy(best)
+    for m in bare.modules():  # the same weights without any hook: what the copy must behave as
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    bare_again = copy.deepcopy(bare)
+    loaded = _roundtrip(best)  # a hook that is a local function could not be pickled
+    assert _sgd_steps(best, x, y) == _sgd_steps(bare, x, y)
+    assert _sgd_steps(loaded, x, y) == _sgd_steps(bare_again, x, y)
+    # a new optimizer of the same face trains the copy as it trains a fresh model with its weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh = SecondOrderOptimizer(best, lr=0.05)
+
+        def closure2():
+            fresh.zero_grad()
+            loss = F.cross_entropy(best(x), y)
+            loss.backward()
+            return loss
+        fresh.step(closure2)
+
+
+def test_saving_a_model_with_a_preconditioner_attached_keeps_the_preconditioner_working() -> None:
+    x, y = _data()
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model)
+    loaded = _roundtrip(model)
+    for _ in range(2):
+        sgd.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        sgd.step()
+    factors = [(layer.a_factor.clone(), layer.g_factor.clone()) for layer in pre.layers.values()]
+    F.cross_entropy(loaded(x), y).backward()  # a factor step: a live hook would record and fold it
+    assert not any(pre._mini_steps.values())
+    for layer, (a, g) in zip(pre.layers.values(), factors):
+        assert torch.equal(layer.a_factor, a) and torch.equal(layer.g_factor, g)
+
+
+def test_a_preconditioner_still_attached_is_named() -> None:
+    model = _model()
+    first = KFACPreconditioner(model)
+    with pytest.warns(UserWarning, match=r"1 KFACPreconditioner\(s\) still attached to layers \['0', '2'\]"):
+        second = KFACPreconditioner(model)
+    with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 2 KFACPreconditioner\(s\) still attached"):
+        SecondOrderOptimizer(model, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reads the user's backward only: the documented combination
+        SecondOrderOptimizer(model, lr=0.1, curvature="empirical_fisher")
+        first.remove_hooks()
+        second.remove_hooks()
+        KFACPreconditioner(model)
+
+
+def test_a_replaced_head_is_an_error_for_an_estimating_step_and_a_warning_for_vi_diag() -> None:
+    x, y = _data()
+    model = _model()
+    opt = SecondOrderOptimizer(model, lr=0.05)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    model[2] = nn.Linear(16, 4)
+    with pytest.raises(ValueError, match=r"covered modules \['2'\] are no longer the model's own"):
+        opt.step(closure)
+
+    model = _model()
+    vi = VIOptimizer(model, dataset_size=100, lr=0.01)
+
+    def vi_closure():
+        vi.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    vi.step(vi_closure)
+    model[2] = nn.Linear(16, 4)
+    with pytest.warns(UserWarning, match=r"2 of its parameters \(shapes \[\(4, 16\), \(4,\)\]\) have no gradient and "
+                                         "are no longer in the model"):
+        vi.step(vi_closure)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per situation
+        vi.step(vi_closure)
