@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import types
 import time
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,16 @@ def test_get_communicator_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         get_communicator("torch")
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # make `import mpi4py` fail
     with pytest.raises(ImportError, match=r"pip install mpi4py mpich"):
+        get_communicator("mpi")
+    # mpi4py 4 installed without an MPI library raises RuntimeError("cannot load MPI library") at import
+    broken = types.ModuleType("mpi4py")
+
+    def no_library(name: str) -> None:
+        raise RuntimeError("cannot load MPI library")
+    broken.__getattr__ = no_library  # type: ignore[attr-defined]  # (PEP 562: `from mpi4py import MPI`)
+    monkeypatch.setitem(sys.modules, "mpi4py", broken)
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    with pytest.raises(ImportError, match=r"pip install mpi4py mpich.*cannot load MPI library"):
         get_communicator("mpi")
 
 

@@ -86,7 +86,8 @@ def import_mpi(timeout: float | None = None) -> Any:
                 from mpi4py import MPI
         else:
             from mpi4py import MPI
-    except ImportError as exc:  # mpi4py absent, or present without an MPI library
+    except (ImportError, RuntimeError) as exc:  # mpi4py absent, or present without an MPI library (mpi4py 4
+        # raises RuntimeError "cannot load MPI library" then)
         raise ImportError(f"the 'mpi' backend needs mpi4py and an MPI library; {INSTALL_HINT} ({exc})") from exc
     return MPI
 
