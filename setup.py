@@ -21,7 +21,8 @@ setup(
         "cupy": ["cupy-cuda12x"],
         "plot": ["matplotlib"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis", "scikit-learn", "tqdm", "matplotlib", "mpich", "mpi4py", "pytorch-lightning"],
+        "test": ["pytest", "hypothesis", "scikit-learn", "tqdm", "matplotlib", "mpich", "mpi4py", "pytorch-lightning",
+                 "mypy"],
         # ASDL is published as `asdfghjkl` (imported as `asdl`); PyPI's `asdl` is an unrelated grammar parser
         "bench": ["scikit-learn", "tqdm", "matplotlib", "backpack-for-pytorch",
                   "curvlinops-for-pytorch", "ivon-opt", "laplace-torch", "asdfghjkl"],

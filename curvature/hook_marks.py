@@ -98,16 +98,20 @@ def attached_owners(module: nn.Module) -> List[Any]:
     return [o for o in owners if o is not None]
 
 
-def warn_if_attached(layers: Iterable[Any], building: str) -> None:
-    """UserWarning when a live preconditioner's hooks are on the ``module`` of any of ``layers`` (objects
-    with ``name`` and ``module``), naming them: ``building`` (a class name) would share those layers with it."""
-    held = {id(o): o for layer in layers for o in attached_owners(layer.module)}
+def warn_if_attached(layers: Iterable[Any], stepping: Any) -> None:
+    """UserWarning when the hooks of a live preconditioner other than ``stepping`` (the optimizer or
+    preconditioner taking its first step) are on the ``module`` of any of ``layers`` (objects with ``name``
+    and ``module``), naming them. Checked at the first step, not at construction: ``pre =
+    KFACPreconditioner(model)`` run twice frees the first one only when the second is bound to ``pre``."""
+    layers = list(layers)
+    others = [[o for o in attached_owners(layer.module) if o is not stepping] for layer in layers]
+    held = {id(o) for found in others for o in found}
     if not held:
         return
-    names = [layer.name for layer in layers if attached_owners(layer.module)]
-    warnings.warn(f"{building}: {len(held)} KFACPreconditioner(s) still attached to layers {names[:5]}"
-                  f"{' ...' if len(names) > 5 else ''} of this model record every forward and backward of them (the "
-                  "backward passes this optimizer runs too) into their factors, and stepping several "
+    names = [layer.name for layer, found in zip(layers, others) if found]
+    warnings.warn(f"{type(stepping).__name__}: {len(held)} other KFACPreconditioner(s) attached to layers "
+                  f"{names[:5]}{' ...' if len(names) > 5 else ''} of this model record every forward and backward "
+                  "of them (the backward passes this one runs too) into their factors, and stepping several "
                   "preconditioners preconditions the gradients more than once: call remove_hooks() on the one "
-                  "you no longer use (or drop every reference to it) before building this one",
+                  "you no longer use, or drop every reference to it",
                   UserWarning, stacklevel=caller_stacklevel())

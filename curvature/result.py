@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor, nn
@@ -112,14 +112,32 @@ class Curvature:
         forming ``L ⊗ R`` (the bias column included where the block covers the bias)."""
         return [d for n in self.layouts for d in self.blocks[n].param_diagonal()]
 
+    @overload
+    def matvec(self, v: Tensor) -> Tensor: ...
+
+    @overload
+    def matvec(self, v: Sequence[Tensor]) -> List[Tensor]: ...
+
     def matvec(self, v: Vector) -> Vector:
         """``C v`` for ``v`` flat ``[P]``, ``[P, k]``, or parameter-shaped tensors (see module doc)."""
         return self._blockwise(v, lambda blk, parts: blk.mvp(parts))
 
+    @overload
+    def __matmul__(self, v: Tensor) -> Tensor: ...
+
+    @overload
+    def __matmul__(self, v: Sequence[Tensor]) -> List[Tensor]: ...
+
     def __matmul__(self, v: Vector) -> Vector:
         return self.matvec(v)
 
-    def solve(self, v: Vector, damping: float) -> Vector:
+    @overload
+    def solve(self, v: Tensor, damping: Union[float, Tensor]) -> Tensor: ...
+
+    @overload
+    def solve(self, v: Sequence[Tensor], damping: Union[float, Tensor]) -> List[Tensor]: ...
+
+    def solve(self, v: Vector, damping: Union[float, Tensor]) -> Vector:
         """``(C + damping·I)⁻¹ v`` over all blocks (exact damping: K-FAC blocks are decomposed in
         their eigenbases, ``(L ⊗ R + λI)⁻¹``). The decompositions are kept for further solves with
         the same ``damping``, a number (a one-element tensor is read as its value, without gradient). Raises

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -29,7 +29,9 @@ from .stacklevel import caller_stacklevel
 
 logger = logging.getLogger(__name__)
 
-ApproxSpec = Union[str, Approx, Mapping[Union[str, type], Union[str, Approx]]]
+# (keys: types, class names or name regexes; Any, as a Mapping's key type is invariant: a Dict[str, str] or a
+# Dict[type, str] built elsewhere must be accepted)
+ApproxSpec = Union[str, Approx, Mapping[Any, Union[str, Approx]]]
 SkipSpec = Optional[Sequence[Union[str, type]]]
 
 

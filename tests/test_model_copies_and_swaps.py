@@ -117,19 +117,68 @@ def test_saving_a_model_with_a_preconditioner_attached_keeps_the_preconditioner_
         assert torch.equal(layer.a_factor, a) and torch.equal(layer.g_factor, g)
 
 
-def test_a_preconditioner_still_attached_is_named() -> None:
+def _kfac_step(model: nn.Module, pre: KFACPreconditioner, x, y) -> None:
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+
+
+def test_a_preconditioner_still_attached_is_named_at_the_first_step() -> None:
+    """At the first step, not at construction: ``pre = KFACPreconditioner(model)`` run twice (a notebook
+    cell) frees the first one only when the second is bound, and is no such case."""
+    x, y = _data()
     model = _model()
-    first = KFACPreconditioner(model)
-    with pytest.warns(UserWarning, match=r"1 KFACPreconditioner\(s\) still attached to layers \['0', '2'\]"):
-        second = KFACPreconditioner(model)
-    with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 2 KFACPreconditioner\(s\) still attached"):
-        SecondOrderOptimizer(model, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre = KFACPreconditioner(model)
+        pre = KFACPreconditioner(model)
+        _kfac_step(model, pre, x, y)
+    first = pre
+    second = KFACPreconditioner(model)
+    with pytest.warns(UserWarning, match=r"KFACPreconditioner: 1 other KFACPreconditioner\(s\) attached to layers "
+                                         r"\['0', '2'\]"):
+        _kfac_step(model, second, x, y)
+    opt = SecondOrderOptimizer(model, lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 2 other KFACPreconditioner\(s\) attached"):
+        opt.step(closure)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reads the user's backward only: the documented combination
-        SecondOrderOptimizer(model, lr=0.1, curvature="empirical_fisher")
+        ef = SecondOrderOptimizer(model, lr=0.1, curvature="empirical_fisher")
+
+        def ef_closure():
+            ef.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        ef.step(ef_closure)
         first.remove_hooks()
         second.remove_hooks()
-        KFACPreconditioner(model)
+        third = KFACPreconditioner(model)
+        _kfac_step(model, third, x, y)
+
+
+def test_a_free_parameter_outside_the_model_is_not_taken_for_a_removed_layer() -> None:
+    """A learned temperature given in params= but held outside the model, unused on some steps."""
+    x, y = _data()
+    model = _model()
+    tau = nn.Parameter(torch.ones(()))
+    opt = SecondOrderOptimizer(model, lr=0.05, params=list(model.parameters()) + [tau])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):
+            def closure():
+                opt.zero_grad(set_to_none=True)
+                out = model(x) * (tau if i % 2 == 0 else 1.0)
+                loss = F.cross_entropy(out, y)
+                loss.backward()
+                return loss
+            opt.step(closure)
 
 
 def test_a_replaced_head_is_an_error_for_an_estimating_step_and_a_warning_for_vi_diag() -> None:

@@ -126,9 +126,12 @@ def test_kfac_preconditioner_warns_once_about_a_layer_with_a_gradient_and_no_rec
     assert len(texts) == 1 and "['0.lin']" in texts[0] and "skip_layers" in texts[0], texts
 
 
-def test_kfac_preconditioner_does_not_warn_for_a_head_unused_this_step_or_attention_out_proj() -> None:
-    """A head with no gradient this step (not called) is not such a layer; nn.MultiheadAttention's
-    out_proj was named at registration and is not named again at step()."""
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_kfac_preconditioner_does_not_warn_for_a_head_unused_this_step_or_attention_out_proj(
+        set_to_none: bool) -> None:
+    """A head not called this step is not such a layer, with no gradient or with a zero one
+    (``zero_grad(set_to_none=False)``, DDP's ``find_unused_parameters``): it has factors from the steps
+    that called it. nn.MultiheadAttention's out_proj was named at registration and is not named again."""
     torch.manual_seed(0)
 
     class TwoHeads(nn.Module):
@@ -148,7 +151,7 @@ def test_kfac_preconditioner_does_not_warn_for_a_head_unused_this_step_or_attent
         pre = KFACPreconditioner(model)
         x, y = torch.randn(6, 3, 8), torch.randint(0, 4, (6,))
         for head in "aab":
-            sgd.zero_grad(set_to_none=True)
+            sgd.zero_grad(set_to_none=set_to_none)
             F.cross_entropy(model(x, head), y).backward()
             pre.step()
             sgd.step()

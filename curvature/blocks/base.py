@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -54,6 +54,10 @@ class Block(ABC):
     ``matvec`` / ``solve`` check the vectors (length, order, dtype, device) and are the user-facing ones."""
 
     approx: str = ""
+
+    if TYPE_CHECKING:  # the shapes' own attributes (KFACBlock.A / .G, DiagBlock.diagonal, ...) on a Block
+        # taken from a Dict[str, Block] (curvature.Curvature.blocks): Any to a type checker
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout

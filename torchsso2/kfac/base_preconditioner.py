@@ -22,7 +22,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 from torch import nn
 
-from .hyperparams import Schedule, as_number, check_schedule, evaluate
+from .hyperparams import ClipSchedule, Schedule, as_number, check_schedule, evaluate
 
 __all__ = ["BaseKFACPreconditioner"]
 
@@ -65,7 +65,7 @@ class BaseKFACPreconditioner:
         inv_update_steps: Schedule = 1,
         damping: Schedule = 0.001,
         factor_decay: Schedule = 0.95,
-        kl_clip: Schedule = 0.001,
+        kl_clip: ClipSchedule = 0.001,
         lr: Schedule = 0.1,
         accumulation_steps: int = 1,
         update_factors_in_hook: bool = True,
@@ -87,7 +87,7 @@ class BaseKFACPreconditioner:
         inv_update_steps: Schedule,
         damping: Schedule,
         factor_decay: Schedule,
-        kl_clip: Schedule,
+        kl_clip: ClipSchedule,
         lr: Schedule,
         accumulation_steps: int,
         update_factors_in_hook: bool,

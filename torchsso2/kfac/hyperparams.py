@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from curvature.options import float_or_inf
 
-__all__ = ["Schedule", "as_number", "check_schedule", "check_value", "evaluate", "exp_decay_factor_averaging"]
+__all__ = ["ClipSchedule", "Schedule", "as_number", "check_schedule", "check_value", "evaluate", "exp_decay_factor_averaging"]
 
-Schedule = Union[Callable[[int], float], float, int]
+#: a hyper-parameter: a number (a one-element tensor too) or a callable of the step giving one
+Schedule = Union[Callable[[int], float], float, int, torch.Tensor]
+#: ``kl_clip``: a callable may also return None (no clipping at that step)
+ClipSchedule = Union[Callable[[int], Optional[float]], float, int, torch.Tensor]
 
 # name -> (predicate, description of the expected range, integer?)
 RULES = {

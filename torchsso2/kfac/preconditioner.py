@@ -23,7 +23,8 @@ import math
 import numbers
 from collections import defaultdict
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from enum import Enum
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +43,7 @@ from torchsso2.optim.misuse import check_model_argument
 from .arguments import check_dtype, resolve_grad_worker_fraction
 from .base_preconditioner import BaseKFACPreconditioner, parse_flag
 from .enums import AllreduceMethod, AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_choice
-from .hyperparams import Schedule
+from .hyperparams import ClipSchedule, Schedule
 from .hooks import attach_forward_hooks, weak_grad_hook
 from .kaisa import KAISAComm
 from .kl_clip import kl_clip_scale
@@ -127,6 +128,25 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     the same object), ``assignment`` the KAISA placement and ``layers`` name → layer state.
     """
 
+    # the public attributes, for type checkers (kfac_pytorch's names; docs/kfac.md)
+    assignment: WorkAssignment
+    assignment_strategy: AssignmentStrategy
+    compute_method: ComputeMethod
+    colocate_factors: bool
+    compute_eigenvalue_outer_product: bool
+    symmetry_aware: bool
+    factor_dtype: Optional[torch.dtype]
+    inv_dtype: torch.dtype
+    distributed_strategy: DistributedStrategy
+    grad_worker_fraction: float
+    grad_scaler: Optional[Any]
+    allreduce_bucket_cap_mb: float
+    allreduce_method: AllreduceMethod
+    skip_layers: Sequence[str]
+    layers: Dict[str, KFACLayer]
+    comm: Communicator
+    tdc: Communicator
+
     def __init__(
         self,
         model: nn.Module,
@@ -135,20 +155,20 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_update_steps: Schedule = 1,
         damping: Schedule = 0.001,
         factor_decay: Schedule = 0.95,
-        kl_clip: Schedule = 0.001,
+        kl_clip: ClipSchedule = 0.001,
         lr: Schedule = 0.1,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
-        assignment_strategy: Union[AssignmentStrategy, str] = AssignmentStrategy.COMPUTE,
+        assignment_strategy: Union[AssignmentStrategy, str, Enum] = AssignmentStrategy.COMPUTE,
         colocate_factors: bool = True,
-        compute_method: Union[ComputeMethod, str] = ComputeMethod.EIGEN,
+        compute_method: Union[ComputeMethod, str, Enum] = ComputeMethod.EIGEN,
         compute_eigenvalue_outer_product: bool = True,
-        grad_worker_fraction: Union[DistributedStrategy, float] = DistributedStrategy.COMM_OPT,
+        grad_worker_fraction: Union[DistributedStrategy, Enum, float] = DistributedStrategy.COMM_OPT,
         symmetry_aware: bool = False,
         grad_scaler: Optional[Union[Any, Callable[[], float]]] = None,
         factor_dtype: Optional[torch.dtype] = None,
         inv_dtype: torch.dtype = torch.float32,
-        skip_layers: Optional[List[str]] = None,
+        skip_layers: Optional[Sequence[str]] = None,
         update_factors_in_hook: bool = True,
         linalg: Union[str, Backend] = "torch",
         communicator: Union[str, Communicator] = "auto",
@@ -183,7 +203,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             raise ValueError("compute_eigenvalue_outer_product=True (with compute_method=EIGEN) needs "
                              "colocate_factors=True; set one of them to the other value")
 
-        self.comm: Communicator = (communicator if not isinstance(communicator, str)
+        self.comm = (communicator if not isinstance(communicator, str)
                                    else get_communicator(communicator, loglevel=self.loglevel))
         if not isinstance(self.comm, Communicator):
             raise TypeError(f"communicator must be a backend name or a Communicator, got {type(communicator).__name__}")
@@ -202,7 +222,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.skip_layers = [] if skip_layers is None else skip_layers
 
         prediv = self.compute_method is ComputeMethod.EIGEN and self.compute_eigenvalue_outer_product
-        self.layers: Dict[str, KFACLayer] = {}
+        self.layers = {}
         for name, module, family in find_layers(model, self.skip_layers):
             layer = KFACLayer(name, module, family, self.compute_method, prediv, self.factor_dtype,
                               self.inv_dtype, self.backend)
@@ -239,8 +259,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._skips = SkipPolicy(on_nonfinite, max_consecutive_skips)
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._model = model
-        warn_if_attached(self.layers.values(), "KFACPreconditioner")
         self._attach_hooks()
+        self._attached_checked = False  # other live preconditioners on the layers: at the first step()
         self._model_is_compiled = contains_compiled(model)
         #: micro-batches recorded in this step (for the fold in the hooks): forwards of the whole model, where
         #: forwards with no backward between them count once (two views through the model, one backward)
@@ -382,13 +402,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           "layer: only whether any was unscaled is seen)", UserWarning, stacklevel=caller_stacklevel())
 
     def _warn_unrecorded(self, layers: List[KFACLayer]) -> None:
-        """Once per layer: a registered layer with a gradient but no forward recorded in a factor step in which
-        other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x, layer.weight)``, or
-        the layer run in eval mode): its gradient stays unpreconditioned, silently under kfac_pytorch."""
+        """Once per layer: a registered layer with a gradient, no factors and no forward recorded in a factor
+        step in which other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x,
+        layer.weight)``, or the layer run in eval mode): its gradient stays unpreconditioned, silently under
+        kfac_pytorch. (A head unused this step has factors from the steps that used it.)"""
         if not any(self._mini_steps.values()):
             return
         warned = self._unrecorded_warned
-        names = [layer.name for layer in layers if layer.name not in warned
+        names = [layer.name for layer in layers if layer.name not in warned and not layer.has_factors()
                  and not self._mini_steps.get(layer.name) and layer.has_grad()]
         if names:
             warned.update(names)
@@ -408,6 +429,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         ``optimizer.step()``).
         """
         layers = list(self.layers.values())
+        if not self._attached_checked:
+            self._attached_checked = True
+            warn_if_attached(layers, self)
         # every schedule this step reads, evaluated (and checked) before anything changes: a callable
         # returning NaN raises with the gradients untouched and the factors as at the last step (the
         # batches the backward hooks folded are taken out again)

@@ -131,9 +131,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                                       mc_samples=settings.mc_samples, skip_modules=settings.skip_modules,
                                       output_selector=settings.output_selector, kfac_approx=settings.kfac_approx,
                                       include=include, any_module=settings.any_module)
-        if self.engine.kind is not Kind.EMPIRICAL_FISHER and not self.__dict__.get("reparam", False):
-            # (the curvature's own backward passes would reach a KFACPreconditioner's factors: docs/kfac.md)
-            warn_if_attached(self.engine.layouts.values(), type(self).__name__)
         self.ema_decay = settings.ema_decay
         self.curv_update_interval = settings.curv_update_interval
         self.inv_update_interval = settings.inv_update_interval
@@ -147,6 +144,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
+        #: the model's parameters when it was built (late_groups.warn_params_gone: which have left it since)
+        self._params_in_model = {id(p) for p in model.parameters()}
         refuse_sparse_gradients(model, self.param_groups)
         self.running = RunningCurvature()
         #: how K-FAC blocks are decomposed: "eigen" (exact damping) or "inverse" (factored; SecondOrderOptimizer)
@@ -207,6 +206,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         for key in _NOT_COPIED.intersection(self.__dict__):
             if key.endswith("_hooks"):
                 new.__dict__[key] = OrderedDict()
+        # (ids of parameters: the copy's are other objects)
+        new._params_in_model = {id(p) for p in new.model.parameters()}
+        new.__dict__.pop("_gone_checked", None)
         return new
 
     def _check_step_call(self, closure: Any) -> None:
@@ -276,6 +278,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         the call first (:meth:`_check_step_call`)."""
         if self._frozen_in_groups or self._frozen_outside:
             self._warn_unfrozen()
+        if estimate and "_attached_checked" not in self.__dict__:
+            self._attached_checked = True
+            if self.engine.kind is not Kind.EMPIRICAL_FISHER and not self.__dict__.get("reparam", False):
+                # the curvature's own backward passes would reach a KFACPreconditioner's factors (docs/kfac.md)
+                warn_if_attached(self.engine.layouts.values(), self)
         trainable = self._trainable_modules() if estimate else None
         if trainable == []:  # every covered module frozen (a plain group trains alone): no estimate, the
             if not self.running.blocks:  # running curvature is kept; without one there is nothing to keep

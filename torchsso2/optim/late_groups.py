@@ -115,8 +115,9 @@ def warn_params_gone(opt: Any, with_grad: List[Any]) -> None:
     if opt.__dict__.get("_gone_checked") == key:
         return
     opt._gone_checked = key
+    born = opt.__dict__.get("_params_in_model", set())  # (a free parameter given in params= was never in it)
     own = {id(p) for p in opt.model.parameters()}
-    gone = [p for g in opt.param_groups for p in g["params"] if p.grad is None and id(p) not in own]
+    gone = [p for g in opt.param_groups for p in g["params"] if p.grad is None and id(p) in born and id(p) not in own]
     if gone:
         shapes = [tuple(p.shape) for p in gone[:6]]
         warnings.warn(f"{type(opt).__name__}: {len(gone)} of its parameters (shapes {shapes}"

@@ -334,7 +334,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self.low_rank = solver
 
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
-    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Optional[Closure] = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
         """One natural-gradient step; returns what the closure returned: the loss, or ``(loss, output)``.
 
         ``closure``: zero-grads, runs the model's forward, calls ``backward()`` and returns the loss

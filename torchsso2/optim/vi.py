@@ -418,7 +418,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
 
     # ---- the step ---------------------------------------------------------------------------------
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
-    def step(self, closure: Closure = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Optional[Closure] = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls, each at a weight sample); returns the mean loss
         over the samples if the closure returns the loss alone (torch.optim's convention), else
         ``(mean loss, last output)`` for a closure returning ``(loss, output)``.

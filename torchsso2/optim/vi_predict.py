@@ -4,7 +4,7 @@ which provides the noise draws (``_draw_noise``), the running curvature and the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, ContextManager, Dict, Iterator, Literal, Optional, Tuple, Union, overload
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +99,18 @@ class PosteriorUse:
         if shift is None:
             return contextlib.nullcontext()
         return shifted_params(*shift)
+
+    @overload
+    def predict(self, x: Tensor, num_samples: int = ..., generator: Optional[torch.Generator] = ...,
+                return_variance: Literal[False] = ..., antithetic: bool = ...) -> Tensor: ...
+
+    @overload
+    def predict(self, x: Tensor, num_samples: int = ..., generator: Optional[torch.Generator] = ..., *,
+                return_variance: Literal[True], antithetic: bool = ...) -> Tuple[Tensor, Tensor]: ...
+
+    @overload
+    def predict(self, x: Tensor, num_samples: int = ..., generator: Optional[torch.Generator] = ...,
+                return_variance: bool = ..., antithetic: bool = ...) -> Union[Tensor, Tuple[Tensor, Tensor]]: ...
 
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None,
