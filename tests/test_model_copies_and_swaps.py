@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
 
@@ -91,11 +92,7 @@ def test_a_copy_taken_during_a_step_is_an_ordinary_module(face: str) -> None:
         warnings.simplefilter("error")
         fresh = SecondOrderOptimizer(best, lr=0.05)
 
-        def closure2():
-            fresh.zero_grad()
-            loss = F.cross_entropy(best(x), y)
-            loss.backward()
-            return loss
+        closure2 = make_closure(fresh, best, x, y)
         fresh.step(closure2)
 
 
@@ -140,22 +137,14 @@ def test_a_preconditioner_still_attached_is_named_at_the_first_step() -> None:
         _kfac_step(model, second, x, y)
     opt = SecondOrderOptimizer(model, lr=0.1)
 
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
+    closure = make_closure(opt, model, x, y)
     with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 2 other KFACPreconditioner\(s\) attached"):
         opt.step(closure)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reads the user's backward only: the documented combination
         ef = SecondOrderOptimizer(model, lr=0.1, curvature="empirical_fisher")
 
-        def ef_closure():
-            ef.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
+        ef_closure = make_closure(ef, model, x, y)
         ef.step(ef_closure)
         first.remove_hooks()
         second.remove_hooks()
@@ -186,11 +175,7 @@ def test_a_replaced_head_is_an_error_for_an_estimating_step_and_a_warning_for_vi
     model = _model()
     opt = SecondOrderOptimizer(model, lr=0.05)
 
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
+    closure = make_closure(opt, model, x, y)
     opt.step(closure)
     model[2] = nn.Linear(16, 4)
     with pytest.raises(ValueError, match=r"covered modules \['2'\] are no longer the model's own"):
@@ -199,11 +184,7 @@ def test_a_replaced_head_is_an_error_for_an_estimating_step_and_a_warning_for_vi
     model = _model()
     vi = VIOptimizer(model, dataset_size=100, lr=0.01)
 
-    def vi_closure():
-        vi.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
+    vi_closure = make_closure(vi, model, x, y)
     vi.step(vi_closure)
     model[2] = nn.Linear(16, 4)
     with pytest.warns(UserWarning, match=r"2 of its parameters \(shapes \[\(4, 16\), \(4,\)\]\) have no gradient and "
