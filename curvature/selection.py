@@ -22,7 +22,7 @@ from .blocks import Layout
 from .blocks.layout import TiedUse
 from .modules import LayerFamily, family_of
 from .modules.parameters import ParameterFamily
-from .modules.base import SkipDoesNotHelp
+from .modules.base import GradientsDoNotHelp, SkipDoesNotHelp
 from .options import Approx, parse
 from .sharded import refuse_sharded
 from .stacklevel import caller_stacklevel
@@ -296,8 +296,9 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             _refuse_unsupported(model, name, module, fam, direct)
         except ValueError as err:
             # any_module: a module the layer families do not describe takes the gradients' diagonal block
-            # (ParameterFamily), unless a skip would not help either (Embedding(sparse=True))
-            if not any_module or isinstance(err.__cause__, SkipDoesNotHelp):
+            # (ParameterFamily), unless a skip would not help either (Embedding(sparse=True)) or the gradients
+            # cannot describe it (Embedding(max_norm=...))
+            if not any_module or isinstance(err.__cause__, (SkipDoesNotHelp, GradientsDoNotHelp)):
                 raise
             fam = GENERIC
         own = []

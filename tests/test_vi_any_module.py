@@ -207,3 +207,50 @@ def test_a_refusal_a_skip_would_not_help_stands():
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
     with pytest.raises(ValueError, match=r"Embedding\(sparse=True\) is not supported"):
         VIOptimizer(model, dataset_size=8)
+
+
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}], ids=["max_norm", "sgbf"])
+def test_embedding_options_the_gradients_cannot_describe_are_refused_and_a_skip_helps(option):
+    """``max_norm`` renormalizes the weight in place in forward: under the default diagonal that was the weight
+    sample, never the mean (a forward at the mean then rewrote the posterior mean). ``scale_grad_by_freq``'s
+    gradient is not the loss's. Both are refused (before: trained silently); skipped, the module takes the
+    plain update, where max_norm acts on the parameter itself as under torch.optim."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(6, 3, **option), nn.Flatten(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=f"{next(iter(option))}.*skip_modules"):
+        VIOptimizer(make(), dataset_size=8)
+    model = make()
+    opt = VIOptimizer(model, dataset_size=8, lr=0.1, skip_modules=["^0$"])
+    x, y = torch.randint(0, 6, (8, 2)), torch.randint(0, 3, (8,))
+    for _ in range(3):
+        opt.step(make_closure(opt, model, x, y))
+    if "max_norm" in option:
+        assert float(model[0].weight[x.unique()].norm(dim=1).max()) <= 1.0 + 1e-6
+
+
+def test_the_padding_row_of_a_tied_embedding_is_sampled():
+    """A tied output head trains the padding row of ``Embedding(padding_idx=0)``: it has a posterior and
+    its weight sample moves (it stayed at the mean); an untied padding row is not sampled."""
+    class Tied(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(7, 3, padding_idx=0)
+            self.head = nn.Linear(3, 7, bias=False)
+            if tie:
+                self.head.weight = self.emb.weight
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens).mean(1))
+
+    for tie in (True, False):
+        torch.manual_seed(0)
+        model = Tied(tie)
+        opt = VIOptimizer(model, dataset_size=8)
+        x, y = torch.randint(0, 7, (8, 4)), torch.randint(0, 7, (8,))
+        opt.step(make_closure(opt, model, x, y))
+        mean = model.emb.weight.detach().clone()
+        with torch.no_grad(), opt.sampled_params(generator=torch.Generator().manual_seed(1)):
+            moved = (model.emb.weight - mean).abs().sum(1)
+        assert bool(moved[1:].gt(0).all())
+        assert bool(moved[0].gt(0)) == tie

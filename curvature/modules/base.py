@@ -30,6 +30,14 @@ class SkipDoesNotHelp(ValueError):
     gradients too); the refusal then suggests no skip."""
 
 
+class GradientsDoNotHelp(ValueError):
+    """A layer configuration :meth:`LayerFamily.validate` refuses that a diagonal block from the gradients
+    alone (``VIOptimizer``'s default ``curvature="reparam"``, which covers modules the families refuse)
+    cannot cover either: the forward rewrites the weights in place (``Embedding(max_norm=...)``: a weight
+    sample would be renormalised, never the mean), or the gradient is not the loss's derivative
+    (``scale_grad_by_freq``). ``skip_modules`` (the plain update) helps."""
+
+
 class LayerFamily:
     """Base class: the math of one layer family. Subclasses are stateless."""
 

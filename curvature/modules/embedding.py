@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import LayerFamily, SkipDoesNotHelp, sum_outer
+from .base import GradientsDoNotHelp, LayerFamily, SkipDoesNotHelp, sum_outer
 
 
 class EmbeddingFamily(LayerFamily):
@@ -31,11 +31,15 @@ class EmbeddingFamily(LayerFamily):
                                   "dense gradients for every parameter they update, a skipped module's included; or "
                                   "update its weight with torch.optim.SparseAdam and leave it out of their params)")
         if module.max_norm is not None:
-            raise ValueError("Embedding(max_norm=...) renormalizes weights in forward and is not supported")
+            raise GradientsDoNotHelp(
+                "Embedding(max_norm=...) renormalizes rows of its weight in place in forward, which no curvature "
+                "describes (under VIOptimizer it would renormalize a weight sample, never the mean, and a forward at "
+                "the mean would rewrite the posterior mean); drop max_norm (renormalize the rows after the step)")
         if module.scale_grad_by_freq:
-            raise ValueError("Embedding(scale_grad_by_freq=True) divides each row's gradient by its token count in "
-                             "the batch, a gradient that is not the derivative of the loss (no curvature kind matches "
-                             "it); use scale_grad_by_freq=False")
+            raise GradientsDoNotHelp(
+                "Embedding(scale_grad_by_freq=True) divides each row's gradient by its token count in the batch, a "
+                "gradient that is not the derivative of the loss (no curvature kind or estimate from the gradients "
+                "matches it); use scale_grad_by_freq=False")
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         idx = inputs[0].detach()

@@ -442,9 +442,33 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             damping = self.damping
             kl_clip = self.kl_clip
             lr = self.lr if kl_clip is not None else None
-        except (TypeError, ValueError):
+        except BaseException:
             self._forget_step(layers)
             raise
+        undo: Dict[str, Any] = {}
+        try:
+            self._precondition(layers, factor_step, inverse_step, decay, damping, kl_clip, lr, undo)
+        except BaseException:
+            # an error, or Ctrl-C in a decomposition: the factors, decompositions and counts as at the last step
+            # (gradients already preconditioned stay so: zero them before the next backward)
+            self._forget_step(layers)
+            if undo.get("previous") is not None:
+                restore_decompositions(layers, undo["previous"])
+            raise
+
+    def abandon_step(self) -> None:
+        """Undo what the hooks recorded and folded since the last :meth:`step`: the factors the backward
+        hooks updated, the micro-batches and the counted calls. Call it when an iteration is abandoned
+        between its forward/backward and ``step()`` (an exception or Ctrl-C in the training loop, a batch
+        skipped after its backward), so that the next iteration folds as if it had not run (``step()`` does
+        this itself when it raises). :meth:`reset_batch` keeps kfac_pytorch's meaning (the batches not yet
+        folded only)."""
+        self._forget_step(list(self.layers.values()))
+
+    def _precondition(self, layers: List[KFACLayer], factor_step: bool, inverse_step: bool, decay: Optional[float],
+                      damping: float, kl_clip: Optional[float], lr: Optional[float], undo: Dict[str, Any]) -> None:
+        """The body of :meth:`step` once its schedules are read; ``undo["previous"]`` holds the decompositions
+        before this step's inverse update, for :meth:`step` to put back if this raises."""
         if factor_step and layers and not any(layer.has_factors() for layer in layers) \
                 and (not any(self._mini_steps.values()) or not any(layer.has_grad() for layer in layers)):
             # no recorded forward, or no gradient, before the first factors: kfac_pytorch raises here too
@@ -476,7 +500,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
         previous = None
         if inverse_step:
-            previous = decompositions_before(layers)
+            previous = undo["previous"] = decompositions_before(layers)
             for layer in layers:
                 if layer.has_factors():
                     self._kaisa.compute_and_share_inverses(layer, damping)

@@ -382,22 +382,30 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
-        # adaptive mode's forward-mode pass runs after the curvature took the batch: what a raising pass gives back
-        rollback = CurvatureRollback(self, fresh is not None) if self.adaptive is not None else None
+        adapt = self._adapt_now()  # the LM rule after the update; an update it finds non-finite is undone
+        # what a step that raises after the curvature took the batch gives back (rollback.py): adaptive mode's
+        # forward-mode pass and the LM rule's closure call run after it, so there the statistics are cloned;
+        # otherwise (an interrupted decomposition) the decompositions and counts, the statistics keeping the batch
+        rollback = CurvatureRollback(self, fresh is not None and (self.adaptive is not None or adapt))
         new = [name for name in fresh if name not in self.running.blocks] if fresh is not None else []
         if fresh:
             warn_unreached_blocks(self, fresh)
-        if fresh is not None:
-            self.running.update(fresh, self.ema_decay)
-            if new and self._decomposed:  # a block seen for the first time (a head earlier batches did not call)
-                decompose = True
-        if not self.running.blocks:
-            raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
-        if decompose and not self._decompose(self.damping):
+        try:
+            if fresh is not None:
+                self.running.update(fresh, self.ema_decay)
+                if new and self._decomposed:  # a block seen for the first time (a head earlier batches did not call)
+                    decompose = True
+            if not self.running.blocks:
+                raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
+            decomposed = not decompose or self._decompose(self.damping)
+        except BaseException:  # Ctrl-C in a decomposition: no block half-updated, the labels given back
+            rollback.restore(self)
+            snapshot.restore()
+            raise
+        if not decomposed:
             if not self._decomposed:  # nothing to precondition with yet: a skipped step, which leaves the step
                 return loss, output   # count (the schedules, the label streams) as it was; the curvature keeps the batch
             self._forget_blocks(new)  # the others keep their decompositions; a new one has none
-        adapt = self._adapt_now()  # the LM rule after the update; an update it finds non-finite is undone
         undo = UpdateUndo(self, params, snapshot) if adapt else None  # (update_undo.py)
         old = undo.values if undo is not None and self.adaptive is None else None  # adaptive mode predicts without
         predicted = None
@@ -410,7 +418,6 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             try:
                 predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             except BaseException:  # the step (its J·v pass) raised before any parameter moved: as if never called
-                assert rollback is not None
                 rollback.restore(self)
                 snapshot.restore()
                 raise
@@ -428,7 +435,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
                                             backward=lm_closure is None)
             except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
-                undo.restore(self)  # unscale_): the update is undone, as if the call never happened
+                undo.restore(self)  # unscale_): the update is undone and the curvature put back, as if the call
+                rollback.restore(self)  # never happened
                 raise
         if taken:
             self._step_taken()

@@ -63,6 +63,7 @@ from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
 from .reparam import reparam_ema_, reparam_sample
+from .rollback import CurvatureRollback
 from .noise import ObservationNoise
 from .misuse import warn_unreached_blocks
 from ..distributed.assignment import grad_worker_count
@@ -307,12 +308,13 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         #: the padding row of each covered Embedding weight with a ``padding_idx``: torch keeps it fixed
-        #: (no gradient), so it is not sampled either
+        #: (no gradient), so it is not sampled either, unless another module uses the weight too (a tied
+        #: output head trains that row)
         self._padding_rows: Dict[int, int] = {
             id(lay.module.weight): int(lay.module.padding_idx) % lay.module.num_embeddings
             for lay in self.engine.layouts.values()
             if isinstance(lay.module, nn.Embedding) and lay.module.padding_idx is not None
-            and "weight" in lay.param_names}
+            and "weight" in lay.param_names and not any(t.owner_param == "weight" for t in lay.tied)}
         if self.reparam:
             self._check_reparam()
         if self.prior_precision * self.kl_weighting + self.damping <= 0:
@@ -450,28 +452,32 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             raise ValueError("noise_variance='learned' estimates σ² from the residuals: call step(closure, targets=y)")
         if self.reparam:  # the curvature comes from the samples' own gradients: no capture, no second backward
             curvature = None
-        for noise in self._step_noise():
-            with self._perturbed(noise):
-                loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
-            losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
-            if self.noise.learned:
-                residuals.append(ObservationNoise.mean_squared_residual(
-                    None if output is None else self.engine.select_output(output), targets))
-            if self.reparam and estimate:
-                for name, h in self._reparam_sample(noise).items():
-                    hats[name] = hats[name] + h if name in hats else h
-            if curvature is not None:  # {} marks a sample whose output was not finite
-                curvature.nonfinite |= not fresh
-                if fresh:
-                    curvature.add(fresh, 1)
-            if self.num_mc_samples == 1:  # the gradient stays in p.grad as the closure left it
-                break
-            for p in trainable:
-                if p.grad is not None:
-                    g = p.grad.detach()
-                    grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
-                    p.grad = None  # taken: the next sample's backward starts afresh (whether or not
-                    # its closure zeroes the gradients)
+        try:
+            for noise in self._step_noise():
+                with self._perturbed(noise):
+                    loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
+                losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
+                if self.noise.learned:
+                    residuals.append(ObservationNoise.mean_squared_residual(
+                        None if output is None else self.engine.select_output(output), targets))
+                if self.reparam and estimate:
+                    for name, h in self._reparam_sample(noise).items():
+                        hats[name] = hats[name] + h if name in hats else h
+                if curvature is not None:  # {} marks a sample whose output was not finite
+                    curvature.nonfinite |= not fresh
+                    if fresh:
+                        curvature.add(fresh, 1)
+                if self.num_mc_samples == 1:  # the gradient stays in p.grad as the closure left it
+                    break
+                for p in trainable:
+                    if p.grad is not None:
+                        g = p.grad.detach()
+                        grad_sum[id(p)] = grad_sum[id(p)] + g if id(p) in grad_sum else g.clone()
+                        p.grad = None  # taken: the next sample's backward starts afresh (whether or not
+                        # its closure zeroes the gradients)
+        except BaseException:  # a closure that raised (a bad batch caught by the caller, Ctrl-C): the Monte-Carlo
+            snapshot.restore()  # labels drawn are given back, so training on is as if the call never happened
+            raise
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
@@ -576,46 +582,54 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         missing: Dict[str, Block] = {}
         if fresh:
             warn_unreached_blocks(self, fresh)
-        if fresh is not None:
-            before = dict(self.running.blocks), self.running.num_updates  # what an overflowing update puts back
-            if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
-                self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
-            # a block seen for the first time later (frozen at the start, a head earlier batches did not call)
-            missing = {n: b for n, b in fresh.items() if n not in self.running.blocks}
-            if missing:
-                new = True
-                if self.curvature_init is not None or self.reparam:  # its EMA starts at curvature_init·I too
-                    self.running.blocks.update(isotropic_blocks(missing, self.curvature_init))
-            if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
-                updated = {}
-                for name, blk in fresh.items():
-                    run = self.running.blocks[name].diagonal
-                    updated[name] = run.clone()
-                    reparam_ema_(updated[name], blk.diagonal.to(run.dtype), self.ema_decay,
-                                 self.precision_shift / self.likelihood_size, self._scalars)
-                # a huge finite gradient overflows the update (or its denominator scale·C + damping): a
-                # non-finite step, as one with an infinite gradient (the curvature would stay unusable)
-                overflow = [name for name, c in updated.items() if c.numel() and not bool(torch.isfinite(
-                    c.abs().max() * self.likelihood_size + self.precision_shift))]
-                if overflow:
-                    self.running.blocks.clear()
-                    self.running.blocks.update(before[0])
-                    self.running.num_updates = before[1]
-                    self._nonfinite("curvature (its update overflowed)", snapshot,
-                                    lambda: f"the curvature update of blocks {overflow} overflowed")
-                    return mean_loss, output
-                for name, c in updated.items():
-                    self.running.blocks[name].diagonal.copy_(c)
-                self.running.num_updates += 1
-            else:
-                self.running.update(fresh, self.ema_decay)
-        if self.num_steps % self.inv_update_interval == 0 or not self._decomposed or new:
-            if not self._decompose(self.precision_shift, scale=self.likelihood_size):
-                if not self._decomposed:
-                    # no posterior to step with yet: a skipped step, which leaves the step count (the weight noise,
-                    # the schedules and momentum_debias's step t) as it was; the curvature keeps the batch
-                    return mean_loss, output
-                self._forget_blocks(list(missing))  # the others keep their decompositions; a new one has none
+        # Ctrl-C in the EMA or a decomposition: the decompositions and counts put back (no block half-updated),
+        # the labels given back; the statistics may keep the batch (torchsso2/optim/rollback.py)
+        rollback = CurvatureRollback(self, False)
+        try:
+            if fresh is not None:
+                before = dict(self.running.blocks), self.running.num_updates  # what an overflowing update puts back
+                if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
+                    self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
+                # a block seen for the first time later (frozen at the start, a head earlier batches did not call)
+                missing = {n: b for n, b in fresh.items() if n not in self.running.blocks}
+                if missing:
+                    new = True
+                    if self.curvature_init is not None or self.reparam:  # its EMA starts at curvature_init·I too
+                        self.running.blocks.update(isotropic_blocks(missing, self.curvature_init))
+                if self.reparam:  # IVON's update: stays positive whatever the sign of ĥ
+                    updated = {}
+                    for name, blk in fresh.items():
+                        run = self.running.blocks[name].diagonal
+                        updated[name] = run.clone()
+                        reparam_ema_(updated[name], blk.diagonal.to(run.dtype), self.ema_decay,
+                                     self.precision_shift / self.likelihood_size, self._scalars)
+                    # a huge finite gradient overflows the update (or its denominator scale·C + damping): a
+                    # non-finite step, as one with an infinite gradient (the curvature would stay unusable)
+                    overflow = [name for name, c in updated.items() if c.numel() and not bool(torch.isfinite(
+                        c.abs().max() * self.likelihood_size + self.precision_shift))]
+                    if overflow:
+                        self.running.blocks.clear()
+                        self.running.blocks.update(before[0])
+                        self.running.num_updates = before[1]
+                        self._nonfinite("curvature (its update overflowed)", snapshot,
+                                        lambda: f"the curvature update of blocks {overflow} overflowed")
+                        return mean_loss, output
+                    for name, c in updated.items():
+                        self.running.blocks[name].diagonal.copy_(c)
+                    self.running.num_updates += 1
+                else:
+                    self.running.update(fresh, self.ema_decay)
+            if self.num_steps % self.inv_update_interval == 0 or not self._decomposed or new:
+                if not self._decompose(self.precision_shift, scale=self.likelihood_size):
+                    if not self._decomposed:
+                        # no posterior to step with yet: a skipped step, which leaves the step count (the weight noise,
+                        # the schedules and momentum_debias's step t) as it was; the curvature keeps the batch
+                        return mean_loss, output
+                    self._forget_blocks(list(missing))  # the others keep their decompositions; a new one has none
+        except BaseException:
+            rollback.restore(self)
+            snapshot.restore()
+            raise
         self._update_mean(params, groups, grads)
         self._step_taken()
         self.num_steps += 1
