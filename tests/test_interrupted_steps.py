@@ -82,6 +82,33 @@ def test_a_closure_raising_in_the_later_calls_of_a_step_leaves_training_as_witho
     assert opt.running.num_updates == reference.running.num_updates
 
 
+def test_vi_default_diagonal_gives_back_the_batch_norm_statistics_of_a_raising_closure() -> None:
+    """The default one-process diagonal step (vi_flat.py) restored the weights but not the running
+    statistics the raising closure's forward had updated."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    batches = _batches(4)
+    reference_model = make()
+    reference = VIOptimizer(reference_model, dataset_size=64)
+    for x, y in batches:
+        reference.step(_closure(reference, reference_model, x, y))
+    model = make()
+    opt = VIOptimizer(model, dataset_size=64)
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            closure = _closure(opt, model, x, y)
+
+            def raising():
+                closure()
+                raise KeyboardInterrupt
+            with pytest.raises(KeyboardInterrupt):
+                opt.step(raising)
+        opt.step(_closure(opt, model, x, y))
+    for p, q in zip(model.state_dict().values(), reference_model.state_dict().values()):
+        assert torch.equal(p, q)
+
+
 class _EighInterrupt:
     """``torch.linalg.eigh`` raising KeyboardInterrupt at its ``at``-th call (Ctrl-C in a decomposition)."""
 

@@ -193,3 +193,20 @@ def test_a_replaced_head_is_an_error_for_an_estimating_step_and_a_warning_for_vi
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per situation
         vi.step(vi_closure)
+
+
+def test_a_layer_added_with_add_param_group_then_replaced_is_named() -> None:
+    x, y = _data()
+    model = _model()
+    opt = SecondOrderOptimizer(model, lr=0.05)
+    closure = make_closure(opt, model, x, y)
+    opt.step(closure)
+    model.append(nn.Tanh())
+    model.append(nn.Linear(4, 4))  # a layer added later, with its parameters in a new group
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (add_param_group's own warning: the layer takes the plain update)
+        opt.add_param_group({"params": list(model[4].parameters())})
+        opt.step(closure)
+    model[4] = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="no longer in the model"):
+        opt.step(closure)

@@ -126,6 +126,25 @@ def test_kfac_preconditioner_warns_once_about_a_layer_with_a_gradient_and_no_rec
     assert len(texts) == 1 and "['0.lin']" in texts[0] and "skip_layers" in texts[0], texts
 
 
+def test_kfac_preconditioner_warns_about_a_layer_put_in_eval_mode_after_it_had_factors() -> None:
+    """Its factors stop updating while its gradient is preconditioned with them."""
+    x, y = _data()
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if step == 1:
+                model[0].eval()
+            sgd.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            sgd.step()
+    texts = [str(w.message) for w in caught if "no forward of them was recorded" in str(w.message)]
+    assert len(texts) == 1 and "['0']" in texts[0] and "factors do not update" in texts[0], texts
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_kfac_preconditioner_does_not_warn_for_a_head_unused_this_step_or_attention_out_proj(
         set_to_none: bool) -> None:

@@ -233,17 +233,20 @@ def test_the_padding_row_of_a_tied_embedding_is_sampled():
     """A tied output head trains the padding row of ``Embedding(padding_idx=0)``: it has a posterior and
     its weight sample moves (it stayed at the mean); an untied padding row is not sampled."""
     class Tied(nn.Module):
-        def __init__(self, tie: bool) -> None:
+        def __init__(self, tie: str) -> None:
             super().__init__()
             self.emb = nn.Embedding(7, 3, padding_idx=0)
+            self.dec = nn.Embedding(7, 3, padding_idx=0)
             self.head = nn.Linear(3, 7, bias=False)
-            if tie:
+            if tie == "head":
                 self.head.weight = self.emb.weight
+            if tie == "embedding":  # an encoder and a decoder sharing the table: nothing trains the padding row
+                self.dec.weight = self.emb.weight
 
         def forward(self, tokens):
-            return self.head(self.emb(tokens).mean(1))
+            return self.head(self.emb(tokens).mean(1) + self.dec(tokens).mean(1))
 
-    for tie in (True, False):
+    for tie, sampled in (("head", True), ("none", False), ("embedding", False)):
         torch.manual_seed(0)
         model = Tied(tie)
         opt = VIOptimizer(model, dataset_size=8)
@@ -253,4 +256,4 @@ def test_the_padding_row_of_a_tied_embedding_is_sampled():
         with torch.no_grad(), opt.sampled_params(generator=torch.Generator().manual_seed(1)):
             moved = (model.emb.weight - mean).abs().sum(1)
         assert bool(moved[1:].gt(0).all())
-        assert bool(moved[0].gt(0)) == tie
+        assert bool(moved[0].gt(0)) == sampled, tie

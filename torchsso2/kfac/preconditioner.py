@@ -402,21 +402,23 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           "layer: only whether any was unscaled is seen)", UserWarning, stacklevel=caller_stacklevel())
 
     def _warn_unrecorded(self, layers: List[KFACLayer]) -> None:
-        """Once per layer: a registered layer with a gradient, no factors and no forward recorded in a factor
-        step in which other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x,
-        layer.weight)``, or the layer run in eval mode): its gradient stays unpreconditioned, silently under
-        kfac_pytorch. (A head unused this step has factors from the steps that used it.)"""
+        """Once per layer: a registered layer with a nonzero gradient and no forward recorded in a factor step in
+        which other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x, layer.weight)``,
+        or the layer run in eval mode): its gradient stays unpreconditioned, or is preconditioned with factors
+        that no longer update, silently under kfac_pytorch."""
         if not any(self._mini_steps.values()):
             return
         warned = self._unrecorded_warned
-        names = [layer.name for layer in layers if layer.name not in warned and not layer.has_factors()
-                 and not self._mini_steps.get(layer.name) and layer.has_grad()]
+        # (a head this step did not call, with a zero gradient, has factors from the steps that called it)
+        names = [layer.name for layer in layers if layer.name not in warned and not self._mini_steps.get(layer.name)
+                 and layer.has_grad() and not (layer.has_factors() and not any(bool(p.grad.any()) for p in layer.params))]
         if names:
             warned.update(names)
             warnings.warn(f"KFACPreconditioner: registered layer(s) {names} have gradients but no forward of them was "
                           "recorded (their weight is used without calling the module, e.g. F.linear(x, layer.weight), "
-                          "or they ran in eval mode or under no_grad): they have no factors and their gradients stay "
-                          "unpreconditioned; call the module itself in training mode, or add them to skip_layers",
+                          "or they ran in eval mode or under no_grad): their factors do not update (without factors "
+                          "yet, their gradients stay unpreconditioned); call the module itself in training mode, or "
+                          "add them to skip_layers",
                           UserWarning, stacklevel=caller_stacklevel())
 
     @torch.no_grad()

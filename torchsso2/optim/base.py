@@ -229,6 +229,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         super().add_param_group(param_group)
         if "running" in self.__dict__:  # built: a group added later (the constructor's pass here first)
             warn_uncovered_layers(self, self.param_groups[-1]["params"])
+            # (the model's parameters among them: late_groups.warn_params_gone says when they leave it)
+            own = {id(p) for p in self.model.parameters()}
+            self._params_in_model.update(id(p) for p in self.param_groups[-1]["params"] if id(p) in own)
 
     def _warn_unfrozen(self) -> None:
         """Warn once about parameters frozen at construction that are trainable now (:mod:`.late_groups`):

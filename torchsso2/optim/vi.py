@@ -88,6 +88,11 @@ def _no_weight_decay(given: str) -> str:
             "wd * dataset_size / kl_weighting, divided by the noise variance σ² for loss='mse')")
 
 
+def padding_row(embedding: nn.Embedding) -> int:
+    """The row of ``embedding.weight`` its ``padding_idx`` names (a negative index counted from the end)."""
+    return int(embedding.padding_idx) % embedding.num_embeddings
+
+
 def default_is_reparam(approx: Any, curvature_init: Optional[float]) -> bool:
     """Whether ``curvature=None`` (the default) means ``"reparam"``: for ``approx="diag"`` with a starting
     curvature (``"fisher_mc"`` for ``"kfac"``/``"full"``/dicts; with several processes also where the
@@ -308,13 +313,16 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         # a weight sample colours one standard normal over all covered parameters; block b's slice:
         self._noise_spans, self._noise_numel = noise_spans(self.engine.layouts)
         #: the padding row of each covered Embedding weight with a ``padding_idx``: torch keeps it fixed
-        #: (no gradient), so it is not sampled either, unless another module uses the weight too (a tied
-        #: output head trains that row)
+        #: (no gradient), so it is not sampled either, unless another use of the weight trains it (a tied
+        #: output head; another Embedding with the same padding row does not)
         self._padding_rows: Dict[int, int] = {
-            id(lay.module.weight): int(lay.module.padding_idx) % lay.module.num_embeddings
+            id(lay.module.weight): padding_row(lay.module)
             for lay in self.engine.layouts.values()
             if isinstance(lay.module, nn.Embedding) and lay.module.padding_idx is not None
-            and "weight" in lay.param_names and not any(t.owner_param == "weight" for t in lay.tied)}
+            and "weight" in lay.param_names
+            and all(t.owner_param != "weight" or (isinstance(t.module, nn.Embedding) and t.module.padding_idx is not None
+                                                  and padding_row(t.module) == padding_row(lay.module))
+                    for t in lay.tied)}
         if self.reparam:
             self._check_reparam()
         if self.prior_precision * self.kl_weighting + self.damping <= 0:

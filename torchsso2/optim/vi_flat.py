@@ -284,6 +284,9 @@ class FlatDiagPath:
             for p, w in zip(params, torch._foreach_addcmul(means, link.noise_views, link.inv_sqrt_views)):
                 p.data = w
             loss, output, _ = opt._run_closure(closure, targets, False)
+        except BaseException:  # a closure that raised (Ctrl-C, a bad batch): the norm layers' statistics back,
+            snapshot.restore()  # so training on is as if the call never happened
+            raise
         finally:
             for p, m in zip(params, means):
                 p.data = m
