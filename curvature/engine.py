@@ -182,8 +182,8 @@ class CurvatureEngine:
             how = "output_selector returned" if self.output_selector is not None else "the model returned"
             raise TypeError(f"{how} {type(out).__name__}, expected the Tensor the loss is computed from "
                             "(logits [N, C] or the regression output); for a model that returns a tuple, dict "
-                            "or output object pass output_selector=..., e.g. lambda out: out[0] or "
-                            "lambda out: out['logits']")
+                            "or output object pass output_selector=..., e.g. lambda out: out['logits'] or "
+                            "lambda out: out[0]")
         return out
 
     def capture(self, on_output: Optional[Callable[[Tensor], None]] = None,

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from curvature.capture import on_gradient
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.hook_marks import warn_if_attached
+from torchsso2.optim.accelerate_checks import warn_if_not_sync_step
 from curvature.linalg import Backend, get_backend
 from curvature.options import float_or_inf
 from curvature.stacklevel import caller_stacklevel
@@ -261,6 +262,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._model = model
         self._attach_hooks()
         self._attached_checked = False  # other live preconditioners on the layers: at the first step()
+        self._sync_warned = False  # a step() on a micro-batch accelerate does not step on (accelerate_checks.py)
         self._model_is_compiled = contains_compiled(model)
         #: micro-batches recorded in this step (for the fold in the hooks): forwards of the whole model, where
         #: forwards with no backward between them count once (two views through the model, one backward)
@@ -434,6 +436,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if not self._attached_checked:
             self._attached_checked = True
             warn_if_attached(layers, self)
+        if not self._sync_warned:
+            self._sync_warned = warn_if_not_sync_step()
         # every schedule this step reads, evaluated (and checked) before anything changes: a callable
         # returning NaN raises with the gradients untouched and the factors as at the last step (the
         # batches the backward hooks folded are taken out again)

@@ -39,6 +39,7 @@ from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .messages import decomposition_failed
 from .plan import PlanCache, ScalarCache, params_with_grad
+from .accelerate_checks import warn_if_accelerate_accumulates
 from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
                            is_second_forward_reuse)
 from .precision import without_autocast
@@ -215,6 +216,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         """:meth:`GroupChecks._check_step_call`, and a step begins for the DDP check (:mod:`.ddp_sync`)."""
         super()._check_step_call(closure)
         self._skip_counted = False  # num_skipped counts a step call once, whatever failed in it
+        if "_accelerate_checked" not in self.__dict__:  # accelerate's accumulation skips steps (accelerate_checks.py)
+            self._accelerate_checked = True
+            warn_if_accelerate_accumulates(type(self).__name__)
         if self.grad_scaler is not None and self._grads_unscaled():  # its last step's unscale_ still stands
             raise RuntimeError(
                 f"{type(self).__name__}.step() called again without scaler.update() since the last step: the "

@@ -111,7 +111,11 @@ def as_loss_tensor(loss: Any) -> "torch.Tensor":
 
 def check_nonempty_batch(output: Any) -> None:
     """The model output of a closure's forward must hold at least one example (``[N, ...]``, N >= 1)."""
-    if isinstance(output, torch.Tensor) and (output.dim() == 0 or output.shape[0] == 0):
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        raise ValueError("the model output (after output_selector) is a scalar, not a batch [N, ...]: is it the loss? "
+                         "Select the logits (a Hugging Face model called with labels= returns the loss first: "
+                         "output_selector=lambda out: out['logits'], not out[0])")
+    if isinstance(output, torch.Tensor) and output.shape[0] == 0:
         raise ValueError(f"the closure ran the model on an empty batch (output of shape {list(output.shape)}); "
                          "the curvature of an empty batch is undefined: skip empty batches in the training loop "
                          "(e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with several processes every rank "

@@ -1,0 +1,62 @@
+"""Hugging Face ``accelerate``'s gradient accumulation, seen from the optimizers (without importing it).
+
+``Accelerator(gradient_accumulation_steps=k)`` wraps the optimizer so that ``step()`` does nothing on
+k − 1 of every k batches and divides each loss by k in ``accelerator.backward``. A closure-based
+step (:class:`~torchsso2.SecondOrderOptimizer`, :class:`~torchsso2.VIOptimizer`) then never runs
+the skipped batches at all (their closure is not called) and takes a 1/k-scaled gradient: a
+UserWarning at the first step names the recipe (accumulate inside the closure). A
+:class:`~torchsso2.kfac.KFACPreconditioner` stepped on every micro-batch (before the wrapper's
+no-op ``step()``) preconditions a partial gradient that the next backward adds to: a UserWarning
+names the ``accelerator.sync_gradients`` guard. Read from accelerate's ``GradientState`` only when
+accelerate is already imported and an ``Accelerator`` exists.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Optional
+
+from curvature.stacklevel import caller_stacklevel
+
+__all__ = ["warn_if_accelerate_accumulates", "warn_if_not_sync_step"]
+
+
+def _gradient_state() -> Optional[Any]:
+    """accelerate's ``GradientState`` singleton when an Accelerator set it up, else None."""
+    module = sys.modules.get("accelerate.state")
+    cls = getattr(module, "GradientState", None) if module is not None else None
+    if cls is None or not getattr(cls, "_shared_state", None):
+        return None
+    try:
+        return cls()
+    except Exception:  # another accelerate version: nothing to say
+        return None
+
+
+def warn_if_accelerate_accumulates(face: str) -> None:
+    """UserWarning when accelerate accumulates gradients over k > 1 batches (call at the first step)."""
+    state = _gradient_state()
+    steps = getattr(state, "num_steps", 1) if state is not None else 1
+    if isinstance(steps, int) and steps > 1:
+        warnings.warn(
+            f"{face} under accelerate's gradient accumulation (gradient_accumulation_steps={steps}): accelerate "
+            f"skips step() on {steps - 1} of every {steps} batches, so their closure never runs (those batches are "
+            f"not trained on), and divides each loss by {steps}. Build the Accelerator without "
+            "gradient_accumulation_steps and run the micro-batches inside the closure (each loss weighted by its "
+            "share of the batch; docs/guide.md, 'Hugging Face accelerate and Trainer')",
+            UserWarning, stacklevel=caller_stacklevel())
+
+
+def warn_if_not_sync_step() -> bool:
+    """UserWarning (returns True) when ``KFACPreconditioner.step()`` runs on a micro-batch on which accelerate
+    does not synchronize (and will not step the optimizer)."""
+    state = _gradient_state()
+    if state is None or getattr(state, "sync_gradients", True) is not False:
+        return False
+    warnings.warn(
+        "KFACPreconditioner.step() on a micro-batch of accelerate's gradient accumulation that does not step the "
+        "optimizer (accelerator.sync_gradients is False): it preconditions the partial gradient in place, and the "
+        "next backward adds raw gradient to it. Guard it with `if accelerator.sync_gradients: precond.step()` and "
+        "build the preconditioner with accumulation_steps=gradient_accumulation_steps",
+        UserWarning, stacklevel=caller_stacklevel())
+    return True
