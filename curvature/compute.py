@@ -13,6 +13,13 @@ from .result import Curvature
 from .selection import ApproxSpec, SkipSpec
 
 
+#: the error for a 0-dim model output (the optimizers' too)
+SCALAR_OUTPUT = ("the model output is a scalar, not a batch [N, ...]: a .squeeze() that dropped the batch dimension "
+                 "of a batch of one (use .squeeze(-1)), or the loss selected instead of the logits (a Hugging Face "
+                 "model called with labels= returns the loss first: output_selector=lambda out: out['logits'], "
+                 "not out[0])")
+
+
 def _check_inputs_match_model(model: nn.Module, args: Tuple[Tensor, ...]) -> None:
     """Floating inputs must be on the model's device and (outside autocast) in its dtype."""
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -87,7 +94,9 @@ def _estimate(engine: CurvatureEngine, model: nn.Module, args: Tuple[Tensor, ...
     # activation checkpointing is recomputed then, and must repeat the recorded forward's ops
     with torch.enable_grad(), engine.capture() as cap:
         outputs = engine.select_output(model(*args))
-        if outputs.dim() == 0 or outputs.shape[0] == 0:
+        if outputs.dim() == 0:
+            raise ValueError(SCALAR_OUTPUT)
+        if outputs.shape[0] == 0:
             raise ValueError(f"the model ran on an empty batch (output of shape {list(outputs.shape)}); the "
                              "curvature of an empty batch is undefined")
         if outputs.is_floating_point() and not outputs_finite(engine.loss, outputs):

@@ -72,13 +72,19 @@ LEGACY_NAMES = {
 
 
 def parse(enum_type: Type[E], value: object, what: str) -> E:
-    """Convert a string (or enum member) into ``enum_type``; ValueError naming the choices (and,
-    for another library's name such as PyTorch-SSO's ``'Cov'`` or ``'Kron'``, the name here)."""
+    """Convert a string (or enum member) into ``enum_type``, in any case (``"KFAC"``, ``"Diag"``, as the other
+    choice arguments); ValueError naming the choices (and, for another library's name such as PyTorch-SSO's
+    ``'Cov'`` or ``'Kron'``, the name here). PyTorch-SSO's ``'Fisher'`` is its Monte-Carlo Fisher, so a kind
+    spelled ``fisher`` in another case is that error, not the exact Fisher."""
     if isinstance(value, enum_type):
         return value
     if isinstance(value, str):
         for member in enum_type:
             if member.value == value:
+                return member
+        ambiguous = enum_type.__name__ == "Kind" and value.lower() == "fisher"
+        for member in enum_type:
+            if member.value == value.lower() and not ambiguous:
                 return member
     choices = ", ".join(repr(m.value) for m in enum_type)
     new = LEGACY_NAMES.get(enum_type.__name__, {}).get(value.lower()) if isinstance(value, str) else None

@@ -81,6 +81,23 @@ def _warn_unmatched(model: nn.Module, keys: Sequence[Union[str, type]], wrapped:
                           UserWarning, stacklevel=caller_stacklevel())
 
 
+def _warn_overbroad(model: nn.Module, keys: Sequence[Union[str, type]], argument: str = "skip_modules") -> None:
+    """Warn about each string entry that is the exact name of one module but, searched as a regex, also picks
+    modules outside it (``"1"`` picks ``"10"``, ``"features.1"`` picks ``"features.12"``): a config written with
+    module names (JSON, YAML) would silently select more than it names."""
+    names = [n for n, _ in model.named_modules() if n]
+    exact = set(names)
+    for key in keys:
+        if not isinstance(key, str) or key not in exact:
+            continue
+        others = [n for n in names if n != key and not n.startswith(key + ".") and re.search(key, n)]
+        if others:
+            warnings.warn(f"{argument} entry {key!r} is the name of module {key!r}, but as a regex searched in the "
+                          f"module names it also picks {others[:5]}{' ...' if len(others) > 5 else ''}: anchor it "
+                          f"({'^' + re.escape(key) + '$'!r}) to pick that module only", UserWarning,
+                          stacklevel=caller_stacklevel())
+
+
 def _is_torch_layer_name(key: str) -> bool:
     """Whether ``key`` is the name of a ``torch.nn`` module class (``"Conv2d"``, ``"BatchNorm2d"``)."""
     cls = getattr(nn, key, None)
@@ -242,6 +259,9 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     if isinstance(skip_modules, str):  # a list is iterated; a string would be taken character by character
         raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got the string "
                         f"{skip_modules!r}; pass skip_modules=[{skip_modules!r}]")
+    if isinstance(skip_modules, Mapping):  # iterated, it gives its keys: {head: false} would still skip head
+        raise TypeError(f"skip_modules must be a list of module types, class names or name regexes, got a mapping "
+                        f"{dict(skip_modules)!r}; pass [k for k, v in skip_modules.items() if v]")
     try:
         skip = list(skip_modules) if skip_modules is not None else []  # (False / 0 are not "no selection")
     except TypeError:
@@ -257,12 +277,18 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
             except re.error as err:
                 raise ValueError(f"skip_modules entry {key!r} is not a valid regular expression ({err})") from err
     if isinstance(approx, Mapping):
+        for k in approx:
+            if not isinstance(k, (str, type)):  # (YAML reads an unquoted 0 as an int)
+                raise TypeError(f"approx keys must be module types, class names or name regexes, got "
+                                f"{type(k).__name__} {k!r}; quote it ({str(k)!r}, or {'^' + str(k) + '$'!r} for "
+                                "that module only)")
         rules = [(k, parse(Approx, v, f"approx[{k!r}]")) for k, v in approx.items()]
         default: Optional[Approx] = None
         # not for a type or the name of one of torch.nn's layer classes: those cannot be typos, and a dict
         # written for several models may name classes some of them lack ({"Conv2d": ..., "Linear": ...})
         _warn_unmatched(model, [k for k, _ in rules if isinstance(k, str) and not _is_torch_layer_name(k)],
                         _is_wrapper(model), "approx")
+        _warn_overbroad(model, [k for k, _ in rules], "approx")
     else:
         rules, default = [], parse(Approx, approx, "approx")
     layouts: Dict[str, Layout] = {}
@@ -273,6 +299,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
     wrapped = _is_wrapper(model)
     _warn_unmatched(model, skip, wrapped)  # before a module the entry was meant to skip raises below
+    _warn_overbroad(model, skip)
     for name, module in model.named_modules():
         if any(name.startswith(f"{s}.") or not s for s in skipped):
             continue

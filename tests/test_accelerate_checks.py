@@ -33,6 +33,14 @@ def _fake_accelerate(monkeypatch: pytest.MonkeyPatch, num_steps: int, sync: bool
     monkeypatch.setitem(sys.modules, "accelerate.state", state)
 
 
+def _accelerated_step(monkeypatch: pytest.MonkeyPatch):
+    """A stand-in for ``AcceleratedOptimizer.step``: a function of a module named ``accelerate.optimizer``."""
+    module = types.ModuleType("accelerate.optimizer")
+    exec("def step(opt, closure):\n    return opt.step(closure)\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, "accelerate.optimizer", module)
+    return module.step
+
+
 def _setup():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -44,12 +52,13 @@ def test_accelerates_gradient_accumulation_is_named_at_the_first_step(face: str,
     model, x, y = _setup()
     opt = SecondOrderOptimizer(model, lr=0.05) if face == "second_order" else VIOptimizer(model, dataset_size=8)
     _fake_accelerate(monkeypatch, num_steps=4, sync=True)
-    with pytest.warns(UserWarning, match=r"gradient_accumulation_steps=4\): accelerate skips step\(\) on 3 of "
-                                         r"every 4 batches"):
-        opt.step(make_closure(opt, model, x, y))
+    accelerated = _accelerated_step(monkeypatch)
+    with pytest.warns(UserWarning, match=r"gradient_accumulation_steps=4\): inside accelerator.accumulate\(\), "
+                                         r"accelerate skips step\(\) on 3 of every 4 batches"):
+        accelerated(opt, make_closure(opt, model, x, y))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
-        opt.step(make_closure(opt, model, x, y))
+        accelerated(opt, make_closure(opt, model, x, y))
 
 
 def test_no_warning_without_accumulation_or_without_an_accelerator(monkeypatch) -> None:
@@ -59,8 +68,13 @@ def test_no_warning_without_accumulation_or_without_an_accelerator(monkeypatch) 
         opt = SecondOrderOptimizer(model, lr=0.05)
         opt.step(make_closure(opt, model, x, y))  # accelerate not imported (or no Accelerator made)
         _fake_accelerate(monkeypatch, num_steps=1, sync=True)
+        accelerated = _accelerated_step(monkeypatch)
         opt2 = SecondOrderOptimizer(model, lr=0.05)
-        opt2.step(make_closure(opt2, model, x, y))
+        accelerated(opt2, make_closure(opt2, model, x, y))
+        # an Accelerator accumulating for another model: this optimizer's plain loop is not named
+        _fake_accelerate(monkeypatch, num_steps=4, sync=True)
+        opt3 = SecondOrderOptimizer(model, lr=0.05)
+        opt3.step(make_closure(opt3, model, x, y))
 
 
 def test_a_preconditioner_step_on_a_micro_batch_accelerate_does_not_step_on_is_named(monkeypatch) -> None:
@@ -69,6 +83,11 @@ def test_a_preconditioner_step_on_a_micro_batch_accelerate_does_not_step_on_is_n
     _fake_accelerate(monkeypatch, num_steps=2, sync=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a sync step: the guarded loop
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+    _fake_accelerate(monkeypatch, num_steps=1, sync=False)  # stale: a loop stopped mid-accumulation, then a new
+    with warnings.catch_warnings():                        # Accelerator without accumulation
+        warnings.simplefilter("error")
         F.cross_entropy(model(x), y).backward()
         pre.step()
     _fake_accelerate(monkeypatch, num_steps=2, sync=False)
@@ -99,5 +118,5 @@ def test_a_scalar_model_output_is_named_as_a_likely_loss() -> None:
         loss, _ = model(x, y)
         loss.backward()
         return loss
-    with pytest.raises(ValueError, match=r"is a scalar, not a batch .*out\['logits'\], not out\[0\]"):
+    with pytest.raises(ValueError, match=r"is a scalar, not a batch .*squeeze\(-1\).*out\[.logits.\], not out\[0\]"):
         opt.step(closure)

@@ -111,3 +111,4 @@ def test_numpy_interval_takes_its_default_kl_clip_and_kfac_on_nonfinite_takes_an
     assert KFACPreconditioner(torch.nn.Linear(3, 2), on_nonfinite="RAISE").on_nonfinite == "raise"
     with pytest.raises(ValueError, match="did you mean 'skip'"):
         KFACPreconditioner(torch.nn.Linear(3, 2), on_nonfinite="skp")
+

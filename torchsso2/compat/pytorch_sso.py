@@ -43,6 +43,7 @@ from curvature.linalg import LinalgError, get_backend
 from ..optim import NonFiniteError
 from ..optim import SecondOrderOptimizer as _NativeSO
 from ..optim import VIOptimizer as _NativeVI
+from ..optim.validation import check_number
 from . import sso_conventions as conv
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,11 @@ class VIOptimizer(_SSOGroups, _NativeVI):
         conv.reject_unsupported(lars=lars, normalizing_weights=normalizing_weights, bias_correction=bias_correction,
                                 non_reg_for_bn=non_reg_for_bn, warmup_kl_weighting_steps=warmup_kl_weighting_steps)
         conv.check_acc_steps(acc_steps)
+        if prior_variance is not None:
+            prior_variance = check_number("prior_variance", prior_variance)
+        kl_weighting = check_number("kl_weighting", kl_weighting)
+        if init_precision is not None:
+            init_precision = check_number("init_precision", init_precision)
         if not prior_variance or prior_variance < 0:
             raise NotImplementedError(f"prior_variance={prior_variance!r}: PyTorch-SSO then samples no noise "
                                       "(a point estimate); use the compat SecondOrderOptimizer instead")

@@ -36,6 +36,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
+from ..optim.validation import check_number
+
 logger = logging.getLogger(__name__)
 
 SHAPES = {"Kron": "kfac", "Diag": "diag", "": "full", "Full": "full"}
@@ -132,7 +134,7 @@ def curvature_settings(curv_kwargs: Optional[Mapping[str, Any]]) -> Tuple[float,
     pi_type = kw.get("pi_type", "tracenorm")
     if pi_type != "tracenorm":
         raise ValueError(f"curv_kwargs pi_type={pi_type!r}; PyTorch-SSO only has 'tracenorm'")
-    beta = float(kw.get("ema_decay", 1.0))
+    beta = check_number("curv_kwargs ema_decay", kw.get("ema_decay", 1.0))  # (a YAML '1e-3' is a string)
     if beta == 0.0:
         raise NotImplementedError(
             "curv_kwargs ema_decay=0 (PyTorch-SSO keeps the first batch's curvature for good) has no equivalent "
@@ -141,7 +143,7 @@ def curvature_settings(curv_kwargs: Optional[Mapping[str, Any]]) -> Tuple[float,
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"curv_kwargs ema_decay={beta!r}: PyTorch-SSO's ema_decay is the weight of the new batch, "
                          "in [0, 1]")
-    damping = float(kw.get("damping", 1e-7))
+    damping = check_number("curv_kwargs damping", kw.get("damping", 1e-7))
     if not math.isfinite(damping) or damping < 0:
         raise ValueError(f"curv_kwargs damping={damping!r} must be a finite number >= 0")
     return 1.0 - beta, damping, pi_type
@@ -157,6 +159,8 @@ def momentum_settings(momentum: float, momentum_type: str, grad_ema_decay: float
     EMA ``buf ← (1−d)·buf + d·g`` is the momentum ``1 − d`` with the learning rate times ``d``:
     the lr scale ``d``, by which the compat classes multiply their groups' lr (PyTorch-SSO's, as
     the user sets and schedules it) inside each update."""
+    momentum = check_number("momentum", momentum)
+    grad_ema_decay = check_number("grad_ema_decay", grad_ema_decay)
     if momentum < 0:
         raise ValueError(f"momentum={momentum!r} must be >= 0")
     if not 0.0 <= grad_ema_decay <= 1.0:

@@ -14,6 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from curvature.options import float_or_inf
+from torchsso2.optim.validation import dtype_named
 
 from .enums import DistributedStrategy, parse_choice
 
@@ -60,6 +61,7 @@ def check_dtype(name: str, value: object, optional: bool) -> Optional[torch.dtyp
     """
     if value is None and optional:
         return None
+    value = dtype_named(value)  # "float32" / "torch.float32" from a config file
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         expected = "a floating torch.dtype" + (" or None" if optional else "")
         raise TypeError(f"{name} must be {expected}, got {value!r}")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import List, Sequence, Set, Tuple
+from collections.abc import Mapping, Sequence, Set as AbstractSet
+from typing import List, Set, Tuple
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -24,10 +25,11 @@ SUPPORTED_TYPES: Tuple[type, ...] = (nn.Linear, nn.Conv2d)
 
 
 def _compile(patterns: Sequence[str]) -> List["re.Pattern[str]"]:
-    """The regexes of ``skip_layers``: a list, tuple or set of strings or compiled patterns (as
-    kfac_pytorch, which passes each to ``re.compile``); a bare string is refused (kfac_pytorch would
-    take each of its characters as a pattern)."""
-    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple, set, frozenset)):
+    """The regexes of ``skip_layers``: a sequence or set of strings or compiled patterns (a list, a tuple,
+    OmegaConf's ListConfig; as kfac_pytorch, which passes each to ``re.compile``); a bare string is refused
+    (kfac_pytorch would take each of its characters as a pattern), and so is a mapping (its keys would be
+    taken, whatever their values)."""
+    if isinstance(patterns, (str, bytes, Mapping)) or not isinstance(patterns, (Sequence, AbstractSet)):
         raise TypeError(f"skip_layers must be a list of regex strings, got {type(patterns).__name__} {patterns!r}")
     out = []
     for p in patterns:

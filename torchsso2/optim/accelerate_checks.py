@@ -8,7 +8,10 @@ UserWarning at the first step names the recipe (accumulate inside the closure). 
 :class:`~torchsso2.kfac.KFACPreconditioner` stepped on every micro-batch (before the wrapper's
 no-op ``step()``) preconditions a partial gradient that the next backward adds to: a UserWarning
 names the ``accelerator.sync_gradients`` guard. Read from accelerate's ``GradientState`` only when
-accelerate is already imported and an ``Accelerator`` exists.
+accelerate is already imported and an ``Accelerator`` exists; that state is process-wide (an Accelerator
+made for another model, a notebook cell stopped mid-accumulation leave it set), so the optimizers' warning
+needs the step to come from accelerate's ``AcceleratedOptimizer.step``, and the preconditioner's an
+accumulation of more than one batch.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import warnings
 from typing import Any, Optional
 
 from curvature.stacklevel import caller_stacklevel
+
+#: how many frames above the optimizer's step an ``AcceleratedOptimizer.step`` is looked for
+_CALLER_DEPTH = 8
 
 __all__ = ["warn_if_accelerate_accumulates", "warn_if_not_sync_step"]
 
@@ -33,15 +39,31 @@ def _gradient_state() -> Optional[Any]:
         return None
 
 
+def _called_by_accelerate() -> bool:
+    """Whether an ``accelerate.optimizer`` frame (``AcceleratedOptimizer.step``) is among the callers."""
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "accelerate.optimizer":
+            return True
+    return False
+
+
 def warn_if_accelerate_accumulates(face: str) -> None:
-    """UserWarning when accelerate accumulates gradients over k > 1 batches (call at the first step)."""
+    """UserWarning when accelerate's optimizer wrapper calls the step and accumulates gradients over k > 1
+    batches (call at the first step)."""
+    if "accelerate.optimizer" not in sys.modules or not _called_by_accelerate():
+        return
     state = _gradient_state()
     steps = getattr(state, "num_steps", 1) if state is not None else 1
     if isinstance(steps, int) and steps > 1:
         warnings.warn(
-            f"{face} under accelerate's gradient accumulation (gradient_accumulation_steps={steps}): accelerate "
-            f"skips step() on {steps - 1} of every {steps} batches, so their closure never runs (those batches are "
-            f"not trained on), and divides each loss by {steps}. Build the Accelerator without "
+            f"{face} under accelerate's gradient accumulation (gradient_accumulation_steps={steps}): inside "
+            f"accelerator.accumulate(), accelerate skips step() on {steps - 1} of every {steps} batches, so their "
+            f"closure never runs (those batches are not trained on), and accelerator.backward divides each loss by "
+            f"{steps} (outside it too). Build the Accelerator without "
             "gradient_accumulation_steps and run the micro-batches inside the closure (each loss weighted by its "
             "share of the batch; docs/guide.md, 'Hugging Face accelerate and Trainer')",
             UserWarning, stacklevel=caller_stacklevel())
@@ -52,6 +74,9 @@ def warn_if_not_sync_step() -> bool:
     does not synchronize (and will not step the optimizer)."""
     state = _gradient_state()
     if state is None or getattr(state, "sync_gradients", True) is not False:
+        return False
+    steps = getattr(state, "num_steps", 1)  # (a stale False after a stopped loop: a new Accelerator resets this)
+    if not isinstance(steps, int) or steps <= 1:
         return False
     warnings.warn(
         "KFACPreconditioner.step() on a micro-batch of accelerate's gradient accumulation that does not step the "

@@ -189,7 +189,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         params: optional torch.optim-style param groups (default: all trainable params of model).
             Curvature is estimated for these only; the model's other parameters are left alone.
         linalg: ``"torch" | "cupy" | "numpy"`` decomposition backend (default: env TORCHSSO2_LINALG or torch).
-        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator.
+        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator (``None`` is ``"auto"``: a
+            launcher's processes are found and averaged over; ``"none"`` for one process).
             Selecting MPI installs the process-wide fault handlers (an uncaught exception calls
             ``MPI_Abort``, a rank that exits tells the others; opt out with
             ``TORCHSSO2_ABORT_ON_EXCEPTION=0`` or ``get_communicator("mpi", abort_on_exception=False)``);

@@ -16,7 +16,7 @@ from curvature.linalg import get_backend
 from curvature.options import Kind, KFACApprox, check_mc_samples, parse
 
 from .misuse import check_option
-from .validation import MAX_STEPS, check_choice, check_int, check_number
+from .validation import MAX_STEPS, check_choice, check_int, check_number, dtype_named
 
 
 @dataclass
@@ -62,6 +62,7 @@ class CurvatureSettings:
         scaler = self.grad_scaler
         if scaler is not None and not all(hasattr(scaler, a) for a in ("unscale_", "get_scale")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.decomposition_dtype = dtype_named(self.decomposition_dtype)  # "float64" from a config file
         if self.decomposition_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(f"decomposition_dtype={self.decomposition_dtype!r}; "
                              "expected None, torch.float32 or torch.float64")

@@ -8,6 +8,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from curvature.compute import SCALAR_OUTPUT
 from curvature.options import did_you_mean
 
 #: largest accepted learning rate: a natural-gradient step is O(1), so anything above is a typo (lr=1e39
@@ -112,11 +113,20 @@ def as_loss_tensor(loss: Any) -> "torch.Tensor":
 def check_nonempty_batch(output: Any) -> None:
     """The model output of a closure's forward must hold at least one example (``[N, ...]``, N >= 1)."""
     if isinstance(output, torch.Tensor) and output.dim() == 0:
-        raise ValueError("the model output (after output_selector) is a scalar, not a batch [N, ...]: is it the loss? "
-                         "Select the logits (a Hugging Face model called with labels= returns the loss first: "
-                         "output_selector=lambda out: out['logits'], not out[0])")
+        raise ValueError(SCALAR_OUTPUT)
     if isinstance(output, torch.Tensor) and output.shape[0] == 0:
         raise ValueError(f"the closure ran the model on an empty batch (output of shape {list(output.shape)}); "
                          "the curvature of an empty batch is undefined: skip empty batches in the training loop "
                          "(e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with several processes every rank "
                          "must skip the same steps, as drop_last=True with a DistributedSampler does)")
+
+
+def dtype_named(value: Any) -> Any:
+    """A dtype given by its name, as a config file gives it (``"float64"``, ``"torch.float64"``): the
+    ``torch.dtype``; anything else is returned as it is (for the caller's check to name)."""
+    if isinstance(value, str):
+        name = value.strip()
+        candidate = getattr(torch, name[len("torch."):] if name.startswith("torch.") else name, None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+    return value

@@ -191,7 +191,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         seed: seed of the sampling generator (saved in state_dict). None (default): drawn from torch's
             global generator at construction (one draw, as a DataLoader's base seed): ``torch.manual_seed``
             makes a run repeatable, and optimizers built one after another get different streams.
-        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator; faults as in
+        communicator: ``"auto" | "none" | "torch" | "mpi"`` or a Communicator (``None`` is ``"auto"``); faults as in
             :class:`SecondOrderOptimizer` (MPI abort hooks unless ``TORCHSSO2_ABORT_ON_EXCEPTION=0``,
             collective timeout ``TORCHSSO2_DIST_TIMEOUT``, settings compared across ranks).
         skip_modules: module names (regex), class names or types, each with its submodules, left
@@ -267,6 +267,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         self.noise = ObservationNoise(1.0 if noise_variance is None else noise_variance)
         # compared across ranks (distributed/consistency.py): "learned" in one spelling
         self.noise_variance = "learned" if self.noise.learned else noise_variance
+        if isinstance(curvature, str) and curvature.lower() == "reparam":  # any case, as the other choices
+            curvature = "reparam"
         #: curvature="reparam": diagonal curvature from the step's own backward (torchsso2/optim/reparam.py)
         self.reparam = curvature == "reparam" or (curvature is None and default_is_reparam(approx, curvature_init))
         kind = "fisher_mc" if curvature is None else "fisher" if self.reparam else curvature
