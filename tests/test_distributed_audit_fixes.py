@@ -77,7 +77,7 @@ GROUP_TIMEOUT = textwrap.dedent("""
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(sys.argv[1])))
     from torchsso2.distributed import TorchCommunicator
     TorchCommunicator()
-    print("built on rank", dist.get_rank())
+    print(f"built on rank {dist.get_rank()}", flush=True)  # one write: unbuffered ranks interleave print's parts
     dist.destroy_process_group()
 """)
 

@@ -57,7 +57,7 @@ def test_vi_parses_the_curvature_name_before_checking_mc_samples() -> None:
         VIOptimizer(_model(), dataset_size=10, approx="kfac", curvature="fisher-mc", mc_samples=2)
 
 
-@pytest.mark.parametrize("name", ["reparm", "Reparam", "repram", "re-param"])
+@pytest.mark.parametrize("name", ["reparm", "Reparm", "repram", "re-param"])  # ("Reparam" is taken: any case)
 def test_vi_suggests_reparam(name: str) -> None:
     with pytest.raises(ValueError, match="did you mean 'reparam'"):
         VIOptimizer(_model(), dataset_size=10, curvature=name)
