@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from curvature.blocks.layout import parameter_gone
+from curvature.blocks.layout import held_parameters
 from curvature.linalg import Backend, LinalgError
 from curvature.modules.base import LayerFamily
 
@@ -94,11 +94,7 @@ class KFACLayer:
     # ---- parameters -------------------------------------------------------------------
     @property
     def params(self) -> List[nn.Parameter]:
-        own = self.module._parameters
-        try:
-            return [own[n] for n in self.param_names]
-        except KeyError as err:
-            raise parameter_gone(self.name, self.module, err.args[0]) from None
+        return held_parameters(self.name, self.module, self.param_names)
 
     def has_grad(self) -> bool:
         return all(p.grad is not None for p in self.params)

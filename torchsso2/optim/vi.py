@@ -592,12 +592,12 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         missing: Dict[str, Block] = {}
         if fresh:
             warn_unreached_blocks(self, fresh)
-        # Ctrl-C in the EMA or a decomposition: the decompositions and counts put back (no block half-updated),
-        # the labels given back; the statistics may keep the batch (torchsso2/optim/rollback.py)
+        # what an overflowing update, or Ctrl-C in the EMA or a decomposition, puts back: the block set, the
+        # decompositions and counts (no block half-updated); the statistics may keep an interrupted batch
+        # (torchsso2/optim/rollback.py)
         rollback = CurvatureRollback(self, False)
         try:
             if fresh is not None:
-                before = dict(self.running.blocks), self.running.num_updates  # what an overflowing update puts back
                 if not self.running.blocks and self.curvature_init is not None:  # the EMA starts at curvature_init·I
                     self.running.update(isotropic_blocks(fresh, self.curvature_init), 0.0)
                 # a block seen for the first time later (frozen at the start, a head earlier batches did not call)
@@ -618,9 +618,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                     overflow = [name for name, c in updated.items() if c.numel() and not bool(torch.isfinite(
                         c.abs().max() * self.likelihood_size + self.precision_shift))]
                     if overflow:
-                        self.running.blocks.clear()
-                        self.running.blocks.update(before[0])
-                        self.running.num_updates = before[1]
+                        rollback.restore(self)
                         self._nonfinite("curvature (its update overflowed)", snapshot,
                                         lambda: f"the curvature update of blocks {overflow} overflowed")
                         return mean_loss, output
