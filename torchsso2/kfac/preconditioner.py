@@ -220,18 +220,18 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.allreduce_bucket_cap_mb = float(allreduce_bucket_cap_mb)
         self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if self.allreduce_bucket_cap_mb > 0
                                  else AllreduceMethod.ALLREDUCE)
-        self.skip_layers = [] if skip_layers is None else skip_layers  # (checked by find_layers below)
 
         prediv = self.compute_method is ComputeMethod.EIGEN and self.compute_eigenvalue_outer_product
         self.layers = {}
-        for name, module, family in find_layers(model, self.skip_layers):
+        for name, module, family in find_layers(model, [] if skip_layers is None else skip_layers):
             layer = KFACLayer(name, module, family, self.compute_method, prediv, self.factor_dtype,
                               self.inv_dtype, self.backend)
             self.layers[name] = layer
             logger.log(self.loglevel, "Registered name=%r: %r", name, layer)
         out_projs = attention_out_projections(model)  # warned about at registration: not again at step()
         self._unrecorded_warned = {n for n, layer in self.layers.items() if id(layer.module) in out_projs}
-        self.skip_layers = list(self.skip_layers)  # (a ListConfig or tuple from a config: stored as kfac_pytorch's list)
+        # checked by find_layers; a ListConfig or tuple from a config stored as kfac_pytorch's list
+        self.skip_layers = [] if skip_layers is None else list(skip_layers)
         holders: Dict[int, str] = {}
         for name, layer in self.layers.items():
             for p in layer.params:
