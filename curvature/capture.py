@@ -24,6 +24,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from .eager import eager
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
 from .hook_marks import LocalHook, capture_hook, in_func_transform, is_marked
@@ -221,7 +222,7 @@ class Capture:
             return None
         return route_output(module, inputs[0], output, self.frozen)
 
-    @torch.compiler.disable  # eager under torch.compile: traced, the estimate it starts (the Hessian's) broke dynamo
+    @eager  # torch.compiler.disable, lazily (curvature/eager.py): traced, the estimate it starts (the Hessian's) broke dynamo
     def _root_hook(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
         if not torch.is_grad_enabled() or in_func_transform():
             return

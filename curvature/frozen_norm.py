@@ -19,6 +19,7 @@ from typing import Any, List, Tuple
 
 import torch
 from torch import Tensor, nn
+from .eager import eager
 
 
 class FrozenMode:
@@ -91,7 +92,7 @@ class _Route(torch.autograd.Function):
         return None, g, None, None
 
 
-@torch.compiler.disable  # traced by dynamo, the routing node's backward lost its frozen-statistics path
+@eager  # torch.compiler.disable, lazily (curvature/eager.py): traced by dynamo, the routing node's backward lost its frozen-statistics path
 def route_output(module: nn.Module, x: Tensor, out: Tensor, mode: FrozenMode) -> Tensor:
     """``out`` behind a routing node (a fresh tensor equal to ``out``), see the module docstring."""
     return _Route.apply(x, out, frozen_input_scale(module, x), mode)

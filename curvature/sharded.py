@@ -40,15 +40,23 @@ def _loaded_class(module_name: str, class_name: str) -> Optional[type]:
 
 
 def sharding_of(model: nn.Module) -> Optional[str]:
-    """How ``model``'s parameters are sharded, in words (the first FSDP module found, or the
-    ``DTensor`` parameters), or None for a model whose every parameter is a whole tensor."""
+    """How ``model``'s parameters are sharded, in words (the first FSDP module found, a module FSDP
+    manages from a wrapper around ``model``, or the ``DTensor`` parameters), or None for a model whose
+    every parameter is a whole tensor."""
     wrappers = [(cls, what) for module_name, class_name, what in _SHARDING_MODULES
                 if (cls := _loaded_class(module_name, class_name)) is not None]
-    if wrappers:
-        for name, module in model.named_modules():
-            what = next((w for cls, w in wrappers if isinstance(module, cls)), None)
-            if what is not None:
-                return f"module {name or '(the model)'!r} is wrapped by {what}"
+    flat = _loaded_class("torch.distributed.fsdp._flat_param", "FlatParameter")
+    for name, module in model.named_modules():
+        what = next((w for cls, w in wrappers if isinstance(module, cls)), None)
+        if what is not None:
+            return f"module {name or '(the model)'!r} is wrapped by {what}"
+        # the module itself given while its parent is the FSDP wrapper: torch marks every module it manages,
+        # and FullyShardedDataParallel(use_orig_params=False) holds the local shard as one FlatParameter
+        if getattr(module, "_is_fsdp_managed_module", False) is True:
+            return (f"module {name or '(the model)'!r} is managed by FSDP (a FullyShardedDataParallel or fully_shard "
+                    "wrapper of it or of a module around it)")
+        if flat is not None and any(isinstance(p, flat) for p in module._parameters.values()):
+            return f"module {name or '(the model)'!r} holds an FSDP FlatParameter (a flattened local shard)"
     dtensors = tuple({c for c in (_loaded_class(m, "DTensor") for m in _DTENSOR_MODULES) if c is not None})
     if dtensors:  # trainable ones: a frozen DTensor parameter takes no update and no curvature
         names: List[str] = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, dtensors)]
@@ -68,3 +76,11 @@ def refuse_sharded(model: nn.Module, who: str) -> None:
             "every covered layer's whole parameters and gradients on each process. Train with data parallelism "
             "instead: wrap the model with torch.nn.parallel.DistributedDataParallel (or run one process per rank "
             "under mpiexec); see docs/distributed.md")
+
+
+def sharded_since(how: str, who: str) -> str:
+    """The reason (after "because") for a failure of ``who``'s step on a model sharded after ``who`` was built
+    (``how``: :func:`sharding_of`'s words)."""
+    return (f"the model is sharded across processes now ({how}), which {who} does not support: its curvature needs "
+            "every covered layer's whole parameters and gradients on each process. Build it on a model trained with "
+            "data parallelism (DistributedDataParallel, or one process per rank under mpiexec; docs/distributed.md)")

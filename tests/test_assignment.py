@@ -239,3 +239,9 @@ def test_the_fraction_by_name_and_a_bad_type_are_clear() -> None:
         WorkAssignment(work, 4, "bogus")
     with pytest.raises(TypeError, match=r"grad_worker_fraction must be a float in \(0, 1\].*got NoneType None"):
         WorkAssignment(work, 4, None)
+
+
+def test_a_worker_count_that_is_not_an_integer_names_the_world_sizes_that_fit():
+    with pytest.raises(ValueError, match=r"3 \* 0.5 = 1.5; use a world size that is a multiple of 1/0.5 = 2, or a "
+                                         r"fraction k/3 \(k dividing 3; e.g. 0.333333 or 1.0\)"):
+        grad_worker_count(3, 0.5)

@@ -157,3 +157,9 @@ def test_state_dict_that_is_not_a_dict_is_a_type_error():
         opt.load_state_dict([1, 2])
     with pytest.raises(ValueError, match="no 'torchsso2' entry"):
         opt.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+    # what torch.distributed.checkpoint's get_optimizer_state_dict keeps: 'state' and 'param_groups' only
+    kept = {k: v for k, v in opt.state_dict().items() if k in ("state", "param_groups")}
+    with pytest.raises(ValueError, match=r"torch.distributed.checkpoint's get_state_dict / get_optimizer_state_dict, "
+                                         r"which keep only 'state' and 'param_groups'.*save opt.state_dict\(\) with "
+                                         r"torch.save"):
+        opt.load_state_dict(kept)

@@ -69,8 +69,9 @@ def test_two_hundred_dropped_optimizers_leave_no_hooks_and_are_freed(face):
     assert hooks_on(model) == 0
     assert sum(r() is not None for r in refs) == 0, "dropped optimizers are still alive"
     after_ms = _fwd_bwd_ms(model, x, y)
-    # 400 leftover hooks made a forward+backward ~200x slower in the drop-in; allow timing noise only
-    assert after_ms < 2.0 * before_ms + 0.2, (before_ms, after_ms)
+    # 400 leftover hooks made a forward+backward ~200x slower in the drop-in; a margin wide enough for a loaded
+    # machine (the hook count above is the exact check)
+    assert after_ms < 10.0 * before_ms + 1.0, (before_ms, after_ms)
 
 
 @pytest.mark.parametrize("face", ["sso", "vi"])

@@ -77,7 +77,8 @@ def _expected_bytes(name: str, world: int, res: Dict[str, Any]) -> int:
     def tri(n: int) -> int:
         return n * (n + 1) // 2 if sym else n * n
 
-    total = 0
+    # factor steps: first four float64 per layer (contributions folded into A and G, and their squares)
+    total = world * common.STEPS * len(res["sizes"]) * 4 * 8
     for sizes in res["sizes"].values():
         na, ng = sizes["A"], sizes["G"]
         total += world * common.STEPS * (tri(na) + tri(ng)) * 8  # factor all-reduce, every rank

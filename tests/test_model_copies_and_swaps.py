@@ -210,3 +210,100 @@ def test_a_layer_added_with_add_param_group_then_replaced_is_named() -> None:
     model[4] = nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="no longer in the model"):
         opt.step(closure)
+
+
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 6)
+        self.heads = nn.ModuleDict({"a": nn.Linear(6, 3), "b": nn.Linear(6, 3)})
+
+    def forward(self, x: torch.Tensor, head: str = "a") -> torch.Tensor:
+        return self.heads[head](torch.relu(self.trunk(x)))
+
+
+def _heads_step(model: nn.Module, pre: KFACPreconditioner, head: str = "a") -> None:
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x, head), y).backward()
+    pre.step()
+
+
+def test_kfac_a_replaced_layer_is_an_error_at_the_next_factor_step() -> None:
+    """``model.heads["b"] = nn.Linear(...)``: the old layer is gone and the new one is not registered (it would
+    never be preconditioned). Before, nothing said so."""
+    model = _Heads()
+    pre = KFACPreconditioner(model)
+    _heads_step(model, pre, "b")
+    model.heads["b"] = nn.Linear(6, 3)
+    steps = pre.steps
+    with pytest.raises(ValueError, match=r"registered layers \['heads.b'\] are no longer in the model and it holds "
+                                         r"layers \['heads.b'\] that are not registered"):
+        _heads_step(model, pre, "a")
+    assert pre.steps == steps  # the step did not count
+    pre.remove_hooks()
+
+
+def test_kfac_a_removed_or_wrapped_layer_is_left_alone() -> None:
+    """A head dropped without a replacement, or wrapped in place (``Sequential(head, ...)``, as adapters do), is
+    no error: the wrapped one is still preconditioned through the wrapper."""
+    model = _Heads()
+    pre = KFACPreconditioner(model)
+    _heads_step(model, pre, "b")
+    model.heads["b"] = nn.Sequential(model.heads["b"], nn.Identity())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _heads_step(model, pre, "a")
+        _heads_step(model, pre, "b")
+        del model.heads["b"]
+        _heads_step(model, pre, "a")
+    assert pre.steps == 4
+
+
+def test_kfac_parameters_assigned_after_construction_are_a_warning_while_an_old_one_is_held() -> None:
+    """``load_state_dict(..., assign=True)`` re-creates the parameters: the preconditioner follows them, but an
+    optimizer built before holds the old ones and no longer moves the model (silently, as under torch.optim):
+    a warning, once. Built after the load, the optimizer holds the new ones: no warning."""
+    model = _Heads()
+    pre = KFACPreconditioner(model)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    _heads_step(model, pre)
+    model.load_state_dict({k: v.clone() for k, v in _Heads().state_dict().items()}, assign=True)
+    with pytest.warns(UserWarning, match=r"the parameters of registered layers \['trunk', 'heads.a', 'heads.b'\] "
+                                         r"were replaced since it was built"):
+        _heads_step(model, pre)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _heads_step(model, pre)
+    copy_model, copy_pre = copy.deepcopy((model, pre))  # a copy's parameters are its own from the start
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _heads_step(copy_model, copy_pre)
+    del stale
+
+    model = _Heads()
+    pre = KFACPreconditioner(model)
+    _heads_step(model, pre)
+    model.load_state_dict({k: v.clone() for k, v in _Heads().state_dict().items()}, assign=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after the load, as the warning advises
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _heads_step(model, pre)
+        opt.step()
+        model.load_state_dict({k: v.clone() for k, v in _Heads().state_dict().items()}, assign=True)
+    with pytest.warns(UserWarning, match="were replaced since it was built"):  # now opt holds the old ones
+        _heads_step(model, pre)
+
+
+def test_kfac_a_layer_unfrozen_after_construction_is_not_a_replacing_one() -> None:
+    """A layer frozen at construction (not registered) and unfrozen later, with a registered head dropped: not
+    a replaced layer (it was in the model at construction)."""
+    model = _Heads()
+    model.trunk.requires_grad_(False)
+    pre = KFACPreconditioner(model)
+    _heads_step(model, pre, "b")
+    model.trunk.requires_grad_(True)
+    del model.heads["b"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _heads_step(model, pre, "a")

@@ -107,3 +107,104 @@ def test_many_dtensor_parameters_are_counted_not_listed(one_rank):
             setattr(layer, name, nn.Parameter(distribute_tensor(getattr(layer, name).detach(), mesh, [Replicate()])))
     assert sharding_of(model) == ("parameters 0.weight, 0.bias, 2.weight and 1 more are DTensors "
                                   "(sharded or tensor-parallel)")
+
+
+STEPPING = {k: v for k, v in FACES.items() if k != "curvature.compute"}
+
+
+def _one_step(face: str, opt, call) -> None:
+    if face == "KFACPreconditioner":
+        nn.functional.cross_entropy(call(X), Y).backward()
+        opt.step()
+        return
+
+    def closure():
+        opt.zero_grad()
+        out = call(X)
+        loss = nn.functional.cross_entropy(out, Y)
+        loss.backward()
+        return loss, out
+
+    opt.step(closure)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("face", sorted(FACES))
+def test_the_module_inside_an_fsdp_wrapper_is_refused(one_rank, face, use_orig_params):
+    """Built on the user's own ``model`` after ``fsdp = FSDP(model)`` (the wrapper is its parent, so the model
+    itself holds no FSDP class): VIOptimizer took the flat local shard as its only parameter and trained it
+    without a word; the others blamed a module holding ``_flat_param`` or differing settings."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = _mlp()
+    FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    _refused(FACES[face], model, face, "module '(the model)' is managed by FSDP")
+
+
+@pytest.mark.parametrize("face", sorted(STEPPING))
+def test_sharding_after_construction_fails_the_step_with_the_cause(one_rank, face):
+    """``fully_shard`` applied after the optimizer was built: the step raised torch's "got mixed
+    torch.Tensor and DTensor" or "the closure did not call backward()"; now a ValueError naming it."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    opt = STEPPING[face](model)
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"the model is sharded across processes now "
+                                         r"\(module '\(the model\)' is wrapped by fully_shard \(FSDP2\)\)") as info:
+        _one_step(face, opt, model)
+    assert "DistributedDataParallel" in str(info.value)
+    if face != "KFACPreconditioner":  # (which sees the re-created parameters before torch fails, at the factor step)
+        assert info.value.__cause__ is not None and "step failed" in str(info.value)
+
+
+@pytest.mark.parametrize("face", ["SecondOrderOptimizer", "VIOptimizer"])
+def test_parameters_assigned_after_construction_fail_the_step_with_the_cause(face):
+    """``load_state_dict(..., assign=True)`` after the optimizer was built re-creates the parameters: the step
+    said "the closure did not call backward()" (the optimizer's parameters get no gradient)."""
+    model = _mlp()
+    opt = STEPPING[face](model)
+    model.load_state_dict({k: v.clone() for k, v in _mlp().state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match=r"step failed \(RuntimeError\) because 4 of the parameters "
+                                         rf"{face} was built with are no longer the model's") as info:
+        _one_step(face, opt, model)
+    assert "did not call backward()" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("error", [KeyError("from the user's closure"), StopIteration(),
+                                   torch.OutOfMemoryError("out of memory")])
+def test_unrelated_step_errors_pass_through_unchanged(error):
+    """The diagnosis changes nothing for a model that is unchanged, nor for an error of the closure's own on a
+    model whose parameters were re-created (only "did not call backward()" is their symptom)."""
+    for reassigned in (False, True):
+        model = _mlp()
+        opt = SecondOrderOptimizer(model, approx="kfac", lr=0.1)
+        if reassigned:
+            model.load_state_dict({k: v.clone() for k, v in _mlp().state_dict().items()}, assign=True)
+
+        def closure():
+            raise error
+
+        with pytest.raises(type(error)):
+            opt.step(closure)
+
+
+def test_zero_redundancy_optimizer_beside_a_preconditioner_equals_plain_sgd(one_rank):
+    """ZeroRedundancyOptimizer shards the optimizer state, not the parameters: a KFACPreconditioner (which only
+    rewrites .grad) beside ZeRO over SGD gives SGD's steps exactly (docs/distributed.md)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    runs = []
+    for zero in (False, True):
+        model = nn.parallel.DistributedDataParallel(_mlp())
+        pre = KFACPreconditioner(model)
+        opt = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+               if zero else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(X), Y).backward()
+            pre.step()
+            opt.step()
+        runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], torch.cat(
+        [p.detach().reshape(-1) for p in _mlp().parameters()]))

@@ -136,7 +136,9 @@ def grad_worker_count(world_size: int, grad_worker_fraction: float | Distributed
         raise ValueError(
             f"world_size * grad_worker_fraction must be an integer: {world_size} * {fraction} = {raw}"
             + (f" (grad_worker_fraction {grad_worker_fraction.name} is {fraction} at {world_size} ranks; it needs an "
-               "even world size)" if isinstance(grad_worker_fraction, DistributedStrategy) else ""))
+               "even world size)" if isinstance(grad_worker_fraction, DistributedStrategy) else
+               f"; use a world size that is a multiple of 1/{fraction:g} = {1 / fraction:g}, or a fraction k/{world_size} "
+               f"(k dividing {world_size}; e.g. {1 / world_size:g} or 1.0)"))
     if world_size % count != 0:
         raise ValueError(
             f"world_size {world_size} must be a multiple of the grad-worker count {count} "

@@ -81,6 +81,9 @@ class KFACLayer:
         self.g_factor: Optional[Tensor] = None
         # the running factors before the first fold since the last step (put back if it is skipped)
         self._before_fold: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
+        #: contributions (A: forwards, G: backwards) folded into the running factors since the last step: this
+        #: rank's weight in the factors' average over ranks (torchsso2/kfac/kaisa.py)
+        self.fold_counts: Dict[str, int] = {"A": 0, "G": 0}
         # decompositions: name -> tensor (qa, da, qg, dg, dgda / a_inv, g_inv)
         self.inv: Dict[str, Tensor] = {}
         #: whether decompositions exist on the layer's grad workers (same on every rank)
@@ -151,6 +154,11 @@ class KFACLayer:
             self._before_fold = (self.a_factor, self.g_factor)
         elif not self._folded_finite():  # a non-finite batch folded and never stepped (the user dropped it on
             self.a_factor, self.g_factor = self._before_fold  # its NaN loss): this batch starts from the last step's
+            self.fold_counts = {"A": 0, "G": 0}
+        if self.a_batch is not None:
+            self.fold_counts["A"] += self.a_count
+        if self.g_batch is not None:
+            self.fold_counts["G"] += self.g_count
         if self.a_batch is not None:
             self.a_factor = self._ema(self.a_factor, self.a_batch / self.a_count if self.a_count > 1
                                       else self.a_batch, decay)
@@ -173,6 +181,7 @@ class KFACLayer:
     def keep_folds(self) -> None:
         """The step went through: the factors folded since the last step stay."""
         self._before_fold = None
+        self.fold_counts = {"A": 0, "G": 0}
 
     def undo_folds(self) -> None:
         """The step is skipped: the running factors go back to what they were at the last step
@@ -180,7 +189,33 @@ class KFACLayer:
         if self._before_fold is not None:
             self.a_factor, self.g_factor = self._before_fold
             self._before_fold = None
+        self.fold_counts = {"A": 0, "G": 0}
         self.reset_batch()
+
+    def factor(self, key: str) -> Optional[Tensor]:
+        """The running factor ``"A"`` or ``"G"`` (None before the first fold)."""
+        return self.a_factor if key == "A" else self.g_factor
+
+    def zero_factor(self, key: str) -> Tensor:
+        """Zero ``[n, n]`` for factor ``"A"`` / ``"G"``, in the dtype and on the device a fold here would give it
+        (the old factor's promoted with the contributions': ``factor_dtype``, else the parameters' dtype, at
+        least float32): this rank's part of the all-reduce of a factor that only other ranks updated."""
+        old = self.factor(key)
+        p = self.params[0]
+        computed = self.factor_dtype or (torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype)
+        dtype = computed if old is None else torch.promote_types(old.dtype, computed)
+        device = p.device if old is None else old.device
+        return torch.zeros(self.sizes[key], self.sizes[key], dtype=dtype, device=device)
+
+    def adopt_factor(self, key: str, value: Tensor) -> None:
+        """Take a running factor that other ranks updated in this step (the old factors are kept, as a fold
+        keeps them, for a skipped step to put back)."""
+        if self._before_fold is None:
+            self._before_fold = (self.a_factor, self.g_factor)
+        if key == "A":
+            self.a_factor = value
+        else:
+            self.g_factor = value
 
     def factors(self) -> List[Tensor]:
         assert self.a_factor is not None and self.g_factor is not None

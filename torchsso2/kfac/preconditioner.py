@@ -23,8 +23,9 @@ import math
 import numbers
 from collections import defaultdict
 import warnings
+import weakref
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +34,10 @@ from curvature.capture import on_gradient
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.hook_marks import warn_if_attached
 from torchsso2.optim.accelerate_checks import warn_if_not_sync_step
+from torchsso2.optim.changed_model import PASS_THROUGH
 from curvature.linalg import Backend, get_backend
 from curvature.options import float_or_inf
+from curvature.sharded import sharded_since, sharding_of
 from curvature.stacklevel import caller_stacklevel
 from torchsso2.distributed import Communicator, WorkAssignment, get_communicator
 from torchsso2.distributed.consistency import check_kfac_settings
@@ -262,6 +265,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._model = model
         self._attach_hooks()
+        #: each layer's parameter objects at construction (a replacement since is warned about once: _check_model_unchanged)
+        self._born = {name: _param_ids(layer) for name, layer in self.layers.items()}
+        #: the parameters at construction, weakly: a replacement is warned about only while an old one lives on
+        self._born_params = [weakref.ref(p) for layer in self.layers.values() for p in layer.params]
+        #: the model's modules at construction: only a module added since can be a replacing layer
+        self._modules_at_start = {id(m) for m in model.modules()}
+        self._replaced_warned = False
         self._attached_checked = False  # other live preconditioners on the layers: at the first step()
         self._sync_warned = False  # a step() on a micro-batch accelerate does not step on (accelerate_checks.py)
         self._model_is_compiled = contains_compiled(model)
@@ -376,6 +386,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 for key in stale.intersection(hooks):
                     del hooks[key]
         new._handles = []
+        new._born = {name: _param_ids(layer) for name, layer in new.layers.items()}
+        new._born_params = [weakref.ref(p) for layer in new.layers.values() for p in layer.params]
+        new._modules_at_start = {id(m) for m in new._model.modules()}
         if self._handles:  # (a preconditioner detached with remove_hooks() is copied detached)
             new._attach_hooks()
         return new
@@ -404,17 +417,84 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           "then scaler.step(optimizer) and scaler.update() (every optimizer holding a registered "
                           "layer: only whether any was unscaled is seen)", UserWarning, stacklevel=caller_stacklevel())
 
-    def _warn_unrecorded(self, layers: List[KFACLayer]) -> None:
+    def _check_model_unchanged(self, layers: List[KFACLayer]) -> Set[str]:
+        """At a factor step in which some forwards were recorded: a ValueError when registered layers that this
+        step did not record are no longer in the model (by identity) and the model now holds ``nn.Linear`` /
+        ``nn.Conv2d`` layers that would be registered and are not (a layer replaced after the preconditioner
+        was built, ``model.head = nn.Linear(...)``: the new one would never be preconditioned). A registered
+        layer removed without a replacement (an auxiliary head dropped), or wrapped in place, is left alone.
+        Every rank reaches the same verdict from its model, before any collective of the step. Then, once, a
+        UserWarning for layers whose parameter objects were replaced since construction
+        (``load_state_dict(..., assign=True)``): an optimizer built before holds the old ones.
+
+        Returns:
+            the names of the registered layers no longer in the model (removed: not warned about as unrecorded).
+        """
+        gone: List[str] = []
+        if not any(self._mini_steps.values()):
+            return set()
+        unrecorded = [layer for layer in layers if not self._mini_steps.get(layer.name)]
+        if unrecorded:
+            inside = {id(m) for m in self._model.modules()}
+            gone = [layer.name for layer in unrecorded if id(layer.module) not in inside]
+            new = self._unregistered_layers() if gone else []
+            if new:  # (step() forgets what this step recorded)
+                raise ValueError(
+                    f"KFACPreconditioner: registered layers {gone} are no longer in the model and it holds layers "
+                    f"{new} that are not registered: a layer replaced after the preconditioner was built (e.g. "
+                    "model.head = nn.Linear(...)) would never be preconditioned. Build a new KFACPreconditioner "
+                    "(and optimizer) after changing the model")
+        if not self._replaced_warned:
+            # (a parameter gone from the module, a reparametrization, is layer.params' error: not counted here)
+            moved = [layer.name for layer in layers
+                     if None not in (ids := _param_ids(layer)) and ids != self._born[layer.name]]
+            how = sharding_of(self._model) if moved else None
+            if how is not None:  # sharded since: say that, before any collective
+                raise ValueError(f"KFACPreconditioner.step failed because {sharded_since(how, 'KFACPreconditioner')}")
+            # (an old parameter still alive is held by something: an optimizer built before the replacement)
+            own = {id(p) for p in self._model.parameters()} if moved else set()
+            stale = moved and any((p := ref()) is not None and id(p) not in own for ref in self._born_params)
+            if moved and not stale:  # nothing holds the old ones: the new parameters are the baseline from here on
+                self._born = {layer.name: _param_ids(layer) for layer in layers}
+                self._born_params = [weakref.ref(p) for layer in layers for n in layer.param_names
+                                     if (p := layer.module._parameters.get(n)) is not None]
+            if stale:
+                self._replaced_warned = True
+                warnings.warn(f"KFACPreconditioner: the parameters of registered layers {moved} were replaced since it "
+                              "was built (load_state_dict(..., assign=True), model.to_empty(...), a wrapper that "
+                              "re-creates them), and something still holds the old ones: typically an optimizer "
+                              "built before the replacement, which then no longer moves the model (or tensors and "
+                              "graphs kept from before it). The preconditioner follows the new parameters; build the "
+                              "optimizer (and preconditioner) after loading, materializing or wrapping the model",
+                              UserWarning, stacklevel=caller_stacklevel())
+        return set(gone)
+
+    def _unregistered_layers(self) -> List[str]:
+        """Names of the model's layers that ``find_layers`` would register now, that are not registered and
+        that were not in the model at construction (a layer frozen then and unfrozen since is not new)."""
+        registered = {id(layer.module) for layer in self.layers.values()}
+        try:
+            with warnings.catch_warnings():  # (its registration warnings were given at construction)
+                warnings.simplefilter("ignore")
+                found = find_layers(self._model, self.skip_layers)
+        except Exception:  # a layer it would refuse: not one that would be preconditioned
+            return []
+        return [name for name, module, _ in found
+                if id(module) not in registered and id(module) not in self._modules_at_start]
+
+    def _warn_unrecorded(self, layers: List[KFACLayer], exempt: Set[str]) -> None:
         """Once per layer: a registered layer with a nonzero gradient and no forward recorded in a factor step in
         which other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x, layer.weight)``,
         or the layer run in eval mode): its gradient stays unpreconditioned, or is preconditioned with factors
-        that no longer update, silently under kfac_pytorch."""
+        that no longer update, silently under kfac_pytorch. Not for the layers in ``exempt``: those another rank
+        recorded (updated on any rank; DDP gives this rank its averaged gradient) and those removed from the model."""
         if not any(self._mini_steps.values()):
             return
         warned = self._unrecorded_warned
-        # (a head this step did not call, with a zero gradient, has factors from the steps that called it)
+        # (a head this step did not call has a zero gradient, or a DDP average of the ranks that called it)
         names = [layer.name for layer in layers if layer.name not in warned and not self._mini_steps.get(layer.name)
-                 and layer.has_grad() and not (layer.has_factors() and not any(bool(p.grad.any()) for p in layer.params))]
+                 and layer.name not in exempt
+                 and layer.has_grad() and any(bool(p.grad.any()) for p in layer.params)]
         if names:
             warned.update(names)
             warnings.warn(f"KFACPreconditioner: registered layer(s) {names} have gradients but no forward of them was "
@@ -455,12 +535,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         undo: Dict[str, Any] = {}
         try:
             self._precondition(layers, factor_step, inverse_step, decay, damping, kl_clip, lr, undo)
-        except BaseException:
+        except BaseException as err:
             # an error, or Ctrl-C in a decomposition: the factors, decompositions and counts as at the last step
             # (gradients already preconditioned stay so: zero them before the next backward)
             self._forget_step(layers)
             if undo.get("previous") is not None:
                 restore_decompositions(layers, undo["previous"])
+            how = sharding_of(self._model) if isinstance(err, Exception) and not isinstance(err, PASS_THROUGH) else None
+            if how is not None and not (isinstance(err, ValueError) and "sharded across processes" in str(err)):
+                # sharded after it was built: torch's "mixed torch.Tensor and DTensor", a shape error
+                raise ValueError(f"KFACPreconditioner.step failed ({type(err).__name__}) because "
+                                 f"{sharded_since(how, 'KFACPreconditioner')}") from err
             raise
 
     def abandon_step(self) -> None:
@@ -492,16 +577,18 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                "was traced before the preconditioner's hooks existed: "
                                + compile_advice("the preconditioner"))
         self._warn_scaled_gradients()
-        if factor_step:
-            self._warn_unrecorded(layers)
+        removed = self._check_model_unchanged(layers) if factor_step else set()
         if decay is not None:
             # every batch of the step, or (factors updated in the hooks) those no hook folded
             # (_fold_in_hook: e.g. fewer micro-batches than accumulation_steps)
             for layer in layers:
                 if (not self.update_factors_in_hook or layer.batch_count) and layer.update_factors(decay):
                     self._updated.add(layer.name)
-        self._kaisa.allreduce_factors([layer for layer in layers if layer.name in self._updated])
-        if self._skip_nonfinite(layers, nonfinite_entries(layers, self._updated, self.grad_scaler is None)):
+        # the ranks agree on which layers were updated (on any rank) before their factors travel
+        updated = self._kaisa.allreduce_factors(layers, self._updated) if factor_step else set(self._updated)
+        if factor_step:
+            self._warn_unrecorded(layers, updated | removed)
+        if self._skip_nonfinite(layers, nonfinite_entries(layers, updated, self.grad_scaler is None)):
             return
         self._updated.clear()
 
@@ -609,8 +696,22 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                    "consecutive_skips": self._skips.consecutive_skips}
             if include_factors:
                 ext["decompositions"], ext["inv_ready"] = decompositions_state(list(self.layers.values()))
+                first = next(iter(self.layers.values()), None)
+                ext["placement"] = {"world_size": self.comm.world_size,
+                                    "grad_workers": {n: list(self.assignment.grad_workers(n)) for n in self.layers},
+                                    "decomposition": [first.method.name, first.prediv] if first else []}
             state[EXTENSION] = ext
         return state
+
+    def _moved_layers(self, placement: Optional[Tuple[int, Dict[str, Tuple[int, ...]]]]) -> Set[str]:
+        """The layers whose grad workers now differ from a checkpoint's ``placement`` (all of them when the world
+        size differs; none when the checkpoint does not record it)."""
+        if placement is None:
+            return set()
+        world, saved = placement
+        if world != self.comm.world_size:
+            return set(self.layers)
+        return {n for n in self.layers if tuple(saved.get(n, ())) != tuple(self.assignment.grad_workers(n))}
 
     def load_state_dict(self, state_dict: Dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict` (ours or kfac_pytorch's).
@@ -621,7 +722,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         Decompositions in the state dict are used as they are; without them (kfac_pytorch's
         format) ``compute_inverses`` recomputes them from the loaded factors (every rank must
         call it then). A layer listed as decomposed whose decompositions this rank needs but the
-        state dict lacks (a checkpoint from a rank that did not hold them) is decomposed here.
+        state dict lacks (a checkpoint from a rank that did not hold them) is decomposed here, and so is
+        every layer whose grad workers differ from those of the saving world (another number of ranks or
+        another ``grad_worker_fraction``: elastic training), so that the ranks precondition alike
+        whichever rank's file each loaded. On the same ranks and placement, load each rank's own file or
+        one file on every rank (docs/kfac.md, "Checkpoints").
         """
         compute_inverses = parse_flag("compute_inverses", compute_inverses)
         staged = validate_state(state_dict, list(self.layers.values()), self.factor_dtype, self.inv_dtype)
@@ -640,9 +745,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._reset_step_counts()
         self._updated.clear()
         if staged.decompositions is not None:
+            moved = self._moved_layers(staged.placement)
             for layer in self.layers.values():
                 worker = self._kaisa.is_grad_worker(layer)  # only grad workers keep decompositions
-                layer.inv = dict(staged.decompositions.get(layer.name, {})) if worker else {}
+                # a layer whose grad workers changed (another world size or strategy) is decomposed anew from the
+                # factors by each of them: they may have loaded different ranks' files, some without it
+                layer.inv = dict(staged.decompositions.get(layer.name, {})) if worker and layer.name not in moved \
+                    else {}
                 layer.inv_ready = layer.name in staged.inv_ready
                 if layer.inv_ready and not layer.inv and worker:
                     layer.compute("A", self.damping)  # local: this rank's grad-worker share, no collective
@@ -663,3 +772,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           "decompositions they had before the load (a new preconditioner has none: plain "
                           "gradients, no KL clip), not with the loaded factors; pass compute_inverses=True to "
                           "decompose the loaded factors now", stacklevel=2)
+
+
+def _param_ids(layer: KFACLayer) -> Tuple[Optional[int], ...]:
+    """The identities of ``layer``'s covered parameter objects as its module holds them now (None: gone)."""
+    own = layer.module._parameters
+    return tuple(id(own[n]) if own.get(n) is not None else None for n in layer.param_names)

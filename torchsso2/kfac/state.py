@@ -9,6 +9,9 @@
      "torchsso2": {                                     # include_decompositions=True
          "decompositions": {name: {key: Tensor}},      #   with include_factors=True
          "inv_ready": [name, ...],                     #   the layers decomposed so far (idem)
+         "placement": {"world_size": int,              #   where they were held: the saving world,
+                       "grad_workers": {name: [rank, ...]},   # each layer's grad workers and
+                       "decomposition": [method, prediv]},    # the method (idem)
          "num_skipped": int, "consecutive_skips": int}}  # the non-finite policy's counters
 
 Everything but ``"torchsso2"`` is kfac_pytorch's format (``include_decompositions=False`` gives
@@ -20,6 +23,9 @@ to an uninterrupted one whatever the cadence (with ``inv_update_steps`` not a mu
 ``factor_update_steps`` the decompositions in use are older than the saved factors and
 cannot be recomputed from them). A state dict without ``decompositions`` (kfac_pytorch's, or
 ``include_decompositions=False``) has them recomputed from the factors (``compute_inverses``).
+So are the decompositions of a layer whose grad workers differ from ``placement``'s (another world
+size or strategy, elastic training): its new grad workers may load different ranks' files, some
+with the decomposition and some without, and would precondition with different ones.
 
 :func:`validate_state` checks the whole state dict against the registered layers before
 anything is changed and returns it staged (tensors already copied to the layers' devices);
@@ -43,7 +49,7 @@ HYPERPARAMS = ("factor_update_steps", "inv_update_steps", "damping", "factor_dec
 EXTENSION = "torchsso2"
 COUNTERS = ("num_skipped", "consecutive_skips")
 KEYS = ("steps",) + HYPERPARAMS + ("layers", EXTENSION)
-EXTENSION_KEYS = ("decompositions", "inv_ready") + COUNTERS
+EXTENSION_KEYS = ("decompositions", "inv_ready", "placement") + COUNTERS
 
 
 def layers_state(layers: Sequence[KFACLayer]) -> Dict[str, Dict[str, Any]]:
@@ -76,6 +82,8 @@ class StagedState:
     decompositions: Optional[Dict[str, Dict[str, Tensor]]]
     inv_ready: Set[str] = field(default_factory=set)
     counters: Dict[str, int] = field(default_factory=dict)
+    #: ``(world_size, {name: grad-worker ranks})`` of the saving world (None: not recorded)
+    placement: Optional[Tuple[int, Dict[str, Tuple[int, ...]]]] = None
 
 
 def _fail(entry: str, problem: str) -> ValueError:
@@ -176,6 +184,8 @@ def validate_state(state: Any, layers: Sequence[KFACLayer], factor_dtype: Option
                                                            factor_dtype, convert=True))
             factors[name] = (pair[0], pair[1])
 
+    # first: a decomposition method other than the saved one is the same error on every rank
+    placement = _placement(f"{where}['placement']", ext["placement"], by_name) if "placement" in ext else None
     decompositions = None
     ready: Set[str] = set()
     if "decompositions" in ext or "inv_ready" in ext:
@@ -206,4 +216,36 @@ def validate_state(state: Any, layers: Sequence[KFACLayer], factor_dtype: Option
         for name in sorted(ready - set(decompositions)):
             if factors[name][0] is None or factors[name][1] is None:
                 raise _fail(f"{where}['inv_ready']", f"lists {name!r}, which has neither decompositions nor factors")
-    return StagedState(steps, hyper, factors, decompositions, ready, counters)
+    if placement is not None and factors is not None:  # (a moved layer is decomposed from its factors)
+        missing = sorted(n for n in ready if factors[n][0] is None or factors[n][1] is None)
+        if missing:
+            raise _fail(f"{where}['inv_ready']", f"lists {missing}, whose factors are missing")
+    return StagedState(steps, hyper, factors, decompositions, ready, counters, placement)
+
+
+def _placement(entry: str, value: Any, by_name: Mapping[str, KFACLayer]) -> Tuple[int, Dict[str, Tuple[int, ...]]]:
+    """``{"world_size": W, "grad_workers": {name: [ranks]}, "decomposition": [method, prediv]}`` checked and
+    returned as ``(W, {name: ranks})``. A ``decomposition`` other than this preconditioner's
+    (``compute_method``, ``compute_eigenvalue_outer_product``) is an error on every rank, also on one whose
+    file holds no decompositions (each rank saves it)."""
+    keys = {"world_size", "grad_workers", "decomposition"}
+    if not isinstance(value, Mapping) or set(value) != keys:
+        raise _fail(entry, f"must be a dict with the keys {sorted(keys)}, got {value!r}")
+    mine = next(iter(by_name.values()), None)
+    saved = value["decomposition"]
+    if mine is not None and list(saved) != [mine.method.name, mine.prediv]:
+        raise _fail(f"{entry}['decomposition']", f"is {list(saved)} (compute_method, eigenvalue outer product), this "
+                    f"preconditioner uses {[mine.method.name, mine.prediv]}: construct it with the saved "
+                    "compute_method and compute_eigenvalue_outer_product, or drop the 'torchsso2' entry to "
+                    "decompose the saved factors anew")
+    world = _int(f"{entry}['world_size']", value["world_size"], 1)
+    workers = value["grad_workers"]
+    if not isinstance(workers, Mapping) or any(n not in by_name for n in workers):
+        raise _fail(f"{entry}['grad_workers']", f"must map registered layer names {sorted(by_name)} to rank lists")
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, ranks in workers.items():
+        if not isinstance(ranks, (list, tuple)) or not all(
+                isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r < world for r in ranks):
+            raise _fail(f"{entry}['grad_workers'][{name!r}]", f"must be a list of ranks in [0, {world}), got {ranks!r}")
+        out[name] = tuple(int(r) for r in ranks)
+    return world, out

@@ -19,10 +19,8 @@ import sys
 import warnings
 from typing import Any, Optional
 
-from curvature.stacklevel import caller_stacklevel
+from curvature.stacklevel import caller_frame, caller_stacklevel
 
-#: how many frames above the optimizer's step an ``AcceleratedOptimizer.step`` is looked for
-_CALLER_DEPTH = 8
 
 __all__ = ["warn_if_accelerate_accumulates", "warn_if_not_sync_step"]
 
@@ -40,14 +38,13 @@ def _gradient_state() -> Optional[Any]:
 
 
 def _called_by_accelerate() -> bool:
-    """Whether an ``accelerate.optimizer`` frame (``AcceleratedOptimizer.step``) is among the callers."""
-    frame = sys._getframe(1)
-    for _ in range(_CALLER_DEPTH):
-        frame = frame.f_back
-        if frame is None:
-            return False
+    """Whether an ``accelerate.optimizer`` frame (``AcceleratedOptimizer.step``) is among the callers, at any
+    depth (a wrapper optimizer may sit between it and ours; this runs once, at the first step)."""
+    frame = caller_frame()
+    while frame is not None:
         if frame.f_globals.get("__name__") == "accelerate.optimizer":
             return True
+        frame = frame.f_back
     return False
 
 

@@ -257,7 +257,10 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     extra = state_dict.get("torchsso2")
     if not isinstance(extra, dict):
         raise ValueError("state_dict has no 'torchsso2' entry: it was not saved by SecondOrderOptimizer or "
-                         "VIOptimizer; the optimizer is unchanged")
+                         "VIOptimizer, or it went through torch.distributed.checkpoint's get_state_dict / "
+                         "get_optimizer_state_dict, which keep only 'state' and 'param_groups' (the curvature is lost "
+                         "there): save opt.state_dict() with torch.save instead (docs/guide.md); the optimizer is "
+                         "unchanged")
     face, mine = face_of(extra), opt.face_name
     if face != mine:
         raise ValueError(f"this checkpoint was saved by a {face or 'different optimizer'}, not a {mine}: load it "

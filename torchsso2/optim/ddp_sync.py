@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from curvature.eager import eager
 
 from curvature.hook_marks import LocalHook
 
@@ -84,7 +85,7 @@ class DDPSync:
         seen = bool(self._call) and completed
         self.synced = seen if self.synced is None else (self.synced and seen)
 
-    @torch.compiler.disable
+    @eager  # torch.compiler.disable, lazily (curvature/eager.py)
     def _pre(self, module: nn.Module, args: Any) -> None:
         # every call with gradients counts: a second pass of the bare model in the same closure (outside the
         # wrapper) adds gradients DDP never averaged (the nested calls of a wrapper's redirect are inside it)

@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar
 
 import torch
+from curvature.eager import eager
 
 #: device types whose autocast state is saved and restored
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -82,4 +83,4 @@ def full_precision_step(step: F) -> F:
                 return step(self, closure, *args, **kwargs)
         finally:
             torch.clear_autocast_cache()
-    return torch.compiler.disable(wrapper)  # type: ignore[return-value]
+    return eager(wrapper)  # type: ignore[return-value]

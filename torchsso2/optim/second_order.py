@@ -43,6 +43,7 @@ from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver
 from .misuse import NO_BACKWARD, warn_unreached_blocks
 from .plan import PartialBlock, UpdatePlan
+from .changed_model import explains_changed_model
 from .precision import full_precision_step
 from .clipped_update import clip_scale
 from .fused_momentum import scaled_momentum_step_
@@ -334,6 +335,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if solver.modules:  # some Linear layer is wide enough for the low-rank path to pay
                 self.low_rank = solver
 
+    @explains_changed_model  # a step failing on a model sharded or re-created since: say so
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Optional[Closure] = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
         """One natural-gradient step; returns what the closure returned: the loss, or ``(loss, output)``.

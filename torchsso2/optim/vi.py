@@ -59,6 +59,7 @@ from .base import BlockAverage, Closure, CurvatureOptimizer
 from .grid import NoiseStreams, SampleGrid, noise_spans
 from .legacy import check_not_pytorch_sso_call
 from .settings import CurvatureSettings
+from .changed_model import explains_changed_model
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
 from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
@@ -429,6 +430,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         return self.grid.sample_group(self.comm.rank)
 
     # ---- the step ---------------------------------------------------------------------------------
+    @explains_changed_model  # a step failing on a model sharded or re-created since: say so
     @full_precision_step  # the optimizer's math outside torch.autocast, the closure inside it
     def step(self, closure: Optional[Closure] = None, targets: Optional[Tensor] = None) -> Any:  # type: ignore[override]
         """One VI step (``num_mc_samples`` closure calls, each at a weight sample); returns the mean loss

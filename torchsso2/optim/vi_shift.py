@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from curvature.eager import eager
 
 #: a weight sample as the parameters it moves, their shifts and optional factors: ``θ + shift``, or
 #: ``θ + shift ⊙ factor`` (diagonal blocks: a standard normal and ``√τ/√denom``); parameter shapes
@@ -38,7 +39,7 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
         self.factors = None if factors is None else list(factors)
         self.means: List[Tensor] = []
 
-    @torch.compiler.disable  # eager under torch.compile (a traced p.data swap left the sample in place)
+    @eager  # torch.compiler.disable, lazily (curvature/eager.py): a traced p.data swap left the sample in place
     def __enter__(self) -> None:
         self.means = [p.data for p in self.params]
         if not self.params:  # nothing covered: the foreach ops refuse empty lists
@@ -57,7 +58,7 @@ class shifted_params:  # noqa: N801  (used like a function: ``with shifted_param
             self.__exit__()
             raise
 
-    @torch.compiler.disable
+    @eager  # torch.compiler.disable, lazily (curvature/eager.py)
     def __exit__(self, *exc: Any) -> None:
         for p, m in zip(self.params, self.means):
             p.data = m

@@ -1,0 +1,80 @@
+"""KFACPreconditioner with ranks routed through different registered layers (2 real processes).
+
+Each rank sends its shard through another head at some steps (tests/dist_scripts/kfac_routing_worker.py):
+the ranks agree on which layers were updated (an all-reduce of one count per layer) and average
+each updated layer's factors over the ranks that updated it. Checks, for gloo under
+DistributedDataParallel and for mpiexec: the preconditioned gradients and the factors are the same on
+every rank and equal one process feeding the ranks' shards as accumulated micro-batches (float64,
+1e-9); no rank warns that a layer another rank used was unrecorded. Before, ranks averaged one head's
+factors with another's and then waited in different broadcasts until the collective timeout.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import kfac_routing_worker as worker  # noqa: E402
+from dist_utils import mpi_env, require_mpiexec, run_gloo_ranks  # noqa: E402
+
+DEADLINE_S = 120.0
+RTOL = 1e-9
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _check(results: List[Dict[str, Any]]) -> None:
+    for name in worker.CONFIGS:
+        ref_grads, ref_factors = worker.single_process(name)
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert torch.equal(got["grads"], results[0][name]["grads"]), (name, rank)
+            assert _rel(got["grads"], ref_grads) < RTOL, (name, rank, _rel(got["grads"], ref_grads))
+            assert sorted(got["factors"]) == sorted(ref_factors), (name, rank)
+            for key, ref in ref_factors.items():
+                assert _rel(got["factors"][key], ref) < RTOL, (name, rank, key)
+            assert not [w for w in got["warnings"] if "no forward of them was recorded" in w], got["warnings"]
+        # every head was used, and preconditioned: the heads' factors are not the identity any more
+        assert {k.split(".")[1] for k in ref_factors if k.startswith("heads.")} == {"a", "b", "c"}
+
+
+def test_routed_ranks_gloo_ddp(tmp_path):
+    codes = run_gloo_ranks(worker, 2, tmp_path, DEADLINE_S)
+    assert codes == [0, 0], f"gloo ranks exited with {codes} (None: killed after {DEADLINE_S} s)"
+    _check([torch.load(tmp_path / f"torch_rank{r}.pt") for r in range(2)])
+
+
+def test_routed_ranks_mpiexec(tmp_path):
+    mpiexec = require_mpiexec()
+    cmd = [mpiexec, "-n", "2", sys.executable, str(SCRIPTS / "kfac_routing_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    _check([torch.load(tmp_path / f"mpi_rank{r}.pt") for r in range(2)])
+
+
+def test_single_process_reference_routes_each_shard_through_its_head():
+    """The reference itself: a head one micro-batch used gets that micro-batch's factors alone (its
+    A factor after step 0 is decay·I + (1 − decay)·ã ãᵀ mean of that shard)."""
+    from torchsso2.distributed import LocalCommunicator
+    from torchsso2.kfac import KFACPreconditioner
+
+    model = worker.build()
+    pre = KFACPreconditioner(model, communicator=LocalCommunicator(), accumulation_steps=2,
+                             **{**worker.BASE, **worker.CONFIGS["comm_opt-eigen"]})
+    for r in range(2):
+        x, y = worker.shard(0, r)
+        torch.nn.functional.cross_entropy(model(x, worker.ROUTE[0][r]), y).backward()
+    pre.step()
+    x0, _ = worker.shard(0, 0)
+    h = torch.cat([torch.tanh(model.trunk(x0)), torch.ones(len(x0), 1, dtype=worker.DT)], 1).detach()
+    expected = 0.9 * torch.eye(7, dtype=worker.DT) + 0.1 * h.T @ h / len(x0)
+    assert _rel(pre.layers["heads.a"].a_factor, expected) < 1e-12
+    assert not pre.layers["heads.c"].has_factors()
