@@ -2,18 +2,16 @@
 
 SecondOrderOptimizer and VIOptimizer register their module and tensor hooks only for the span
 of one ``step`` (a ``Capture`` context, removed on exit, also when the closure raises), so
-creating and dropping optimizers on one model leaves no hook on it, frees every optimizer, and
-keeps the model's forward+backward as fast as before."""
+creating and dropping optimizers on one model leaves no hook on it (whose leftovers made the drop-in's
+forward+backward ~200x slower) and frees every optimizer."""
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from optim_helpers import make_closure
@@ -40,23 +38,11 @@ def _make(face: str, model: nn.Module, kind: str):
     return VIOptimizer(model, dataset_size=100, lr=0.01, curvature=kind, prior_precision=1.0)
 
 
-def _fwd_bwd_ms(model: nn.Module, x, y, reps: int = 50) -> float:
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-        best = min(best, (time.perf_counter() - t0) / reps * 1e3)
-    return best
-
-
 @pytest.mark.parametrize("face", ["sso", "vi"])
 def test_two_hundred_dropped_optimizers_leave_no_hooks_and_are_freed(face):
     model = _model()
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     assert hooks_on(model) == 0
-    before_ms = _fwd_bwd_ms(model, x, y)
     refs = []
     kinds = ["fisher", "fisher_mc", "empirical_fisher"]
     for i in range(200):
@@ -68,10 +54,8 @@ def test_two_hundred_dropped_optimizers_leave_no_hooks_and_are_freed(face):
     gc.collect()
     assert hooks_on(model) == 0
     assert sum(r() is not None for r in refs) == 0, "dropped optimizers are still alive"
-    after_ms = _fwd_bwd_ms(model, x, y)
-    # 400 leftover hooks made a forward+backward ~200x slower in the drop-in; a margin wide enough for a loaded
-    # machine (the hook count above is the exact check)
-    assert after_ms < 10.0 * before_ms + 1.0, (before_ms, after_ms)
+    # (400 leftover hooks made a forward+backward ~200x slower in the drop-in: the hook count is the check;
+    # speed is measured in benchmarks, not asserted here)
 
 
 @pytest.mark.parametrize("face", ["sso", "vi"])
