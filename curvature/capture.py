@@ -105,6 +105,8 @@ class Capture:
         self.calls: Dict[str, int] = {}
         #: modules called with gradients disabled while recording (not recorded)
         self.called_without_grad: set = set()
+        #: covered modules called on no rows (a mixture-of-experts expert nothing was routed to): not recorded
+        self.called_on_no_rows: set = set()
         self.outputs: List[Tensor] = []
         #: the model's outputs as it returned them (before ``select_output``), one per recorded forward
         self.raw_outputs: List[Any] = []
@@ -191,6 +193,9 @@ class Capture:
                 self.called_without_grad.add(name)
                 return None
             if self.recomputing(name):  # the record of the original call stands
+                return None
+            if isinstance(output, Tensor) and output.numel() == 0:  # no rows: nothing to record (engine: an error)
+                self.called_on_no_rows.add(name)
                 return None
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.select is not None and not self.select(name, module, inputs):

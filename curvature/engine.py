@@ -149,6 +149,9 @@ class CurvatureEngine:
         #: (a multi-task head other batches use), is left out of the estimate instead of a ValueError;
         #: the optimizers set it in one process (with several, the ranks' block sets must agree)
         self.allow_uncalled = False
+        #: why a covered module the forward did not call is refused when ``allow_uncalled`` is off for a reason of
+        #: the caller's (several processes), for the error message; None: the general message
+        self.uncalled_hint: Optional[str] = None
         #: shape signatures whose module outputs were checked to hold the examples first
         self._examples_checked: set = set()
         full = {n: sum(q.numel() for q in lay.params) for n, lay in self.layouts.items()
@@ -395,9 +398,20 @@ class CurvatureEngine:
                 "changing the model")
 
     def _refuse_uncalled(self, capture: Capture, missing: List[str]) -> None:
-        """ValueError for covered modules the forward did not call with gradients enabled."""
+        """ValueError for covered modules the forward did not call with gradients enabled (or called on no
+        rows; or, with several processes, did not call at all: :attr:`uncalled_hint`)."""
         if not capture.records and contains_compiled(self.model):
             raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
+        empty = [n for n in missing if n in capture.called_on_no_rows]
+        if empty:
+            raise ValueError(f"covered modules {empty} were called on no rows (e.g. a mixture-of-experts expert no "
+                             "example was routed to), which the curvature cannot take: skip such a call "
+                             "(`if rows.numel(): out = out.index_add(0, rows, expert(x[rows]))`)"
+                             + ("; a module some batches do not call keeps its curvature from those that do"
+                                if self.allow_uncalled else f"; {self.uncalled_hint}" if self.uncalled_hint else ""))
+        if self.uncalled_hint and not capture.called_without_grad.intersection(missing):
+            raise ValueError(f"covered modules {missing} were not called at this curvature step: "
+                             f"{self.uncalled_hint}")
         raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
                          "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
                          "computes with their parameters itself, as nn.MultiheadAttention does with "

@@ -264,6 +264,8 @@ def finish_group(model: nn.Module, size: int, k: int) -> None:
 
 def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Dataset, Dataset, int]]) -> None:
     """Train ``ResNet(stem)`` with SGD (+ K-FAC) for ``args.epochs`` epochs, printing from rank 0."""
+    from torchsso2.distributed import average_gradients
+
     if args.threads:
         torch.set_num_threads(args.threads)
     env = Dist(args.cpu)
@@ -333,7 +335,7 @@ def run(args: argparse.Namespace, stem: str, load_real: Callable[[str], Tuple[Da
             if last:
                 finish_group(model, group_size(step, n_batches, k), k)
                 if env.mode == "mpi":  # no DDP: average the gradients ourselves
-                    env.comm.allreduce([p.grad for p in model.parameters() if p.grad is not None], op="mean")
+                    average_gradients(model.parameters(), env.comm)
                 if preconditioner is not None:
                     preconditioner.step()
                 if preconditioner is None or not preconditioner.last_step_skipped:  # skipped: non-finite values

@@ -78,3 +78,55 @@ def test_single_process_reference_routes_each_shard_through_its_head():
     expected = 0.9 * torch.eye(7, dtype=worker.DT) + 0.1 * h.T @ h / len(x0)
     assert _rel(pre.layers["heads.a"].a_factor, expected) < 1e-12
     assert not pre.layers["heads.c"].has_factors()
+
+
+class _Experts(torch.nn.Module):
+    """A gate picks one of three experts per row; ``call_empty``: also call the experts no row was routed to."""
+
+    def __init__(self, call_empty: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = torch.nn.Linear(4, 3)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 3) for _ in range(3))
+        self.call_empty = call_empty
+        self.empty_calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.gate(x)
+        pick = gates.argmax(1)
+        out = gates * 0.1
+        for k, expert in enumerate(self.experts):
+            rows = (pick == k).nonzero().squeeze(1)
+            if rows.numel() or self.call_empty:
+                self.empty_calls += rows.numel() == 0
+                out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+def test_an_expert_called_on_no_rows_counts_as_not_called():
+    """A mixture-of-experts expert no row was routed to and that is called anyway (on 0 rows) adds nothing,
+    as under kfac_pytorch: the factors and preconditioned gradients equal those of skipping the call. Before,
+    it raised an "empty batch" error whose advice (skip empty batches) did not apply."""
+    from torchsso2.distributed import LocalCommunicator
+    from torchsso2.kfac import KFACPreconditioner
+
+    runs = []
+    for call_empty in (False, True):
+        model = _Experts(call_empty).double()
+        pre = KFACPreconditioner(model, communicator=LocalCommunicator(), damping=0.01)
+        grads = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 3, (6,), generator=g)
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            pre.step()
+            grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                    for p in model.parameters()]))  # (an expert called on no rows: zeros)
+        runs.append((grads, {n: (l.a_factor, l.g_factor) for n, l in pre.layers.items() if l.has_factors()},
+                     model.empty_calls))
+    (g0, f0, _), (g1, f1, empty_calls) = runs
+    assert empty_calls > 0  # some expert was called on no rows
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert f0.keys() == f1.keys() and all(torch.equal(f0[n][i], f1[n][i]) for n in f0 for i in (0, 1))

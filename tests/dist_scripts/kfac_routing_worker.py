@@ -137,8 +137,9 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
 
 
 def mpi_main(out_dir: str) -> None:
-    """MPI rank: the gradients averaged with the communicator (a head unused here contributes zeros, as DDP's)."""
-    from torchsso2.distributed import MPICommunicator, get_communicator, install_abort_on_exception
+    """MPI rank: the gradients averaged with ``average_gradients`` (a head unused here contributes zeros, as under
+    DDP; one no rank used keeps grad None)."""
+    from torchsso2.distributed import MPICommunicator, average_gradients, get_communicator, install_abort_on_exception
 
     torch.set_num_threads(1)
     comm = get_communicator("auto")
@@ -146,10 +147,7 @@ def mpi_main(out_dir: str) -> None:
     install_abort_on_exception(comm)
 
     def average(model: nn.Module) -> None:
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        comm.allreduce([p.grad for p in model.parameters()], op="mean")
+        average_gradients(model.parameters(), comm)  # (the DDP-like mean: zeros where a head got no gradient)
 
     torch.save(run_rank(comm, lambda m: m, average), os.path.join(out_dir, f"mpi_rank{comm.rank}.pt"))
 

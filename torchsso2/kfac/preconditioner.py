@@ -308,11 +308,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if layer is None:  # not one of ours: a deep copy of the model carries our hook to its own layers
             return
         if output.dim() and output.shape[0] == 0:
-            raise ValueError(f"KFACPreconditioner: layer {layer.name!r} ran on an empty batch (output of shape "
-                             f"{list(output.shape)}); its factors would be undefined: skip empty batches in the "
-                             "training loop (e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with several "
-                             "processes every rank must skip the same steps, as drop_last=True with a "
-                             "DistributedSampler does)")
+            # a call on no rows (a mixture-of-experts expert no example was routed to) adds nothing to the factors,
+            # as under kfac_pytorch: not recorded (an empty batch of the whole model: _model_forward_hook raises)
+            return None
         self._mini_steps[layer.name] += 1
         self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
@@ -332,9 +330,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._backward_seen = False
 
     def _model_forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
-        if module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0 \
-                and not (isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output)) \
-                and (self._micro_batches == 0 or self._backward_seen):
+        if not (module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0):
+            return
+        if isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output):
+            return
+        if isinstance(output, Tensor) and output.dim() and output.shape[0] == 0:
+            raise ValueError(f"KFACPreconditioner: the model ran on an empty batch (output of shape "
+                             f"{list(output.shape)}); its factors would be undefined: skip empty batches in the "
+                             "training loop (e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with "
+                             "several processes every rank must skip the same steps, as drop_last=True with a "
+                             "DistributedSampler does)")
+        if self._micro_batches == 0 or self._backward_seen:
             self._micro_batches += 1
             self._backward_seen = False
 

@@ -166,6 +166,15 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         # step; with several processes the ranks' fresh blocks are averaged by position, so there it stays
         # an error (curvature/engine.py)
         self.engine.allow_uncalled = self.comm.world_size == 1
+        if self.comm.world_size > 1:
+            self.engine.uncalled_hint = (
+                f"with several processes ({self.comm.world_size} here) every covered module must be called at every "
+                "curvature step on every rank, because the ranks' fresh curvature blocks are averaged by position. "
+                "A module some steps or ranks skip (LayerDrop / stochastic depth, a mixture-of-experts expert, a "
+                "head used on some steps) cannot be: leave such modules to the plain update with skip_modules=[...] "
+                "(they lose their curvature), or precondition with torchsso2.kfac.KFACPreconditioner, which averages "
+                "each layer's factors over the ranks that used it (in one process such a module keeps its "
+                "curvature from the steps that called it)")
         check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
         if seed is not None:
             check_int("seed", seed, low=0, high=2 ** 63 - 1)

@@ -1,0 +1,92 @@
+"""Covered modules a step does not call, or calls on no rows (conditional computation: LayerDrop, a
+mixture of experts, a head some steps use), in SecondOrderOptimizer's curvature capture.
+
+* Called on no rows (an expert nothing was routed to, called anyway): a ValueError naming the modules
+  and the fix (skip such a call). Before, a RuntimeError from a reshape inside the forward hook.
+* Not called, with several processes: a ValueError that says the reason is the processes (the ranks'
+  fresh blocks are averaged by position) and names the two ways out (skip_modules, KFACPreconditioner).
+  Before, the one-process message, which suggested freezing them and reentrant checkpointing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import torchrun_script
+from optim_helpers import make_closure
+from torchsso2 import SecondOrderOptimizer
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 3) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.gate(x)
+        pick = gates.argmax(1)
+        out = gates * 0.1
+        for k, expert in enumerate(self.experts):
+            rows = (pick == k).nonzero().squeeze(1)
+            out = out.index_add(0, rows, expert(x[rows]))  # called on no rows too
+        return out
+
+
+@pytest.mark.parametrize("approx,kind", [("kfac", "fisher_mc"), ("diag", "fisher_mc"), ("kfac", "empirical_fisher")])
+def test_a_module_called_on_no_rows_is_named_with_the_fix(approx, kind):
+    model = Experts()
+    torch.manual_seed(1)
+    x = torch.randn(3, 4)
+    pick = model.gate(x).argmax(1)
+    unused = [k for k in range(3) if not (pick == k).any()]
+    assert unused, "the batch routes to every expert; pick another seed"
+    opt = SecondOrderOptimizer(model, approx=approx, curvature=kind)
+    with pytest.raises(ValueError, match=rf"covered modules \['experts.{unused[0]}'.*\] were called on no rows .*"
+                                         r"skip such a call"):
+        opt.step(make_closure(opt, model, x, torch.randint(0, 3, (3,))))
+
+
+SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+from torchsso2 import SecondOrderOptimizer
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.extra = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.body(x))
+        return self.head(h) + (self.extra(h) if use_extra else 0)
+
+model = nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+opt = SecondOrderOptimizer(model, approx="kfac")
+x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+def closure(use_extra):
+    def run():
+        opt.zero_grad(); out = model(x, use_extra); loss = nn.functional.cross_entropy(out, y); loss.backward()
+        return loss, out
+    return run
+opt.step(closure(True))
+try:
+    opt.step(closure(False))  # every rank skips the extra head at this step
+except ValueError as err:
+    print("RAISED", err)
+dist.destroy_process_group()
+"""
+
+
+def test_a_module_not_called_with_several_processes_names_the_reason(tmp_path):
+    code, out = torchrun_script(tmp_path, "uncalled.py", SCRIPT)
+    assert code == 0, out
+    raised = [line for line in out.splitlines() if line.startswith("RAISED")]
+    assert len(raised) == 2, out
+    for line in raised:
+        assert "covered modules ['module.extra'] were not called at this curvature step: with several processes " \
+               "(2 here)" in line and "skip_modules" in line and "KFACPreconditioner" in line, line
+        assert "freeze" not in line and "reentrant" not in line.lower(), line

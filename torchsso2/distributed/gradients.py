@@ -1,0 +1,49 @@
+"""``average_gradients``: the gradients' mean over the ranks, as ``DistributedDataParallel`` takes it.
+
+For a plain model under ``mpiexec`` (no DDP), before ``KFACPreconditioner.step()``. Averaging only
+the gradients that exist on a rank (``[p.grad for p in model.parameters() if p.grad is not None]``)
+goes wrong as soon as the ranks' batches reach different parameters (a head, an expert, a LayerDrop
+block one rank's batch skipped): the ranks then reduce lists of other lengths, which pairs one
+parameter's gradient with another's or leaves the buffers of different sizes.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from torchsso2.distributed.communicator import Communicator
+
+__all__ = ["average_gradients"]
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) -> None:
+    """Average the ``.grad`` of ``parameters`` over the ranks of ``comm``, in place.
+
+    Every parameter that requires grad takes part (the same list, in the same order, on every rank), with
+    zeros where this rank has no gradient, as ``DistributedDataParallel(find_unused_parameters=True)`` does;
+    one flag per parameter rides first in the same all-reduce, so a parameter no rank has a gradient for
+    keeps ``grad=None``. One process: nothing to do.
+
+    Args:
+        parameters: the model's parameters (``model.parameters()``).
+        comm: the communicator (``preconditioner.tdc``, or :func:`~torchsso2.distributed.get_communicator`).
+
+    Raises:
+        TypeError: a sparse gradient (an ``nn.Embedding(sparse=True)``): densify it or use DDP.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    if comm.world_size == 1 or not params:
+        return
+    sparse = [tuple(p.shape) for p in params if p.grad is not None and p.grad.is_sparse]
+    if sparse:
+        raise TypeError(f"average_gradients: sparse gradients (parameters of shapes {sparse}) cannot be averaged "
+                        "in the flat buckets; use nn.Embedding(sparse=False) or DistributedDataParallel")
+    lacking = [p.grad is None for p in params]
+    grads = [torch.zeros_like(p) if none else p.grad for p, none in zip(params, lacking)]
+    flag = torch.tensor([0.0 if none else 1.0 for none in lacking], dtype=grads[0].dtype, device=grads[0].device)
+    comm.allreduce([flag] + grads, op="mean")
+    for p, g, none, share in zip(params, grads, lacking, flag.tolist()):
+        if none and share > 0:  # another rank's batch reached it: this rank's zeros, averaged
+            p.grad = g
