@@ -194,8 +194,8 @@ class Capture:
                 return None
             if self.recomputing(name):  # the record of the original call stands
                 return None
-            if isinstance(output, Tensor) and output.numel() == 0:  # no rows: nothing to record (engine: an error)
-                self.called_on_no_rows.add(name)
+            if isinstance(output, Tensor) and output.numel() == 0 and self.on_reuse != "count":
+                self.called_on_no_rows.add(name)  # no rows: nothing to record (engine: an error; the Hessian sees it)
                 return None
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.select is not None and not self.select(name, module, inputs):

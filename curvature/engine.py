@@ -239,7 +239,7 @@ class CurvatureEngine:
             with self.restricted_to(capture.records):  # the blocks of the modules this forward called
                 return self.estimate(capture, *given, generator=generator)
         if missing:
-            self._refuse_uncalled(capture, missing)
+            self._refuse_uncalled(capture, missing, unused=bool(self.uncalled_hint) and self._unused(missing, outputs))
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -397,9 +397,10 @@ class CurvatureEngine:
                 "old modules, and a new one's parameters would never be updated. Build a new optimizer after "
                 "changing the model")
 
-    def _refuse_uncalled(self, capture: Capture, missing: List[str]) -> None:
+    def _refuse_uncalled(self, capture: Capture, missing: List[str], unused: bool = False) -> None:
         """ValueError for covered modules the forward did not call with gradients enabled (or called on no
-        rows; or, with several processes, did not call at all: :attr:`uncalled_hint`)."""
+        rows; or, with several processes, did not call at all and the loss does not use otherwise, ``unused``:
+        :attr:`uncalled_hint`)."""
         if not capture.records and contains_compiled(self.model):
             raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
         empty = [n for n in missing if n in capture.called_on_no_rows]
@@ -409,7 +410,7 @@ class CurvatureEngine:
                              "(`if rows.numel(): out = out.index_add(0, rows, expert(x[rows]))`)"
                              + ("; a module some batches do not call keeps its curvature from those that do"
                                 if self.allow_uncalled else f"; {self.uncalled_hint}" if self.uncalled_hint else ""))
-        if self.uncalled_hint and not capture.called_without_grad.intersection(missing):
+        if self.uncalled_hint and unused and not capture.called_without_grad.intersection(missing):
             raise ValueError(f"covered modules {missing} were not called at this curvature step: "
                              f"{self.uncalled_hint}")
         raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
@@ -445,7 +446,7 @@ class CurvatureEngine:
                                                        for p in self.layouts[name].params)
             bad = missing if not self.allow_uncalled else [n for n in missing if used(n)]
             if bad:
-                self._refuse_uncalled(capture, bad)
+                self._refuse_uncalled(capture, bad, unused=bool(self.uncalled_hint) and not any(map(used, bad)))
             with self.restricted_to(capture.records):
                 return self.estimate_from_backward(capture, batch_size, loss_scale)
         group = 1

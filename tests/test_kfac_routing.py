@@ -130,3 +130,41 @@ def test_an_expert_called_on_no_rows_counts_as_not_called():
     assert empty_calls > 0  # some expert was called on no rows
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert f0.keys() == f1.keys() and all(torch.equal(f0[n][i], f1[n][i]) for n in f0 for i in (0, 1))
+
+
+def test_an_empty_batch_is_named_whatever_the_output_and_the_batch_axis():
+    """The empty-batch error comes from the registered layers' calls (all without rows), not from the output's
+    shape: a dict output, a sequence-first batch ``[T, 0, d]``; a model whose layers had rows but whose
+    output is empty (every label ignored) is not an empty batch."""
+    import pytest
+
+    from torchsso2.kfac import KFACPreconditioner
+
+    class DictOut(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return {"logits": self.a(x)}
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 3)
+
+        def forward(self, x, keep):
+            return self.a(x)[keep]
+
+    model = DictOut()
+    kept = [KFACPreconditioner(model)]  # (a dropped preconditioner removes its hooks)
+    with pytest.raises(ValueError, match="the model ran on an empty batch"):
+        model(torch.randn(0, 4))
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    kept.append(KFACPreconditioner(seq))
+    with pytest.raises(ValueError, match="the model ran on an empty batch"):
+        seq(torch.randn(5, 0, 4))  # sequence-first, no examples
+    masked = Masked()
+    pre = KFACPreconditioner(masked)
+    out = masked(torch.randn(6, 4), torch.zeros(6, dtype=torch.bool))  # every row ignored: empty output only
+    assert out.shape == (0, 3) and pre._mini_steps["a"] == 1

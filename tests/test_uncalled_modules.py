@@ -90,3 +90,45 @@ def test_a_module_not_called_with_several_processes_names_the_reason(tmp_path):
         assert "covered modules ['module.extra'] were not called at this curvature step: with several processes " \
                "(2 here)" in line and "skip_modules" in line and "KFACPreconditioner" in line, line
         assert "freeze" not in line and "reentrant" not in line.lower(), line
+
+
+def test_the_hessian_takes_a_module_called_on_no_rows():
+    """kind="hessian" differentiates the loss itself: an expert called on no rows has a zero block there, as
+    before (the no-rows refusal is for the kinds that read the recorded rows)."""
+    model = Experts()
+    torch.manual_seed(1)
+    x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
+    opt = SecondOrderOptimizer(model, approx="full", curvature="hessian")
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.num_steps == 1
+
+
+class ParentUsesWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.proj = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.body(x)), self.proj.weight, self.proj.bias)
+
+
+class SkippedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.extra = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("kind", ["fisher_mc", "empirical_fisher"])
+def test_the_several_processes_reason_is_given_only_for_modules_the_loss_does_not_use(kind):
+    """The hint (as the optimizers set it with several processes) is for a module the step skipped; a module
+    whose weight a parent uses without calling it keeps the general message (skip the parent, or freeze)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for model, expected in ((SkippedHead(), "HINT"), (ParentUsesWeight(), "skip the parent")):
+        opt = SecondOrderOptimizer(model, approx="kfac", curvature=kind)
+        opt.engine.allow_uncalled, opt.engine.uncalled_hint = False, "HINT"  # what world_size > 1 sets
+        with pytest.raises(ValueError, match=expected):
+            opt.step(make_closure(opt, model, x, y))

@@ -42,7 +42,8 @@ def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) ->
                         "in the flat buckets; use nn.Embedding(sparse=False) or DistributedDataParallel")
     lacking = [p.grad is None for p in params]
     grads = [torch.zeros_like(p) if none else p.grad for p, none in zip(params, lacking)]
-    flag = torch.tensor([0.0 if none else 1.0 for none in lacking], dtype=grads[0].dtype, device=grads[0].device)
+    real = grads[0].real.dtype if grads[0].is_complex() else grads[0].dtype
+    flag = torch.tensor([0.0 if none else 1.0 for none in lacking], dtype=real, device=grads[0].device)
     comm.allreduce([flag] + grads, op="mean")
     for p, g, none, share in zip(params, grads, lacking, flag.tolist()):
         if none and share > 0:  # another rank's batch reached it: this rank's zeros, averaged

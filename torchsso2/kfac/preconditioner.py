@@ -280,6 +280,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._micro_batches = 0
         #: whether a recorded gradient arrived since the last counted forward of the model
         self._backward_seen = False
+        #: registered-layer calls with and without rows in the current forward of the model (an empty batch: none with)
+        self._calls_with_rows = self._calls_without_rows = 0
 
     def _defaults_for_repr(self) -> Dict[str, Any]:
         return {
@@ -307,10 +309,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         layer = self._by_module.get(module)
         if layer is None:  # not one of ours: a deep copy of the model carries our hook to its own layers
             return
-        if output.dim() and output.shape[0] == 0:
+        if output.numel() == 0:
             # a call on no rows (a mixture-of-experts expert no example was routed to) adds nothing to the factors,
-            # as under kfac_pytorch: not recorded (an empty batch of the whole model: _model_forward_hook raises)
+            # as under kfac_pytorch: not recorded (no registered layer with rows in a forward: _model_forward_hook)
+            self._calls_without_rows += 1
             return None
+        self._calls_with_rows += 1
         self._mini_steps[layer.name] += 1
         self._awaiting[layer.name] += 1
         saved = tuple(i.detach() if isinstance(i, Tensor) else i for i in inputs)
@@ -334,11 +338,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return
         if isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output):
             return
-        if isinstance(output, Tensor) and output.dim() and output.shape[0] == 0:
-            raise ValueError(f"KFACPreconditioner: the model ran on an empty batch (output of shape "
-                             f"{list(output.shape)}); its factors would be undefined: skip empty batches in the "
-                             "training loop (e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with "
-                             "several processes every rank must skip the same steps, as drop_last=True with a "
+        empty = self._calls_without_rows and not self._calls_with_rows
+        self._calls_with_rows = self._calls_without_rows = 0
+        if empty:  # every registered layer this forward called ran on no rows: an empty batch
+            raise ValueError("KFACPreconditioner: the model ran on an empty batch (every registered layer it called "
+                             "had no rows); its factors would be undefined: skip empty batches in the training loop "
+                             "(e.g. DataLoader(..., drop_last=True) or `if len(x) == 0: continue`; with several "
+                             "processes every rank must skip the same steps, as drop_last=True with a "
                              "DistributedSampler does)")
         if self._micro_batches == 0 or self._backward_seen:
             self._micro_batches += 1
