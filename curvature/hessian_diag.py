@@ -40,8 +40,9 @@ SLAB_ELEMENTS = 1 << 24
 
 
 def supports(module: nn.Module, family: object, output: Tensor) -> bool:
-    """Linear (output ``[N, ..., d_out]``) or Conv2d (output ``[N, C, H, W]``): ``W a + b`` per position."""
-    if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor):
+    """Linear (output ``[N, ..., d_out]``) or Conv2d (output ``[N, C, H, W]``): ``W a + b`` per position; a
+    call on no rows (a mixture-of-experts expert nothing was routed to) takes the general path (a zero block)."""
+    if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:
         return False
     return (isinstance(module, nn.Conv2d) and output.dim() == 4) or (isinstance(module, nn.Linear)
                                                                       and output.dim() >= 2)

@@ -50,6 +50,7 @@ def test_a_module_called_on_no_rows_is_named_with_the_fix(approx, kind):
 
 
 SCRIPT = """
+import sys
 import torch, torch.distributed as dist
 from torch import nn
 from torchsso2 import SecondOrderOptimizer
@@ -76,15 +77,16 @@ opt.step(closure(True))
 try:
     opt.step(closure(False))  # every rank skips the extra head at this step
 except ValueError as err:
-    print("RAISED", err)
+    with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as f:  # (the ranks' stdout lines interleave)
+        f.write(str(err))
 dist.destroy_process_group()
 """
 
 
 def test_a_module_not_called_with_several_processes_names_the_reason(tmp_path):
-    code, out = torchrun_script(tmp_path, "uncalled.py", SCRIPT)
+    code, out = torchrun_script(tmp_path, "uncalled.py", SCRIPT, str(tmp_path))
     assert code == 0, out
-    raised = [line for line in out.splitlines() if line.startswith("RAISED")]
+    raised = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2) if (tmp_path / f"rank{r}.txt").exists()]
     assert len(raised) == 2, out
     for line in raised:
         assert "covered modules ['module.extra'] were not called at this curvature step: with several processes " \
@@ -132,3 +134,28 @@ def test_the_several_processes_reason_is_given_only_for_modules_the_loss_does_no
         opt.engine.allow_uncalled, opt.engine.uncalled_hint = False, "HINT"  # what world_size > 1 sets
         with pytest.raises(ValueError, match=expected):
             opt.step(make_closure(opt, model, x, y))
+
+
+def test_the_diagonal_hessian_of_a_module_called_on_no_rows_equals_brute_force():
+    """The fast diagonal path of Linear/Conv2d indexed the first row of the output: an expert called on no
+    rows raised an IndexError. It now takes the general path (its block is zero), equal to torch.func's
+    Hessian diagonal in float64."""
+    import curvature
+    from torch.func import functional_call, hessian
+
+    model = Experts().double()
+    torch.manual_seed(1)
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    got = torch.cat([t.reshape(-1) for t in curvature.compute(model, x, y, kind="hessian", approx="diag").diagonal()])
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach() for p in model.parameters()]
+
+    def loss(*ps):
+        return nn.functional.cross_entropy(functional_call(model, dict(zip(names, ps)), (x,)), y)
+
+    h = hessian(loss, argnums=tuple(range(len(params))))(*params)
+    want = torch.cat([torch.diagonal(h[i][i].reshape(p.numel(), p.numel())) for i, p in enumerate(params)])
+    assert torch.allclose(got, want, rtol=0, atol=1e-14) and bool((got == 0).any())
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian")
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.num_steps == 1
