@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from types import FrameType
-from typing import Optional
 
 import torch
 
@@ -15,15 +13,6 @@ _LIBRARY_DIRS = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep for 
 #: ... and torch's: its frames between the user and the library (``torch.optim.Optimizer.__init__``
 #: calling ``add_param_group``, the ``torch.compiler.disable`` wrapper of ``step``) are not the user's either
 _NOT_USER_DIRS = _LIBRARY_DIRS + (str(Path(torch.__file__).resolve().parent) + os.sep,)
-
-
-def caller_frame() -> Optional[FrameType]:
-    """The frame of the first caller outside this library and torch (None at the top of the stack): the
-    user's code that called ``step``, or a wrapper of it (accelerate's ``AcceleratedOptimizer.step``)."""
-    frame = sys._getframe(1)
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_NOT_USER_DIRS):
-        frame = frame.f_back
-    return frame
 
 
 def caller_stacklevel() -> int:

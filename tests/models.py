@@ -146,6 +146,31 @@ class InplaceDropout(nn.Module):
         return self.fc2(self.drop(self.relu(self.fc1(x))))
 
 
+class Experts(nn.Module):
+    """A gate (``nn.Linear(4, 3)``) picks one of three expert ``nn.Linear(4, 3)`` per row (a mixture of experts);
+    the output is the gate's logits × 0.1 plus each row's expert output. ``call_empty``: the experts no row was
+    routed to are called too, on no rows (counted in ``empty_calls``). Seeded; not in :data:`MODELS`."""
+
+    def __init__(self, call_empty: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 3) for _ in range(3))
+        self.call_empty = call_empty
+        self.empty_calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        gates = self.gate(x)
+        pick = gates.argmax(1)
+        out = gates * 0.1
+        for k, expert in enumerate(self.experts):
+            rows = (pick == k).nonzero().squeeze(1)
+            if rows.numel() or self.call_empty:
+                self.empty_calls += rows.numel() == 0
+                out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
 def _randomize_norm_stats(model: nn.Module) -> nn.Module:
     """Non-trivial running statistics and affine parameters, so eval-mode BN is not the identity."""
     for m in model.modules():

@@ -21,6 +21,7 @@ SCRIPTS = Path(__file__).parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import kfac_routing_worker as worker  # noqa: E402
+from models import Experts  # noqa: E402
 from dist_utils import mpi_env, require_mpiexec, run_gloo_ranks  # noqa: E402
 
 DEADLINE_S = 120.0
@@ -80,29 +81,6 @@ def test_single_process_reference_routes_each_shard_through_its_head():
     assert not pre.layers["heads.c"].has_factors()
 
 
-class _Experts(torch.nn.Module):
-    """A gate picks one of three experts per row; ``call_empty``: also call the experts no row was routed to."""
-
-    def __init__(self, call_empty: bool) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.gate = torch.nn.Linear(4, 3)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 3) for _ in range(3))
-        self.call_empty = call_empty
-        self.empty_calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gates = self.gate(x)
-        pick = gates.argmax(1)
-        out = gates * 0.1
-        for k, expert in enumerate(self.experts):
-            rows = (pick == k).nonzero().squeeze(1)
-            if rows.numel() or self.call_empty:
-                self.empty_calls += rows.numel() == 0
-                out = out.index_add(0, rows, expert(x[rows]))
-        return out
-
-
 def test_an_expert_called_on_no_rows_counts_as_not_called():
     """A mixture-of-experts expert no row was routed to and that is called anyway (on 0 rows) adds nothing,
     as under kfac_pytorch: the factors and preconditioned gradients equal those of skipping the call. Before,
@@ -112,7 +90,7 @@ def test_an_expert_called_on_no_rows_counts_as_not_called():
 
     runs = []
     for call_empty in (False, True):
-        model = _Experts(call_empty).double()
+        model = Experts(call_empty).double()
         pre = KFACPreconditioner(model, communicator=LocalCommunicator(), damping=0.01)
         grads = []
         for step in range(4):

@@ -307,3 +307,4 @@ def test_kfac_a_layer_unfrozen_after_construction_is_not_a_replacing_one() -> No
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _heads_step(model, pre, "a")
+

@@ -14,25 +14,9 @@ import torch
 from torch import nn
 
 from dist_utils import torchrun_script
+from models import Experts
 from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer
-
-
-class Experts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.gate = nn.Linear(4, 3)
-        self.experts = nn.ModuleList(nn.Linear(4, 3) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gates = self.gate(x)
-        pick = gates.argmax(1)
-        out = gates * 0.1
-        for k, expert in enumerate(self.experts):
-            rows = (pick == k).nonzero().squeeze(1)
-            out = out.index_add(0, rows, expert(x[rows]))  # called on no rows too
-        return out
 
 
 @pytest.mark.parametrize("approx,kind", [("kfac", "fisher_mc"), ("diag", "fisher_mc"), ("kfac", "empirical_fisher")])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -263,6 +263,11 @@ class KFACLayer:
                                    "decomposed on the same rank first (colocate_factors=True)")
             dg, da = self.inv.pop("dg"), self.inv.pop("da")
             self.inv["dgda"] = 1.0 / (torch.outer(dg, da) + damping)
+
+    @property
+    def decomposition_kind(self) -> List[Any]:
+        """``[method name, prediv]``: what a checkpoint's decompositions of this layer are (``torchsso2/kfac/state.py``)."""
+        return [self.method.name, self.prediv]
 
     def decomposition_shapes(self, factor: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
         """``{key: shape}`` of the decomposition tensors of factor ``"A"``, ``"G"`` or (``None``)

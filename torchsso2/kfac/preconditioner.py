@@ -34,7 +34,7 @@ from curvature.capture import on_gradient
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.hook_marks import warn_if_attached
 from torchsso2.optim.accelerate_checks import warn_if_not_sync_step
-from torchsso2.optim.changed_model import PASS_THROUGH
+from torchsso2.optim.changed_model import sharded_failure
 from curvature.linalg import Backend, get_backend
 from curvature.options import float_or_inf
 from curvature.sharded import sharded_since, sharding_of
@@ -265,10 +265,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # weak hooks: dropping the preconditioner removes them (torchsso2/kfac/hooks.py)
         self._model = model
         self._attach_hooks()
-        #: each layer's parameter objects at construction (a replacement since is warned about once: _check_model_unchanged)
-        self._born = {name: _param_ids(layer) for name, layer in self.layers.items()}
-        #: the parameters at construction, weakly: a replacement is warned about only while an old one lives on
-        self._born_params = [weakref.ref(p) for layer in self.layers.values() for p in layer.params]
+        self._remember_parameters()
         #: the model's modules at construction: only a module added since can be a replacing layer
         self._modules_at_start = {id(m) for m in model.modules()}
         self._replaced_warned = False
@@ -398,8 +395,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 for key in stale.intersection(hooks):
                     del hooks[key]
         new._handles = []
-        new._born = {name: _param_ids(layer) for name, layer in new.layers.items()}
-        new._born_params = [weakref.ref(p) for layer in new.layers.values() for p in layer.params]
+        new._remember_parameters()
         new._modules_at_start = {id(m) for m in new._model.modules()}
         if self._handles:  # (a preconditioner detached with remove_hooks() is copied detached)
             new._attach_hooks()
@@ -459,17 +455,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if not self._replaced_warned:
             # (a parameter gone from the module, a reparametrization, is layer.params' error: not counted here)
             moved = [layer.name for layer in layers
-                     if None not in (ids := _param_ids(layer)) and ids != self._born[layer.name]]
+                     if None not in (now := _held_now(layer))
+                     and any(ref() is not p for ref, p in zip(self._born[layer.name], now))]
             how = sharding_of(self._model) if moved else None
             if how is not None:  # sharded since: say that, before any collective
                 raise ValueError(f"KFACPreconditioner.step failed because {sharded_since(how, 'KFACPreconditioner')}")
             # (an old parameter still alive is held by something: an optimizer built before the replacement)
             own = {id(p) for p in self._model.parameters()} if moved else set()
-            stale = moved and any((p := ref()) is not None and id(p) not in own for ref in self._born_params)
+            stale = moved and any((p := ref()) is not None and id(p) not in own
+                                  for refs in self._born.values() for ref in refs)
             if moved and not stale:  # nothing holds the old ones: the new parameters are the baseline from here on
-                self._born = {layer.name: _param_ids(layer) for layer in layers}
-                self._born_params = [weakref.ref(p) for layer in layers for n in layer.param_names
-                                     if (p := layer.module._parameters.get(n)) is not None]
+                self._remember_parameters()
             if stale:
                 self._replaced_warned = True
                 warnings.warn(f"KFACPreconditioner: the parameters of registered layers {moved} were replaced since it "
@@ -480,6 +476,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                               "optimizer (and preconditioner) after loading, materializing or wrapping the model",
                               UserWarning, stacklevel=caller_stacklevel())
         return set(gone)
+
+    def _remember_parameters(self) -> None:
+        """Each layer's parameter objects as its module holds them now, weakly (a replacement since is warned
+        about once, and only while an old one lives on: :meth:`_check_model_unchanged`)."""
+        self._born: Dict[str, Tuple[Callable[[], Optional[nn.Parameter]], ...]] = {
+            name: tuple(_NONE if p is None else weakref.ref(p) for p in _held_now(layer))
+            for name, layer in self.layers.items()}
 
     def _unregistered_layers(self) -> List[str]:
         """Names of the model's layers that ``find_layers`` would register now, that are not registered and
@@ -553,11 +556,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             self._forget_step(layers)
             if undo.get("previous") is not None:
                 restore_decompositions(layers, undo["previous"])
-            how = sharding_of(self._model) if isinstance(err, Exception) and not isinstance(err, PASS_THROUGH) else None
-            if how is not None and not (isinstance(err, ValueError) and "sharded across processes" in str(err)):
-                # sharded after it was built: torch's "mixed torch.Tensor and DTensor", a shape error
-                raise ValueError(f"KFACPreconditioner.step failed ({type(err).__name__}) because "
-                                 f"{sharded_since(how, 'KFACPreconditioner')}") from err
+            # sharded after it was built: torch's "mixed torch.Tensor and DTensor", a shape error
+            failure = sharded_failure(err, self._model, "KFACPreconditioner")
+            if failure is not None:
+                raise failure from err
             raise
 
     def abandon_step(self) -> None:
@@ -711,7 +713,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 first = next(iter(self.layers.values()), None)
                 ext["placement"] = {"world_size": self.comm.world_size,
                                     "grad_workers": {n: list(self.assignment.grad_workers(n)) for n in self.layers},
-                                    "decomposition": [first.method.name, first.prediv] if first else []}
+                                    "decomposition": first.decomposition_kind if first else []}
             state[EXTENSION] = ext
         return state
 
@@ -786,7 +788,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                           "decompose the loaded factors now", stacklevel=2)
 
 
-def _param_ids(layer: KFACLayer) -> Tuple[Optional[int], ...]:
-    """The identities of ``layer``'s covered parameter objects as its module holds them now (None: gone)."""
-    own = layer.module._parameters
-    return tuple(id(own[n]) if own.get(n) is not None else None for n in layer.param_names)
+def _NONE() -> None:
+    """What a weak reference to a parameter gone from its module gives (:meth:`KFACPreconditioner._remember_parameters`)."""
+    return None
+
+
+def _held_now(layer: KFACLayer) -> Tuple[Optional[nn.Parameter], ...]:
+    """``layer``'s covered parameter objects as its module holds them now (None: gone)."""
+    return tuple(layer.module._parameters.get(n) for n in layer.param_names)

@@ -233,9 +233,9 @@ def _placement(entry: str, value: Any, by_name: Mapping[str, KFACLayer]) -> Tupl
         raise _fail(entry, f"must be a dict with the keys {sorted(keys)}, got {value!r}")
     mine = next(iter(by_name.values()), None)
     saved = value["decomposition"]
-    if mine is not None and list(saved) != [mine.method.name, mine.prediv]:
+    if mine is not None and list(saved) != mine.decomposition_kind:
         raise _fail(f"{entry}['decomposition']", f"is {list(saved)} (compute_method, eigenvalue outer product), this "
-                    f"preconditioner uses {[mine.method.name, mine.prediv]}: construct it with the saved "
+                    f"preconditioner uses {mine.decomposition_kind}: construct it with the saved "
                     "compute_method and compute_eigenvalue_outer_product, or drop the 'torchsso2' entry to "
                     "decompose the saved factors anew")
     world = _int(f"{entry}['world_size']", value["world_size"], 1)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 from typing import Any, Optional
 
-from curvature.stacklevel import caller_frame, caller_stacklevel
+from curvature.stacklevel import caller_stacklevel
 
 
 __all__ = ["warn_if_accelerate_accumulates", "warn_if_not_sync_step"]
@@ -40,7 +41,7 @@ def _gradient_state() -> Optional[Any]:
 def _called_by_accelerate() -> bool:
     """Whether an ``accelerate.optimizer`` frame (``AcceleratedOptimizer.step``) is among the callers, at any
     depth (a wrapper optimizer may sit between it and ours; this runs once, at the first step)."""
-    frame = caller_frame()
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "accelerate.optimizer":
             return True

@@ -16,6 +16,7 @@ import functools
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
+from torch import nn
 
 from curvature.sharded import sharded_since, sharding_of
 from torchsso2.distributed.faults import CollectiveTimeoutError
@@ -23,7 +24,7 @@ from torchsso2.distributed.faults import CollectiveTimeoutError
 from .skips import NonFiniteError
 from .misuse import NO_BACKWARD
 
-__all__ = ["explains_changed_model", "model_change"]
+__all__ = ["explains_changed_model", "sharded_failure"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,27 +33,37 @@ F = TypeVar("F", bound=Callable[..., Any])
 PASS_THROUGH = (MemoryError, torch.OutOfMemoryError, StopIteration, NonFiniteError, CollectiveTimeoutError)
 
 
-def model_change(opt: Any, replaced: bool = True) -> Optional[str]:
-    """How ``opt``'s model changed since ``opt`` was built in a way its step cannot follow, in words, or None
-    (``replaced=False``: only whether it is sharded now)."""
-    model = getattr(opt, "model", None)
-    if model is None:
+def _failure(err: BaseException, who: str, how: str) -> ValueError:
+    return ValueError(f"{who}.step failed ({type(err).__name__}) because {how}")
+
+
+def sharded_failure(err: BaseException, model: Optional[nn.Module], who: str) -> Optional[ValueError]:
+    """The ``ValueError`` to raise instead of ``err``, a step's error, when ``model`` is sharded now (None:
+    raise ``err``): not for an error a loop catches by type (:data:`PASS_THROUGH`), nor for one that says
+    so already."""
+    if not isinstance(err, Exception) or isinstance(err, PASS_THROUGH) or model is None \
+            or "is sharded across processes now" in str(err):
         return None
     how = sharding_of(model)
-    if how is not None:
-        return sharded_since(how, type(opt).__name__)
-    if not replaced:
+    return None if how is None else _failure(err, who, sharded_since(how, who))
+
+
+def _replaced_failure(opt: Any, err: BaseException) -> Optional[ValueError]:
+    """Behind "the closure did not call backward()": the ``ValueError`` naming the param groups' parameters that
+    were the model's at construction and are not any more (None: none)."""
+    if not (isinstance(err, RuntimeError) and NO_BACKWARD in str(err)):
         return None
     born = opt.__dict__.get("_params_in_model", set())
-    own = {id(p) for p in model.parameters()}
+    own = {id(p) for p in opt.model.parameters()}
     gone = [p for g in opt.param_groups for p in g["params"] if id(p) in born and id(p) not in own]
-    if gone:
-        return (f"{len(gone)} of the parameters {type(opt).__name__} was built with are no longer the model's "
-                f"(shapes {[tuple(p.shape) for p in gone[:4]]}{' ...' if len(gone) > 4 else ''}): they were replaced "
-                "after it was built (load_state_dict(..., assign=True), model.to_empty(...), a wrapper or a "
-                "layer swap that re-creates parameters), so the optimizer holds parameters the model no longer "
-                "uses. Build the optimizer after loading, materializing or wrapping the model")
-    return None
+    if not gone:
+        return None
+    who = type(opt).__name__
+    return _failure(err, who, f"{len(gone)} of the parameters {who} was built with are no longer the model's "
+                    f"(shapes {[tuple(p.shape) for p in gone[:4]]}{' ...' if len(gone) > 4 else ''}): they were "
+                    "replaced after it was built (load_state_dict(..., assign=True), model.to_empty(...), a "
+                    "wrapper or a layer swap that re-creates parameters), so the optimizer holds parameters the "
+                    "model no longer uses. Build the optimizer after loading, materializing or wrapping the model")
 
 
 def explains_changed_model(step: F) -> F:
@@ -67,13 +78,11 @@ def explains_changed_model(step: F) -> F:
         try:
             return step(self, *args, **kwargs)
         except Exception as err:
-            if isinstance(err, PASS_THROUGH):
-                raise
             try:  # (the diagnosis must never hide the original error)
-                how = model_change(self, replaced=isinstance(err, RuntimeError) and NO_BACKWARD in str(err))
+                failure = sharded_failure(err, self.model, type(self).__name__) or _replaced_failure(self, err)
             except Exception:
-                how = None
-            if how is None:
+                failure = None
+            if failure is None:
                 raise
-            raise ValueError(f"{type(self).__name__}.step failed ({type(err).__name__}) because {how}") from err
+            raise failure from err
     return wrapper  # type: ignore[return-value]
