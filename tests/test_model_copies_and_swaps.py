@@ -308,3 +308,20 @@ def test_kfac_a_layer_unfrozen_after_construction_is_not_a_replacing_one() -> No
         warnings.simplefilter("error")
         _heads_step(model, pre, "a")
 
+
+def test_kfac_a_preconditioner_pickles_with_its_factors() -> None:
+    """The weak references to the construction-time parameters (the replaced-parameters warning) are left
+    out of the pickle and made anew from the unpickled model: pickling keeps working as it did."""
+    import pickle
+
+    model = _Heads()
+    pre = KFACPreconditioner(model)
+    _heads_step(model, pre)
+    loaded = pickle.loads(pickle.dumps(pre))
+    assert loaded.steps == pre.steps
+    for name, layer in pre.layers.items():
+        if layer.has_factors():  # (heads.b was not called)
+            assert torch.equal(loaded.layers[name].a_factor, layer.a_factor)
+        else:
+            assert not loaded.layers[name].has_factors()
+        assert loaded._born[name][0]() is loaded.layers[name].module.weight

@@ -401,6 +401,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             new._attach_hooks()
         return new
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickling: the weak references to the construction-time parameters do not pickle; the unpickled
+        preconditioner takes its (unpickled) model's parameters as the baseline."""
+        state = dict(self.__dict__)
+        state.pop("_born", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._remember_parameters()
+
     def remove_hooks(self) -> None:
         """Detach the preconditioner from the model (the hooks are removed; dropping the
         preconditioner removes them too, see :mod:`torchsso2.kfac.hooks`)."""
