@@ -147,11 +147,9 @@ class CurvatureEngine:
         self._modules = {n: lay.module for n, lay in self.layouts.items()}
         #: a covered module the forward did not call, and on whose parameters the output does not depend
         #: (a multi-task head other batches use), is left out of the estimate instead of a ValueError;
-        #: the optimizers set it in one process (with several, the ranks' block sets must agree)
+        #: the optimizers set it (their ranks average a module's blocks with zeros from the ranks that did
+        #: not call it, torchsso2/optim/routing.py)
         self.allow_uncalled = False
-        #: why a covered module the forward did not call is refused when ``allow_uncalled`` is off for a reason of
-        #: the caller's (several processes), for the error message; None: the general message
-        self.uncalled_hint: Optional[str] = None
         #: shape signatures whose module outputs were checked to hold the examples first
         self._examples_checked: set = set()
         full = {n: sum(q.numel() for q in lay.params) for n, lay in self.layouts.items()
@@ -239,7 +237,7 @@ class CurvatureEngine:
             with self.restricted_to(capture.records):  # the blocks of the modules this forward called
                 return self.estimate(capture, *given, generator=generator)
         if missing:
-            self._refuse_uncalled(capture, missing, unused=bool(self.uncalled_hint) and self._unused(missing, outputs))
+            self._refuse_uncalled(capture, missing)
         if self.kind is Kind.HESSIAN:
             loss = likelihoods.mean_nll(self.loss, outputs, targets)
             coupled = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -397,10 +395,9 @@ class CurvatureEngine:
                 "old modules, and a new one's parameters would never be updated. Build a new optimizer after "
                 "changing the model")
 
-    def _refuse_uncalled(self, capture: Capture, missing: List[str], unused: bool = False) -> None:
+    def _refuse_uncalled(self, capture: Capture, missing: List[str]) -> None:
         """ValueError for covered modules the forward did not call with gradients enabled (or called on no
-        rows; or, with several processes, did not call at all and the loss does not use otherwise, ``unused``:
-        :attr:`uncalled_hint`)."""
+        rows)."""
         if not capture.records and contains_compiled(self.model):
             raise ValueError(compiled_before_hooks(f"covered modules {missing} were not recorded"))
         empty = [n for n in missing if n in capture.called_on_no_rows]
@@ -409,10 +406,7 @@ class CurvatureEngine:
                              "example was routed to), which the curvature cannot take: skip such a call "
                              "(`if rows.numel(): out = out.index_add(0, rows, expert(x[rows]))`)"
                              + ("; a module some batches do not call keeps its curvature from those that do"
-                                if self.allow_uncalled else f"; {self.uncalled_hint}" if self.uncalled_hint else ""))
-        if self.uncalled_hint and unused and not capture.called_without_grad.intersection(missing):
-            raise ValueError(f"covered modules {missing} were not called at this curvature step: "
-                             f"{self.uncalled_hint}")
+                                if self.allow_uncalled else ""))
         raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
                          "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
                          "computes with their parameters itself, as nn.MultiheadAttention does with "
@@ -446,7 +440,7 @@ class CurvatureEngine:
                                                        for p in self.layouts[name].params)
             bad = missing if not self.allow_uncalled else [n for n in missing if used(n)]
             if bad:
-                self._refuse_uncalled(capture, bad, unused=bool(self.uncalled_hint) and not any(map(used, bad)))
+                self._refuse_uncalled(capture, bad)
             with self.restricted_to(capture.records):
                 return self.estimate_from_backward(capture, batch_size, loss_scale)
         group = 1
@@ -582,6 +576,7 @@ class CurvatureEngine:
         inputs: Dict[str, Tensor] = {}
         sums: Dict[Any, List[Tensor]] = {}  # key: module name, or (module name, i) for its i-th tied use
         module_batch: Dict[Any, int] = {}
+        input_rows: Dict[Any, int] = {}  # the rows K-FAC's A of a module is a mean over
 
         def normal_input(name: str, dt: torch.dtype) -> Tensor:
             if name not in inputs:
@@ -595,7 +590,9 @@ class CurvatureEngine:
 
         def add_kfac(key: Any, name: str, fam: Any, mod: nn.Module, names: Any, g: Tensor, dt: torch.dtype) -> None:
             module_batch[key] = g.shape[1]
+            input_rows[key] = g.shape[1] * g.shape[2]  # A is a mean over the N·T positions (g: [K, N, T, d_out])
             if reduce and isinstance(fam, WeightMatrixFamily):  # K-FAC-reduce: Σ_t g, mean_t a per example
+                input_rows[key] = g.shape[1]
                 g = g.sum(dim=2, keepdim=True)
                 if key not in sums:
                     a = normal_input(name, dt).mean(dim=1, keepdim=True)
@@ -653,6 +650,9 @@ class CurvatureEngine:
                         factors[fam.kfac_names().index("G")].mul_(module_batch[key] / batch_size)
                     per_use.append(factors)
                 blocks[name] = KFACBlock(lay, *combine_kfac(per_use))
+                # the rows its A averages (a routed module: part of the batch); a tied layout's left factor
+                # sums the uses' factors of both kinds: not weighted by rows
+                blocks[name].rows = None if lay.tied else input_rows[name]
             elif shape is Approx.DIAG:
                 blocks[name] = DiagBlock(lay, sums[name][0].div_(batch_size))  # the sums are ours: in place
             else:

@@ -108,9 +108,11 @@ def _expected_bytes(world: int, name: str, res: Dict[str, Any]) -> int:
         else:  # kfac: ql, qr (2-D factors) + denom [n_L, n_R]
             dec += sum(s[0] * s[0] for s in shapes if len(s) == 2) + shapes[0][0] * shapes[1][0]
     tensors = len(list(common.build(cfg["face"]).parameters()))  # which parameters have a gradient, in the flag
-    # grads + flag (skip mark, the parameter count and size and their digest, the param groups' two settings digests, which parameters
-    # have a gradient), statistics, decomposition flag
-    total = world * steps * ((numel + 6 + tensors) + stat + 1) * e
+    blocks = len(res["stats"])  # (every step estimates): which covered modules each rank called, in the flag
+    kfac = sum(1 for shapes in res["stats"].values() if len(shapes) == 2)  # the rows of each K-FAC A
+    # grads + flag (skip mark, the parameter count and size and their digest, the param groups' two settings digests, the
+    # covered modules called, which parameters have a gradient), statistics (with K-FAC's rows), decomposition flag
+    total = world * steps * ((numel + 6 + blocks + tensors) + stat + kfac + 1) * e
     if g > 1:
         total += steps * dec * e
     if g < world:  # each of the g grad workers of a block broadcasts to its receiver group

@@ -3,9 +3,7 @@ mixture of experts, a head some steps use), in SecondOrderOptimizer's curvature 
 
 * Called on no rows (an expert nothing was routed to, called anyway): a ValueError naming the modules
   and the fix (skip such a call). Before, a RuntimeError from a reshape inside the forward hook.
-* Not called, with several processes: a ValueError that says the reason is the processes (the ranks'
-  fresh blocks are averaged by position) and names the two ways out (skip_modules, KFACPreconditioner).
-  Before, the one-process message, which suggested freezing them and reentrant checkpointing.
+* Not called by some parts of the batch (micro-batches, ranks): tests/test_routed_modules.py.
 """
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import torchrun_script
 from models import Experts
 from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer
@@ -33,51 +30,6 @@ def test_a_module_called_on_no_rows_is_named_with_the_fix(approx, kind):
         opt.step(make_closure(opt, model, x, torch.randint(0, 3, (3,))))
 
 
-SCRIPT = """
-import sys
-import torch, torch.distributed as dist
-from torch import nn
-from torchsso2 import SecondOrderOptimizer
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body, self.head, self.extra = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 3)
-    def forward(self, x, use_extra):
-        h = torch.tanh(self.body(x))
-        return self.head(h) + (self.extra(h) if use_extra else 0)
-
-model = nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
-opt = SecondOrderOptimizer(model, approx="kfac")
-x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-def closure(use_extra):
-    def run():
-        opt.zero_grad(); out = model(x, use_extra); loss = nn.functional.cross_entropy(out, y); loss.backward()
-        return loss, out
-    return run
-opt.step(closure(True))
-try:
-    opt.step(closure(False))  # every rank skips the extra head at this step
-except ValueError as err:
-    with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as f:  # (the ranks' stdout lines interleave)
-        f.write(str(err))
-dist.destroy_process_group()
-"""
-
-
-def test_a_module_not_called_with_several_processes_names_the_reason(tmp_path):
-    code, out = torchrun_script(tmp_path, "uncalled.py", SCRIPT, str(tmp_path))
-    assert code == 0, out
-    raised = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2) if (tmp_path / f"rank{r}.txt").exists()]
-    assert len(raised) == 2, out
-    for line in raised:
-        assert "covered modules ['module.extra'] were not called at this curvature step: with several processes " \
-               "(2 here)" in line and "skip_modules" in line and "KFACPreconditioner" in line, line
-        assert "freeze" not in line and "reentrant" not in line.lower(), line
-
-
 def test_the_hessian_takes_a_module_called_on_no_rows():
     """kind="hessian" differentiates the loss itself: an expert called on no rows has a zero block there, as
     before (the no-rows refusal is for the kinds that read the recorded rows)."""
@@ -87,37 +39,6 @@ def test_the_hessian_takes_a_module_called_on_no_rows():
     opt = SecondOrderOptimizer(model, approx="full", curvature="hessian")
     opt.step(make_closure(opt, model, x, y), targets=y)
     assert opt.num_steps == 1
-
-
-class ParentUsesWeight(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.proj = nn.Linear(4, 6), nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(torch.tanh(self.body(x)), self.proj.weight, self.proj.bias)
-
-
-class SkippedHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.head, self.extra = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.body(x)))
-
-
-@pytest.mark.parametrize("kind", ["fisher_mc", "empirical_fisher"])
-def test_the_several_processes_reason_is_given_only_for_modules_the_loss_does_not_use(kind):
-    """The hint (as the optimizers set it with several processes) is for a module the step skipped; a module
-    whose weight a parent uses without calling it keeps the general message (skip the parent, or freeze)."""
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    for model, expected in ((SkippedHead(), "HINT"), (ParentUsesWeight(), "skip the parent")):
-        opt = SecondOrderOptimizer(model, approx="kfac", curvature=kind)
-        opt.engine.allow_uncalled, opt.engine.uncalled_hint = False, "HINT"  # what world_size > 1 sets
-        with pytest.raises(ValueError, match=expected):
-            opt.step(make_closure(opt, model, x, y))
 
 
 def test_the_diagonal_hessian_of_a_module_called_on_no_rows_equals_brute_force():

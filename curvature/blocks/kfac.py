@@ -60,6 +60,10 @@ class KFACBlock(Block):
         self._bases_cache = DerivedCache()  # its part that depends on the eigenbases alone (:meth:`_basis_plan`)
         self._eig_cache = DerivedCache()  # the factors' eigendecompositions (:meth:`_factor_eigs`)
         self._eig_key: Tuple[Optional[str], Optional[torch.dtype]] = (None, None)
+        #: a fresh block's count of the rows ``A`` is a mean over (the engine sets it: the module's positions
+        #: ``N·T``, a routed module seeing part of the batch): the weight of ``A`` where blocks of several
+        #: micro-batches or ranks are averaged (torchsso2/optim/routing.py); None: not known (a tied layout)
+        self.rows: Optional[float] = None
 
     # ---- names --------------------------------------------------------------------------
     @property

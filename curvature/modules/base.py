@@ -45,6 +45,8 @@ class LayerFamily:
     module_types: Tuple[type, ...] = ()
     #: whether a K-FAC factorization is defined for this family
     supports_kfac: bool = False
+    #: whether K-FAC's left factor is stored as a diagonal ``[n]`` (Embedding's token counts ``A``)
+    kfac_diagonal_left: bool = False
     #: whether :meth:`normal_input` / ``kfac_factors_from_inputs`` read the recorded output's values
     #: (False: its shape at most; a capture of the user's backward then returns the output without a clone)
     reads_output_values: bool = True

@@ -24,6 +24,7 @@ class EmbeddingFamily(LayerFamily):
 
     module_types = (nn.Embedding,)
     supports_kfac = True
+    kfac_diagonal_left = True
 
     def validate(self, module: nn.Module) -> None:
         if module.sparse:

@@ -52,6 +52,7 @@ from .ddp_sync import DDPSync, fingerprint
 from .late_groups import warn_params_gone, warn_uncovered_layers, warn_unfrozen
 from .param_groups import GroupChecks, listed_groups, refuse_sparse_gradients
 from .reporting import worth_reporting
+from .routing import fill_absent, fold, presence, scale_to_whole_batch, unweigh_inputs, weigh_inputs
 from .settings import CurvatureSettings
 from .skips import NonFiniteError, SkipStreak, StepUndo, diagnose
 from .closure_output import call_closure
@@ -67,16 +68,19 @@ _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
 class BlockAverage:
     """Weighted average of fresh blocks: the micro-batches of one closure (weights = batch sizes)
     or the MC weight samples of one VI step (equal weights). ``nonfinite`` marks a batch whose
-    output was not finite; :meth:`result` then returns ``{}`` (the step applies the policy)."""
+    output was not finite; :meth:`result` then returns ``{}`` (the step applies the policy).
+    A module some of them did not call counts as zeros there (:mod:`torchsso2.optim.routing`)."""
 
     def __init__(self) -> None:
         self.blocks: Optional[Dict[str, Block]] = None
         #: per block, the weight it has collected (a module a micro-batch did not call is left out of
-        #: that micro-batch's blocks, and averaged over the others)
+        #: that micro-batch's blocks, and averaged over the others until :meth:`result`)
         self.counts: Dict[str, int] = {}
+        self.total = 0  # the weight of every micro-batch added
         self.nonfinite = False
 
     def add(self, blocks: Dict[str, Block], n: int) -> None:
+        self.total += n
         if self.blocks is None:
             self.blocks, self.counts = dict(blocks), {name: n for name in blocks}
             return
@@ -84,16 +88,17 @@ class BlockAverage:
             if name not in self.blocks:
                 self.blocks[name], self.counts[name] = new, n
                 continue
-            count = self.counts[name]
-            total = count + n
-            for mine, fresh in zip(self.blocks[name].tensors(), new.tensors()):
-                mine.mul_(count / total).add_(fresh, alpha=n / total)
-            self.counts[name] = total
+            fold(self.blocks[name], new, self.counts[name], n)
+            self.counts[name] += n
 
     def result(self) -> Dict[str, Block]:
         if self.nonfinite:
             return {}
         assert self.blocks is not None
+        for name, count in self.counts.items():  # zeros from the micro-batches that did not call a module
+            if count < self.total:
+                scale_to_whole_batch(self.blocks[name], count / self.total)
+                self.counts[name] = self.total
         return self.blocks
 
 
@@ -162,19 +167,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         # all ranks start from rank 0's weights and seed; label sampling is decorrelated per rank
         # (rank 0 keeps `seed`, so one process is unchanged).
         self.placement = Placement(self.comm, settings.grad_worker_fraction, settings.assignment_strategy)
-        # a covered module a forward did not call (a head other batches use) keeps its curvature for that
-        # step; with several processes the ranks' fresh blocks are averaged by position, so there it stays
-        # an error (curvature/engine.py)
-        self.engine.allow_uncalled = self.comm.world_size == 1
-        if self.comm.world_size > 1:
-            self.engine.uncalled_hint = (
-                f"with several processes ({self.comm.world_size} here) every covered module must be called at every "
-                "curvature step on every rank, because the ranks' fresh curvature blocks are averaged by position. "
-                "A module some steps or ranks skip (LayerDrop / stochastic depth, a mixture-of-experts expert, a "
-                "head used on some steps) cannot be: leave such modules to the plain update with skip_modules=[...] "
-                "(they lose their curvature), or precondition with torchsso2.kfac.KFACPreconditioner, which averages "
-                "each layer's factors over the ranks that used it (in one process such a module keeps its "
-                "curvature from the steps that called it)")
+        # a covered module a forward did not call (a head other batches use) keeps its curvature for that step;
+        # with several processes, the ranks that called it average their blocks with zeros from the others
+        # (torchsso2/optim/routing.py)
+        self.engine.allow_uncalled = True
         check_optimizer_settings(self)  # every rank built with the same schedule, before any collective
         if seed is not None:
             check_int("seed", seed, low=0, high=2 ** 63 - 1)
@@ -468,6 +464,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         marked non-finite (``blocks == {}``); the block all-reduce is then skipped everywhere,
         so all ranks take the same branch of the non-finite policy. (Non-finite gradients
         and statistics need no flag: the mean spreads them to every rank.)
+        At a curvature step the flag also carries which covered modules each rank called: a module some
+        ranks did not call is averaged with zeros from them (:mod:`torchsso2.optim.routing`).
         """
         params, groups = params_with_grad(self.param_groups)
         warn_params_gone(self, params)
@@ -483,9 +481,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
         exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
         settings = [float(d) for d in groups_digest(self.param_groups, exact)]
+        # at a curvature step, which covered modules this rank called (modules some ranks did not call: routing.py)
+        order = list(self.engine.layouts) if blocks is not None else []
+        riding = settings + (presence(order, blocks) if blocks is not None else [])
         flag, at = None, 1
         if self._ddp_sync is not None and self._ddp_sync.take():  # a DDP wrapper averaged the gradients (ddp_sync.py)
-            flag = self._flag_if_ddp_averaged(params, bad, settings, dtype, dev)  # None: the ranks' differ
+            flag = self._flag_if_ddp_averaged(params, bad, riding, dtype, dev)  # None: the ranks' differ
         if flag is None:
             # every trainable parameter takes part, with zeros where this rank has no gradient (a branch
             # its batch did not take), as DistributedDataParallel does; which ranks had one rides in the
@@ -496,7 +497,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
             numel = sum(p.numel() for p in every)
             size = [float(len(every) % exact), float(numel % exact), float(sizes_digest(len(every), numel, exact))]
-            flag = torch.tensor([1.0 if bad else 0.0] + size + settings + [0.0 if none else 1.0 for none in lacking],
+            flag = torch.tensor([1.0 if bad else 0.0] + size + riding + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
             # the flag rides first in the gradients' bucket: its sizes line up on every rank even where the
             # ranks' buffers differ (MPI reduces mismatched counts without an error)
@@ -508,7 +509,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                     "(requires_grad changed on some ranks only, or param groups added on some); change them on "
                     "every rank alike. The gradients of this step are not usable")
             if any(lacking):  # another rank's branch: this rank's zeros, averaged, where some rank had one
-                for p, g, none, share in zip(every, mine, lacking, flag[6:].tolist()):
+                for p, g, none, share in zip(every, mine, lacking, flag[4 + len(riding):].tolist()):
                     if none and share > 0:
                         p.grad = g
                 params, groups = params_with_grad(self.param_groups)
@@ -522,20 +523,27 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if float(flag[0].item()) > 0:
             return False, params, groups
         if blocks:
+            # the modules some rank called (a share > 0 in any dtype), in one order on every rank (micro-batches may
+            # add a module late), with zeros from the ranks that did not call one
+            called = [name for name, share in zip(order, flag[at + 2:at + 2 + len(order)].tolist()) if share > 0]
+            fill_absent(blocks, called, self.engine.layouts, self.engine.approx, self.running.blocks)
+            rows = weigh_inputs(blocks)  # K-FAC's A: weighted by the rows each rank's module saw (routing.py)
             sym = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if s]
-            rest = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if not s]
+            rest = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if not s] + rows
             if sym:
                 self.comm.allreduce(sym, op="mean", symmetric=True)
             if rest:
                 self.comm.allreduce(rest, op="mean")
+            unweigh_inputs(blocks, rows)
         return True, params, groups
 
-    def _flag_if_ddp_averaged(self, params: List[nn.Parameter], bad: bool, settings: List[float],
+    def _flag_if_ddp_averaged(self, params: List[nn.Parameter], bad: bool, riding: List[float],
                               dtype: torch.dtype, dev: torch.device) -> Optional[Tensor]:
-        """The step's flag ``[bad, settings…]`` averaged over the ranks when a DistributedDataParallel
-        wrapper averaged every closure call's gradients (:class:`DDPSync`) and every rank's gradients
-        have the same :func:`fingerprint` (one slot per rank in the flag); None otherwise, after that
-        one small all-reduce: the caller then averages the gradients itself."""
+        """The step's flag ``[bad, riding…]`` (the settings' digests, then the covered modules called) averaged
+        over the ranks when a DistributedDataParallel wrapper averaged every closure call's gradients
+        (:class:`DDPSync`) and every rank's gradients have the same :func:`fingerprint` (one slot per rank in
+        the flag); None otherwise, after that one small all-reduce: the caller then averages the gradients
+        itself."""
         sync = self._ddp_sync
         assert sync is not None
         grads = [p.grad for p in params]
@@ -544,13 +552,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         signature = tuple(map(id, params))
         if not sync.trusts(signature):  # (a trusted set leaves its slot 0 on every rank: equal)
             slots[self.comm.rank] = fingerprint(grads, sync.projection).to(dev)
-        flag = torch.cat([torch.tensor([1.0 if bad else 0.0] + settings, dtype=torch.float64, device=dev), slots])
+        flag = torch.cat([torch.tensor([1.0 if bad else 0.0] + riding, dtype=torch.float64, device=dev), slots])
         self.comm.allreduce([flag], op="mean")
-        shares = flag[3:]
+        shares = flag[1 + len(riding):]
         if not bool((shares == shares[0]).all()):
             return None
         sync.verified(signature)
-        return flag[:3].to(dtype)
+        return flag[:1 + len(riding)].to(dtype)
 
     def _grads_unscaled(self) -> bool:
         """Whether the closure unscaled the gradients itself (``scaler.unscale_(opt)``, to clip them):

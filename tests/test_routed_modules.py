@@ -1,0 +1,175 @@
+"""Covered modules that part of a step's batch does not go through (a mixture of experts routed per
+example), in SecondOrderOptimizer / VIOptimizer with captured curvature (torchsso2/optim/routing.py).
+
+The micro-batches of one closure and the ranks of a data-parallel step that did not call a module count
+as zero blocks, K-FAC's ``A`` weighted by the rows each module saw: the result is one process on the
+whole batch in one forward, exactly (float64), whichever ranks call which expert. Before, with several
+processes it was a ValueError (the ranks' blocks were averaged by position).
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from curvature import CurvatureEngine
+from curvature.options import Approx
+from dist_utils import mpi_env, require_mpiexec
+from models import Experts
+from torchsso2 import SecondOrderOptimizer
+from torchsso2.optim.routing import zero_block
+
+WORKER = str(Path(__file__).parent / "dist_scripts" / "routed_native_worker.py")
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Zoo(nn.Module):
+    """One layer of every family (an Embedding, a Conv2d, a LayerNorm, a BatchNorm, an attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.norm = nn.LayerNorm(4)
+        self.bn = nn.BatchNorm1d(4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4 + 2 * 9, 3)
+
+    def forward(self, tokens: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(tokens))
+        h, _ = self.attn(h, h, h, need_weights=False)
+        c = self.conv(image).flatten(1)
+        return self.head(torch.cat([self.bn(h.mean(1)), c], 1))
+
+
+@pytest.mark.parametrize("approx", ["kfac", "diag", "full"])
+def test_zero_blocks_have_the_shapes_of_estimated_blocks(approx):
+    """A rank that did not call a module averages a zero block built from the layout alone (before the
+    module has a running block): its statistics have the estimated block's shapes, for every family."""
+    torch.manual_seed(0)
+    model = Zoo().double()
+    wanted = {n: (Approx.DIAG if approx == "kfac" and isinstance(m, (nn.LayerNorm, nn.BatchNorm1d)) else Approx(approx))
+              for n, m in model.named_children()}
+    engine = CurvatureEngine(model, kind="fisher_mc", approx={n: a.value for n, a in wanted.items()})
+    tokens, image = torch.randint(0, 7, (5, 3)), torch.randn(5, 1, 3, 3, dtype=torch.float64)
+    with engine.capture() as cap:
+        out = model(tokens, image)
+    blocks = engine.estimate(cap, out)
+    assert set(blocks) == set(wanted) | {"attn.out_proj"}
+    for name, block in blocks.items():
+        zero = zero_block(engine.layouts[name], engine.approx[name])
+        assert type(zero) is type(block), name
+        assert [t.shape for t in zero.tensors()] == [t.shape for t in block.tensors()], name
+        assert all(t.dtype == torch.float64 and not t.any() for t in zero.tensors()), name
+
+
+def _routed_batch():
+    """16 rows whose first 8 route to no row of some expert that the last 8 use (Experts' gate)."""
+    model = Experts(call_empty=False).double()
+    for seed in range(100):
+        x = torch.randn(16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            pick = model.gate(x).argmax(1)
+        first, second = set(pick[:8].tolist()), set(pick[8:].tolist())
+        if second - first and first & second:
+            return x, torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(seed))
+    raise AssertionError("no seed routes as wanted")
+
+
+@pytest.mark.parametrize("approx,kind", [("kfac", "empirical_fisher"), ("kfac", "fisher_mc"), ("diag", "hessian"),
+                                         ("full", "hessian")])
+def test_micro_batches_routed_differently_equal_one_forward(approx, kind):
+    """Two micro-batches in one closure, an expert called in the second only (and one in both, on other
+    row counts): the step's curvature equals one forward on the whole batch (the expert's block averaged
+    with zeros from the first; K-FAC's A weighted by the rows). Before, the expert's block was that of the
+    second micro-batch alone: twice its part of the batch."""
+    x, y = _routed_batch()
+    running = []
+    for micro in (False, True):
+        model = Experts(call_empty=False).double()
+        opt = SecondOrderOptimizer(model, approx=approx, curvature=kind, lr=0.1, damping=1.0, seed=0)
+
+        def closure():
+            opt.zero_grad()
+            parts = zip(x.chunk(2), y.chunk(2)) if micro else [(x, y)]
+            for xs, ys in parts:
+                out = model(xs)
+                loss = F.cross_entropy(out, ys) * len(ys) / len(y)
+                loss.backward()
+            return loss, out
+        opt.step(closure, targets=y if kind != "fisher_mc" else None)
+        running.append({n: [t.clone() for t in b.tensors()] for n, b in opt.running.blocks.items()})
+    assert set(running[0]) == set(running[1]) == {"gate", "experts.0", "experts.1", "experts.2"}
+    if kind == "fisher_mc":
+        return  # (its sampled labels differ between the two ways of running: it must run, and cover every expert)
+    for name in running[0]:
+        for one, two in zip(running[0][name], running[1][name]):
+            torch.testing.assert_close(two, one, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def _run(cmd, timeout=120.0, **env):
+    import subprocess
+    full = {**mpi_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHSSO2_DIST_TIMEOUT": "30", **env}
+    proc = subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+CASES = [("mpi", "sso", "kfac", "empirical_fisher", "split"), ("mpi", "sso", "kfac", "empirical_fisher", "mixed"),
+         ("mpi", "sso", "diag", "hessian", "mixed"), ("mpi", "vi", "kfac", "empirical_fisher", "mixed"),
+         ("torchrun", "sso", "kfac", "empirical_fisher", "mixed"), ("ddp", "sso", "kfac", "empirical_fisher", "mixed"),
+         ("ddp", "sso", "full", "hessian", "split"), ("ddp", "vi", "kfac", "empirical_fisher", "split"),
+         ("mpi", "sso", "kfac", "empirical_fisher", "micro"), ("ddp", "sso", "diag", "hessian", "micro")]
+
+
+@pytest.mark.parametrize("launcher,face,approx,kind,routing", CASES)
+def test_ranks_calling_different_experts_equal_one_process(launcher, face, approx, kind, routing):
+    """2 ranks, each expert called by one rank only ("split") or one expert by both on other row counts
+    ("mixed"), or each rank's two micro-batches meeting the experts in another order ("micro"), and every
+    third step an expert no rank calls: parameters and running curvature after 4 steps equal one process
+    on the whole batch in one forward to 1e-12, the replicas identical (mpiexec; torchrun with and without
+    DistributedDataParallel)."""
+    args = [WORKER, face, approx, kind, routing] + (["ddp"] if launcher == "ddp" else [])
+    cmd = [require_mpiexec(), "-n", "2", sys.executable, *args] if launcher == "mpi" else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    code, out = _run(cmd)
+    assert code == 0, out
+    number = r"(\d\.\d{3}e[+-]\d{2})"  # the ranks' lines may interleave
+    replicas = [float(v) for v in re.findall("REPLICAS " + number, out)]
+    diff = [float(v) for v in re.findall("MAXDIFF " + number, out)]
+    assert len(replicas) == 2 and max(replicas) == 0.0, out
+    assert len(diff) == 1 and diff[0] < 1e-12, out
+
+
+def test_monte_carlo_fisher_with_routed_experts_keeps_the_replicas_equal():
+    """The default kind's labels are drawn per rank (no one-process equal): the ranks stay identical."""
+    code, out = _run([require_mpiexec(), "-n", "2", sys.executable, WORKER, "sso", "kfac", "fisher_mc", "mixed"])
+    assert code == 0, out
+    replicas = [float(v) for v in re.findall(r"REPLICAS (\d\.\d{3}e[+-]\d{2})", out)]
+    assert len(replicas) == 2 and max(replicas) == 0.0, out
+
+
+def test_kfac_input_factor_of_micro_batches_of_other_lengths_is_the_mean_over_positions():
+    """Micro-batches of sequences of other lengths ([4, 2] and [4, 6] tokens): K-FAC's A, a mean over the
+    N·T positions of each, is weighted by those positions: the mean over all 32 positions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double()
+    opt = SecondOrderOptimizer(model, approx="kfac", curvature="fisher_mc", lr=0.1, seed=0)  # (A needs no labels)
+    xs = [torch.randn(4, t, 3, dtype=torch.float64) for t in (2, 6)]
+    ys = [torch.randint(0, 5, (4 * t,)) for t in (2, 6)]
+
+    def closure():
+        opt.zero_grad()
+        for x, y in zip(xs, ys):
+            out = model(x)
+            loss = F.cross_entropy(out.reshape(-1, 5), y) * len(y) / 32
+            loss.backward()
+        return loss, out
+    opt.step(closure)
+    a = torch.cat([torch.cat([x.reshape(-1, 3), torch.ones(x.shape[0] * x.shape[1], 1, dtype=x.dtype)], 1)
+                   for x in xs])
+    torch.testing.assert_close(opt.running.blocks["0"].A, a.T @ a / 32, rtol=1e-12, atol=1e-14)
