@@ -120,3 +120,15 @@ def launch_example(prefix: Sequence[str], script: str, *args: str, timeout: floa
         warnings.warn(f"{script}: a rank aborted in gloo's teardown after finishing; running it once more")
     assert proc.returncode == 0, f"{list(prefix)} {script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def assert_replicas_equal_one_process(out: str, tolerance: float = 1e-12) -> None:
+    """For a 2-rank worker printing ``REPLICAS <max difference to rank 0>`` on every rank and ``MAXDIFF
+    <difference to one process>`` on rank 0 (lines that may interleave): identical replicas, and one
+    process within ``tolerance``."""
+    import re
+    number = r"(\d\.\d{3}e[+-]\d{2})"
+    replicas = [float(v) for v in re.findall("REPLICAS " + number, out)]
+    diff = [float(v) for v in re.findall("MAXDIFF " + number, out)]
+    assert len(replicas) == 2 and max(replicas) == 0.0, out
+    assert len(diff) == 1 and diff[0] < tolerance, out

@@ -8,7 +8,6 @@ settings comparison and of the timeout / opt-out configuration come first.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from dist_utils import REPO, mpi_env, require_mpiexec
+from dist_utils import REPO, assert_replicas_equal_one_process, mpi_env, require_mpiexec
 from torchsso2.distributed import faults
 from torchsso2.distributed.communicator import BucketedCommunicator
 from torchsso2.distributed.consistency import check_same_settings, describe
@@ -358,8 +357,4 @@ def test_ranks_taking_different_branches_equal_one_process(launcher: str, face: 
     cmd = _mpiexec(BRANCH_WORKER, face, mode) if launcher == "mpi" else _torchrun(BRANCH_WORKER, face, mode)
     code, out, _ = _launch(cmd, 120.0)
     assert code == 0, out
-    number = r"(\d\.\d{3}e[+-]\d{2})"  # the ranks' lines may interleave
-    replicas = [float(v) for v in re.findall("REPLICAS " + number, out)]
-    diff = [float(v) for v in re.findall("MAXDIFF " + number, out)]
-    assert len(replicas) == 2 and max(replicas) == 0.0, out
-    assert len(diff) == 1 and diff[0] < 1e-12, out
+    assert_replicas_equal_one_process(out)

@@ -19,7 +19,7 @@ from torch import nn
 
 from curvature import CurvatureEngine
 from curvature.options import Approx
-from dist_utils import mpi_env, require_mpiexec
+from dist_utils import assert_replicas_equal_one_process, mpi_env, require_mpiexec
 from models import Experts
 from torchsso2 import SecondOrderOptimizer
 from torchsso2.optim.routing import zero_block
@@ -138,11 +138,7 @@ def test_ranks_calling_different_experts_equal_one_process(launcher, face, appro
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     code, out = _run(cmd)
     assert code == 0, out
-    number = r"(\d\.\d{3}e[+-]\d{2})"  # the ranks' lines may interleave
-    replicas = [float(v) for v in re.findall("REPLICAS " + number, out)]
-    diff = [float(v) for v in re.findall("MAXDIFF " + number, out)]
-    assert len(replicas) == 2 and max(replicas) == 0.0, out
-    assert len(diff) == 1 and diff[0] < 1e-12, out
+    assert_replicas_equal_one_process(out)
 
 
 def test_monte_carlo_fisher_with_routed_experts_keeps_the_replicas_equal():
