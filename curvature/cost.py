@@ -27,9 +27,10 @@ def full_block_message(name: str, p: int, itemsize: int, what: str) -> str:
     """The warning for a ``p × p`` full block of module ``name``."""
     n = p * p
     return (f"{what} full block of module {name!r}: {p} parameters -> {p}x{p} = {n:,} elements "
-            f"({n * itemsize / 2 ** 20:,.0f} MiB), an eigendecomposition of ~{9 * p ** 3:.2g} FLOPs per update "
-            f"(expect {time_class(9 * p ** 3, 2e10)} per decomposition on a CPU core); use approx='kfac' or 'diag' "
-            "for this module (approx={...: ...} per module) if that is too slow")
+            f"({n * itemsize / 2 ** 20:,.0f} MiB); each decomposition (the optimizers': at every inverse update; a "
+            f"Curvature from curvature.compute: at a solve with a new damping) is an eigendecomposition of "
+            f"~{9 * p ** 3:.2g} FLOPs (expect {time_class(9 * p ** 3, 2e10)} on a CPU core); use approx='kfac' or "
+            "'diag' for this module (approx={...: ...} per module) if that is too slow")
 
 
 def warn_full_blocks(sizes: dict, itemsize: int, what: str) -> None:

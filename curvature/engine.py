@@ -270,8 +270,12 @@ class CurvatureEngine:
         vectors = likelihoods.backprop_vectors(self.loss, self.kind, outputs, targets,
                                                self.mc_samples, generator)
         if per_example > 1:  # sequence outputs: rows inside module examples (curvature.sequence)
+            # (under the empirical Fisher a K-FAC module sums per-row products in any layout: not checked, as in
+            # rows_per_example; an expert called on x[rows] may see N rows by chance)
+            approx = self._module_approx() if self.kind is Kind.EMPIRICAL_FISHER else {}
             outs = {n: capture.records[n].output for n in self._modules
-                    if capture.records[n].output.dim() and capture.records[n].output.shape[0] != outputs.shape[0]}
+                    if capture.records[n].output.dim() and capture.records[n].output.shape[0] != outputs.shape[0]
+                    and approx.get(n) is not Approx.KFAC}
             # the exact Fisher's per-position vectors and the empirical Fisher's sums over the rows of a module
             # that sees them (full and diagonal blocks; K-FAC sums per-row products) take row r as one of
             # example r // T: every example's rows are checked there

@@ -53,6 +53,36 @@ def test_adaptive_mode_trains_attention_models(layer: str, train: bool) -> None:
     assert losses[-1] < losses[0]
 
 
+def test_adaptive_mode_with_the_hessian_runs_attention_on_kernels_with_a_double_backward() -> None:
+    """curvature='hessian' takes the adaptive coefficients from Hessian-vector products (a double backward), which
+    through nn.MultiheadAttention raised 'derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward
+    is not implemented'; they now run on the math backend too, and equal a model written with it."""
+    tokens = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(0))
+    rates = []
+    for math_only in (False, True):
+        torch.manual_seed(0)
+        model = _Attention("mha").double()
+        opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", damping=1.0,
+                                   use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+
+        def closure():
+            opt.zero_grad()
+            out = model(tokens)
+            loss = F.cross_entropy(out.reshape(-1, 20), tokens.reshape(-1))
+            loss.backward()
+            return loss, out
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for _ in range(3):
+            if math_only:
+                with sdpa_kernel(SDPBackend.MATH):
+                    opt.step(closure, targets=tokens)
+            else:
+                opt.step(closure, targets=tokens)
+        assert opt.num_steps == 3
+        rates.append(opt.adaptive.last["learning_rate"])
+    assert rates[0] == pytest.approx(rates[1], rel=1e-9) and rates[0] > 0
+
+
 class _NoJvpRelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -8,7 +8,8 @@ SecondOrderOptimizer / VIOptimizer with captured curvature.
 micro-batches, rank 0's through ``e0`` then ``e1``, rank 1's through ``e1`` then ``e0`` (so the ranks meet
 the experts in other orders); every third step no example goes through ``e1`` on any rank. After 4 steps rank 0 compares every parameter (and the running curvature) with ONE
 process running the whole batch in one forward, and prints ``MAXDIFF <value>``; every rank prints
-``REPLICAS <max difference to rank 0>``. With ``ddp`` the model is wrapped in DistributedDataParallel.
+``REPLICAS <max difference to rank 0>``. With ``ddp`` the model is wrapped in DistributedDataParallel;
+with ``adaptive`` SecondOrderOptimizer adapts its learning rate and momentum.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torchsso2.distributed import LocalCommunicator, get_communicator, shutdown 
 from torchsso2.optim import SecondOrderOptimizer, VIOptimizer  # noqa: E402
 
 FACE, APPROX, KIND, ROUTING = sys.argv[1:5]
-DDP = sys.argv[5:] == ["ddp"]
+DDP, ADAPTIVE = "ddp" in sys.argv[5:], "adaptive" in sys.argv[5:]
 
 
 class Routed(nn.Module):
@@ -68,7 +69,9 @@ def run(comm, rank: int, single: bool):
     if FACE == "vi":
         opt = VIOptimizer(net, dataset_size=160, seed=5, **common)
     else:
-        opt = SecondOrderOptimizer(net, momentum=0.9, damping=1.0 if KIND == "hessian" else 1e-2, seed=3, **common)
+        adaptive = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True) if ADAPTIVE else {}
+        opt = SecondOrderOptimizer(net, momentum=0.9, damping=1.0 if KIND == "hessian" else 1e-2, seed=3, **adaptive,
+                                   **common)
     for step in range(4):
         x, y = batch(step)
         if not single:

@@ -314,13 +314,16 @@ def hessian_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], 
                          f"closure, the closure ran {len(calls)}")
     f = _functional(model, names, select, calls[0])
     leaves = [p.detach().requires_grad_(True) for p in params]
-    with torch.enable_grad(), _rng_of(calls[0]):
+    # (the attention kernels with a double backward; a parameter this batch does not reach, an expert another
+    # rank used, has no gradient here: its products are zero)
+    with torch.enable_grad(), _rng_of(calls[0]), forward_mode_kernels():
         value = mean_nll(loss, f(*leaves), targets)
-        grads = torch.autograd.grad(value, leaves, create_graph=True)
-        hvs = []
+        grads = torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)
+        hvs: List[Sequence[Optional[Tensor]]] = []
         for v in directions:
-            dot = sum((g * t.detach()).sum() for g, t in zip(grads, v))
-            hvs.append(torch.autograd.grad(dot, leaves, retain_graph=True, allow_unused=True))
+            dot = sum(((g * t.detach()).sum() for g, t in zip(grads, v) if g is not None), torch.zeros(()))
+            hvs.append(torch.autograd.grad(dot, leaves, retain_graph=True, allow_unused=True)
+                       if dot.requires_grad else [None] * len(leaves))
     k = len(directions)
     gram = torch.zeros(k, k, dtype=torch.float64)
     for i in range(k):
@@ -471,9 +474,12 @@ class AdaptiveCoefficients:
         the first step) with the gradient ``vecs`` (d): the coefficients, the model's value there, its
         value at the fixed coefficients alone (the free ones 0; 0 when all are free) and which are
         fixed (a value) or solved (None)."""
+        # the forward is run again through the module a DistributedDataParallel wrapper holds (DDP's own forward
+        # prepares its reducer, whose autograd function has no forward-mode formula)
+        model = opt.model.module if isinstance(opt.model, nn.parallel.DistributedDataParallel) else opt.model
         key = tuple(map(id, params))
         if self._names is None or self._names[0] != key:  # the parameters' names, kept while they are the same
-            self._names = (key, param_names(opt.model, params))
+            self._names = (key, param_names(model, params))
         names = self._names[1]
         if not self.recorder.calls:
             raise RuntimeError("adaptive coefficients need the closure to call the model itself (its forward is "
@@ -488,10 +494,10 @@ class AdaptiveCoefficients:
         # (the first k rows) and for the inner products below (one cat of the parameters' rows)
         stacks = _param_stacks([*dirs, vecs])
         if opt.engine.kind is Kind.HESSIAN:
-            gram = hessian_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
+            gram = hessian_gram(model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                                 opt.engine.select_output, targets)
         else:
-            gram = ggn_gram(opt.model, self.recorder.calls, names, params, dirs, opt.engine.loss,
+            gram = ggn_gram(model, self.recorder.calls, names, params, dirs, opt.engine.loss,
                             opt.engine.select_output, identity_select=opt.engine.output_selector is None,
                             activations=self.recorder.activations, stacked=[t[:k] for t in stacks])
         self.recorder.activations = None  # the forward's activations are not kept past their use
