@@ -580,7 +580,7 @@ class CurvatureEngine:
         inputs: Dict[str, Tensor] = {}
         sums: Dict[Any, List[Tensor]] = {}  # key: module name, or (module name, i) for its i-th tied use
         module_batch: Dict[Any, int] = {}
-        input_rows: Dict[Any, int] = {}  # the rows K-FAC's A of a module is a mean over
+        input_rows: Dict[Any, Any] = {}  # the rows K-FAC's A of a module is a mean over (a number or 0-dim tensor)
 
         def normal_input(name: str, dt: torch.dtype) -> Tensor:
             if name not in inputs:
@@ -594,7 +594,6 @@ class CurvatureEngine:
 
         def add_kfac(key: Any, name: str, fam: Any, mod: nn.Module, names: Any, g: Tensor, dt: torch.dtype) -> None:
             module_batch[key] = g.shape[1]
-            input_rows[key] = g.shape[1] * g.shape[2]  # A is a mean over the N·T positions (g: [K, N, T, d_out])
             if reduce and isinstance(fam, WeightMatrixFamily):  # K-FAC-reduce: Σ_t g, mean_t a per example
                 input_rows[key] = g.shape[1]
                 g = g.sum(dim=2, keepdim=True)
@@ -606,6 +605,7 @@ class CurvatureEngine:
                 return
             if key not in sums:
                 rec = records[name]
+                input_rows[key] = fam.kfac_input_rows(mod, rec.inputs, g)  # the rows A is a mean over (N·T positions)
                 sums[key] = list(fam.kfac_factors_from_inputs(mod, rec.inputs, rec.output, g, names))
             else:
                 a = normal_input(name, dt) if fam.output_factor_needs_input else None

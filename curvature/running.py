@@ -46,6 +46,9 @@ class RunningCurvature:
                 self.blocks[name] = own
             else:
                 for dst, src in zip(self.blocks[name].tensors(), blk.tensors()):
+                    if dst.shape != src.shape:  # (a lerp would broadcast a diagonal [n] over an [n, n] matrix)
+                        raise ValueError(f"block {name!r}: a fresh statistic of shape {tuple(src.shape)} cannot be "
+                                         f"folded into the running one of shape {tuple(dst.shape)}")
                     dsts, srcs = pairs.setdefault(dst.dtype, ([], []))
                     dsts.append(dst)
                     srcs.append(src if src.dtype == dst.dtype else src.to(dst.dtype))

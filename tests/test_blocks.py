@@ -254,6 +254,19 @@ def test_ema_over_whole_model_dense() -> None:
     torch.testing.assert_close(got, 0.9 * d0 + 0.1 * d1, rtol=1e-12, atol=1e-14)
 
 
+def test_ema_refuses_a_fresh_statistic_of_another_shape() -> None:
+    """A fresh [V] diagonal factor folded into a running [V, V] one: a ValueError naming both shapes (the
+    lerp broadcast it over the rows, silently)."""
+    model = nn.Embedding(5, 3)
+    fresh = curvature.compute(model, torch.randint(0, 5, (4, 2)), None, kind="fisher_mc", approx="kfac", loss="mse")
+    block = fresh.blocks[""]
+    running = curvature.RunningCurvature()
+    running.update({"": type(block)(block.layout, torch.diag(block.A), block.G)}, 0.9)
+    with pytest.raises(ValueError, match=r"fresh statistic of shape \(5,\) cannot be folded into the running one of "
+                                         r"shape \(5, 5\)"):
+        running.update(fresh.blocks, 0.9)
+
+
 @pytest.mark.parametrize("approx", ["full", "diag", "kfac"])
 def test_state_dict_round_trip(approx: str) -> None:
     build, batch = MODELS["cnn"]

@@ -623,3 +623,26 @@ def test_a_checkpoint_from_when_the_groups_held_the_native_lr_resumes_at_the_sam
 def test_val_num_mc_samples_is_checked_at_construction() -> None:
     with pytest.raises(ValueError, match=r"val_num_mc_samples=-1 must be an int >= 0"):
         VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {}, val_num_mc_samples=-1)
+
+
+def test_vi_init_precision_starts_an_embeddings_kfac_input_factor_as_a_diagonal() -> None:
+    """The start init·I of a K-FAC Embedding: its A is a diagonal [V] as every fresh one (it was a dense [V, V]
+    identity, into which the EMA broadcast the fresh [V] counts: a non-symmetric rank-1 factor, no error)."""
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(6, 4), nn.Linear(4, 3)
+
+        def forward(self, t: Tensor) -> Tensor:
+            return self.head(self.emb(t).mean(1))
+    torch.manual_seed(0)
+    model = Tokens()
+    beta, init = 0.3, 1.0
+    opt = VIOptimizer(model, 100, "Fisher", {"Embedding": "Kron", "Linear": "Kron"}, {"ema_decay": beta},
+                      init_precision=init, num_mc_samples=1)
+    start = opt.running.blocks["emb"].A.clone()
+    torch.testing.assert_close(start, torch.ones(6))
+    tokens, y = torch.randint(0, 6, (8, 3)), torch.randint(0, 3, (8,))
+    opt.step(make_closure(opt, model, tokens, y))
+    counts = torch.bincount(tokens.reshape(-1), minlength=6).float() / tokens.numel()
+    torch.testing.assert_close(opt.running.blocks["emb"].A, (1 - beta) * start + beta * counts)

@@ -220,3 +220,37 @@ def test_an_expert_seeing_as_many_rows_as_examples_by_chance_is_not_taken_for_th
     opt.step(closure, targets=y)
     a = torch.cat([h, torch.ones(2, 1, dtype=h.dtype)], 1)
     torch.testing.assert_close(opt.running.blocks["e1"].A, a.T @ a / 2, rtol=1e-12, atol=1e-14)
+
+
+def test_an_embeddings_input_factor_over_micro_batches_with_other_padding_shares_is_one_forwards():
+    """Embedding(padding_idx) under K-FAC: A is a mean over the non-padding positions, and micro-batches with
+    3 of 8 and 8 of 8 real tokens are weighted by those (they were weighted by all 8 positions each: A 0.06
+    off the one forward on the whole batch)."""
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(6, 4, padding_idx=0), nn.Linear(4, 3)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(t).mean(1))
+    parts = [torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]]), torch.tensor([[1, 2, 3, 4], [5, 4, 3, 2]])]
+    x, y = torch.cat(parts), torch.tensor([0, 1, 2, 0])
+    factors = []
+    for micro in (False, True):
+        torch.manual_seed(0)
+        model = Tokens().double()
+        opt = SecondOrderOptimizer(model, approx="kfac", curvature="empirical_fisher", lr=0.1, damping=1.0)
+
+        def closure():
+            opt.zero_grad()
+            for xs, ys in zip(parts, y.chunk(2)) if micro else [(x, y)]:
+                out = model(xs)
+                loss = F.cross_entropy(out, ys) * len(ys) / len(y)
+                loss.backward()
+            return loss, out
+        opt.step(closure, targets=y)
+        factors.append(opt.running.blocks["emb"].A)
+    counts = torch.bincount(x.reshape(-1), minlength=6).double()
+    counts[0] = 0
+    torch.testing.assert_close(factors[0], counts / 11, rtol=1e-12, atol=0)
+    torch.testing.assert_close(factors[1], factors[0], rtol=1e-12, atol=1e-15)

@@ -13,7 +13,7 @@ Decompositions of ``scale·L⊗R + damping·I``:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -62,8 +62,9 @@ class KFACBlock(Block):
         self._eig_key: Tuple[Optional[str], Optional[torch.dtype]] = (None, None)
         #: a fresh block's count of the rows ``A`` is a mean over (the engine sets it: the module's positions
         #: ``N·T``, a routed module seeing part of the batch): the weight of ``A`` where blocks of several
-        #: micro-batches or ranks are averaged (torchsso2/optim/routing.py); None: not known (a tied layout)
-        self.rows: Optional[float] = None
+        #: micro-batches or ranks are averaged (torchsso2/optim/routing.py; a number, or a 0-dim tensor: an
+        #: Embedding's non-padding positions); None: not known (a tied layout)
+        self.rows: Optional[Union[float, Tensor]] = None
 
     # ---- names --------------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ row-major ``vec(M)``, ``L`` of size ``rows`` and ``R`` of size ``cols``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -97,6 +97,12 @@ class LayerFamily:
         """:meth:`kfac_factors` from the recorded forward (``inputs``: the module's inputs), for
         families with a cheaper route than the normal form (Conv2d: no unfolded patches)."""
         return self.kfac_factors(module, self.normal_input(module, inputs, output), g, names)
+
+    def kfac_input_rows(self, module: nn.Module, inputs: Tuple[Tensor, ...], g: Tensor) -> Union[int, Tensor]:
+        """How many rows K-FAC's ``A`` of this call is a mean over: the ``N·T`` positions of the normal-form
+        output gradient ``g [K, N, T, d_out]`` (its weight where the factors of several micro-batches or ranks
+        are averaged). ``inputs``: the call's recorded inputs."""
+        return g.shape[1] * g.shape[2]
 
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         """The output-side factor ``G`` alone. It is a sum over the ``K`` backpropagated vectors,

@@ -9,7 +9,7 @@ K-FAC (Kronecker order ``A ⊗ G`` over row-major ``vec(W)``, W of shape ``[V, D
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,12 @@ class EmbeddingFamily(LayerFamily):
         positions = (n * t - counts[module.padding_idx].to(torch.float32)).clamp_min(1.0)
         counts[module.padding_idx] = 0
         return counts.div_(positions), self.kfac_output_factor(module, a, g, names)
+
+    def kfac_input_rows(self, module: nn.Module, inputs: Tuple[Tensor, ...], g: Tensor) -> Union[int, Tensor]:
+        """The positions ``A`` averages: the non-padding ones (a 0-dim integer tensor: no host sync)."""
+        if module.padding_idx is None:
+            return g.shape[1] * g.shape[2]
+        return (inputs[0] != module.padding_idx).sum()
 
     def kfac_output_factor(self, module: nn.Module, a: Optional[Tensor], g: Tensor, names: Sequence[str]) -> Tensor:
         if module.padding_idx is not None:

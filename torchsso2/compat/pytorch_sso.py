@@ -36,14 +36,16 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from curvature.blocks import DiagBlock, FullBlock, KFACBlock
+from curvature.blocks import KFACBlock
 from curvature.blocks.base import check_positive
 from curvature.linalg import LinalgError, get_backend
 
 from ..optim import NonFiniteError
 from ..optim import SecondOrderOptimizer as _NativeSO
 from ..optim import VIOptimizer as _NativeVI
+from ..optim.routing import zero_block
 from ..optim.validation import check_number
+from ..optim.vi_start import isotropic_blocks
 from . import sso_conventions as conv
 
 logger = logging.getLogger(__name__)
@@ -341,20 +343,9 @@ class VIOptimizer(_SSOGroups, _NativeVI):
         ``element_wise_init``; the first batch is then folded in with the EMA weights."""
         if init_precision < 0:
             raise ValueError(f"init_precision={init_precision!r} must be >= 0")
-        blocks = {}
-        for name, lay in self.engine.layouts.items():
-            shape = self.engine.approx[name].value
-            dt = torch.float64 if any(p.dtype == torch.float64 for p in lay.params) else torch.float32
-            dev = lay.params[0].device
-            if shape == "diag":
-                blocks[name] = DiagBlock(lay, torch.full((lay.numel,), init_precision, dtype=dt, device=dev))
-            elif shape == "full":
-                blocks[name] = FullBlock(lay, init_precision * torch.eye(lay.numel, dtype=dt, device=dev))
-            else:
-                m = lay.family.to_matrix(lay.module, [torch.zeros(s) for s in lay.shapes], lay.param_names)
-                r = init_precision ** 0.5
-                blocks[name] = KFACBlock(lay, r * torch.eye(m.shape[0], dtype=dt, device=dev),
-                                         r * torch.eye(m.shape[1], dtype=dt, device=dev))
+        # diag init·1, full init·I, K-FAC √init·I ⊗ √init·I (a diagonal factor as a vector of √init: Embedding's A)
+        zeros = {name: zero_block(lay, self.engine.approx[name]) for name, lay in self.engine.layouts.items()}
+        blocks = isotropic_blocks(zeros, init_precision)
         self.running.update(blocks, 0.0)
         self._prior_ramp = True
         self._decompose(self.precision_shift, scale=float(self.dataset_size))

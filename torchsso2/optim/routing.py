@@ -64,18 +64,22 @@ def zero_block(layout: Layout, approx: Approx, like: Optional[Block] = None) -> 
 
 def fold(mine: Block, new: Block, weight: float, added: float) -> None:
     """``mine`` (of weight ``weight``) := the weighted mean of ``mine`` and ``new`` (of weight ``added``), in
-    place; K-FAC's ``A`` weighted by the rows each saw when both know them."""
+    place; K-FAC's ``A`` weighted by the rows each averages when both know them (numbers or 0-dim tensors)."""
     total = weight + added
-    rows = (mine.rows, new.rows) if isinstance(mine, KFACBlock) and isinstance(new, KFACBlock) else (None, None)
-    by_rows = rows[0] is not None and rows[1] is not None and rows[0] + rows[1] > 0
+    by_rows = isinstance(mine, KFACBlock) and isinstance(new, KFACBlock) and \
+        mine.rows is not None and new.rows is not None
     keep = mine.A if by_rows else None
     for t, fresh in zip(mine.tensors(), new.tensors()):
-        if t is keep:
-            t.mul_(rows[0] / (rows[0] + rows[1])).add_(fresh, alpha=rows[1] / (rows[0] + rows[1]))
-        else:
+        if t is not keep:
             t.mul_(weight / total).add_(fresh, alpha=added / total)
-    if by_rows:
-        mine.rows = rows[0] + rows[1]
+            continue
+        rows = mine.rows + new.rows
+        if isinstance(rows, Tensor):  # (no host sync; rows 0 on both sides keeps the zero factor)
+            share = torch.as_tensor(new.rows, dtype=t.dtype, device=t.device) / rows.to(t.dtype).clamp_min(1e-30)
+            t.mul_(1 - share).add_(fresh * share)
+        elif rows > 0:
+            t.mul_(mine.rows / rows).add_(fresh, alpha=new.rows / rows)
+        mine.rows = rows
 
 
 def presence(order: Sequence[str], blocks: Dict[str, Block]) -> List[float]:
@@ -102,9 +106,9 @@ def weigh_inputs(blocks: Dict[str, Block]) -> List[Tensor]:
     rows = []
     for block in blocks.values():
         if isinstance(block, KFACBlock):
-            n = 1.0 if block.rows is None else float(block.rows)
+            n = 1.0 if block.rows is None else block.rows
             block.A.mul_(n)
-            rows.append(block.A.new_full((1,), n))
+            rows.append(n.reshape(1).to(block.A.dtype) if isinstance(n, Tensor) else block.A.new_full((1,), float(n)))
     return rows
 
 
