@@ -13,8 +13,10 @@ setup(
     # PEP 561: the packages' type hints are visible to the users' type checkers
     package_data={"curvature": ["py.typed"], "torchsso2": ["py.typed"]},
     python_requires=">=3.9",
-    # torch.compiler (2.1), torch.nn.attention.sdpa_kernel and torch.amp.grad_scaler (2.3) are used; CI runs 2.13
-    install_requires=["torch>=2.3", "numpy"],
+    # torch 2.4 added what the optimizers use at every step (torch.OutOfMemoryError, is_autocast_enabled(device),
+    # the CPU fused SGD kernel) and deep copies of a torch.Generator; torch 2.4's dynamo fails on a compiled
+    # forward with the curvature hooks. The test suite passes on 2.5.1 (Python 3.9); CI runs 2.13
+    install_requires=["torch>=2.5", "numpy"],
     extras_require={
         # mpi4py needs an MPI library: the mpich wheel provides one (and mpiexec) without system packages
         "mpi": ["mpi4py", "mpich"],

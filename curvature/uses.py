@@ -143,7 +143,9 @@ class UseWindows:
         if root is None or not self.params:
             return
         outside: Dict[str, Optional[str]] = {}
-        seen: Set[int] = set()
+        # the nodes themselves, not their ids: holding a node's Python object keeps it (torch returns the same one
+        # while it lives); the id of a freed temporary one can be reused by another node, skipped then (seen on torch 2.3 and 2.5)
+        seen: Set[Any] = set()
         stack = [root]
         while stack:
             node = stack.pop()
@@ -163,8 +165,8 @@ class UseWindows:
                     for leaf, _ in nxt.next_functions:
                         if leaf is not None and getattr(leaf, "variable", None) is not None:
                             self._use(node, leaf.variable, outside)
-                if id(nxt) not in seen:
-                    seen.add(id(nxt))
+                if nxt not in seen:
+                    seen.add(nxt)
                     stack.append(nxt)
         if outside:
             names = sorted(outside)

@@ -30,6 +30,17 @@ class _Attention(nn.Module):
         return self.head(self.attn(h))
 
 
+def _next_token_closure(opt, model, tokens):
+    """A closure of the token-level cross-entropy of ``model(tokens)`` ``[N, T, 20]`` against ``tokens``."""
+    def closure():
+        opt.zero_grad()
+        out = model(tokens)
+        loss = F.cross_entropy(out.reshape(-1, 20), tokens.reshape(-1))
+        loss.backward()
+        return loss, out
+    return closure
+
+
 @pytest.mark.parametrize("layer,train", [("mha", True), ("mha", False), ("encoder", False)])
 def test_adaptive_mode_trains_attention_models(layer: str, train: bool) -> None:
     """These raised torch's 'Trying to use forward AD with _scaled_dot_product_flash_attention_for_cpu'
@@ -39,13 +50,7 @@ def test_adaptive_mode_trains_attention_models(layer: str, train: bool) -> None:
     model = _Attention(layer).train(train)
     tokens = torch.randint(0, 20, (8, 6))
     opt = SecondOrderOptimizer(model, **ADAPTIVE)
-
-    def closure():
-        opt.zero_grad()
-        out = model(tokens)
-        loss = F.cross_entropy(out.reshape(-1, 20), tokens.reshape(-1))
-        loss.backward()
-        return loss, out
+    closure = _next_token_closure(opt, model, tokens)
     fast = torch.backends.mha.get_fastpath_enabled()
     losses = [float(opt.step(closure, targets=tokens)[0].detach()) for _ in range(6)]
     assert torch.backends.mha.get_fastpath_enabled() == fast
@@ -64,13 +69,7 @@ def test_adaptive_mode_with_the_hessian_runs_attention_on_kernels_with_a_double_
         model = _Attention("mha").double()
         opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", damping=1.0,
                                    use_adaptive_learning_rate=True, use_adaptive_momentum=True)
-
-        def closure():
-            opt.zero_grad()
-            out = model(tokens)
-            loss = F.cross_entropy(out.reshape(-1, 20), tokens.reshape(-1))
-            loss.backward()
-            return loss, out
+        closure = _next_token_closure(opt, model, tokens)
         from torch.nn.attention import SDPBackend, sdpa_kernel
         for _ in range(3):
             if math_only:

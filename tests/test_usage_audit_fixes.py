@@ -54,6 +54,9 @@ def test_a_compiled_model_traced_before_the_optimizer_gets_the_fix_named(held: b
     a network (a LightningModule with ``self.net = torch.compile(net)``): the compile advice, not
     'not called in the forward pass'."""
     dynamo = pytest.importorskip("torch._dynamo")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
+        pytest.skip("torch 2.4's dynamo traces the graph again when the hooks are added: the step runs with them "
+                    "(equal to the eager model), nothing to refuse")
     from torchsso2.kfac import KFACPreconditioner
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     try:

@@ -288,7 +288,8 @@ def _reliability(probs: Tensor, targets: Tensor, n_bins: int) -> ReliabilityData
         # float64's bin)
         inner = edges64[1:-1].to(conf.dtype)
         values, counts = torch.unique(inner, return_counts=True)
-        tie = torch.isin(conf, values[counts == 1])
+        # (in float32, which holds every half-precision value: older torch has no CPU isin for half precision)
+        tie = torch.isin(conf.to(torch.float32), values[counts == 1].to(torch.float32))
         if bool(tie.any()):
             idx = torch.where(tie, torch.bucketize(conf, inner, right=False), idx)
         count = torch.bincount(idx, minlength=n_bins)

@@ -55,6 +55,7 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str, phase: str) -
                 step(s)
             torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), pre=pre.state_dict()),
                        os.path.join(out_dir, f"ckpt{rank}.pt"))
+            dist.barrier()  # every rank done before the group goes (torch 2.5's gloo could hang a rank at exit)
             return
         ckpt = torch.load(os.path.join(out_dir, f"ckpt{rank % 2}.pt"), weights_only=True)
         model.load_state_dict(ckpt["model"])
@@ -65,5 +66,6 @@ def main(rank: int, world_size: int, init_file: str, out_dir: str, phase: str) -
             step(s)
             rows.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         torch.save(torch.stack(rows), os.path.join(out_dir, f"weights{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
