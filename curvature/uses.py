@@ -144,7 +144,8 @@ class UseWindows:
             return
         outside: Dict[str, Optional[str]] = {}
         # the nodes themselves, not their ids: holding a node's Python object keeps it (torch returns the same one
-        # while it lives); the id of a freed temporary one can be reused by another node, skipped then (seen on torch 2.3 and 2.5)
+        # while it lives); the id of a freed temporary one can be reused by another node, which was then skipped
+        # (seen on torch 2.3 and 2.5)
         seen: Set[Any] = set()
         stack = [root]
         while stack:

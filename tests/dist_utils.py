@@ -132,3 +132,28 @@ def assert_replicas_equal_one_process(out: str, tolerance: float = 1e-12) -> Non
     diff = [float(v) for v in re.findall("MAXDIFF " + number, out)]
     assert len(replicas) == 2 and max(replicas) == 0.0, out
     assert len(diff) == 1 and diff[0] < tolerance, out
+
+
+def launch(cmd: List[str], bound_s: float, **env: str) -> Tuple[int, str, float]:
+    """Run ``cmd`` (1 OpenMP thread, ``env`` added); return (exit code, stdout+stderr, seconds).
+
+    Fails the test if the job is still running after ``bound_s`` + 30 s (then it is killed)."""
+    full = dict(mpi_env(), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=bound_s + 30.0)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{cmd} still ran after {bound_s + 30:.0f} s (hung)\n{out[-3000:]}")
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def mpiexec_command(*args: str, python_m_mpi4py: bool = False, ranks: int = 2) -> List[str]:
+    """``mpiexec -n ranks python [-m mpi4py] args…`` (skips the test without mpiexec)."""
+    prefix = [require_mpiexec(), "-n", str(ranks), sys.executable]
+    return prefix + (["-m", "mpi4py"] if python_m_mpi4py else []) + list(args)
+
+
+def torchrun_command(*args: str) -> List[str]:
+    """torchrun on 2 local processes running ``args``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]

@@ -8,17 +8,14 @@ settings comparison and of the timeout / opt-out configuration come first.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
 
-from dist_utils import REPO, assert_replicas_equal_one_process, mpi_env, require_mpiexec
+from dist_utils import assert_replicas_equal_one_process, launch, mpiexec_command, torchrun_command
 from torchsso2.distributed import faults
 from torchsso2.distributed.communicator import BucketedCommunicator
 from torchsso2.distributed.consistency import check_same_settings, describe
@@ -218,33 +215,10 @@ def test_timeout_and_opt_out_configuration() -> None:
 # ---------------------------------------------------------------------------------------
 # real launches
 # ---------------------------------------------------------------------------------------
-def _launch(cmd: List[str], bound_s: float, **env: str) -> Tuple[int, str, float]:
-    """Run ``cmd`` (1 OpenMP thread, ``env`` added); return (exit code, stdout+stderr, seconds).
-
-    Fails the test if the job is still running after ``bound_s`` + 30 s (then it is killed)."""
-    full = dict(mpi_env(), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=bound_s + 30.0)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        pytest.fail(f"{cmd} still ran after {bound_s + 30:.0f} s (hung)\n{out[-3000:]}")
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
-
-
-def _mpiexec(*args: str, python_m_mpi4py: bool = False, ranks: int = 2) -> List[str]:
-    prefix = [require_mpiexec(), "-n", str(ranks), sys.executable]
-    return prefix + (["-m", "mpi4py"] if python_m_mpi4py else []) + list(args)
-
-
-def _torchrun(*args: str) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-
-
 @pytest.mark.parametrize("face", ["sso", "vi", "kfac"])
 def test_mpi_rank_that_raises_aborts_the_job(face: str) -> None:
     """Issue 28 item 2: no install_abort_on_exception in the script; the library installs it."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, face, "raise"), 30.0)
+    code, out, elapsed = launch(mpiexec_command(WORKER, face, "raise"), 30.0)
     assert code != 0, out
     assert "rank 1 fails on purpose" in out, out
     assert "[rank 1] uncaught RuntimeError" in out, out
@@ -253,7 +227,7 @@ def test_mpi_rank_that_raises_aborts_the_job(face: str) -> None:
 
 def test_mpi_rank_that_exits_ends_the_job() -> None:
     """Issue 33 item 1: sys.exit(3) on rank 1 after step 1; rank 0 names it instead of waiting."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "exit"), 60.0)
+    code, out, elapsed = launch(mpiexec_command(WORKER, "sso", "exit"), 60.0)
     assert code != 0, out
     assert "rank 1 exited" in out and "rank 0:" in out, out
     assert elapsed < 60.0, (elapsed, out)
@@ -262,7 +236,7 @@ def test_mpi_rank_that_exits_ends_the_job() -> None:
 @pytest.mark.parametrize("python_m_mpi4py", [False, True], ids=["python", "python-m-mpi4py"])
 def test_mpi_rank_that_exits_before_init_ends_the_job(python_m_mpi4py: bool) -> None:
     """Issue 33 item 1: rank 1 exits before MPI is initialized; rank 0's MPI_Init is bounded."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "preinit", python_m_mpi4py=python_m_mpi4py), 60.0,
+    code, out, elapsed = launch(mpiexec_command(WORKER, "sso", "preinit", python_m_mpi4py=python_m_mpi4py), 60.0,
                                  TORCHSSO2_DIST_TIMEOUT="3")
     assert code != 0, out
     assert "[rank 0] MPI_Init did not complete within 3 s" in out, out
@@ -272,7 +246,7 @@ def test_mpi_rank_that_exits_before_init_ends_the_job(python_m_mpi4py: bool) -> 
 def test_mpi_rank_that_hangs_times_out_and_is_named() -> None:
     """3 ranks, rank 1 hangs: ranks 0 and 2 give up after the timeout; each asks the others what
     they wait in, so the message names rank 1 as the one that never arrived and the other as waiting."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, "kfac", "hang", ranks=3), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
+    code, out, elapsed = launch(mpiexec_command(WORKER, "kfac", "hang", ranks=3), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
     assert code != 0, out
     said = [line for line in out.splitlines() if "uncaught CollectiveTimeoutError" in line]
     assert said, out
@@ -285,7 +259,7 @@ def test_mpi_rank_that_hangs_times_out_and_is_named() -> None:
 def test_mpi_opt_out_installs_no_abort_hook() -> None:
     """TORCHSSO2_ABORT_ON_EXCEPTION=0: the library leaves sys.excepthook alone (the collective
     timeout still ends the job: rank 0 gives up waiting for the rank that raised)."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, "sso", "raise"), 60.0, TORCHSSO2_DIST_TIMEOUT="3",
+    code, out, elapsed = launch(mpiexec_command(WORKER, "sso", "raise"), 60.0, TORCHSSO2_DIST_TIMEOUT="3",
                                  TORCHSSO2_ABORT_ON_EXCEPTION="0")
     assert code != 0, out
     assert "rank 1 fails on purpose" in out, out
@@ -297,9 +271,9 @@ def test_readme_digits_demo_with_a_raising_rank_ends() -> None:
     """README's ``mpiexec -n 2 python examples/train_digits.py``, rank 1 raising in its third step
     (an exiting rank is the same mechanism as test_mpi_rank_that_exits_ends_the_job)."""
     pytest.importorskip("sklearn", reason="the demo needs scikit-learn")
-    cmd = _mpiexec(str(SCRIPTS / "digits_fault.py"), "raise", "--epochs", "1", "--no-progress",
+    cmd = mpiexec_command(str(SCRIPTS / "digits_fault.py"), "raise", "--epochs", "1", "--no-progress",
                    "--optimizer", "sso-kfac")
-    code, out, elapsed = _launch(cmd, 60.0)  # the whole launch, data loading included (issue 33's bound)
+    code, out, elapsed = launch(cmd, 60.0)  # the whole launch, data loading included (issue 33's bound)
     assert code != 0, out
     assert "rank 1 fails on purpose" in out, out
     assert elapsed < 60.0, (elapsed, out)
@@ -307,7 +281,7 @@ def test_readme_digits_demo_with_a_raising_rank_ends() -> None:
 
 def test_torchrun_rank_that_hangs_times_out() -> None:
     """Under torchrun the survivor gives up after the configured timeout, not gloo's 300 s."""
-    code, out, elapsed = _launch(_torchrun(WORKER, "sso", "hang"), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
+    code, out, elapsed = launch(torchrun_command(WORKER, "sso", "hang"), 60.0, TORCHSSO2_DIST_TIMEOUT="3")
     assert code != 0, out
     assert "rank 0: allreduce over ranks [0, 1] did not complete within 3 s: rank 1 had not reached it" in out, out
     assert elapsed < 60.0, (elapsed, out)
@@ -320,8 +294,8 @@ def test_torchrun_rank_that_hangs_times_out() -> None:
     ("mpiexec", "sso", "curv_update_interval (rank 0: 1, rank 1: 2)"),
 ])
 def test_different_schedules_raise_on_every_rank(launcher: str, face: str, mismatch: str) -> None:
-    launch = _mpiexec if launcher == "mpiexec" else _torchrun
-    code, out, elapsed = _launch(launch(WORKER, face, "mismatch"), 60.0)
+    command = mpiexec_command if launcher == "mpiexec" else torchrun_command
+    code, out, elapsed = launch(command(WORKER, face, "mismatch"), 60.0)
     assert code != 0, out
     assert mismatch in out, out
     assert elapsed < 60.0, (elapsed, out)
@@ -331,7 +305,7 @@ def test_different_schedules_raise_on_every_rank(launcher: str, face: str, misma
 def test_ranks_disagreeing_on_trainable_parameters_raise(face: str) -> None:
     """One rank freezes a layer after construction: the gradient buffers differ in size, which MPI
     reduced without an error (every step then skipped silently); now every rank raises, naming it."""
-    code, out, elapsed = _launch(_mpiexec(WORKER, face, "freeze"), 60.0)
+    code, out, elapsed = launch(mpiexec_command(WORKER, face, "freeze"), 60.0)
     assert code != 0, out
     assert "rank 0 averages gradients of 4 trainable parameters" in out, out
     assert "rank 1 averages gradients of 2 trainable parameters" in out, out
@@ -340,7 +314,7 @@ def test_ranks_disagreeing_on_trainable_parameters_raise(face: str) -> None:
 
 def test_mpi_job_without_failure_ends_normally() -> None:
     """The fault handlers (exit notices at exit, polled collectives) leave a normal run alone."""
-    code, out, _ = _launch(_mpiexec(WORKER, "vi", "ok"), 120.0)
+    code, out, _ = launch(mpiexec_command(WORKER, "vi", "ok"), 120.0)
     assert code == 0, out
     assert "rank 0 done" in out and "rank 1 done" in out, out
 
@@ -354,7 +328,7 @@ def test_ranks_taking_different_branches_equal_one_process(launcher: str, face: 
     """A parameter with a gradient on some ranks only is averaged with zeros from the others (as
     DistributedDataParallel does): 2 ranks equal one process on both shards; before, the gradient
     lists of the ranks were paired by position (head a's with head b's)."""
-    cmd = _mpiexec(BRANCH_WORKER, face, mode) if launcher == "mpi" else _torchrun(BRANCH_WORKER, face, mode)
-    code, out, _ = _launch(cmd, 120.0)
+    cmd = mpiexec_command(BRANCH_WORKER, face, mode) if launcher == "mpi" else torchrun_command(BRANCH_WORKER, face, mode)
+    code, out, _ = launch(cmd, 120.0)
     assert code == 0, out
     assert_replicas_equal_one_process(out)

@@ -9,7 +9,6 @@ processes it was a ValueError (the ranks' blocks were averaged by position).
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,12 @@ from torch import nn
 
 from curvature import CurvatureEngine
 from curvature.options import Approx
-from dist_utils import assert_replicas_equal_one_process, mpi_env, require_mpiexec
+from dist_utils import assert_replicas_equal_one_process, launch, mpiexec_command, torchrun_command
 from models import Experts
 from torchsso2 import SecondOrderOptimizer
 from torchsso2.optim.routing import zero_block
 
 WORKER = str(Path(__file__).parent / "dist_scripts" / "routed_native_worker.py")
-REPO = Path(__file__).resolve().parent.parent
 
 
 class Zoo(nn.Module):
@@ -112,13 +110,6 @@ def test_micro_batches_routed_differently_equal_one_forward(approx, kind):
             torch.testing.assert_close(two, one, rtol=1e-12, atol=1e-14, msg=name)
 
 
-def _run(cmd, timeout=120.0, **env):
-    import subprocess
-    full = {**mpi_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHSSO2_DIST_TIMEOUT": "30", **env}
-    proc = subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 CASES = [("mpi", "sso", "kfac", "empirical_fisher", "split", ""),
          ("mpi", "sso", "kfac", "empirical_fisher", "mixed", ""),
          ("mpi", "sso", "diag", "hessian", "mixed", ""), ("mpi", "vi", "kfac", "empirical_fisher", "mixed", ""),
@@ -142,16 +133,16 @@ def test_ranks_calling_different_experts_equal_one_process(launcher, face, appro
     on the whole batch in one forward to 1e-12, the replicas identical (mpiexec; torchrun with and without
     DistributedDataParallel)."""
     args = [WORKER, face, approx, kind, routing] + (["ddp"] if launcher == "ddp" else []) + options.split()
-    cmd = [require_mpiexec(), "-n", "2", sys.executable, *args] if launcher == "mpi" else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    code, out = _run(cmd)
+    cmd = mpiexec_command(*args) if launcher == "mpi" else torchrun_command(*args)
+    code, out, _ = launch(cmd, 120.0, TORCHSSO2_DIST_TIMEOUT="30")
     assert code == 0, out
     assert_replicas_equal_one_process(out)
 
 
 def test_monte_carlo_fisher_with_routed_experts_keeps_the_replicas_equal():
     """The default kind's labels are drawn per rank (no one-process equal): the ranks stay identical."""
-    code, out = _run([require_mpiexec(), "-n", "2", sys.executable, WORKER, "sso", "kfac", "fisher_mc", "mixed"])
+    code, out, _ = launch(mpiexec_command(WORKER, "sso", "kfac", "fisher_mc", "mixed"), 120.0,
+                          TORCHSSO2_DIST_TIMEOUT="30")
     assert code == 0, out
     replicas = [float(v) for v in re.findall(r"REPLICAS (\d\.\d{3}e[+-]\d{2})", out)]
     assert len(replicas) == 2 and max(replicas) == 0.0, out

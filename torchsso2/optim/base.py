@@ -526,7 +526,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             # the modules some rank called (a share > 0 in any dtype), in one order on every rank (micro-batches may
             # add a module late), with zeros from the ranks that did not call one
             called = [name for name, share in zip(order, flag[at + 2:at + 2 + len(order)].tolist()) if share > 0]
-            fill_absent(blocks, called, self.engine.layouts, self.engine.approx, self.running.blocks)
+            fill_absent(blocks, called, self.engine.layouts, self.engine.approx)
             rows = weigh_inputs(blocks)  # K-FAC's A: weighted by the rows each rank's module saw (routing.py)
             sym = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if s]
             rest = [t for b in blocks.values() for t, s in zip(b.tensors(), b.symmetric()) if not s] + rows

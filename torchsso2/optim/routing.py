@@ -15,7 +15,7 @@ curvature, as in one process. (A tied layout's K-FAC left factor sums its uses' 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 from torch import Tensor
@@ -40,25 +40,20 @@ def scale_to_whole_batch(block: Block, share: float) -> None:
             t.mul_(share)
 
 
-def zero_block(layout: Layout, approx: Approx, like: Optional[Block] = None) -> Block:
-    """A block of zeros for ``layout`` in shape ``approx``: shaped as ``like`` (the running block, which
-    every rank holds alike) when given, else from the layout (K-FAC's left factor a diagonal ``[r]`` where
-    every use's family stores it so, as Embedding's ``A``)."""
+def zero_block(layout: Layout, approx: Approx) -> Block:
+    """A block of zeros for ``layout`` in shape ``approx``, with the statistics' shapes and dtype of an
+    estimated one (K-FAC's left factor a diagonal ``[r]`` where every use's family stores it so, as
+    Embedding's ``A``), and no rows."""
     ref = layout.params[0]
     opts = dict(dtype=compute_dtype(ref.dtype), device=ref.device)
-    block: Block
-    if like is not None:
-        block = type(like)(layout, *[torch.zeros_like(t) for t in like.tensors()])
-    elif approx is Approx.DIAG:
-        block = DiagBlock(layout, torch.zeros(layout.numel, **opts))
-    elif approx is Approx.FULL:
-        block = FullBlock(layout, torch.zeros(layout.numel, layout.numel, **opts))
-    else:
-        r, c = kfac_dims(layout)
-        diagonal = all(fam.kfac_diagonal_left for fam in [layout.family] + [u.family for u in layout.tied])
-        block = KFACBlock(layout, torch.zeros((r,) if diagonal else (r, r), **opts), torch.zeros(c, c, **opts))
-    if isinstance(block, KFACBlock):
-        block.rows = 0.0
+    if approx is Approx.DIAG:
+        return DiagBlock(layout, torch.zeros(layout.numel, **opts))
+    if approx is Approx.FULL:
+        return FullBlock(layout, torch.zeros(layout.numel, layout.numel, **opts))
+    r, c = kfac_dims(layout)
+    diagonal = all(fam.kfac_diagonal_left for fam in [layout.family] + [u.family for u in layout.tied])
+    block = KFACBlock(layout, torch.zeros((r,) if diagonal else (r, r), **opts), torch.zeros(c, c, **opts))
+    block.rows = 0.0
     return block
 
 
@@ -89,12 +84,11 @@ def presence(order: Sequence[str], blocks: Dict[str, Block]) -> List[float]:
 
 
 def fill_absent(blocks: Dict[str, Block], called: Sequence[str], layouts: Dict[str, Layout],
-                approx: Dict[str, Approx], running: Dict[str, Block]) -> None:
+                approx: Dict[str, Approx]) -> None:
     """Before the ranks' mean: ``blocks`` := the modules some rank called (``called``, in an order every rank
     holds alike: the mean pairs the blocks by position), in place, with a zero block (no rows) for each
     this rank did not call."""
-    ordered = {name: blocks[name] if name in blocks else zero_block(layouts[name], approx[name], running.get(name))
-               for name in called}
+    ordered = {name: blocks[name] if name in blocks else zero_block(layouts[name], approx[name]) for name in called}
     blocks.clear()
     blocks.update(ordered)
 
