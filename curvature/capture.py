@@ -119,7 +119,7 @@ class Capture:
         #: the routing mode of this capture's BatchNorm nodes (see :mod:`curvature.frozen_norm`)
         self.frozen = FrozenMode()
         # left out where it provably passes (a plain nn.Sequential of torch layers: curvature/uses_static.py)
-        self._uses: Optional[UseWindows] = UseWindows(modules) if check_uses and root is not None \
+        self._uses: Optional[UseWindows] = UseWindows(modules, root) if check_uses and root is not None \
             and not uses_stay_inside(root, modules) else None
         self._own: Dict[str, Tuple[Any, ...]] = {}
 

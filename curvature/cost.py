@@ -13,6 +13,9 @@ logger = logging.getLogger("curvature")
 
 #: a full block above this many parameters is announced (P² = 4M numbers, 16 MB in float32)
 FULL_WARN_PARAMS = 2048
+#: a dense K-FAC factor of more rows than this is announced (each eigendecomposition ~9n³ = 6e11 FLOPs:
+#: half a minute and more on a CPU core; an 8000-token LM head's 8000×8000 factor took 3 minutes a step)
+KFAC_WARN_SIDE = 4096
 #: a Hessian block needing more Hessian-vector products than this is announced
 HVP_WARN = 1024
 
@@ -39,6 +42,27 @@ def warn_full_blocks(sizes: dict, itemsize: int, what: str) -> None:
     for name, p in sizes.items():
         if p > FULL_WARN_PARAMS:
             logger.warning(full_block_message(name, p, itemsize, what))
+
+
+def warn_kfac_factors(sides: dict, itemsize: int, fixes: str = "approx={{{name!r}: 'diag'}} for this module, a "
+                      "longer inv_update_interval, or skip_modules", inverse: bool = False) -> None:
+    """Log one warning per module whose K-FAC block has a dense factor of more than :data:`KFAC_WARN_SIDE`
+    rows (``sides``: module name -> the dense factors' sizes; a diagonal factor, as an untied Embedding's
+    token counts, is not listed). ``fixes``: what to do, formatted with the module's ``name``; ``inverse``:
+    the factors are inverted by Cholesky (``~n³`` FLOPs), not eigendecomposed (``~9n³``)."""
+    for name, ns in sides.items():
+        big = [n for n in ns if n > KFAC_WARN_SIDE]
+        if not big:
+            continue
+        flops = sum((1 if inverse else 9) * n ** 3 for n in big)
+        mib = sum(n * n for n in big) * itemsize / 2 ** 20
+        logger.warning(
+            f"K-FAC block of module {name!r}: dense factor(s) of {' and '.join(f'{n}x{n}' for n in big)} "
+            f"({mib:,.0f} MiB); each decomposition (an optimizer's inverse update; a Curvature from "
+            f"curvature.compute: a solve at a new damping) is {'a Cholesky inverse' if inverse else 'an eigendecomposition'} "
+            f"of ~{flops:.2g} FLOPs (expect {time_class(flops, 2e10)} on a CPU core). If that is too slow: "
+            f"{fixes.format(name=name)} (a language model's output layer over its vocabulary, or an Embedding tied "
+            "to it, is the usual case)")
 
 
 def warn_hessian_products(name: str, count: int, p: int, shape: str, announced: Optional[Set[Any]] = None) -> None:

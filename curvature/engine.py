@@ -18,10 +18,11 @@ from torch import Tensor, nn
 from . import likelihoods, sequence
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .blocks.base import compute_dtype
+from .blocks.layout import kfac_dense_sides
 from .capture import Capture, ModuleRecord, batch_norm_modules
-from .cost import warn_full_blocks
+from .cost import warn_full_blocks, warn_kfac_factors
 from .hessian import hessian_blocks
-from .modules import family_of
+from .modules import SUPPORTED_LAYERS, family_of
 from .modules.parameters import ParameterFamily
 from .modules.base import flat_per_example
 from .modules.linear import LinearFamily, WeightMatrixFamily
@@ -118,7 +119,7 @@ class CurvatureEngine:
             its submodules.
         output_selector: maps the model's forward output to the tensor the loss is computed
             from (for models that return a tuple, dict or output object); default: the output.
-        kfac_approx: ``"expand" | "reduce"``: K-FAC of Linear-like layers (Linear, Conv2d, the
+        kfac_approx: ``"expand" | "reduce"``: K-FAC of Linear-like layers (Linear, Conv1d/2d, the
             attention in-projection) applied over positions ``T`` (:class:`curvature.options.KFACApprox`).
             Embedding blocks are K-FAC-expand either way (their input factor is diagonal only there).
     """
@@ -158,6 +159,10 @@ class CurvatureEngine:
             # the blocks are stored in the statistics' dtype (float32 or wider), not the model's
             itemsize = max(compute_dtype(self.layouts[n].params[0].dtype).itemsize for n in full)
             warn_full_blocks(full, itemsize, f"{self.kind.value}")
+        # announce K-FAC factors too large to decompose often (an LM head's [V, V]); their sizes from meta tensors
+        kfac = {n: kfac_dense_sides(lay) for n, lay in self.layouts.items() if self.approx[n] is Approx.KFAC}
+        if kfac:
+            warn_kfac_factors(kfac, max(compute_dtype(self.layouts[n].params[0].dtype).itemsize for n in kfac))
         for lay in self.layouts.values():  # modules using a tied parameter are recorded too (curvature.tied)
             for use in lay.tied:
                 self._modules.setdefault(use.name, use.module)
@@ -199,8 +204,7 @@ class CurvatureEngine:
             raise NotImplementedError(
                 f"modules {self.generic} have no layer curvature (their blocks are filled from the parameters' "
                 f"gradients alone, VIOptimizer's curvature='reparam'); kind={self.kind.value!r} needs each covered "
-                "layer's inputs and output gradients, which only Linear, Conv2d, BatchNorm1d/2d, LayerNorm, "
-                "Embedding and MultiheadAttention give")
+                f"layer's inputs and output gradients, which only the layers {SUPPORTED_LAYERS} give")
         own_backward = not record_backward and self.kind is not Kind.HESSIAN
         # from the user's backward, a family that reads only the output's shape needs no clone of it
         # (Capture's shape_only; digits CNN at batch 128: ~25 µs a curvature step)
@@ -258,6 +262,7 @@ class CurvatureEngine:
                     f"one of them ({err}). For F.scaled_dot_product_attention run the forward under "
                     "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), whose backward is "
                     "differentiable; or use a Fisher kind") from err
+        self._refuse_unbatched_calls(capture.records)
         per_example = self.check_examples_align(capture.records, outputs)
         n_given = given[0].shape[0] if given[0].dim() > 2 else 0
         if per_example == 1 and self.kind is Kind.EMPIRICAL_FISHER and 0 < n_given < outputs.shape[0] \
@@ -447,6 +452,7 @@ class CurvatureEngine:
                 self._refuse_uncalled(capture, bad)
             with self.restricted_to(capture.records):
                 return self.estimate_from_backward(capture, batch_size, loss_scale)
+        self._refuse_unbatched_calls(capture.records)
         group = 1
         if capture.outputs:
             group = self.check_examples_align(capture.records,
@@ -465,6 +471,23 @@ class CurvatureEngine:
                 rec.output.new_zeros((1,) + tuple(rec.output.shape))
         return self.blocks_from_grads(capture.records, grads, rows if batch_size is None else batch_size,
                                       group_rows=group)
+
+    def _refuse_unbatched_calls(self, records: Dict[str, ModuleRecord]) -> None:
+        """ValueError for a covered module whose family needs a batch dimension (a convolution's output is
+        ``[N, C, *positions]``) called without one (an unbatched ``[C, L]`` / ``[C, H, W]`` input): its first
+        dimension would be taken as the examples. The Hessian differentiates the loss itself and needs none."""
+        unbatched = {}
+        for name, rec in records.items():
+            fam = family_of(self._modules[name]) if name in self._modules else None
+            need = getattr(fam, "batched_output_dim", None)
+            if need is not None and rec.output.dim() < need:
+                unbatched[name] = list(rec.output.shape)
+        if unbatched:
+            names = {type(self._modules[n]).__name__ for n in unbatched}
+            raise ValueError(
+                f"covered {'/'.join(sorted(names))} modules {unbatched} were called without a batch dimension (an "
+                "unbatched input): the curvature takes a layer's first dimension as the examples. Call them on "
+                "the batch (x.unsqueeze(0) for one example), skip them with skip_modules, or use kind='hessian'")
 
     def check_examples_align(self, records: Dict[str, ModuleRecord], outputs: Tensor) -> int:
         """How many loss rows each covered module example holds (``T``, see :mod:`curvature.sequence`).

@@ -1,4 +1,4 @@
-"""Exact diagonal of a Linear / Conv2d block of the Hessian from Hessian-vector products in the
+"""Exact diagonal of a Linear / Conv1d / Conv2d block of the Hessian from Hessian-vector products in the
 module's *output* space: ``d_out·T`` products instead of one per parameter.
 
 For a layer whose output is affine in its parameters, ``z_n = W a_n + b`` (per example ``n`` and
@@ -38,14 +38,19 @@ CHUNK = 128
 #: elements of one ``[o-chunk, N, T, T]`` slab of ``B`` held at once
 SLAB_ELEMENTS = 1 << 24
 
+#: the convolutions whose output is ``[N, C, *spatial]``, channels before the positions
+CONV_TYPES = (nn.Conv1d, nn.Conv2d)
+
 
 def supports(module: nn.Module, family: object, output: Tensor) -> bool:
-    """Linear (output ``[N, ..., d_out]``) or Conv2d (output ``[N, C, H, W]``): ``W a + b`` per position; a
-    call on no rows (a mixture-of-experts expert nothing was routed to) takes the general path (a zero block)."""
+    """Linear (output ``[N, ..., d_out]``), Conv2d (output ``[N, C, H, W]``) or Conv1d (``[N, C, L]``): ``W a + b``
+    per position; a call on no rows (a mixture-of-experts expert nothing was routed to) takes the general path
+    (a zero block)."""
     if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:
         return False
-    return (isinstance(module, nn.Conv2d) and output.dim() == 4) or (isinstance(module, nn.Linear)
-                                                                      and output.dim() >= 2)
+    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, L] / [N, C, H, W]
+        return output.dim() == family.batched_output_dim
+    return isinstance(module, nn.Linear) and output.dim() >= 2
 
 
 def output_space_count(module: nn.Module, output: Tensor) -> int:
@@ -56,14 +61,14 @@ def output_space_count(module: nn.Module, output: Tensor) -> int:
 def _to_ntd(module: nn.Module, z: Tensor, lead: int = 0) -> Tensor:
     """Output ``z`` (after ``lead`` batch dimensions) as ``[*lead, N, T, d_out]``."""
     core = z.shape[lead:]
-    if isinstance(module, nn.Conv2d):
-        return z.reshape(*z.shape[:lead], core[0], core[1], -1).transpose(-1, -2)  # [.., N, HW, C]
+    if isinstance(module, CONV_TYPES):
+        return z.reshape(*z.shape[:lead], core[0], core[1], -1).transpose(-1, -2)  # [.., N, HW (L), C]
     return z.reshape(*z.shape[:lead], core[0], -1, core[-1])
 
 
 def _from_ntd(module: nn.Module, v: Tensor, shape: torch.Size) -> Tensor:
     """Inverse of :func:`_to_ntd` for a batch ``v [B, N, T, d_out]`` → ``[B, *shape]``."""
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, CONV_TYPES):
         return v.transpose(-1, -2).reshape(v.shape[0], *shape)
     return v.reshape(v.shape[0], *shape)
 
@@ -119,14 +124,15 @@ def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
 ROWS_TOLERANCE_ULPS = 256
 
 
-def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: Tensor,
+def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inputs: Tuple[Tensor, ...], z: Tensor,
                names: List[str]) -> Optional[Tensor]:
     """The exact Hessian diagonal ``[P]`` of ``module``'s ``names`` parameters (in that order, each
     row-major); a zero-size tensor when ``z`` is not in ``loss``'s graph at second order; None when
     ``H_zz`` couples the indices of ``z``'s first dimension (:func:`rows_independent`: the caller
     takes the generic path).
 
-    ``inputs``: the module's recorded inputs; ``z``: its recorded output (in the graph of ``loss``,
+    ``family``: the module's layer family (its unfolded patches, for a convolution); ``inputs``: the module's
+    recorded inputs; ``z``: its recorded output (in the graph of ``loss``,
     the only way the parameters reach it: :func:`uses_only_through`).
     """
     (gz,) = torch.autograd.grad(loss, z, create_graph=True, allow_unused=True)
@@ -134,11 +140,8 @@ def diag_block(loss: Tensor, module: nn.Module, inputs: Tuple[Tensor, ...], z: T
         return z.new_zeros(0)
     zn = _to_ntd(module, z.detach())                               # [N, T, d]
     n, t, d = zn.shape
-    if isinstance(module, nn.Conv2d):
-        from .modules.conv import numeric_padding, unfold_patches
-        x = inputs[0].detach()
-        a = unfold_patches(x if x.dim() == 4 else x.unsqueeze(0), module.kernel_size, dilation=module.dilation,
-                           padding=numeric_padding(module), stride=module.stride).transpose(1, 2)  # [N, T, C·kh·kw]
+    if isinstance(module, CONV_TYPES):
+        a = family.normal_input(module, inputs, z)  # [N, T, C·kh·kw] unfolded patches
     else:
         x = inputs[0].detach()
         a = x.reshape(n, t, x.shape[-1])

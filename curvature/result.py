@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .blocks import Block, Layout
 from .blocks.base import check_damping
+from .running import decompose_block
 
 Vector = Union[Tensor, Sequence[Tensor]]
 
@@ -162,8 +163,8 @@ class Curvature:
         versions = {n: [(t, t._version) for t in b.tensors()] for n, b in self.blocks.items()}
         if self._damping != damping or not _same_tensors(versions, self._versions) or any(
                 b.decomposition is None or b.decomposition is not self._made.get(n) for n, b in self.blocks.items()):
-            for blk in self.blocks.values():
-                blk.decompose(damping)
+            for blk in self.blocks.values():  # (a Fisher-type kind's full blocks: negative eigenvalues are round-off)
+                decompose_block(blk, damping, psd=self.kind != "hessian")
             self._damping = damping
             self._made = {n: b.decomposition for n, b in self.blocks.items()}
             self._versions = versions

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .blocks import Block, KFACBlock
+from .blocks import Block, FullBlock, KFACBlock
 from .blocks.base import DerivedCache
 from .linalg import LinalgError
 
@@ -22,9 +22,12 @@ from .linalg import LinalgError
 class RunningCurvature:
     """EMA of per-module curvature blocks. Empty until the first :meth:`update`."""
 
-    def __init__(self) -> None:
+    def __init__(self, psd: bool = False) -> None:
         self.blocks: Dict[str, Block] = {}
         self.num_updates = 0
+        #: the blocks are positive semi-definite by construction (Fisher-type kinds): a full block's negative
+        #: eigenvalues are round-off (:meth:`curvature.blocks.FullBlock.decompose`)
+        self.psd = psd
 
     def update(self, fresh: Dict[str, Block], decay: float) -> None:
         """Fold ``fresh`` blocks into the running estimate (the first call copies them).
@@ -74,7 +77,7 @@ class RunningCurvature:
         solves with a mix of the new curvature in some blocks and the old one in others."""
         todo = {name: self.blocks[name] for name in (names if names is not None else self.blocks)}
         decompose_all_or_nothing(todo, lambda blk: decompose_block(blk, damping, scale=scale, backend=backend,
-                                                                   dtype=dtype, kfac_method=kfac_method))
+                                                                   dtype=dtype, kfac_method=kfac_method, psd=self.psd))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"num_updates": self.num_updates, "blocks": {n: b.state_dict() for n, b in self.blocks.items()}}
@@ -106,10 +109,13 @@ def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Bloc
 
 
 def decompose_block(block: Block, damping: float, scale: float = 1.0, backend: Optional[str] = None,
-                    dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen") -> None:
+                    dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen", psd: bool = False) -> None:
     """``block.decompose(...)``, with ``method=kfac_method`` for a K-FAC block (the factored
-    ``"inverse"`` method only exists for Kronecker factors; diagonal and full blocks are exact)."""
+    ``"inverse"`` method only exists for Kronecker factors; diagonal and full blocks are exact) and ``psd``
+    for a full block (a positive semi-definite kind: negative eigenvalues are round-off)."""
     if isinstance(block, KFACBlock):
         block.decompose(damping, scale=scale, backend=backend, dtype=dtype, method=kfac_method)
+    elif isinstance(block, FullBlock):
+        block.decompose(damping, scale=scale, backend=backend, dtype=dtype, psd=psd)
     else:
         block.decompose(damping, scale=scale, backend=backend, dtype=dtype)

@@ -3,7 +3,7 @@
 ``approx`` is a shape name applied to every covered module, or a dict whose keys are
 ``nn.Module`` types, class names (``"BatchNorm2d"``) or regular expressions searched in
 the module name (``"features\\.0"``), checked in insertion order; modules matched by no key
-get their family's default (K-FAC for Linear/Conv2d/Embedding, diag for norm layers).
+get their family's default (K-FAC for Linear/Conv1d/Conv2d/Embedding, diag for norm layers).
 A plain ``"kfac"`` applies to the families where K-FAC is defined; norm layers then use
 ``"diag"`` (logged once).
 """
@@ -20,7 +20,7 @@ from torch.nn.parameter import is_lazy
 
 from .blocks import Layout
 from .blocks.layout import TiedUse
-from .modules import LayerFamily, family_of
+from .modules import SUPPORTED_LAYERS, LayerFamily, family_of
 from .modules.parameters import ParameterFamily
 from .modules.base import GradientsDoNotHelp, SkipDoesNotHelp
 from .options import Approx, parse
@@ -71,7 +71,7 @@ def _warn_unmatched(model: nn.Module, keys: Sequence[Union[str, type]], wrapped:
     modules = list(model.named_modules())
     names = [n for n, _ in modules if n][:3]
     effect = "nothing is skipped for it" if argument == "skip_modules" else \
-        "the modules no key matches take their layer's default shape (K-FAC for Linear, Conv2d, Embedding)"
+        "the modules no key matches take their layer's default shape (K-FAC for Linear, Conv1d/2d, Embedding)"
     for key in keys:
         if not any(_matches(key, name, module, unwrapped_name(name) if wrapped else None) for name, module in modules):
             what = key.__name__ if isinstance(key, type) else repr(key)
@@ -158,16 +158,16 @@ def _refuse_unsupported(model: nn.Module, name: str, module: nn.Module, fam: Opt
         names, as_set = ", ".join(qualified), ", ".join(map(repr, qualified))
         raise UncoveredModule(
             f"module {name!r} of type {type(module).__name__} holds trainable parameters itself ({names}) "
-            "outside any layer with curvature support (Linear, Conv2d, BatchNorm1d/2d, LayerNorm, Embedding, "
-            "MultiheadAttention); skip_modules would skip its layers too. Leave them out of the optimizer's "
+            f"outside any layer with curvature support ({SUPPORTED_LAYERS}); skip_modules would skip its layers "
+            "too. Leave them out of the optimizer's "
             f"params (params=[p for n, p in model.named_parameters() if n not in {{{as_set}}}]) and add them "
             "afterwards with opt.add_param_group({'params': [...]}) for the plain (momentum SGD) update, "
             "give them to another torch.optim optimizer, or freeze them")
     if fam is None:
         raise UncoveredModule(
             f"module {name!r} of type {type(module).__name__} has trainable parameters "
-            f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: Linear, Conv2d, "
-            "BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention. Exclude it with skip_modules=[...] "
+            f"({', '.join(n for n, _ in direct)}) but no curvature support; supported: {SUPPORTED_LAYERS}. "
+            "Exclude it with skip_modules=[...] "
             "(by name regex or type) or freeze its parameters")
     replaced = forward_replaced(module, fam)
     if replaced is not None:
@@ -361,8 +361,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     for owner_name, uses in tied.items():
         layouts[owner_name].tied = tuple(uses)
     if not layouts:
-        raise ValueError("the model has no module with curvature support (Linear, Conv2d, BatchNorm1d/2d, "
-                         "LayerNorm, Embedding, MultiheadAttention) and trainable parameters"
+        raise ValueError(f"the model has no module with curvature support ({SUPPORTED_LAYERS}) and trainable parameters"
                          + (f" left after skip_modules={skip!r} (skipped: {skipped})" if skipped else ""))
     return layouts, shapes
 

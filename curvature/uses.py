@@ -67,7 +67,7 @@ class UseWindows:
     reaches the output past what the capture records, so it is a use outside.
     """
 
-    def __init__(self, modules: Dict[str, nn.Module]) -> None:
+    def __init__(self, modules: Dict[str, nn.Module], root: Optional[nn.Module] = None) -> None:
         #: id(param) -> (qualified name, names of the covered modules holding it)
         self.params: Dict[int, Tuple[str, Set[str]]] = {}
         for name, module in modules.items():
@@ -77,6 +77,8 @@ class UseWindows:
                 entry = self.params.setdefault(id(p), (f"{name}.{pname}" if name else pname, set()))
                 entry[1].add(name)
         self.modules = modules
+        #: the model, whose modules holding a covered parameter without being covered the error names
+        self.root = root
         self.windows: Dict[str, List[Tuple[int, int]]] = {}
         self._open: Dict[str, List[int]] = {}
         self._probe = torch.zeros((), requires_grad=True)
@@ -126,6 +128,21 @@ class UseWindows:
                 and not self._inside(int(node._sequence_nr()), entry[1]):  # type: ignore[attr-defined]
             outside.setdefault(entry[0], type(node).__name__)
 
+    def _uncovered_holders(self, names: Dict[int, str]) -> Dict[str, List[str]]:
+        """``{qualified name: [modules]}``: the modules of the model that hold the parameters ``names`` (id ->
+        name) without being covered (a tied head left out with ``skip_modules``); looked up for the error only."""
+        found: Dict[str, List[str]] = {}
+        if self.root is None:
+            return found
+        covered = {id(m) for m in self.modules.values()}
+        for name, module in self.root.named_modules(remove_duplicate=False):
+            if id(module) in covered:
+                continue
+            for p in module.parameters(recurse=False):
+                if id(p) in names and name not in found.get(names[id(p)], []):
+                    found.setdefault(names[id(p)], []).append(name)
+        return found
+
     def _inside(self, seq: int, holders: Set[str]) -> bool:
         return any(a < seq < b for name in holders for a, b in self.windows.get(name, ()))
 
@@ -172,10 +189,23 @@ class UseWindows:
         if outside:
             names = sorted(outside)
             holders = {n: sorted(e[1]) for e in self.params.values() for n in [e[0]] if n in outside}
+            uncovered = self._uncovered_holders({i: e[0] for i, e in self.params.items() if e[0] in outside})
+            where = (f"covered parameter(s) {names} are used in the forward outside the module(s) holding them "
+                     f"({', '.join(f'{n}: {holders[n]}' for n in names)}; first use seen in autograd node "
+                     f"{', '.join(str(outside[n]) for n in names)})")
+            if uncovered:  # a module sharing the parameter that the curvature does not cover (skip_modules)
+                covered = sorted({h for n in uncovered for h in holders[n]})
+                every = covered + sorted({m for ms in uncovered.values() for m in ms})
+                raise ValueError(
+                    f"{where}: {', '.join(f'{n} is also held by {m}' for n, m in uncovered.items())}, which the "
+                    "curvature does not cover (left out with skip_modules, or of a type it does not cover): a call "
+                    "of it is a use outside the covered modules, whose contribution the blocks would miss. Cover "
+                    f"the modules sharing a parameter alike: skip all of them (skip_modules={every!r}), "
+                    f"or none (a tied K-FAC block too large to decompose can be diagonal: approx={{{covered[0]!r}: "
+                    "'diag'}). If it is not called, the use is another one: a functional use such as "
+                    "F.linear(h, emb.weight), or a forward (pre-)hook computing with the parameter")
             raise ValueError(
-                f"covered parameter(s) {names} are used in the forward outside the module(s) holding them "
-                f"({', '.join(f'{n}: {holders[n]}' for n in names)}; first use seen in autograd node "
-                f"{', '.join(str(outside[n]) for n in names)}), e.g. a functional tied head F.linear(h, emb.weight), or a forward (pre-)hook of the layer "
+                f"{where}, e.g. a functional tied head F.linear(h, emb.weight), or a forward (pre-)hook of the layer "
                 "computing with its parameters (a fake-quantized weight). "
                 "The curvature records module calls only, so its blocks would miss that use's contribution. "
                 "Make the use a module call sharing the parameter (head = nn.Linear(d, V, bias=False); "

@@ -44,6 +44,22 @@ class CNN(nn.Module):
         return self.fc(torch.flatten(h, 1))
 
 
+class CNN1d(nn.Module):
+    """Conv1d (padding, bias) → ReLU → Conv1d ('same', dilation 2, no bias) → tanh → Conv1d (stride 2) →
+    flatten → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(2, 3, kernel_size=3, padding=1)                             # [3, 6]
+        self.conv2 = nn.Conv1d(3, 2, kernel_size=3, dilation=2, padding="same", bias=False)  # [2, 6]
+        self.conv3 = nn.Conv1d(2, 2, kernel_size=2, stride=2)                               # [2, 3]
+        self.fc = nn.Linear(6, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv3(torch.tanh(self.conv2(F.relu(self.conv1(x)))))
+        return self.fc(torch.flatten(h, 1))
+
+
 class NormMLP(nn.Module):
     """Linear → BatchNorm1d → tanh → LayerNorm → Linear."""
 
@@ -218,6 +234,7 @@ def _builder(cls: type) -> Callable[[], nn.Module]:
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Tuple[Tensor, Tensor]]]] = {
     "mlp": (_builder(MLP), _dense_batch(5)),
     "cnn": (_builder(CNN), _dense_batch(2, 5, 5)),
+    "cnn1d": (_builder(CNN1d), _dense_batch(2, 6)),
     "norm_mlp": (_builder(NormMLP), _dense_batch(4)),
     "norm_cnn": (_builder(NormCNN), _dense_batch(2, 3, 3)),
     "embedding": (_builder(EmbeddingModel), _token_batch(3)),

@@ -1,7 +1,7 @@
 """Brute-force reference curvature, built only from ``torch.func`` / ``torch.autograd`` in float64.
 
 Nothing here imports :mod:`curvature`. The reference works with the flat vector ``θ`` of the
-*covered* parameters (parameters of Linear / Conv2d / BatchNorm1d/2d / LayerNorm / Embedding
+*covered* parameters (parameters of Linear / Conv1d / Conv2d / BatchNorm1d/2d / LayerNorm / Embedding
 modules that require grad, in ``model.named_parameters()`` order) and computes:
 
 * ``J [N, O, P]``: per-example Jacobians of the flattened outputs w.r.t. ``θ`` (one ``jacrev``
@@ -13,7 +13,7 @@ modules that require grad, in ``model.named_parameters()`` order) and computes:
 * block-diagonal (by module) and diagonal masks of those.
 
 K-FAC factors are built independently of the module's parameter gradients: ``A`` from the
-module inputs (Linear: the input; Conv2d: patches cut out by explicit slicing; Embedding:
+module inputs (Linear: the input; Conv1d/Conv2d: patches cut out by explicit slicing; Embedding:
 token counts) and ``G`` from the Jacobian of the outputs w.r.t. a zero *probe* added to the
 module output by a forward hook, ``G = (1/N) Σ_{n,t} J_ntᵀ M_n J_nt``.
 """
@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
-SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding,
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding,
              nn.MultiheadAttention)  # its in_proj_weight / in_proj_bias
-KFAC_TYPES = (nn.Linear, nn.Conv2d, nn.Embedding)
+KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
 
 
 # ---- losses (per example) ------------------------------------------------------------------
@@ -287,8 +287,8 @@ class Reference:
         if isinstance(mod, nn.Linear):
             patches = x.reshape(self.N, -1, x.shape[-1])  # [N, T, d_in]: T = leading dims (1 for [N, d_in])
             jt = jp.reshape(self.N, self.O, patches.shape[1], -1)
-        elif isinstance(mod, nn.Conv2d):
-            patches = conv_patches(x, mod)  # [N, T, C·kh·kw]
+        elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+            patches = conv_patches(x, mod) if isinstance(mod, nn.Conv2d) else conv1d_patches(x, mod)  # [N, T, C·k…]
             c_out = mod.out_channels
             jt = jp.reshape(self.N, self.O, c_out, -1).transpose(2, 3)  # [N, O, T, C_out]
         else:
@@ -337,6 +337,18 @@ def conv_patches(x: Tensor, conv: nn.Conv2d) -> Tensor:
             patch = xp[:, :, i * sh: i * sh + dh * (kh - 1) + 1: dh, j * sw: j * sw + dw * (kw - 1) + 1: dw]
             assert patch.shape[2:] == (kh, kw)
             cols.append(patch.reshape(n, -1))
+    return torch.stack(cols, dim=1)
+
+
+def conv1d_patches(x: Tensor, conv: nn.Conv1d) -> Tensor:
+    """``[N, T, C·k]`` patches (channel-major) of a Conv1d by explicit zero padding and slicing (no unfold)."""
+    n, c, length = x.shape
+    (k,), (s,), (d,) = conv.kernel_size, conv.stride, conv.dilation
+    p = conv.padding[0] if not isinstance(conv.padding, str) else (0 if conv.padding == "valid" else d * (k - 1) // 2)
+    xp = torch.zeros(n, c, length + 2 * p, dtype=x.dtype)
+    xp[:, :, p:p + length] = x
+    out = (length + 2 * p - d * (k - 1) - 1) // s + 1
+    cols = [xp[:, :, i * s: i * s + d * (k - 1) + 1: d].reshape(n, -1) for i in range(out)]
     return torch.stack(cols, dim=1)
 
 

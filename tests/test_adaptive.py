@@ -250,11 +250,11 @@ def test_output_hessian_inner_matches_its_square_root():
 
 @pytest.mark.parametrize("classes", [3, 10, 15, 16, 40])
 @pytest.mark.parametrize("class_major", [False, True])
-def test_output_hessian_product_equals_the_explicit_hessian(classes, class_major):
-    """``H_n u_n`` with ``H_n = diag(p_n) − p_n p_nᵀ`` built explicitly in float64, for logits stored
-    row-major or class-major (as the fast J·v leaves them), with few classes (the softmax then runs
+def test_output_hessian_root_factors_the_explicit_hessian(classes, class_major):
+    """``r(u)ᵀ r(w) = uᵀ H_n w`` with ``H_n = diag(p_n) − p_n p_nᵀ`` built explicitly in float64, for logits
+    stored row-major or class-major (as the fast J·v leaves them), with few classes (the softmax then runs
     over a leading dimension: adaptive.class_softmax) and many."""
-    from torchsso2.optim.adaptive import class_softmax, output_hessian_product
+    from torchsso2.optim.adaptive import class_softmax, output_hessian_root
     g = torch.Generator().manual_seed(classes)
     out = torch.randn(9, classes, generator=g, dtype=torch.float64) * 3
     if class_major:
@@ -264,11 +264,29 @@ def test_output_hessian_product_equals_the_explicit_hessian(classes, class_major
     torch.testing.assert_close(class_softmax(out, 1), p, rtol=1e-14, atol=0)
     torch.testing.assert_close(class_softmax(out.float(), 1), p.float(), rtol=1e-6, atol=1e-7)
     hess = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)  # [N, C, C]
-    expected = torch.einsum("ncd,knd->knc", hess, u)
-    torch.testing.assert_close(output_hessian_product(LossType.CROSS_ENTROPY, out.unsqueeze(0), u, class_dim=2),
-                               expected, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(output_hessian_product(LossType.CROSS_ENTROPY, out, u[0]), expected[0],
-                               rtol=1e-12, atol=1e-14)
+    expected = torch.einsum("knc,ncd,jnd->kjn", u, hess, u)  # [2, 2, N]: u_kᵀ H_n u_j per example
+    for r in (output_hessian_root(LossType.CROSS_ENTROPY, out.unsqueeze(0), u, class_dim=2),
+              torch.stack([output_hessian_root(LossType.CROSS_ENTROPY, out, u[i]) for i in range(2)])):
+        torch.testing.assert_close(torch.einsum("knc,jnc->kjn", r, r), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_the_gram_of_a_saturated_softmax_is_positive_semidefinite_in_float32():
+    """A converged classifier (logits ~1e3 apart): the expanded ``Σ p u² − (pᵀu)²`` cancels to negative
+    values in float32; the root's squares cannot, and the exact value (float64) is matched to rounding."""
+    from torchsso2.optim.adaptive import output_hessian_root
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(200, 10, generator=g) * 3
+    out[torch.arange(200), torch.randint(0, 10, (200,), generator=g)] += 25.0
+    u = torch.randn(200, 10, generator=g) * 1e3
+    p = torch.softmax(out, dim=1)
+    expanded = (p * u * u).sum(1) - (p * u).sum(1) ** 2
+    assert float(expanded.min()) < 0  # the cancellation this guards against
+    inner = output_hessian_root(LossType.CROSS_ENTROPY, out, u).pow(2).sum(1)
+    assert float(inner.min()) >= 0
+    p64 = torch.softmax(out.double(), dim=1)
+    u64 = u.double()
+    exact = (p64 * (u64 - (p64 * u64).sum(1, keepdim=True)) ** 2).sum(1)
+    torch.testing.assert_close(inner.double(), exact, rtol=1e-4, atol=1e-3)
 
 
 def test_hessian_gram_is_the_hessian_of_brute_force():

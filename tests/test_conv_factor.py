@@ -54,6 +54,7 @@ def test_cost_rule() -> None:
         offset_factor_pays(nn.Conv2d(4, 4, 3, padding=1), (16, 16))
     assert not offset_factor_pays(nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), (16, 16))
     assert not offset_factor_pays(nn.Conv2d(8, 8, 3, padding=1), (8, 8))  # small image: overhead wins
+    assert not offset_factor_pays(nn.Conv2d(1, 8, 3, padding=1), (28, 28))  # one input channel: launches only
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -1,6 +1,6 @@
 """Exact cases: identities that hold in closed form, checked without the engine's own code paths.
 
-* one example: K-FAC of a Fisher-type matrix equals the full block (Linear ± bias, Conv2d with
+* one example: K-FAC of a Fisher-type matrix equals the full block (Linear ± bias, Conv1d/Conv2d with
   one output position, Embedding with T = 1);
 * linear-Gaussian model: Fisher = GGN = Hessian = ``kron(I_out, X̃ᵀX̃/N)`` (weight row-major,
   bias as the last input column) and K-FAC is exact (``G = I``, ``A = X̃ᵀX̃/N``); the empirical
@@ -59,6 +59,18 @@ class ConvOnePosition(nn.Module):
         return self.fc(torch.tanh(self.conv(x)).flatten(1))
 
 
+class Conv1dOnePosition(nn.Module):
+    """Conv1d whose output has a single position (length-5 input, kernel 3, dilation 2)."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, kernel_size=3, dilation=2, bias=bias)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
 class EmbeddingOneToken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -74,6 +86,8 @@ ONE_EXAMPLE = {
     "linear_nobias": (lambda: LinearHead(False), "fc1", (4,)),
     "conv_bias": (lambda: ConvOnePosition(True), "conv", (2, 5, 5)),
     "conv_nobias": (lambda: ConvOnePosition(False), "conv", (2, 5, 5)),
+    "conv1d_bias": (lambda: Conv1dOnePosition(True), "conv", (2, 5)),
+    "conv1d_nobias": (lambda: Conv1dOnePosition(False), "conv", (2, 5)),
     "embedding": (EmbeddingOneToken, "emb", None),
 }
 

@@ -1,6 +1,6 @@
 """The Hessian diagonal costs what its definition needs, and expensive blocks are announced.
 
-``curvature.compute(kind="hessian", approx="diag")`` takes Linear/Conv2d diagonals from
+``curvature.compute(kind="hessian", approx="diag")`` takes Linear/Conv1d/Conv2d diagonals from
 ``d_out·T`` output-space Hessian-vector products (curvature/hessian_diag.py) instead of one
 product per parameter; checked against the diagonal of the brute-force Hessian
 (``torch.func.hessian`` of the mean loss, float64) on models with stride, padding, dilation,
@@ -52,6 +52,17 @@ class ConvNet(nn.Module):
         return self.fc(h.flatten(1))
 
 
+class Conv1dNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 3, 3, padding=1)
+        self.c2 = nn.Conv1d(3, 2, 2, stride=2, dilation=2, bias=False)
+        self.fc = nn.Linear(2 * 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, 2, 7] -> [N, 3]
+        return self.fc(F.softplus(self.c2(torch.tanh(self.c1(x)))).flatten(1))
+
+
 class SeqNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +86,7 @@ class BNNet(nn.Module):
 
 CASES = {
     "conv": (ConvNet, (5, 2, 7, 7)),
+    "conv1d": (Conv1dNet, (5, 2, 7)),
     "seq_linear": (SeqNet, (4, 4, 8)),
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.ELU(), nn.Linear(5, 3)), (6, 6)),
 }
@@ -85,9 +97,9 @@ def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     calls = []
     real = hessian_diag.diag_block
 
-    def counted(loss, module, inputs, z, names):
+    def counted(loss, module, family, inputs, z, names):
         calls.append(type(module).__name__)
-        return real(loss, module, inputs, z, names)
+        return real(loss, module, family, inputs, z, names)
 
     monkeypatch.setattr(curvature.hessian, "diag_block", counted)
     return calls
@@ -106,6 +118,8 @@ def test_diagonal_matches_brute_force(case: str, fast_calls: list) -> None:
     torch.testing.assert_close(c.dense().diagonal(), brute_diag(model, x, y), rtol=1e-9, atol=1e-12)
     assert ours.numel() == sum(p.numel() for p in model.parameters())
     assert fast_calls, "the output-space path was used"
+    if case.startswith("conv"):  # by the convolutions too, not the Linear head alone
+        assert {"Conv1d", "Conv2d"} & set(fast_calls), fast_calls
 
 
 def test_train_mode_batchnorm_uses_the_generic_exact_path(fast_calls: list) -> None:

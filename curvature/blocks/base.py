@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -170,6 +170,21 @@ class DerivedCache:
     def __getstate__(self) -> Dict[str, Any]:
         """Pickled empty, for the same reason (unpickled tensors' versions start again at 0)."""
         return {"_sources": (), "_versions": (), "_value": None}
+
+
+def roundoff_damping(damping: float, largest: Union[Tensor, float], eps: float) -> Union[Tensor, float]:
+    """The damping a positive semi-definite block's solve takes: ``damping``, or where that is below the
+    round-off ``eps·largest`` of the block's largest eigenvalue ``largest`` (``eps``:
+    :func:`~curvature.linalg.checks.coarsest_eps` of the statistics' and the eigenvalues' dtypes), that
+    round-off; a 0-dim tensor for a tensor ``largest`` (no host sync). Eigenvalues below it are not resolved
+    (float32 factors of inputs ~1e4, or a damping of 1e-10: a first step of norm 170 along directions that
+    are round-off); a smaller damping would divide by their noise. Damping 0 stays 0: an undamped solve,
+    whose singular blocks :func:`check_positive` refuses."""
+    if damping <= 0:
+        return damping
+    if isinstance(largest, Tensor):  # (a damping beyond the dtype is added as it is: inf, refused by the check)
+        return (largest * eps).clamp_min_(damping) if damping < torch.finfo(largest.dtype).max else damping
+    return max(damping, eps * largest) if math.isfinite(largest) else damping
 
 
 def check_positive(evals: Tensor, what: str, size: int = 0, stored: Optional[torch.dtype] = None) -> None:

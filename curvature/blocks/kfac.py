@@ -1,6 +1,6 @@
 """K-FAC block: ``C ≈ L ⊗ R`` over the row-major ``vec`` of the module's parameter matrix.
 
-For Linear/Conv2d ``L = G`` (output side, ``[d_out, d_out]``) and ``R = A`` (input side, with
+For Linear/Conv1d/Conv2d ``L = G`` (output side, ``[d_out, d_out]``) and ``R = A`` (input side, with
 a trailing bias entry when the bias is covered); for Embedding ``L = A`` (a diagonal factor
 stored as ``[V]``) and ``R = G``. ``.A`` and ``.G`` name the factors whatever their side.
 
@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ..linalg import get_backend
 from ..modules.base import pack_columns
-from .base import Block, check_damping, DerivedCache, check_positive, compute_dtype, like_dtype
+from ..linalg.checks import coarsest_eps
+from .base import Block, check_damping, DerivedCache, check_positive, compute_dtype, like_dtype, roundoff_damping
 from .layout import Layout
 
 
@@ -124,7 +125,10 @@ class KFACBlock(Block):
             denom = torch.outer(el, er.to(el.dtype))  # scale·λ_L λ_Rᵀ + damping, in place (same rounding)
             if scale != 1.0:
                 denom.mul_(scale)
-            denom.add_(damping)
+            # a damping below the round-off of the largest product is that round-off (roundoff_damping; the
+            # Levenberg-Marquardt rule's redamp recovers it from denom: torchsso2/optim/redamp.py)
+            largest = scale * el.max() * er.max().to(el.dtype) if denom.numel() else 0.0
+            denom.add_(roundoff_damping(damping, largest, coarsest_eps(denom.dtype, self.left.dtype, self.right.dtype)))
             if damping == 0:  # a product is zero within rounding where either factor's eigenvalue is: each factor
                 # against its own rounding (n·eps·its largest), not the product's (cond(L)·cond(R) would refuse
                 # well-conditioned factors); a diagonal factor is exact

@@ -117,3 +117,35 @@ class Layout:
         parts = self.unflatten(idx)
         m = self.family.to_matrix(self.module, parts, self.param_names)
         return m.reshape(-1).round().long()
+
+
+def kfac_dims(layout: Layout) -> Tuple[int, int]:
+    """``(r, c)``: the shape of the layer's parameter matrix ``M`` (K-FAC's left factor is ``r × r``
+    or a diagonal ``[r]``, the right one ``c × c`` or ``[c]``), from the layout's parameter shapes: the
+    family's column split of ``M`` or a single matrix parameter as it is (no tensor at all: an op on meta
+    tensors imports ``torch._dynamo``, a second's import); otherwise ``to_matrix`` of meta tensors."""
+    spans = layout.family.matrix_columns(layout.module, layout.param_names)
+    if spans:
+        cols = max(stop for _, stop in spans)
+        return layout.numel // cols, cols
+    if len(layout.shapes) == 1 and len(layout.shapes[0]) == 2:  # an Embedding's [V, D] weight is M
+        return int(layout.shapes[0][0]), int(layout.shapes[0][1])
+    zeros = [torch.zeros(s, device="meta") for s in layout.shapes]
+    try:
+        m = layout.family.to_matrix(layout.module, zeros, layout.param_names)
+    except (RuntimeError, NotImplementedError):  # a family that cannot run on meta tensors
+        m = layout.family.to_matrix(layout.module, [torch.zeros(s) for s in layout.shapes], layout.param_names)
+    return int(m.shape[0]), int(m.shape[1])
+
+
+def kfac_left_is_diagonal(layout: Layout) -> bool:
+    """Whether K-FAC's left factor of ``layout`` is stored as a diagonal ``[r]`` (every use's family stores it
+    so, as Embedding's token counts; a tied use of another family makes the summed factor dense)."""
+    return all(fam.kfac_diagonal_left for fam in [layout.family] + [u.family for u in layout.tied])
+
+
+def kfac_dense_sides(layout: Layout) -> List[int]:
+    """The sizes of K-FAC's dense (matrix) factors of ``layout``: ``[r, c]`` of :func:`kfac_dims`, without a
+    diagonal left factor."""
+    r, c = kfac_dims(layout)
+    return [c] if kfac_left_is_diagonal(layout) else [r, c]

@@ -12,6 +12,7 @@ different arguments broadcast.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ from .checks import (
     check_finite,
     check_nonnegative_scalar,
     check_square,
+    coarsest_eps,
     prepare_symmetric,
     resolve_compute_dtype,
 )
@@ -139,19 +141,44 @@ class Backend(abc.ABC):
     ) -> Tensor:
         """``(a + damping·I)⁻¹`` ``[..., n, n]`` for symmetric PSD ``a``, via Cholesky.
 
+        ``a`` is positive semi-definite by contract, so what its rounding hides is taken as such: a
+        ``damping > 0`` below the round-off of ``a``'s largest diagonal entry (``eps·max a_ii``, ``eps`` of
+        the coarser of ``a``'s dtype and the compute dtype) is raised to it, and where Cholesky still fails
+        (round-off made ``a + damping·I`` indefinite: factors ~1e12 at damping 1e-3 in float32 did) the
+        inverse comes from ``eigh`` with the eigenvalues clamped at 0, where every negative one is within the
+        round-off ``n·eps·max|λ|`` (a truly indefinite ``a`` is a :class:`LinalgError`). ``damping = 0`` is an exact inverse:
+        a Cholesky failure is a :class:`LinalgError`.
+
         Args:
             a: ``[..., n, n]`` symmetric matrix (symmetrized first).
             damping: finite ``>= 0``, added to the diagonal in the compute dtype.
             dtype: compute dtype, see :meth:`eigh`.
         """
         damping = check_nonnegative_scalar(damping, "damping", "damped_inv")
+        stored = a.dtype
         a = prepare_symmetric(a, dtype, "damped_inv", self.name)
         n = a.shape[-1]
-        a = a + damping * torch.eye(n, dtype=a.dtype, device=a.device)
+        eps = coarsest_eps(a.dtype, stored)
+        asked = damping
+        if damping > 0 and a.numel():
+            damping = max(damping, eps * float(a.diagonal(dim1=-2, dim2=-1).abs().max()))
+        damped = a + damping * torch.eye(n, dtype=a.dtype, device=a.device)
         try:
-            return self._inv(a)
+            return self._inv(damped)
         except LinalgError as exc:
-            raise LinalgError(f"damped_inv(damping={damping:g}): {exc}") from exc
+            if damping > 0:
+                try:
+                    evals, evecs = self._eigh(a)
+                except LinalgError:
+                    pass
+                else:  # only where the negative eigenvalues are round-off (√n·eps·max|λ|): a truly indefinite
+                    # ``a`` is refused as before
+                    top = evals.abs().amax(dim=-1, keepdim=True)
+                    if bool((evals >= -math.sqrt(n) * eps * top).all()):
+                        out = (evecs / (evals.clamp_min(0.0) + damping).unsqueeze(-2)) @ evecs.transpose(-1, -2)
+                        if bool(torch.isfinite(out).all()):
+                            return out
+            raise LinalgError(f"damped_inv(damping={asked:g}): {exc}") from exc
 
     def kron_eigen_solve(
         self,

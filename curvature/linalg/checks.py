@@ -33,6 +33,13 @@ __all__ = [
 COMPUTE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
 
 
+def coarsest_eps(*dtypes: torch.dtype) -> float:
+    """The machine epsilon of the coarsest floating dtype among ``dtypes`` (others ignored): the rounding a
+    result carries when its inputs were held in any of them (float32 statistics decomposed in float64
+    carry float32's)."""
+    return max((torch.finfo(d).eps for d in dtypes if d.is_floating_point), default=0.0)
+
+
 def resolve_compute_dtype(
     input_dtypes: Sequence[torch.dtype], requested: Optional[torch.dtype], op: str
 ) -> torch.dtype:

@@ -7,15 +7,18 @@ from torch import nn
 
 from .attention import MultiheadAttentionFamily
 from .base import LayerFamily
-from .conv import Conv2dFamily
+from .conv import Conv1dFamily, Conv2dFamily
 from .embedding import EmbeddingFamily
 from .linear import LinearFamily
 from .norm import BatchNormFamily, LayerNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
-    LinearFamily(), Conv2dFamily(), BatchNormFamily(), LayerNormFamily(), EmbeddingFamily(),
+    LinearFamily(), Conv2dFamily(), Conv1dFamily(), BatchNormFamily(), LayerNormFamily(), EmbeddingFamily(),
     MultiheadAttentionFamily(),
 )
+
+#: the covered layer types, as error messages name them
+SUPPORTED_LAYERS = "Linear, Conv1d/2d, BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention"
 
 
 def family_of(module: nn.Module) -> Optional[LayerFamily]:
@@ -27,4 +30,4 @@ def family_of(module: nn.Module) -> Optional[LayerFamily]:
     return None
 
 
-__all__ = ["LayerFamily", "FAMILIES", "family_of"]
+__all__ = ["LayerFamily", "FAMILIES", "SUPPORTED_LAYERS", "family_of"]

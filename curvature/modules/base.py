@@ -3,7 +3,7 @@
 Each supported layer is converted to
 
 * ``a``: the layer's *input features* in normal form ``[N, T, d_in]`` (``T`` = weight-sharing
-  positions: 1 for a plain Linear, ``H_out·W_out`` unfolded patches for Conv2d, spatial
+  positions: 1 for a plain Linear, ``H_out·W_out`` (``L_out``) unfolded patches for Conv2d (Conv1d), spatial
   positions for BatchNorm2d, leading dims for LayerNorm). For BatchNorm/LayerNorm it is the
   normalized input ``x̂``; for Embedding the token indices ``[N, T]``.
 * ``g``: gradients w.r.t. the layer's output in normal form ``[K, N, T, d_out]`` (``K``
@@ -47,6 +47,10 @@ class LayerFamily:
     supports_kfac: bool = False
     #: whether K-FAC's left factor is stored as a diagonal ``[n]`` (Embedding's token counts ``A``)
     kfac_diagonal_left: bool = False
+    #: the number of dimensions of a batched call's output where a call without the batch dimension is an
+    #: error (a convolution's ``[N, C, *positions]``: without it the channels would be read as examples);
+    #: None where any output is taken as it is
+    batched_output_dim: Optional[int] = None
     #: whether :meth:`normal_input` / ``kfac_factors_from_inputs`` read the recorded output's values
     #: (False: its shape at most; a capture of the user's backward then returns the output without a clone)
     reads_output_values: bool = True

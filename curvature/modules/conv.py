@@ -1,4 +1,4 @@
-"""nn.Conv2d as a Linear layer applied to unfolded patches.
+"""nn.Conv2d and nn.Conv1d as a Linear layer applied to unfolded patches.
 
 Normal form: ``a [N, T, C_in·kh·kw]`` (``T = H_out·W_out`` patches from ``F.unfold``, channel-
 major like ``weight.reshape(C_out, -1)``), ``g [K, N, T, C_out]``. K-FAC as for Linear
@@ -8,10 +8,13 @@ stride 1 ``A`` is computed from offset correlations of the input instead of unfo
 Supports any stride, padding (numeric, ``"valid"``, or ``"same"`` where it is symmetric; zeros mode),
 dilation; ``groups=1`` only.
 Patches come from :func:`unfold_patches` (a strided view copied once), not ``F.unfold``.
+An ``nn.Conv1d`` is the Conv2d of a ``1 × k`` kernel over its input seen as ``[N, C, 1, L]``
+(:class:`Conv1dFamily`): the same patches, factors and per-example gradients, in the same order as
+``weight.reshape(C_out, -1)`` of its ``[C_out, C_in, k]`` weight.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -94,8 +97,9 @@ def split_bias_row(d: int, columns: int) -> bool:
     return d >= SPLIT_MIN_ROWS and d % 8 == 0 and columns >= SPLIT_MIN_COLUMNS
 
 
-def patch_columns(x: Tensor, module: nn.Conv2d) -> int:
-    """``N · H_out · W_out``: the columns of :func:`patch_rows` of ``x [N, C, H, W]`` for ``module``."""
+def patch_columns(x: Tensor, module: nn.Module) -> int:
+    """``N · H_out · W_out``: the columns of :func:`patch_rows` of ``x [N, C, H, W]`` for ``module`` (a Conv2d or a
+    :class:`Conv2dView`)."""
     (kh, kw), (dh, dw), (ph, pw), (sh, sw) = (_pair(module.kernel_size), _pair(module.dilation),
                                               numeric_padding(module), _pair(module.stride))
     ho = (x.shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
@@ -119,13 +123,15 @@ class Conv2dFamily(WeightMatrixFamily):
     unfolded patches of each example (``a_t``: ``[C_in·kh·kw]``, with a 1 for the bias)."""
 
     module_types = (nn.Conv2d,)
+    batched_output_dim = 4  # [N, C, H, W]
 
     def validate(self, module: nn.Module) -> None:
+        kind = type(module).__name__
         if module.groups != 1:
-            raise ValueError(f"Conv2d with groups={module.groups} is not supported (groups=1 only)")
+            raise ValueError(f"{kind} with groups={module.groups} is not supported (groups=1 only)")
         numeric_padding(module)  # "valid", "same" with a symmetric padding, or numbers
         if module.padding_mode != "zeros":
-            raise ValueError(f"Conv2d with padding_mode={module.padding_mode!r} is not supported ('zeros' only)")
+            raise ValueError(f"{kind} with padding_mode={module.padding_mode!r} is not supported ('zeros' only)")
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = inputs[0].detach()
@@ -159,3 +165,55 @@ class Conv2dFamily(WeightMatrixFamily):
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
         k, n, c = g.shape[0], g.shape[1], g.shape[2]
         return g.reshape(k, n, c, -1).transpose(2, 3)
+
+
+class Conv2dView(NamedTuple):
+    """The hyperparameters of an ``nn.Conv1d`` as those of the Conv2d of a ``1 × k`` kernel (numeric padding),
+    read by :class:`Conv2dFamily` in place of the module."""
+
+    kernel_size: Tuple[int, int]
+    stride: Tuple[int, int]
+    dilation: Tuple[int, int]
+    padding: Tuple[int, int]
+    in_channels: int
+    groups: int
+    padding_mode: str
+
+
+def as_conv2d(module: nn.Conv1d) -> Conv2dView:
+    """``module`` as the Conv2d over its input seen as ``[N, C, 1, L]``."""
+    return Conv2dView((1, module.kernel_size[0]), (1, module.stride[0]), (1, module.dilation[0]),
+                      (0, numeric_padding(module)[0]), module.in_channels, module.groups, module.padding_mode)
+
+
+def as_conv2d_inputs(inputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """A Conv1d's recorded inputs ``([N, C, L], ...)`` with the input as ``[N, C, 1, L]``: a view."""
+    return (inputs[0].unsqueeze(-2),) + tuple(inputs[1:])
+
+
+#: the Conv2d math a Conv1d is run through
+_CONV2D = Conv2dFamily()
+
+
+class Conv1dFamily(WeightMatrixFamily):
+    """``nn.Conv1d`` (groups 1, zero padding) as the Conv2d of a ``1 × k`` kernel over ``[N, C, 1, L]``: the
+    weight ``[C_out, C_in·k]`` applied to the ``T = L_out`` unfolded patches of each example. The patches and
+    the input factor are Conv2d's (:data:`_CONV2D`, called with the view :func:`as_conv2d` and the input as
+    ``[N, C, 1, L]``: its own calls then see the view only); per-example gradients, diagonal sums and the
+    output factor are :class:`WeightMatrixFamily`'s, whose shapes are the same."""
+
+    module_types = (nn.Conv1d,)
+    batched_output_dim = 3  # [N, C, L]
+
+    def validate(self, module: nn.Module) -> None:
+        _CONV2D.validate(module)  # groups, padding mode, "same" padding: read alike from a Conv1d, named by its type
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return _CONV2D.normal_input(as_conv2d(module), as_conv2d_inputs(inputs), output)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        return _CONV2D.normal_output_grad(module, g)  # [K, N, C, L] -> [K, N, L, C]: the positions flattened alike
+
+    def kfac_factors_from_inputs(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Optional[Tensor],
+                                 g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        return _CONV2D.kfac_factors_from_inputs(as_conv2d(module), as_conv2d_inputs(inputs), output, g, names)

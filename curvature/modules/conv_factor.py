@@ -1,4 +1,5 @@
-"""Conv2d's K-FAC input factor from offset correlations, without unfolding (stride 1).
+"""Conv2d's K-FAC input factor from offset correlations, without unfolding (stride 1); a Conv1d's too, as
+the Conv2d of a ``1 × k`` kernel over ``[N, C, 1, L]`` (:class:`~curvature.modules.conv.Conv2dView`).
 
 The input factor of a convolution is a sum over unfolded patches,
 ``Σ_{n,t} a_nt a_ntᵀ`` with ``a_nt [C·kh·kw]`` (``F.unfold`` order: channel-major, then kernel
@@ -32,36 +33,44 @@ OFFSET_COST_FRACTION = 0.5
 #: corrections and ~100 small kernel launches cost more than the unfolded product
 #: (N=128, C=8, 8×8: 10 ms vs 2.7 ms; C=3, 16×16: 4.2 ms vs 7.2 ms; C=32, 32×32: 32 ms vs 214 ms)
 MIN_OUTPUT_POSITIONS = 256
+#: ... and the input has at least this many channels: with one, every offset correlation is a [1, 1]
+#: product and the launches are all there is (one thread, N=128: 28×28 3×3 1.43 ms vs 0.86 ms unfolded;
+#: N=64, 32×32 5×5: 7.6 vs 2.3 ms; a Conv1d with N=16, L=300: 0.44 vs 0.05 ms); from two on it depends on
+#: the geometry (Conv1d N=32, L=4000, C=2: 0.89 vs 1.91 ms; a 28×28 image with C=2 about even)
+MIN_INPUT_CHANNELS = 2
 
 
 def _pair(v: object) -> Tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))  # type: ignore[index]
 
 
-def numeric_padding(module: nn.Conv2d) -> Tuple[int, int]:
-    """``module.padding`` as ``(ph, pw)``: ``"valid"`` is ``(0, 0)``; ``"same"`` (stride 1) is
-    ``dilation · (k − 1) / 2`` per side, where that is whole (torch pads an odd total one more at the
-    bottom / right, which symmetric padding cannot express: ``ValueError``)."""
+def numeric_padding(module: nn.Module) -> Tuple[int, ...]:
+    """``module.padding`` as numbers, one per spatial dimension (``(ph, pw)`` for a Conv2d or a
+    :class:`~curvature.modules.conv.Conv2dView`, ``(p,)`` for a Conv1d; their sizes are tuples): ``"valid"``
+    is zeros; ``"same"`` (stride 1) is ``dilation · (k − 1) / 2`` per side, where that is whole (torch pads
+    an odd total one more at the end, which symmetric padding cannot express: ``ValueError``)."""
     padding = module.padding
     if not isinstance(padding, str):
-        return _pair(padding)
+        return tuple(int(p) for p in padding)
     if padding == "valid":
-        return 0, 0
+        return (0,) * len(module.kernel_size)
     pads = []
-    for k, d in zip(_pair(module.kernel_size), _pair(module.dilation)):
+    for k, d in zip(module.kernel_size, module.dilation):
         total = d * (k - 1)
         if total % 2:
-            raise ValueError(f"Conv2d with padding='same', kernel_size={module.kernel_size} and dilation="
-                             f"{module.dilation} pads asymmetrically (a total of {total} per side pair), which is not "
-                             "supported; use an odd kernel size or numeric padding with F.pad before the layer")
+            raise ValueError(f"{type(module).__name__} with padding='same', kernel_size={module.kernel_size} and "
+                             f"dilation={module.dilation} pads asymmetrically (a total of {total} per side pair), "
+                             "which is not supported; use an odd kernel size or numeric padding with F.pad before "
+                             "the layer")
         pads.append(total // 2)
-    return pads[0], pads[1]
+    return tuple(pads)
 
 
-def offset_factor_pays(module: nn.Conv2d, input_hw: Tuple[int, int]) -> bool:
+def offset_factor_pays(module: nn.Module, input_hw: Tuple[int, int]) -> bool:
     """Whether :func:`conv_input_factor` applies (stride 1, groups 1, numeric zero padding) and
     needs fewer FLOPs than the product of unfolded patches for an input of ``input_hw``."""
-    if _pair(module.stride) != (1, 1) or module.groups != 1 or module.padding_mode != "zeros":
+    if _pair(module.stride) != (1, 1) or module.groups != 1 or module.padding_mode != "zeros" \
+            or module.in_channels < MIN_INPUT_CHANNELS:
         return False
     (kh, kw), (dh, dw), (ph, pw) = _pair(module.kernel_size), _pair(module.dilation), numeric_padding(module)
     h, w = input_hw

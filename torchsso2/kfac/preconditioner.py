@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from curvature.capture import on_gradient
+from curvature.cost import warn_kfac_factors
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
 from curvature.hook_marks import warn_if_attached
 from torchsso2.optim.accelerate_checks import warn_if_not_sync_step
@@ -244,6 +245,24 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                   f"the last registered layer's result is kept (kfac_pytorch keeps the first's). "
                                   f"Leave one of them out with skip_layers", stacklevel=2)
                 holders.setdefault(id(p), name)
+        registered = {layer.module for layer in self.layers.values()}
+        for other, module in model.named_modules(remove_duplicate=False):  # a parameter shared with a module not
+            # registered (an Embedding tied to a registered head): its gradient holds that use's part too
+            if module in registered:
+                continue
+            for p in module.parameters(recurse=False):
+                if id(p) in holders:
+                    warnings.warn(f"KFACPreconditioner: layer {holders[id(p)]!r} shares a parameter with module "
+                                  f"{other!r}, which is not registered (tied weights); step() preconditions the "
+                                  "summed gradient of both uses with the layer's factors alone (kfac_pytorch does "
+                                  f"the same, silently). Leave the layer out with skip_layers=[{holders[id(p)]!r}] "
+                                  "for the plain gradient", stacklevel=2)
+        # announce factors too large to decompose often (an LM head's [V, V]: curvature/cost.py)
+        dtype = self.factor_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        warn_kfac_factors({name: list(layer.sizes.values()) for name, layer in self.layers.items()},
+                          torch.finfo(dtype).bits // 8,
+                          fixes="skip_layers=[{name!r}] (its gradient then stays plain) or a longer inv_update_steps",
+                          inverse=self.compute_method is ComputeMethod.INVERSE)
         if not self.layers:
             warnings.warn("KFACPreconditioner: the model has no nn.Linear / nn.Conv2d layer to precondition "
                           "(after skip_layers); step() will leave the gradients unchanged", stacklevel=2)

@@ -138,11 +138,9 @@ class InputRecorder:
 def output_hessian_inner(loss: LossType, outputs: Tensor, u: Tensor, w: Tensor) -> Tensor:
     """``Σ_n u_nᵀ H_n w_n`` (a 0-dim tensor, summed over the batch) with ``H_n = ∂²ℓ_n/∂f_n²`` at
     ``outputs`` ([N, C] or [N, T, C] logits for cross_entropy, classes last; [N, ...] for mse);
-    ``u, w`` of the outputs' shape."""
-    if loss is LossType.CROSS_ENTROPY:
-        p = torch.softmax(outputs.detach(), dim=-1)
-        return (p * u * w).sum() - ((p * u).sum(-1) * (p * w).sum(-1)).sum()
-    return (u * w).sum()
+    ``u, w`` of the outputs' shape: the inner product of their :func:`output_hessian_root`."""
+    class_dim = outputs.dim() - 1
+    return (output_hessian_root(loss, outputs, u, class_dim) * output_hessian_root(loss, outputs, w, class_dim)).sum()
 
 
 def _functional(model: nn.Module, names: Sequence[str], select: Callable[[Any], Tensor], call: Call
@@ -178,14 +176,17 @@ def _rng_of(call: Call) -> Iterator[None]:
         yield
 
 
-def output_hessian_product(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
-    """``H_n u_n`` for every example (shape of ``u``): categorical ``p ⊙ u − p (pᵀu)``, Gaussian ``u``.
-    ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (the last for [N, T, C]
-    sequence logits; ``outputs`` may have size-1 leading dimensions that broadcast against ``u``,
-    e.g. [1, N, C] against [k, N, C])."""
+def output_hessian_root(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
+    """``r_n`` with ``r_nᵀ r'_n = u_nᵀ H_n u'_n`` for every example (shape of ``u``): categorical
+    ``√p ⊙ (u − pᵀu)`` (``H = diag p − p pᵀ``), Gaussian ``u``. A Gram matrix of these is positive
+    semi-definite in floating point too: the expanded ``Σ p u² − (pᵀu)²`` cancels where the softmax is
+    saturated (a converged model: float32 gave −64 for a value ≥ 0) and made the quadratic model
+    indefinite. ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (the last for
+    [N, T, C] sequence logits; ``outputs`` may have size-1 leading dimensions that broadcast against
+    ``u``, e.g. [1, N, C] against [k, N, C])."""
     if loss is LossType.CROSS_ENTROPY:
         p = class_softmax(outputs.detach(), class_dim)
-        return p * u - p * (p * u).sum(class_dim, keepdim=True)
+        return p.sqrt() * (u - (p * u).sum(class_dim, keepdim=True))
     return u
 
 
@@ -269,19 +270,17 @@ def ggn_gram(model: nn.Module, calls: Sequence[Call], names: Sequence[str], para
                 tangents = {id(p): t if t.dtype == p.dtype else t.to(p.dtype) for p, t in zip(params, stacks)}
             recorded = activations.usable(model, index) if activations is not None else None  # type: ignore[arg-type]
             out, jv = sequential_jvp.sequential_jvps(model, call[0][0], tangents, recorded)  # [k, N, ...]
-            jmat = jv.reshape(k, -1)
-            hmat = output_hessian_product(loss, out.unsqueeze(0), jv, class_dim=out.dim()).reshape(k, -1)
+            rmat = output_hessian_root(loss, out.unsqueeze(0), jv, class_dim=out.dim()).reshape(k, -1)
         else:
             if primals is None:
                 primals = [p.detach() for p in params]
             out, jvs = _dual_jvps(model, names, select, call, primals, directions)
-            jmat = torch.stack(jvs)  # [k, N·out]
-            hmat = torch.stack([output_hessian_product(loss, out, j.view_as(out), class_dim=out.dim() - 1).reshape(-1)
-                                for j in jvs])
+            rmat = torch.stack([output_hessian_root(loss, out, j.view_as(out), class_dim=out.dim() - 1).reshape(-1)
+                                for j in jvs])  # [k, N·out]
         total += loss_rows(loss, out)  # N, or N·T for cross-entropy logits [N, T, C] (the rows the loss averages)
-        if jmat.dtype in _HALF:  # the sums of products overflow float16's 65504
-            jmat, hmat = jmat.float(), hmat.float()
-        part = (jmat @ hmat.t()).double()
+        if rmat.dtype in _HALF:  # the sums of products overflow float16's 65504
+            rmat = rmat.float()
+        part = (rmat @ rmat.t()).double()
         gram = part if gram is None else gram.add_(part)
     if gram is None:
         return torch.zeros(k, k, dtype=torch.float64)

@@ -153,7 +153,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         #: the model's parameters when it was built (late_groups.warn_params_gone: which have left it since)
         self._params_in_model = {id(p) for p in model.parameters()}
         refuse_sparse_gradients(model, self.param_groups)
-        self.running = RunningCurvature()
+        # a Fisher-type kind's blocks are positive semi-definite: a full block's negative eigenvalues are round-off
+        self.running = RunningCurvature(psd=self.engine.kind is not Kind.HESSIAN)
         #: how K-FAC blocks are decomposed: "eigen" (exact damping) or "inverse" (factored; SecondOrderOptimizer)
         self.__dict__.setdefault("kfac_method", "eigen")
         self._plans = PlanCache()      # per-step bookkeeping of the update (torchsso2/optim/plan.py)
@@ -722,7 +723,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             error = self.placement.decompose(
                 self.running.blocks, lambda blk: decompose_block(blk, damping, scale=scale, backend=self.linalg,
                                                                  dtype=self.decomposition_dtype,
-                                                                 kfac_method=self.kfac_method),
+                                                                 kfac_method=self.kfac_method, psd=self.running.psd),
                 dtype=self.decomposition_dtype, kfac_method=self.kfac_method)
             if error is not None:
                 self._decomposition_failed(error, damping)

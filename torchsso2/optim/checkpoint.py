@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from curvature.blocks.base import compute_dtype
+from curvature.blocks.layout import kfac_dims
 from curvature.selection import unwrapped_name
 
 _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
@@ -85,17 +86,6 @@ def _count(entry: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         _fail(entry, f"is {value!r}, expected an int >= 0")
     return int(value)
-
-
-def kfac_dims(layout: Layout) -> Tuple[int, int]:
-    """``(r, c)``: the shape of the layer's parameter matrix ``M`` (K-FAC's left factor is ``r × r``
-    or a diagonal ``[r]``, the right one ``c × c`` or ``[c]``), from the layout's parameter shapes."""
-    zeros = [torch.zeros(s, device="meta") for s in layout.shapes]
-    try:
-        m = layout.family.to_matrix(layout.module, zeros, layout.param_names)
-    except (RuntimeError, NotImplementedError):  # a family that cannot run on meta tensors
-        m = layout.family.to_matrix(layout.module, [torch.zeros(s) for s in layout.shapes], layout.param_names)
-    return int(m.shape[0]), int(m.shape[1])
 
 
 def _statistic_shapes(approx: str, layout: Layout) -> List[List[Tuple[int, ...]]]:

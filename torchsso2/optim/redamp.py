@@ -15,24 +15,47 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import torch
+from torch import Tensor
+
 from curvature.blocks import Block, KFACBlock
+from curvature.blocks.base import roundoff_damping
+from curvature.linalg.checks import coarsest_eps
 
 
 def redamp(blocks: Mapping[str, Block], old: float, new: float) -> bool:
     """Give every block's decomposition the damping ``new`` in place of ``old``; all or nothing.
 
     Returns True when every block is a K-FAC block with an eigen decomposition and the new
-    ``denom = denom + (new − old)`` is positive everywhere (the decompositions are then replaced,
-    not written into: a saved ``state_dict`` is untouched); False, with nothing changed, otherwise
-    (the caller then decomposes again)."""
+    ``denom`` is positive everywhere (the decompositions are then replaced, not written into: a saved
+    ``state_dict`` is untouched); False, with nothing changed, otherwise (the caller then decomposes
+    again). The damping a decomposition added is ``max(damping, eps·P)`` with ``P`` the largest
+    ``scale·λ_L λ_R`` (:func:`curvature.blocks.base.roundoff_damping`), so ``denom`` changes by the
+    difference of the two added dampings: the same ``denom`` as a decomposition at ``new``, to rounding."""
     blks = list(blocks.values())
     if not blks or not all(isinstance(b, KFACBlock) and b.decomposition is not None
                            and b.decomposition.get("method") == "eigen" for b in blks):
         return False
-    change = new - old
-    denoms = [b.decomposition["denom"] + change for b in blks]  # type: ignore[index]
+    denoms = [_redamped(b, old, new) for b in blks]
     if not all(bool((d > 0).all()) for d in denoms):
         return False
     for b, d in zip(blks, denoms):
         b.decomposition = {**b.decomposition, "denom": d}  # type: ignore[dict-item]
     return True
+
+
+def _redamped(block: KFACBlock, old: float, new: float) -> Tensor:
+    """``denom`` of ``block``'s eigen decomposition at damping ``old``, moved to ``new`` (a new tensor).
+    ``P`` comes from ``denom`` itself: its largest entry is ``P + max(old, eps·P)`` (``P`` + 0 at damping
+    0, which adds no round-off), so every rank derives the same from the same decomposition."""
+    denom = block.decomposition["denom"]  # type: ignore[index]
+    if not denom.numel():
+        return denom + (new - old)
+    eps = coarsest_eps(denom.dtype, block.left.dtype, block.right.dtype)
+    top = denom.max()
+    if old > 0:
+        above = top - old  # P where the damping was above the round-off, else top / (1 + eps)
+        largest = torch.where(above * eps <= old, above, top / (1 + eps))
+    else:
+        largest = top
+    return denom + (roundoff_damping(new, largest, eps) - roundoff_damping(old, largest, eps))

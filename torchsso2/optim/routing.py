@@ -22,10 +22,8 @@ from torch import Tensor
 
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.blocks.base import compute_dtype
-from curvature.blocks.layout import Layout
+from curvature.blocks.layout import Layout, kfac_dims, kfac_left_is_diagonal
 from curvature.options import Approx
-
-from .checkpoint import kfac_dims
 
 
 def scale_to_whole_batch(block: Block, share: float) -> None:
@@ -51,8 +49,8 @@ def zero_block(layout: Layout, approx: Approx) -> Block:
     if approx is Approx.FULL:
         return FullBlock(layout, torch.zeros(layout.numel, layout.numel, **opts))
     r, c = kfac_dims(layout)
-    diagonal = all(fam.kfac_diagonal_left for fam in [layout.family] + [u.family for u in layout.tied])
-    block = KFACBlock(layout, torch.zeros((r,) if diagonal else (r, r), **opts), torch.zeros(c, c, **opts))
+    block = KFACBlock(layout, torch.zeros((r,) if kfac_left_is_diagonal(layout) else (r, r), **opts),
+                      torch.zeros(c, c, **opts))
     block.rows = 0.0
     return block
 
