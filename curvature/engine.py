@@ -361,7 +361,7 @@ class CurvatureEngine:
         linear = {n: records[n].output for n, lay in self.layouts.items()
                   if n in records and self.approx[n] is Approx.KFAC and type(lay.family) is LinearFamily}
         positional = {n: r.output for n, r in records.items()
-                      if isinstance(self._modules.get(n), (nn.Linear, nn.Embedding, nn.LayerNorm))}
+                      if isinstance(self._modules.get(n), (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm))}
         signature = ("reduce", tuple(given.shape), tuple((n, tuple(o.shape)) for n, o in linear.items()),
                      tuple(tuple(o.shape) for o in positional.values()))
         if not linear or signature in self._examples_checked:

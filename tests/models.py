@@ -60,6 +60,23 @@ class CNN1d(nn.Module):
         return self.fc(torch.flatten(h, 1))
 
 
+class GroupRMSNorm(nn.Module):
+    """Conv2d → GroupNorm (2 groups of 2 channels) → tanh → flatten → Linear → RMSNorm → Linear: the
+    normalizations that use each example's own statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, kernel_size=2)  # [4, 2, 2]
+        self.gn = nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(16, 5)
+        self.rms = nn.RMSNorm(5, eps=1e-6)
+        self.out = nn.Linear(5, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.gn(self.conv(x))).flatten(1)
+        return self.out(self.rms(self.fc(h)))
+
+
 class NormMLP(nn.Module):
     """Linear → BatchNorm1d → tanh → LayerNorm → Linear."""
 
@@ -194,10 +211,11 @@ def _randomize_norm_stats(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm)):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
             with torch.no_grad():
                 m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.5, 0.5)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.uniform_(-0.5, 0.5)
     return model
 
 
@@ -237,6 +255,7 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Tuple[Tensor, Ten
     "cnn1d": (_builder(CNN1d), _dense_batch(2, 6)),
     "norm_mlp": (_builder(NormMLP), _dense_batch(4)),
     "norm_cnn": (_builder(NormCNN), _dense_batch(2, 3, 3)),
+    "group_rms_norm": (_builder(GroupRMSNorm), _dense_batch(2, 3, 3)),
     "embedding": (_builder(EmbeddingModel), _token_batch(3)),
     "residual": (_builder(Residual), _dense_batch(4)),
     "seq_linear": (_builder(SeqLinear), _dense_batch(2, 3)),

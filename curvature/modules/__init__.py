@@ -10,15 +10,17 @@ from .base import LayerFamily
 from .conv import Conv1dFamily, Conv2dFamily
 from .embedding import EmbeddingFamily
 from .linear import LinearFamily
-from .norm import BatchNormFamily, LayerNormFamily
+from .norm import BatchNormFamily, GroupNormFamily, LayerNormFamily, RMSNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
-    LinearFamily(), Conv2dFamily(), Conv1dFamily(), BatchNormFamily(), LayerNormFamily(), EmbeddingFamily(),
+    LinearFamily(), Conv2dFamily(), Conv1dFamily(), BatchNormFamily(), LayerNormFamily(), GroupNormFamily(),
+    RMSNormFamily(), EmbeddingFamily(),
     MultiheadAttentionFamily(),
 )
 
 #: the covered layer types, as error messages name them
-SUPPORTED_LAYERS = "Linear, Conv1d/2d, BatchNorm1d/2d, LayerNorm, Embedding, MultiheadAttention"
+SUPPORTED_LAYERS = ("Linear, Conv1d/2d, BatchNorm1d/2d, LayerNorm, GroupNorm, RMSNorm, Embedding, "
+                    "MultiheadAttention")
 
 
 def family_of(module: nn.Module) -> Optional[LayerFamily]:

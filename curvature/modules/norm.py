@@ -1,4 +1,4 @@
-"""BatchNorm1d/2d and LayerNorm: elementwise affine parameters on a normalized input.
+"""BatchNorm1d/2d, LayerNorm, GroupNorm and RMSNorm: elementwise affine parameters on a normalized input.
 
 Normal form: ``a = x̂ [N, T, C]`` (the normalized input before the affine map), ``g [K, N, T, C]``.
 Per-example gradients: ``∂ℓ/∂γ = Σ_t g_t ⊙ x̂_t``, ``∂ℓ/∂β = Σ_t g_t``.
@@ -8,7 +8,9 @@ convention of K-FAC/Fisher libraries), so the block is that of the affine map ap
 the observed ``x̂``; in eval mode the running statistics are used and this is exact (a BatchNorm with
 ``track_running_stats=False`` normalizes with batch statistics in eval mode too: constants there as well). The
 engine's backward passes also cross the BatchNorm with its statistics frozen, so layers
-before it get frozen-statistics blocks too (:mod:`curvature.frozen_norm`).
+before it get frozen-statistics blocks too (:mod:`curvature.frozen_norm`). LayerNorm, GroupNorm and
+RMSNorm normalize each example by its own statistics: their blocks, and those of the layers before them,
+are exact.
 Shapes: ``full`` and ``diag`` (no K-FAC).
 """
 from __future__ import annotations
@@ -85,6 +87,66 @@ class LayerNormFamily(_AffineNormFamily):
         mean = x.mean(dim=dims, keepdim=True)
         var = x.var(dim=dims, unbiased=False, keepdim=True)
         xhat = (x - mean) / torch.sqrt(var + module.eps)
+        return xhat.reshape(x.shape[0], -1, d)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        d = int(math.prod(module.normalized_shape))
+        return g.reshape(g.shape[0], g.shape[1], -1, d)
+
+
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in float32 where it is float16 or bfloat16 (torch normalizes those in float32; so do the
+    statistics here)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _channels_last(x: Tensor) -> Tensor:
+    """``[N, C, *positions]`` -> ``[N, T, C]``."""
+    return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
+
+
+class GroupNormFamily(_AffineNormFamily):
+    """``nn.GroupNorm`` affine parameters ``weight``, ``bias`` ``[C]`` over ``[N, C, *positions]`` (each
+    example's groups normalized by their own statistics; diagonal or full blocks)."""
+
+    module_types = (nn.GroupNorm,)
+
+    def validate(self, module: nn.Module) -> None:
+        if not module.affine:
+            raise ValueError("GroupNorm without affine parameters has nothing to cover")
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        x = _wide(inputs[0].detach())
+        if x.dim() < 2:
+            raise ValueError(f"GroupNorm input of shape {list(x.shape)}: expected [N, C, *positions]")
+        groups = x.reshape(x.shape[0], module.num_groups, -1)
+        mean = groups.mean(dim=2, keepdim=True)
+        var = groups.var(dim=2, unbiased=False, keepdim=True)
+        return _channels_last(((groups - mean) / torch.sqrt(var + module.eps)).reshape(x.shape))
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        k, n, c = g.shape[0], g.shape[1], g.shape[2]
+        return g.reshape(k, n, c, -1).transpose(2, 3)
+
+
+class RMSNormFamily(_AffineNormFamily):
+    """``nn.RMSNorm``'s ``weight`` of the normalized shape (no bias; ``x̂ = x / √(mean x² + eps)``, ``eps``
+    None: the machine epsilon of the input's dtype promoted to float32, as torch, which normalizes float16 and
+    bfloat16 inputs in float32; diagonal or full blocks)."""
+
+    module_types = (nn.RMSNorm,)
+
+    def validate(self, module: nn.Module) -> None:
+        if not module.elementwise_affine:
+            raise ValueError("RMSNorm without elementwise_affine has nothing to cover")
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        x = _wide(inputs[0].detach())
+        nd = len(module.normalized_shape)
+        d = int(math.prod(module.normalized_shape))
+        dims = tuple(range(x.dim() - nd, x.dim()))
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        xhat = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
         return xhat.reshape(x.shape[0], -1, d)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
