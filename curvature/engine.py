@@ -479,7 +479,7 @@ class CurvatureEngine:
         unbatched = {}
         for name, rec in records.items():
             fam = family_of(self._modules[name]) if name in self._modules else None
-            need = getattr(fam, "batched_output_dim", None)
+            need = fam.batched_output_dim(self._modules[name]) if fam is not None else None
             if need is not None and rec.output.dim() < need:
                 unbatched[name] = list(rec.output.shape)
         if unbatched:

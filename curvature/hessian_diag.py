@@ -49,7 +49,7 @@ def supports(module: nn.Module, family: object, output: Tensor) -> bool:
     if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:
         return False
     if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, L] / [N, C, H, W]
-        return output.dim() == family.batched_output_dim
+        return output.dim() == family.batched_output_dim(module)
     return isinstance(module, nn.Linear) and output.dim() >= 2
 
 

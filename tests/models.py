@@ -61,19 +61,20 @@ class CNN1d(nn.Module):
 
 
 class GroupRMSNorm(nn.Module):
-    """Conv2d → GroupNorm (2 groups of 2 channels) → tanh → flatten → Linear → RMSNorm → Linear: the
-    normalizations that use each example's own statistics."""
+    """Conv2d → GroupNorm (2 groups of 2 channels) → tanh → InstanceNorm2d (affine) → flatten → Linear →
+    RMSNorm → Linear: the normalizations that use each example's own statistics."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 4, kernel_size=2)  # [4, 2, 2]
         self.gn = nn.GroupNorm(2, 4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
         self.fc = nn.Linear(16, 5)
         self.rms = nn.RMSNorm(5, eps=1e-6)
         self.out = nn.Linear(5, OUT)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.gn(self.conv(x))).flatten(1)
+        h = self.inorm(torch.tanh(self.gn(self.conv(x)))).flatten(1)
         return self.out(self.rms(self.fc(h)))
 
 
@@ -211,7 +212,7 @@ def _randomize_norm_stats(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d, nn.RMSNorm)):
             with torch.no_grad():
                 m.weight.uniform_(0.5, 1.5)
                 if getattr(m, "bias", None) is not None:

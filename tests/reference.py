@@ -1,8 +1,8 @@
 """Brute-force reference curvature, built only from ``torch.func`` / ``torch.autograd`` in float64.
 
 Nothing here imports :mod:`curvature`. The reference works with the flat vector ``θ`` of the
-*covered* parameters (parameters of Linear / Conv1d / Conv2d / BatchNorm1d/2d / LayerNorm / GroupNorm / RMSNorm /
-Embedding
+*covered* parameters (parameters of Linear / Conv1d / Conv2d / BatchNorm1d/2d / LayerNorm / GroupNorm /
+InstanceNorm1d/2d / RMSNorm / Embedding
 modules that require grad, in ``model.named_parameters()`` order) and computes:
 
 * ``J [N, O, P]``: per-example Jacobians of the flattened outputs w.r.t. ``θ`` (one ``jacrev``
@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
-SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
-             nn.Embedding,
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm,
+             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.RMSNorm, nn.Embedding,
              nn.MultiheadAttention)  # its in_proj_weight / in_proj_bias
 KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
 

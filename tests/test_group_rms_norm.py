@@ -1,11 +1,15 @@
-"""GroupNorm and RMSNorm: each example normalized by its own statistics, covered as diagonal or full blocks.
+"""GroupNorm, InstanceNorm and RMSNorm: each example normalized by its own statistics, covered as diagonal or
+full blocks.
 
 Every kind and shape is checked against the brute-force reference on ``tests/models.py``'s
-``group_rms_norm`` (GroupNorm after a Conv2d, RMSNorm after a Linear: the layers before them exact too)
-in ``test_curvature_reference.py``; here RMSNorm's default ``eps=None`` (the dtype's epsilon, as torch),
-multi-dimensional normalized shapes, the shapes the optimizers give them, and training.
+``group_rms_norm`` (GroupNorm and InstanceNorm2d after a Conv2d, RMSNorm after a Linear: the layers before
+them exact too) in ``test_curvature_reference.py``; here RMSNorm's default ``eps=None`` (the dtype's epsilon,
+as torch), multi-dimensional normalized shapes, InstanceNorm1d with running statistics in eval mode, the
+shapes the optimizers give them, training, and half-precision inputs.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -87,3 +91,47 @@ def test_half_precision_inputs_are_normalized_as_torch_does(dtype) -> None:
     gn = nn.GroupNorm(3, 3).to(dtype)
     want = F.group_norm(x.float(), 3, eps=gn.eps).transpose(1, 2)
     torch.testing.assert_close(GroupNormFamily().normal_input(gn, (x,), gn(x)), want, rtol=1e-5, atol=1e-5)
+
+
+class Instance1d(nn.Module):
+    def __init__(self, track: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3)
+        self.inorm = nn.InstanceNorm1d(3, affine=True, track_running_stats=track)
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.inorm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("track, train", [(False, True), (True, True), (True, False)],
+                         ids=["instance-stats", "tracked-training", "running-stats-eval"])
+def test_instance_norm_equals_the_brute_force_in_every_mode(track, train) -> None:
+    """Instance statistics in training and without tracking; the running ones in eval mode with tracking."""
+    torch.manual_seed(0)
+    model = Instance1d(track).double()
+    with torch.no_grad():
+        model.inorm.weight.uniform_(0.5, 1.5)
+        model.inorm.bias.uniform_(-0.5, 0.5)
+        if track:
+            model.inorm.running_mean.uniform_(-0.5, 0.5)
+            model.inorm.running_var.uniform_(0.5, 2.0)
+    model.train(train)
+    x, y = torch.randn(5, 2, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    ref = Reference(copy.deepcopy(model), x, y, "cross_entropy").shaped("fisher", "full", None)
+    got = curvature.compute(model, x, y, kind="fisher", approx="full").dense()
+    torch.testing.assert_close(got, ref, rtol=1e-8, atol=1e-10)
+
+
+def test_an_unbatched_instance_norm_call_is_refused_by_name() -> None:
+    class Unbatched(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inorm = nn.InstanceNorm1d(3, affine=True)
+            self.fc = nn.Linear(12, 3)
+
+        def forward(self, x):
+            return self.fc(self.inorm(x[0]).reshape(1, -1))
+
+    with pytest.raises(ValueError, match=r"InstanceNorm1d modules \{'inorm': \[3, 4\]\} were called without a batch"):
+        curvature.compute(Unbatched(), torch.randn(1, 3, 4), torch.tensor([1]), kind="fisher", approx="diag")

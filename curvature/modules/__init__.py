@@ -10,17 +10,17 @@ from .base import LayerFamily
 from .conv import Conv1dFamily, Conv2dFamily
 from .embedding import EmbeddingFamily
 from .linear import LinearFamily
-from .norm import BatchNormFamily, GroupNormFamily, LayerNormFamily, RMSNormFamily
+from .norm import BatchNormFamily, GroupNormFamily, InstanceNormFamily, LayerNormFamily, RMSNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
     LinearFamily(), Conv2dFamily(), Conv1dFamily(), BatchNormFamily(), LayerNormFamily(), GroupNormFamily(),
-    RMSNormFamily(), EmbeddingFamily(),
+    InstanceNormFamily(), RMSNormFamily(), EmbeddingFamily(),
     MultiheadAttentionFamily(),
 )
 
 #: the covered layer types, as error messages name them
-SUPPORTED_LAYERS = ("Linear, Conv1d/2d, BatchNorm1d/2d, LayerNorm, GroupNorm, RMSNorm, Embedding, "
-                    "MultiheadAttention")
+SUPPORTED_LAYERS = ("Linear, Conv1d/2d, BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm1d/2d, RMSNorm, "
+                    "Embedding, MultiheadAttention")
 
 
 def family_of(module: nn.Module) -> Optional[LayerFamily]:

@@ -47,10 +47,6 @@ class LayerFamily:
     supports_kfac: bool = False
     #: whether K-FAC's left factor is stored as a diagonal ``[n]`` (Embedding's token counts ``A``)
     kfac_diagonal_left: bool = False
-    #: the number of dimensions of a batched call's output where a call without the batch dimension is an
-    #: error (a convolution's ``[N, C, *positions]``: without it the channels would be read as examples);
-    #: None where any output is taken as it is
-    batched_output_dim: Optional[int] = None
     #: whether :meth:`normal_input` / ``kfac_factors_from_inputs`` read the recorded output's values
     #: (False: its shape at most; a capture of the user's backward then returns the output without a clone)
     reads_output_values: bool = True
@@ -61,6 +57,12 @@ class LayerFamily:
         return [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
 
     # ---- normal form ------------------------------------------------------------------
+    def batched_output_dim(self, module: nn.Module) -> Optional[int]:
+        """The number of dimensions of a batched call's output where a call without the batch dimension is an
+        error (a convolution's ``[N, C, *positions]``: without it the channels would be read as the
+        examples); None where any output is taken as it is."""
+        return None
+
     def validate(self, module: nn.Module) -> None:
         """Raise ValueError for a configuration of the layer that is not supported."""
 

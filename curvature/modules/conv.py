@@ -123,7 +123,9 @@ class Conv2dFamily(WeightMatrixFamily):
     unfolded patches of each example (``a_t``: ``[C_in·kh·kw]``, with a 1 for the bias)."""
 
     module_types = (nn.Conv2d,)
-    batched_output_dim = 4  # [N, C, H, W]
+
+    def batched_output_dim(self, module: nn.Module) -> Optional[int]:
+        return 4  # [N, C, H, W]
 
     def validate(self, module: nn.Module) -> None:
         kind = type(module).__name__
@@ -203,7 +205,9 @@ class Conv1dFamily(WeightMatrixFamily):
     output factor are :class:`WeightMatrixFamily`'s, whose shapes are the same."""
 
     module_types = (nn.Conv1d,)
-    batched_output_dim = 3  # [N, C, L]
+
+    def batched_output_dim(self, module: nn.Module) -> Optional[int]:
+        return 3  # [N, C, L]
 
     def validate(self, module: nn.Module) -> None:
         _CONV2D.validate(module)  # groups, padding mode, "same" padding: read alike from a Conv1d, named by its type

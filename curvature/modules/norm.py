@@ -1,4 +1,5 @@
-"""BatchNorm1d/2d, LayerNorm, GroupNorm and RMSNorm: elementwise affine parameters on a normalized input.
+"""BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm1d/2d and RMSNorm: elementwise affine parameters on a
+normalized input.
 
 Normal form: ``a = x̂ [N, T, C]`` (the normalized input before the affine map), ``g [K, N, T, C]``.
 Per-example gradients: ``∂ℓ/∂γ = Σ_t g_t ⊙ x̂_t``, ``∂ℓ/∂β = Σ_t g_t``.
@@ -8,15 +9,16 @@ convention of K-FAC/Fisher libraries), so the block is that of the affine map ap
 the observed ``x̂``; in eval mode the running statistics are used and this is exact (a BatchNorm with
 ``track_running_stats=False`` normalizes with batch statistics in eval mode too: constants there as well). The
 engine's backward passes also cross the BatchNorm with its statistics frozen, so layers
-before it get frozen-statistics blocks too (:mod:`curvature.frozen_norm`). LayerNorm, GroupNorm and
-RMSNorm normalize each example by its own statistics: their blocks, and those of the layers before them,
-are exact.
+before it get frozen-statistics blocks too (:mod:`curvature.frozen_norm`). LayerNorm, GroupNorm,
+InstanceNorm and RMSNorm normalize each example by its own statistics (an InstanceNorm in eval mode with
+``track_running_stats=True`` by the running ones): their blocks, and those of the layers before them, are
+exact.
 Shapes: ``full`` and ``diag`` (no K-FAC).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -127,6 +129,32 @@ class GroupNormFamily(_AffineNormFamily):
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
         k, n, c = g.shape[0], g.shape[1], g.shape[2]
         return g.reshape(k, n, c, -1).transpose(2, 3)
+
+
+class InstanceNormFamily(GroupNormFamily):
+    """``nn.InstanceNorm1d/2d`` affine parameters ``weight``, ``bias`` ``[C]`` over ``[N, C, *positions]``: each
+    example's channels normalized by their own statistics (GroupNorm with a group per channel), or by the
+    running statistics in eval mode with ``track_running_stats=True``, as torch does (diagonal or full blocks)."""
+
+    module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d)
+
+    def validate(self, module: nn.Module) -> None:
+        if not module.affine:
+            raise ValueError("InstanceNorm without affine parameters has nothing to cover")
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        x = _wide(inputs[0].detach())
+        if module.training or not module.track_running_stats:
+            positions = x.reshape(x.shape[0], x.shape[1], -1)
+            mean = positions.mean(dim=2, keepdim=True)
+            var = positions.var(dim=2, unbiased=False, keepdim=True)
+            return _channels_last(((positions - mean) / torch.sqrt(var + module.eps)).reshape(x.shape))
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        mean, var = module.running_mean.to(x.dtype).reshape(shape), module.running_var.to(x.dtype).reshape(shape)
+        return _channels_last((x - mean) / torch.sqrt(var + module.eps))
+
+    def batched_output_dim(self, module: nn.Module) -> Optional[int]:
+        return module._get_no_batch_dim() + 1  # [N, C, L] / [N, C, H, W]: an unbatched call is refused
 
 
 class RMSNormFamily(_AffineNormFamily):

@@ -62,7 +62,7 @@ LM_UNSCALE_IN_CLOSURE = (
 #: per-module-type shapes used when ``approx`` is not given (PyTorch-SSO's choice)
 DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv1d: "kfac", nn.Conv2d: "kfac", nn.Embedding: "kfac",
                   nn.BatchNorm1d: "diag", nn.BatchNorm2d: "diag", nn.LayerNorm: "diag", nn.GroupNorm: "diag",
-                  nn.RMSNorm: "diag"}
+                  nn.InstanceNorm1d: "diag", nn.InstanceNorm2d: "diag", nn.RMSNorm: "diag"}
 
 
 #: Default Tikhonov damping. A one-batch curvature estimate (the first steps, and fisher_mc's single
