@@ -39,7 +39,7 @@ CHUNK = 128
 SLAB_ELEMENTS = 1 << 24
 
 #: the convolutions whose output is ``[N, C, *spatial]``, channels before the positions
-CONV_TYPES = (nn.Conv1d, nn.Conv2d)
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def supports(module: nn.Module, family: object, output: Tensor) -> bool:
@@ -48,7 +48,7 @@ def supports(module: nn.Module, family: object, output: Tensor) -> bool:
     (a zero block)."""
     if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:
         return False
-    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, L] / [N, C, H, W]
+    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, *positions]
         return output.dim() == family.batched_output_dim(module)
     return isinstance(module, nn.Linear) and output.dim() >= 2
 

@@ -3,7 +3,7 @@
 ``approx`` is a shape name applied to every covered module, or a dict whose keys are
 ``nn.Module`` types, class names (``"BatchNorm2d"``) or regular expressions searched in
 the module name (``"features\\.0"``), checked in insertion order; modules matched by no key
-get their family's default (K-FAC for Linear/Conv1d/Conv2d/Embedding, diag for norm layers).
+get their family's default (K-FAC for Linear/Conv1d-3d/Embedding, diag for norm layers).
 A plain ``"kfac"`` applies to the families where K-FAC is defined; norm layers then use
 ``"diag"`` (logged once).
 """
@@ -71,7 +71,7 @@ def _warn_unmatched(model: nn.Module, keys: Sequence[Union[str, type]], wrapped:
     modules = list(model.named_modules())
     names = [n for n, _ in modules if n][:3]
     effect = "nothing is skipped for it" if argument == "skip_modules" else \
-        "the modules no key matches take their layer's default shape (K-FAC for Linear, Conv1d/2d, Embedding)"
+        "the modules no key matches take their layer's default shape (K-FAC for Linear, Conv1d/2d/3d, Embedding)"
     for key in keys:
         if not any(_matches(key, name, module, unwrapped_name(name) if wrapped else None) for name, module in modules):
             what = key.__name__ if isinstance(key, type) else repr(key)

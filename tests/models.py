@@ -78,6 +78,19 @@ class GroupRMSNorm(nn.Module):
         return self.out(self.rms(self.fc(h)))
 
 
+class CNN3d(nn.Module):
+    """Conv3d (padding, bias) → ReLU → Conv3d (stride 2, dilation (1, 2, 1), no bias) → flatten → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv3d(2, 2, kernel_size=(2, 3, 2), padding=(0, 1, 1))                      # [2, 2, 4, 5]
+        self.conv2 = nn.Conv3d(2, 2, kernel_size=(1, 2, 2), stride=2, dilation=(1, 2, 1), bias=False)  # [2, 1, 1, 2]
+        self.fc = nn.Linear(4, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.flatten(self.conv2(F.relu(self.conv1(x))), 1))
+
+
 class NormMLP(nn.Module):
     """Linear → BatchNorm1d → tanh → LayerNorm → Linear."""
 
@@ -254,6 +267,7 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Tuple[Tensor, Ten
     "mlp": (_builder(MLP), _dense_batch(5)),
     "cnn": (_builder(CNN), _dense_batch(2, 5, 5)),
     "cnn1d": (_builder(CNN1d), _dense_batch(2, 6)),
+    "cnn3d": (_builder(CNN3d), _dense_batch(2, 3, 4, 4)),
     "norm_mlp": (_builder(NormMLP), _dense_batch(4)),
     "norm_cnn": (_builder(NormCNN), _dense_batch(2, 3, 3)),
     "group_rms_norm": (_builder(GroupRMSNorm), _dense_batch(2, 3, 3)),

@@ -1,7 +1,7 @@
 """Brute-force reference curvature, built only from ``torch.func`` / ``torch.autograd`` in float64.
 
 Nothing here imports :mod:`curvature`. The reference works with the flat vector ``θ`` of the
-*covered* parameters (parameters of Linear / Conv1d / Conv2d / BatchNorm1d/2d / LayerNorm / GroupNorm /
+*covered* parameters (parameters of Linear / Conv1d / Conv2d / Conv3d / BatchNorm1d/2d / LayerNorm / GroupNorm /
 InstanceNorm1d/2d / RMSNorm / Embedding
 modules that require grad, in ``model.named_parameters()`` order) and computes:
 
@@ -30,10 +30,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
-SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm,
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm,
              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.RMSNorm, nn.Embedding,
              nn.MultiheadAttention)  # its in_proj_weight / in_proj_bias
-KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
 
 # ---- losses (per example) ------------------------------------------------------------------
@@ -289,8 +289,9 @@ class Reference:
         if isinstance(mod, nn.Linear):
             patches = x.reshape(self.N, -1, x.shape[-1])  # [N, T, d_in]: T = leading dims (1 for [N, d_in])
             jt = jp.reshape(self.N, self.O, patches.shape[1], -1)
-        elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
-            patches = conv_patches(x, mod) if isinstance(mod, nn.Conv2d) else conv1d_patches(x, mod)  # [N, T, C·k…]
+        elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            patches = conv_patches(x, mod) if isinstance(mod, nn.Conv2d) else conv1d_patches(x, mod) \
+                if isinstance(mod, nn.Conv1d) else conv3d_patches(x, mod)  # [N, T, C·k…]
             c_out = mod.out_channels
             jt = jp.reshape(self.N, self.O, c_out, -1).transpose(2, 3)  # [N, O, T, C_out]
         else:
@@ -351,6 +352,24 @@ def conv1d_patches(x: Tensor, conv: nn.Conv1d) -> Tensor:
     xp[:, :, p:p + length] = x
     out = (length + 2 * p - d * (k - 1) - 1) // s + 1
     cols = [xp[:, :, i * s: i * s + d * (k - 1) + 1: d].reshape(n, -1) for i in range(out)]
+    return torch.stack(cols, dim=1)
+
+
+def conv3d_patches(x: Tensor, conv: nn.Conv3d) -> Tensor:
+    """``[N, T, C·kd·kh·kw]`` patches (channel-major) of a Conv3d by explicit zero padding and slicing."""
+    n, c = x.shape[:2]
+    k, s, d, p = conv.kernel_size, conv.stride, conv.dilation, conv.padding
+    xp = torch.zeros((n, c) + tuple(x.shape[2 + i] + 2 * p[i] for i in range(3)), dtype=x.dtype)
+    xp[:, :, p[0]:p[0] + x.shape[2], p[1]:p[1] + x.shape[3], p[2]:p[2] + x.shape[4]] = x
+    out = [(xp.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(3)]
+    cols = []
+    for a in range(out[0]):
+        for b in range(out[1]):
+            for e in range(out[2]):
+                patch = xp[:, :, a * s[0]: a * s[0] + d[0] * (k[0] - 1) + 1: d[0],
+                           b * s[1]: b * s[1] + d[1] * (k[1] - 1) + 1: d[1],
+                           e * s[2]: e * s[2] + d[2] * (k[2] - 1) + 1: d[2]]
+                cols.append(patch.reshape(n, -1))
     return torch.stack(cols, dim=1)
 
 

@@ -63,6 +63,17 @@ class Conv1dNet(nn.Module):
         return self.fc(F.softplus(self.c2(torch.tanh(self.c1(x)))).flatten(1))
 
 
+class Conv3dNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv3d(2, 2, (2, 2, 1), padding=(0, 1, 0))
+        self.c2 = nn.Conv3d(2, 2, 2, stride=(1, 2, 1), bias=False)
+        self.fc = nn.Linear(2 * 1 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, 2, 3, 3, 3] -> [N, 3]
+        return self.fc(F.softplus(self.c2(torch.tanh(self.c1(x)))).flatten(1))
+
+
 class SeqNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -87,6 +98,7 @@ class BNNet(nn.Module):
 CASES = {
     "conv": (ConvNet, (5, 2, 7, 7)),
     "conv1d": (Conv1dNet, (5, 2, 7)),
+    "conv3d": (Conv3dNet, (4, 2, 3, 3, 3)),
     "seq_linear": (SeqNet, (4, 4, 8)),
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.ELU(), nn.Linear(5, 3)), (6, 6)),
 }
@@ -119,7 +131,7 @@ def test_diagonal_matches_brute_force(case: str, fast_calls: list) -> None:
     assert ours.numel() == sum(p.numel() for p in model.parameters())
     assert fast_calls, "the output-space path was used"
     if case.startswith("conv"):  # by the convolutions too, not the Linear head alone
-        assert {"Conv1d", "Conv2d"} & set(fast_calls), fast_calls
+        assert {"Conv1d", "Conv2d", "Conv3d"} & set(fast_calls), fast_calls
 
 
 def test_train_mode_batchnorm_uses_the_generic_exact_path(fast_calls: list) -> None:

@@ -7,19 +7,19 @@ from torch import nn
 
 from .attention import MultiheadAttentionFamily
 from .base import LayerFamily
-from .conv import Conv1dFamily, Conv2dFamily
+from .conv import Conv1dFamily, Conv2dFamily, Conv3dFamily
 from .embedding import EmbeddingFamily
 from .linear import LinearFamily
 from .norm import BatchNormFamily, GroupNormFamily, InstanceNormFamily, LayerNormFamily, RMSNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
-    LinearFamily(), Conv2dFamily(), Conv1dFamily(), BatchNormFamily(), LayerNormFamily(), GroupNormFamily(),
+    LinearFamily(), Conv2dFamily(), Conv1dFamily(), Conv3dFamily(), BatchNormFamily(), LayerNormFamily(), GroupNormFamily(),
     InstanceNormFamily(), RMSNormFamily(), EmbeddingFamily(),
     MultiheadAttentionFamily(),
 )
 
 #: the covered layer types, as error messages name them
-SUPPORTED_LAYERS = ("Linear, Conv1d/2d, BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm1d/2d, RMSNorm, "
+SUPPORTED_LAYERS = ("Linear, Conv1d/2d/3d, BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm1d/2d, RMSNorm, "
                     "Embedding, MultiheadAttention")
 
 

@@ -1,4 +1,4 @@
-"""nn.Conv2d and nn.Conv1d as a Linear layer applied to unfolded patches.
+"""nn.Conv2d, nn.Conv1d and nn.Conv3d as a Linear layer applied to unfolded patches.
 
 Normal form: ``a [N, T, C_in·kh·kw]`` (``T = H_out·W_out`` patches from ``F.unfold``, channel-
 major like ``weight.reshape(C_out, -1)``), ``g [K, N, T, C_out]``. K-FAC as for Linear
@@ -221,3 +221,38 @@ class Conv1dFamily(WeightMatrixFamily):
     def kfac_factors_from_inputs(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Optional[Tensor],
                                  g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
         return _CONV2D.kfac_factors_from_inputs(as_conv2d(module), as_conv2d_inputs(inputs), output, g, names)
+
+
+def unfold_patches_3d(x: Tensor, module: nn.Module) -> Tensor:
+    """The patches of ``x [N, C, D, H, W]`` for the Conv3d ``module``: ``[N, T, C·kd·kh·kw]`` (``T = D_out·H_out·
+    W_out``; features channel-major, then kernel depth, row, column: the order of ``weight.reshape(C_out, -1)``),
+    from a strided view of the zero-padded input, copied once."""
+    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    pd, ph, pw = numeric_padding(module)
+    if pd or ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph, pd, pd))
+    for dim, (k, d, st) in enumerate(zip(kernel, dilation, stride), start=2):
+        x = x.unfold(dim, d * (k - 1) + 1, st)  # windows of the dilated kernel's span ...
+    v = x[..., ::dilation[0], ::dilation[1], ::dilation[2]]  # ... every d-th element: [N, C, Do, Ho, Wo, kd, kh, kw]
+    n, c = v.shape[:2]
+    return v.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(n, -1, c * kernel[0] * kernel[1] * kernel[2])
+
+
+class Conv3dFamily(WeightMatrixFamily):
+    """``nn.Conv3d`` (groups 1, zero padding): the weight ``[C_out, C_in·kd·kh·kw]`` applied to the ``T`` unfolded
+    patches of each example (:func:`unfold_patches_3d`; no offset-correlation route: its input factor is the Gram
+    matrix of the patches, ``[N·T, C_in·k³]`` in memory)."""
+
+    module_types = (nn.Conv3d,)
+
+    def batched_output_dim(self, module: nn.Module) -> Optional[int]:
+        return 5  # [N, C, D, H, W]
+
+    def validate(self, module: nn.Module) -> None:
+        _CONV2D.validate(module)  # groups, padding mode, "same" padding: read alike, named by its type
+
+    def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return unfold_patches_3d(inputs[0].detach(), module)
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        return _CONV2D.normal_output_grad(module, g)  # [K, N, C, D, H, W] -> [K, N, T, C]
