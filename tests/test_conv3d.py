@@ -85,3 +85,21 @@ def test_an_unbatched_call_is_refused_and_optimizers_train() -> None:
         with torch.no_grad():
             assert float(F.cross_entropy(model(x), y)) < 0.5 * first
         assert opt.num_skipped == 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_feature_major_input_factor_equals_the_normal_forms(bias) -> None:
+    from curvature.modules.conv import Conv3dFamily, patch_rows_3d, unfold_patches_3d
+    torch.manual_seed(1)
+    conv = nn.Conv3d(3, 2, (2, 3, 2), stride=(1, 2, 1), dilation=(2, 1, 1), padding=(1, 1, 0), bias=bias).double()
+    x = torch.randn(4, 3, 5, 6, 4, dtype=torch.float64)
+    patches = unfold_patches_3d(x, conv)  # [N, T, d]
+    torch.testing.assert_close(patch_rows_3d(x, conv), patches.transpose(0, 1).reshape(-1, patches.shape[2]).t())
+    out = conv(x)
+    g = torch.randn((1,) + tuple(out.shape), dtype=torch.float64)
+    fam, names = Conv3dFamily(), ["weight", "bias"] if bias else ["weight"]
+    gn = fam.normal_output_grad(conv, g)
+    want = fam.kfac_factors(conv, fam.normal_input(conv, (x,), out), gn, names)
+    got = fam.kfac_factors_from_inputs(conv, (x,), out, gn, names)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
