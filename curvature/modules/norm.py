@@ -107,6 +107,15 @@ def _channels_last(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
 
 
+def _group_normalized(x: Tensor, groups: int, eps: float) -> Tensor:
+    """``x [N, C, *positions]`` normalized over each example's ``groups`` channel groups (and positions),
+    as ``F.group_norm`` without the affine map: ``[N, T, C]``."""
+    g = x.reshape(x.shape[0], groups, -1)
+    mean = g.mean(dim=2, keepdim=True)
+    var = g.var(dim=2, unbiased=False, keepdim=True)
+    return _channels_last(((g - mean) / torch.sqrt(var + eps)).reshape(x.shape))
+
+
 class GroupNormFamily(_AffineNormFamily):
     """``nn.GroupNorm`` affine parameters ``weight``, ``bias`` ``[C]`` over ``[N, C, *positions]`` (each
     example's groups normalized by their own statistics; diagonal or full blocks)."""
@@ -121,10 +130,7 @@ class GroupNormFamily(_AffineNormFamily):
         x = _wide(inputs[0].detach())
         if x.dim() < 2:
             raise ValueError(f"GroupNorm input of shape {list(x.shape)}: expected [N, C, *positions]")
-        groups = x.reshape(x.shape[0], module.num_groups, -1)
-        mean = groups.mean(dim=2, keepdim=True)
-        var = groups.var(dim=2, unbiased=False, keepdim=True)
-        return _channels_last(((groups - mean) / torch.sqrt(var + module.eps)).reshape(x.shape))
+        return _group_normalized(x, module.num_groups, module.eps)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
         k, n, c = g.shape[0], g.shape[1], g.shape[2]
@@ -145,10 +151,7 @@ class InstanceNormFamily(GroupNormFamily):
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = _wide(inputs[0].detach())
         if module.training or not module.track_running_stats:
-            positions = x.reshape(x.shape[0], x.shape[1], -1)
-            mean = positions.mean(dim=2, keepdim=True)
-            var = positions.var(dim=2, unbiased=False, keepdim=True)
-            return _channels_last(((positions - mean) / torch.sqrt(var + module.eps)).reshape(x.shape))
+            return _group_normalized(x, x.shape[1], module.eps)  # a group per channel
         shape = (1, -1) + (1,) * (x.dim() - 2)
         mean, var = module.running_mean.to(x.dtype).reshape(shape), module.running_var.to(x.dtype).reshape(shape)
         return _channels_last((x - mean) / torch.sqrt(var + module.eps))
