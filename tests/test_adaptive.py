@@ -748,3 +748,21 @@ def test_a_closure_without_backward_after_the_watched_calls_is_the_clear_error()
         assert all(torch.equal(a, b) for a, b in zip(curvature[name], blk.tensors())), name
     opt.step(closure)
     assert opt.num_steps == 7
+
+
+@pytest.mark.parametrize("with_targets", [False, True])  # a second closure call, or one forward (lm_forward.py)
+def test_the_lm_rules_evaluation_leaves_the_running_statistics_as_one_forward(with_targets):
+    """The loss after the update comes from another forward of the batch; BatchNorm's running statistics took
+    the batch twice on every LM step before (the evaluation is not a training forward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(model, adaptive_damping=True, damping_adaptation_interval=1, seed=0)
+    closure = make_closure(opt, model, x, y)
+    opt.step(closure, targets=y) if with_targets else opt.step(closure)
+    assert opt.lm.last_rho == opt.lm.last_rho  # the rule ran (rho not NaN)
+    with torch.no_grad():
+        ref(x)  # one training forward of the batch
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model[1], name), getattr(ref[1], name), rtol=0, atol=0)

@@ -564,6 +564,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         own = {id(p) for g in self.param_groups for p in g["params"]}
         outside = [(p, None if p.grad is None else p.grad.clone()) for p in self.model.parameters()
                    if id(p) not in own and p.requires_grad] if backward else []
+        # the model's buffers as the step's own forward left them: the evaluation is not a training forward
+        # (BatchNorm's running statistics would take the batch twice; kfac-jax evaluates it functionally)
+        buffers = [(b, b.clone()) for b in self.model.buffers()]
         with torch.enable_grad():
             try:
                 new_loss = unpack_closure_result(closure())[0]
@@ -577,6 +580,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                         p.grad.copy_(grad)
                     else:
                         p.grad = grad
+                with torch.no_grad():
+                    for b, before in buffers:
+                        b.copy_(before)
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         if not math.isfinite(actual):  # the same on every rank: the caller undoes the update
             return False
