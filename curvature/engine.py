@@ -159,7 +159,7 @@ class CurvatureEngine:
             # the blocks are stored in the statistics' dtype (float32 or wider), not the model's
             itemsize = max(compute_dtype(self.layouts[n].params[0].dtype).itemsize for n in full)
             warn_full_blocks(full, itemsize, f"{self.kind.value}")
-        # announce K-FAC factors too large to decompose often (an LM head's [V, V]); their sizes from meta tensors
+        # announce K-FAC factors too large to decompose often (an LM head's [V, V])
         kfac = {n: kfac_dense_sides(lay) for n, lay in self.layouts.items() if self.approx[n] is Approx.KFAC}
         if kfac:
             warn_kfac_factors(kfac, max(compute_dtype(self.layouts[n].params[0].dtype).itemsize for n in kfac))
@@ -478,8 +478,11 @@ class CurvatureEngine:
         dimension would be taken as the examples. The Hessian differentiates the loss itself and needs none."""
         unbatched = {}
         for name, rec in records.items():
-            fam = family_of(self._modules[name]) if name in self._modules else None
-            need = fam.batched_output_dim(self._modules[name]) if fam is not None else None
+            if name not in self._modules:
+                continue
+            mod = self._modules[name]
+            fam = self.layouts[name].family if name in self.layouts else family_of(mod)  # (a tied use: its own)
+            need = fam.batched_output_dim(mod) if fam is not None else None
             if need is not None and rec.output.dim() < need:
                 unbatched[name] = list(rec.output.shape)
         if unbatched:

@@ -43,7 +43,7 @@ CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def supports(module: nn.Module, family: object, output: Tensor) -> bool:
-    """Linear (output ``[N, ..., d_out]``), Conv2d (output ``[N, C, H, W]``) or Conv1d (``[N, C, L]``): ``W a + b``
+    """Linear (output ``[N, ..., d_out]``) or a convolution (output ``[N, C, *positions]``): ``W a + b``
     per position; a call on no rows (a mixture-of-experts expert nothing was routed to) takes the general path
     (a zero block)."""
     if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:

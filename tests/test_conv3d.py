@@ -89,12 +89,13 @@ def test_an_unbatched_call_is_refused_and_optimizers_train() -> None:
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_feature_major_input_factor_equals_the_normal_forms(bias) -> None:
-    from curvature.modules.conv import Conv3dFamily, patch_rows_3d, unfold_patches_3d
+    from curvature.modules.conv import Conv3dFamily, unfold_patches_3d
+    from reference import conv3d_patches
     torch.manual_seed(1)
     conv = nn.Conv3d(3, 2, (2, 3, 2), stride=(1, 2, 1), dilation=(2, 1, 1), padding=(1, 1, 0), bias=bias).double()
     x = torch.randn(4, 3, 5, 6, 4, dtype=torch.float64)
-    patches = unfold_patches_3d(x, conv)  # [N, T, d]
-    torch.testing.assert_close(patch_rows_3d(x, conv), patches.transpose(0, 1).reshape(-1, patches.shape[2]).t())
+    # the normal form (a view of the feature-major rows) against the patches cut out by slicing
+    torch.testing.assert_close(unfold_patches_3d(x, conv), conv3d_patches(x, conv), rtol=0, atol=0)
     out = conv(x)
     g = torch.randn((1,) + tuple(out.shape), dtype=torch.float64)
     fam, names = Conv3dFamily(), ["weight", "bias"] if bias else ["weight"]

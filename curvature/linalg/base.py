@@ -146,8 +146,8 @@ class Backend(abc.ABC):
         the coarser of ``a``'s dtype and the compute dtype) is raised to it, and where Cholesky still fails
         (round-off made ``a + damping·I`` indefinite: factors ~1e12 at damping 1e-3 in float32 did) the
         inverse comes from ``eigh`` with the eigenvalues clamped at 0, where every negative one is within the
-        round-off ``n·eps·max|λ|`` (a truly indefinite ``a`` is a :class:`LinalgError`). ``damping = 0`` is an exact inverse:
-        a Cholesky failure is a :class:`LinalgError`.
+        round-off ``√n·eps·max|λ|`` (a truly indefinite ``a`` is a :class:`LinalgError`). ``damping = 0`` is
+        an exact inverse: a Cholesky failure is a :class:`LinalgError`.
 
         Args:
             a: ``[..., n, n]`` symmetric matrix (symmetrized first).

@@ -13,9 +13,8 @@ from .linear import LinearFamily
 from .norm import BatchNormFamily, GroupNormFamily, InstanceNormFamily, LayerNormFamily, RMSNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
-    LinearFamily(), Conv2dFamily(), Conv1dFamily(), Conv3dFamily(), BatchNormFamily(), LayerNormFamily(), GroupNormFamily(),
-    InstanceNormFamily(), RMSNormFamily(), EmbeddingFamily(),
-    MultiheadAttentionFamily(),
+    LinearFamily(), Conv2dFamily(), Conv1dFamily(), Conv3dFamily(), BatchNormFamily(), LayerNormFamily(),
+    GroupNormFamily(), InstanceNormFamily(), RMSNormFamily(), EmbeddingFamily(), MultiheadAttentionFamily(),
 )
 
 #: the covered layer types, as error messages name them

@@ -148,6 +148,13 @@ def pack_columns(tensors: Sequence[Tensor], spans: Sequence[Tuple[int, int]], ro
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def channels_last_grad(g: Tensor) -> Tensor:
+    """Output gradients of a channels-first layer (a convolution, BatchNorm, GroupNorm), ``[K, N, C, *positions]``,
+    in normal form ``[K, N, T, C]`` (a view where the positions flatten without a copy)."""
+    k, n, c = g.shape[0], g.shape[1], g.shape[2]
+    return g.reshape(k, n, c, -1).transpose(2, 3)
+
+
 def flat_per_example(grads: Dict[str, Tensor], names: Sequence[str]) -> Tensor:
     """``{name: [K, N, *shape]}`` -> ``[K, N, P]`` concatenated in ``names`` order."""
     parts = [grads[n].reshape(grads[n].shape[0], grads[n].shape[1], -1) for n in names]

@@ -23,7 +23,7 @@ from torch.nn.modules.utils import _pair
 
 from . import conv_factor
 from .conv_factor import numeric_padding
-from .base import gram
+from .base import channels_last_grad, gram
 from .linear import WeightMatrixFamily
 
 
@@ -165,8 +165,7 @@ class Conv2dFamily(WeightMatrixFamily):
         return self.kfac_output_factor(module, None, g, names), big_a.div_(x.shape[0] * g.shape[2])
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        k, n, c = g.shape[0], g.shape[1], g.shape[2]
-        return g.reshape(k, n, c, -1).transpose(2, 3)
+        return channels_last_grad(g)
 
 
 class Conv2dView(NamedTuple):
@@ -216,7 +215,7 @@ class Conv1dFamily(WeightMatrixFamily):
         return _CONV2D.normal_input(as_conv2d(module), as_conv2d_inputs(inputs), output)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        return _CONV2D.normal_output_grad(module, g)  # [K, N, C, L] -> [K, N, L, C]: the positions flattened alike
+        return channels_last_grad(g)  # [K, N, C, L] -> [K, N, L, C]
 
     def kfac_factors_from_inputs(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Optional[Tensor],
                                  g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
@@ -226,22 +225,16 @@ class Conv1dFamily(WeightMatrixFamily):
 def unfold_patches_3d(x: Tensor, module: nn.Module) -> Tensor:
     """The patches of ``x [N, C, D, H, W]`` for the Conv3d ``module``: ``[N, T, C·kd·kh·kw]`` (``T = D_out·H_out·
     W_out``; features channel-major, then kernel depth, row, column: the order of ``weight.reshape(C_out, -1)``),
-    from a strided view of the zero-padded input, copied once."""
-    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
-    pd, ph, pw = numeric_padding(module)
-    if pd or ph or pw:
-        x = F.pad(x, (pw, pw, ph, ph, pd, pd))
-    for dim, (k, d, st) in enumerate(zip(kernel, dilation, stride), start=2):
-        x = x.unfold(dim, d * (k - 1) + 1, st)  # windows of the dilated kernel's span ...
-    v = x[..., ::dilation[0], ::dilation[1], ::dilation[2]]  # ... every d-th element: [N, C, Do, Ho, Wo, kd, kh, kw]
-    n, c = v.shape[:2]
-    return v.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(n, -1, c * kernel[0] * kernel[1] * kernel[2])
+    a view of :func:`patch_rows_3d` (feature-major, as Conv2d's normal form)."""
+    rows = patch_rows_3d(x, module)  # [d, T·N], column t·N + n
+    return rows.t().reshape(-1, x.shape[0], rows.shape[0]).transpose(0, 1)
 
 
 def patch_rows_3d(x: Tensor, module: nn.Module) -> Tensor:
-    """The patches of ``x [N, C, D, H, W]`` feature-major, ``[C·kd·kh·kw, T·N]`` (rows as
-    :func:`unfold_patches_3d`'s features): windows of the input moved to ``[C, D, H, W, N]`` first, so that
-    the one copy moves the N examples of a position as contiguous runs (as :func:`patch_rows` does in 2-D)."""
+    """The patches of ``x [N, C, D, H, W]`` for the Conv3d ``module``, feature-major: ``[C·kd·kh·kw, T·N]``
+    (rows channel-major, then kernel depth, row, column; column ``t·N + n``), from a strided view of the
+    zero-padded input moved to ``[C, D, H, W, N]`` first, so that the one copy moves the N examples of a
+    position as contiguous runs (as :func:`patch_rows` does in 2-D)."""
     kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
     pd, ph, pw = numeric_padding(module)
     xt = x.permute(1, 2, 3, 4, 0)  # [C, D, H, W, N]
@@ -271,7 +264,7 @@ class Conv3dFamily(WeightMatrixFamily):
         return unfold_patches_3d(inputs[0].detach(), module)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        return _CONV2D.normal_output_grad(module, g)  # [K, N, C, D, H, W] -> [K, N, T, C]
+        return channels_last_grad(g)  # [K, N, C, D, H, W] -> [K, N, T, C]
 
     def kfac_factors_from_inputs(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Optional[Tensor],
                                  g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:

@@ -23,7 +23,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .base import LayerFamily
+from .base import LayerFamily, channels_last_grad
 
 
 class _AffineNormFamily(LayerFamily):
@@ -43,6 +43,17 @@ class _AffineNormFamily(LayerFamily):
         return tuple(module.weight.shape)
 
 
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in float32 where it is float16 or bfloat16 (torch normalizes those in float32; so do the
+    statistics here)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _channels_last(x: Tensor) -> Tensor:
+    """``[N, C, *positions]`` -> ``[N, T, C]``."""
+    return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
+
+
 class BatchNormFamily(_AffineNormFamily):
     """``nn.BatchNorm1d/2d`` affine parameters ``weight``, ``bias`` ``[C]`` (diagonal or full blocks; the
     batch statistics as constants for the Fisher kinds)."""
@@ -56,7 +67,7 @@ class BatchNormFamily(_AffineNormFamily):
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = inputs[0].detach()
         c = x.shape[1]
-        xt = x.reshape(x.shape[0], c, -1).transpose(1, 2)  # [N, T, C]
+        xt = _channels_last(x)  # [N, T, C]
         use_batch = module.training or module.running_mean is None
         if use_batch:
             flat = xt.reshape(-1, c)
@@ -67,8 +78,7 @@ class BatchNormFamily(_AffineNormFamily):
         return (xt - mean) / torch.sqrt(var + module.eps)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        k, n, c = g.shape[0], g.shape[1], g.shape[2]
-        return g.reshape(k, n, c, -1).transpose(2, 3)
+        return channels_last_grad(g)
 
 
 class LayerNormFamily(_AffineNormFamily):
@@ -94,17 +104,6 @@ class LayerNormFamily(_AffineNormFamily):
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
         d = int(math.prod(module.normalized_shape))
         return g.reshape(g.shape[0], g.shape[1], -1, d)
-
-
-def _wide(x: Tensor) -> Tensor:
-    """``x`` in float32 where it is float16 or bfloat16 (torch normalizes those in float32; so do the
-    statistics here)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def _channels_last(x: Tensor) -> Tensor:
-    """``[N, C, *positions]`` -> ``[N, T, C]``."""
-    return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
 
 
 def _group_normalized(x: Tensor, groups: int, eps: float) -> Tensor:
@@ -133,8 +132,7 @@ class GroupNormFamily(_AffineNormFamily):
         return _group_normalized(x, module.num_groups, module.eps)
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        k, n, c = g.shape[0], g.shape[1], g.shape[2]
-        return g.reshape(k, n, c, -1).transpose(2, 3)
+        return channels_last_grad(g)
 
 
 class InstanceNormFamily(GroupNormFamily):
