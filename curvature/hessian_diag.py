@@ -1,4 +1,4 @@
-"""Exact diagonal of a Linear / Conv1d / Conv2d block of the Hessian from Hessian-vector products in the
+"""Exact diagonal of a Linear or convolution (transposed too) block of the Hessian from Hessian-vector products in the
 module's *output* space: ``d_out·T`` products instead of one per parameter.
 
 For a layer whose output is affine in its parameters, ``z_n = W a_n + b`` (per example ``n`` and
@@ -39,7 +39,7 @@ CHUNK = 128
 SLAB_ELEMENTS = 1 << 24
 
 #: the convolutions whose output is ``[N, C, *spatial]``, channels before the positions
-CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 def supports(module: nn.Module, family: object, output: Tensor) -> bool:
@@ -48,8 +48,8 @@ def supports(module: nn.Module, family: object, output: Tensor) -> bool:
     (a zero block)."""
     if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:
         return False
-    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, *positions]
-        return output.dim() == family.batched_output_dim(module)
+    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, *positions]; one group (every output channel
+        return output.dim() == family.batched_output_dim(module) and module.groups == 1  # reads the whole patch)
     return isinstance(module, nn.Linear) and output.dim() >= 2
 
 
@@ -161,7 +161,7 @@ def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inpu
         v[idx, :, s_idx, o_idx] = 1.0
         hv = _to_ntd(module, _hvp(runner, _from_ntd(module, v, z.shape)), lead=1)  # [B, N, T, d]
         b[o_idx, :, :, s_idx] = hv[idx, :, :, o_idx]                  # [B, N, T] -> B_o[:, :, s]
-    parts = {}
+    parts = {}  # over the parameter matrix M = [W | b] (the family's layout), then cut into the parameters
     if "weight" in names:
         if t == 1:
             parts["weight"] = torch.einsum("nj,on->oj", a[:, 0].pow(2), b[:, :, 0, 0])
@@ -170,6 +170,6 @@ def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inpu
             parts["weight"] = torch.cat([torch.einsum("nsj,ntj,onst->oj", a, a, b[o:o + step])
                                          for o in range(0, d, step)])
     if "bias" in names:
-        parts["bias"] = b.sum(dim=(1, 2, 3))
-    out = [parts[k].reshape(-1) for k in names]
-    return torch.cat(out).detach()
+        parts["bias"] = b.sum(dim=(1, 2, 3)).unsqueeze(1)
+    m = torch.cat([parts[k] for k in ("weight", "bias") if k in parts], dim=1)
+    return torch.cat([p.reshape(-1) for p in family.from_matrix(module, m, names)]).detach()

@@ -3,7 +3,7 @@
 ``approx`` is a shape name applied to every covered module, or a dict whose keys are
 ``nn.Module`` types, class names (``"BatchNorm2d"``) or regular expressions searched in
 the module name (``"features\\.0"``), checked in insertion order; modules matched by no key
-get their family's default (K-FAC for Linear/Conv1d-3d/Embedding, diag for norm layers).
+get their family's default (K-FAC for Linear, the convolutions and Embedding, diag for norm layers).
 A plain ``"kfac"`` applies to the families where K-FAC is defined; norm layers then use
 ``"diag"`` (logged once).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -71,7 +71,8 @@ def _warn_unmatched(model: nn.Module, keys: Sequence[Union[str, type]], wrapped:
     modules = list(model.named_modules())
     names = [n for n, _ in modules if n][:3]
     effect = "nothing is skipped for it" if argument == "skip_modules" else \
-        "the modules no key matches take their layer's default shape (K-FAC for Linear, Conv1d/2d/3d, Embedding)"
+        ("the modules no key matches take their layer's default shape (K-FAC for Linear, the convolutions "
+         "(transposed too), Embedding)")
     for key in keys:
         if not any(_matches(key, name, module, unwrapped_name(name) if wrapped else None) for name, module in modules):
             what = key.__name__ if isinstance(key, type) else repr(key)
@@ -178,9 +179,34 @@ def _refuse_unsupported(model: nn.Module, name: str, module: nn.Module, fam: Opt
             f"update with {skip_hint(name)}, or use the plain layer class")
 
 
+def _type_key(key: Any, module: nn.Module) -> bool:
+    """Whether the ``approx`` key ``key`` picked ``module`` by its layer type (a type, or the class name)."""
+    return isinstance(key, type) or (isinstance(key, str) and key == type(module).__name__)
+
+
+def _fallback_summary(modules: Sequence[Tuple[str, nn.Module]]) -> str:
+    """The modules K-FAC fell back from, by kind: ``"grouped convolutions '3' (Conv2d, groups=16), '8' (Conv2d,
+    groups=32); 23 norm layers (BatchNorm2d)"`` (a layer whose parameter a grouped convolution shares: named
+    as such)."""
+    grouped = [f"{n!r} ({type(m).__name__}, groups={m.groups})" for n, m in modules
+               if not isinstance(m, _NORM_TYPES) and getattr(m, "groups", 1) != 1]
+    tied = [f"{n!r} ({type(m).__name__}, its parameter shared with a layer without K-FAC)" for n, m in modules
+            if not isinstance(m, _NORM_TYPES) and getattr(m, "groups", 1) == 1]
+    norms = [type(m).__name__ for _, m in modules if isinstance(m, _NORM_TYPES)]
+    parts = [f"grouped convolutions {', '.join(grouped[:8])}{', ...' if len(grouped) > 8 else ''}"] if grouped else []
+    parts += tied
+    if norms:
+        parts.append(f"{len(norms)} norm layers ({', '.join(sorted(set(norms)))})")
+    return "; ".join(parts)
+
+
+#: the normalization layers (no K-FAC): a fallback summary counts them rather than naming each
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
 def _default_approx(module: nn.Module) -> Approx:
     fam = family_of(module)
-    return Approx.KFAC if fam is not None and fam.supports_kfac else Approx.DIAG
+    return Approx.KFAC if fam is not None and fam.kfac_undefined(module) is None else Approx.DIAG
 
 
 #: the parameter names of the supported layers (nn.MultiheadAttention's in-projection included); a covered
@@ -295,7 +321,8 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     shapes: Dict[str, Approx] = {}
     owner: Dict[int, Tuple[str, str]] = {}  # id(parameter) -> (module name, local name) of its first module
     tied: Dict[str, List[TiedUse]] = {}
-    fallback_logged = False
+    soft_kfac: Set[str] = set()  # modules whose K-FAC came by default or by layer type, not by their name
+    fallbacks: List[Tuple[str, nn.Module]] = []  # the modules a K-FAC by default or by type gave the diagonal
     skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
     wrapped = _is_wrapper(model)
     _warn_unmatched(model, skip, wrapped)  # before a module the entry was meant to skip raises below
@@ -339,27 +366,41 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
         direct = own
         if not direct:
             continue
-        shape = next((v for k, v in rules if _matches(k, name, module, plain)), None)
+        key, shape = next(((k, v) for k, v in rules if _matches(k, name, module, plain)), (None, None))
         if fam is GENERIC:
             shape = shape if shape is not None else default if default is not None else Approx.DIAG
             if shape is not Approx.DIAG:
                 raise ValueError(f"module {name!r} of type {type(module).__name__} has no layer curvature: its "
                                  f"parameters get a diagonal block from their gradients only, not approx="
                                  f"{shape.value!r}; give it approx='diag' or skip it with {skip_hint(name)}")
-        elif shape is None:
-            shape = default if default is not None else _default_approx(module)
-            if shape is Approx.KFAC and not fam.supports_kfac:
-                if not fallback_logged:
-                    logger.info("approx='kfac' is not defined for %s; using 'diag' for norm layers", type(module).__name__)
-                    fallback_logged = True
-                shape = Approx.DIAG
-        elif shape is Approx.KFAC and not fam.supports_kfac:
-            raise ValueError(f"approx='kfac' was asked for module {name!r} but K-FAC is not defined for "
-                             f"{type(module).__name__}; use 'full' or 'diag'")
+        elif shape is None or (shape is Approx.KFAC and fam.supports_kfac and _type_key(key, module)):
+            # a plain approx='kfac', the family default, or K-FAC asked for a layer type: the layers of that type
+            # K-FAC is not defined for (a grouped convolution) take the diagonal, as norm layers do
+            shape = shape if shape is not None else default if default is not None else _default_approx(module)
+            if shape is Approx.KFAC:
+                soft_kfac.add(name)
+                if fam.kfac_undefined(module) is not None:
+                    shape = Approx.DIAG
+                    fallbacks.append((name, module))
+        elif shape is Approx.KFAC and fam.kfac_undefined(module) is not None:
+            by_type = (f", or ask K-FAC by layer type ({{{type(module).__name__}: 'kfac'}}: the layers of that type "
+                       "without it then take the diagonal)") if fam.supports_kfac else ""
+            raise ValueError(f"approx='kfac' was asked for module {name!r} (key {key!r}) but "
+                             f"{fam.kfac_undefined(module)}; give it 'full' or 'diag' (a key naming it, placed "
+                             f"first){by_type}")
         layouts[name] = Layout(name, module, fam, tuple(n for n, _ in direct))
         shapes[name] = shape
     for owner_name, uses in tied.items():
         layouts[owner_name].tied = tuple(uses)
+        # a tied use without K-FAC (a grouped convolution sharing an ordinary one's weight) makes the block's
+        # K-FAC undefined: a K-FAC the owner got by default or by type takes the diagonal (asked by name, the
+        # tied check names the cause)
+        if shapes[owner_name] is Approx.KFAC and owner_name in soft_kfac \
+                and any(u.family.kfac_undefined(u.module) is not None for u in uses):
+            shapes[owner_name] = Approx.DIAG
+            fallbacks.append((owner_name, layouts[owner_name].module))
+    if fallbacks:
+        logger.info("K-FAC is not defined for these modules, which take approx='diag': %s", _fallback_summary(fallbacks))
     if not layouts:
         raise ValueError(f"the model has no module with curvature support ({SUPPORTED_LAYERS}) and trainable parameters"
                          + (f" left after skip_modules={skip!r} (skipped: {skipped})" if skipped else ""))

@@ -37,13 +37,29 @@ Use = Tuple[object, object, Tuple[str, ...], Tensor, Tensor]
 
 
 def check_kfac_tied(layout: Layout) -> None:
-    """NotImplementedError unless ``layout``'s K-FAC matrix is its tied parameter alone."""
+    """NotImplementedError unless ``layout``'s K-FAC matrix is its tied parameter alone, held in the same
+    matrix layout by every use (a Conv2d's weight used by a ConvTranspose2d is not: its ``M`` swaps the
+    weight's channels, so the uses' factors do not describe one matrix)."""
     params = {u.owner_param for u in layout.tied}
-    if tuple(layout.param_names) != tuple(params) or not all(u.family.supports_kfac for u in layout.tied):
+    undefined = [f"{u.name!r}: {u.family.kfac_undefined(u.module)}" for u in layout.tied
+                 if u.family.kfac_undefined(u.module) is not None]
+    if undefined:
+        raise NotImplementedError(
+            f"K-FAC of module {layout.name!r}, whose parameters {sorted(params)} are tied to modules "
+            f"{[u.name for u in layout.tied]}, is not defined: {'; '.join(undefined)}; use approx='full' or 'diag' "
+            "for it")
+    if tuple(layout.param_names) != tuple(params):
         raise NotImplementedError(
             f"K-FAC of module {layout.name!r}, whose parameters {sorted(params)} are tied to modules "
             f"{[u.name for u in layout.tied]}, needs the tied parameter to be the module's only covered "
             f"parameter (it has {list(layout.param_names)}); use approx='full' or 'diag' for it")
+    other = [u.name for u in layout.tied if u.family.matrix_layout != layout.family.matrix_layout]
+    if other:
+        raise NotImplementedError(
+            f"K-FAC of module {layout.name!r} ({type(layout.module).__name__}), whose parameter is tied to modules "
+            f"{other} that hold it in another matrix layout (a convolution's weight used by a transposed "
+            "convolution: one swaps the channel dimensions of the other), is not defined; use approx='full' or "
+            "'diag' for it")
 
 
 def tied_per_example_sum(layout: Layout, shape: Approx, uses: Sequence[Use], chunk: int) -> Tensor:

@@ -21,9 +21,9 @@ __all__ = ["observer_hook", "plain_module", "no_global_forward_hooks", "uses_sta
 
 #: torch layers whose forward uses only the module's own parameters (exact types)
 PLAIN_LAYERS = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU,
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU,
     nn.ELU, nn.Softplus, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
     nn.AdaptiveAvgPool2d, nn.Flatten, nn.Unflatten, nn.Identity, nn.Dropout,
 )

@@ -91,6 +91,37 @@ class CNN3d(nn.Module):
         return self.fc(torch.flatten(self.conv2(F.relu(self.conv1(x))), 1))
 
 
+class ConvT(nn.Module):
+    """ConvTranspose2d (stride 2, padding 1, called with ``output_size``: one more row and column than its
+    ``output_padding`` 0 gives) → tanh → ConvTranspose2d (stride (1, 2), dilation 2, padding 3 > d(k − 1): the
+    zero-inserted input is cropped; no bias) → flatten → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1)                                   # [2, 6, 6]
+        self.up2 = nn.ConvTranspose2d(2, 2, 2, stride=(1, 2), dilation=2, padding=3, bias=False)      # [2, 2, 7]
+        self.fc = nn.Linear(28, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 2, 3, 3]
+        h = torch.tanh(self.up1(x, output_size=(6, 6)))
+        return self.fc(torch.flatten(self.up2(h), 1))
+
+
+class ConvT13(nn.Module):
+    """ConvTranspose1d (stride 2, padding 1, output_padding 1) → ReLU → as ``[N, C, 1, 2, 3]`` → ConvTranspose3d
+    (stride (1, 2, 1), padding (0, 1, 0)) → flatten → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1)              # [3, 6]
+        self.up3 = nn.ConvTranspose3d(3, 2, (1, 2, 2), stride=(1, 2, 1), padding=(0, 1, 0))           # [2, 1, 2, 4]
+        self.fc = nn.Linear(16, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 2, 3]
+        h = F.relu(self.up1(x)).reshape(x.shape[0], 3, 1, 2, 3)
+        return self.fc(torch.flatten(self.up3(h), 1))
+
+
 class NormMLP(nn.Module):
     """Linear → BatchNorm1d → tanh → LayerNorm → Linear."""
 
@@ -118,6 +149,37 @@ class NormCNN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.ln(F.relu(self.bn(self.conv(x))))
         return self.fc(h.flatten(1))
+
+
+class Grouped(nn.Module):
+    """Depthwise Conv2d (groups 4, padding) → tanh → Conv2d (groups 2, stride 2) → as [N, 6, 4] → Conv1d (groups 3,
+    no bias) → flatten → Linear. K-FAC is not defined for grouped convolutions: a K-FAC request gives them the
+    diagonal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(4, 4, 3, padding=1, groups=4)        # [4, 4, 4]
+        self.gc = nn.Conv2d(4, 6, 2, stride=2, groups=2)          # [6, 2, 2]
+        self.g1 = nn.Conv1d(6, 3, 2, groups=3, bias=False)        # [3, 3]
+        self.fc = nn.Linear(9, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 4, 4, 4]
+        h = self.gc(torch.tanh(self.dw(x))).flatten(2)
+        return self.fc(torch.flatten(self.g1(h), 1))
+
+
+class Norm3d(nn.Module):
+    """Conv3d → BatchNorm3d → ReLU → InstanceNorm3d (affine) → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, kernel_size=(1, 2, 2))   # [2, 2, 2, 2]
+        self.bn = nn.BatchNorm3d(2)
+        self.inorm = nn.InstanceNorm3d(2, affine=True)
+        self.fc = nn.Linear(16, OUT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.inorm(F.relu(self.bn(self.conv(x)))).flatten(1))
 
 
 class ResBNCNN(nn.Module):
@@ -221,11 +283,12 @@ class Experts(nn.Module):
 def _randomize_norm_stats(model: nn.Module) -> nn.Module:
     """Non-trivial running statistics and affine parameters, so eval-mode BN is not the identity."""
     for m in model.modules():
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             with torch.no_grad():
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d, nn.RMSNorm)):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d,
+                          nn.InstanceNorm3d, nn.RMSNorm)):
             with torch.no_grad():
                 m.weight.uniform_(0.5, 1.5)
                 if getattr(m, "bias", None) is not None:
@@ -268,8 +331,12 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Tuple[Tensor, Ten
     "cnn": (_builder(CNN), _dense_batch(2, 5, 5)),
     "cnn1d": (_builder(CNN1d), _dense_batch(2, 6)),
     "cnn3d": (_builder(CNN3d), _dense_batch(2, 3, 4, 4)),
+    "convt": (_builder(ConvT), _dense_batch(2, 3, 3)),
+    "convt13": (_builder(ConvT13), _dense_batch(2, 3)),
     "norm_mlp": (_builder(NormMLP), _dense_batch(4)),
     "norm_cnn": (_builder(NormCNN), _dense_batch(2, 3, 3)),
+    "norm3d": (_builder(Norm3d), _dense_batch(2, 2, 3, 3)),
+    "grouped": (_builder(Grouped), _dense_batch(4, 4, 4)),
     "group_rms_norm": (_builder(GroupRMSNorm), _dense_batch(2, 3, 3)),
     "embedding": (_builder(EmbeddingModel), _token_batch(3)),
     "residual": (_builder(Residual), _dense_batch(4)),

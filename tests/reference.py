@@ -1,8 +1,8 @@
 """Brute-force reference curvature, built only from ``torch.func`` / ``torch.autograd`` in float64.
 
 Nothing here imports :mod:`curvature`. The reference works with the flat vector ``θ`` of the
-*covered* parameters (parameters of Linear / Conv1d / Conv2d / Conv3d / BatchNorm1d/2d / LayerNorm / GroupNorm /
-InstanceNorm1d/2d / RMSNorm / Embedding
+*covered* parameters (parameters of Linear / Conv1d / Conv2d / Conv3d / ConvTranspose1d/2d/3d / BatchNorm1d/2d /
+LayerNorm / GroupNorm / InstanceNorm1d/2d / RMSNorm / Embedding
 modules that require grad, in ``model.named_parameters()`` order) and computes:
 
 * ``J [N, O, P]``: per-example Jacobians of the flattened outputs w.r.t. ``θ`` (one ``jacrev``
@@ -14,13 +14,15 @@ modules that require grad, in ``model.named_parameters()`` order) and computes:
 * block-diagonal (by module) and diagonal masks of those.
 
 K-FAC factors are built independently of the module's parameter gradients: ``A`` from the
-module inputs (Linear: the input; Conv1d/Conv2d: patches cut out by explicit slicing; Embedding:
+module inputs (Linear: the input; Conv1d/2d/3d: patches cut out by explicit slicing; ConvTranspose: each
+output position's patch summed from the input elements that reach it, by the layer's definition; Embedding:
 token counts) and ``G`` from the Jacobian of the outputs w.r.t. a zero *probe* added to the
 module output by a forward hook, ``G = (1/N) Σ_{n,t} J_ntᵀ M_n J_nt``.
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -30,10 +32,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
-SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm,
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d) + TRANSPOSED + (nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm3d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm,
              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.RMSNorm, nn.Embedding,
              nn.MultiheadAttention)  # its in_proj_weight / in_proj_bias
-KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding) + TRANSPOSED
 
 
 # ---- losses (per example) ------------------------------------------------------------------
@@ -211,8 +214,8 @@ class Reference:
         out = torch.zeros_like(full)
         for s in self.slices:
             shape = approx if isinstance(approx, str) else approx[s.name]
-            if shape == "kfac" and not isinstance(s.module, KFAC_TYPES):
-                shape = "diag"  # the documented fallback for norm layers
+            if shape == "kfac" and not has_kfac(s.module):
+                shape = "diag"  # the documented fallback for norm layers and grouped convolutions
             sl = slice(s.start, s.stop)
             if shape == "full":
                 out[sl, sl] = full[sl, sl]
@@ -289,9 +292,10 @@ class Reference:
         if isinstance(mod, nn.Linear):
             patches = x.reshape(self.N, -1, x.shape[-1])  # [N, T, d_in]: T = leading dims (1 for [N, d_in])
             jt = jp.reshape(self.N, self.O, patches.shape[1], -1)
-        elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d) + TRANSPOSED):
             patches = conv_patches(x, mod) if isinstance(mod, nn.Conv2d) else conv1d_patches(x, mod) \
-                if isinstance(mod, nn.Conv1d) else conv3d_patches(x, mod)  # [N, T, C·k…]
+                if isinstance(mod, nn.Conv1d) else conv3d_patches(x, mod) if isinstance(mod, nn.Conv3d) \
+                else transposed_patches(x, mod, jp.shape[3:])  # [N, T, C·k…]
             c_out = mod.out_channels
             jt = jp.reshape(self.N, self.O, c_out, -1).transpose(2, 3)  # [N, O, T, C_out]
         else:
@@ -310,10 +314,18 @@ class Reference:
             for tt in range(t):
                 big_g += jt[n, :, tt].t() @ m[n] @ jt[n, :, tt]
         big_g = big_g / self.N
-        # row-major vec([W.reshape(out, -1) | b]) -> flat parameter index
-        rows = mod.weight.shape[0]
-        cols = mod.weight[0].numel() if has_weight else 0
-        idx = torch.arange(rows * cols).reshape(rows, cols)
+        # row-major vec([W.reshape(out, -1) | b]) -> flat parameter index; a transposed convolution's
+        # M = [W' | b] with W'[o, i, κ] = W[i, o, k − 1 − κ] (curvature/modules/conv_transpose.py's convention)
+        if isinstance(mod, TRANSPOSED):
+            kdims = tuple(range(2, mod.weight.dim()))
+            rows = mod.weight.shape[1]
+            idx = torch.arange(mod.weight.numel()).reshape(mod.weight.shape).flip(kdims).transpose(0, 1)
+            idx = idx.reshape(rows, -1) if has_weight else idx.new_zeros(rows, 0)
+            cols = idx.shape[1]
+        else:
+            rows = mod.weight.shape[0]
+            cols = mod.weight[0].numel() if has_weight else 0
+            idx = torch.arange(rows * cols).reshape(rows, cols)
         if has_bias:
             idx = torch.cat([idx, (rows * cols + torch.arange(rows)).unsqueeze(1)], dim=1)
         idx = idx.reshape(-1)
@@ -373,6 +385,34 @@ def conv3d_patches(x: Tensor, conv: nn.Conv3d) -> Tensor:
     return torch.stack(cols, dim=1)
 
 
+def has_kfac(module: nn.Module) -> bool:
+    """Whether K-FAC is defined for ``module``: its type has it, and a convolution is not grouped."""
+    return isinstance(module, KFAC_TYPES) and getattr(module, "groups", 1) == 1
+
+
+def transposed_patches(x: Tensor, conv: nn.Module, out_size: Sequence[int]) -> Tensor:
+    """``[N, T, C_in·∏k]`` patches of a ConvTranspose1d/2d/3d with output positions ``out_size``, from the
+    layer's definition ``y[o, t] = Σ_{i, κ, q: s·q − p + d·κ = t} W[i, o, κ] x[i, q]``: feature ``(i, κ')`` of
+    position ``t`` is ``x[i, q]`` for ``κ = k − 1 − κ'`` (the flipped kernel of the matrix ``W'``) where some
+    input position ``q`` reaches ``t`` through ``κ``, else 0. Loops over positions and kernel offsets."""
+    n, c = x.shape[:2]
+    k, s, d, p = conv.kernel_size, conv.stride, conv.dilation, conv.padding
+    kernel = list(itertools.product(*[range(ki) for ki in k]))
+    out = torch.zeros((n, math.prod(out_size), c, len(kernel)), dtype=x.dtype)
+    for t_idx, t in enumerate(itertools.product(*[range(o) for o in out_size])):
+        for j, kappa_flipped in enumerate(kernel):
+            kappa = [ki - 1 - kf for ki, kf in zip(k, kappa_flipped)]
+            q = []
+            for ti, si, pi, di, ka, size in zip(t, s, p, d, kappa, x.shape[2:]):
+                num = ti + pi - di * ka
+                if num % si or not 0 <= num // si < size:
+                    break
+                q.append(num // si)
+            else:
+                out[:, t_idx, :, j] = x[(slice(None), slice(None)) + tuple(q)]
+    return out.reshape(n, out.shape[1], -1)
+
+
 def freeze_batchnorm(model: nn.Module, inputs: Tensor) -> nn.Module:
     """A copy of a train-mode ``model`` in eval mode whose BatchNorm layers use this batch's statistics.
 
@@ -383,7 +423,7 @@ def freeze_batchnorm(model: nn.Module, inputs: Tensor) -> nn.Module:
     stats: Dict[str, Tuple[Tensor, Tensor]] = {}
     hooks = []
     for name, m in probe.named_modules():
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             def hook(mod: nn.Module, inp: Tuple[Tensor, ...], out: Tensor, name: str = name) -> None:
                 x = inp[0].detach()
                 dims = [0] + list(range(2, x.dim()))

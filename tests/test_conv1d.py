@@ -86,7 +86,6 @@ def test_long_sequences_take_the_offset_factor_and_equal_the_sliced_patches(bias
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's, for the even kernel
 @pytest.mark.parametrize("layer, match", [
-    (lambda: nn.Conv1d(4, 4, 3, groups=2), r"Conv1d with groups=2"),
     (lambda: nn.Conv1d(4, 4, 3, padding=1, padding_mode="reflect"), r"Conv1d with padding_mode='reflect'"),
     (lambda: nn.Conv1d(4, 4, 2, padding="same"), r"Conv1d with padding='same', kernel_size=\(2,\)"),
 ])

@@ -50,7 +50,6 @@ def test_a_depth_one_conv3d_equals_the_conv2d(kind, approx) -> None:
 
 
 @pytest.mark.parametrize("layer, match", [
-    (lambda: nn.Conv3d(4, 4, 3, groups=2), r"Conv3d with groups=2"),
     (lambda: nn.Conv3d(4, 4, 3, padding=1, padding_mode="replicate"), r"Conv3d with padding_mode='replicate'"),
 ])
 def test_configurations_outside_the_formulas_are_refused_by_name(layer, match) -> None:

@@ -292,7 +292,6 @@ def test_hessian_kfac_not_implemented(mlp, approx) -> None:
 
 
 @pytest.mark.parametrize("conv,pattern", [
-    (lambda: nn.Conv2d(2, 4, 3, groups=2), "groups=2"),
     (lambda: nn.Conv2d(2, 4, 2, padding="same"), "padding='same'"),  # asymmetric: a 2×2 kernel
     (lambda: nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
 ])

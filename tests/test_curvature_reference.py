@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import curvature
-from models import MODELS, NormCNN, NormMLP, ResBNCNN, _randomize_norm_stats
-from reference import KFAC_TYPES, Reference, freeze_batchnorm, sample_labels
+from models import MODELS, Norm3d, NormCNN, NormMLP, ResBNCNN, _randomize_norm_stats
+from reference import Reference, freeze_batchnorm, has_kfac, sample_labels
 
 ATOL = 1e-8
 KINDS = ["fisher", "fisher_mc", "empirical_fisher", "hessian"]
@@ -95,7 +95,8 @@ def test_covered_params_and_order(model_name: str) -> None:
 
 @pytest.mark.parametrize("kind", FISHER_KINDS)
 @pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("model_name", ["mlp", "cnn", "embedding", "norm_cnn", "inplace_dropout", "seq_linear"])
+@pytest.mark.parametrize("model_name", ["mlp", "cnn", "convt", "convt13", "embedding", "norm_cnn", "inplace_dropout",
+                                        "seq_linear"])
 def test_kfac_factors_match_reference(model_name: str, loss: str, kind: str) -> None:
     """The factors themselves (not only their Kronecker product, which is blind to A·c, G/c)."""
     model, x, y, ref = case(model_name, loss)
@@ -103,7 +104,7 @@ def test_kfac_factors_match_reference(model_name: str, loss: str, kind: str) -> 
     labels = labels_for(ref, kind)
     checked = 0
     for s in ref.slices:
-        if not isinstance(s.module, KFAC_TYPES):
+        if not has_kfac(s.module):
             assert isinstance(c.blocks[s.name], curvature.DiagBlock)
             continue
         blk = c.blocks[s.name]
@@ -205,6 +206,7 @@ TRAIN_MODELS = {
     # (class, input shape, modules at or after the first BatchNorm, modules before it)
     "norm_mlp": (NormMLP, (4,), ["bn", "ln", "fc2"], ["fc1"]),
     "norm_cnn": (NormCNN, (2, 3, 3), ["bn", "ln", "fc"], ["conv"]),
+    "norm3d": (Norm3d, (2, 2, 3, 3), ["bn", "inorm", "fc"], ["conv"]),
     # residual: conv2 sits between two BatchNorms, conv1 feeds both bn1 and the skip ("after" =
     # downstream of every BatchNorm: there even the Hessian needs no frozen statistics)
     "res_bn_cnn": (ResBNCNN, (2, 3, 3), ["bn2", "fc"], ["conv1", "bn1", "conv2"]),

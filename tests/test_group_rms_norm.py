@@ -123,15 +123,17 @@ def test_instance_norm_equals_the_brute_force_in_every_mode(track, train) -> Non
     torch.testing.assert_close(got, ref, rtol=1e-8, atol=1e-10)
 
 
-def test_an_unbatched_instance_norm_call_is_refused_by_name() -> None:
+@pytest.mark.parametrize("layer, shape", [(nn.InstanceNorm1d, (3, 4)), (nn.InstanceNorm3d, (3, 2, 2, 1))])
+def test_an_unbatched_instance_norm_call_is_refused_by_name(layer, shape) -> None:
     class Unbatched(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.inorm = nn.InstanceNorm1d(3, affine=True)
+            self.inorm = layer(3, affine=True)
             self.fc = nn.Linear(12, 3)
 
         def forward(self, x):
             return self.fc(self.inorm(x[0]).reshape(1, -1))
 
-    with pytest.raises(ValueError, match=r"InstanceNorm1d modules \{'inorm': \[3, 4\]\} were called without a batch"):
-        curvature.compute(Unbatched(), torch.randn(1, 3, 4), torch.tensor([1]), kind="fisher", approx="diag")
+    name = layer.__name__
+    with pytest.raises(ValueError, match=rf"{name} modules \{{'inorm': \{list(shape)}\}} were called without a batch"):
+        curvature.compute(Unbatched(), torch.randn((1,) + shape), torch.tensor([1]), kind="fisher", approx="diag")

@@ -74,6 +74,17 @@ class Conv3dNet(nn.Module):
         return self.fc(F.softplus(self.c2(torch.tanh(self.c1(x)))).flatten(1))
 
 
+class ConvTransposeNet(nn.Module):  # fewer outputs than parameters: the output-space path pays
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.ConvTranspose2d(4, 4, 3, padding=1)
+        self.c2 = nn.ConvTranspose1d(4, 2, 3, stride=2, padding=2, output_padding=1, bias=False)
+        self.fc = nn.Linear(2 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, 4, 2, 2] -> [4, 2, 2] -> [4, 4] -> [2, 6] -> [N, 3]
+        return self.fc(F.softplus(self.c2(torch.tanh(self.c1(x)).flatten(2))).flatten(1))
+
+
 class SeqNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -99,6 +110,7 @@ CASES = {
     "conv": (ConvNet, (5, 2, 7, 7)),
     "conv1d": (Conv1dNet, (5, 2, 7)),
     "conv3d": (Conv3dNet, (4, 2, 3, 3, 3)),
+    "conv_transpose": (ConvTransposeNet, (4, 4, 2, 2)),
     "seq_linear": (SeqNet, (4, 4, 8)),
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.ELU(), nn.Linear(5, 3)), (6, 6)),
 }
@@ -131,7 +143,9 @@ def test_diagonal_matches_brute_force(case: str, fast_calls: list) -> None:
     assert ours.numel() == sum(p.numel() for p in model.parameters())
     assert fast_calls, "the output-space path was used"
     if case.startswith("conv"):  # by the convolutions too, not the Linear head alone
-        assert {"Conv1d", "Conv2d", "Conv3d"} & set(fast_calls), fast_calls
+        assert {"Conv1d", "Conv2d", "Conv3d"} & set(fast_calls) or case == "conv_transpose", fast_calls
+    if case == "conv_transpose":  # both transposed convolutions (their M permutes the weight: from_matrix)
+        assert {"ConvTranspose1d", "ConvTranspose2d"} <= set(fast_calls), fast_calls
 
 
 def test_train_mode_batchnorm_uses_the_generic_exact_path(fast_calls: list) -> None:

@@ -180,13 +180,13 @@ class _StandardizedConv(nn.Conv2d):
 
 
 @pytest.mark.parametrize("make, generic", [
-    (lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=4), nn.Flatten(), nn.Linear(256, 3)), ["0"]),
+    (lambda: nn.Sequential(nn.ConvTranspose2d(4, 4, 3, groups=4), nn.Flatten(), nn.Linear(576, 3)), ["0"]),
     (lambda: nn.Sequential(nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(200, 3)),
      ["0"]),
     (lambda: nn.Sequential(_StandardizedConv(4, 2, 3), nn.Flatten(), nn.Linear(200, 3)), ["0"]),
     (lambda: nn.Sequential(nn.Conv2d(4, 2, 3), nn.Flatten(),
                            nn.utils.parametrizations.weight_norm(nn.Linear(128, 3))), ["2.parametrizations.weight"]),
-], ids=["depthwise", "reflect-padding", "replaced-forward", "weight-norm"])
+], ids=["grouped-transposed", "reflect-padding", "replaced-forward", "weight-norm"])
 def test_layers_whose_family_formulas_do_not_apply_are_covered_by_their_gradients(make, generic):
     """The layer types whose options or reparametrizations the layer families refuse (they would give
     wrong Fisher blocks) need nothing of the layer under reparam: diagonal blocks of their own

@@ -122,12 +122,15 @@ class Layout:
 def kfac_dims(layout: Layout) -> Tuple[int, int]:
     """``(r, c)``: the shape of the layer's parameter matrix ``M`` (K-FAC's left factor is ``r × r``
     or a diagonal ``[r]``, the right one ``c × c`` or ``[c]``), from the layout's parameter shapes: the
-    family's column split of ``M`` or a single matrix parameter as it is (no tensor at all: an op on meta
-    tensors imports ``torch._dynamo``, a second's import); otherwise ``to_matrix`` of meta tensors."""
+    family's column split of ``M``, its ``matrix_shape``, or a single matrix parameter as it is (no tensor at all:
+    an op on meta tensors imports ``torch._dynamo``, a second's import); otherwise ``to_matrix`` of meta tensors."""
     spans = layout.family.matrix_columns(layout.module, layout.param_names)
     if spans:
         cols = max(stop for _, stop in spans)
         return layout.numel // cols, cols
+    shape = layout.family.matrix_shape(layout.module, layout.param_names)
+    if shape is not None:  # a matrix that permutes its parameters (a transposed convolution's)
+        return shape
     if len(layout.shapes) == 1 and len(layout.shapes[0]) == 2:  # an Embedding's [V, D] weight is M
         return int(layout.shapes[0][0]), int(layout.shapes[0][1])
     zeros = [torch.zeros(s, device="meta") for s in layout.shapes]

@@ -8,18 +8,20 @@ from torch import nn
 from .attention import MultiheadAttentionFamily
 from .base import LayerFamily
 from .conv import Conv1dFamily, Conv2dFamily, Conv3dFamily
+from .conv_transpose import ConvTransposeFamily
 from .embedding import EmbeddingFamily
 from .linear import LinearFamily
 from .norm import BatchNormFamily, GroupNormFamily, InstanceNormFamily, LayerNormFamily, RMSNormFamily
 
 FAMILIES: Tuple[LayerFamily, ...] = (
-    LinearFamily(), Conv2dFamily(), Conv1dFamily(), Conv3dFamily(), BatchNormFamily(), LayerNormFamily(),
-    GroupNormFamily(), InstanceNormFamily(), RMSNormFamily(), EmbeddingFamily(), MultiheadAttentionFamily(),
+    LinearFamily(), Conv2dFamily(), Conv1dFamily(), Conv3dFamily(), ConvTransposeFamily(), BatchNormFamily(),
+    LayerNormFamily(), GroupNormFamily(), InstanceNormFamily(), RMSNormFamily(), EmbeddingFamily(),
+    MultiheadAttentionFamily(),
 )
 
 #: the covered layer types, as error messages name them
-SUPPORTED_LAYERS = ("Linear, Conv1d/2d/3d, BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm1d/2d, RMSNorm, "
-                    "Embedding, MultiheadAttention")
+SUPPORTED_LAYERS = ("Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, LayerNorm, GroupNorm, "
+                    "InstanceNorm1d/2d/3d, RMSNorm, Embedding, MultiheadAttention")
 
 
 def family_of(module: nn.Module) -> Optional[LayerFamily]:

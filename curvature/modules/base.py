@@ -50,6 +50,11 @@ class LayerFamily:
     #: whether :meth:`normal_input` / ``kfac_factors_from_inputs`` read the recorded output's values
     #: (False: its shape at most; a capture of the user's backward then returns the output without a clone)
     reads_output_values: bool = True
+    #: how K-FAC's parameter matrix ``M`` holds the weight: ``"rows"``, the weight reshaped to ``[rows, cols]``
+    #: (Linear, the convolutions, Embedding); another name for another order (a transposed convolution's ``M``
+    #: swaps the weight's channel dimensions and flips its kernel). Tied uses of one parameter add their K-FAC
+    #: factors only where their layouts agree (:func:`curvature.tied.check_kfac_tied`)
+    matrix_layout: str = "rows"
 
     # ---- parameters -------------------------------------------------------------------
     def covered_params(self, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -57,6 +62,12 @@ class LayerFamily:
         return [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
 
     # ---- normal form ------------------------------------------------------------------
+    def kfac_undefined(self, module: nn.Module) -> Optional[str]:
+        """Why K-FAC is not defined for ``module`` (a phrase naming it), or None where it is. A family without
+        K-FAC has none for any of its modules; one with it may still have none for some configuration (a
+        grouped convolution)."""
+        return None if self.supports_kfac else f"K-FAC is not defined for {type(module).__name__}"
+
     def batched_output_dim(self, module: nn.Module) -> Optional[int]:
         """The number of dimensions of a batched call's output where a call without the batch dimension is an
         error (a convolution's ``[N, C, *positions]``: without it the channels would be read as the
@@ -137,6 +148,11 @@ class LayerFamily:
         """``[(start, stop), ...]``: the columns of ``M`` that hold each covered parameter (in
         ``names`` order), each parameter being ``M[:, start:stop]`` reshaped; None when ``M`` is
         not such a column split (then only :meth:`to_matrix` / :meth:`from_matrix` apply)."""
+        return None
+
+    def matrix_shape(self, module: nn.Module, names: Sequence[str]) -> Optional[Tuple[int, int]]:
+        """``(rows, cols)`` of ``M`` where the family knows it without building it and :meth:`matrix_columns`
+        is None; None otherwise."""
         return None
 
 

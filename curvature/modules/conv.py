@@ -6,7 +6,8 @@ major like ``weight.reshape(C_out, -1)``), ``g [K, N, T, C_out]``. K-FAC as for 
 stride 1 ``A`` is computed from offset correlations of the input instead of unfolded patches
 (:mod:`.conv_factor`, same numbers).
 Supports any stride, padding (numeric, ``"valid"``, or ``"same"`` where it is symmetric; zeros mode),
-dilation; ``groups=1`` only.
+dilation and groups; a grouped convolution (``groups > 1``) has diagonal and full blocks only
+(:mod:`.grouped_conv`).
 Patches come from :func:`unfold_patches` (a strided view copied once), not ``F.unfold``.
 An ``nn.Conv1d`` is the Conv2d of a ``1 × k`` kernel over its input seen as ``[N, C, 1, L]``
 (:class:`Conv1dFamily`): the same patches, factors and per-example gradients, in the same order as
@@ -14,7 +15,7 @@ An ``nn.Conv1d`` is the Conv2d of a ``1 × k`` kernel over its input seen as ``[
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from torch.nn.modules.utils import _pair
 from . import conv_factor
 from .conv_factor import numeric_padding
 from .base import channels_last_grad, gram
+from .grouped_conv import grouped_per_example, grouped_sum_sq
 from .linear import WeightMatrixFamily
 
 
@@ -99,7 +101,7 @@ def split_bias_row(d: int, columns: int) -> bool:
 
 def patch_columns(x: Tensor, module: nn.Module) -> int:
     """``N · H_out · W_out``: the columns of :func:`patch_rows` of ``x [N, C, H, W]`` for ``module`` (a Conv2d or a
-    :class:`Conv2dView`)."""
+    :class:`ConvView`)."""
     (kh, kw), (dh, dw), (ph, pw), (sh, sw) = (_pair(module.kernel_size), _pair(module.dilation),
                                               numeric_padding(module), _pair(module.stride))
     ho = (x.shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
@@ -118,22 +120,64 @@ def gram_with_ones_row(m: Tensor, scale: float) -> Tensor:
     return torch.cat([top, bottom], 0).mul_(scale)
 
 
-class Conv2dFamily(WeightMatrixFamily):
-    """``nn.Conv2d`` (groups 1, zero padding): the weight ``[C_out, C_in·kh·kw]`` applied to the ``T``
-    unfolded patches of each example (``a_t``: ``[C_in·kh·kw]``, with a 1 for the bias)."""
+def refuse_grouped_kfac(module: nn.Module) -> None:
+    """NotImplementedError for K-FAC factors of a grouped convolution (the selection gives it other shapes)."""
+    if module.groups != 1:
+        raise NotImplementedError(f"K-FAC factors of a convolution with groups={module.groups} are not defined")
+
+
+class ConvFamily(WeightMatrixFamily):
+    """What Conv1d/2d/3d share: the checks of their options, and a grouped layer's per-example gradients and
+    diagonal sums (:mod:`.grouped_conv`; its rows of ``weight.reshape(C_out, -1)`` read only their group's
+    features of the patch)."""
+
+    def validate(self, module: nn.Module) -> None:
+        numeric_padding(module)  # "valid", "same" with a symmetric padding, or numbers
+        if module.padding_mode != "zeros":
+            raise ValueError(f"{type(module).__name__} with padding_mode={module.padding_mode!r} is not supported "
+                             "('zeros' only)")
+
+    def kfac_undefined(self, module: nn.Module) -> Optional[str]:
+        if module.groups != 1:
+            return (f"K-FAC is not defined for a {type(module).__name__} with groups={module.groups} (each group "
+                    "would need its own pair of factors)")
+        return None
+
+    def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
+                          names: Sequence[str]) -> Dict[str, Tensor]:
+        if module.groups == 1:
+            return super().per_example_grads(module, a, g, names)
+        out: Dict[str, Tensor] = {}
+        if "weight" in names:
+            out["weight"] = self.weight_from_rows(module, grouped_per_example(a, g, module.groups))
+        if "bias" in names:
+            out["bias"] = g.sum(dim=2)
+        return out
+
+    def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
+        if module.groups == 1:
+            return super().diag_sum(module, a, g, names)
+        parts = {}
+        if "weight" in names:
+            parts["weight"] = grouped_sum_sq(a, g, module.groups).reshape(-1)
+        if "bias" in names:
+            parts["bias"] = g.sum(dim=2).pow(2).sum(dim=(0, 1))
+        return torch.cat([parts[n] for n in names])
+
+    def kfac_factors(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
+        refuse_grouped_kfac(module)
+        return super().kfac_factors(module, a, g, names)
+
+
+class Conv2dFamily(ConvFamily):
+    """``nn.Conv2d`` (zero padding): the weight ``[C_out, C_in/groups·kh·kw]`` applied to the ``T``
+    unfolded patches of each example (``a_t``: ``[C_in·kh·kw]``, with a 1 for the bias; a grouped layer's rows
+    to their group's part of it)."""
 
     module_types = (nn.Conv2d,)
 
     def batched_output_dim(self, module: nn.Module) -> Optional[int]:
         return 4  # [N, C, H, W]
-
-    def validate(self, module: nn.Module) -> None:
-        kind = type(module).__name__
-        if module.groups != 1:
-            raise ValueError(f"{kind} with groups={module.groups} is not supported (groups=1 only)")
-        numeric_padding(module)  # "valid", "same" with a symmetric padding, or numbers
-        if module.padding_mode != "zeros":
-            raise ValueError(f"{kind} with padding_mode={module.padding_mode!r} is not supported ('zeros' only)")
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = inputs[0].detach()
@@ -147,6 +191,7 @@ class Conv2dFamily(WeightMatrixFamily):
                                  g: Tensor, names: Sequence[str]) -> Tuple[Tensor, Tensor]:
         """With stride 1 the input factor comes from offset correlations of the input
         (:mod:`curvature.modules.conv_factor`: ~6× fewer FLOPs for 3×3, no unfolded patches)."""
+        refuse_grouped_kfac(module)
         x = inputs[0].detach()
         if x.dim() == 3:
             x = x.unsqueeze(0)
@@ -168,9 +213,10 @@ class Conv2dFamily(WeightMatrixFamily):
         return channels_last_grad(g)
 
 
-class Conv2dView(NamedTuple):
-    """The hyperparameters of an ``nn.Conv1d`` as those of the Conv2d of a ``1 × k`` kernel (numeric padding),
-    read by :class:`Conv2dFamily` in place of the module."""
+class ConvView(NamedTuple):
+    """A convolution's hyperparameters (numeric padding), read by :class:`Conv2dFamily` or :class:`Conv3dFamily`
+    in place of a module: an ``nn.Conv1d`` as the Conv2d of a ``1 × k`` kernel (:func:`as_conv2d`), a transposed
+    convolution as the stride-1 convolution it equals (:mod:`.conv_transpose`)."""
 
     kernel_size: Tuple[int, int]
     stride: Tuple[int, int]
@@ -181,9 +227,9 @@ class Conv2dView(NamedTuple):
     padding_mode: str
 
 
-def as_conv2d(module: nn.Conv1d) -> Conv2dView:
+def as_conv2d(module: nn.Conv1d) -> ConvView:
     """``module`` as the Conv2d over its input seen as ``[N, C, 1, L]``."""
-    return Conv2dView((1, module.kernel_size[0]), (1, module.stride[0]), (1, module.dilation[0]),
+    return ConvView((1, module.kernel_size[0]), (1, module.stride[0]), (1, module.dilation[0]),
                       (0, numeric_padding(module)[0]), module.in_channels, module.groups, module.padding_mode)
 
 
@@ -196,20 +242,17 @@ def as_conv2d_inputs(inputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
 _CONV2D = Conv2dFamily()
 
 
-class Conv1dFamily(WeightMatrixFamily):
-    """``nn.Conv1d`` (groups 1, zero padding) as the Conv2d of a ``1 × k`` kernel over ``[N, C, 1, L]``: the
+class Conv1dFamily(ConvFamily):
+    """``nn.Conv1d`` (zero padding) as the Conv2d of a ``1 × k`` kernel over ``[N, C, 1, L]``: the
     weight ``[C_out, C_in·k]`` applied to the ``T = L_out`` unfolded patches of each example. The patches and
     the input factor are Conv2d's (:data:`_CONV2D`, called with the view :func:`as_conv2d` and the input as
     ``[N, C, 1, L]``: its own calls then see the view only); per-example gradients, diagonal sums and the
-    output factor are :class:`WeightMatrixFamily`'s, whose shapes are the same."""
+    output factor are :class:`ConvFamily`'s, whose shapes are the same."""
 
     module_types = (nn.Conv1d,)
 
     def batched_output_dim(self, module: nn.Module) -> Optional[int]:
         return 3  # [N, C, L]
-
-    def validate(self, module: nn.Module) -> None:
-        _CONV2D.validate(module)  # groups, padding mode, "same" padding: read alike from a Conv1d, named by its type
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         return _CONV2D.normal_input(as_conv2d(module), as_conv2d_inputs(inputs), output)
@@ -247,8 +290,8 @@ def patch_rows_3d(x: Tensor, module: nn.Module) -> Tensor:
     return v.permute(0, 5, 6, 7, 1, 2, 3, 4).reshape(c * kernel[0] * kernel[1] * kernel[2], -1)
 
 
-class Conv3dFamily(WeightMatrixFamily):
-    """``nn.Conv3d`` (groups 1, zero padding): the weight ``[C_out, C_in·kd·kh·kw]`` applied to the ``T`` unfolded
+class Conv3dFamily(ConvFamily):
+    """``nn.Conv3d`` (zero padding): the weight ``[C_out, C_in/groups·kd·kh·kw]`` applied to the ``T`` unfolded
     patches of each example (:func:`unfold_patches_3d`; no offset-correlation route: its input factor is the Gram
     matrix of the patches, ``[C_in·k³, N·T]`` in memory, :func:`patch_rows_3d`)."""
 
@@ -256,9 +299,6 @@ class Conv3dFamily(WeightMatrixFamily):
 
     def batched_output_dim(self, module: nn.Module) -> Optional[int]:
         return 5  # [N, C, D, H, W]
-
-    def validate(self, module: nn.Module) -> None:
-        _CONV2D.validate(module)  # groups, padding mode, "same" padding: read alike, named by its type
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         return unfold_patches_3d(inputs[0].detach(), module)
@@ -272,6 +312,7 @@ class Conv3dFamily(WeightMatrixFamily):
         assembled, not concatenated (:func:`gram_with_ones_row`): N=8, C=8, 16³, 3×3×3 at one thread, the
         normal form's permuted copy and concatenation had taken 119 ms of a 226 ms step; the step is 75 ms.
         The same numbers (tests/test_conv3d.py, the brute-force reference)."""
+        refuse_grouped_kfac(module)
         if "weight" not in names:
             return super().kfac_factors_from_inputs(module, inputs, output, g, names)
         m = patch_rows_3d(inputs[0].detach().to(g.dtype), module)

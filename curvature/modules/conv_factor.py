@@ -1,5 +1,5 @@
 """Conv2d's K-FAC input factor from offset correlations, without unfolding (stride 1); a Conv1d's too, as
-the Conv2d of a ``1 × k`` kernel over ``[N, C, 1, L]`` (:class:`~curvature.modules.conv.Conv2dView`).
+the Conv2d of a ``1 × k`` kernel over ``[N, C, 1, L]`` (:class:`~curvature.modules.conv.ConvView`).
 
 The input factor of a convolution is a sum over unfolded patches,
 ``Σ_{n,t} a_nt a_ntᵀ`` with ``a_nt [C·kh·kw]`` (``F.unfold`` order: channel-major, then kernel
@@ -46,7 +46,7 @@ def _pair(v: object) -> Tuple[int, int]:
 
 def numeric_padding(module: nn.Module) -> Tuple[int, ...]:
     """``module.padding`` as numbers, one per spatial dimension (``(ph, pw)`` for a Conv2d or a
-    :class:`~curvature.modules.conv.Conv2dView`, ``(p,)`` for a Conv1d; their sizes are tuples): ``"valid"``
+    :class:`~curvature.modules.conv.ConvView`, ``(p,)`` for a Conv1d; their sizes are tuples): ``"valid"``
     is zeros; ``"same"`` (stride 1) is ``dilation · (k − 1) / 2`` per side, where that is whole (torch pads
     an odd total one more at the end, which symmetric padding cannot express: ``ValueError``)."""
     padding = module.padding

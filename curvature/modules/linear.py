@@ -63,12 +63,20 @@ class WeightMatrixFamily(LayerFamily):
         rows = w.shape[0]
         return rows, (w.numel() // rows if rows else 0)  # no w[0] view: this runs on every solve
 
+    def weight_from_rows(self, module: nn.Module, m: Tensor) -> Tensor:
+        """The weight part of parameter matrices ``m [..., rows, cols]`` as weights ``[..., *weight.shape]``
+        (here a reshape: ``M`` holds the weight row-major)."""
+        return m.reshape(m.shape[:-2] + tuple(module.weight.shape))
+
+    def matrix_shape(self, module: nn.Module, names: Sequence[str]) -> Optional[Tuple[int, int]]:
+        rows, cols = self.weight_matrix_shape(module)
+        return rows, (cols if "weight" in names else 0) + int("bias" in names)
+
     def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
                           names: Sequence[str]) -> Dict[str, Tensor]:
         out: Dict[str, Tensor] = {}
         if "weight" in names:
-            gw = torch.einsum("kntd,ntj->kndj", g, a.to(g.dtype))
-            out["weight"] = gw.reshape(gw.shape[:2] + tuple(module.weight.shape))
+            out["weight"] = self.weight_from_rows(module, torch.einsum("kntd,ntj->kndj", g, a.to(g.dtype)))
         if "bias" in names:
             out["bias"] = g.sum(dim=2)
         return out

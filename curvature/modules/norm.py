@@ -1,4 +1,4 @@
-"""BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm1d/2d and RMSNorm: elementwise affine parameters on a
+"""BatchNorm1d/2d/3d, LayerNorm, GroupNorm, InstanceNorm1d/2d/3d and RMSNorm: elementwise affine parameters on a
 normalized input.
 
 Normal form: ``a = x̂ [N, T, C]`` (the normalized input before the affine map), ``g [K, N, T, C]``.
@@ -55,10 +55,10 @@ def _channels_last(x: Tensor) -> Tensor:
 
 
 class BatchNormFamily(_AffineNormFamily):
-    """``nn.BatchNorm1d/2d`` affine parameters ``weight``, ``bias`` ``[C]`` (diagonal or full blocks; the
+    """``nn.BatchNorm1d/2d/3d`` affine parameters ``weight``, ``bias`` ``[C]`` (diagonal or full blocks; the
     batch statistics as constants for the Fisher kinds)."""
 
-    module_types = (nn.BatchNorm1d, nn.BatchNorm2d)
+    module_types = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
     def validate(self, module: nn.Module) -> None:
         if not module.affine:
@@ -66,16 +66,12 @@ class BatchNormFamily(_AffineNormFamily):
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = inputs[0].detach()
-        c = x.shape[1]
-        xt = _channels_last(x)  # [N, T, C]
-        use_batch = module.training or module.running_mean is None
-        if use_batch:
-            flat = xt.reshape(-1, c)
-            mean = flat.mean(dim=0)
-            var = flat.var(dim=0, unbiased=False)
+        if module.training or module.running_mean is None:  # one pass over x in its own [N, C, *positions] layout
+            var, mean = torch.var_mean(x, dim=[0] + list(range(2, x.dim())), correction=0)
         else:
             mean, var = module.running_mean.to(x.dtype), module.running_var.to(x.dtype)
-        return (xt - mean) / torch.sqrt(var + module.eps)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return _channels_last((x - mean.reshape(shape)) * torch.rsqrt(var + module.eps).reshape(shape))
 
     def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
         return channels_last_grad(g)
@@ -136,11 +132,11 @@ class GroupNormFamily(_AffineNormFamily):
 
 
 class InstanceNormFamily(GroupNormFamily):
-    """``nn.InstanceNorm1d/2d`` affine parameters ``weight``, ``bias`` ``[C]`` over ``[N, C, *positions]``: each
+    """``nn.InstanceNorm1d/2d/3d`` affine parameters ``weight``, ``bias`` ``[C]`` over ``[N, C, *positions]``: each
     example's channels normalized by their own statistics (GroupNorm with a group per channel), or by the
     running statistics in eval mode with ``track_running_stats=True``, as torch does (diagonal or full blocks)."""
 
-    module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d)
+    module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
     def validate(self, module: nn.Module) -> None:
         if not module.affine:
@@ -155,7 +151,7 @@ class InstanceNormFamily(GroupNormFamily):
         return _channels_last((x - mean) / torch.sqrt(var + module.eps))
 
     def batched_output_dim(self, module: nn.Module) -> Optional[int]:
-        return module._get_no_batch_dim() + 1  # [N, C, L] / [N, C, H, W]: an unbatched call is refused
+        return module._get_no_batch_dim() + 1  # [N, C, L] / [N, C, H, W] / [N, C, D, H, W]: an unbatched call is refused
 
 
 class RMSNormFamily(_AffineNormFamily):

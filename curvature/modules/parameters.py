@@ -1,7 +1,7 @@
 """Any module's own parameters, for curvature that needs no layer structure.
 
 :class:`ParameterFamily` covers the direct parameters of a module no layer family knows (an
-``nn.GRU``, a ``ConvTranspose2d``, ``InstanceNorm3d``, a custom module computing with its own ``nn.Parameter``,
+``nn.GRU``, an ``nn.Bilinear``, ``nn.PReLU``, a custom module computing with its own ``nn.Parameter``,
 a container's ``cls_token``) as one diagonal block. Only an estimator that reads nothing but the
 parameters' gradients can fill such a block: :class:`torchsso2.VIOptimizer`'s default
 ``curvature="reparam"`` (``ĥ = g ⊙ ε / σ²`` per coordinate, as IVON, which runs on any model).

@@ -82,6 +82,9 @@ def find_layers(model: nn.Module, skip_layers: Sequence[str]) -> List[Tuple[str,
             continue
         try:
             family.validate(module)
+            undefined = family.kfac_undefined(module)  # a grouped convolution (kfac_pytorch fails at its first step)
+            if undefined is not None:
+                raise ValueError(undefined)
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}; K-FAC cannot handle it, add it to skip_layers") from None
         own = dict(module.named_parameters(recurse=False))

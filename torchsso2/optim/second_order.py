@@ -61,9 +61,11 @@ LM_UNSCALE_IN_CLOSURE = (
 
 #: per-module-type shapes used when ``approx`` is not given (PyTorch-SSO's choice)
 DEFAULT_APPROX = {nn.Linear: "kfac", nn.Conv1d: "kfac", nn.Conv2d: "kfac", nn.Conv3d: "kfac",
+                  nn.ConvTranspose1d: "kfac", nn.ConvTranspose2d: "kfac", nn.ConvTranspose3d: "kfac",
                   nn.Embedding: "kfac",
-                  nn.BatchNorm1d: "diag", nn.BatchNorm2d: "diag", nn.LayerNorm: "diag", nn.GroupNorm: "diag",
-                  nn.InstanceNorm1d: "diag", nn.InstanceNorm2d: "diag", nn.RMSNorm: "diag"}
+                  nn.BatchNorm1d: "diag", nn.BatchNorm2d: "diag", nn.BatchNorm3d: "diag", nn.LayerNorm: "diag",
+                  nn.GroupNorm: "diag", nn.InstanceNorm1d: "diag", nn.InstanceNorm2d: "diag", nn.InstanceNorm3d: "diag",
+                  nn.RMSNorm: "diag"}
 
 
 #: Default Tikhonov damping. A one-batch curvature estimate (the first steps, and fisher_mc's single
@@ -140,8 +142,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         lr, momentum, weight_decay: as in SGD (per param group).
         curvature: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
         approx: ``"kfac" | "diag" | "full"`` or a dict module type / class name / name regex -> shape.
-            ``None`` uses :data:`DEFAULT_APPROX` (K-FAC for Linear/Conv1d/Conv2d/Conv3d/Embedding, diag for norm
-            layers).
+            ``None`` uses :data:`DEFAULT_APPROX` (K-FAC for Linear, the convolutions (transposed too) and
+            Embedding, diag for norm layers).
         damping: Tikhonov damping λ added to the curvature (default :data:`DEFAULT_DAMPING` = 0.1;
             see there why).
         kfac_method: how K-FAC blocks are damped and solved. ``"eigen"`` (default): exact damping,
