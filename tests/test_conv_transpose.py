@@ -244,3 +244,41 @@ def test_the_optimizers_train_a_decoder(face: str) -> None:
         assert {n: a.value for n, a in opt.engine.approx.items()} == {"0": "kfac", "2": "kfac", "4": "kfac"}
     if face == "vi_kfac":
         assert opt.predict(x, num_samples=4).shape == (64, 2)
+
+
+@pytest.mark.parametrize("kfac_approx, bias, classes", [("expand", False, 4), ("reduce", False, 0), ("expand", True, 0)])
+def test_a_strided_input_factor_is_decomposed_per_stride_class(monkeypatch: pytest.MonkeyPatch, kfac_approx: str,
+                                                               bias: bool, classes: int) -> None:
+    """A stride-2 4×4 kernel reads the zero-inserted input at four stride residues of its offsets: ``A`` is zero
+    between them, and its eigendecomposition is four of a quarter of the size. The solve equals the dense
+    decomposition's. K-FAC-reduce's means over positions mix the classes, and a bias's constant input meets all
+    of them: one dense eigendecomposition there."""
+    from curvature.blocks.kfac import KFACBlock
+    from curvature.modules.conv_transpose import ConvTransposeFamily
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.ConvTranspose2d(3, 2, 4, stride=2, padding=1, bias=bias), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(2 * 8 * 8, 3)).double()
+    x, y = torch.randn(5, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    blk = curvature.compute(model, x, y, kind="fisher", approx="kfac", kfac_approx=kfac_approx).blocks["0"]
+    label = ConvTransposeFamily().kfac_input_classes(model[0], ["weight"])
+    assert label is not None and sorted(torch.bincount(label).tolist()) == [12, 12, 12, 12]
+    if kfac_approx == "expand":  # zero between the classes, by construction (not rounding)
+        a = blk.A[:48, :48]
+        assert not a[label.unsqueeze(1) != label.unsqueeze(0)].any() and a.abs().max() > 0
+    sizes = []
+    real = KFACBlock._eig
+
+    def counted(f, backend, dtype):
+        sizes.append(f.shape[0] if f.dim() == 2 else 0)
+        return real(f, backend, dtype)
+
+    monkeypatch.setattr(KFACBlock, "_eig", staticmethod(counted))
+    v = [torch.randn(p.shape, dtype=torch.float64) for p in model[0].parameters()]
+    blk.decompose(0.01)
+    by_class = blk.solve(v)
+    assert sorted(sizes) == ([2] + [12] * classes if classes else sorted([2, 48 + bias]))
+    monkeypatch.setattr(ConvTransposeFamily, "kfac_input_classes", lambda self, module, names: None)
+    blk.right = blk.right.clone()  # a new factor tensor (A): the cached eigendecomposition is not reused
+    blk.decompose(0.01)
+    for got, want in zip(by_class, blk.solve(v)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

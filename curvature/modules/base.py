@@ -150,6 +150,12 @@ class LayerFamily:
         not such a column split (then only :meth:`to_matrix` / :meth:`from_matrix` apply)."""
         return None
 
+    def kfac_input_classes(self, module: nn.Module, names: Sequence[str]) -> Optional[Tensor]:
+        """A class label per row of K-FAC's input-side factor ``A`` (``[n]``, int64) such that ``A`` is zero by
+        construction between rows of different classes (its eigendecomposition is then one per class); None
+        where there is no such structure (the default)."""
+        return None
+
     def matrix_shape(self, module: nn.Module, names: Sequence[str]) -> Optional[Tuple[int, int]]:
         """``(rows, cols)`` of ``M`` where the family knows it without building it and :meth:`matrix_columns`
         is None; None otherwise."""

@@ -149,6 +149,22 @@ class ConvTransposeFamily(WeightMatrixFamily):
         part.copy_(rows_to_weight(module, part.view(rows, cols)).reshape(-1))
         return total
 
+    def kfac_input_classes(self, module: nn.Module, names: Sequence[str]) -> Optional[Tensor]:
+        """The stride residue of each patch feature's offset: a feature at kernel offset ``κ`` reads ``x̃`` at
+        ``t + d·κ``, which holds input data only where that is ``≡ d(k − 1) − p (mod s)``, so two features are
+        nonzero at one position only if ``d·κ ≡ d·κ' (mod s)`` (per dimension): ``A`` is zero between classes
+        of ``d·κ mod s`` (a stride-2 4×4 kernel: 4 blocks of a quarter of the rows). The bias's constant input
+        meets every class: no classes then; none for stride 1 either."""
+        if "bias" in names or "weight" not in names or all(s == 1 for s in module.stride):
+            return None
+        grids = torch.meshgrid(*[torch.arange(k) for k in module.kernel_size], indexing="ij")
+        label = torch.zeros_like(grids[0])
+        for grid, d, s in zip(grids, module.dilation, module.stride):
+            label = label * s + (d * grid) % s
+        if int(label.max()) == int(label.min()):
+            return None
+        return label.reshape(-1).repeat(module.in_channels)  # channel-major features: the pattern per channel
+
     def matrix_columns(self, module: nn.Module, names: Sequence[str]) -> Optional[List[Tuple[int, int]]]:
         return None  # M permutes the weight: to_matrix / from_matrix
 
