@@ -1,4 +1,4 @@
-"""Exact diagonal of a Linear or convolution (transposed too) block of the Hessian from Hessian-vector products in the
+"""Exact diagonal of a Linear or ungrouped convolution (transposed too) block of the Hessian from Hessian-vector products in the
 module's *output* space: ``d_out·T`` products instead of one per parameter.
 
 For a layer whose output is affine in its parameters, ``z_n = W a_n + b`` (per example ``n`` and

@@ -26,6 +26,7 @@ from .modules.base import GradientsDoNotHelp, SkipDoesNotHelp
 from .options import Approx, parse
 from .sharded import refuse_sharded
 from .stacklevel import caller_stacklevel
+from .tied import tied_kfac_undefined
 
 logger = logging.getLogger(__name__)
 
@@ -184,24 +185,21 @@ def _type_key(key: Any, module: nn.Module) -> bool:
     return isinstance(key, type) or (isinstance(key, str) and key == type(module).__name__)
 
 
-def _fallback_summary(modules: Sequence[Tuple[str, nn.Module]]) -> str:
-    """The modules K-FAC fell back from, by kind: ``"grouped convolutions '3' (Conv2d, groups=16), '8' (Conv2d,
-    groups=32); 23 norm layers (BatchNorm2d)"`` (a layer whose parameter a grouped convolution shares: named
-    as such)."""
-    grouped = [f"{n!r} ({type(m).__name__}, groups={m.groups})" for n, m in modules
-               if not isinstance(m, _NORM_TYPES) and getattr(m, "groups", 1) != 1]
-    tied = [f"{n!r} ({type(m).__name__}, its parameter shared with a layer without K-FAC)" for n, m in modules
-            if not isinstance(m, _NORM_TYPES) and getattr(m, "groups", 1) == 1]
-    norms = [type(m).__name__ for _, m in modules if isinstance(m, _NORM_TYPES)]
+def _fallback_summary(modules: Sequence[Tuple[str, nn.Module, Optional[str]]]) -> str:
+    """The modules K-FAC fell back from (``(name, module, reason)``, a reason for a tied block), by kind:
+    ``"grouped convolutions '3' (Conv2d, groups=16), '8' (Conv2d, groups=32); 23 layers of types without K-FAC
+    (BatchNorm2d)"``."""
+    grouped = [f"{n!r} ({type(m).__name__}, groups={m.groups})" for n, m, why in modules
+               if why is None and getattr(m, "groups", 1) != 1]
+    tied = [f"{n!r} ({type(m).__name__}: {why})" for n, m, why in modules if why is not None]
+    without = [type(m).__name__ for n, m, why in modules  # layer types without K-FAC (the norm layers)
+               if why is None and getattr(m, "groups", 1) == 1]
     parts = [f"grouped convolutions {', '.join(grouped[:8])}{', ...' if len(grouped) > 8 else ''}"] if grouped else []
     parts += tied
-    if norms:
-        parts.append(f"{len(norms)} norm layers ({', '.join(sorted(set(norms)))})")
+    if without:
+        parts.append(f"{len(without)} layer{'s' if len(without) > 1 else ''} of types without K-FAC "
+                     f"({', '.join(sorted(set(without)))})")
     return "; ".join(parts)
-
-
-#: the normalization layers (no K-FAC): a fallback summary counts them rather than naming each
-_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 def _default_approx(module: nn.Module) -> Approx:
@@ -322,7 +320,7 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
     owner: Dict[int, Tuple[str, str]] = {}  # id(parameter) -> (module name, local name) of its first module
     tied: Dict[str, List[TiedUse]] = {}
     soft_kfac: Set[str] = set()  # modules whose K-FAC came by default or by layer type, not by their name
-    fallbacks: List[Tuple[str, nn.Module]] = []  # the modules a K-FAC by default or by type gave the diagonal
+    fallbacks: List[Tuple[str, nn.Module, Optional[str]]] = []  # where a K-FAC by default or type took the diagonal
     skipped: List[str] = []  # names of skipped modules: their submodules are skipped too
     wrapped = _is_wrapper(model)
     _warn_unmatched(model, skip, wrapped)  # before a module the entry was meant to skip raises below
@@ -381,24 +379,25 @@ def select_layouts(model: nn.Module, approx: ApproxSpec, skip_modules: SkipSpec 
                 soft_kfac.add(name)
                 if fam.kfac_undefined(module) is not None:
                     shape = Approx.DIAG
-                    fallbacks.append((name, module))
+                    fallbacks.append((name, module, None))
         elif shape is Approx.KFAC and fam.kfac_undefined(module) is not None:
             by_type = (f", or ask K-FAC by layer type ({{{type(module).__name__}: 'kfac'}}: the layers of that type "
                        "without it then take the diagonal)") if fam.supports_kfac else ""
-            raise ValueError(f"approx='kfac' was asked for module {name!r} (key {key!r}) but "
+            raise ValueError(f"approx='kfac' was asked for module {name!r} (key "
+                             f"{key.__name__ if isinstance(key, type) else repr(key)}) but "
                              f"{fam.kfac_undefined(module)}; give it 'full' or 'diag' (a key naming it, placed "
                              f"first){by_type}")
         layouts[name] = Layout(name, module, fam, tuple(n for n, _ in direct))
         shapes[name] = shape
     for owner_name, uses in tied.items():
         layouts[owner_name].tied = tuple(uses)
-        # a tied use without K-FAC (a grouped convolution sharing an ordinary one's weight) makes the block's
-        # K-FAC undefined: a K-FAC the owner got by default or by type takes the diagonal (asked by name, the
-        # tied check names the cause)
-        if shapes[owner_name] is Approx.KFAC and owner_name in soft_kfac \
-                and any(u.family.kfac_undefined(u.module) is not None for u in uses):
+        # a tied block whose K-FAC is not defined (a grouped convolution or a transposed one sharing an ordinary
+        # convolution's weight): a K-FAC the owner got by default or by type takes the diagonal (asked by name,
+        # the engine's tied check raises with the reason)
+        why = tied_kfac_undefined(layouts[owner_name]) if shapes[owner_name] is Approx.KFAC else None
+        if why is not None and owner_name in soft_kfac:
             shapes[owner_name] = Approx.DIAG
-            fallbacks.append((owner_name, layouts[owner_name].module))
+            fallbacks.append((owner_name, layouts[owner_name].module, why))
     if fallbacks:
         logger.info("K-FAC is not defined for these modules, which take approx='diag': %s", _fallback_summary(fallbacks))
     if not layouts:

@@ -23,7 +23,7 @@ is exact either way.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -36,30 +36,34 @@ from .options import Approx
 Use = Tuple[object, object, Tuple[str, ...], Tensor, Tensor]
 
 
-def check_kfac_tied(layout: Layout) -> None:
-    """NotImplementedError unless ``layout``'s K-FAC matrix is its tied parameter alone, held in the same
-    matrix layout by every use (a Conv2d's weight used by a ConvTranspose2d is not: its ``M`` swaps the
-    weight's channels, so the uses' factors do not describe one matrix)."""
+def tied_kfac_undefined(layout: Layout) -> Optional[str]:
+    """Why K-FAC is not defined for ``layout``'s tied block, or None: a use without K-FAC (a grouped
+    convolution), a use holding the parameter in another matrix layout (a Conv2d's weight used by a
+    ConvTranspose2d: its ``M`` swaps the weight's channel dimensions, so the uses' factors do not describe one
+    matrix), or a K-FAC matrix holding more than the tied parameter (a Linear's bias beside its tied weight)."""
     params = {u.owner_param for u in layout.tied}
     undefined = [f"{u.name!r}: {u.family.kfac_undefined(u.module)}" for u in layout.tied
                  if u.family.kfac_undefined(u.module) is not None]
     if undefined:
-        raise NotImplementedError(
-            f"K-FAC of module {layout.name!r}, whose parameters {sorted(params)} are tied to modules "
-            f"{[u.name for u in layout.tied]}, is not defined: {'; '.join(undefined)}; use approx='full' or 'diag' "
-            "for it")
-    if tuple(layout.param_names) != tuple(params):
-        raise NotImplementedError(
-            f"K-FAC of module {layout.name!r}, whose parameters {sorted(params)} are tied to modules "
-            f"{[u.name for u in layout.tied]}, needs the tied parameter to be the module's only covered "
-            f"parameter (it has {list(layout.param_names)}); use approx='full' or 'diag' for it")
+        return f"a use of its tied parameter has none ({'; '.join(undefined)})"
     other = [u.name for u in layout.tied if u.family.matrix_layout != layout.family.matrix_layout]
     if other:
+        return (f"modules {other} hold its tied parameter in another matrix layout (a convolution's weight used by "
+                "a transposed convolution: one swaps the channel dimensions of the other)")
+    if tuple(layout.param_names) != tuple(params):
+        return (f"its K-FAC matrix would hold more than the tied parameter (it has {list(layout.param_names)}): the "
+                "tied parameter must be the module's only covered one")
+    return None
+
+
+def check_kfac_tied(layout: Layout) -> None:
+    """NotImplementedError naming :func:`tied_kfac_undefined`'s reason, where there is one."""
+    reason = tied_kfac_undefined(layout)
+    if reason is not None:
         raise NotImplementedError(
-            f"K-FAC of module {layout.name!r} ({type(layout.module).__name__}), whose parameter is tied to modules "
-            f"{other} that hold it in another matrix layout (a convolution's weight used by a transposed "
-            "convolution: one swaps the channel dimensions of the other), is not defined; use approx='full' or "
-            "'diag' for it")
+            f"K-FAC of module {layout.name!r} ({type(layout.module).__name__}), whose parameters "
+            f"{sorted({u.owner_param for u in layout.tied})} are tied to modules {[u.name for u in layout.tied]}, is "
+            f"not defined: {reason}; use approx='full' or 'diag' for it")
 
 
 def tied_per_example_sum(layout: Layout, shape: Approx, uses: Sequence[Use], chunk: int) -> Tensor:
@@ -103,4 +107,4 @@ def combine_kfac(factors: Sequence[Sequence[Tensor]]) -> Tuple[Tensor, Tensor]:
     return left, right
 
 
-__all__ = ["check_kfac_tied", "tied_per_example_sum", "combine_kfac"]
+__all__ = ["check_kfac_tied", "tied_kfac_undefined", "tied_per_example_sum", "combine_kfac"]

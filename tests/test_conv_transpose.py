@@ -139,7 +139,7 @@ def test_the_matrix_permutes_the_weight_and_back() -> None:
 def test_tied_to_a_conv2d_full_and_diag_are_exact_kfac_is_refused() -> None:
     """A tied autoencoder: the decoder's ConvTranspose2d holds the encoder Conv2d's weight. The full and
     diagonal blocks of the empirical Fisher are those of the summed per-example gradients (torch.func); K-FAC
-    would add factors of two matrix layouts and is refused by name."""
+    would add factors of two matrix layouts: refused where asked by name, the diagonal by default."""
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -168,8 +168,10 @@ def test_tied_to_a_conv2d_full_and_diag_are_exact_kfac_is_refused() -> None:
     n = model.enc.weight.numel()  # block-diagonal over modules: the tied weight's block, the head's
     torch.testing.assert_close(full[:n, :n], want[:n, :n], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(full[n:, n:], want[n:, n:], rtol=1e-10, atol=1e-12)
-    with pytest.raises(NotImplementedError, match=r"tied to modules \['dec'\] that hold it in another matrix layout"):
+    with pytest.raises(NotImplementedError, match=r"modules \['dec'\] hold its tied parameter in another matrix layout"):
         curvature.compute(model, x, y, kind="fisher", approx={"enc": "kfac", "fc": "kfac"})
+    opt = SecondOrderOptimizer(model)  # K-FAC by default: the tied block takes the diagonal
+    assert {n: a.value for n, a in opt.engine.approx.items()} == {"enc": "diag", "fc": "kfac"}
 
 
 @pytest.mark.parametrize("layer, match", [

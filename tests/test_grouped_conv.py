@@ -46,7 +46,7 @@ def test_each_way_of_asking_for_kfac(caplog: pytest.LogCaptureFixture) -> None:
         opt = SecondOrderOptimizer(model)
     assert {n: a.value for n, a in opt.engine.approx.items()} == {"0": "diag", "1": "diag", "3": "kfac", "7": "kfac"}
     assert "K-FAC is not defined for these modules, which take approx='diag': grouped convolutions '0' (Conv2d, " \
-        "groups=4); 1 norm layers (BatchNorm2d)" in caplog.text  # one line, at construction
+        "groups=4); 1 layer of types without K-FAC (BatchNorm2d)" in caplog.text  # one line, at construction
     for approx in ("kfac", {nn.Conv2d: "kfac", nn.Linear: "diag"}, {"Conv2d": "kfac"}):
         c = SecondOrderOptimizer(_block(), approx=approx)
         assert c.engine.approx["0"].value == "diag" and c.engine.approx["3"].value == "kfac"
@@ -120,13 +120,14 @@ def test_a_grouped_conv_sharing_an_ordinary_convs_weight(caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO, logger="curvature"):
         opt = SecondOrderOptimizer(model)
     assert opt.engine.approx["a"].value == "diag" and opt.engine.approx["fc"].value == "kfac"
-    assert "'a' (Conv2d, its parameter shared with a layer without K-FAC)" in caplog.text
+    assert "'a' (Conv2d: a use of its tied parameter has none ('b': K-FAC is not defined for a Conv2d with groups=2" \
+        in caplog.text
     got = curvature.compute(model, x, y, kind="fisher", approx="kfac").blocks["a"].dense()
     n = model.a.weight.numel()
     want = Reference(model, x, y, "cross_entropy").shaped("fisher", "diag")[:n, :n]
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    with pytest.raises(NotImplementedError, match=r"K-FAC of module 'a'.* is not defined: 'b': K-FAC is not defined "
-                                                  r"for a Conv2d with groups=2"):
+    with pytest.raises(NotImplementedError, match=r"K-FAC of module 'a' \(Conv2d\).* is not defined: a use of its tied "
+                                                  r"parameter has none \('b': K-FAC is not defined for a Conv2d"):
         curvature.compute(model, x, y, kind="fisher", approx={"^a$": "kfac", "fc": "kfac"})
 
 

@@ -180,11 +180,12 @@ class KFACBlock(Block):
     @classmethod
     def _eig_by_class(cls, f: Tensor, classes: Optional[Tensor], backend: Any, dtype: Optional[torch.dtype]
                       ) -> Tuple[Tensor, Optional[Tensor]]:
-        """:meth:`_eig` of a factor that is zero between its rows' ``classes`` (the family's
-        ``kfac_input_classes``: a strided transposed convolution's input factor) as one ``eigh`` per class, the
-        eigenvectors placed in their rows of ``Q`` (a stride-2 4×4 kernel: four ``eigh`` of a quarter of the
-        size, 1/16 of the FLOPs). Checked on the factor itself: where it is not zero between the classes
-        (K-FAC-reduce's means over positions mix them), one dense ``eigh``."""
+        """:meth:`_eig` of a factor ``f [n, n]`` that is zero between its rows' ``classes`` (``[n]`` int64 labels,
+        the family's ``kfac_input_classes``: a strided transposed convolution's input factor) as one ``eigh`` per
+        class, the eigenvectors placed in their rows of ``Q``: ``(λ [n], Q [n, n])``, the eigenvalues grouped by
+        class rather than ascending (their users take min/max only). A stride-2 4×4 kernel: four ``eigh`` of a
+        quarter of the size, 1/16 of the FLOPs. Checked on the factor itself: where it is not zero between the
+        classes (K-FAC-reduce's means over positions mix them), one dense ``eigh``."""
         if classes is None or f.dim() != 2 or classes.numel() != f.shape[0]:
             return cls._eig(f, backend, dtype)
         labels = classes.to(f.device)

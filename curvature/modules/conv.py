@@ -1,6 +1,6 @@
 """nn.Conv2d, nn.Conv1d and nn.Conv3d as a Linear layer applied to unfolded patches.
 
-Normal form: ``a [N, T, C_in·kh·kw]`` (``T = H_out·W_out`` patches from ``F.unfold``, channel-
+Normal form: ``a [N, T, C_in·kh·kw]`` (``T = H_out·W_out`` patches in ``F.unfold``'s order, channel-
 major like ``weight.reshape(C_out, -1)``), ``g [K, N, T, C_out]``. K-FAC as for Linear
 (``G ⊗ A`` over row-major ``vec([W.reshape(C_out, -1) | b])``), exact when ``T = 1``; with
 stride 1 ``A`` is computed from offset correlations of the input instead of unfolded patches

@@ -28,10 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from .base import channels_last_grad
-from .conv import Conv2dFamily, Conv3dFamily, ConvView
+from .conv import _CONV2D, Conv3dFamily, ConvView
 from .linear import WeightMatrixFamily
 
-_CONV2D = Conv2dFamily()
 _CONV3D = Conv3dFamily()
 
 

@@ -6,7 +6,8 @@ A convolution with ``G`` groups applies group ``j``'s rows of the weight ``[C_ou
 ``[j·D, (j + 1)·D)``, ``D = C_in/G·∏k``). So the per-example weight gradient of output channel ``o`` in group
 ``j`` is ``Σ_t g_t[o] a_t[j·D : (j + 1)·D]``: the patches and output gradients of the ungrouped normal form,
 split into groups (:func:`split_groups`), give it in the weight's own row-major order. K-FAC is not defined
-for such a layer (each group would need its own pair of factors): a K-FAC request gives it the diagonal.
+for such a layer (each group would need its own pair of factors): K-FAC asked by default or by layer type gives
+it the diagonal, a key naming the module raises.
 """
 from __future__ import annotations
 
