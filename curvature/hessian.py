@@ -4,7 +4,7 @@ The block of a module is ``∂²L/∂θ_m²`` for its covered parameters ``θ_m`
 blocks are dropped, like every shape here). Cost of a full block: ``P_m`` Hessian-vector products
 (batched through ``is_grads_batched``), so use it on small models or layers; a block needing
 more than :data:`curvature.cost.HVP_WARN` products is announced with a logging warning first.
-The diagonal of a Linear or (ungrouped) convolution block needs only ``d_out·T`` products in the layer's output space
+The diagonal of a Linear or convolution block needs only ``d_out·T`` products in the layer's output space
 (:mod:`curvature.hessian_diag`) when no BatchNorm couples the examples and the checks there hold
 (the parameters used only by that call, no coupling of the output's first dimension); other
 diagonal blocks take the ``P_m`` rows and keep their diagonal.
@@ -40,7 +40,7 @@ def hessian_blocks(loss: Tensor, layouts: Dict[str, Layout], approx: Dict[str, A
 
     ``records``: the capture's ``ModuleRecord`` per module (inputs, output in the graph); with
     ``examples_independent`` (nothing after a layer mixes the examples of the batch) the diagonal
-    blocks of Linear and (ungrouped) convolution layers come from :func:`curvature.hessian_diag.diag_block` when that
+    blocks of Linear and convolution layers come from :func:`curvature.hessian_diag.diag_block` when that
     needs fewer products than the ``P_m`` rows. ``announced``: the caller's set of blocks whose cost was
     announced already (each is logged once).
     """

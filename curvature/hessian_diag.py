@@ -1,5 +1,5 @@
-"""Exact diagonal of a Linear or ungrouped convolution (transposed too) block of the Hessian from Hessian-vector products in the
-module's *output* space: ``d_out·T`` products instead of one per parameter.
+"""Exact diagonal of a Linear or convolution (transposed, grouped) block of the Hessian from Hessian-vector
+products in the module's *output* space: ``d_out·T`` products instead of one per parameter.
 
 For a layer whose output is affine in its parameters, ``z_n = W a_n + b`` (per example ``n`` and
 position ``t``: ``z_{n,t} = W a_{n,t} + b``), the second derivative of ``z`` in ``W`` is zero, so
@@ -48,8 +48,8 @@ def supports(module: nn.Module, family: object, output: Tensor) -> bool:
     (a zero block)."""
     if not isinstance(family, WeightMatrixFamily) or not isinstance(output, Tensor) or output.numel() == 0:
         return False
-    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, *positions]; one group (every output channel
-        return output.dim() == family.batched_output_dim(module) and module.groups == 1  # reads the whole patch)
+    if isinstance(module, CONV_TYPES):  # batched calls only: [N, C, *positions]
+        return output.dim() == family.batched_output_dim(module)
     return isinstance(module, nn.Linear) and output.dim() >= 2
 
 
@@ -124,6 +124,21 @@ def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
 ROWS_TOLERANCE_ULPS = 256
 
 
+def _grouped_weight_diag(a: Tensor, b: Tensor, groups: int) -> Tensor:
+    """The weight's diagonal ``[d, D]`` (rows of ``weight.reshape(C_out, -1)``) of a grouped convolution from its
+    patches ``a [N, T, G·D]`` and ``B [d, N, T, T]``: row ``o`` of group ``g`` reads features ``g·D … (g + 1)·D``,
+    ``H[W_oj, W_oj] = Σ_n Σ_{s,t} a_{n,s,gD+j} a_{n,t,gD+j} B_o[n, s, t]``; a slab of groups at a time."""
+    n, t = a.shape[:2]
+    d = b.shape[0]
+    ag = a.reshape(n, t, groups, -1)  # [N, T, G, D]
+    bg = b.reshape(groups, d // groups, n, t, t)  # [G, d/G, N, T, T]
+    if t == 1:
+        return torch.einsum("ngj,gqn->gqj", ag[:, 0].pow(2), bg[:, :, :, 0, 0]).reshape(d, -1)
+    step = max(1, SLAB_ELEMENTS // max(1, (d // groups) * n * t * t))
+    return torch.cat([torch.einsum("nsgj,ntgj,gqnst->gqj", ag[:, :, g:g + step], ag[:, :, g:g + step], bg[g:g + step])
+                      for g in range(0, groups, step)]).reshape(d, -1)
+
+
 def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inputs: Tuple[Tensor, ...], z: Tensor,
                names: List[str]) -> Optional[Tensor]:
     """The exact Hessian diagonal ``[P]`` of ``module``'s ``names`` parameters (in that order, each
@@ -162,7 +177,10 @@ def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inpu
         hv = _to_ntd(module, _hvp(runner, _from_ntd(module, v, z.shape)), lead=1)  # [B, N, T, d]
         b[o_idx, :, :, s_idx] = hv[idx, :, :, o_idx]                  # [B, N, T] -> B_o[:, :, s]
     parts = {}  # over the parameter matrix M = [W | b] (the family's layout), then cut into the parameters
-    if "weight" in names:
+    groups = getattr(module, "groups", 1)
+    if "weight" in names and groups != 1:  # output channel o reads its group's features only
+        parts["weight"] = _grouped_weight_diag(a, b, groups)
+    elif "weight" in names:
         if t == 1:
             parts["weight"] = torch.einsum("nj,on->oj", a[:, 0].pow(2), b[:, :, 0, 0])
         else:

@@ -85,6 +85,19 @@ class ConvTransposeNet(nn.Module):  # fewer outputs than parameters: the output-
         return self.fc(F.softplus(self.c2(torch.tanh(self.c1(x)).flatten(2))).flatten(1))
 
 
+class GroupedNet(nn.Module):  # fewer outputs than parameters in each grouped layer, T = 1 in the last
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.c2 = nn.Conv1d(8, 4, 3, groups=4, bias=False)
+        self.c3 = nn.Conv2d(4, 4, (1, 2), groups=2)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, 8, 2, 2] -> [8, 2, 2] -> [8, 4] -> [4, 2] -> [4, 1, 1]
+        h = self.c2(torch.tanh(self.c1(x)).flatten(2))
+        return self.fc(F.softplus(self.c3(h.unsqueeze(2))).flatten(1))
+
+
 class SeqNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -111,6 +124,7 @@ CASES = {
     "conv1d": (Conv1dNet, (5, 2, 7)),
     "conv3d": (Conv3dNet, (4, 2, 3, 3, 3)),
     "conv_transpose": (ConvTransposeNet, (4, 4, 2, 2)),
+    "conv_grouped": (GroupedNet, (4, 8, 2, 2)),
     "seq_linear": (SeqNet, (4, 4, 8)),
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.ELU(), nn.Linear(5, 3)), (6, 6)),
 }
@@ -146,6 +160,8 @@ def test_diagonal_matches_brute_force(case: str, fast_calls: list) -> None:
         assert {"Conv1d", "Conv2d", "Conv3d"} & set(fast_calls) or case == "conv_transpose", fast_calls
     if case == "conv_transpose":  # both transposed convolutions (their M permutes the weight: from_matrix)
         assert {"ConvTranspose1d", "ConvTranspose2d"} <= set(fast_calls), fast_calls
+    if case == "conv_grouped":  # every grouped layer (a row reads its group's features), T = 1 included
+        assert fast_calls.count("Conv2d") == 2 and "Conv1d" in fast_calls, fast_calls
 
 
 def test_train_mode_batchnorm_uses_the_generic_exact_path(fast_calls: list) -> None:
@@ -341,3 +357,13 @@ def test_an_optimizer_announces_a_hessian_blocks_cost_once(caplog):
             opt.step(closure, targets=y)
     announced = [r.getMessage() for r in caplog.records if "Hessian-vector products" in r.getMessage()]
     assert len(announced) == 1 and "module '0'" in announced[0], announced
+
+
+def test_grouped_diagonal_in_slabs_of_one_group(monkeypatch: pytest.MonkeyPatch, fast_calls: list) -> None:
+    monkeypatch.setattr(hessian_diag, "SLAB_ELEMENTS", 1)  # one group a slab
+    torch.manual_seed(0)
+    model = GroupedNet().double().eval()
+    x, y = torch.randn(4, 8, 2, 2, dtype=torch.float64), torch.randint(0, 3, (4,))
+    c = curvature.compute(model, x, y, kind="hessian", approx="diag")
+    torch.testing.assert_close(c.dense().diagonal(), brute_diag(model, x, y), rtol=1e-9, atol=1e-12)
+    assert fast_calls.count("Conv2d") == 2
