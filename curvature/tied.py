@@ -13,7 +13,9 @@ holding it (its :class:`~curvature.blocks.Layout`; the other uses are ``layout.t
   and the block is ``(Σ_u L_u) ⊗ (Σ_u R_u) / U``. This is exact for one use and whenever the uses
   share one of the two factors (all ``L_u`` equal or all ``R_u`` equal: then it is ``Σ_u L_u ⊗ R_u``);
   like K-FAC itself it leaves out the cross terms between uses. Needs the owner's K-FAC matrix to be
-  the tied parameter alone (e.g. an Embedding, or a bias-free Linear); otherwise NotImplementedError.
+  the tied parameter alone (e.g. an Embedding, or a bias-free Linear), in one matrix layout, with K-FAC for every
+  use (:func:`tied_kfac_undefined`); otherwise the selection gives the block the diagonal where K-FAC came by
+  default or by layer type, and :func:`check_kfac_tied` raises NotImplementedError where a key named it.
 
 A *functional* use (``F.linear(h, emb.weight)``) is not a module call and cannot be recorded, so the
 capture refuses it with a ``ValueError`` (:mod:`curvature.uses`) instead of building blocks that

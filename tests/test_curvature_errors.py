@@ -208,14 +208,17 @@ def test_kfac_with_frozen_weight_covers_the_bias(model_name: str, module: str) -
 
 def test_shared_parameters_kfac_next_to_a_bias_not_implemented() -> None:
     """Tied weights are supported (tests/test_tied_parameters.py); K-FAC of a tied weight whose
-    first module also covers a bias is not (the uses' column factors differ in size)."""
+    first module also covers a bias is not (the uses' column factors differ in size): asked by name it raises,
+    a plain approx='kfac' gives that block the diagonal (as it does to the layers without K-FAC)."""
     torch.manual_seed(0)
     a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     b.weight = a.weight  # tied weights in two modules
     model = nn.Sequential(a, nn.Tanh(), b).double()
     x = torch.randn(4, 3, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="tied"):
-        _compute(model, x, torch.zeros(4, dtype=torch.long), approx="kfac")
+    with pytest.raises(NotImplementedError, match=r"tied.*more than the tied parameter"):
+        _compute(model, x, torch.zeros(4, dtype=torch.long), approx={"^0$": "kfac", "^2$": "kfac"})
+    c = _compute(model, x, torch.zeros(4, dtype=torch.long), approx="kfac")
+    assert c.approx == {"0": "diag", "2": "kfac"}
 
 
 def test_module_called_twice_refused() -> None:
