@@ -124,19 +124,21 @@ def rows_independent(runner: ProductRunner, z: Tensor) -> bool:
 ROWS_TOLERANCE_ULPS = 256
 
 
-def _grouped_weight_diag(a: Tensor, b: Tensor, groups: int) -> Tensor:
-    """The weight's diagonal ``[d, D]`` (rows of ``weight.reshape(C_out, -1)``) of a grouped convolution from its
-    patches ``a [N, T, G·D]`` and ``B [d, N, T, T]``: row ``o`` of group ``g`` reads features ``g·D … (g + 1)·D``,
-    ``H[W_oj, W_oj] = Σ_n Σ_{s,t} a_{n,s,gD+j} a_{n,t,gD+j} B_o[n, s, t]``; a slab of groups at a time."""
+def _weight_diag(a: Tensor, b: Tensor, groups: int) -> Tensor:
+    """The weight's diagonal ``[d, D]`` (rows of the parameter matrix) from the patches ``a [N, T, G·D]`` and
+    ``B [d, N, T, T]``: row ``o`` of group ``g`` (``groups`` of them; 1 but for a grouped convolution) reads
+    features ``g·D … (g + 1)·D``, ``H[W_oj, W_oj] = Σ_n Σ_{s,t} a_{n,s,gD+j} a_{n,t,gD+j} B_o[n, s, t]``; a slab
+    of one group's rows at a time (:data:`SLAB_ELEMENTS`)."""
     n, t = a.shape[:2]
-    d = b.shape[0]
-    ag = a.reshape(n, t, groups, -1)  # [N, T, G, D]
-    bg = b.reshape(groups, d // groups, n, t, t)  # [G, d/G, N, T, T]
+    rows = b.shape[0] // groups
+    ag = a.reshape(n, t, groups, -1)  # [N, T, G, D]: views of a
     if t == 1:
-        return torch.einsum("ngj,gqn->gqj", ag[:, 0].pow(2), bg[:, :, :, 0, 0]).reshape(d, -1)
-    step = max(1, SLAB_ELEMENTS // max(1, (d // groups) * n * t * t))
-    return torch.cat([torch.einsum("nsgj,ntgj,gqnst->gqj", ag[:, :, g:g + step], ag[:, :, g:g + step], bg[g:g + step])
-                      for g in range(0, groups, step)]).reshape(d, -1)
+        return torch.cat([torch.einsum("nj,on->oj", ag[:, 0, g].pow(2), b[g * rows:(g + 1) * rows, :, 0, 0])
+                          for g in range(groups)])
+    step = max(1, SLAB_ELEMENTS // max(1, n * t * t))
+    return torch.cat([torch.einsum("nsj,ntj,onst->oj", ag[:, :, g], ag[:, :, g],
+                                   b[g * rows + o:g * rows + min(o + step, rows)])
+                      for g in range(groups) for o in range(0, rows, step)])
 
 
 def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inputs: Tuple[Tensor, ...], z: Tensor,
@@ -177,16 +179,8 @@ def diag_block(loss: Tensor, module: nn.Module, family: WeightMatrixFamily, inpu
         hv = _to_ntd(module, _hvp(runner, _from_ntd(module, v, z.shape)), lead=1)  # [B, N, T, d]
         b[o_idx, :, :, s_idx] = hv[idx, :, :, o_idx]                  # [B, N, T] -> B_o[:, :, s]
     parts = {}  # over the parameter matrix M = [W | b] (the family's layout), then cut into the parameters
-    groups = getattr(module, "groups", 1)
-    if "weight" in names and groups != 1:  # output channel o reads its group's features only
-        parts["weight"] = _grouped_weight_diag(a, b, groups)
-    elif "weight" in names:
-        if t == 1:
-            parts["weight"] = torch.einsum("nj,on->oj", a[:, 0].pow(2), b[:, :, 0, 0])
-        else:
-            step = max(1, SLAB_ELEMENTS // max(1, n * t * t))
-            parts["weight"] = torch.cat([torch.einsum("nsj,ntj,onst->oj", a, a, b[o:o + step])
-                                         for o in range(0, d, step)])
+    if "weight" in names:  # (a grouped convolution's output channel reads its group's features only)
+        parts["weight"] = _weight_diag(a, b, getattr(module, "groups", 1))
     if "bias" in names:
         parts["bias"] = b.sum(dim=(1, 2, 3)).unsqueeze(1)
     m = torch.cat([parts[k] for k in ("weight", "bias") if k in parts], dim=1)

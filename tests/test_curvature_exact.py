@@ -48,23 +48,12 @@ class LinearHead(nn.Module):
 
 
 class ConvOnePosition(nn.Module):
-    """Conv2d whose output has a single spatial position (5×5 input, kernel 3, dilation 2)."""
+    """A Conv2d (or Conv1d, ``conv``) whose output has a single position (5×5 / length-5 input, kernel 3,
+    dilation 2)."""
 
-    def __init__(self, bias: bool) -> None:
+    def __init__(self, bias: bool, conv: type = nn.Conv2d) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(2, 3, kernel_size=3, dilation=2, bias=bias)
-        self.fc = nn.Linear(3, 3)
-
-    def forward(self, x):
-        return self.fc(torch.tanh(self.conv(x)).flatten(1))
-
-
-class Conv1dOnePosition(nn.Module):
-    """Conv1d whose output has a single position (length-5 input, kernel 3, dilation 2)."""
-
-    def __init__(self, bias: bool) -> None:
-        super().__init__()
-        self.conv = nn.Conv1d(2, 3, kernel_size=3, dilation=2, bias=bias)
+        self.conv = conv(2, 3, kernel_size=3, dilation=2, bias=bias)
         self.fc = nn.Linear(3, 3)
 
     def forward(self, x):
@@ -86,8 +75,8 @@ ONE_EXAMPLE = {
     "linear_nobias": (lambda: LinearHead(False), "fc1", (4,)),
     "conv_bias": (lambda: ConvOnePosition(True), "conv", (2, 5, 5)),
     "conv_nobias": (lambda: ConvOnePosition(False), "conv", (2, 5, 5)),
-    "conv1d_bias": (lambda: Conv1dOnePosition(True), "conv", (2, 5)),
-    "conv1d_nobias": (lambda: Conv1dOnePosition(False), "conv", (2, 5)),
+    "conv1d_bias": (lambda: ConvOnePosition(True, nn.Conv1d), "conv", (2, 5)),
+    "conv1d_nobias": (lambda: ConvOnePosition(False, nn.Conv1d), "conv", (2, 5)),
     "embedding": (EmbeddingOneToken, "emb", None),
 }
 

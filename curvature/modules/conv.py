@@ -15,7 +15,7 @@ An ``nn.Conv1d`` is the Conv2d of a ``1 × k`` kernel over its input seen as ``[
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -154,16 +154,10 @@ class ConvFamily(WeightMatrixFamily):
                     "would need its own pair of factors)")
         return None
 
-    def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
-                          names: Sequence[str]) -> Dict[str, Tensor]:
+    def per_example_rows(self, module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
         if module.groups == 1:
-            return super().per_example_grads(module, a, g, names)
-        out: Dict[str, Tensor] = {}
-        if "weight" in names:
-            out["weight"] = self.weight_from_rows(module, grouped_per_example(a, g, module.groups))
-        if "bias" in names:
-            out["bias"] = g.sum(dim=2)
-        return out
+            return super().per_example_rows(module, a, g)
+        return grouped_per_example(a, g, module.groups)
 
     def diag_sum(self, module: nn.Module, a: Tensor, g: Tensor, names: Sequence[str]) -> Optional[Tensor]:
         if module.groups == 1:

@@ -105,9 +105,7 @@ class ConvTransposeFamily(WeightMatrixFamily):
     def validate(self, module: nn.Module) -> None:
         if module.groups != 1:
             raise ValueError(f"{type(module).__name__} with groups={module.groups} is not supported (groups=1 only)")
-        if module.padding_mode != "zeros":  # torch allows only zeros; a module changed after construction
-            raise ValueError(f"{type(module).__name__} with padding_mode={module.padding_mode!r} is not supported "
-                             "('zeros' only)")
+        _CONV2D.validate(module)  # the padding mode (torch allows only zeros; a module changed after construction)
 
     def weight_matrix_shape(self, module: nn.Module) -> Tuple[int, int]:
         w = module.weight

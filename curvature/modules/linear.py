@@ -72,11 +72,16 @@ class WeightMatrixFamily(LayerFamily):
         rows, cols = self.weight_matrix_shape(module)
         return rows, (cols if "weight" in names else 0) + int("bias" in names)
 
+    def per_example_rows(self, module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+        """Per-example weight gradients as parameter-matrix rows ``[K, N, rows, cols]``: ``Σ_t g_t a_tᵀ`` (every row
+        reads the whole input; a grouped convolution's rows read their group's part, ``ConvFamily``)."""
+        return torch.einsum("kntd,ntj->kndj", g, a.to(g.dtype))
+
     def per_example_grads(self, module: nn.Module, a: Tensor, g: Tensor,
                           names: Sequence[str]) -> Dict[str, Tensor]:
         out: Dict[str, Tensor] = {}
         if "weight" in names:
-            out["weight"] = self.weight_from_rows(module, torch.einsum("kntd,ntj->kndj", g, a.to(g.dtype)))
+            out["weight"] = self.weight_from_rows(module, self.per_example_rows(module, a, g))
         if "bias" in names:
             out["bias"] = g.sum(dim=2)
         return out

@@ -54,7 +54,39 @@ def _channels_last(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
 
 
-class BatchNormFamily(_AffineNormFamily):
+def _channel_normalized(x: Tensor, mean: Tensor, var: Tensor, eps: float) -> Tensor:
+    """``x [N, C, *positions]`` normalized by the per-channel ``mean`` and ``var`` ``[C]``, in ``x``'s own layout
+    and moved channels last at the end: ``[N, T, C]``."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    return _channels_last((x - mean.reshape(shape)) * torch.rsqrt(var + eps).reshape(shape))
+
+
+class _ChannelNormFamily(_AffineNormFamily):
+    """Per-channel parameters over ``[N, C, *positions]`` (BatchNorm, GroupNorm, InstanceNorm): output gradients
+    channels last."""
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        return channels_last_grad(g)
+
+
+class _TrailingNormFamily(_AffineNormFamily):
+    """Parameters of the trailing ``normalized_shape`` (LayerNorm, RMSNorm): normal forms ``[N, T, d]``, ``d`` its
+    number of elements, ``T`` the leading dimensions after the batch."""
+
+    @staticmethod
+    def trailing_dims(module: nn.Module, x: Tensor) -> Tuple[int, ...]:
+        """The dimensions of ``x`` the layer normalizes over."""
+        return tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
+
+    @staticmethod
+    def features(module: nn.Module) -> int:
+        return int(math.prod(module.normalized_shape))
+
+    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
+        return g.reshape(g.shape[0], g.shape[1], -1, self.features(module))
+
+
+class BatchNormFamily(_ChannelNormFamily):
     """``nn.BatchNorm1d/2d/3d`` affine parameters ``weight``, ``bias`` ``[C]`` (diagonal or full blocks; the
     batch statistics as constants for the Fisher kinds)."""
 
@@ -70,14 +102,10 @@ class BatchNormFamily(_AffineNormFamily):
             var, mean = torch.var_mean(x, dim=[0] + list(range(2, x.dim())), correction=0)
         else:
             mean, var = module.running_mean.to(x.dtype), module.running_var.to(x.dtype)
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        return _channels_last((x - mean.reshape(shape)) * torch.rsqrt(var + module.eps).reshape(shape))
-
-    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        return channels_last_grad(g)
+        return _channel_normalized(x, mean, var, module.eps)
 
 
-class LayerNormFamily(_AffineNormFamily):
+class LayerNormFamily(_TrailingNormFamily):
     """``nn.LayerNorm`` affine parameters ``weight``, ``bias`` of the normalized shape (diagonal or full
     blocks)."""
 
@@ -89,17 +117,11 @@ class LayerNormFamily(_AffineNormFamily):
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = inputs[0].detach()
-        nd = len(module.normalized_shape)
-        d = int(math.prod(module.normalized_shape))
-        dims = tuple(range(x.dim() - nd, x.dim()))
+        dims = self.trailing_dims(module, x)
         mean = x.mean(dim=dims, keepdim=True)
         var = x.var(dim=dims, unbiased=False, keepdim=True)
         xhat = (x - mean) / torch.sqrt(var + module.eps)
-        return xhat.reshape(x.shape[0], -1, d)
-
-    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        d = int(math.prod(module.normalized_shape))
-        return g.reshape(g.shape[0], g.shape[1], -1, d)
+        return xhat.reshape(x.shape[0], -1, self.features(module))
 
 
 def _group_normalized(x: Tensor, groups: int, eps: float) -> Tensor:
@@ -111,7 +133,7 @@ def _group_normalized(x: Tensor, groups: int, eps: float) -> Tensor:
     return _channels_last(((g - mean) / torch.sqrt(var + eps)).reshape(x.shape))
 
 
-class GroupNormFamily(_AffineNormFamily):
+class GroupNormFamily(_ChannelNormFamily):
     """``nn.GroupNorm`` affine parameters ``weight``, ``bias`` ``[C]`` over ``[N, C, *positions]`` (each
     example's groups normalized by their own statistics; diagonal or full blocks)."""
 
@@ -126,9 +148,6 @@ class GroupNormFamily(_AffineNormFamily):
         if x.dim() < 2:
             raise ValueError(f"GroupNorm input of shape {list(x.shape)}: expected [N, C, *positions]")
         return _group_normalized(x, module.num_groups, module.eps)
-
-    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        return channels_last_grad(g)
 
 
 class InstanceNormFamily(GroupNormFamily):
@@ -146,15 +165,13 @@ class InstanceNormFamily(GroupNormFamily):
         x = _wide(inputs[0].detach())
         if module.training or not module.track_running_stats:
             return _group_normalized(x, x.shape[1], module.eps)  # a group per channel
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        mean, var = module.running_mean.to(x.dtype).reshape(shape), module.running_var.to(x.dtype).reshape(shape)
-        return _channels_last((x - mean) / torch.sqrt(var + module.eps))
+        return _channel_normalized(x, module.running_mean.to(x.dtype), module.running_var.to(x.dtype), module.eps)
 
     def batched_output_dim(self, module: nn.Module) -> Optional[int]:
         return module._get_no_batch_dim() + 1  # [N, C, L] / [N, C, H, W] / [N, C, D, H, W]: an unbatched call is refused
 
 
-class RMSNormFamily(_AffineNormFamily):
+class RMSNormFamily(_TrailingNormFamily):
     """``nn.RMSNorm``'s ``weight`` of the normalized shape (no bias; ``x̂ = x / √(mean x² + eps)``, ``eps``
     None: the machine epsilon of the input's dtype promoted to float32, as torch, which normalizes float16 and
     bfloat16 inputs in float32; diagonal or full blocks)."""
@@ -167,13 +184,6 @@ class RMSNormFamily(_AffineNormFamily):
 
     def normal_input(self, module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Tensor:
         x = _wide(inputs[0].detach())
-        nd = len(module.normalized_shape)
-        d = int(math.prod(module.normalized_shape))
-        dims = tuple(range(x.dim() - nd, x.dim()))
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        xhat = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
-        return xhat.reshape(x.shape[0], -1, d)
-
-    def normal_output_grad(self, module: nn.Module, g: Tensor) -> Tensor:
-        d = int(math.prod(module.normalized_shape))
-        return g.reshape(g.shape[0], g.shape[1], -1, d)
+        xhat = x * torch.rsqrt(x.pow(2).mean(dim=self.trailing_dims(module, x), keepdim=True) + eps)
+        return xhat.reshape(x.shape[0], -1, self.features(module))
