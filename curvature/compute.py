@@ -45,8 +45,10 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
     Args:
         model: an ``nn.Module`` mapping ``inputs`` to outputs ``[N, C]`` (logits) or ``[N, ...]``.
         inputs: a tensor ``[N, ...]`` or a tuple of tensors passed as ``model(*inputs)``.
-        targets: ``[N]`` class indices (cross_entropy) or the output's shape (mse).
-        loss: ``"cross_entropy"`` or ``"mse"`` (½‖y − f‖²).
+        targets: ``[N]`` class indices (cross_entropy), or the output's shape (mse; binary_cross_entropy:
+            labels in ``[0, 1]``).
+        loss: ``"cross_entropy"``, ``"mse"`` (½‖y − f‖²) or ``"binary_cross_entropy"`` (a Bernoulli on each
+            logit, summed over an example's outputs; :mod:`curvature.likelihoods`).
         kind: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
         approx: ``"full" | "diag" | "kfac"`` or a dict (see :mod:`curvature.selection`).
         mc_samples: sampled labels per example for ``fisher_mc``.

@@ -113,7 +113,7 @@ class CurvatureEngine:
         model: any ``nn.Module``; covered modules are found by :func:`select_layouts`.
         kind: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
         approx: a shape name or a dict (see :mod:`curvature.selection`).
-        loss: ``"cross_entropy" | "mse"``.
+        loss: ``"cross_entropy" | "mse" | "binary_cross_entropy"``.
         mc_samples: labels sampled per example for ``fisher_mc`` (>= 1).
         skip_modules: module names (regex), class names or types to leave uncovered, each with
             its submodules.

@@ -8,6 +8,12 @@ Conventions (all per example ``n``; the loss of a batch is the MEAN over example
   loss is the mean over every position, as ``F.cross_entropy(f.reshape(-1, C), y.reshape(-1))``.
 * Gaussian with unit variance (``mse``): ``ℓ_n = ½‖y_n − f_n‖²``, outputs ``[N, D]`` (or
   ``[N]``), targets of the same shape.
+* independent Bernoullis on logits (``binary_cross_entropy``): ``ℓ_n = Σ_d BCE(f_nd, y_nd)``, the sum over
+  an example's output entries of ``F.binary_cross_entropy_with_logits``; outputs ``[N]`` or ``[N, ...]``
+  (one logit per label: a binary classifier ``[N]`` / ``[N, 1]``, multi-label ``[N, D]``, a per-pixel mask),
+  targets of the same shape with values in ``[0, 1]`` (soft labels allowed). With one logit per example the
+  mean over the batch is ``F.binary_cross_entropy_with_logits(f, y)``; with ``D`` it is ``D×`` that (whose
+  default reduction also averages over the labels).
 
 Every quantity the engine needs from a likelihood is a set of *output-space vectors*
 ``v[k, n]`` (shape ``[K, N, *out]``) such that the curvature of interest is
@@ -25,12 +31,16 @@ from torch import Tensor
 from .linalg.checks import all_finite
 from .options import Kind, LossType
 
+#: what ``loss="binary_cross_entropy"`` targets may hold (PyTorch's losses take floating targets; labels held
+#: as integers or booleans, 0 and 1, are taken too and used in the output's dtype)
+BINARY_TARGET_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
 
 def check_targets(targets: object) -> None:
     """``targets`` given to ``compute`` or ``step(closure, targets=...)``: a Tensor or None (TypeError
     naming what was given)."""
     if targets is not None and not isinstance(targets, Tensor):
-        raise TypeError(f"targets must be a Tensor (class indices [N] or regression targets) or None, got "
+        raise TypeError(f"targets must be a Tensor (class indices [N], binary labels or regression targets) or None, got "
                         f"{type(targets).__name__} {targets!r}"[:300])
 
 
@@ -51,9 +61,9 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
             raise ValueError(
                 f"loss='cross_entropy' got logits of shape {tuple(outputs.shape)} with one class: a softmax over one "
                 "logit is constant, so its Fisher is zero. For a binary classifier trained with "
-                "F.binary_cross_entropy_with_logits, output two logits ([-z/2, z/2] gives the same probabilities), "
-                "or take the curvature of that loss from your own backward (the optimizers' "
-                "curvature='empirical_fisher' without targets); for a regression output, pass loss='mse'")
+                "F.binary_cross_entropy_with_logits, pass loss='binary_cross_entropy' (a Bernoulli likelihood on "
+                "each logit); for another loss of one output, take its curvature from your own backward (the "
+                "optimizers' curvature='empirical_fisher' without targets); for a regression output, pass loss='mse'")
         if targets is None:
             return
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -76,12 +86,44 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
                     "; ignored positions (ignore_index, e.g. -100 padding) have no likelihood: select the valid "
                     "rows, output_selector=lambda out: out[mask] with targets=y[mask] (README, sequence outputs)"
                     if low < 0 else ""))
+    elif loss is LossType.BINARY_CROSS_ENTROPY:
+        _check_binary(outputs, targets)
     else:
         if outputs.dim() < 1:
             raise ValueError("loss='mse' expects outputs of shape [N, ...], got a scalar")
         if targets is not None and targets.shape != outputs.shape:
             raise ValueError(
                 f"loss='mse' expects targets of the output's shape {tuple(outputs.shape)}, got {tuple(targets.shape)}")
+
+
+def _check_binary(outputs: Tensor, targets: Optional[Tensor]) -> None:
+    """:func:`check_outputs_targets` for ``loss='binary_cross_entropy'``: logits ``[N, ...]``, targets of their
+    shape with values in ``[0, 1]``."""
+    if outputs.dim() < 1:
+        raise ValueError("loss='binary_cross_entropy' expects logits of shape [N] or [N, ...], got a scalar")
+    if not outputs.is_floating_point():
+        raise ValueError(f"loss='binary_cross_entropy' expects floating-point logits, got dtype {outputs.dtype}")
+    if targets is None:
+        return
+    if targets.shape != outputs.shape:
+        hint = ""
+        if targets.shape == outputs.shape[:-1] and outputs.shape[-1] == 1:
+            hint = ("; for logits [N, 1] pass targets y.unsqueeze(-1) (or select the logit: "
+                    "output_selector=lambda out: out.squeeze(-1))")
+        elif outputs.dim() >= 2 and targets.shape == outputs.shape[:1] and not targets.is_floating_point():
+            hint = ("; these look like class indices: for one-of-C classes use loss='cross_entropy', for C independent "
+                    "labels pass their 0/1 indicators [N, C]")
+        raise ValueError(f"loss='binary_cross_entropy' expects targets of the logits' shape {tuple(outputs.shape)}, got "
+                         f"{tuple(targets.shape)}{hint}")
+    if not (targets.is_floating_point() or targets.dtype in BINARY_TARGET_DTYPES):
+        raise ValueError(f"loss='binary_cross_entropy' expects targets in [0, 1] (floating, integer or bool), got dtype "
+                         f"{targets.dtype}")
+    if targets.numel() and targets.dtype is not torch.bool:
+        inside = (targets >= 0) & (targets <= 1)  # False for NaN too
+        if not bool(inside.all()):
+            bad = targets[~inside].reshape(-1)[0].item()
+            raise ValueError(f"loss='binary_cross_entropy' expects targets in [0, 1] (the probability of label 1), got "
+                             f"{bad!r}" + ("; for labels -1/+1 pass (y + 1) / 2" if bad == -1 else ""))
 
 
 def as_rows(loss: LossType, outputs: Tensor, targets: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
@@ -105,6 +147,9 @@ def per_example_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
     outputs, targets = as_rows(loss, outputs, targets)
     if loss is LossType.CROSS_ENTROPY:
         return F.cross_entropy(outputs, targets.long(), reduction="none")
+    if loss is LossType.BINARY_CROSS_ENTROPY:
+        bce = F.binary_cross_entropy_with_logits(outputs, targets.to(outputs.dtype), reduction="none")
+        return bce.reshape(outputs.shape[0], -1).sum(dim=1)
     diff = (outputs - targets).reshape(outputs.shape[0], -1)
     return 0.5 * diff.pow(2).sum(dim=1)
 
@@ -119,6 +164,8 @@ def nll_grad(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
     f = outputs.detach()
     if loss is LossType.CROSS_ENTROPY:
         return class_softmax(f, 1) - F.one_hot(targets.long(), f.shape[1]).to(f.dtype)
+    if loss is LossType.BINARY_CROSS_ENTROPY:
+        return torch.sigmoid(f) - targets.to(f.dtype)
     return f - targets.to(f.dtype)
 
 
@@ -158,16 +205,39 @@ def sample_targets(loss: LossType, outputs: Tensor, num_samples: int,
                    generator: Optional[torch.Generator] = None) -> Tensor:
     """Draw ``num_samples`` labels per example from the model's predictive ``p(y | f_n)``.
 
-    Returns ``[S, N]`` class indices (categorical) or ``[S, *outputs.shape]`` (Gaussian).
+    Returns ``[S, N]`` class indices (categorical) or ``[S, *outputs.shape]`` (Gaussian; Bernoulli: 0/1 in the
+    output's dtype, :func:`draw_binary`).
     """
     f = outputs.detach()
     if loss is LossType.CROSS_ENTROPY:
         probs = class_softmax(f.to(torch.float64 if f.dtype == torch.float64 else torch.float32), 1)
         return draw_classes(probs, num_samples, generator).t().contiguous()
+    if loss is LossType.BINARY_CROSS_ENTROPY:
+        return draw_binary(_binary_probs(f), num_samples, generator).to(f.dtype)
     # the noise in float64 whatever the model's dtype (as the categorical draws): the same seed draws the
     # same numbers for a float32 model and its float64 copy
     noise = torch.randn((num_samples,) + tuple(f.shape), generator=generator, dtype=torch.float64, device=f.device)
     return f.unsqueeze(0) + noise.to(f.dtype)
+
+
+def _binary_probs(f: Tensor) -> Tensor:
+    """``sigmoid(f)`` of detached logits, in float32 at least (the draws compare it with float64 uniforms)."""
+    return torch.sigmoid(f if f.dtype in (torch.float32, torch.float64) else f.to(torch.float32))
+
+
+def bernoulli_std(f: Tensor) -> Tensor:
+    """``√(p(1 − p))``, ``p = sigmoid(f)``, of detached logits: the standard deviation of each label, the square root
+    of the Bernoulli output Hessian's diagonal. As ``√(σ(f)·σ(−f))``: no cancellation where ``p`` is near 1."""
+    return (torch.sigmoid(f) * torch.sigmoid(-f)).sqrt()
+
+
+def draw_binary(probs: Tensor, num_samples: int, generator: Optional[torch.Generator] = None) -> Tensor:
+    """``num_samples`` Bernoulli draws of every entry of ``probs``: ``[S, *probs.shape]`` bool, ``True`` where
+    ``u < p`` for one uniform ``u`` per draw (``torch.rand`` of ``generator`` in float64, whatever the dtype of
+    ``probs``, as :func:`draw_classes`: a seeded generator draws the same labels for a float32 model and its
+    float64 copy, up to the rounding of ``probs``). A probability of 0 is never drawn, 1 always."""
+    u = torch.rand((num_samples,) + tuple(probs.shape), generator=generator, dtype=torch.float64, device=probs.device)
+    return u < probs.to(torch.float64)
 
 
 def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:
@@ -183,6 +253,8 @@ def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:
 
     ``1 + s_C ≥ 1``, so no cancellation for any ``p``. ``C = 1`` gives one zero column.
     Gaussian: ``H = I`` (K = number of output entries per example).
+    Bernoulli: ``H = diag(p ⊙ (1 − p))``, ``p = sigmoid(f)``: column ``k`` is ``√(p_k (1 − p_k)) e_k`` (K = number
+    of output entries per example; one for a binary classifier).
     """
     f = outputs.detach()
     if loss is LossType.CROSS_ENTROPY:
@@ -201,6 +273,9 @@ def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:
     n = f.shape[0]
     d = f[0].numel() if n else int(math.prod(f.shape[1:]))
     eye = torch.eye(d, dtype=f.dtype, device=f.device)  # [K=d, d]
+    if loss is LossType.BINARY_CROSS_ENTROPY:
+        s = bernoulli_std(f).reshape(1, n, d)
+        return (eye.unsqueeze(1) * s).reshape((d,) + tuple(f.shape))
     return eye.unsqueeze(1).expand(d, n, d).reshape((d,) + tuple(f.shape)).contiguous()
 
 
@@ -209,7 +284,8 @@ def backprop_vectors(loss: LossType, kind: Kind, outputs: Tensor, targets: Optio
     """The output-space vectors ``v[k, n]`` (shape ``[K, N, *out]``) for a Fisher-type kind.
 
     * ``fisher``: the square root of the output Hessian (exact Fisher = GGN).
-    * ``fisher_mc``: ``∇_f ℓ(f_n, ỹ_s) / √S`` for ``S = mc_samples`` labels ``ỹ`` sampled from the model.
+    * ``fisher_mc``: ``∇_f ℓ(f_n, ỹ_s) / √S`` for ``S = mc_samples`` labels ``ỹ`` sampled from the model
+      (Bernoulli: ``(p − ỹ_s)/√S`` with ``ỹ_s`` drawn as :func:`sample_targets` draws them).
     * ``empirical_fisher``: ``∇_f ℓ(f_n, y_n)`` with the given targets (K = 1).
     """
     if kind is Kind.FISHER:
@@ -217,6 +293,12 @@ def backprop_vectors(loss: LossType, kind: Kind, outputs: Tensor, targets: Optio
     if kind is Kind.FISHER_MC:
         if loss is LossType.CROSS_ENTROPY:
             return _categorical_mc_vectors(outputs, mc_samples, generator)
+        if loss is LossType.BINARY_CROSS_ENTROPY:
+            f = outputs.detach()
+            p = _binary_probs(f)
+            v = p.unsqueeze(0) - draw_binary(p, mc_samples, generator).to(p.dtype)  # [S, *out]: p − ỹ
+            v = v if mc_samples == 1 else v.mul_(1.0 / math.sqrt(mc_samples))
+            return v.to(f.dtype)
         # Gaussian: the gradient at ỹ = f + ε is −ε itself; formed from ε, not from f − ỹ (in half precision
         # f + ε rounds ε to f's ulp: a bfloat16 output near 300 made the estimate 31% off)
         noise = torch.randn((mc_samples,) + tuple(outputs.shape), generator=generator, dtype=torch.float64,

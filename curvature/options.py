@@ -54,10 +54,12 @@ class KFACApprox(str, Enum):
 
 
 class LossType(str, Enum):
-    """The likelihood: categorical on logits, or unit-variance Gaussian."""
+    """The likelihood: categorical on logits, unit-variance Gaussian, or independent Bernoullis on logits
+    (:mod:`curvature.likelihoods`)."""
 
     CROSS_ENTROPY = "cross_entropy"
     MSE = "mse"
+    BINARY_CROSS_ENTROPY = "binary_cross_entropy"
 
 
 #: names other libraries use (PyTorch-SSO's ``curv_type`` and ``curv_shapes``, K-FAC spellings),

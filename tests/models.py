@@ -1,6 +1,7 @@
 """Tiny test models (a few hundred parameters at most) and their batches.
 
-Every model maps its input to ``[N, 3]`` outputs (logits for cross-entropy, means for mse).
+Every model maps its input to ``[N, 3]`` outputs (logits for cross-entropy, means for mse, three labels' logits
+for binary_cross_entropy).
 :data:`MODELS` maps a name to a ``(build, batch)`` pair: ``build()`` returns a float64
 model in eval mode (seeded), ``batch(n, loss)`` returns ``(inputs, targets)``.
 """
@@ -299,6 +300,10 @@ def _randomize_norm_stats(model: nn.Module) -> nn.Module:
 def _targets(n: int, loss: str, gen: torch.Generator) -> Tensor:
     if loss == "cross_entropy":
         return torch.randint(0, OUT, (n,), generator=gen)
+    if loss == "binary_cross_entropy":  # 0/1 labels, one soft label
+        y = torch.randint(0, 2, (n, OUT), generator=gen).double()
+        y[0, 0] = 0.25
+        return y
     return torch.randn(n, OUT, generator=gen, dtype=torch.float64)
 
 

@@ -41,10 +41,18 @@ KFAC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding) + TRANSP
 
 # ---- losses (per example) ------------------------------------------------------------------
 def nll(loss: str, f: Tensor, y: Tensor) -> Tensor:
-    """Per-example NLL of one output ``f [O]`` (cross_entropy: logits, y a class; mse: ½‖y − f‖²)."""
+    """Per-example NLL of one output ``f [O]`` (cross_entropy: logits, y a class; mse: ½‖y − f‖²;
+    binary_cross_entropy: ``Σ_o −y_o log σ(f_o) − (1 − y_o) log σ(−f_o)``, written out, not torch's loss)."""
     if loss == "cross_entropy":
         return -torch.log_softmax(f, dim=0)[y]
+    if loss == "binary_cross_entropy":
+        return -(y * torch.nn.functional.logsigmoid(f) + (1 - y) * torch.nn.functional.logsigmoid(-f)).sum()
     return 0.5 * ((y - f) ** 2).sum()
+
+
+def elementwise(loss: str) -> bool:
+    """Whether an example's target has the output's shape (mse, binary_cross_entropy), not one class index."""
+    return loss != "cross_entropy"
 
 
 def sample_labels(loss: str, outputs: Tensor, samples: int, seed: int) -> Tensor:
@@ -55,6 +63,9 @@ def sample_labels(loss: str, outputs: Tensor, samples: int, seed: int) -> Tensor
         probs = torch.softmax(f.t(), dim=0).t() if f.shape[1] < 16 else torch.softmax(f, dim=1)
         u = torch.rand(f.shape[0], samples, generator=gen, dtype=torch.float64)
         return torch.searchsorted(probs.double().cumsum(1), u, right=True).clamp(max=f.shape[1] - 1).t()
+    if loss == "binary_cross_entropy":  # label 1 where a float64 uniform falls below sigmoid(f)
+        u = torch.rand((samples,) + tuple(f.shape), generator=gen, dtype=torch.float64)
+        return (u < torch.sigmoid(f).double()).to(f.dtype)
     return f.unsqueeze(0) + torch.randn((samples,) + tuple(f.shape), generator=gen, dtype=torch.float64).to(f.dtype)
 
 
@@ -163,17 +174,17 @@ class Reference:
         ms = []
         for n in range(self.N):
             if kind == "fisher":
-                y = self.targets[n].reshape(-1) if self.loss == "mse" else self.targets[n]
+                y = self.targets[n].reshape(-1) if elementwise(self.loss) else self.targets[n]
                 ms.append(hessian(lambda ff: nll(self.loss, ff, y))(f[n]))
             elif kind == "empirical_fisher":
-                y = self.targets[n].reshape(-1) if self.loss == "mse" else self.targets[n]
+                y = self.targets[n].reshape(-1) if elementwise(self.loss) else self.targets[n]
                 g = self._loss_grad(f[n], y)
                 ms.append(torch.outer(g, g))
             elif kind == "fisher_mc":
                 assert labels is not None
                 acc = torch.zeros(self.O, self.O, dtype=torch.float64)
                 for s in range(labels.shape[0]):
-                    y = labels[s, n].reshape(-1) if self.loss == "mse" else labels[s, n]
+                    y = labels[s, n].reshape(-1) if elementwise(self.loss) else labels[s, n]
                     g = self._loss_grad(f[n], y)
                     acc += torch.outer(g, g)
                 ms.append(acc / labels.shape[0])
@@ -196,7 +207,7 @@ class Reference:
                 f = self.forward(theta).reshape(self.N, self.O)
                 total = 0.0
                 for n in range(self.N):
-                    y = self.targets[n].reshape(-1) if self.loss == "mse" else self.targets[n]
+                    y = self.targets[n].reshape(-1) if elementwise(self.loss) else self.targets[n]
                     total = total + nll(self.loss, f[n], y)
                 return total / self.N
             # reverse-over-reverse on purpose: torch.func.hessian (forward-over-reverse) is wrong

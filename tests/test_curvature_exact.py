@@ -20,7 +20,7 @@ import curvature
 from reference import Reference, sample_labels
 
 FISHER_KINDS = ["fisher", "fisher_mc", "empirical_fisher"]
-LOSSES = ["cross_entropy", "mse"]
+LOSSES = ["cross_entropy", "mse", "binary_cross_entropy"]
 
 
 def _kw(kind: str) -> dict:
@@ -34,6 +34,8 @@ def _labels(ref: Reference, kind: str):
 def _targets(n: int, loss: str, gen: torch.Generator, out: int = 3) -> torch.Tensor:
     if loss == "cross_entropy":
         return torch.randint(0, out, (n,), generator=gen)
+    if loss == "binary_cross_entropy":
+        return torch.randint(0, 2, (n, out), generator=gen).double()
     return torch.randn(n, out, generator=gen, dtype=torch.float64)
 
 
@@ -175,6 +177,58 @@ def test_linear_softmax_fisher_closed_form() -> None:
         torch.testing.assert_close(c.dense(), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("out", [1, 3])
+def test_logistic_regression_fisher_equals_hessian_equals_closed_form(out: int) -> None:
+    """Linear logits, a Bernoulli on each: Fisher = GGN = Hessian = ``(1/N) Σ_n diag(p_n(1 − p_n)) ⊗ x̃_n x̃_nᵀ``
+    (one output: ``X̃ᵀ diag(p(1 − p)) X̃ / N``, logistic regression's); the empirical Fisher takes ``(p − y)²``."""
+    d, n = 3, 7
+    model, x, xt = _linear_data(n, d, out, True)
+    y = torch.randint(0, 2, (n, out), generator=torch.Generator().manual_seed(5)).double()
+    with torch.no_grad():
+        p = torch.sigmoid(model(x))
+    closed = sum(torch.kron(torch.diag(p[i] * (1 - p[i])), torch.outer(xt[i], xt[i])) for i in range(n)) / n
+    expected = _to_param_order(closed, out, d, True)
+    if out == 1:
+        torch.testing.assert_close(closed, xt.t() @ torch.diag(p[:, 0] * (1 - p[:, 0])) @ xt / n)
+    for kind in ("fisher", "hessian"):
+        c = curvature.compute(model, x, y, loss="binary_cross_entropy", kind=kind, approx="full")
+        torch.testing.assert_close(c.dense(), expected, rtol=0, atol=1e-12)
+    kfac = curvature.compute(model, x, y, loss="binary_cross_entropy", kind="fisher", approx="kfac").dense()
+    if out == 1:  # G is the scalar mean of p(1 − p) and A = X̃ᵀX̃/N: K-FAC drops their correlation
+        assert (kfac - expected).abs().max() > 1e-3
+    ef = curvature.compute(model, x, y, loss="binary_cross_entropy", kind="empirical_fisher", approx="full").dense()
+    r = p - y
+    ef_closed = sum(torch.kron(torch.outer(r[i], r[i]), torch.outer(xt[i], xt[i])) for i in range(n)) / n
+    torch.testing.assert_close(ef, _to_param_order(ef_closed, out, d, True), rtol=0, atol=1e-12)
+
+
+def test_binary_cross_entropy_is_torchs_loss() -> None:
+    """The NLL is ``F.binary_cross_entropy_with_logits`` summed over an example's outputs, so the Hessian kind
+    (the autograd Hessian of the mean NLL) is that of the loss a user writes: reduction='mean' for one output,
+    'sum' / N for several; soft labels too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.tensor([[0, 1], [1, 1], [0.3, 0], [1, 0], [0, 0.9]], dtype=torch.float64)
+    params = dict(model.named_parameters())
+    flat = torch.cat([q.detach().reshape(-1) for q in params.values()])
+
+    def loss(theta):
+        i, new = 0, {}
+        for k, q in params.items():
+            new[k] = theta[i:i + q.numel()].reshape(q.shape)
+            i += q.numel()
+        f = torch.func.functional_call(model, new, (x,))
+        return torch.nn.functional.binary_cross_entropy_with_logits(f, y, reduction="sum") / len(x)
+
+    expected = torch.func.hessian(loss)(flat)
+    c = curvature.compute(model, x, y, loss="binary_cross_entropy", kind="hessian", approx="full")
+    for name, (start, stop) in (("0", (0, 16)), ("2", (16, 26))):  # "full": one block per module
+        torch.testing.assert_close(c.blocks[name].dense(), expected[start:stop, start:stop], rtol=0, atol=1e-12)
+    ggn = curvature.compute(model, x, y, loss="binary_cross_entropy", kind="fisher", approx="full")
+    assert (c.blocks["0"].dense() - ggn.blocks["0"].dense()).abs().max() > 1e-4  # tanh: the Hessian is not the GGN
+
+
 def test_fisher_mc_converges_to_fisher() -> None:
     """Seeded: the relative error shrinks roughly like 1/√(N·S); 4000 samples leave a few percent."""
     torch.manual_seed(0)
@@ -202,6 +256,24 @@ def test_fisher_mc_mse_converges_to_fisher() -> None:
     mc = curvature.compute(model, x, y, loss="mse", kind="fisher_mc", approx="kfac", mc_samples=4000,
                            generator=torch.Generator().manual_seed(1)).dense()
     assert float((mc - exact).norm() / exact.norm()) < 0.05
+
+
+def test_fisher_mc_binary_cross_entropy_converges_to_fisher() -> None:
+    """Bernoulli labels drawn from sigmoid(f): their outer products average to ``diag(p(1 − p))``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (8, 2)).double()
+    exact = curvature.compute(model, x, y, loss="binary_cross_entropy", kind="fisher", approx="full").dense()
+
+    def rel_err(s: int) -> float:
+        mc = curvature.compute(model, x, y, loss="binary_cross_entropy", kind="fisher_mc", approx="full",
+                               mc_samples=s, generator=torch.Generator().manual_seed(1)).dense()
+        return float((mc - exact).norm() / exact.norm())
+
+    e_small, e_large = rel_err(4), rel_err(4000)
+    assert e_large < 0.05, e_large
+    assert e_large < e_small / 5, (e_small, e_large)
 
 
 def test_hessian_differs_from_ggn_for_tanh_network() -> None:

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 import curvature
-from models import MODELS, Norm3d, NormCNN, NormMLP, ResBNCNN, _randomize_norm_stats
+from models import MODELS, Norm3d, NormCNN, NormMLP, ResBNCNN, _randomize_norm_stats, _targets
 from reference import Reference, freeze_batchnorm, has_kfac, sample_labels
 
 ATOL = 1e-8
 KINDS = ["fisher", "fisher_mc", "empirical_fisher", "hessian"]
 FISHER_KINDS = ["fisher", "fisher_mc", "empirical_fisher"]
 SHAPES = ["full", "diag", "kfac"]
-LOSSES = ["cross_entropy", "mse"]
+LOSSES = ["cross_entropy", "mse", "binary_cross_entropy"]
 N = 4
 MC_SAMPLES = 3
 SEED = 1234
@@ -220,8 +220,7 @@ def _train_case(name: str, loss: str):
     model = _randomize_norm_stats(cls()).double().train()
     gen = torch.Generator().manual_seed(7)
     x = torch.randn((5,) + shape, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 3, (5,), generator=gen) if loss == "cross_entropy" else \
-        torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    y = _targets(5, loss, gen)
     ref = Reference(freeze_batchnorm(model, x), x, y, loss)
     return model, x, y, ref, after, before
 

@@ -95,6 +95,17 @@ def test_bayesian_digits_runs(tmp_path: Path) -> None:
     assert is_png(tmp_path / "ood_entropy.png") and str(tmp_path / "ood_entropy.png") in report["figures"]
 
 
+def test_binary_classification_runs(tmp_path: Path) -> None:
+    out = run_script("examples/binary_classification.py", "--epochs", "2", "--mc-samples", "2", "--no-progress",
+                     "--methods", *("adam", "sso-kfac", "sso-adaptive", "vi-diag", "vi-kfac"),
+                     "--json", str(tmp_path / "bc.json"))
+    assert "test NLL" in out
+    report = json.loads((tmp_path / "bc.json").read_text())
+    assert [r["method"] for r in report["results"]] == ["adam", "sso-kfac", "sso-adaptive", "vi-diag", "vi-kfac"]
+    for r in report["results"]:
+        assert set(r["test"]) == {"accuracy", "nll", "brier", "ece"} and r["skipped_steps"] == 0
+
+
 def test_bayesian_digits_entropy_plot_path_and_ivon(tmp_path: Path) -> None:
     pytest.importorskip("ivon")
     plot = tmp_path / "sub" / "entropy.png"

@@ -104,3 +104,40 @@ def test_sample_targets_and_fisher_mc_vectors_draw_the_same_labels() -> None:
     v = _categorical_mc_vectors(f, 2, torch.Generator().manual_seed(9))
     want = torch.stack([nll_grad(LossType.CROSS_ENTROPY, f, y) for y in ys]) * (1.0 / 2 ** 0.5)
     assert torch.equal(v, want)
+
+
+@pytest.mark.parametrize("shape", [(5,), (5, 1), (5, 3), (5, 1, 2, 2)])
+@pytest.mark.parametrize("scale", [0.1, 3.0, 60.0])
+def test_bernoulli_factor_reproduces_output_hessian(shape, scale) -> None:
+    """``Σ_k S_k S_kᵀ = ∂²ℓ/∂f²`` of ``ℓ = Σ BCE(f, y)`` (independent of ``y``) for one logit, several, a mask;
+    saturated logits (×60) keep the diagonal ``p(1 − p)`` to float64 round-off, not ``0`` from ``1 − p``."""
+    f = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * scale
+    s = sqrt_output_hessian(LossType.BINARY_CROSS_ENTROPY, f)
+    d = f[0].numel()
+    assert s.shape == (d,) + shape
+    m = s.reshape(d, 5, d)
+    got = torch.einsum("kni,knj->nij", m, m)
+    y = torch.zeros(d, dtype=torch.float64)
+    want = torch.stack([torch.autograd.functional.hessian(
+        lambda z: torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum"), fn)
+        for fn in f.reshape(5, d)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)  # (autograd's 1 − p rounds to 0 when saturated)
+    e = torch.exp(-f.reshape(5, d).abs())
+    torch.testing.assert_close(got, torch.diag_embed(e / (1 + e) ** 2), rtol=1e-12, atol=0)  # p(1 − p), no rounding
+
+
+def test_bernoulli_draws_are_seeded_match_fisher_mc_and_have_the_distribution() -> None:
+    """fisher_mc's Bernoulli vectors are ``p − ỹ`` at the labels sample_targets draws from the same stream (bit
+    for bit, float32 and float64 alike); the draws' mean is ``p``."""
+    from curvature.likelihoods import backprop_vectors, nll_grad, sample_targets
+    from curvature.options import Kind
+    f = torch.randn(40, 3, generator=torch.Generator().manual_seed(3)) * 2
+    ys = sample_targets(LossType.BINARY_CROSS_ENTROPY, f, 2, torch.Generator().manual_seed(9))
+    assert ys.shape == (2, 40, 3) and set(ys.unique().tolist()) <= {0.0, 1.0}
+    v = backprop_vectors(LossType.BINARY_CROSS_ENTROPY, Kind.FISHER_MC, f, None, 2, torch.Generator().manual_seed(9))
+    want = torch.stack([nll_grad(LossType.BINARY_CROSS_ENTROPY, f, y) for y in ys]) * (1.0 / 2 ** 0.5)
+    torch.testing.assert_close(v, want, rtol=0, atol=0)
+    ys64 = sample_targets(LossType.BINARY_CROSS_ENTROPY, f.double(), 2, torch.Generator().manual_seed(9))
+    assert torch.equal(ys64.float(), ys)
+    many = sample_targets(LossType.BINARY_CROSS_ENTROPY, f[:4], 20000, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(many.mean(0), torch.sigmoid(f[:4]), rtol=0, atol=0.02)

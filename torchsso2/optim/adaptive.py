@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from curvature.blocks.base import owned_all_finite
 from curvature.hook_marks import LocalHook, in_func_transform
-from curvature.likelihoods import class_softmax, loss_rows, mean_nll
+from curvature.likelihoods import bernoulli_std, class_softmax, loss_rows, mean_nll
 from curvature.options import Kind, LossType
 from curvature.root_calls import NestedCalls
 from curvature.uses_static import observer_hook
@@ -178,7 +178,8 @@ def _rng_of(call: Call) -> Iterator[None]:
 
 def output_hessian_root(loss: LossType, outputs: Tensor, u: Tensor, class_dim: int = 1) -> Tensor:
     """``r_n`` with ``r_nᵀ r'_n = u_nᵀ H_n u'_n`` for every example (shape of ``u``): categorical
-    ``√p ⊙ (u − pᵀu)`` (``H = diag p − p pᵀ``), Gaussian ``u``. A Gram matrix of these is positive
+    ``√p ⊙ (u − pᵀu)`` (``H = diag p − p pᵀ``), Gaussian ``u``, Bernoulli ``√(p(1 − p)) ⊙ u``
+    (``H = diag(p(1 − p))``, ``p = sigmoid(f)``). A Gram matrix of these is positive
     semi-definite in floating point too: the expanded ``Σ p u² − (pᵀu)²`` cancels where the softmax is
     saturated (a converged model: float32 gave −64 for a value ≥ 0) and made the quadratic model
     indefinite. ``class_dim``: the dimension of the classes in ``outputs`` and ``u`` (the last for
@@ -187,6 +188,8 @@ def output_hessian_root(loss: LossType, outputs: Tensor, u: Tensor, class_dim: i
     if loss is LossType.CROSS_ENTROPY:
         p = class_softmax(outputs.detach(), class_dim)
         return p.sqrt() * (u - (p * u).sum(class_dim, keepdim=True))
+    if loss is LossType.BINARY_CROSS_ENTROPY:
+        return bernoulli_std(outputs.detach()) * u
     return u
 
 

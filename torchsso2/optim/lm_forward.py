@@ -119,6 +119,9 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) ->
 
 def nll_description(loss: LossType) -> str:
     """What the mean NLL of ``loss=`` is, for the loss-scale warnings."""
+    if loss is LossType.BINARY_CROSS_ENTROPY:
+        return ("F.binary_cross_entropy_with_logits summed over an example's outputs, mean over the examples: "
+                "reduction='mean' for one output per example, reduction='sum' divided by N for several")
     return "½·Σ over the outputs, mean over the examples" if loss is LossType.MSE \
         else "F.cross_entropy with reduction='mean'"
 

@@ -161,7 +161,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             The curvature changes fastest at the start of training, where an estimate from the
             initial weights reused for ``curv_update_interval`` steps preconditions badly (see
             docs/guide.md "Transformers").
-        loss: ``"cross_entropy"`` or ``"mse"``: the likelihood of the model's output.
+        loss: ``"cross_entropy"``, ``"mse"`` or ``"binary_cross_entropy"`` (a Bernoulli on each logit:
+            binary and multi-label classifiers): the likelihood of the model's output.
         mc_samples: sampled labels per example for ``fisher_mc``.
         kl_clip: kfac_pytorch-style KL clipping of the preconditioned update: the update is scaled
             by ``ν`` so that ``Σ lr²·Δᵀd`` (twice the KL divergence the step implies under the
@@ -250,7 +251,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     log-likelihood (``F.cross_entropy(out, y)``; for ``loss="mse"`` ``½‖y − f‖²`` over all of an example's
     outputs, averaged over the examples, i.e. ``0.5 * (out - y).pow(2).reshape(len(out), -1).sum(1).mean()``
     — ``.sum(-1).mean()`` for ``[N, D]`` outputs, not for ``[N, T, D]`` —, not ``F.mse_loss``, which is
-    ``2/D`` of it for ``D`` outputs per example, ``T·D`` for ``[N, T, D]``); a closure loss ``c``× that
+    ``2/D`` of it for ``D`` outputs per example, ``T·D`` for ``[N, T, D]``; for ``loss="binary_cross_entropy"``
+    ``F.binary_cross_entropy_with_logits`` summed over an example's outputs, averaged over the examples: its
+    ``reduction="mean"`` for one output per example); a closure loss ``c``× that
     scales the step by ``c`` (in adaptive mode too, which warns when given ``targets`` for a closure
     running one forward). ``targets`` is required for
     ``curvature="hessian"`` (``opt.step(closure, targets=y)``: the Hessian of the mean loss is

@@ -172,8 +172,10 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             worse on the CNN at a small lr; docs/defaults.md, ``benchmarks/vi_kfac_intervals.py``),
             1 and 1 for ``"full"`` and dicts (:mod:`torchsso2.optim.vi_schedule`). Explicit values
             are used as given.
-        loss: ``"cross_entropy"`` or ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``;
-            ``F.mse_loss`` also averages over the D outputs: ``2/D`` of it). The closure's loss is the mean
+        loss: ``"cross_entropy"``, ``"mse"`` (the closure returns the unit-variance ``½·mean_n ‖y_n − f_n‖²``;
+            ``F.mse_loss`` also averages over the D outputs: ``2/D`` of it) or ``"binary_cross_entropy"`` (a
+            Bernoulli on each logit: ``F.binary_cross_entropy_with_logits`` summed over an example's outputs, mean
+            over the examples; ``predict`` averages ``sigmoid(output)``). The closure's loss is the mean
             negative log-likelihood (``reduction="mean"``, no L2 term: the prior is built in); a first step
             given ``targets`` and returning ``(loss, output)`` warns when its gradient is not (a factor ``c`` on
             the gradient weighs the data ``c``-fold in the mean's update; with ``"reparam"`` in the
@@ -261,7 +263,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         self.damping = check_number("damping", damping, low=0.0)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         defaults = dict(lr=lr, momentum=momentum)
-        if noise_variance is not None and loss != "mse":
+        if noise_variance is not None and parse(LossType, loss, "loss") is not LossType.MSE:
             raise ValueError(f"noise_variance is the variance of the Gaussian likelihood of loss='mse'; got "
                              f"noise_variance={noise_variance!r} with loss={loss!r}")
         #: σ² of the Gaussian likelihood (1 unless loss="mse" with noise_variance=...)
@@ -439,7 +441,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
 
         ``closure``: zero-grads, runs the model's forward, calls ``backward()`` and returns the loss (a
         tensor of one element) or ``(loss, output)`` (the model output, ``[N, ...]``). ``targets``: the
-        batch's labels ``[N]`` (targets ``[N, ...]`` for ``loss="mse"``), needed by
+        batch's labels ``[N]`` (targets of the output's shape for ``loss="mse"`` and ``"binary_cross_entropy"``), needed by
         ``noise_variance="learned"``."""
         self._check_step_call(closure)
         check_targets(targets)

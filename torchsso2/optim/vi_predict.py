@@ -115,7 +115,8 @@ class PosteriorUse:
     @torch.no_grad()
     def predict(self, x: Tensor, num_samples: int = 32, generator: Optional[torch.Generator] = None,
                 return_variance: bool = False, antithetic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-        """Bayesian model average: mean over posterior samples of softmax(model(x)) (or of the output for mse).
+        """Bayesian model average: mean over posterior samples of softmax(model(x)) (of sigmoid(model(x)), the
+        probability of each label, for ``loss="binary_cross_entropy"``; of the output for mse).
 
         With ``return_variance=True`` (``loss="mse"`` only) it returns ``(mean, variance)``, both of the
         output's shape (e.g. ``[B, K]``): the mean and the variance of the predictive mixture
@@ -160,17 +161,15 @@ class PosteriorUse:
                     raise ValueError(
                         f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: no class "
                         "dimension, so the softmax would run over the examples. Return logits [B, C]; for a binary "
-                        "classifier on one logit z, output [-z/2, z/2] (the same probabilities), or average "
-                        "torch.sigmoid(model(x)) over samples yourself (`with opt.sampled_params(generator=g):` with one "
-                        "torch.Generator g for all of them)")
+                        "classifier on one logit use loss='binary_cross_entropy' (predict() then averages "
+                        "sigmoid(output))")
                 if self.engine.loss is LossType.CROSS_ENTROPY and out.dim() > 1 and out.shape[-1] == 1:
                     raise ValueError(
                         f"predict() with loss='cross_entropy' got outputs of shape {tuple(out.shape)}: the softmax "
-                        "over one logit is 1 everywhere. For a binary classifier on one logit z, average "
-                        "torch.sigmoid(model(x)) over samples yourself (`with opt.sampled_params(generator=g):` with one "
-                        "torch.Generator g for all of them), or output two logits ([-z/2, z/2] gives the same "
-                        "probabilities)")
-                y = torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else out
+                        "over one logit is 1 everywhere. For a binary classifier on one logit use "
+                        "loss='binary_cross_entropy' (predict() then averages sigmoid(output))")
+                y = torch.softmax(out, dim=-1) if self.engine.loss is LossType.CROSS_ENTROPY else \
+                    torch.sigmoid(out) if self.engine.loss is LossType.BINARY_CROSS_ENTROPY else out
                 y = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y  # sums in float32 at least
                 if mean is None:
                     mean, dtype = y.clone(), out.dtype
