@@ -235,9 +235,11 @@ def draw_binary(probs: Tensor, num_samples: int, generator: Optional[torch.Gener
     """``num_samples`` Bernoulli draws of every entry of ``probs``: ``[S, *probs.shape]`` bool, ``True`` where
     ``u < p`` for one uniform ``u`` per draw (``torch.rand`` of ``generator`` in float64, whatever the dtype of
     ``probs``, as :func:`draw_classes`: a seeded generator draws the same labels for a float32 model and its
-    float64 copy, up to the rounding of ``probs``). A probability of 0 is never drawn, 1 always."""
-    u = torch.rand((num_samples,) + tuple(probs.shape), generator=generator, dtype=torch.float64, device=probs.device)
-    return u < probs.to(torch.float64)
+    float64 copy, up to the rounding of ``probs``). A probability of 0 is never drawn, 1 always. The uniforms
+    are drawn example-major (``[*probs.shape, S]``, as :func:`draw_classes`' ``[N, S]``), so a batch split into
+    micro-batches in order draws the same labels as the whole batch."""
+    u = torch.rand(tuple(probs.shape) + (num_samples,), generator=generator, dtype=torch.float64, device=probs.device)
+    return u.movedim(-1, 0) < probs.to(torch.float64)
 
 
 def sqrt_output_hessian(loss: LossType, outputs: Tensor) -> Tensor:

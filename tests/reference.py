@@ -63,8 +63,8 @@ def sample_labels(loss: str, outputs: Tensor, samples: int, seed: int) -> Tensor
         probs = torch.softmax(f.t(), dim=0).t() if f.shape[1] < 16 else torch.softmax(f, dim=1)
         u = torch.rand(f.shape[0], samples, generator=gen, dtype=torch.float64)
         return torch.searchsorted(probs.double().cumsum(1), u, right=True).clamp(max=f.shape[1] - 1).t()
-    if loss == "binary_cross_entropy":  # label 1 where a float64 uniform falls below sigmoid(f)
-        u = torch.rand((samples,) + tuple(f.shape), generator=gen, dtype=torch.float64)
+    if loss == "binary_cross_entropy":  # label 1 where a float64 uniform (drawn example-major) falls below sigmoid(f)
+        u = torch.rand(tuple(f.shape) + (samples,), generator=gen, dtype=torch.float64).movedim(-1, 0)
         return (u < torch.sigmoid(f).double()).to(f.dtype)
     return f.unsqueeze(0) + torch.randn((samples,) + tuple(f.shape), generator=gen, dtype=torch.float64).to(f.dtype)
 

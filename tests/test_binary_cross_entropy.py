@@ -8,6 +8,7 @@ cancer data), ``VIOptimizer.predict``, the loss-scale check and the errors.
 """
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -223,3 +224,46 @@ def test_noise_variance_belongs_to_the_gaussian_in_any_spelling():
     with pytest.raises(ValueError, match="noise_variance is the variance of the Gaussian likelihood"):
         VIOptimizer(model, dataset_size=10, loss=BCE, noise_variance=0.5)
     assert VIOptimizer(model, dataset_size=10, loss="MSE", noise_variance=0.5).noise.variance == 0.5
+
+
+def test_the_peers_benchmark_runs_with_or_without_its_peers(tmp_path):
+    """``benchmarks/peers_bce.py`` skips a missing peer by name; an installed one agrees to float64 round-off."""
+    import json
+
+    from benchmarks import peers_bce
+
+    peers_bce.main(["--json", str(tmp_path / "p.json")])
+    report = json.loads((tmp_path / "p.json").read_text())
+    for name in ("curvlinops", "backpack"):
+        assert (name in report["skipped"]) != any(r["peer"] == name for r in report["rows"])
+    assert all(r["agrees"] for r in report["rows"])
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_a_batch_split_into_micro_batches_draws_the_same_labels(samples):
+    """The Monte-Carlo labels are drawn example-major, as the categorical ones: the closure's two micro-batches
+    (5 + 7 examples, losses weighted by their share) give the one-batch curvature, for several samples too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 2, (12, 2)).double()
+
+    def run(splits):
+        m = copy.deepcopy(model)
+        opt = SecondOrderOptimizer(m, loss=BCE, mc_samples=samples, seed=5, approx="full")
+
+        def closure():
+            opt.zero_grad()
+            outs, start = [], 0
+            for n in splits:
+                out = m(x[start:start + n])
+                (F.binary_cross_entropy_with_logits(out, y[start:start + n], reduction="sum") / 12).backward()
+                outs.append(out)
+                start += n
+            return torch.tensor(0.0), torch.cat(outs)
+
+        opt.step(closure, targets=y)
+        return {k: b.dense() for k, b in opt.running.blocks.items()}
+
+    whole, split = run([12]), run([5, 7])
+    for k in whole:
+        torch.testing.assert_close(split[k], whole[k], rtol=1e-10, atol=1e-12)

@@ -126,3 +126,41 @@ def test_an_auxiliary_logit_term_gets_a_warning_that_does_not_only_advise_mse() 
         return loss, out
     with pytest.warns(UserWarning, match=r"auxiliary term on the logits.*the step is right"):
         opt.step(closure)
+
+
+class _DictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        features = torch.tanh(self.body(x))
+        return {"logits": self.head(features), "features": features}
+
+
+@pytest.mark.parametrize("returns", ["model output", "selected output"])
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_the_loss_check_reads_a_returned_dict_and_an_already_selected_output(returns: str, scale: float) -> None:
+    """With ``output_selector=lambda o: o["logits"]`` a closure may return the model's dict or the logits it
+    picked: the first step's comparison of the loss with the mean NLL reads either (a 2× loss is warned about,
+    the NLL itself is not), and applying the selector to the logits (a tensor indexed by a string, which torch
+    warns about before it raises) leaves no warning behind."""
+    torch.manual_seed(0)
+    model = _DictModel()
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher", output_selector=lambda o: o["logits"])
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = scale * F.cross_entropy(out["logits"], y)
+        loss.backward()
+        return loss, (out if returns == "model output" else out["logits"])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step(closure, targets=y)
+    texts = [str(w.message) for w in caught]
+    assert not any("non-tuple sequence" in t for t in texts), texts
+    assert any("not the mean NLL" in t or "mean negative log-likelihood" in t for t in texts) is (scale != 1.0), texts

@@ -98,16 +98,20 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) ->
     """``(loss, mean NLL of output and targets)`` under ``opt``'s likelihood (``loss=``, its
     ``output_selector``); None where that cannot be told (no targets, an output that is not a tensor
     of the parameters' dtype, a loss of more than one element, targets that do not fit the output)."""
-    if not isinstance(targets, Tensor) or not isinstance(output, Tensor) \
-            or not isinstance(loss, Tensor) or loss.numel() != 1:
+    if not isinstance(targets, Tensor) or not isinstance(loss, Tensor) or loss.numel() != 1:
         return None
-    if output.dtype not in (torch.float32, torch.float64) \
-            or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
-        return None  # (half precision: the two computations' rounding alone differs by up to 1%)
     engine = opt.engine
     with torch.no_grad():
         try:
-            selected = engine.select_output(output.detach())
+            output = engine.select_returned_output(output, targets)  # the model's output, or the pick already
+        except Exception:  # a selector that does not fit what the closure returned: nothing to tell
+            return None
+    if output.dtype not in (torch.float32, torch.float64) \
+            or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
+        return None  # (half precision: the two computations' rounding alone differs by up to 1%)
+    with torch.no_grad():
+        try:
+            selected = output.detach()
             # the output of the batch the targets are of: a micro-batch's output broadcasts against the
             # whole batch's regression targets ([1, D] against [N, D]) without an error
             check_outputs_targets(engine.loss, selected, targets)
@@ -121,7 +125,8 @@ def nll_description(loss: LossType) -> str:
     """What the mean NLL of ``loss=`` is, for the loss-scale warnings."""
     if loss is LossType.BINARY_CROSS_ENTROPY:
         return ("F.binary_cross_entropy_with_logits summed over an example's outputs, mean over the examples: "
-                "reduction='mean' for one output per example, reduction='sum' divided by N for several")
+                "reduction='mean' for one output per example, reduction='sum' divided by N for several (their "
+                "reduction='mean' is 1/D of it for D outputs per example)")
     return "½·Σ over the outputs, mean over the examples" if loss is LossType.MSE \
         else "F.cross_entropy with reduction='mean'"
 
