@@ -192,25 +192,6 @@ class CurvatureEngine:
                             "lambda out: out[0]")
         return out
 
-    def select_returned_output(self, output: Any, targets: Optional[Tensor] = None) -> Tensor:
-        """The tensor the loss is computed from, of the output a closure returned: the model's output
-        (:meth:`select_output`'s pick) or, as closures often return it, that pick already: a tensor the
-        ``output_selector`` does not fit, or whose pick does not fit ``targets``, is taken as it is (the
-        selector's attempt is quiet: ``out["logits"]`` of a tensor warns in torch before it raises). Anything
-        else goes to :meth:`select_output` (its TypeError for what is no tensor)."""
-        if self.output_selector is None or not isinstance(output, Tensor):
-            return self.select_output(output)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                picked = self.select_output(output)
-                if targets is not None:
-                    likelihoods.check_outputs_targets(self.loss, picked, targets)
-                return picked
-            except (RuntimeError, ValueError, IndexError, KeyError, TypeError, AttributeError):
-                pass
-        return output
-
     def capture(self, on_output: Optional[Callable[[Tensor], None]] = None,
                 record_backward: bool = False) -> Capture:
         """A context manager recording the next forward of the model.

@@ -177,3 +177,53 @@ def test_one_step_call_counts_at_most_one_skip():
         opt.step(make_closure(opt, model, x, y), targets=y)
         increments.append(opt.num_skipped - before)
     assert max(increments) == 1 and sum(increments) >= 3, increments  # skips happened, one per call at most
+
+
+def _indefinite_case(**kw):
+    """The Hessian of a tanh MLP with a small damping: adaptive mode's quadratic model has negative curvature
+    along some steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", damping=0.2, ema_decay=0.0,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True, **kw)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(12):
+        x = 2 * torch.randn(8, 4, generator=g, dtype=torch.float64)
+        batches.append((x, torch.randint(0, 3, (8,), generator=g)))
+    return model, opt, batches
+
+
+@pytest.mark.parametrize("adaptive_damping", [False, True])
+def test_a_quadratic_model_without_minimum_is_skipped_under_its_own_name(adaptive_damping, caplog):
+    """Negative curvature along the step is no non-finite value: the skip says so (and names the ways out), and
+    with ``adaptive_damping`` the damping is raised as after a failed step, which the skip keeps."""
+    model, opt, batches = _indefinite_case(adaptive_damping=adaptive_damping)
+    seen = False
+    for x, y in batches:
+        before, damping = opt.num_skipped, opt.damping
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="torchsso2"):
+            opt.step(make_closure(opt, model, x, y), targets=y)
+        if opt.num_skipped > before and "has no minimum" in caplog.text:
+            seen = True
+            assert "non-finite" not in caplog.text
+            assert "take a Fisher kind" in caplog.text
+            assert (opt.damping > damping) is adaptive_damping
+    assert seen
+
+
+def test_a_step_failing_for_a_named_reason_raises_with_it():
+    """Under ``on_nonfinite="raise"`` a skip with a reason (no minimum of the quadratic model) raises with that
+    reason, not as a non-finite value."""
+    _, opt, _ = _indefinite_case(on_nonfinite="raise")
+    with pytest.raises(NonFiniteError, match=r"^the reason at step 0; the optimizer state is unchanged$"):
+        opt._nonfinite("preconditioned update", reason="the reason")
+
+
+def test_a_streak_of_steps_without_minimum_stalls_under_its_own_name():
+    model, opt, batches = _indefinite_case(max_consecutive_skips=1)
+    with pytest.raises(NonFiniteError, match=r"consecutive steps were skipped at step \d+: the adaptive step's "
+                                             r"quadratic model has no minimum"):
+        for x, y in batches:
+            opt.step(make_closure(opt, model, x, y), targets=y)

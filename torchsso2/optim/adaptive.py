@@ -440,6 +440,9 @@ class AdaptiveCoefficients:
         self.recorder = InputRecorder()
         self._names: Optional[Tuple[Tuple[int, ...], List[str]]] = None
         #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
+        #: whether the last :func:`adaptive_step` found no minimum of the quadratic model (negative curvature along
+        #: the step: the Hessian of a non-convex loss), not a non-finite step
+        self.no_minimum = False
         self.last: Dict[str, float] = {"learning_rate": float("nan"), "momentum": float("nan"),
                                        "quad_model": float("nan"), "steps": 0}
 
@@ -588,6 +591,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     (the predicted change of the loss; NaN at a step that reused the last coefficients), or None
     (nothing changed) when the step is not finite or the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
+    ada.no_minimum = False
     plan = opt._plans.get(params, groups, opt.running.blocks)
     wds = plan.values("weight_decay")
     vecs = [p.grad.detach() if not wd else p.grad.detach() + wd * p.detach() for p, wd in zip(params, wds)]
@@ -627,6 +631,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
                    f"{str(params[0].dtype).replace('torch.', '')}: run the model in float32 under autocast, or "
                    "in bfloat16)") if half and "nan" in str(err) else ""
             logger.warning("step %d: %s%s; no update", opt.num_steps, err, why)
+            ada.no_minimum = not why
             return None
         if loss is not None:
             objective = loss + decay_term(params, wds)

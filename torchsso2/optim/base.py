@@ -660,26 +660,31 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self._streak.taken()
 
     def _nonfinite(self, what: str, snapshot: Optional[StepUndo] = None,
-                   found: Optional[Callable[[], str]] = None) -> None:
+                   found: Optional[Callable[[], str]] = None, reason: Optional[str] = None) -> None:
         """Apply the non-finite policy: raise, or undo what the closure changed (``snapshot``: random
         streams, BatchNorm statistics), log and count a skipped step. ``num_steps`` does not advance,
         so the skipped step leaves the schedule and the random streams as if the batch was never seen.
-        ``found`` names the non-finite tensors (called only for the stall error)."""
+        ``found`` names the non-finite tensors (called only for the stall error). ``reason``: why the step
+        fails when nothing is non-finite (it then replaces "non-finite ``what``" in the messages)."""
         if snapshot is not None:
             snapshot.restore()
+        problem = reason if reason is not None else f"non-finite {what}"
         if self.on_nonfinite == "raise":
             details = found() if found is not None else ""
-            raise NonFiniteError(f"non-finite {what} at step {self.num_steps}" + (f" ({details})" if details else "")
+            raise NonFiniteError(f"{problem} at step {self.num_steps}" + (f" ({details})" if details else "")
                                  + "; the optimizer state is unchanged")
         self._count_skip()
         limit = self._streak.limit
         details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""
-        streak = self._streak.skipped(self.num_steps, what, details)
+        streak = self._streak.skipped(self.num_steps, what, details, reason)
         # one line for the 1st, 2nd, 5th, 10th, 20th, ... skip (the others at DEBUG level)
         (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
-            "step %d skipped: non-finite %s (skipped so far: %d; logged at 1, 2, 5, 10, 20, ... skips)",
-            self.num_steps, what, self.num_skipped)
+            "step %d skipped: %s (skipped so far: %d; logged at 1, 2, 5, 10, 20, ... skips)",
+            self.num_steps, problem, self.num_skipped)
         if streak in (10, 100, 1000) and (limit is None or streak < limit):
+            if reason is not None:
+                logger.error("%d consecutive steps were skipped, so training has stalled: %s.", streak, reason)
+                return
             logger.error("%d consecutive steps were skipped: the model produces non-finite values at every step, so "
                          "training has stalled. Increase damping (or prior_precision / decrease dataset_size for "
                          "VIOptimizer), lower lr, or restore a checkpoint.", streak)

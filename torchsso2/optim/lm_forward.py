@@ -91,19 +91,46 @@ def closure_loss_and_nll(opt: Any, recorder: Any, targets: Optional[Tensor], los
     targets, several forwards, targets that do not fit the output)."""
     if len(recorder.calls) != 1 or len(recorder.outputs) != 1 or recorder.outputs[0] is not output:
         return None
-    return loss_and_nll(opt, targets, loss, output)
+    return loss_and_nll(opt, targets, loss, output, model_output=True)
 
 
-def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any) -> Optional[Tuple[float, float]]:
+def returned_pick(engine: Any, output: Any, targets: Tensor) -> Tensor:
+    """The tensor the loss is computed from, of the output a closure returned: the ``output_selector``'s pick
+    of the model's output, or the returned tensor itself where the closure returned that pick already (the
+    selector raises on it, or its pick does not fit ``targets`` while the tensor does). A selector that also
+    fits its own pick (``o[:, 1:]``) is applied to it. The attempt is quiet: torch warns about
+    ``tensor["logits"]`` before it raises (only the first step's checks try it)."""
+    if engine.output_selector is None or not isinstance(output, Tensor):
+        return engine.select_output(output)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            picked = engine.select_output(output)
+        except (RuntimeError, ValueError, IndexError, KeyError, TypeError, AttributeError):
+            return output
+
+    def fits(t: Tensor) -> bool:
+        try:
+            check_outputs_targets(engine.loss, t, targets)
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            return False
+        return True
+    return output if not fits(picked) and fits(output) else picked
+
+
+def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, model_output: bool = False
+                 ) -> Optional[Tuple[float, float]]:
     """``(loss, mean NLL of output and targets)`` under ``opt``'s likelihood (``loss=``, its
     ``output_selector``); None where that cannot be told (no targets, an output that is not a tensor
-    of the parameters' dtype, a loss of more than one element, targets that do not fit the output)."""
+    of the parameters' dtype, a loss of more than one element, targets that do not fit the output).
+    ``output``: what the closure returned (:func:`returned_pick`), or with ``model_output`` the model's own
+    output (its selector's pick is taken)."""
     if not isinstance(targets, Tensor) or not isinstance(loss, Tensor) or loss.numel() != 1:
         return None
     engine = opt.engine
     with torch.no_grad():
         try:
-            output = engine.select_returned_output(output, targets)  # the model's output, or the pick already
+            output = engine.select_output(output) if model_output else returned_pick(engine, output, targets)
         except Exception:  # a selector that does not fit what the closure returned: nothing to tell
             return None
     if output.dtype not in (torch.float32, torch.float64) \

@@ -436,7 +436,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         else:
             applied = self._apply_update(params, groups)
         if not applied:
-            self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
+            if self.adaptive is not None and self.adaptive.no_minimum:
+                self._skip_without_minimum(snapshot)
+            else:
+                self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         taken = True
         if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
@@ -459,6 +462,19 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 self._set_damping(self.lm.update(math.nan, math.nan))
             self._nonfinite("loss after the update (adaptive_damping's evaluation; the update was undone)")
         return loss, output
+
+    def _skip_without_minimum(self, snapshot: Any) -> None:
+        """Adaptive mode's quadratic model has no minimum (negative curvature along the step, as the Hessian of a
+        non-convex loss can have): the step is skipped as a non-finite one is, under its own name, and with
+        ``adaptive_damping`` the damping is raised as after a failed step (ρ = −∞), which the next steps' model
+        takes (a larger damping adds ``λ·‖step‖²`` to its curvature)."""
+        if self.lm is not None and self.on_nonfinite == "skip":
+            self._set_damping(self.lm.update(math.nan, math.nan))
+        remedy = ("adaptive_damping raises the damping after each such step" if self.lm is not None
+                  else "raise damping, or pass adaptive_damping=True to raise it after each such step")
+        self._nonfinite("", snapshot, reason=(
+            f"the adaptive step's quadratic model has no minimum (negative curvature along the step; curvature="
+            f"{self.engine.kind.value!r}); {remedy}, or take a Fisher kind (the GGN has no negative curvature)"))
 
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
         own = super()._categorical_use(targets)

@@ -121,10 +121,16 @@ class SkipStreak:
         """A step was taken: the streak ends."""
         self.count = 0
 
-    def skipped(self, step: int, what: str, details: str = "") -> int:
+    def skipped(self, step: int, what: str, details: str = "", reason: Optional[str] = None) -> int:
         """One more skipped step (``step``: the step index, ``what``: what was non-finite, ``details``:
-        which tensors); returns the length of the streak."""
+        which tensors; ``reason``: why the step failed where nothing was non-finite); returns the length of the
+        streak."""
         self.count += 1
+        if self.limit is not None and self.count >= self.limit and reason is not None:
+            raise NonFiniteError(
+                f"training has stalled: {self.count} consecutive steps were skipped at step {step}: {reason}. "
+                "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. The optimizer "
+                "state is as before the first skipped step, except the damping adaptive_damping raised.")
         if self.limit is not None and self.count >= self.limit:
             found = f" (this step: {details})" if details else ""
             cause = ("The damped curvature is singular (damping=0 with a rank-deficient estimate, e.g. fewer examples "

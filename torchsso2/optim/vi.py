@@ -473,7 +473,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
                 if self.noise.learned:
                     residuals.append(ObservationNoise.mean_squared_residual(
-                        None if output is None else self.engine.select_returned_output(output, targets), targets))
+                        None if output is None else self.engine.select_output(output), targets))
                 if self.reparam and estimate:
                     for name, h in self._reparam_sample(noise).items():
                         hats[name] = hats[name] + h if name in hats else h
