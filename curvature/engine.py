@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from typing import AbstractSet, Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -574,11 +573,11 @@ class CurvatureEngine:
         """All K backward passes as one vmapped backward (``is_grads_batched``), as BackPACK
         backpropagates the K columns of √H together; None when some op of the graph has no
         batching rule (the caller then loops over the K vectors)."""
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # vmap's "falling back to a slow path" performance warnings
-                g = torch.autograd.grad(outputs, outs, grad_outputs=vectors.to(outputs.dtype), retain_graph=True,
-                                        allow_unused=True, is_grads_batched=True)
+        try:  # (vmap's "falling back to a slow path" warnings are off unless the user turned them on:
+            # torch._C._debug_only_display_vmap_fallback_warnings; no catch_warnings here, whose exit at every
+            # curvature step would reset Python's once-per-location warning registry for the user's warnings)
+            g = torch.autograd.grad(outputs, outs, grad_outputs=vectors.to(outputs.dtype), retain_graph=True,
+                                    allow_unused=True, is_grads_batched=True)
         except RuntimeError as err:  # an op without a batching rule, or an in-place op under vmap
             logger.debug("batched backward unavailable (%s); looping over %d vectors", err, vectors.shape[0])
             return None

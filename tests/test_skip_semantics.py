@@ -227,3 +227,27 @@ def test_a_streak_of_steps_without_minimum_stalls_under_its_own_name():
                                              r"quadratic model has no minimum"):
         for x, y in batches:
             opt.step(make_closure(opt, model, x, y), targets=y)
+
+
+def test_a_non_finite_quadratic_model_is_a_non_finite_skip_not_a_missing_minimum(caplog):
+    """A NaN gradient at a step that neither estimates nor decomposes (its gradients are not checked there)
+    reaches the quadratic model as NaN entries, which fail its positive-definiteness test too: that is a
+    non-finite step, and the damping stays."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = SecondOrderOptimizer(model, curvature="fisher", approx="kfac", curv_update_interval=2, inv_update_interval=2,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True, adaptive_damping=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    opt.step(make_closure(opt, model, x, y), targets=y)
+
+    def poisoned():
+        loss, out = make_closure(opt, model, x, y)()
+        model[0].weight.grad[0, 0] = float("nan")
+        return loss, out
+
+    damping = opt.damping
+    with caplog.at_level("DEBUG", logger="torchsso2"):
+        opt.step(poisoned, targets=y)
+    assert opt.num_skipped == 1 and opt.damping == damping
+    assert "non-finite" in caplog.text and "has no minimum" not in caplog.text

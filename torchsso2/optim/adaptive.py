@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -215,9 +216,11 @@ def _dual_jvps(model: nn.Module, names: Sequence[str], select: Callable[[Any], T
     """The output of a recorded forward and ``J v`` (flattened) for every direction: one
     forward-mode pass (dual numbers) per direction, with the forward's RNG state and buffer copies."""
     f = _functional(model, names, select, call)
-    with warnings.catch_warnings():  # torch's first make_dual loads its JVP decompositions by torch.jit.script,
-        warnings.simplefilter("ignore", DeprecationWarning)  # deprecated: 18 DeprecationWarnings of torch's own
-        import torch._decomp.decompositions_for_jvp  # noqa: F401  (once: Python keeps the module)
+    if "torch._decomp.decompositions_for_jvp" not in sys.modules:  # once: catch_warnings' exit resets Python's
+        # once-per-location warning registry, which the user's warnings rely on
+        with warnings.catch_warnings():  # torch's first make_dual loads its JVP decompositions by torch.jit.script,
+            warnings.simplefilter("ignore", DeprecationWarning)  # deprecated: 18 DeprecationWarnings of torch's own
+            import torch._decomp.decompositions_for_jvp  # noqa: F401
     jvs = []
     out = None
     for v in directions:
@@ -440,11 +443,13 @@ class AdaptiveCoefficients:
         self.recorder = InputRecorder()
         self._names: Optional[Tuple[Tuple[int, ...], List[str]]] = None
         #: the last step's ``learning_rate = −α``, ``momentum = μ``, ``quad_model = M(w)``, ``steps``
-        #: whether the last :func:`adaptive_step` found no minimum of the quadratic model (negative curvature along
-        #: the step: the Hessian of a non-convex loss), not a non-finite step
-        self.no_minimum = False
         self.last: Dict[str, float] = {"learning_rate": float("nan"), "momentum": float("nan"),
                                        "quad_model": float("nan"), "steps": 0}
+        #: whether the last :func:`adaptive_step` found no minimum of the quadratic model (finite, with negative
+        #: curvature along the step: the Hessian of a non-convex loss), not a non-finite step
+        self.no_minimum = False
+        #: whether the last solved quadratic model's entries were all finite (set by :meth:`coefficients`)
+        self.model_finite = False
 
     def record(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return self.recorder.record(model)
@@ -517,7 +522,9 @@ class AdaptiveCoefficients:
         if any(wds):
             decay = inner_products(dirs, dirs, wds).tolist()
             a = [[a[i][j] + decay[i][j] for j in range(k)] for i in range(k)]
-        w, value = _solve_lists(a, [inner[i][k] for i in range(k)], fixed, collinear_rtol(params[0].dtype))
+        bv = [inner[i][k] for i in range(k)]
+        self.model_finite = all(math.isfinite(x) for row in a for x in row) and all(math.isfinite(x) for x in bv)
+        w, value = _solve_lists(a, bv, fixed, collinear_rtol(params[0].dtype))
         f = [0.0 if c is None else float(c) for c in fixed]  # the fixed part alone: M there, for within_objective
         base = 0.5 * sum(f[i] * a[i][j] * f[j] for i in range(k) for j in range(k)) \
             + sum(f[i] * inner[i][k] for i in range(k))
@@ -591,7 +598,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     (the predicted change of the loss; NaN at a step that reused the last coefficients), or None
     (nothing changed) when the step is not finite or the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
-    ada.no_minimum = False
+    ada.no_minimum = ada.model_finite = False
     plan = opt._plans.get(params, groups, opt.running.blocks)
     wds = plan.values("weight_decay")
     vecs = [p.grad.detach() if not wd else p.grad.detach() + wd * p.detach() for p, wd in zip(params, wds)]
@@ -631,7 +638,9 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
                    f"{str(params[0].dtype).replace('torch.', '')}: run the model in float32 under autocast, or "
                    "in bfloat16)") if half and "nan" in str(err) else ""
             logger.warning("step %d: %s%s; no update", opt.num_steps, err, why)
-            ada.no_minimum = not why
+            # finite entries: negative curvature along the step; NaN/inf ones (a non-finite gradient at a step
+            # that does not check it, an overflow) fail the same test and are a non-finite step
+            ada.no_minimum = bool(not why and ada.model_finite)
             return None
         if loss is not None:
             objective = loss + decay_term(params, wds)

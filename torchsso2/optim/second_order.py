@@ -468,10 +468,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         non-convex loss can have): the step is skipped as a non-finite one is, under its own name, and with
         ``adaptive_damping`` the damping is raised as after a failed step (ρ = −∞), which the next steps' model
         takes (a larger damping adds ``λ·‖step‖²`` to its curvature)."""
-        if self.lm is not None and self.on_nonfinite == "skip":
+        raising = self.lm is not None and self.on_nonfinite == "skip"
+        if raising:
             self._set_damping(self.lm.update(math.nan, math.nan))
-        remedy = ("adaptive_damping raises the damping after each such step" if self.lm is not None
-                  else "raise damping, or pass adaptive_damping=True to raise it after each such step")
+        remedy = ("adaptive_damping raises the damping after each such step" if raising else "raise damping"
+                  + ("" if self.lm is not None else ", or pass adaptive_damping=True to raise it after each such step"))
         self._nonfinite("", snapshot, reason=(
             f"the adaptive step's quadratic model has no minimum (negative curvature along the step; curvature="
             f"{self.engine.kind.value!r}); {remedy}, or take a Fisher kind (the GGN has no negative curvature)"))

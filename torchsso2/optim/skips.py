@@ -130,7 +130,7 @@ class SkipStreak:
             raise NonFiniteError(
                 f"training has stalled: {self.count} consecutive steps were skipped at step {step}: {reason}. "
                 "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. The optimizer "
-                "state is as before the first skipped step, except the damping adaptive_damping raised.")
+                "state is as before the first skipped step (but for the damping, where adaptive_damping raised it).")
         if self.limit is not None and self.count >= self.limit:
             found = f" (this step: {details})" if details else ""
             cause = ("The damped curvature is singular (damping=0 with a rank-deficient estimate, e.g. fewer examples "
