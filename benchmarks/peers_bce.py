@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import curvature  # noqa: E402
+from benchmarks._peer_utils import max_rel_diff, peer, peer_versions, skip_message  # noqa: E402
 from benchmarks.common import machine_info, markdown_table, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,13 +79,6 @@ def block_difference(ours: curvature.Curvature, ref: Tensor) -> float:
     return worst / float(ref.abs().max())
 
 
-def peer(name: str) -> Optional[Any]:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
 def compare(model_name: str, build: Callable[[], nn.Module], seed: int, skipped: Dict[str, str]) -> List[Dict[str, Any]]:
     torch.manual_seed(seed)
     model = build().double()
@@ -99,7 +92,7 @@ def compare(model_name: str, build: Callable[[], nn.Module], seed: int, skipped:
 
     cl = peer("curvlinops")
     if cl is None:
-        skipped["curvlinops"] = "not installed (pip install curvlinops-for-pytorch)"
+        skipped["curvlinops"] = skip_message("curvlinops")
     else:
         summed = nn.BCEWithLogitsLoss(reduction="sum")
         for quantity, kind, op in (("full GGN", "fisher", cl.GGNLinearOperator),
@@ -114,7 +107,7 @@ def compare(model_name: str, build: Callable[[], nn.Module], seed: int, skipped:
                              block_difference(ours(kind, "kfac"), (op @ eye) / BATCH)))
     bp = peer("backpack")
     if bp is None:
-        skipped["backpack"] = "not installed (pip install backpack-for-pytorch)"
+        skipped["backpack"] = skip_message("backpack")
     elif y.shape[1] == 1:
         from backpack.extensions import DiagGGNExact
 
@@ -125,23 +118,13 @@ def compare(model_name: str, build: Callable[[], nn.Module], seed: int, skipped:
             warnings.simplefilter("ignore")  # its hooks on the extended model (not ours)
             loss.backward()
         ref = torch.cat([p.diag_ggn_exact.reshape(-1) for p in ext.parameters()])
-        rows.append(_row("diagonal GGN", model_name, "backpack", "DiagGGNExact",
-                         float((mine - ref).abs().max()) / float(ref.abs().max())))
+        rows.append(_row("diagonal GGN", model_name, "backpack", "DiagGGNExact", max_rel_diff(mine, ref)))
     return rows
 
 
 def _row(quantity: str, model: str, peer_name: str, method: str, rel: float) -> Dict[str, Any]:
     return {"quantity": quantity, "model": model, "peer": peer_name, "method": method, "max_rel_diff": rel,
             "agrees": rel <= TOLERANCE}
-
-
-def _version(distribution: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -165,8 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(markdown_table(["quantity", "model", "peer", "method", "max rel. diff"],
                              [[r["quantity"], r["model"], r["peer"], r["method"], f"{r['max_rel_diff']:.1e}"]
                               for r in rows]))
-    versions = {m: _version(dist) for m, dist in (("curvlinops", "curvlinops-for-pytorch"),
-                                                   ("backpack", "backpack-for-pytorch"))}
+    versions = {m: v for m, v in peer_versions().items() if m in ("curvlinops", "backpack")}
     report = {"machine": machine_info(), "peers": versions, "tolerance": TOLERANCE, "rows": rows, "skipped": skipped}
     write_json(args.json, report)
     print(f"results: {args.json}")

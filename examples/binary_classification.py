@@ -41,12 +41,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from examples.common import add_common_args, positive_float, positive_int, progress_bar, setup_run, write_json  # noqa: E402
-from torchsso2 import SecondOrderOptimizer, VIOptimizer  # noqa: E402
+from torchsso2 import SecondOrderOptimizer, VIOptimizer, metrics  # noqa: E402
 
 METHODS = ("adam", "sso-kfac", "sso-adaptive", "vi-diag", "vi-kfac")
 #: each method's learning rate when --lr is not given: the library's default (adaptive mode solves its own)
 DEFAULT_LRS = {"adam": 1e-3, "sso-kfac": 1e-2, "sso-adaptive": None, "vi-diag": 1e-2, "vi-kfac": 1e-2}
-BINS = 10
 
 
 def load_data(seed: int = 0) -> Dict[str, Tensor]:
@@ -101,21 +100,10 @@ def probabilities(method: str, model: nn.Module, opt: Any, x: Tensor, seed: int,
     return p
 
 
-def metrics(p: Tensor, y: Tensor) -> Dict[str, float]:
-    """Accuracy, mean NLL (nats), Brier score and the expected calibration error of the predicted label's
-    confidence ``max(p, 1 − p)`` over :data:`BINS` equal-width bins."""
-    p64, y64 = p.double().clamp(1e-12, 1 - 1e-12), y.double()
-    pred = (p64 > 0.5).double()
-    conf = torch.where(pred == 1, p64, 1 - p64)
-    correct = (pred == y64).double()
-    ece = 0.0
-    for b in range(BINS):
-        low, high = 0.5 + 0.5 * b / BINS, 0.5 + 0.5 * (b + 1) / BINS
-        inside = (conf > low) & (conf <= high) if b else (conf >= low) & (conf <= high)
-        if inside.any():
-            ece += float(inside.double().mean()) * abs(float(conf[inside].mean() - correct[inside].mean()))
-    return {"accuracy": float(correct.mean()), "nll": float(F.binary_cross_entropy(p64, y64)),
-            "brier": float((p64 - y64).pow(2).mean()), "ece": ece}
+def scores(p: Tensor, y: Tensor) -> Dict[str, float]:
+    """Accuracy, NLL, ECE and Brier score (:func:`torchsso2.metrics.evaluate`, as the other examples report them)
+    of the probabilities ``p(y = 1 | x)`` ``[N]``, seen as the two classes' ``[N, 2]``."""
+    return metrics.evaluate(torch.stack([1 - p, p], dim=1), y.long())
 
 
 def train(method: str, data: Dict[str, Tensor], args: argparse.Namespace, lr: Optional[float]) -> Dict[str, Any]:
@@ -146,7 +134,7 @@ def train(method: str, data: Dict[str, Tensor], args: argparse.Namespace, lr: Op
     result: Dict[str, Any] = {"method": method, "lr": lr if lr is not None else DEFAULT_LRS[method]}
     for split in ("val", "test"):
         p = probabilities(method, model, opt, data[f"x_{split}"], args.seed, args.mc_samples)
-        result[split] = metrics(p, data[f"y_{split}"])
+        result[split] = scores(p, data[f"y_{split}"])
     result["skipped_steps"] = int(getattr(opt, "num_skipped", 0))
     return result
 

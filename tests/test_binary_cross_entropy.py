@@ -23,18 +23,14 @@ from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.optim.adaptive import InputRecorder, ggn_gram, output_hessian_inner
 
 from optim_helpers import flat, param_vec
+from reference import nll
 
 BCE = "binary_cross_entropy"
 
 
-def _bernoulli_nll(f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``Σ −y log σ(f) − (1 − y) log σ(−f)``, written out (not torch's loss)."""
-    return -(y * F.logsigmoid(f) + (1 - y) * F.logsigmoid(-f)).sum()
-
-
 def test_ggn_gram_is_jt_h_j_with_the_bernoulli_output_hessian():
     """Adaptive mode's Gram of two directions under the Bernoulli likelihood against ``Vᵀ (Jᵀ H J / N) V`` with
-    ``H_n`` the autograd Hessian of the written-out NLL in the logits (not the library's square root)."""
+    ``H_n`` the autograd Hessian of the reference's written-out NLL in the logits (not the library's square root)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     g = torch.Generator().manual_seed(1)
@@ -58,7 +54,7 @@ def test_ggn_gram_is_jt_h_j_with_the_bernoulli_output_hessian():
 
     jac = torch.autograd.functional.jacobian(forward, theta)  # [N, 3, P]
     out = model(x).detach()
-    h = torch.stack([torch.func.hessian(lambda f: _bernoulli_nll(f, y[n]))(out[n]) for n in range(6)])
+    h = torch.stack([torch.func.hessian(lambda f: nll(BCE, f, y[n]))(out[n]) for n in range(6)])
     ggn = torch.einsum("ncp,ncd,ndq->pq", jac, h, jac) / x.shape[0]
     vs = torch.stack([flat(d) for d in dirs])
     torch.testing.assert_close(gram, vs @ ggn @ vs.t(), rtol=1e-12, atol=1e-12)
@@ -226,7 +222,7 @@ def test_noise_variance_belongs_to_the_gaussian_in_any_spelling():
     assert VIOptimizer(model, dataset_size=10, loss="MSE", noise_variance=0.5).noise.variance == 0.5
 
 
-def test_the_peers_benchmark_runs_with_or_without_its_peers(tmp_path):
+def test_the_peers_benchmark_runs_with_or_without_its_peers(tmp_path, monkeypatch):
     """``benchmarks/peers_bce.py`` skips a missing peer by name; an installed one agrees to float64 round-off."""
     import json
 
@@ -237,6 +233,10 @@ def test_the_peers_benchmark_runs_with_or_without_its_peers(tmp_path):
     for name in ("curvlinops", "backpack"):
         assert (name in report["skipped"]) != any(r["peer"] == name for r in report["rows"])
     assert all(r["agrees"] for r in report["rows"])
+    monkeypatch.setenv("BENCH_DISABLE_PEERS", "all")  # the skip path, whatever is installed
+    peers_bce.main(["--json", str(tmp_path / "none.json")])
+    report = json.loads((tmp_path / "none.json").read_text())
+    assert report["rows"] == [] and set(report["skipped"]) == {"curvlinops", "backpack"}
 
 
 @pytest.mark.parametrize("samples", [1, 3])

@@ -639,8 +639,8 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
                    "in bfloat16)") if half and "nan" in str(err) else ""
             logger.warning("step %d: %s%s; no update", opt.num_steps, err, why)
             # finite entries: negative curvature along the step; NaN/inf ones (a non-finite gradient at a step
-            # that does not check it, an overflow) fail the same test and are a non-finite step
-            ada.no_minimum = bool(not why and ada.model_finite)
+            # that does not check it, an overflow: `why`) fail the same test and are a non-finite step
+            ada.no_minimum = ada.model_finite
             return None
         if loss is not None:
             objective = loss + decay_term(params, wds)

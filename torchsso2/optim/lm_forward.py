@@ -130,15 +130,13 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, mo
     engine = opt.engine
     with torch.no_grad():
         try:
-            output = engine.select_output(output) if model_output else returned_pick(engine, output, targets)
+            selected = engine.select_output(output) if model_output else returned_pick(engine, output, targets)
         except Exception:  # a selector that does not fit what the closure returned: nothing to tell
             return None
-    if output.dtype not in (torch.float32, torch.float64) \
-            or any(p.dtype != output.dtype for g in opt.param_groups for p in g["params"]):
-        return None  # (half precision: the two computations' rounding alone differs by up to 1%)
-    with torch.no_grad():
+        if selected.dtype not in (torch.float32, torch.float64) \
+                or any(p.dtype != selected.dtype for g in opt.param_groups for p in g["params"]):
+            return None  # (half precision: the two computations' rounding alone differs by up to 1%)
         try:
-            selected = output.detach()
             # the output of the batch the targets are of: a micro-batch's output broadcasts against the
             # whole batch's regression targets ([1, D] against [N, D]) without an error
             check_outputs_targets(engine.loss, selected, targets)

@@ -126,12 +126,13 @@ class SkipStreak:
         which tensors; ``reason``: why the step failed where nothing was non-finite); returns the length of the
         streak."""
         self.count += 1
-        if self.limit is not None and self.count >= self.limit and reason is not None:
-            raise NonFiniteError(
-                f"training has stalled: {self.count} consecutive steps were skipped at step {step}: {reason}. "
-                "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. The optimizer "
-                "state is as before the first skipped step (but for the damping, where adaptive_damping raised it).")
         if self.limit is not None and self.count >= self.limit:
+            if reason is not None:
+                raise NonFiniteError(
+                    f"training has stalled: {self.count} consecutive steps were skipped at step {step}: {reason}. "
+                    "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. The "
+                    "optimizer state is as before the first skipped step (but for the damping, where adaptive_damping "
+                    "raised it).")
             found = f" (this step: {details})" if details else ""
             cause = ("The damped curvature is singular (damping=0 with a rank-deficient estimate, e.g. fewer examples "
                      "than a Kronecker factor's size) or not finite (the model diverged or the data holds NaN/inf)"
