@@ -1,6 +1,7 @@
 """One-shot curvature of a batch: ``curvature.compute(model, inputs, targets, ...)``."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
@@ -11,6 +12,7 @@ from .likelihoods import check_targets, outputs_finite
 from .options import LossType, check_generator
 from .result import Curvature
 from .selection import ApproxSpec, SkipSpec
+from .stacklevel import caller_stacklevel
 
 
 #: the error for a 0-dim model output (the optimizers' too)
@@ -89,6 +91,22 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
                 b.copy_(value)
 
 
+def warn_if_class_layout_is_ambiguous(loss: LossType, outputs: Tensor, targets: Optional[Tensor]) -> None:
+    """Warn where ``[N, C, H, W, ...]`` logits could be ``F.cross_entropy``'s layout (classes at dim 1) as well as
+    the curvature's (classes last) because ``C`` equals the spatial sizes, so that the targets' shape fits both
+    (``C = H = W``). The optimizers tell the two apart from the loss's gradient; ``compute`` has no loss of the
+    user's to read. (Three dims, ``[N, T, C]`` with ``T = C``, are a sequence model's logits: no warning.)"""
+    if loss is not LossType.CROSS_ENTROPY or targets is None or outputs.dim() < 4:
+        return
+    if tuple(targets.shape) == tuple(outputs.shape[:-1]) == tuple(outputs.shape[:1] + outputs.shape[2:]):
+        warnings.warn(
+            f"logits of shape {tuple(outputs.shape)} with targets {tuple(targets.shape)}: the classes are taken from "
+            f"the last dimension ({outputs.shape[-1]} classes); if the model gives F.cross_entropy's layout with "
+            "the classes at dim 1 ([N, C, H, W], a segmentation model), pass "
+            "output_selector=lambda out: out.movedim(1, -1) (the shapes fit both layouts here)",
+            UserWarning, stacklevel=caller_stacklevel())
+
+
 def _estimate(engine: CurvatureEngine, model: nn.Module, args: Tuple[Tensor, ...], targets: Tensor,
               generator: Optional[torch.Generator]) -> Curvature:
     """:func:`compute`'s recorded forward and estimate."""
@@ -108,6 +126,8 @@ def _estimate(engine: CurvatureEngine, model: nn.Module, args: Tuple[Tensor, ...
                              "there is undefined; check the inputs and the parameters for NaN/inf")
         if targets is not None and targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
             raise ValueError("targets has non-finite (NaN/inf) entries: the curvature there is undefined")
+        if engine.output_selector is None:  # (a selector's pick is the layout its author meant)
+            warn_if_class_layout_is_ambiguous(engine.loss, outputs, targets)
         blocks = engine.estimate(cap, outputs, targets, generator)
     return Curvature(blocks=blocks, layouts=engine.layouts, kind=engine.kind.value,
                      approx={n: a.value for n, a in engine.approx.items()})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import AbstractSet, Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from . import likelihoods, sequence
 from .blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from .blocks.base import compute_dtype
-from .blocks.layout import kfac_dense_sides
+from .blocks.layout import held_parameters, kfac_dense_sides
 from .capture import Capture, ModuleRecord, batch_norm_modules
 from .cost import warn_full_blocks, warn_kfac_factors
 from .hessian import hessian_blocks
@@ -204,6 +205,8 @@ class CurvatureEngine:
                 f"modules {self.generic} have no layer curvature (their blocks are filled from the parameters' "
                 f"gradients alone, VIOptimizer's curvature='reparam'); kind={self.kind.value!r} needs each covered "
                 f"layer's inputs and output gradients, which only the layers {SUPPORTED_LAYERS} give")
+        for lay in self.layouts.values():  # a covered parameter a reparametrization (prune, parametrize) moved since:
+            held_parameters(lay.name, lay.module, lay.param_names)  # its own error, not the functional use shown later
         own_backward = not record_backward and self.kind is not Kind.HESSIAN
         # from the user's backward, a family that reads only the output's shape needs no clone of it
         # (Capture's shape_only; digits CNN at batch 128: ~25 µs a curvature step)
@@ -415,10 +418,14 @@ class CurvatureEngine:
                              "(`if rows.numel(): out = out.index_add(0, rows, expert(x[rows]))`)"
                              + ("; a module some batches do not call keeps its curvature from those that do"
                                 if self.allow_uncalled else ""))
+        skip = [f"^{re.escape(n)}$" for n in missing]
         raise ValueError(f"covered modules {missing} were not called in the forward pass (with gradients "
-                         "enabled); exclude them with skip_modules or freeze their parameters (if a parent module "
-                         "computes with their parameters itself, as nn.MultiheadAttention does with "
-                         "out_proj, skip the parent: its submodules are skipped with it). Reentrant activation "
+                         f"enabled); exclude them with skip_modules={skip!r} or freeze their parameters. The "
+                         "curvature records module calls: a module whose parameters the forward uses without "
+                         "calling it (F.linear(x, lin.weight), lin.forward(x), or a parent computing with them "
+                         "itself, as nn.MultiheadAttention does with out_proj: skip the parent, its submodules are "
+                         "skipped with it) or calls only inside torch.vmap / torch.func transforms is not seen; "
+                         "call the module (lin(x)) outside such transforms to cover it. Reentrant activation "
                          "checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) runs them under "
                          "torch.no_grad, which the curvature capture cannot see: use use_reentrant=False")
 

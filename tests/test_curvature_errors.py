@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -380,6 +381,22 @@ def test_cross_entropy_class_dim_1_layout_names_the_fix() -> None:
     assert c.dense().abs().max() > 0
 
 
+def test_cross_entropy_logits_whose_shapes_fit_both_layouts_warn() -> None:
+    """``[N, C, H, W]`` logits with ``C = H = W`` and ``[N, H, W]`` targets fit both layouts: compute takes the
+    classes last (as documented) and warns with the fix; with an ``output_selector`` or a ``[N, T, C]`` sequence
+    output with ``T = C`` it does not."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 1)).double()
+    x = torch.randn(5, 2, 3, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (5, 3, 3))
+    with pytest.warns(UserWarning, match=re.escape("output_selector=lambda out: out.movedim(1, -1)")):
+        curvature.compute(model, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        curvature.compute(model, x, y, output_selector=lambda out: out.movedim(1, -1))
+        seq = nn.Linear(4, 3).double()
+        curvature.compute(seq, torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5, 3)))
+
+
 def test_ignore_index_targets_point_to_the_masking_recipe() -> None:
     """-100 (F.cross_entropy's ignore_index) in the targets: the range error says how to leave the positions
     out; the one-logit error names the empirical Fisher from the user's backward too."""
@@ -394,3 +411,32 @@ def test_ignore_index_targets_point_to_the_masking_recipe() -> None:
         curvature.compute(model, x, y, kind="fisher", approx="diag")
     with pytest.raises(ValueError, match=r"one class.*curvature='empirical_fisher' without targets"):
         curvature.compute(nn.Linear(4, 1), x, y.clamp(min=0), kind="fisher", approx="diag")
+
+
+@pytest.mark.parametrize("how", ["functional", "forward_method", "vmap"])
+def test_a_module_used_without_a_call_is_named_with_the_skip_and_the_call(how) -> None:
+    """A module whose weights the forward uses without calling it (``F.linear(x, lin.weight)``, ``lin.forward(x)``)
+    or calls only inside ``torch.vmap``: the error says the curvature records module calls, gives the exact
+    ``skip_modules`` pattern, and the way to cover it."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 5)
+            self.b = nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if how == "functional":
+                return torch.nn.functional.linear(h, self.b.weight, self.b.bias)
+            if how == "forward_method":
+                return self.b.forward(h)
+            return torch.vmap(self.b)(h)
+
+    model = Net().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with pytest.raises(ValueError, match=r"covered modules \['b'\] were not called") as err:
+        curvature.compute(model, x, y, kind="fisher")
+    text = str(err.value)
+    assert "skip_modules=['^b$']" in text and "F.linear(x, lin.weight)" in text and "torch.vmap" in text
+    c = curvature.compute(model, x, y, kind="fisher", skip_modules=["^b$"])  # the pattern given works
+    assert list(c.blocks) == ["a"]

@@ -76,7 +76,7 @@ def test_inverse_method_still_decomposes_again_after_a_damping_change():
     model, opt, closure, _ = _setup(lr=0.1, kl_clip=None, kfac_method="inverse")
     for _ in range(2):
         opt.step(closure)
-    assert opt.damping != 0.1 and not opt._decomposed  # LM changed it at step 1: decompose at step 2
+    assert opt.damping != 0.1 and opt._redamp_pending  # LM changed it at step 1: decompose at step 2
 
 
 def test_adaptive_checkpoint_across_redamps_resumes_bit_exactly():

@@ -71,6 +71,38 @@ def test_learned_noise_with_an_output_selector() -> None:
     assert opt.noise.variance != 1.0
 
 
+def test_learned_noise_reads_a_returned_pick_as_the_returned_model_output() -> None:
+    """A closure may return the selector's pick (``out["pred"]``) instead of the model's dict: the residuals,
+    and so the learned noise, are the same (the selector applied to the pick raised ``TypeError``)."""
+    class Dict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return {"pred": self.lin(x), "aux": x.sum(1)}
+
+    x, y = torch.randn(32, 3, generator=torch.Generator().manual_seed(1)), torch.randn(32, 2)
+    noise = {}
+    for returns in ("dict", "pick"):
+        torch.manual_seed(0)
+        model = Dict()
+        opt = VIOptimizer(model, dataset_size=64, loss="mse", noise_variance="learned",
+                          output_selector=lambda o: o["pred"])
+
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            loss = 0.5 * (out["pred"] - y).pow(2).sum(1).mean()
+            loss.backward()
+            return loss, (out if returns == "dict" else out["pred"])
+        for _ in range(3):
+            opt.step(closure, targets=y)
+        noise[returns] = opt.noise.variance
+    assert noise["dict"] != 1.0
+    assert noise["pick"] == noise["dict"]
+
+
 def test_predict_refuses_logits_without_a_class_dimension() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0))

@@ -187,14 +187,18 @@ def roundoff_damping(damping: float, largest: Union[Tensor, float], eps: float) 
     return max(damping, eps * largest) if math.isfinite(largest) else damping
 
 
-def check_positive(evals: Tensor, what: str, size: int = 0, stored: Optional[torch.dtype] = None) -> None:
+def check_positive(evals: Tensor, what: str, size: int = 0, stored: Optional[torch.dtype] = None,
+                   additive_damping: bool = False) -> None:
     """Raise LinalgError when a damped spectrum is not strictly positive or not finite.
 
     ``size``: the order ``n`` of the matrix the eigenvalues come from, given where they carry its
     rounding and nothing lifts them off zero (damping 0): an eigenvalue within ``n·eps·max|λ|`` of
     zero is then a zero eigenvalue of a singular matrix (round-off made it tiny and positive) and
     raises too; a solve would divide by it (a step of 1e18). ``stored``: the dtype the matrix was held in
-    when it is coarser than the eigenvalues' (float32 factors decomposed in float64 carry float32's rounding)."""
+    when it is coarser than the eigenvalues' (float32 factors decomposed in float64 carry float32's rounding).
+    ``additive_damping``: ``evals`` are ``scale·λ(C) + damping`` (a diagonal or full block): the error then carries
+    ``damping_shortfall``, how much more damping would lift the smallest of them to the rounding (a
+    damping rule's answer to an indefinite Hessian; K-FAC's damping enters through its factors)."""
     from ..linalg import LinalgError
 
     if not evals.numel():
@@ -206,6 +210,9 @@ def check_positive(evals: Tensor, what: str, size: int = 0, stored: Optional[tor
               else 0.0)
     rounding = size * eps * float(evals.abs().max()) if size else 0.0
     if low <= rounding:
-        raise LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}"
-                          + (f", within the rounding {rounding:.1e} of zero: singular" if low > 0 else "")
-                          + "); increase damping")
+        error = LinalgError(f"{what}: damped curvature is not positive definite (smallest eigenvalue {low:.3e}"
+                            + (f", within the rounding {rounding:.1e} of zero: singular" if low > 0 else "")
+                            + "); increase damping")
+        if additive_damping:
+            error.damping_shortfall = rounding - low
+        raise error

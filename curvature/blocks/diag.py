@@ -37,7 +37,7 @@ class DiagBlock(Block):
         check_damping(damping)
         diag = self.diagonal.to(dtype) if dtype is not None else self.diagonal
         denom = scale * diag + damping
-        check_positive(denom, f"diag block {self.layout.name!r}")
+        check_positive(denom, f"diag block {self.layout.name!r}", additive_damping=True)
         self.decomposition = {"denom": denom}
 
     def _reciprocals(self) -> Tuple[List[Tensor], Tensor, List[Tensor]]:

@@ -49,7 +49,7 @@ class FullBlock(Block):
             added = roundoff_damping(damping, scale * evals.max(), coarsest_eps(evals.dtype, self.matrix.dtype))
         denom = scale * evals + added
         check_positive(denom, f"full block {self.layout.name!r}", size=self.matrix.shape[0] if damping == 0 else 0,
-                       stored=self.matrix.dtype)
+                       stored=self.matrix.dtype, additive_damping=not psd)
         self.decomposition = {"evecs": evecs, "denom": denom}
 
     def solve(self, vecs: Sequence[Tensor]) -> List[Tensor]:

@@ -1,7 +1,7 @@
 """The one exception type of the linear-algebra backends."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["LinalgError", "remedy"]
 
@@ -20,3 +20,7 @@ class LinalgError(ValueError):
     damping or ``dtype=torch.float64``). Subclasses :class:`ValueError` so callers
     that already catch bad-value errors keep working.
     """
+
+    #: for a diagonal or full block whose damped eigenvalues ``scale·λ(C) + damping`` were not all positive:
+    #: how much the damping falls short of making the smallest one positive (None otherwise)
+    damping_shortfall: Optional[float] = None

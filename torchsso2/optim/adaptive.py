@@ -115,7 +115,7 @@ class InputRecorder:
                     self.activations.skip()
                 return
             started = self.activations.start(module, args, kwargs) if self.activations is not None else None
-            open_calls[-1] = ((args, dict(kwargs), _rng_states(module)), started)
+            open_calls[-1] = ((args, dict(kwargs), rng_states(module)), started)
 
         def out_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             opened = open_calls.pop() if open_calls else None
@@ -155,7 +155,7 @@ def _functional(model: nn.Module, names: Sequence[str], select: Callable[[Any], 
     return f
 
 
-def _rng_states(module: nn.Module) -> Tuple[Tensor, Dict[int, Tensor]]:
+def rng_states(module: nn.Module) -> Tuple[Tensor, Dict[int, Tensor]]:
     """The CPU RNG state and that of each CUDA device holding ``module``'s parameters (dropout on a GPU
     draws from the device's generator): what a recorded forward saw."""
     if not torch.cuda.is_initialized():  # no CUDA tensor can exist: no walk over the parameters at every step
@@ -169,7 +169,16 @@ def _rng_states(module: nn.Module) -> Tuple[Tensor, Dict[int, Tensor]]:
 def _rng_of(call: Call) -> Iterator[None]:
     """Run with the RNG states the recorded forward saw, CPU and CUDA (restored afterwards): its dropout masks,
     and the user's streams left as they were."""
-    cpu, cuda = call[2]
+    with replayed_rng(call[2]):
+        yield
+
+
+@contextlib.contextmanager
+def replayed_rng(states: Tuple[Tensor, Dict[int, Tensor]]) -> Iterator[None]:
+    """Run with the RNG ``states`` of :func:`rng_states` (CPU, and each CUDA device's), restored afterwards: the
+    random numbers drawn inside are those drawn after the states were taken, and the user's streams stay as
+    they were before the block."""
+    cpu, cuda = states
     with torch.random.fork_rng(devices=list(cuda)):
         torch.set_rng_state(cpu)
         for device, state in cuda.items():

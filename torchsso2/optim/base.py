@@ -192,6 +192,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self._frozen_in_groups = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._frozen_outside = [p for p in model.parameters() if not p.requires_grad] if implicit else []
         self._decomposed = False
+        #: the decompositions are of an earlier damping (:meth:`SecondOrderOptimizer._set_damping`): the next step
+        #: decomposes again, and keeps them where that fails
+        self._redamp_pending = False
         #: several processes: the optimizer averages the gradients itself unless a DDP wrapper did (its own
         #: model's wrapper too: a parameter DDP does not sync, frozen when DDP was built and trainable now,
         #: had gone unaveraged and the replicas drifted apart): whether one did, per step (ddp_sync.py)
@@ -713,14 +716,21 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         so it extends the streak of skipped steps (``max_consecutive_skips`` raises at its limit)."""
         if self.on_nonfinite == "raise":
             raise NonFiniteError(f"decomposition failed at step {self.num_steps}: {error}")
+        raised_to = self._damping_after_failed_decomposition(error)
         self._count_skip()
         in_float64 = self.decomposition_dtype == torch.float64 or all(
             p.dtype == torch.float64 for p in self.engine.params)
         (logger.warning if worth_reporting(self.num_skipped) else logger.debug)(
             "%s", decomposition_failed(self.num_steps, error, self._decomposed, torch.float64 if in_float64 else None,
-                                       indefinite=self.engine.kind is Kind.HESSIAN, damping=damping))
+                                       indefinite=self.engine.kind is Kind.HESSIAN, damping=damping,
+                                       raised_to=raised_to))
         if not self._decomposed:
             self._streak.skipped(self.num_steps, "or failed decomposition", str(error))
+
+    def _damping_after_failed_decomposition(self, error: object) -> Optional[float]:
+        """A face with a damping rule raises the damping after a failed decomposition and returns the new one;
+        None: the damping stays (the default)."""
+        return None
 
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
@@ -733,7 +743,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             if error is not None:
                 self._decomposition_failed(error, damping)
                 return False
-            self._decomposed = True
+            self._decomposed, self._redamp_pending = True, False
             return True
         try:
             self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype,
@@ -741,7 +751,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         except LinalgError as err:
             self._decomposition_failed(err, damping)
             return False
-        self._decomposed = True
+        self._decomposed, self._redamp_pending = True, False
         return True
 
     # ---- distributed helpers [issue #7] --------------------------------------------------------

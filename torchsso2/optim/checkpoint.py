@@ -13,7 +13,10 @@ What it checks, against the optimizer and the model (never the checkpoint agains
 * every curvature statistic and decomposition: the shape a block of this model's layout has
   (K-FAC factors ``[r, r]`` or ``[r]`` and ``[c, c]`` or ``[c]`` for the layer's ``[r, c]``
   parameter matrix, diagonal ``[P]``, full ``[P, P]``), a floating dtype, finite values;
-* the generator state, the counters and the face's own entries (damping).
+* the generator state, the counters and the face's own entries (damping);
+* the likelihood (``loss=``): statistics of another loss are refused; statistics of another curvature
+  kind (``fisher_mc`` saved, ``hessian`` loading) load with a warning, as they are related estimates
+  (older checkpoints carry neither and load as before).
 
 It returns the checkpoint's pieces converted for this model (statistics in the parameters'
 compute dtype and device, decompositions on the parameters' device, state tensors cloned so the
@@ -21,6 +24,7 @@ optimizer never writes into the caller's checkpoint): :class:`CheckedCheckpoint`
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,6 +35,7 @@ from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock, Layout
 from curvature.blocks.base import compute_dtype
 from curvature.blocks.layout import kfac_dims
 from curvature.selection import unwrapped_name
+from curvature.stacklevel import caller_stacklevel
 
 _BLOCK_TYPES = {"full": FullBlock, "diag": DiagBlock, "kfac": KFACBlock}
 
@@ -235,6 +240,17 @@ def _across_wrappers(extra: Dict[str, Any], covered: Dict[str, List[str]]) -> Di
     return out
 
 
+def _check_likelihood(opt: Any, extra: Dict[str, Any]) -> None:
+    """A checkpoint's ``loss=`` (absent from older ones) must be this optimizer's: its curvature statistics are
+    of that likelihood (a categorical Fisher is no Gaussian one)."""
+    saved, loss = extra.get("loss"), opt.engine.loss.value
+    if saved is not None and saved != loss:
+        raise ValueError(f"checkpoint entry ['torchsso2']['loss'] is {saved!r}, this optimizer's loss is {loss!r}: the "
+                         f"checkpoint's curvature statistics are of another likelihood; build the optimizer with "
+                         f"loss={saved!r} to resume (or a new optimizer to start its curvature afresh); the optimizer "
+                         "is unchanged")
+
+
 def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     """Check ``state_dict`` against ``opt`` (a :class:`CurvatureOptimizer`) and its model; see the module
     docstring. Raises ``ValueError`` naming the bad entry; changes nothing."""
@@ -264,6 +280,7 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     if extra.get("param_shapes", shapes) != shapes:
         raise ValueError(f"checkpoint is for parameters of shapes {extra['param_shapes']}, "
                          f"this optimizer's parameters have shapes {shapes}; the optimizer is unchanged")
+    _check_likelihood(opt, extra)
     optimizer_state = _check_optimizer_state(opt, state_dict)
     blocks, num_updates = check_blocks(opt, extra.get("curvature"))
     gen = extra.get("generator")
@@ -278,6 +295,12 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     if not isinstance(own, dict):
         _fail("['torchsso2']['extra']", f"is a {type(own).__name__}, expected a dict")
     opt._check_extra_state(own)
+    saved_kind, kind = extra.get("curvature_kind"), opt._curvature_name()
+    if isinstance(saved_kind, str) and saved_kind != kind:
+        warnings.warn(f"load_state_dict: the checkpoint's curvature statistics were estimated with curvature="
+                      f"{saved_kind!r}, this optimizer estimates curvature={kind!r}: the running curvature continues "
+                      f"from them and mixes the two until the EMA forgets the old ones (build the optimizer with "
+                      f"curvature={saved_kind!r} to resume the same run)", UserWarning, stacklevel=caller_stacklevel())
     return CheckedCheckpoint(
         optimizer_state=optimizer_state, blocks=blocks, num_updates=num_updates, generator=gen.clone(),
         num_steps=_count("['torchsso2']['num_steps']", extra.get("num_steps")),

@@ -51,6 +51,8 @@ class CheckpointState:
             "decomposed": self._decomposed,
             "seed": self.seed,
             "optimizer": self.face_name,
+            "loss": self.engine.loss.value,
+            "curvature_kind": self._curvature_name(),
             "covered": {n: list(lay.param_names) for n, lay in self.engine.layouts.items()},
             "param_shapes": self._param_shapes(),
             "extra": self._extra_state(),
@@ -60,6 +62,10 @@ class CheckpointState:
             if result is not None:
                 sd = result
         return sd
+
+    def _curvature_name(self) -> str:
+        """The ``curvature=`` kind the running statistics are estimated with (saved, compared at load)."""
+        return self.engine.kind.value
 
     def _param_shapes(self) -> List[List[int]]:
         return [list(p.shape) for g in self.param_groups for p in g["params"]]

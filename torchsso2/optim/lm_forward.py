@@ -12,7 +12,8 @@ loss is the model's mean negative log-likelihood of them (checked on that output
 the recorded input, without autograd: the same value as the closure's (to rounding: cross-entropy
 over fewer than 16 classes takes the faster log-softmax of :func:`_mean_nll`), at the cost of a
 forward (for a plain ``nn.Sequential``: :func:`torchsso2.optim.sequential_jvp.sequential_forward`). The
-forward draws random numbers as the closure's forward would (the closure's backward draws none); the
+forward draws the random numbers the closure's forward drew (the LM step replays the RNG states the
+recorded forward saw: its dropout masks; the closure's backward draws none); the
 buffers it updates (BatchNorm statistics) are put back after either evaluation
 (:meth:`~torchsso2.optim.second_order.SecondOrderOptimizer`'s LM step). Unlike the closure it leaves the gradients (``p.grad``) at the
 step's own gradients.

@@ -28,6 +28,7 @@ class CurvatureRollback:
             for name, blk in opt.running.blocks.items()}
         self.num_updates = opt.running.num_updates
         self.decomposed = opt._decomposed
+        self.redamp_pending = opt._redamp_pending
 
     def restore(self, opt: Any) -> None:
         blocks: Dict[str, Block] = {}
@@ -40,3 +41,4 @@ class CurvatureRollback:
         opt.running.blocks = blocks
         opt.running.num_updates = self.num_updates
         opt._decomposed = self.decomposed
+        opt._redamp_pending = self.redamp_pending

@@ -31,7 +31,7 @@ from curvature.stacklevel import caller_stacklevel
 
 from .settings import CurvatureSettings
 from .skips import DEFAULT_MAX_CONSECUTIVE_SKIPS
-from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names
+from .adaptive import AdaptiveCoefficients, adaptive_step, decay_term, param_names, replayed_rng, rng_states
 from .loss_scale import warn_if_gradient_is_not_the_nll
 from .lm_forward import LOSS_SCALE_WARN_RTOL, forward_only_closure, warn_if_loss_is_not_the_nll, warn_if_not_mean_nll
 from .rollback import CurvatureRollback
@@ -145,7 +145,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             ``None`` uses :data:`DEFAULT_APPROX` (K-FAC for Linear, the convolutions (transposed too) and
             Embedding, diag for norm layers).
         damping: Tikhonov damping λ added to the curvature (default :data:`DEFAULT_DAMPING` = 0.1;
-            see there why).
+            see there why). The attribute ``opt.damping`` reads the current one (the LM rule's, with
+            ``adaptive_damping``) and may be set between steps, taking effect at the next step (see
+            :attr:`damping`); ``load_state_dict`` takes the checkpoint's.
         kfac_method: how K-FAC blocks are damped and solved. ``"eigen"`` (default): exact damping,
             ``(G⊗A + λI)⁻¹`` through the factors' eigenbases (four matmuls per layer and step).
             ``"inverse"``: factored damping, ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹`` — kfac_pytorch's INVERSE
@@ -292,7 +294,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             raise TypeError(f"low_rank_solve must be a bool, got {low_rank_solve!r}")
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_number("weight_decay", weight_decay, low=0.0)
-        self.damping = check_number("damping", damping, low=0.0)
+        self._damping = check_number("damping", damping, low=0.0)
         # an adaptive learning rate sets the step length from the quadratic model: no clip; with adaptive
         # momentum alone the fixed lr does, and its step along Δ is clipped as in the plain mode
         adaptive_lr = use_adaptive_learning_rate is True
@@ -362,6 +364,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         estimate = warmup or self.num_steps % self.curv_update_interval == 0
         self._follow_param_dtypes()
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
+        # the LM rule's loss after the update draws the random numbers (dropout masks) this closure call draws
+        rng = rng_states(self.model) if self._adapt_now() else None
         try:
             with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                     self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
@@ -385,7 +389,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             snapshot.restore()  # closure calls are checked for it, later ones here), and no state changed
             raise RuntimeError(NO_BACKWARD)
         grads = [p.grad for p in params]
-        decompose = warmup or self.num_steps % self.inv_update_interval == 0 or not self._decomposed
+        decompose = warmup or self.num_steps % self.inv_update_interval == 0 or not self._decomposed \
+            or self._redamp_pending
         # the gradients are checked here only when the curvature state would change before the
         # update (an EMA update or a decomposition); otherwise the finite check of the update
         # below catches them (a non-finite gradient makes its preconditioned update non-finite)
@@ -446,8 +451,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             assert undo is not None
             try:
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
+                if lm_closure is not None:  # one forward of the recorded call: the states that forward saw
+                    rng = self.adaptive.recorder.calls[0][2]
                 taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
-                                            backward=lm_closure is None)
+                                            backward=lm_closure is None, rng=rng)
             except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
                 undo.restore(self)  # unscale_): the update is undone and the curvature put back, as if the call
                 rollback.restore(self)  # never happened
@@ -557,13 +564,17 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
                        grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None,
-                       decay: Optional[Tuple[List[float], float]] = None, backward: bool = True) -> bool:
+                       decay: Optional[Tuple[List[float], float]] = None, backward: bool = True,
+                       rng: Optional[Tuple[Tensor, Dict[int, Tensor]]] = None) -> bool:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
         change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
         the update ``θ − old`` (``old``: the parameters before it). ``decay``: in adaptive mode, each
         parameter's weight decay and the term ``Σ ½·wd·‖θ‖²`` before the update: the model predicts
         the change of loss plus that term, so the actual change includes it. ``backward``: whether
         ``closure`` runs a backward (the user's closure; adaptive mode's forward-only one does not).
+        ``rng``: the RNG states (:func:`~torchsso2.optim.adaptive.rng_states`) the call replays, so that its
+        dropout masks are the step's own (kfac-jax evaluates both losses with the step's one key): ρ then
+        measures the update, not a new mask; the user's streams are left as the step's call left them.
         False (the damping unchanged) when the loss after the update is not finite."""
         assert self.lm is not None
         with torch.no_grad():
@@ -589,7 +600,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # the model's buffers as the step's own forward left them: the evaluation is not a training forward
         # (BatchNorm's running statistics would take the batch twice; kfac-jax evaluates it functionally)
         buffers = [(b, b.clone()) for b in self.model.buffers()]
-        with torch.enable_grad():
+        with torch.enable_grad(), replayed_rng(rng) if rng is not None else contextlib.nullcontext():
             try:
                 new_loss = unpack_closure_result(closure())[0]
             except RuntimeError as err:
@@ -614,19 +625,54 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
         return True
 
+    @property
+    def damping(self) -> float:
+        """The damping λ the next step's decompositions take (the LM rule's current one with ``adaptive_damping``).
+
+        Set between steps (``opt.damping = 1e-2``), it takes effect at the next step, whatever the
+        intervals: K-FAC eigen decompositions take it in place, other decompositions are redone from the
+        running curvature then; with ``adaptive_damping`` the rule continues from it (within
+        ``[min_damping, 1e4]``, else a ``ValueError``). The damping is one number for all param groups."""
+        return self._damping
+
+    @damping.setter
+    def damping(self, value: float) -> None:
+        value = check_number("damping", value, low=0.0)
+        if self.lm is not None and not self.lm.min_damping <= value <= self.lm.max_damping:
+            raise ValueError(f"damping={value!r} is outside the adaptive damping rule's [min_damping, 1e4] = "
+                             f"[{self.lm.min_damping!r}, {self.lm.max_damping!r}]")
+        if self.lm is not None:
+            self.lm.damping = value
+        self._set_damping(value)
+
     def _set_damping(self, damping: float) -> None:
-        """The LM rule's new damping: K-FAC eigen decompositions take it in place
-        (torchsso2/optim/redamp.py), other decompositions are redone at the next step."""
-        old_damping, self.damping = self.damping, damping
-        if self.damping != old_damping and (self.placement.active
-                                            or not redamp(self.running.blocks, old_damping, self.damping)):
-            self._decomposed = False
+        """A new damping (the LM rule's, or the user's): K-FAC eigen decompositions take it in place
+        (torchsso2/optim/redamp.py), other decompositions are redone at the next step, which keeps the
+        current ones where that fails (an indefinite Hessian's diagonal at a damping still too small)."""
+        old_damping, self._damping = self._damping, float(damping)
+        if self._damping != old_damping and self._decomposed \
+                and (self.placement.active or not redamp(self.running.blocks, old_damping, self._damping)):
+            self._redamp_pending = True
+
+    def _damping_after_failed_decomposition(self, error: object) -> Optional[float]:
+        """``adaptive_damping``'s answer to a failed decomposition (skip mode): more damping, as after a failed
+        step (ρ = −∞), and for a diagonal or full block at least twice what it fell short by
+        (:attr:`~curvature.linalg.LinalgError.damping_shortfall`: an indefinite Hessian); None without the rule."""
+        if self.lm is None or self.on_nonfinite != "skip":
+            return None
+        damping = self.lm.update(math.nan, math.nan)
+        shortfall = getattr(error, "damping_shortfall", None)
+        if isinstance(shortfall, float) and math.isfinite(shortfall) and shortfall > 0:
+            damping = self.lm.damping = min(self.lm.max_damping, max(damping, self.damping + 2.0 * shortfall))
+        self._set_damping(damping)
+        return damping
 
     face_name = "SecondOrderOptimizer"
 
     def _extra_state(self) -> Dict[str, Any]:
         return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy(),
-                "adaptive": None if self.adaptive is None else self.adaptive.state_dict()}
+                "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
+                "redamp_pending": self._redamp_pending}
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         damping = state.get("damping")
@@ -657,7 +703,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             vars(self.lm).update(snapshot)
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
-        self.damping = float(state["damping"])
+        self._damping = float(state["damping"])
+        self._redamp_pending = bool(state.get("redamp_pending", False))  # (absent from older checkpoints)
         if self.lm is not None and state.get("lm") is not None:
             # the rule's state (its damping, the last ρ); its settings (decay, bounds) stay this optimizer's own,
             # as built: a checkpoint's min_damping of 1e-8 kept the damping falling below the 1e-4 it reported
@@ -669,7 +716,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                               f"optimizer's [min_damping, 1e4] = [{self.lm.min_damping!r}, {self.lm.max_damping!r}]; it "
                               f"continues from {bounded!r} (build it with the checkpoint's min_damping to keep it)",
                               UserWarning, stacklevel=caller_stacklevel())
-                self.damping = bounded
+                self._damping = bounded
             self.lm.damping = bounded
             self.lm.last_rho = float(saved.get("last_rho", self.lm.last_rho))
         if self.adaptive is not None and state.get("adaptive") is not None:

@@ -70,6 +70,7 @@ from .misuse import warn_unreached_blocks
 from ..distributed.assignment import grad_worker_count
 from .vi_start import debias_factor, isotropic_blocks
 from .vi_checks import warn_about_batch
+from .lm_forward import returned_pick
 from .vi_flat import FlatDiagPath
 from .vi_schedule import vi_schedule
 from .vi_defaults import (DEFAULT_CURVATURE_INIT, DEFAULT_VI_EMA_DECAY, DEFAULT_VI_KL_CLIP, DEFAULT_VI_LR,
@@ -472,8 +473,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                     loss, output, fresh = self._run_closure(closure, targets, estimate and not self.reparam)
                 losses.append(loss.detach() if isinstance(loss, Tensor) else as_loss_tensor(loss))
                 if self.noise.learned:
-                    residuals.append(ObservationNoise.mean_squared_residual(
-                        None if output is None else self.engine.select_output(output), targets))
+                    residuals.append(ObservationNoise.mean_squared_residual(self._residual_output(output, targets),
+                                                                            targets))
                 if self.reparam and estimate:
                     for name, h in self._reparam_sample(noise).items():
                         hats[name] = hats[name] + h if name in hats else h
@@ -553,6 +554,20 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         # a positive diagonal plus a positive shift: the decomposition cannot fail
         self.running.decompose(self.precision_shift, scale=self.likelihood_size, backend=self.linalg,
                                dtype=self.decomposition_dtype, names=[lay.name for lay in missing])
+
+    def _residual_output(self, output: Any, targets: Tensor) -> Optional[Tensor]:
+        """The output ``noise_variance="learned"`` compares with ``targets``: the ``output_selector``'s pick of
+        what the closure returned, or that tensor itself where the closure returns the pick already. Which of
+        the two is told at the first step (:func:`~torchsso2.optim.lm_forward.returned_pick`) and kept: the
+        same closure returns the same form at every step."""
+        if output is None:
+            return None
+        if self.engine.output_selector is None or not isinstance(output, Tensor):
+            return self.engine.select_output(output)
+        returns_pick = self.__dict__.get("_closure_returns_pick")
+        if returns_pick is None:
+            returns_pick = self._closure_returns_pick = returned_pick(self.engine, output, targets) is output
+        return output if returns_pick else self.engine.select_output(output)
 
     def _output_checked(self, result: Tuple[Tensor, Any], targets: Optional[Tensor]) -> Any:
         """What ``step`` returns for ``result`` (``(mean loss, output)``); at the first step, the model
@@ -712,6 +727,9 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in posterior)):
             raise ValueError(f"checkpoint entry ['torchsso2']['extra']['posterior'] must be two finite numbers "
                              f"[scale, shift], got {posterior!r}; the optimizer is unchanged")
+
+    def _curvature_name(self) -> str:
+        return "reparam" if self.reparam else super()._curvature_name()
 
     def _extra_state(self) -> Dict[str, Any]:
         # momentum buffers of the mean loss's gradient (since 2026-11-24); the learned σ²'s running mean; the

@@ -1,0 +1,147 @@
+"""A failed decomposition under ``adaptive_damping``: the rule raises the damping (past what an indefinite
+Hessian's diagonal or full block fell short by), and a damping change whose re-decomposition fails keeps the
+earlier decomposition instead of leaving the step without one."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from curvature.blocks import DiagBlock, FullBlock
+from curvature.linalg import LinalgError
+from optim_helpers import make_closure
+from torchsso2 import NonFiniteError, SecondOrderOptimizer
+
+
+def _layout(model: nn.Module):
+    opt = SecondOrderOptimizer(model, approx="diag")
+    return next(iter(opt.engine.layouts.values()))
+
+
+@pytest.mark.parametrize("shape", ["diag", "full"])
+def test_the_error_names_the_damping_shortfall(shape):
+    """``scale·λ + damping`` with its smallest value −0.4: the damping falls short by 0.4."""
+    lay = _layout(nn.Linear(2, 1, bias=False).double())
+    values = torch.tensor([-0.5, 1.0], dtype=torch.float64)
+    blk = DiagBlock(lay, values) if shape == "diag" else FullBlock(lay, torch.diag(values))
+    with pytest.raises(LinalgError, match="not positive definite") as err:
+        blk.decompose(0.1)
+    assert err.value.damping_shortfall == pytest.approx(0.4, rel=1e-12)
+    blk.decompose(0.1 + 2 * err.value.damping_shortfall)  # past it: decomposes
+
+
+def test_other_failures_carry_no_shortfall():
+    lay = _layout(nn.Linear(2, 1, bias=False).double())
+    blk = DiagBlock(lay, torch.tensor([float("nan"), 1.0], dtype=torch.float64))
+    with pytest.raises(LinalgError) as err:
+        blk.decompose(0.1)
+    assert err.value.damping_shortfall is None
+
+
+def _digits_tanh(**kw):
+    """A tanh MLP on 64 features whose Hessian diagonal is indefinite at the start (its first decomposition
+    at damping 1e-3 fails: the smallest damped entry is about −0.05)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 10, generator=g)
+    batches = []
+    for _ in range(40):
+        x = torch.randn(64, 64, generator=g)
+        batches.append((x, (x @ w).argmax(1)))
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian", damping=1e-3,
+                               use_adaptive_learning_rate=True, use_adaptive_momentum=True, **kw)
+    return model, opt, batches
+
+
+def _loss(model, batches):
+    with torch.no_grad():
+        return sum(float(nn.functional.cross_entropy(model(x), y)) for x, y in batches) / len(batches)
+
+
+def test_adaptive_damping_raises_the_damping_after_a_failed_decomposition(caplog):
+    model, opt, batches = _digits_tanh(adaptive_damping=True)
+    start = _loss(model, batches)
+    x, y = batches[0]
+    with caplog.at_level("WARNING", logger="torchsso2"):
+        opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.num_skipped == 1 and opt.num_steps == 0  # no decomposition yet: the parameters stay
+    assert "adaptive_damping raised the damping from 0.001 to" in caplog.text
+    low = float(re.search(r"smallest eigenvalue (\S+)\)", caplog.text).group(1))
+    assert low < -0.02  # past twice the shortfall of the first block, not one LM factor (1.29x)
+    assert opt.damping == pytest.approx(1e-3 - 2 * low, rel=2e-3)
+    for x, y in batches[1:]:  # the default max_consecutive_skips (20) does not stall it
+        opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.num_skipped <= 5, opt.num_skipped
+    assert _loss(model, batches) < 0.7 * start
+
+
+def test_without_adaptive_damping_the_damping_stays_and_the_message_says_to_raise_it(caplog):
+    model, opt, batches = _digits_tanh(max_consecutive_skips=3)
+    with caplog.at_level("WARNING", logger="torchsso2"), \
+            pytest.raises(NonFiniteError, match="consecutive steps were skipped"):
+        for x, y in batches:
+            opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.damping == 1e-3
+    assert "increase damping above its most negative eigenvalue" in caplog.text
+
+
+def test_raise_mode_raises_and_keeps_the_damping():
+    model, opt, batches = _digits_tanh(adaptive_damping=True, on_nonfinite="raise")
+    x, y = batches[0]
+    with pytest.raises(NonFiniteError, match="decomposition failed"):
+        opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.damping == 1e-3
+
+
+def _lm_diag(**kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian", damping=1.0, lr=0.1,
+                               curv_update_interval=1000, inv_update_interval=1000, **kw)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    return model, opt, x, y
+
+
+def test_a_failed_re_decomposition_after_a_damping_change_keeps_the_earlier_one(caplog):
+    """The damping changes (the LM rule's ``_set_damping``); the diagonal blocks cannot be re-damped in place,
+    so the next step decomposes again. Where that fails, the step preconditions with the earlier
+    decomposition (an update, as any later failed decomposition), not with none."""
+    model, opt, x, y = _lm_diag()
+    assert opt._decomposed and opt.num_steps == 1
+    opt._set_damping(1e-3)
+    assert opt._redamp_pending and opt._decomposed
+    for blk in opt.running.blocks.values():  # a curvature the new damping cannot make positive
+        blk.diagonal.fill_(-1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level("WARNING", logger="torchsso2"):
+        opt.step(make_closure(opt, model, x, y), targets=y)
+    assert "keeps its previous decomposition" in caplog.text
+    assert opt.num_steps == 2  # the step was taken, with the earlier decomposition
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert opt._redamp_pending  # tried again at the next step
+    for blk in opt.running.blocks.values():
+        blk.diagonal.fill_(1.0)
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    assert not opt._redamp_pending
+    for blk in opt.running.blocks.values():
+        torch.testing.assert_close(blk.decomposition["denom"], torch.full_like(blk.diagonal, 1.0 + 1e-3))
+
+
+def test_a_pending_re_decomposition_survives_a_checkpoint():
+    model, opt, x, y = _lm_diag()
+    opt._set_damping(0.5)
+    sd = opt.state_dict()
+    assert sd["torchsso2"]["extra"]["redamp_pending"] is True
+    model2, opt2, _, _ = _lm_diag()
+    opt2.load_state_dict(sd)
+    assert opt2._redamp_pending and opt2.damping == 0.5
+    opt2.step(make_closure(opt2, model2, x, y), targets=y)
+    assert not opt2._redamp_pending
+    blk = next(iter(opt2.running.blocks.values()))
+    assert math.isclose(float(blk.decomposition["denom"][0] - blk.diagonal[0]), 0.5, rel_tol=1e-12)
