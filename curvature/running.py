@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .blocks import Block, FullBlock, KFACBlock
+from .blocks import Block, DiagBlock, FullBlock, KFACBlock
 from .blocks.base import DerivedCache
 from .linalg import LinalgError
 
@@ -95,17 +95,35 @@ class RunningCurvature:
 
 def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Block], None]) -> None:
     """``decompose(block)`` for every block in order; when one raises :class:`~curvature.linalg.LinalgError`
-    every block gets its previous decomposition back and the error is re-raised, naming the block."""
+    every block gets its previous decomposition back and the error is re-raised, naming the block. Its
+    ``damping_shortfall`` (a diagonal or full block) is raised to the largest of the diagonal blocks' after it
+    (one pass over each diagonal, no decomposition), so that one raise of the damping covers them all."""
     old = {name: blk.decomposition for name, blk in blocks.items()}
-    for name, blk in blocks.items():
+    names = list(blocks)
+    for at, (name, blk) in enumerate(blocks.items()):
         try:
             decompose(blk)
         except LinalgError as err:
+            if err.damping_shortfall is not None:
+                err.damping_shortfall = max([err.damping_shortfall] + [
+                    _shortfall(decompose, blocks[n]) for n in names[at + 1:] if isinstance(blocks[n], DiagBlock)])
             for n, dec in old.items():
                 blocks[n].decomposition = dec
             if repr(name) in str(err):  # the block's own check names it; a backend's error does not
                 raise
-            raise LinalgError(f"block {name!r}: {err}") from err
+            wrapped = LinalgError(f"block {name!r}: {err}")
+            wrapped.damping_shortfall = err.damping_shortfall
+            raise wrapped from err
+
+
+def _shortfall(decompose: Callable[[Block], None], block: Block) -> float:
+    """How much more damping ``decompose(block)`` needs (0 where it succeeds; the caller restores the block's
+    decomposition)."""
+    try:
+        decompose(block)
+    except LinalgError as err:
+        return err.damping_shortfall or 0.0
+    return 0.0
 
 
 def decompose_block(block: Block, damping: float, scale: float = 1.0, backend: Optional[str] = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -100,8 +101,9 @@ def test_raise_mode_raises_and_keeps_the_damping():
 def _lm_diag(**kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian", damping=1.0, lr=0.1,
-                               curv_update_interval=1000, inv_update_interval=1000, **kw)
+    args = dict(approx="diag", curvature="hessian", damping=1.0, lr=0.1, curv_update_interval=1000,
+                inv_update_interval=1000)
+    opt = SecondOrderOptimizer(model, **{**args, **kw})
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
     opt.step(make_closure(opt, model, x, y), targets=y)
@@ -145,3 +147,135 @@ def test_a_pending_re_decomposition_survives_a_checkpoint():
     assert not opt2._redamp_pending
     blk = next(iter(opt2.running.blocks.values()))
     assert math.isclose(float(blk.decomposition["denom"][0] - blk.diagonal[0]), 0.5, rel_tol=1e-12)
+
+
+def test_two_ranks_raise_the_damping_as_one_process(tmp_path):
+    """The ranks decompose their blocks apart (``grad_worker_fraction`` 1 and 0.5): the largest shortfall is shared,
+    so the damping follows one process's (it only rose by 1/ω per failure there and every step was skipped)."""
+    import sys
+    from pathlib import Path
+
+    from dist_utils import mpi_rank_results
+
+    scripts = Path(__file__).parent / "dist_scripts"
+    sys.path.insert(0, str(scripts))
+    import shortfall_worker
+
+    single = shortfall_worker.train(None)
+    assert single["skipped"] <= 3 and single["steps"] >= 9
+    assert single["damping"][0] > 0.05  # past the first block's shortfall at once
+    for rank, results in enumerate(mpi_rank_results(scripts / "shortfall_worker.py", tmp_path)):
+        for fraction, got in results.items():
+            assert (got["skipped"], got["steps"]) == (single["skipped"], single["steps"]), (rank, fraction)
+            torch.testing.assert_close(got["damping"], single["damping"], rtol=1e-9, atol=0,
+                                       msg=f"rank {rank}, grad_worker_fraction {fraction}")
+
+
+def test_one_raise_covers_every_diagonal_block_short_of_damping():
+    """Two diagonal blocks short by 0.1 and 4.0: the raise takes the larger (it took the first failing block's,
+    and a second failure followed)."""
+    model, opt, x, y = _lm_diag(adaptive_damping=True)
+    first, second = opt.running.blocks.values()
+    first.diagonal.fill_(-1.1)
+    second.diagonal.fill_(-5.0)
+    assert not opt._decompose(opt.damping)
+    assert opt.damping == pytest.approx(1.0 + 2 * 4.0)
+    assert opt._decompose(opt.damping)
+
+
+def test_the_lm_rule_keeps_a_raise_made_at_the_same_step(monkeypatch):
+    """A decomposition failing at steps 3-5 (a K-FAC eigh, simulated) with the LM rule at every step: the step
+    takes the earlier decomposition, and its ρ (the new damping judged by the old one's update) does not undo the
+    raise: the damping rises at each failed step (it stayed flat, raised and lowered in one step)."""
+    from curvature.blocks import KFACBlock
+
+    original = KFACBlock.decompose
+    at = {"step": 0}
+
+    def failing(self, *args, **kwargs):
+        if 3 <= at["step"] <= 5:
+            raise LinalgError(f"K-FAC block {self.layout.name!r}: eigh failed to converge (simulated)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KFACBlock, "decompose", failing)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, adaptive_damping=True, damping_adaptation_interval=1,
+                               kl_clip=None, lr=0.05, inv_update_interval=1)
+    g = torch.Generator().manual_seed(0)
+    trace = []
+    for i in range(8):
+        at["step"] = i
+        x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+        before = opt.damping
+        opt.step(make_closure(opt, model, x, y), targets=y)
+        trace.append((before, opt.damping))
+    for i in (3, 4, 5):
+        assert trace[i][1] == pytest.approx(trace[i][0] / opt.lm.decay), (i, trace)
+    assert opt.num_steps == 8  # every step updated (the failed ones with the earlier decomposition)
+
+
+def test_a_step_rolled_back_keeps_the_damping_and_counts_it_had():
+    """The decomposition fails (the damping is raised, a skip counted), then the LM rule's closure call raises: the
+    step is given back as if never called, the damping, the rule's state and the skip counts included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian", damping=1.0, lr=0.1, kl_clip=None,
+                               adaptive_damping=True, damping_adaptation_interval=1, ema_decay=0.9,
+                               curv_update_interval=1000, inv_update_interval=1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    calls = {"n": 0, "raise_at": None}
+
+    def closure():
+        calls["n"] += 1
+        if calls["n"] == calls["raise_at"]:
+            raise KeyboardInterrupt
+        return make_closure(opt, model, x, y)()
+
+    opt.step(closure, targets=y)
+    for blk in opt.running.blocks.values():
+        blk.diagonal.fill_(-3.0)  # the next decomposition fails (no estimate before step 1000)
+    state = (opt.damping, vars(opt.lm).copy(), opt._redamp_pending, opt.num_skipped, opt._streak.count, opt.num_steps)
+    calls["raise_at"] = calls["n"] + 2  # the LM rule's call
+    with pytest.raises(KeyboardInterrupt):
+        opt.step(closure, targets=y)
+    assert (opt.damping, vars(opt.lm), opt._redamp_pending, opt.num_skipped, opt._streak.count, opt.num_steps) == state
+
+
+def test_a_checkpoint_without_the_rule_gives_the_rule_its_damping():
+    """Saved without adaptive_damping (damping 0.01), loaded into an optimizer with the rule (built with 0.1): the
+    rule continues from 0.01 (it kept its own 0.1 and overwrote the loaded damping at its next adjustment)."""
+    _, saved, x, y = _lm_diag(curvature="fisher")  # damping 1.0, no rule
+    saved.damping = 0.01
+    model, opt, _, _ = _lm_diag(adaptive_damping=True, damping_adaptation_interval=1, curvature="fisher")
+    opt.load_state_dict(saved.state_dict())
+    assert opt.damping == 0.01 and opt.lm.damping == 0.01
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.damping in (pytest.approx(0.01 * opt.lm.decay), pytest.approx(0.01 / opt.lm.decay))
+
+
+def test_a_damping_clamped_at_load_redoes_the_decompositions():
+    """The checkpoint's rule was at 1e-6, below this optimizer's min_damping 1e-4: it continues from 1e-4 (a
+    warning), and the loaded decompositions (of 1e-6) are redone at the next step."""
+    _, saved, x, y = _lm_diag(adaptive_damping=True, min_damping=1e-8, curvature="fisher")
+    saved.damping = 1e-6
+    saved.step(make_closure(saved, saved.model, x, y), targets=y)  # decomposed at 1e-6 (or raised by ω at most)
+    model, opt, _, _ = _lm_diag(adaptive_damping=True, min_damping=1e-4, damping_adaptation_interval=1000,
+                                curvature="fisher")
+    with pytest.warns(UserWarning, match="outside this optimizer's adaptive damping range"):
+        opt.load_state_dict(saved.state_dict())
+    assert opt.damping == 1e-4 and opt._redamp_pending
+    opt.step(make_closure(opt, model, x, y), targets=y)
+    for blk in opt.running.blocks.values():
+        torch.testing.assert_close(blk.decomposition["denom"] - blk.diagonal, torch.full_like(blk.diagonal, 1e-4))
+
+
+def test_a_parameter_set_to_none_after_construction_is_named():
+    model, opt, x, y = _lm_diag()
+    model[2].bias = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the optimizer's warning about a parameter no longer in the model)
+        with pytest.raises(ValueError, match=r"module '2' \(Linear\) no longer holds its parameter 'bias' as a "
+                                             r"parameter \(it is None now\)"):
+            opt.step(make_closure(opt, model, x, y), targets=y)

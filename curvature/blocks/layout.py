@@ -29,16 +29,20 @@ def parameter_gone(name: str, module: nn.Module, param: str) -> ValueError:
     a reparametrization applied after the optimizer was built (``torch.nn.utils.parametrize``'s
     ``weight_norm`` / ``spectral_norm`` / ``orthogonal`` move the weight to
     ``parametrizations.weight.original``; ``torch.nn.utils.prune`` to ``weight_orig``), or the
-    attribute deleted. The curvature would precondition a computed tensor that no optimizer updates."""
-    moved = sorted(n for n in module._parameters if n.startswith(param))
+    attribute deleted or set to None. The curvature would precondition a computed tensor that no optimizer
+    updates."""
+    moved = sorted(n for n, p in module._parameters.items() if n.startswith(param) and p is not None)
     where = f" (its parameters are now {moved})" if moved else ""
+    if param in module._parameters and module._parameters[param] is None:
+        where = " (it is None now)"
     if nn.utils.parametrize.is_parametrized(module, param):
         where = f" (torch.nn.utils.parametrize moved it to 'parametrizations.{param}.original')"
     qualified = f"module {name!r}" if name else "the model itself"
     return ValueError(
         f"{qualified} ({type(module).__name__}) no longer holds its parameter {param!r} as a parameter{where}: a "
         "reparametrization (torch.nn.utils.parametrizations.weight_norm / spectral_norm / orthogonal, "
-        "torch.nn.utils.prune, the old weight_norm / spectral_norm) or a deletion after the optimizer was built. "
+        "torch.nn.utils.prune, the old weight_norm / spectral_norm) or a deletion (or `module."
+        f"{param} = None`) after the optimizer was built. "
         "The covered modules and their parameters are fixed when it is built, and its curvature formulas do not "
         "describe a computed weight: build the optimizer after reparametrizing, with the module in skip_modules "
         "(skip_layers for KFACPreconditioner), or remove the reparametrization (e.g. torch.nn.utils.prune.remove)")
@@ -49,9 +53,12 @@ def held_parameters(name: str, module: nn.Module, param_names: Sequence[str]) ->
     ~0.5 µs a name; a swapped Parameter is seen); :func:`parameter_gone`'s ValueError for one it no longer holds."""
     own = module._parameters
     try:
-        return [own[n] for n in param_names]
+        held = [own[n] for n in param_names]
     except KeyError as err:
         raise parameter_gone(name, module, err.args[0]) from None
+    if None in held:  # `module.bias = None` keeps the name with no parameter
+        raise parameter_gone(name, module, param_names[held.index(None)])
+    return held  # type: ignore[return-value]
 
 
 @dataclass

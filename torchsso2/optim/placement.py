@@ -181,18 +181,19 @@ class Placement:
 
     # ---- decomposition ------------------------------------------------------------------------
     def decompose(self, blocks: Dict[str, Block], decompose: Callable[[Block], None],
-                  dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen") -> Optional[str]:
+                  dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen") -> Optional[LinalgError]:
         """Decompose every block on its inverse worker and broadcast it to its grad workers.
 
         ``decompose(block)`` runs the block's own damped decomposition. Returns ``None`` on
-        success, else a message naming the failed block; then every block on every rank
-        keeps its previous decomposition.
+        success, else a :class:`~curvature.linalg.LinalgError` naming the failed block, the same on
+        every rank in its ``damping_shortfall`` (the largest of the ranks' failed diagonal or full blocks,
+        or None); then every block on every rank keeps its previous decomposition.
         """
         if not self.active:
             try:
                 decompose_all_or_nothing(blocks, decompose)
             except LinalgError as err:
-                return str(err)
+                return err
             return None
         if not blocks:  # nothing covered: nothing to place (every rank sees the same empty set)
             return None
@@ -201,22 +202,32 @@ class Placement:
         rank = self.comm.rank
         old = {n: b.decomposition for n, b in blocks.items()}
         error: Optional[str] = None
+        shortfall = 0.0
         for name, blk in blocks.items():
             if self.inv_worker(name) == rank:
                 try:
                     decompose(blk)
                 except LinalgError as err:
                     error = f"block {name!r} (decomposed on rank {rank}): {err}"
+                    shortfall = err.damping_shortfall or 0.0
                     break
         first = next(iter(blocks.values()))
-        flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64,
-                            device=first.tensors()[0].device)
+        device = first.tensors()[0].device
+        flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=device)
         self.comm.allreduce([flag], op="sum")
         if float(flag) > 0:
             for n, b in blocks.items():
                 b.decomposition = old[n]
             self.assignment = previous  # the old decompositions sit where the old assignment placed them
-            return error or f"a decomposition failed on another rank ({int(float(flag))} rank(s) failed)"
+            # every rank's shortfall, each in its own slot (a rare second collective): the largest, on every rank
+            slots = torch.zeros(self.comm.world_size, dtype=torch.float64, device=device)
+            slots[rank] = shortfall
+            self.comm.allreduce([slots], op="sum")
+            failure = LinalgError(error or f"a decomposition failed on another rank ({int(float(flag))} rank(s) "
+                                           "failed)")
+            largest = float(slots.max())
+            failure.damping_shortfall = largest if largest > 0 else None
+            return failure
         pending: Dict[Tuple[int, Ranks], List[Tensor]] = {}
         for name, blk in blocks.items():
             src, workers = self.inv_worker(name), tuple(wa.grad_workers(name))

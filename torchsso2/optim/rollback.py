@@ -4,7 +4,9 @@ after that (adaptive mode's forward-mode pass: a model op without a forward-mode
 
 Held for one step: the statistics of the blocks the step's EMA writes in place (clones), every
 block's decomposition (the dicts: a decomposition is replaced, never written in place), the block
-set, the update count and whether a decomposition exists. The blocks' derived caches follow their
+set, the update count, whether a decomposition exists (or is pending after a damping change), the damping
+and the LM rule's state with the skip counts (a failed decomposition raises the damping and counts a skip
+inside the step). The blocks' derived caches follow their
 sources' versions (:class:`curvature.blocks.base.DerivedCache`), so they rebuild after the restore.
 """
 from __future__ import annotations
@@ -29,6 +31,10 @@ class CurvatureRollback:
         self.num_updates = opt.running.num_updates
         self.decomposed = opt._decomposed
         self.redamp_pending = opt._redamp_pending
+        # the damping and the LM rule's state: a failed decomposition raises them inside the step
+        self.damping = opt.__dict__.get("_damping")
+        self.extra = opt._extra_snapshot()
+        self.skips = (opt.num_skipped, opt._streak.count, opt.__dict__.get("_skip_counted", False))
 
     def restore(self, opt: Any) -> None:
         blocks: Dict[str, Block] = {}
@@ -42,3 +48,7 @@ class CurvatureRollback:
         opt.running.num_updates = self.num_updates
         opt._decomposed = self.decomposed
         opt._redamp_pending = self.redamp_pending
+        if self.damping is not None:
+            opt._damping = self.damping
+        opt._restore_extra(self.extra)
+        opt.num_skipped, opt._streak.count, opt._skip_counted = self.skips

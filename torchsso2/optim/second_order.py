@@ -413,6 +413,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                     decompose = True
             if not self.running.blocks:
                 raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
+            damping_before = self._damping
             decomposed = not decompose or self._decompose(self.damping)
         except BaseException:  # Ctrl-C in a decomposition: no block half-updated, the labels given back
             rollback.restore(self)
@@ -453,8 +454,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
                 if lm_closure is not None:  # one forward of the recorded call: the states that forward saw
                     rng = self.adaptive.recorder.calls[0][2]
+                # a failed decomposition raised the damping (the step took the earlier one, at the old damping):
+                # the loss is still evaluated, but this step's ρ would judge the new damping by the old one's update
                 taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
-                                            backward=lm_closure is None, rng=rng)
+                                            backward=lm_closure is None, rng=rng,
+                                            update_damping=self._damping == damping_before)
             except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
                 undo.restore(self)  # unscale_): the update is undone and the curvature put back, as if the call
                 rollback.restore(self)  # never happened
@@ -565,7 +569,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _adapt_damping(self, closure: Closure, loss: Tensor, params: List[nn.Parameter],
                        grads: List[Tensor], old: Optional[List[Tensor]], predicted: Optional[float] = None,
                        decay: Optional[Tuple[List[float], float]] = None, backward: bool = True,
-                       rng: Optional[Tuple[Tensor, Dict[int, Tensor]]] = None) -> bool:
+                       rng: Optional[Tuple[Tensor, Dict[int, Tensor]]] = None, update_damping: bool = True) -> bool:
         """LM rule on the change of the loss after the update; ``predicted``: the quadratic model's
         change when the caller has it (adaptive mode: exact curvature), else from ``C + λI`` and
         the update ``θ − old`` (``old``: the parameters before it). ``decay``: in adaptive mode, each
@@ -575,7 +579,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         ``rng``: the RNG states (:func:`~torchsso2.optim.adaptive.rng_states`) the call replays, so that its
         dropout masks are the step's own (kfac-jax evaluates both losses with the step's one key): ρ then
         measures the update, not a new mask; the user's streams are left as the step's call left them.
-        False (the damping unchanged) when the loss after the update is not finite."""
+        ``update_damping=False``: the loss is evaluated (a non-finite one still undoes the update) but the
+        damping stays. False (the damping unchanged) when the loss after the update is not finite."""
         assert self.lm is not None
         with torch.no_grad():
             if predicted is None:  # the change predicted by C + λI
@@ -619,6 +624,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         actual = self._mean_over_ranks(_as_float(new_loss) - _as_float(loss))  # [issue #7] same on every rank
         if not math.isfinite(actual):  # the same on every rank: the caller undoes the update
             return False
+        if not update_damping:
+            return True
         if decay is not None:  # equal on every rank (the same parameters)
             actual += decay_term(params, decay[0]) - decay[1]
         self._set_damping(self.lm.update(actual, predicted))
@@ -705,18 +712,20 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self._damping = float(state["damping"])
         self._redamp_pending = bool(state.get("redamp_pending", False))  # (absent from older checkpoints)
-        if self.lm is not None and state.get("lm") is not None:
-            # the rule's state (its damping, the last ρ); its settings (decay, bounds) stay this optimizer's own,
-            # as built: a checkpoint's min_damping of 1e-8 kept the damping falling below the 1e-4 it reported
-            saved = state["lm"]
-            damping = float(saved.get("damping", self.lm.damping))
+        if self.lm is not None:
+            # the rule's state (its damping, the last ρ; a checkpoint saved without the rule: its damping); its
+            # settings (decay, bounds) stay this optimizer's own, as built: a checkpoint's min_damping of 1e-8 kept
+            # the damping falling below the 1e-4 it reported
+            saved = state.get("lm") or {}
+            damping = float(saved.get("damping", self._damping))
             bounded = min(max(damping, self.lm.min_damping), self.lm.max_damping)
             if bounded != damping:
-                warnings.warn(f"load_state_dict: the checkpoint's adaptive damping {damping!r} is outside this "
-                              f"optimizer's [min_damping, 1e4] = [{self.lm.min_damping!r}, {self.lm.max_damping!r}]; it "
-                              f"continues from {bounded!r} (build it with the checkpoint's min_damping to keep it)",
-                              UserWarning, stacklevel=caller_stacklevel())
-                self._damping = bounded
+                warnings.warn(f"load_state_dict: the checkpoint's damping {damping!r} is outside this optimizer's "
+                              f"adaptive damping range [min_damping, 1e4] = [{self.lm.min_damping!r}, "
+                              f"{self.lm.max_damping!r}]; it continues from {bounded!r} (build it with the "
+                              "checkpoint's min_damping to keep it)", UserWarning, stacklevel=caller_stacklevel())
+            if bounded != self._damping:  # the loaded decompositions are of the checkpoint's damping: redone
+                self._damping, self._redamp_pending = bounded, True
             self.lm.damping = bounded
             self.lm.last_rho = float(saved.get("last_rho", self.lm.last_rho))
         if self.adaptive is not None and state.get("adaptive") is not None:

@@ -1,0 +1,53 @@
+"""adaptive_damping's answer to a failed decomposition (an indefinite Hessian's diagonal) on one process or on
+the ranks of ``mpiexec -n 2`` (each on its half of every batch, the grad workers of ``grad_worker_fraction``):
+``python shortfall_worker.py OUT`` writes ``OUT/rank<r>.pt`` with the damping after each step and the counts."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer
+from torchsso2.distributed import get_communicator
+
+
+def train(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
+    """12 steps of a tanh MLP (64-32-10, float64) at damping 1e-3, whose first diagonal decomposition fails."""
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 10, generator=g, dtype=torch.float64)
+    kw: Dict[str, Any] = dict(approx="diag", curvature="hessian", damping=1e-3, adaptive_damping=True, ema_decay=0.0,
+                              use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    if comm is not None:
+        kw.update(communicator=comm, grad_worker_fraction=fraction)
+    opt = SecondOrderOptimizer(model, **kw)
+    dampings = []
+    for _ in range(12):
+        x = torch.randn(64, 64, generator=g, dtype=torch.float64)
+        y = (x @ w).argmax(1)
+        n = x.shape[0] // world
+        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+        def closure():
+            opt.zero_grad()
+            out = model(xs)
+            loss = F.cross_entropy(out, ys)
+            loss.backward()
+            return loss, out
+        opt.step(closure, targets=ys)
+        dampings.append(opt.damping)
+    return {"damping": torch.tensor(dampings, dtype=torch.float64), "skipped": opt.num_skipped,
+            "steps": opt.num_steps}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    comm = get_communicator("auto")
+    torch.save({f: train(comm, f) for f in (1.0, 0.5)}, out / f"rank{comm.rank}.pt")
