@@ -254,3 +254,23 @@ def test_a_non_finite_quadratic_model_is_a_non_finite_skip_not_a_missing_minimum
         opt.step(poisoned, targets=y)
     assert opt.num_skipped == 1 and opt.damping == damping
     assert "non-finite" in caplog.text and "has no minimum" not in caplog.text
+
+
+@pytest.mark.parametrize("estimate", [True, False])
+def test_a_raise_after_the_curvature_took_the_batch_says_so(monkeypatch, estimate):
+    """A non-finite preconditioned update (an overflow in the solve, simulated) at a curvature step: the running
+    curvature has taken the batch's finite estimate before it, which the raise-mode error says (it said the state
+    was unchanged); at a step without an estimate the state is unchanged."""
+    model = tiny_mlp()
+    x, y = batch()
+    opt = SecondOrderOptimizer(model, on_nonfinite="raise", curv_update_interval=2)
+    opt.step(make_closure(opt, model, x, y))  # step 0 estimates; step 1 does not, step 2 does
+    if estimate:
+        opt.step(make_closure(opt, model, x, y))
+    monkeypatch.setattr(SecondOrderOptimizer, "_apply_update", lambda self, params, groups: False)
+    updates = opt.running.num_updates
+    text = ("the parameters are unchanged \\(the running curvature has taken this batch's estimate\\)" if estimate
+            else "the optimizer state is unchanged")
+    with pytest.raises(NonFiniteError, match=rf"non-finite preconditioned update at step {1 + estimate}; {text}$"):
+        opt.step(make_closure(opt, model, x, y))
+    assert opt.running.num_updates == updates + estimate

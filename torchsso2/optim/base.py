@@ -663,19 +663,23 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         self._streak.taken()
 
     def _nonfinite(self, what: str, snapshot: Optional[StepUndo] = None,
-                   found: Optional[Callable[[], str]] = None, reason: Optional[str] = None) -> None:
+                   found: Optional[Callable[[], str]] = None, reason: Optional[str] = None,
+                   curvature_taken: bool = False) -> None:
         """Apply the non-finite policy: raise, or undo what the closure changed (``snapshot``: random
         streams, BatchNorm statistics), log and count a skipped step. ``num_steps`` does not advance,
         so the skipped step leaves the schedule and the random streams as if the batch was never seen.
         ``found`` names the non-finite tensors (called only for the stall error). ``reason``: why the step
-        fails when nothing is non-finite (it then replaces "non-finite ``what``" in the messages)."""
+        fails when nothing is non-finite (it then replaces "non-finite ``what``" in the messages).
+        ``curvature_taken``: the running curvature took this step's (finite) estimate before the failure, which
+        the raise-mode message says instead of "the optimizer state is unchanged"."""
         if snapshot is not None:
             snapshot.restore()
         problem = reason if reason is not None else f"non-finite {what}"
         if self.on_nonfinite == "raise":
             details = found() if found is not None else ""
             raise NonFiniteError(f"{problem} at step {self.num_steps}" + (f" ({details})" if details else "")
-                                 + "; the optimizer state is unchanged")
+                                 + ("; the parameters are unchanged (the running curvature has taken this "
+                                    "batch's estimate)" if curvature_taken else "; the optimizer state is unchanged"))
         self._count_skip()
         limit = self._streak.limit
         details = found() if found is not None and limit is not None and self._streak.count + 1 >= limit else ""

@@ -443,9 +443,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             applied = self._apply_update(params, groups)
         if not applied:
             if self.adaptive is not None and self.adaptive.no_minimum:
-                self._skip_without_minimum(snapshot)
+                self._skip_without_minimum(snapshot, curvature_taken=fresh is not None)
             else:
-                self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh))
+                self._nonfinite("preconditioned update", snapshot, self._what_is_nonfinite(loss, fresh),
+                                curvature_taken=fresh is not None)
             return loss, output
         taken = True
         if adapt:  # adaptive mode with targets: the new loss by one forward where that is the closure's loss
@@ -471,10 +472,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             undo.restore(self)
             if self.on_nonfinite == "skip":  # the LM rule's answer to a failed step (ρ = -inf): more damping
                 self._set_damping(self.lm.update(math.nan, math.nan))
-            self._nonfinite("loss after the update (adaptive_damping's evaluation; the update was undone)")
+            self._nonfinite("loss after the update (adaptive_damping's evaluation; the update was undone)",
+                            curvature_taken=fresh is not None)
         return loss, output
 
-    def _skip_without_minimum(self, snapshot: Any) -> None:
+    def _skip_without_minimum(self, snapshot: Any, curvature_taken: bool = False) -> None:
         """Adaptive mode's quadratic model has no minimum (negative curvature along the step, as the Hessian of a
         non-convex loss can have): the step is skipped as a non-finite one is, under its own name, and with
         ``adaptive_damping`` the damping is raised as after a failed step (ρ = −∞), which the next steps' model
@@ -486,7 +488,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                   + ("" if self.lm is not None else ", or pass adaptive_damping=True to raise it after each such step"))
         self._nonfinite("", snapshot, reason=(
             f"the adaptive step's quadratic model has no minimum (negative curvature along the step; curvature="
-            f"{self.engine.kind.value!r}); {remedy}, or take a Fisher kind (the GGN has no negative curvature)"))
+            f"{self.engine.kind.value!r}); {remedy}, or take a Fisher kind (the GGN has no negative curvature)"),
+            curvature_taken=curvature_taken)
 
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
         own = super()._categorical_use(targets)
