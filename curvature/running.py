@@ -96,17 +96,15 @@ class RunningCurvature:
 def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Block], None]) -> None:
     """``decompose(block)`` for every block in order; when one raises :class:`~curvature.linalg.LinalgError`
     every block gets its previous decomposition back and the error is re-raised, naming the block. Its
-    ``damping_shortfall`` (a diagonal or full block) is raised to the largest of the diagonal blocks' after it
-    (one pass over each diagonal, no decomposition), so that one raise of the damping covers them all."""
+    ``damping_shortfall`` is the largest of the failing block's (a diagonal or full block) and the diagonal and
+    full blocks' after it (:func:`largest_shortfall`), so that one raise of the damping covers them all."""
     old = {name: blk.decomposition for name, blk in blocks.items()}
     names = list(blocks)
     for at, (name, blk) in enumerate(blocks.items()):
         try:
             decompose(blk)
         except LinalgError as err:
-            if err.damping_shortfall is not None:
-                err.damping_shortfall = max([err.damping_shortfall] + [
-                    _shortfall(decompose, blocks[n]) for n in names[at + 1:] if isinstance(blocks[n], DiagBlock)])
+            err.damping_shortfall = largest_shortfall(err, decompose, [blocks[n] for n in names[at + 1:]])
             for n, dec in old.items():
                 blocks[n].decomposition = dec
             if repr(name) in str(err):  # the block's own check names it; a backend's error does not
@@ -116,14 +114,21 @@ def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Bloc
             raise wrapped from err
 
 
-def _shortfall(decompose: Callable[[Block], None], block: Block) -> float:
-    """How much more damping ``decompose(block)`` needs (0 where it succeeds; the caller restores the block's
-    decomposition)."""
-    try:
-        decompose(block)
-    except LinalgError as err:
-        return err.damping_shortfall or 0.0
-    return 0.0
+def largest_shortfall(error: LinalgError, decompose: Callable[[Block], None], later: Sequence[Block]
+                      ) -> Optional[float]:
+    """The largest ``damping_shortfall`` of ``error`` (a failed decomposition) and of ``decompose`` on the
+    diagonal and full blocks among ``later`` (the blocks a decomposition stopped before: a pass over each
+    diagonal, an eigendecomposition of each full block, on a failure only; the caller restores their
+    decompositions); None where none falls short (a K-FAC or backend failure alone)."""
+    found = [error.damping_shortfall or 0.0]
+    for block in later:
+        if isinstance(block, (DiagBlock, FullBlock)):
+            try:
+                decompose(block)
+            except LinalgError as err:
+                found.append(err.damping_shortfall or 0.0)
+    top = max(found)
+    return top if top > 0 else None
 
 
 def decompose_block(block: Block, damping: float, scale: float = 1.0, backend: Optional[str] = None,

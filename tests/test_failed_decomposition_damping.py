@@ -164,7 +164,10 @@ def test_two_ranks_raise_the_damping_as_one_process(tmp_path):
     single = shortfall_worker.train(None)
     assert single["skipped"] <= 3 and single["steps"] >= 9
     assert single["damping"][0] > 0.05  # past the first block's shortfall at once
+    assert shortfall_worker.two_short_blocks(None) == pytest.approx(9.0)
     for rank, results in enumerate(mpi_rank_results(scripts / "shortfall_worker.py", tmp_path)):
+        # a rank whose first failing block is not the one falling shortest checks its later ones too
+        assert results.pop("two_short_blocks") == {1.0: pytest.approx(9.0), 0.5: pytest.approx(9.0)}, rank
         for fraction, got in results.items():
             assert (got["skipped"], got["steps"]) == (single["skipped"], single["steps"]), (rank, fraction)
             torch.testing.assert_close(got["damping"], single["damping"], rtol=1e-9, atol=0,
@@ -183,10 +186,13 @@ def test_one_raise_covers_every_diagonal_block_short_of_damping():
     assert opt._decompose(opt.damping)
 
 
-def test_the_lm_rule_keeps_a_raise_made_at_the_same_step(monkeypatch):
-    """A decomposition failing at steps 3-5 (a K-FAC eigh, simulated) with the LM rule at every step: the step
-    takes the earlier decomposition, and its ρ (the new damping judged by the old one's update) does not undo the
-    raise: the damping rises at each failed step (it stayed flat, raised and lowered in one step)."""
+@pytest.mark.parametrize("method", ["inverse", "eigen"])
+def test_the_lm_rule_judges_a_raise_by_the_decomposition_the_step_used(monkeypatch, method):
+    """A K-FAC decomposition failing at steps 3-5 (an eigh / Cholesky failure, simulated) with the LM rule at every
+    step; the step takes the earlier decompositions. ``inverse``: they keep the old damping (re-decomposed at
+    the next step), so this step's ρ, measured on an update at the old damping, does not judge the raise: the
+    damping rises at each failed step (it stayed flat, raised and lowered in one step). ``eigen``: the raise
+    re-damps them in place, the step's update is at the raised damping, and its ρ adjusts it as at any step."""
     from curvature.blocks import KFACBlock
 
     original = KFACBlock.decompose
@@ -194,14 +200,14 @@ def test_the_lm_rule_keeps_a_raise_made_at_the_same_step(monkeypatch):
 
     def failing(self, *args, **kwargs):
         if 3 <= at["step"] <= 5:
-            raise LinalgError(f"K-FAC block {self.layout.name!r}: eigh failed to converge (simulated)")
+            raise LinalgError(f"K-FAC block {self.layout.name!r}: decomposition failed (simulated)")
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(KFACBlock, "decompose", failing)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, adaptive_damping=True, damping_adaptation_interval=1,
-                               kl_clip=None, lr=0.05, inv_update_interval=1)
+                               kl_clip=None, lr=0.05, inv_update_interval=1, kfac_method=method)
     g = torch.Generator().manual_seed(0)
     trace = []
     for i in range(8):
@@ -209,10 +215,16 @@ def test_the_lm_rule_keeps_a_raise_made_at_the_same_step(monkeypatch):
         x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
         before = opt.damping
         opt.step(make_closure(opt, model, x, y), targets=y)
-        trace.append((before, opt.damping))
+        trace.append((before, opt.damping, opt.lm.last_rho))
+    omega = opt.lm.decay
     for i in (3, 4, 5):
-        assert trace[i][1] == pytest.approx(trace[i][0] / opt.lm.decay), (i, trace)
-    assert opt.num_steps == 8  # every step updated (the failed ones with the earlier decomposition)
+        before, after, rho = trace[i]
+        if method == "inverse":
+            assert after == pytest.approx(before / omega), (i, trace)
+        else:  # raised by 1/ω, then the step's own ρ: ×ω (ρ > 0.75), ×1/ω (ρ < 0.25) or as raised
+            factor = omega if rho > 0.75 else 1 / omega if rho < 0.25 else 1.0
+            assert after == pytest.approx(before / omega * factor), (i, trace)
+    assert opt.num_steps == 8  # every step updated (the failed ones with the earlier decompositions)
 
 
 def test_a_step_rolled_back_keeps_the_damping_and_counts_it_had():
@@ -279,3 +291,19 @@ def test_a_parameter_set_to_none_after_construction_is_named():
         with pytest.raises(ValueError, match=r"module '2' \(Linear\) no longer holds its parameter 'bias' as a "
                                              r"parameter \(it is None now\)"):
             opt.step(make_closure(opt, model, x, y), targets=y)
+
+
+def test_a_stall_inside_the_decomposition_keeps_its_counts():
+    """``max_consecutive_skips`` reached by a failed decomposition (no earlier one): the step's curvature is put
+    back, but the counts the error reports stay (the rollback had reset them: 2 skips after "3 consecutive")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian", damping=0.0, max_consecutive_skips=3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NonFiniteError, match="3 consecutive steps were skipped"):
+            for _ in range(3):
+                opt.step(make_closure(opt, model, x, y), targets=y)
+    assert opt.num_skipped == 3 and opt._streak.count == 3

@@ -46,8 +46,37 @@ def train(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
             "steps": opt.num_steps}
 
 
+def two_short_blocks(comm: Optional[Any], fraction: float = 1.0) -> float:
+    """The damping after one failed decomposition of four diagonal blocks (damping 1) of which the first two
+    fall short by 0.1 and by 4 (one rank decomposes both at ``grad_worker_fraction=0.5``): 1 + 2·4 = 9."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
+                          nn.Linear(5, 3)).double()
+    kw: Dict[str, Any] = dict(approx="diag", curvature="hessian", damping=1.0, adaptive_damping=True, lr=0.1,
+                              curv_update_interval=1000, inv_update_interval=1000)
+    if comm is not None:
+        kw.update(communicator=comm, grad_worker_fraction=fraction)
+    opt = SecondOrderOptimizer(model, **kw)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss, out
+    opt.step(closure, targets=y)
+    opt.running.blocks["0"].diagonal.fill_(-1.1)
+    opt.running.blocks["2"].diagonal.fill_(-5.0)
+    assert not opt._decompose(opt.damping)
+    return opt.damping
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
     comm = get_communicator("auto")
-    torch.save({f: train(comm, f) for f in (1.0, 0.5)}, out / f"rank{comm.rank}.pt")
+    results: Dict[Any, Any] = {f: train(comm, f) for f in (1.0, 0.5)}
+    results["two_short_blocks"] = {f: two_short_blocks(comm, f) for f in (1.0, 0.5)}
+    torch.save(results, out / f"rank{comm.rank}.pt")

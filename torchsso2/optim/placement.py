@@ -38,7 +38,7 @@ from torch import Tensor
 from curvature.blocks import Block, DiagBlock, FullBlock, KFACBlock
 from curvature.linalg import LinalgError
 from curvature.options import float_or_inf
-from curvature.running import decompose_all_or_nothing
+from curvature.running import decompose_all_or_nothing, largest_shortfall
 
 from ..distributed import AssignmentStrategy, DistributedStrategy, Group, WorkAssignment, parse_enum
 from ..distributed.assignment import grad_worker_count
@@ -203,14 +203,15 @@ class Placement:
         old = {n: b.decomposition for n, b in blocks.items()}
         error: Optional[str] = None
         shortfall = 0.0
-        for name, blk in blocks.items():
-            if self.inv_worker(name) == rank:
-                try:
-                    decompose(blk)
-                except LinalgError as err:
-                    error = f"block {name!r} (decomposed on rank {rank}): {err}"
-                    shortfall = err.damping_shortfall or 0.0
-                    break
+        mine = [(name, blk) for name, blk in blocks.items() if self.inv_worker(name) == rank]
+        for at, (name, blk) in enumerate(mine):
+            try:
+                decompose(blk)
+            except LinalgError as err:
+                error = f"block {name!r} (decomposed on rank {rank}): {err}"
+                # with its own diagonal blocks after it, as one process does (running.decompose_all_or_nothing)
+                shortfall = largest_shortfall(err, decompose, [b for _, b in mine[at + 1:]]) or 0.0
+                break
         first = next(iter(blocks.values()))
         device = first.tensors()[0].device
         flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=device)

@@ -17,6 +17,8 @@ from torch import Tensor
 
 from curvature.blocks import Block
 
+from .skips import NonFiniteError
+
 __all__ = ["CurvatureRollback"]
 
 
@@ -36,7 +38,10 @@ class CurvatureRollback:
         self.extra = opt._extra_snapshot()
         self.skips = (opt.num_skipped, opt._streak.count, opt.__dict__.get("_skip_counted", False))
 
-    def restore(self, opt: Any) -> None:
+    def restore(self, opt: Any, error: Optional[BaseException] = None) -> None:
+        """Put the curvature back; ``error``: what interrupted the step. The skip policy's own
+        :class:`~torchsso2.optim.skips.NonFiniteError` (a stall at ``max_consecutive_skips``) keeps what the
+        policy recorded of the failure: the skip counts it reports and the damping it raised."""
         blocks: Dict[str, Block] = {}
         for name, (blk, saved, decomposition) in self.blocks.items():
             if saved is not None:
@@ -48,6 +53,8 @@ class CurvatureRollback:
         opt.running.num_updates = self.num_updates
         opt._decomposed = self.decomposed
         opt._redamp_pending = self.redamp_pending
+        if isinstance(error, NonFiniteError):
+            return
         if self.damping is not None:
             opt._damping = self.damping
         opt._restore_extra(self.extra)

@@ -413,10 +413,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                     decompose = True
             if not self.running.blocks:
                 raise RuntimeError("no curvature estimate yet: the first step must estimate the curvature")
-            damping_before = self._damping
             decomposed = not decompose or self._decompose(self.damping)
-        except BaseException:  # Ctrl-C in a decomposition: no block half-updated, the labels given back
-            rollback.restore(self)
+        except BaseException as exc:  # Ctrl-C in a decomposition: no block half-updated, the labels given back
+            rollback.restore(self, exc)
             snapshot.restore()
             raise
         if not decomposed:
@@ -455,11 +454,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
                 if lm_closure is not None:  # one forward of the recorded call: the states that forward saw
                     rng = self.adaptive.recorder.calls[0][2]
-                # a failed decomposition raised the damping (the step took the earlier one, at the old damping):
-                # the loss is still evaluated, but this step's ρ would judge the new damping by the old one's update
+                # a failed decomposition raised the damping, and the step took the earlier decompositions at the
+                # old one (not re-damped in place: pending): the loss is still evaluated, but this step's ρ would
+                # judge the new damping by the old one's update
                 taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
                                             backward=lm_closure is None, rng=rng,
-                                            update_damping=self._damping == damping_before)
+                                            update_damping=not self._redamp_pending)
             except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
                 undo.restore(self)  # unscale_): the update is undone and the curvature put back, as if the call
                 rollback.restore(self)  # never happened

@@ -653,8 +653,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                         # the schedules and momentum_debias's step t) as it was; the curvature keeps the batch
                         return mean_loss, output
                     self._forget_blocks(list(missing))  # the others keep their decompositions; a new one has none
-        except BaseException:
-            rollback.restore(self)
+        except BaseException as exc:
+            rollback.restore(self, exc)
             snapshot.restore()
             raise
         self._update_mean(params, groups, grads)
