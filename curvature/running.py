@@ -68,16 +68,18 @@ class RunningCurvature:
 
     def decompose(self, damping: float, scale: float = 1.0, backend: Optional[str] = None,
                   dtype: Optional[torch.dtype] = None, names: Optional[Sequence[str]] = None,
-                  kfac_method: str = "eigen") -> None:
+                  kfac_method: str = "eigen", probe: Tuple[type, ...] = ()) -> None:
         """Decompose ``scale·C + damping·I`` of every block (or of ``names``); K-FAC blocks with
         ``kfac_method`` (``"eigen"``: exact damping; ``"inverse"``: factored, see :class:`KFACBlock`).
 
         All or nothing: when one block's decomposition fails (:class:`~curvature.linalg.LinalgError`,
         naming the block, is raised), every block keeps its previous decomposition, so a step never
-        solves with a mix of the new curvature in some blocks and the old one in others."""
+        solves with a mix of the new curvature in some blocks and the old one in others. ``probe``: the
+        block types whose shortfall a failure also takes (:func:`decompose_all_or_nothing`)."""
         todo = {name: self.blocks[name] for name in (names if names is not None else self.blocks)}
         decompose_all_or_nothing(todo, lambda blk: decompose_block(blk, damping, scale=scale, backend=backend,
-                                                                   dtype=dtype, kfac_method=kfac_method, psd=self.psd))
+                                                                   dtype=dtype, kfac_method=kfac_method, psd=self.psd),
+                                 probe=probe)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"num_updates": self.num_updates, "blocks": {n: b.state_dict() for n, b in self.blocks.items()}}
@@ -93,20 +95,24 @@ class RunningCurvature:
         self.num_updates = int(state.get("num_updates", 0))
 
 
-def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Block], None]) -> None:
+def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Block], None],
+                             probe: Tuple[type, ...] = ()) -> None:
     """``decompose(block)`` for every block in order; when one raises :class:`~curvature.linalg.LinalgError`
-    every block gets its previous decomposition back and the error is re-raised, naming the block. Its
-    ``damping_shortfall`` is the largest of the failing block's (a diagonal or full block) and the diagonal and
-    full blocks' after it (:func:`largest_shortfall`), so that one raise of the damping covers them all."""
+    every block gets its previous decomposition back and the error is re-raised, naming the
+    block. Its ``damping_shortfall`` is the largest of the failing block's (a diagonal or full block) and the
+    ``probe`` blocks' after it (:func:`largest_shortfall`; the caller names the types where it reads the
+    shortfall: a damping rule's raise then covers them all)."""
     old = {name: blk.decomposition for name, blk in blocks.items()}
     names = list(blocks)
     for at, (name, blk) in enumerate(blocks.items()):
         try:
             decompose(blk)
         except LinalgError as err:
-            err.damping_shortfall = largest_shortfall(err, decompose, [blocks[n] for n in names[at + 1:]])
-            for n, dec in old.items():
-                blocks[n].decomposition = dec
+            try:
+                err.damping_shortfall = largest_shortfall(err, decompose, [blocks[n] for n in names[at + 1:]], probe)
+            finally:
+                for n, dec in old.items():
+                    blocks[n].decomposition = dec
             if repr(name) in str(err):  # the block's own check names it; a backend's error does not
                 raise
             wrapped = LinalgError(f"block {name!r}: {err}")
@@ -114,15 +120,15 @@ def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Bloc
             raise wrapped from err
 
 
-def largest_shortfall(error: LinalgError, decompose: Callable[[Block], None], later: Sequence[Block]
-                      ) -> Optional[float]:
-    """The largest ``damping_shortfall`` of ``error`` (a failed decomposition) and of ``decompose`` on the
-    diagonal and full blocks among ``later`` (the blocks a decomposition stopped before: a pass over each
+def largest_shortfall(error: LinalgError, decompose: Callable[[Block], None], later: Sequence[Block],
+                      probe: Tuple[type, ...] = (DiagBlock, FullBlock)) -> Optional[float]:
+    """The largest ``damping_shortfall`` of ``error`` (a failed decomposition) and of ``decompose`` on the blocks
+    of the ``probe`` types among ``later`` (the blocks a decomposition stopped before: a pass over each
     diagonal, an eigendecomposition of each full block, on a failure only; the caller restores their
     decompositions); None where none falls short (a K-FAC or backend failure alone)."""
     found = [error.damping_shortfall or 0.0]
     for block in later:
-        if isinstance(block, (DiagBlock, FullBlock)):
+        if probe and isinstance(block, probe):
             try:
                 decompose(block)
             except LinalgError as err:

@@ -124,6 +124,11 @@ def _expected_bytes(world: int, name: str, res: Dict[str, Any]) -> int:
     if cfg.get("adaptive_damping"):
         interval = cfg["damping_adaptation_interval"]
         total += world * e * sum(1 for s in range(steps) if (s + 1) % interval == 0)
+        if cfg["approx"] == "kfac" and cfg.get("kfac_method", "eigen") == "eigen" and world > 1:
+            # each damping change re-damps the K-FAC eigen decompositions in place on every rank, and one flag
+            # agrees that every rank's stayed positive (optim/redamp.py)
+            d = res["dampings"]
+            total += world * e * sum(1 for a, b in zip(d, d[1:]) if a != b)
     return total
 
 

@@ -165,9 +165,16 @@ def test_two_ranks_raise_the_damping_as_one_process(tmp_path):
     assert single["skipped"] <= 3 and single["steps"] >= 9
     assert single["damping"][0] > 0.05  # past the first block's shortfall at once
     assert shortfall_worker.two_short_blocks(None) == pytest.approx(9.0)
+    lm_single = shortfall_worker.kfac_lm(None)
     for rank, results in enumerate(mpi_rank_results(scripts / "shortfall_worker.py", tmp_path)):
         # a rank whose first failing block is not the one falling shortest checks its later ones too
         assert results.pop("two_short_blocks") == {1.0: pytest.approx(9.0), 0.5: pytest.approx(9.0)}, rank
+        # the LM rule's damping changes re-damp K-FAC eigen decompositions in place on the ranks too: the ranks
+        # decompose when one process does (they decomposed again after every change) and follow its damping
+        for fraction, got in results.pop("kfac_lm").items():
+            assert got["decomposed_at"] == lm_single["decomposed_at"] == [0, 7], (rank, fraction)
+            torch.testing.assert_close(got["damping"], lm_single["damping"], rtol=1e-9, atol=0)
+            torch.testing.assert_close(got["params"], lm_single["params"], rtol=1e-9, atol=1e-12)
         for fraction, got in results.items():
             assert (got["skipped"], got["steps"]) == (single["skipped"], single["steps"]), (rank, fraction)
             torch.testing.assert_close(got["damping"], single["damping"], rtol=1e-9, atol=0,
@@ -307,3 +314,57 @@ def test_a_stall_inside_the_decomposition_keeps_its_counts():
             for _ in range(3):
                 opt.step(make_closure(opt, model, x, y), targets=y)
     assert opt.num_skipped == 3 and opt._streak.count == 3
+
+
+def test_the_shortfall_is_probed_only_where_the_damping_rule_reads_it(monkeypatch):
+    """After a failed block the later diagonal and full blocks are decomposed to find their shortfall only with
+    adaptive_damping in skip mode and an indefinite kind: a full block's probe is an eigendecomposition."""
+    calls = []
+    original = FullBlock.decompose
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.layout.name)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(FullBlock, "decompose", counted)
+    for kw, probed in ((dict(adaptive_damping=True), True), (dict(), False),
+                       (dict(adaptive_damping=True, on_nonfinite="raise"), False),
+                       (dict(adaptive_damping=True, curvature="fisher"), False)):
+        model, opt, x, y = _lm_diag(approx={"0": "diag", "2": "full"}, **kw)
+        opt.running.blocks["0"].diagonal.fill_(float("nan") if kw.get("curvature") else -5.0)
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                opt._decompose(opt.damping)
+            except NonFiniteError:
+                pass
+        assert (calls == ["2"]) is probed, (kw, calls)
+
+
+def test_a_probe_interrupted_gives_every_block_its_decomposition_back(monkeypatch):
+    from curvature.running import decompose_all_or_nothing
+
+    model, opt, x, y = _lm_diag(approx={"0": "diag", "2": "full"})
+    before = {n: b.decomposition for n, b in opt.running.blocks.items()}
+    opt.running.blocks["0"].diagonal.fill_(-5.0)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(FullBlock, "decompose", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        decompose_all_or_nothing(opt.running.blocks, lambda b: b.decompose(1.0), probe=(DiagBlock, FullBlock))
+    assert all(b.decomposition is before[n] for n, b in opt.running.blocks.items())
+
+
+def test_a_stall_of_failed_decompositions_says_what_it_kept():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = SecondOrderOptimizer(model, approx="diag", curvature="hessian", damping=0.0, max_consecutive_skips=2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NonFiniteError, match=r"indefinite \(curvature='hessian'.*The parameters are as before the "
+                                                 r"first skipped step; the running curvature has taken"):
+            for _ in range(2):
+                opt.step(make_closure(opt, model, x, y), targets=y)

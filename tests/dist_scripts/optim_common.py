@@ -127,6 +127,7 @@ def train(cfg: Dict[str, Any], comm: Any, single: bool = False, fail: Optional[T
     opt = make(cfg, model, comm, single)
     comm.reset_counters()  # count the steps only, not the start-up broadcast
     rows = []
+    dampings = [getattr(opt, "damping", None)]  # before and after each step (SecondOrderOptimizer's LM rule)
     for step in range(STEPS):
         if single:
             x, y = whole_batch(step, face)
@@ -136,8 +137,9 @@ def train(cfg: Dict[str, Any], comm: Any, single: bool = False, fail: Optional[T
             x, y = shard(step, face, r, d)
         opt.step(closure_for(opt, model, face, x, y, fail, comm.rank, step))
         rows.append(flat(model))
+        dampings.append(getattr(opt, "damping", None))
     wa = opt.placement.assignment
-    return dict(params=torch.stack(rows), bytes=comm.bytes_sent, skipped=opt.num_skipped,
+    return dict(params=torch.stack(rows), bytes=comm.bytes_sent, skipped=opt.num_skipped, dampings=dampings,
                 grad_workers=None if wa is None else wa.grad_workers_per_layer,
                 numel={n: lay.numel for n, lay in opt.engine.layouts.items()},
                 stats={n: [tuple(t.shape) for t in b.tensors()] for n, b in opt.running.blocks.items()})

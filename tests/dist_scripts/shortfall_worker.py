@@ -73,10 +73,49 @@ def two_short_blocks(comm: Optional[Any], fraction: float = 1.0) -> float:
     return opt.damping
 
 
+def kfac_lm(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
+    """K-FAC eigen (Fisher, float64) with the LM rule at every step and a decomposition every 7 steps: each damping
+    change re-damps the decompositions in place, with several processes too (each rank those it holds), so the
+    ranks decompose as often as one process and follow its damping."""
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    kw: Dict[str, Any] = dict(approx="kfac", curvature="fisher", damping=0.1, adaptive_damping=True, lr=0.05,
+                              kl_clip=None, damping_adaptation_interval=1, inv_update_interval=7)
+    if comm is not None:
+        kw.update(communicator=comm, grad_worker_fraction=fraction)
+    opt = SecondOrderOptimizer(model, **kw)
+    decompositions = []
+    original = opt._decompose
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        decompositions.append(opt.num_steps)
+        return original(*args, **kwargs)
+    opt._decompose = counted  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(0)
+    dampings = []
+    for _ in range(14):
+        x, y = torch.randn(32, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (32,), generator=g)
+        n = x.shape[0] // world
+        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+        def closure():
+            opt.zero_grad()
+            out = model(xs)
+            loss = F.cross_entropy(out, ys)
+            loss.backward()
+            return loss, out
+        opt.step(closure, targets=ys)
+        dampings.append(opt.damping)
+    return {"damping": torch.tensor(dampings, dtype=torch.float64), "decomposed_at": decompositions,
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
     comm = get_communicator("auto")
     results: Dict[Any, Any] = {f: train(comm, f) for f in (1.0, 0.5)}
     results["two_short_blocks"] = {f: two_short_blocks(comm, f) for f in (1.0, 0.5)}
+    results["kfac_lm"] = {f: kfac_lm(comm, f) for f in (1.0, 0.5)}
     torch.save(results, out / f"rank{comm.rank}.pt")

@@ -736,6 +736,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         None: the damping stays (the default)."""
         return None
 
+    def _shortfall_probe(self) -> Tuple[type, ...]:
+        """The block types whose damping shortfall a failed decomposition probes after the failing block (for
+        :meth:`_damping_after_failed_decomposition`): none by default."""
+        return ()
+
     def _decompose(self, damping: float, scale: float = 1.0) -> bool:
         """Decompose all running blocks; False (after applying the policy) if a decomposition failed."""
         if self.placement.active:  # [issue #7] each rank decomposes its share of blocks, then broadcasts
@@ -743,7 +748,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 self.running.blocks, lambda blk: decompose_block(blk, damping, scale=scale, backend=self.linalg,
                                                                  dtype=self.decomposition_dtype,
                                                                  kfac_method=self.kfac_method, psd=self.running.psd),
-                dtype=self.decomposition_dtype, kfac_method=self.kfac_method)
+                dtype=self.decomposition_dtype, kfac_method=self.kfac_method, probe=self._shortfall_probe())
             if error is not None:
                 self._decomposition_failed(error, damping)
                 return False
@@ -751,7 +756,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return True
         try:
             self.running.decompose(damping, scale=scale, backend=self.linalg, dtype=self.decomposition_dtype,
-                                   kfac_method=self.kfac_method)
+                                   kfac_method=self.kfac_method, probe=self._shortfall_probe())
         except LinalgError as err:
             self._decomposition_failed(err, damping)
             return False

@@ -181,17 +181,19 @@ class Placement:
 
     # ---- decomposition ------------------------------------------------------------------------
     def decompose(self, blocks: Dict[str, Block], decompose: Callable[[Block], None],
-                  dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen") -> Optional[LinalgError]:
+                  dtype: Optional[torch.dtype] = None, kfac_method: str = "eigen", probe: Tuple[type, ...] = ()
+                  ) -> Optional[LinalgError]:
         """Decompose every block on its inverse worker and broadcast it to its grad workers.
 
         ``decompose(block)`` runs the block's own damped decomposition. Returns ``None`` on
         success, else a :class:`~curvature.linalg.LinalgError` naming the failed block, the same on
-        every rank in its ``damping_shortfall`` (the largest of the ranks' failed diagonal or full blocks,
-        or None); then every block on every rank keeps its previous decomposition.
+        every rank in its ``damping_shortfall`` (the largest of the ranks' failed diagonal or full blocks, each
+        rank's ``probe`` blocks after its failing one included, or None); then every block on every rank keeps its
+        previous decomposition.
         """
         if not self.active:
             try:
-                decompose_all_or_nothing(blocks, decompose)
+                decompose_all_or_nothing(blocks, decompose, probe)
             except LinalgError as err:
                 return err
             return None
@@ -210,7 +212,7 @@ class Placement:
             except LinalgError as err:
                 error = f"block {name!r} (decomposed on rank {rank}): {err}"
                 # with its own diagonal blocks after it, as one process does (running.decompose_all_or_nothing)
-                shortfall = largest_shortfall(err, decompose, [b for _, b in mine[at + 1:]]) or 0.0
+                shortfall = largest_shortfall(err, decompose, [b for _, b in mine[at + 1:]], probe) or 0.0
                 break
         first = next(iter(blocks.values()))
         device = first.tensors()[0].device

@@ -13,7 +13,7 @@ decomposition every 5 steps, not every 50).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -23,7 +23,8 @@ from curvature.blocks.base import roundoff_damping
 from curvature.linalg.checks import coarsest_eps
 
 
-def redamp(blocks: Mapping[str, Block], old: float, new: float) -> bool:
+def redamp(blocks: Mapping[str, Block], old: float, new: float,
+           agree: Optional[Callable[[bool], bool]] = None) -> bool:
     """Give every block's decomposition the damping ``new`` in place of ``old``; all or nothing.
 
     Returns True when every block is a K-FAC block with an eigen decomposition and the new
@@ -31,15 +32,23 @@ def redamp(blocks: Mapping[str, Block], old: float, new: float) -> bool:
     ``state_dict`` is untouched); False, with nothing changed, otherwise (the caller then decomposes
     again). The damping a decomposition added is ``max(damping, eps·P)`` with ``P`` the largest
     ``scale·λ_L λ_R`` (:func:`curvature.blocks.base.roundoff_damping`), so ``denom`` changes by the
-    difference of the two added dampings: the same ``denom`` as a decomposition at ``new``, to rounding."""
+    difference of the two added dampings: the same ``denom`` as a decomposition at ``new``, to rounding.
+
+    ``agree``: with several processes (KAISA placement), where a rank holds the decompositions of the
+    blocks it is a grad worker of only (the others are None and skipped): told whether this rank's are all
+    positive, returns whether every rank's are (one all-reduce; the same answer on every rank)."""
     blks = list(blocks.values())
-    if not blks or not all(isinstance(b, KFACBlock) and b.decomposition is not None
-                           and b.decomposition.get("method") == "eigen" for b in blks):
+    held = [b for b in blks if b.decomposition is not None] if agree is not None else blks
+    if not blks or not all(isinstance(b, KFACBlock) for b in blks) or not all(
+            b.decomposition is not None and b.decomposition.get("method") == "eigen" for b in held):
         return False
-    denoms = [_redamped(b, old, new) for b in blks]
-    if not all(bool((d > 0).all()) for d in denoms):
+    denoms = [_redamped(b, old, new) for b in held]
+    positive = all(bool((d > 0).all()) for d in denoms)
+    if agree is not None:
+        positive = agree(positive)
+    if not positive:
         return False
-    for b, d in zip(blks, denoms):
+    for b, d in zip(held, denoms):
         b.decomposition = {**b.decomposition, "denom": d}  # type: ignore[dict-item]
     return True
 

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from curvature.blocks import DiagBlock, FullBlock
 from curvature.blocks.base import owned_all_finite
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, LossType
@@ -642,7 +643,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         Set between steps (``opt.damping = 1e-2``), it takes effect at the next step, whatever the
         intervals: K-FAC eigen decompositions take it in place, other decompositions are redone from the
         running curvature then; with ``adaptive_damping`` the rule continues from it (within
-        ``[min_damping, 1e4]``, else a ``ValueError``). The damping is one number for all param groups."""
+        ``[min_damping, 1e4]``, else a ``ValueError``). The damping is one number for all param groups; with
+        several processes set the same value on every rank (a K-FAC re-damp agrees over the ranks)."""
         return self._damping
 
     @damping.setter
@@ -660,9 +662,21 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         (torchsso2/optim/redamp.py), other decompositions are redone at the next step, which keeps the
         current ones where that fails (an indefinite Hessian's diagonal at a damping still too small)."""
         old_damping, self._damping = self._damping, float(damping)
-        if self._damping != old_damping and self._decomposed \
-                and (self.placement.active or not redamp(self.running.blocks, old_damping, self._damping)):
+        if self._damping != old_damping and self._decomposed and not redamp(
+                self.running.blocks, old_damping, self._damping,
+                agree=self._every_rank if self.placement.active else None):
             self._redamp_pending = True
+
+    def _every_rank(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (one all-reduce)."""
+        return self._mean_over_ranks(1.0 if ok else 0.0) == 1.0
+
+    def _shortfall_probe(self) -> Tuple[type, ...]:
+        """Diagonal and full blocks where the rule reads the shortfall (``adaptive_damping``, skip mode) of a
+        curvature that can be indefinite (the Hessian; the Fisher kinds' blocks never fall short)."""
+        if self.lm is None or self.on_nonfinite != "skip" or self.running.psd:
+            return ()
+        return (DiagBlock, FullBlock)
 
     def _damping_after_failed_decomposition(self, error: object) -> Optional[float]:
         """``adaptive_damping``'s answer to a failed decomposition (skip mode): more damping, as after a failed

@@ -134,14 +134,18 @@ class SkipStreak:
                     "optimizer state is as before the first skipped step (but for the damping, where adaptive_damping "
                     "raised it).")
             found = f" (this step: {details})" if details else ""
+            decomposition = "decomposition" in what
             cause = ("The damped curvature is singular (damping=0 with a rank-deficient estimate, e.g. fewer examples "
-                     "than a Kronecker factor's size) or not finite (the model diverged or the data holds NaN/inf)"
-                     if "decomposition" in what else "The model diverged or the data holds NaN/inf")
+                     "than a Kronecker factor's size), indefinite (curvature='hessian' at a damping below its most "
+                     "negative eigenvalue) or not finite (the model diverged or the data holds NaN/inf)"
+                     if decomposition else "The model diverged or the data holds NaN/inf")
+            state = ("The parameters are as before the first skipped step; the running curvature has taken the "
+                     "skipped steps' estimates (and adaptive_damping, where on, raised the damping)." if decomposition
+                     else "The optimizer state is as before the first skipped step.")
             raise NonFiniteError(
                 f"training has stalled: {self.count} consecutive steps were skipped at step {step} because of a "
                 f"non-finite {what}{found}. {cause}. Try a lower lr, more "
                 "damping (for VIOptimizer also a larger prior_precision or init_precision), "
                 "decomposition_dtype=torch.float64, or restore a checkpoint and check the data; "
-                "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. "
-                "The optimizer state is as before the first skipped step.")
+                f"max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. {state}")
         return self.count
