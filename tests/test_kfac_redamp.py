@@ -94,7 +94,7 @@ def test_training_with_lm_damping_equals_the_always_decomposing_path(monkeypatch
     """10/100 intervals with LM damping, where every damping change re-decomposes at a step without a
     new estimate (the path of blocks that torchsso2/optim/redamp.py cannot re-damp in place; forced
     here). The cached path must give bit-identical parameters to a run that always calls eigh."""
-    monkeypatch.setattr("torchsso2.optim.second_order.redamp", lambda *args: False)
+    monkeypatch.setattr("torchsso2.optim.second_order.redamp", lambda *args, **kwargs: False)
     model, opt, closure, (x, y) = _trained_opt(adaptive_damping=True, damping_adaptation_interval=2,
                                                curv_update_interval=10, inv_update_interval=100)
     model_ref, opt_ref = copy.deepcopy((model, opt))

@@ -84,7 +84,7 @@ def test_a_checkpoint_restores_the_damping_not_the_bounds():
     model = torch.nn.Linear(3, 2)
     old = SecondOrderOptimizer(model, damping=1e-6, adaptive_damping=True, min_damping=1e-8)
     new = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True)
-    with pytest.warns(UserWarning, match=r"adaptive damping 1e-06 is outside this optimizer's \[min_damping, 1e4\]"):
+    with pytest.warns(UserWarning, match=r"damping 1e-06 is outside this optimizer's adaptive damping range \[min_damping, 1e4\]"):
         new.load_state_dict(old.state_dict())
     assert new.lm.min_damping == 1e-4 and new.lm.damping == 1e-4 and new.damping == 1e-4
     same = SecondOrderOptimizer(model, damping=1e-2, adaptive_damping=True, min_damping=1e-8)

@@ -15,6 +15,21 @@ from torchsso2 import SecondOrderOptimizer
 from torchsso2.distributed import get_communicator
 
 
+def _shard_step(opt: SecondOrderOptimizer, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int,
+                world: int) -> None:
+    """One step on this rank's equal share of the batch ``(x, y)``, the targets given."""
+    n = x.shape[0] // world
+    xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+    def closure():
+        opt.zero_grad()
+        out = model(xs)
+        loss = F.cross_entropy(out, ys)
+        loss.backward()
+        return loss, out
+    opt.step(closure, targets=ys)
+
+
 def train(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
     """12 steps of a tanh MLP (64-32-10, float64) at damping 1e-3, whose first diagonal decomposition fails."""
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
@@ -30,17 +45,7 @@ def train(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
     dampings = []
     for _ in range(12):
         x = torch.randn(64, 64, generator=g, dtype=torch.float64)
-        y = (x @ w).argmax(1)
-        n = x.shape[0] // world
-        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-
-        def closure():
-            opt.zero_grad()
-            out = model(xs)
-            loss = F.cross_entropy(out, ys)
-            loss.backward()
-            return loss, out
-        opt.step(closure, targets=ys)
+        _shard_step(opt, model, x, (x @ w).argmax(1), rank, world)
         dampings.append(opt.damping)
     return {"damping": torch.tensor(dampings, dtype=torch.float64), "skipped": opt.num_skipped,
             "steps": opt.num_steps}
@@ -59,29 +64,24 @@ def two_short_blocks(comm: Optional[Any], fraction: float = 1.0) -> float:
     opt = SecondOrderOptimizer(model, **kw)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
-
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return loss, out
-    opt.step(closure, targets=y)
+    _shard_step(opt, model, x, y, 0, 1)  # the whole batch on every rank
     opt.running.blocks["0"].diagonal.fill_(-1.1)
     opt.running.blocks["2"].diagonal.fill_(-5.0)
     assert not opt._decompose(opt.damping)
     return opt.damping
 
 
-def kfac_lm(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
-    """K-FAC eigen (Fisher, float64) with the LM rule at every step and a decomposition every 7 steps: each damping
-    change re-damps the decompositions in place, with several processes too (each rank those it holds), so the
-    ranks decompose as often as one process and follow its damping."""
+def kfac_lm(comm: Optional[Any], fraction: float = 1.0, method: str = "eigen", layers: int = 2) -> Dict[str, Any]:
+    """K-FAC (Fisher, float64) with the LM rule at every step and a decomposition every 7 steps: each damping
+    change re-damps eigen decompositions in place, with several processes too (each rank those it holds, one
+    all-reduce reached by every rank, one holding none included: ``layers=1`` at fraction 0.5), so the ranks
+    decompose as often as one process and follow its damping; ``inverse`` ones are redone at the next step."""
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model = (nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)) if layers == 2 else
+             nn.Sequential(nn.Linear(6, 3))).double()
     kw: Dict[str, Any] = dict(approx="kfac", curvature="fisher", damping=0.1, adaptive_damping=True, lr=0.05,
-                              kl_clip=None, damping_adaptation_interval=1, inv_update_interval=7)
+                              kl_clip=None, damping_adaptation_interval=1, inv_update_interval=7, kfac_method=method)
     if comm is not None:
         kw.update(communicator=comm, grad_worker_fraction=fraction)
     opt = SecondOrderOptimizer(model, **kw)
@@ -96,16 +96,7 @@ def kfac_lm(comm: Optional[Any], fraction: float = 1.0) -> Dict[str, Any]:
     dampings = []
     for _ in range(14):
         x, y = torch.randn(32, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (32,), generator=g)
-        n = x.shape[0] // world
-        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-
-        def closure():
-            opt.zero_grad()
-            out = model(xs)
-            loss = F.cross_entropy(out, ys)
-            loss.backward()
-            return loss, out
-        opt.step(closure, targets=ys)
+        _shard_step(opt, model, x, y, rank, world)
         dampings.append(opt.damping)
     return {"damping": torch.tensor(dampings, dtype=torch.float64), "decomposed_at": decompositions,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
@@ -117,5 +108,6 @@ if __name__ == "__main__":
     comm = get_communicator("auto")
     results: Dict[Any, Any] = {f: train(comm, f) for f in (1.0, 0.5)}
     results["two_short_blocks"] = {f: two_short_blocks(comm, f) for f in (1.0, 0.5)}
-    results["kfac_lm"] = {f: kfac_lm(comm, f) for f in (1.0, 0.5)}
+    results["kfac_lm"] = {(f, m, n): kfac_lm(comm, f, m, n) for f in (1.0, 0.5) for m in ("eigen", "inverse")
+                          for n in (1, 2)}
     torch.save(results, out / f"rank{comm.rank}.pt")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -163,6 +163,12 @@ class Placement:
             self._groups.update({ranks: self.comm.new_group(list(ranks))
                                  for ranks in self.assignment.communication_groups() if ranks not in self._groups})
         return self.assignment
+
+    def held(self, names: Collection[str]) -> List[str]:
+        """The blocks among ``names`` whose decompositions this rank holds (it is one of their grad workers), and
+        those the assignment does not know yet (a block first seen at this step: no rank holds one)."""
+        wa, rank = self.assignment, self.comm.rank
+        return [n for n in names if wa is None or n not in wa.work or rank in wa.grad_workers(n)]
 
     def inv_worker(self, name: str) -> int:
         assert self.assignment is not None

@@ -13,7 +13,7 @@ decomposition every 5 steps, not every 50).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Collection, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from curvature.linalg.checks import coarsest_eps
 
 
 def redamp(blocks: Mapping[str, Block], old: float, new: float,
-           agree: Optional[Callable[[bool], bool]] = None) -> bool:
+           agree: Optional[Callable[[bool], bool]] = None, held: Optional[Collection[str]] = None) -> bool:
     """Give every block's decomposition the damping ``new`` in place of ``old``; all or nothing.
 
     Returns True when every block is a K-FAC block with an eigen decomposition and the new
@@ -34,21 +34,23 @@ def redamp(blocks: Mapping[str, Block], old: float, new: float,
     ``scale·λ_L λ_R`` (:func:`curvature.blocks.base.roundoff_damping`), so ``denom`` changes by the
     difference of the two added dampings: the same ``denom`` as a decomposition at ``new``, to rounding.
 
-    ``agree``: with several processes (KAISA placement), where a rank holds the decompositions of the
-    blocks it is a grad worker of only (the others are None and skipped): told whether this rank's are all
-    positive, returns whether every rank's are (one all-reduce; the same answer on every rank)."""
+    ``agree``, ``held``: with several processes (KAISA placement), where a rank holds the decompositions of
+    the blocks ``held`` (those it is a grad worker of; the others are None there): ``agree`` is told whether
+    this rank's can be re-damped (each an eigen decomposition, the new ``denom`` positive) and returns
+    whether every rank's can (one all-reduce, reached on every rank whatever it holds: the same answer
+    everywhere)."""
     blks = list(blocks.values())
-    held = [b for b in blks if b.decomposition is not None] if agree is not None else blks
-    if not blks or not all(isinstance(b, KFACBlock) for b in blks) or not all(
-            b.decomposition is not None and b.decomposition.get("method") == "eigen" for b in held):
+    if not blks or not all(isinstance(b, KFACBlock) for b in blks):  # the same on every rank
         return False
-    denoms = [_redamped(b, old, new) for b in held]
-    positive = all(bool((d > 0).all()) for d in denoms)
+    mine = blks if agree is None else [blocks[n] for n in (held if held is not None else blocks)]
+    ok = all(b.decomposition is not None and b.decomposition.get("method") == "eigen" for b in mine)
+    denoms = [_redamped(b, old, new) for b in mine] if ok else []
+    ok = ok and all(bool((d > 0).all()) for d in denoms)
     if agree is not None:
-        positive = agree(positive)
-    if not positive:
+        ok = agree(ok)
+    if not ok:
         return False
-    for b, d in zip(held, denoms):
+    for b, d in zip(mine, denoms):
         b.decomposition = {**b.decomposition, "denom": d}  # type: ignore[dict-item]
     return True
 
