@@ -662,8 +662,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         (torchsso2/optim/redamp.py), other decompositions are redone at the next step, which keeps the
         current ones where that fails (an indefinite Hessian's diagonal at a damping still too small)."""
         old_damping, self._damping = self._damping, float(damping)
+        if self._damping == old_damping or not self._decomposed:
+            return
         placed = self.placement.active
-        if self._damping != old_damping and self._decomposed and not redamp(
+        # (kfac_method="inverse" damps each factor before its inverse: never re-damped in place, no all-reduce)
+        if self.kfac_method != "eigen" or not redamp(
                 self.running.blocks, old_damping, self._damping, agree=self._every_rank if placed else None,
                 held=self.placement.held(self.running.blocks) if placed else None):
             self._redamp_pending = True
