@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .blocks import Block, DiagBlock, FullBlock, KFACBlock
+from .blocks import Block, FullBlock, KFACBlock
 from .blocks.base import DerivedCache
 from .linalg import LinalgError
 
@@ -121,14 +121,14 @@ def decompose_all_or_nothing(blocks: Dict[str, Block], decompose: Callable[[Bloc
 
 
 def largest_shortfall(error: LinalgError, decompose: Callable[[Block], None], later: Sequence[Block],
-                      probe: Tuple[type, ...] = (DiagBlock, FullBlock)) -> Optional[float]:
+                      probe: Tuple[type, ...]) -> Optional[float]:
     """The largest ``damping_shortfall`` of ``error`` (a failed decomposition) and of ``decompose`` on the blocks
     of the ``probe`` types among ``later`` (the blocks a decomposition stopped before: a pass over each
     diagonal, an eigendecomposition of each full block, on a failure only; the caller restores their
     decompositions); None where none falls short (a K-FAC or backend failure alone)."""
     found = [error.damping_shortfall or 0.0]
     for block in later:
-        if probe and isinstance(block, probe):
+        if isinstance(block, probe):
             try:
                 decompose(block)
             except LinalgError as err:

@@ -768,6 +768,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         """``(scale·C + damping·I)⁻¹ g`` per block, solved by the block's grad workers (see placement)."""
         return self.placement.precondition(blocks, grads)
 
+    def _every_rank(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (one all-reduce; ``ok`` itself with one rank)."""
+        return self._mean_over_ranks(1.0 if ok else 0.0) == 1.0
+
     def _mean_over_ranks(self, value: float) -> float:
         """Mean of a Python float over all ranks (the value itself with one rank)."""
         if self.comm.world_size <= 1:

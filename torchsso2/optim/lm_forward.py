@@ -56,7 +56,7 @@ def forward_only_closure(opt: Any, targets: Optional[Tensor], loss: Any, output:
     recorder = opt.adaptive.recorder if opt.adaptive is not None else None
     ok = recorder is not None and _matches(opt, recorder, targets, loss, output)
     if opt.comm.world_size > 1:
-        ok = opt._mean_over_ranks(1.0 if ok else 0.0) == 1.0
+        ok = opt._every_rank(ok)
     if not ok:
         return None
     assert recorder is not None and targets is not None

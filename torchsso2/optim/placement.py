@@ -217,7 +217,7 @@ class Placement:
                 decompose(blk)
             except LinalgError as err:
                 error = f"block {name!r} (decomposed on rank {rank}): {err}"
-                # with its own diagonal blocks after it, as one process does (running.decompose_all_or_nothing)
+                # with its own probe blocks after it, as one process does (running.decompose_all_or_nothing)
                 shortfall = largest_shortfall(err, decompose, [b for _, b in mine[at + 1:]], probe) or 0.0
                 break
         first = next(iter(blocks.values()))

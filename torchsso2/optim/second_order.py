@@ -671,10 +671,6 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 held=self.placement.held(self.running.blocks) if placed else None):
             self._redamp_pending = True
 
-    def _every_rank(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (one all-reduce)."""
-        return self._mean_over_ranks(1.0 if ok else 0.0) == 1.0
-
     def _shortfall_probe(self) -> Tuple[type, ...]:
         """Diagonal and full blocks where the rule reads the shortfall (``adaptive_damping``, skip mode) of a
         curvature that can be indefinite (the Hessian; the Fisher kinds' blocks never fall short)."""

@@ -127,21 +127,22 @@ class SkipStreak:
         streak."""
         self.count += 1
         if self.limit is not None and self.count >= self.limit:
+            # a failed decomposition, or a failure with a reason (adaptive mode's model without minimum), comes after
+            # the running curvature took the step's estimate; a non-finite batch is given back whole
+            decomposition = "decomposition" in what
+            state = ("The parameters are as before the first skipped step; the running curvature has taken the "
+                     "estimates of the skipped steps that made one (and adaptive_damping, where on, raised the "
+                     "damping)." if decomposition or reason is not None
+                     else "The optimizer state is as before the first skipped step.")
             if reason is not None:
                 raise NonFiniteError(
                     f"training has stalled: {self.count} consecutive steps were skipped at step {step}: {reason}. "
-                    "max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. The "
-                    "optimizer state is as before the first skipped step (but for the damping, where adaptive_damping "
-                    "raised it).")
+                    f"max_consecutive_skips (None: never raise) sets how many skips in a row are tolerated. {state}")
             found = f" (this step: {details})" if details else ""
-            decomposition = "decomposition" in what
             cause = ("The damped curvature is singular (damping=0 with a rank-deficient estimate, e.g. fewer examples "
                      "than a Kronecker factor's size), indefinite (curvature='hessian' at a damping below its most "
                      "negative eigenvalue) or not finite (the model diverged or the data holds NaN/inf)"
                      if decomposition else "The model diverged or the data holds NaN/inf")
-            state = ("The parameters are as before the first skipped step; the running curvature has taken the "
-                     "skipped steps' estimates (and adaptive_damping, where on, raised the damping)." if decomposition
-                     else "The optimizer state is as before the first skipped step.")
             raise NonFiniteError(
                 f"training has stalled: {self.count} consecutive steps were skipped at step {step} because of a "
                 f"non-finite {what}{found}. {cause}. Try a lower lr, more "
