@@ -3,12 +3,14 @@ sample ``mc`` times; a trainable bias beside a frozen weight dropped out of the 
 learned noise with an ``output_selector``; ``predict`` on 1-D logits; ``sampled_params`` without a posterior."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchsso2 import VIOptimizer
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.compat import pytorch_sso
 
 
@@ -151,3 +153,43 @@ def test_compat_prediction_before_a_step_without_init_precision_says_what_to_do(
     with pytest.raises(RuntimeError, match=r"prediction\(mc=2\) before the first step needs init_precision"):
         opt.prediction(torch.randn(8, 4), mc=2)
     assert opt.prediction(torch.randn(8, 4), mc=0).shape == (8, 3)
+
+
+@pytest.mark.parametrize("face", ["hessian", "empirical_fisher", "vi"])
+@pytest.mark.parametrize("returns", ["output", "pick"])
+def test_loss_scale_check_reads_a_pick_that_its_selector_also_fits(face: str, returns: str) -> None:
+    """A slicing selector (``o[:, 1:]``) also fits its own pick when the batch's labels leave out the last
+    class: a closure returning the pick is read as the pick (the mean NLL nearer the loss), not sliced again
+    into a false loss-scale warning; a closure returning the whole output is sliced as before."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 5, generator=gen), torch.randint(0, 8, (32,), generator=gen)  # 10 classes, none ≥ 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 11))  # column 0 is not a class
+    pick = lambda o: o[:, 1:]  # noqa: E731
+    if face == "vi":
+        opt = VIOptimizer(model, dataset_size=64, output_selector=pick)
+    else:
+        opt = SecondOrderOptimizer(model, curvature=face, approx="diag", output_selector=pick)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(pick(out), y)
+        loss.backward()
+        return loss, (out if returns == "output" else pick(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(closure, targets=y)
+
+    def scaled():  # the check still warns about a loss that is not the mean NLL of either
+        opt.zero_grad()
+        out = model(x)
+        loss = 3 * F.cross_entropy(pick(out), y)
+        loss.backward()
+        return loss, (out if returns == "output" else pick(out))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 11))
+    opt = VIOptimizer(model, dataset_size=64, output_selector=pick) if face == "vi" else \
+        SecondOrderOptimizer(model, curvature=face, approx="diag", output_selector=pick)
+    with pytest.warns(UserWarning, match="mean negative log-likelihood"):
+        opt.step(scaled, targets=y)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -99,16 +99,23 @@ def returned_pick(engine: Any, output: Any, targets: Tensor) -> Tensor:
     """The tensor the loss is computed from, of the output a closure returned: the ``output_selector``'s pick
     of the model's output, or the returned tensor itself where the closure returned that pick already (the
     selector raises on it, or its pick does not fit ``targets`` while the tensor does). A selector that also
-    fits its own pick (``o[:, 1:]``) is applied to it. The attempt is quiet: torch warns about
-    ``tensor["logits"]`` before it raises (only the first step's checks try it)."""
+    fits its own pick (``o[:, 1:]``) is applied to it: the first of :func:`returned_candidates`."""
+    return returned_candidates(engine, output, targets)[0]
+
+
+def returned_candidates(engine: Any, output: Any, targets: Tensor) -> List[Tensor]:
+    """What the loss may be computed from, of the output a closure returned (:func:`returned_pick`'s rule),
+    the selector's pick first: both the pick and the returned tensor where both fit ``targets`` (a selector
+    that also fits its own pick, ``o[:, 1:]``: the closure may have returned either). The attempt is quiet:
+    torch warns about ``tensor["logits"]`` before it raises (only the first step's checks try it)."""
     if engine.output_selector is None or not isinstance(output, Tensor):
-        return engine.select_output(output)
+        return [engine.select_output(output)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             picked = engine.select_output(output)
         except (RuntimeError, ValueError, IndexError, KeyError, TypeError, AttributeError):
-            return output
+            return [output]
 
     def fits(t: Tensor) -> bool:
         try:
@@ -116,7 +123,9 @@ def returned_pick(engine: Any, output: Any, targets: Tensor) -> Tensor:
         except (RuntimeError, ValueError, IndexError, TypeError):
             return False
         return True
-    return output if not fits(picked) and fits(output) else picked
+    if not fits(picked):
+        return [output] if fits(output) else [picked]
+    return [picked, output] if picked is not output and fits(output) else [picked]
 
 
 def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, model_output: bool = False
@@ -124,27 +133,34 @@ def loss_and_nll(opt: Any, targets: Optional[Tensor], loss: Any, output: Any, mo
     """``(loss, mean NLL of output and targets)`` under ``opt``'s likelihood (``loss=``, its
     ``output_selector``); None where that cannot be told (no targets, an output that is not a tensor
     of the parameters' dtype, a loss of more than one element, targets that do not fit the output).
-    ``output``: what the closure returned (:func:`returned_pick`), or with ``model_output`` the model's own
-    output (its selector's pick is taken)."""
+    ``output``: what the closure returned (:func:`returned_candidates`: where it may be the selector's pick
+    or the tensor the pick is taken of, the mean NLL nearer the loss), or with ``model_output`` the model's
+    own output (its selector's pick is taken)."""
     if not isinstance(targets, Tensor) or not isinstance(loss, Tensor) or loss.numel() != 1:
         return None
     engine = opt.engine
+    value = float(loss.detach())
     with torch.no_grad():
         try:
-            selected = engine.select_output(output) if model_output else returned_pick(engine, output, targets)
+            candidates = [engine.select_output(output)] if model_output else \
+                returned_candidates(engine, output, targets)
         except Exception:  # a selector that does not fit what the closure returned: nothing to tell
             return None
-        if selected.dtype not in (torch.float32, torch.float64) \
-                or any(p.dtype != selected.dtype for g in opt.param_groups for p in g["params"]):
-            return None  # (half precision: the two computations' rounding alone differs by up to 1%)
-        try:
-            # the output of the batch the targets are of: a micro-batch's output broadcasts against the
-            # whole batch's regression targets ([1, D] against [N, D]) without an error
-            check_outputs_targets(engine.loss, selected, targets)
-            ref = float(_mean_nll(engine.loss, selected, targets))
-        except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
-            return None
-    return float(loss.detach()), ref
+        refs = []
+        for selected in candidates:
+            if selected.dtype not in (torch.float32, torch.float64) \
+                    or any(p.dtype != selected.dtype for g in opt.param_groups for p in g["params"]):
+                return None  # (half precision: the two computations' rounding alone differs by up to 1%)
+            try:
+                # the output of the batch the targets are of: a micro-batch's output broadcasts against the
+                # whole batch's regression targets ([1, D] against [N, D]) without an error
+                check_outputs_targets(engine.loss, selected, targets)
+                refs.append(float(_mean_nll(engine.loss, selected, targets)))
+            except (RuntimeError, ValueError, IndexError, TypeError):  # targets that do not fit the output
+                pass
+    if not refs:
+        return None
+    return value, min(refs, key=lambda ref: abs(ref - value))
 
 
 def nll_description(loss: LossType) -> str:
