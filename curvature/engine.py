@@ -22,6 +22,7 @@ from .blocks.layout import held_parameters, kfac_dense_sides
 from .capture import Capture, ModuleRecord, batch_norm_modules
 from .cost import warn_full_blocks, warn_kfac_factors
 from .hessian import hessian_blocks
+from .hook_marks import hidden_from_attached
 from .modules import SUPPORTED_LAYERS, family_of
 from .modules.parameters import ParameterFamily
 from .modules.base import flat_per_example
@@ -228,8 +229,14 @@ class CurvatureEngine:
 
         ``outputs``: the model output recorded by ``capture`` (still in the graph; cross-entropy
         logits ``[N, T, C]`` count as ``N·T`` rows, :func:`curvature.likelihoods.as_rows`);
-        ``targets``: needed for ``empirical_fisher`` and ``hessian``.
+        ``targets``: needed for ``empirical_fisher`` and ``hessian``. The backward passes it runs are
+        hidden from a ``KFACPreconditioner`` on the model (:func:`curvature.hook_marks.hidden_from_attached`).
         """
+        with hidden_from_attached(self.model):
+            return self._estimate(capture, outputs, targets, generator)
+
+    def _estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,
+                  generator: Optional[torch.Generator] = None) -> Dict[str, Block]:
         likelihoods.check_outputs_targets(self.loss, outputs, targets)
         given = outputs, targets
         outputs, targets = likelihoods.as_rows(self.loss, outputs, targets)  # [N, T, C] logits: N·T rows

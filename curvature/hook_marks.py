@@ -3,13 +3,15 @@
 :meth:`curvature.capture.Capture.foreign_hooks` tells a user's hooks from the captures' own by the
 capture mark (several captures may be active at once: the optimizer's and the low-rank solver's
 recorder); a lasting hook (a ``KFACPreconditioner``'s) carries a weak reference to its owner, so a
-new optimizer sees one still attached (:func:`warn_if_attached`). :class:`LocalHook` gives a copy or
-a pickle of a module a hook that does nothing in place of ours.
+new optimizer sees one still attached (:func:`warn_if_attached`), and the curvature's own passes over the
+model are hidden from it (:func:`hidden_from_attached`). :class:`LocalHook` gives a copy or a pickle of a
+module a hook that does nothing in place of ours.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Tuple, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +22,8 @@ from .stacklevel import caller_stacklevel
 CAPTURE_HOOK = "_curvature_capture_hook"
 #: the attribute holding a weak reference to the owner of a lasting hook (a KFACPreconditioner's)
 OWNER_MARK = "_curvature_hook_owner"
+#: the owner's count of the :func:`hidden_from_attached` contexts open on it: its hooks ignore what runs then
+HIDDEN_PASSES = "_hidden_passes"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -98,6 +102,24 @@ def attached_owners(module: nn.Module) -> List[Any]:
     return [o for o in owners if o is not None]
 
 
+@contextmanager
+def hidden_from_attached(model: nn.Module) -> Iterator[None]:
+    """Hide the forwards and backwards run inside from the live owners of lasting hooks on ``model``'s
+    modules (a ``KFACPreconditioner`` on other layers of the model, or on the same ones): the curvature's
+    own passes (Monte-Carlo or exact Fisher backward passes, the Hessian's, adaptive mode's products and
+    its loss evaluation) are not the user's training batch, and its factors take the user's forward and
+    backward only. The owners count the open contexts (:data:`HIDDEN_PASSES`) rather than a global flag:
+    the gradient hooks of a CUDA backward run in autograd's own threads."""
+    owners = {id(o): o for m in model.modules() if m._forward_hooks for o in attached_owners(m)}
+    for owner in owners.values():
+        setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
+    try:
+        yield
+    finally:
+        for owner in owners.values():
+            setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES) - 1)
+
+
 def warn_if_attached(layers: Iterable[Any], stepping: Any) -> None:
     """UserWarning when the hooks of a live preconditioner other than ``stepping`` (the optimizer or
     preconditioner taking its first step) are on the ``module`` of any of ``layers`` (objects with ``name``
@@ -111,7 +133,7 @@ def warn_if_attached(layers: Iterable[Any], stepping: Any) -> None:
     names = [layer.name for layer, found in zip(layers, others) if found]
     warnings.warn(f"{type(stepping).__name__}: {len(held)} other KFACPreconditioner(s) attached to layers "
                   f"{names[:5]}{' ...' if len(names) > 5 else ''} of this model record every forward and backward "
-                  "of them (the backward passes this one runs too) into their factors, and stepping several "
-                  "preconditioners preconditions the gradients more than once: call remove_hooks() on the one "
-                  "you no longer use, or drop every reference to it",
+                  "of the training batches through them into their factors, and stepping it as well preconditions "
+                  "their gradients more than once: call remove_hooks() on the one you no longer use, or drop every "
+                  "reference to it",
                   UserWarning, stacklevel=caller_stacklevel())

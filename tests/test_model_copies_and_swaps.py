@@ -140,14 +140,14 @@ def test_a_preconditioner_still_attached_is_named_at_the_first_step() -> None:
     closure = make_closure(opt, model, x, y)
     with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 2 other KFACPreconditioner\(s\) attached"):
         opt.step(closure)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # reads the user's backward only: the documented combination
-        ef = SecondOrderOptimizer(model, lr=0.1, curvature="empirical_fisher")
-
-        ef_closure = make_closure(ef, model, x, y)
+    ef = SecondOrderOptimizer(model, lr=0.1, curvature="empirical_fisher")  # any kind: both would precondition
+    ef_closure = make_closure(ef, model, x, y)
+    with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 2 other KFACPreconditioner\(s\) attached"):
         ef.step(ef_closure)
-        first.remove_hooks()
-        second.remove_hooks()
+    first.remove_hooks()
+    second.remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none attached any more
         third = KFACPreconditioner(model)
         _kfac_step(model, third, x, y)
 

@@ -298,6 +298,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._backward_seen = False
         #: registered-layer calls with and without rows in the current forward of the model (an empty batch: none with)
         self._calls_with_rows = self._calls_without_rows = 0
+        #: open curvature.hook_marks.hidden_from_attached contexts: a native optimizer's own passes, not recorded
+        self._hidden_passes = 0
 
     def _defaults_for_repr(self) -> Dict[str, Any]:
         return {
@@ -312,7 +314,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> Optional[Tensor]:
-        if not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled() or self._hidden_passes:
+            # (_hidden_passes: a SecondOrderOptimizer's / VIOptimizer's own passes, hook_marks.hidden_from_attached)
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
@@ -350,7 +353,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._backward_seen = False
 
     def _model_forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
-        if not (module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0):
+        if not (module.training and torch.is_grad_enabled() and self._steps % self.factor_update_steps == 0) \
+                or self._hidden_passes:
             return
         if isinstance(output, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(output):
             return
@@ -378,6 +382,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return count % self._accumulation_steps == 0
 
     def _grad_hook(self, layer: KFACLayer, call: Dict[str, Any], grad: Tensor) -> None:
+        if self._hidden_passes:  # a backward pass of a native optimizer's curvature through the user's forward
+            return
         first = not call["seen"]
         # the schedule a fold here reads, evaluated before this batch touches any layer: a bad value
         # raises out of backward() with every layer's statistics as they were

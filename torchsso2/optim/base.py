@@ -296,9 +296,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             self._warn_unfrozen()
         if estimate and "_attached_checked" not in self.__dict__:
             self._attached_checked = True
-            if self.engine.kind is not Kind.EMPIRICAL_FISHER and not self.__dict__.get("reparam", False):
-                # the curvature's own backward passes would reach a KFACPreconditioner's factors (docs/kfac.md)
-                warn_if_attached(self.engine.layouts.values(), self)
+            # a KFACPreconditioner on the same layers: stepping both preconditions them twice (the curvature's own
+            # passes are hidden from it, curvature.hook_marks.hidden_from_attached; docs/kfac.md)
+            warn_if_attached(self.engine.layouts.values(), self)
         trainable = self._trainable_modules() if estimate else None
         if trainable == []:  # every covered module frozen (a plain group trains alone): no estimate, the
             if not self.running.blocks:  # running curvature is kept; without one there is nothing to keep

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock, FullBlock
 from curvature.blocks.base import owned_all_finite
+from curvature.hook_marks import hidden_from_attached
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, LossType
 from curvature.stacklevel import caller_stacklevel
@@ -433,7 +434,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 decay = (wds, decay_term(params, wds))
             warn_if_not_mean_nll(self, targets, loss, output)
             try:
-                predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
+                with hidden_from_attached(self.model):  # its J·v / H·v passes: not a KFACPreconditioner's batch
+                    predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             except BaseException:  # the step (its J·v pass) raised before any parameter moved: as if never called
                 rollback.restore(self)
                 snapshot.restore()
@@ -458,9 +460,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 # a failed decomposition raised the damping, and the step took the earlier decompositions at the
                 # old one (not re-damped in place: pending): the loss is still evaluated, but this step's ρ would
                 # judge the new damping by the old one's update
-                taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
-                                            backward=lm_closure is None, rng=rng,
-                                            update_damping=not self._redamp_pending)
+                with hidden_from_attached(self.model):  # the loss after the update: an evaluation, not a batch
+                    taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
+                                                backward=lm_closure is None, rng=rng,
+                                                update_damping=not self._redamp_pending)
             except BaseException:  # the closure raised in the LM rule's call (KeyboardInterrupt, a second
                 undo.restore(self)  # unscale_): the update is undone and the curvature put back, as if the call
                 rollback.restore(self)  # never happened

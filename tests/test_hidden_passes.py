@@ -1,0 +1,118 @@
+"""A ``KFACPreconditioner`` on some layers of a model and a ``SecondOrderOptimizer`` / ``VIOptimizer`` on
+others: the native optimizer's own passes over the model (the Monte-Carlo and exact Fisher's backward
+passes, the Hessian's, adaptive mode's products and its loss evaluation) are hidden from the
+preconditioner, whose factors take the user's forward and backward only
+(``curvature.hook_marks.hidden_from_attached``)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from torchsso2.kfac import KFACPreconditioner
+
+
+class Net(nn.Module):
+    """Not an ``nn.Sequential``: adaptive mode takes its products by forward-mode passes of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+ADAPTIVE = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, adaptive_damping=True,
+                damping_adaptation_interval=1)
+CASES: Dict[str, Callable[[Net], Any]] = {
+    "fisher_mc": lambda n: SecondOrderOptimizer(n, params=n.body.parameters()),
+    "fisher": lambda n: SecondOrderOptimizer(n, params=n.body.parameters(), curvature="fisher"),
+    "hessian_full": lambda n: SecondOrderOptimizer(n, params=n.body.parameters(), curvature="hessian",
+                                                   approx="full", damping=1.0),
+    "adaptive_fisher_mc": lambda n: SecondOrderOptimizer(n, params=n.body.parameters(), **ADAPTIVE),
+    "adaptive_hessian": lambda n: SecondOrderOptimizer(n, params=n.body.parameters(), curvature="hessian",
+                                                       approx="diag", damping=1.0, **ADAPTIVE),
+    "submodule_fisher_mc": lambda n: SecondOrderOptimizer(n.body),
+    "vi_kfac": lambda n: VIOptimizer(n, params=n.body.parameters(), dataset_size=100, approx="kfac"),
+    "vi_diag": lambda n: VIOptimizer(n, params=n.body.parameters(), dataset_size=100),
+}
+
+
+def _head_factors(case: str, x: torch.Tensor, y: torch.Tensor, steps: int = 3):
+    """The head's factors, and its fold counts at each step, after ``steps`` of (the body's optimizer, then
+    the preconditioner); ``case=None``: the closure alone (the user's forward and backward) in place of
+    the body's optimizer step."""
+    torch.manual_seed(0)
+    net = Net()
+    pre = KFACPreconditioner(net, skip_layers=["body"], factor_update_steps=1, inv_update_steps=1)
+    opt = CASES[case](net) if case is not None else None
+    counts = []
+
+    def closure():
+        net.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+    for _ in range(steps):
+        if opt is None:
+            closure()
+        else:
+            opt.step(closure, targets=y)
+        counts.append(dict(pre.layers["head"].fold_counts))
+        pre.step()
+    layer = pre.layers["head"]
+    return layer.a_factor.clone(), layer.g_factor.clone(), counts, net
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_preconditioner_on_other_layers_takes_the_users_passes_only(case: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    with warnings.catch_warnings():
+        # layers no preconditioner holds: nothing to warn about (built on the body, the optimizer takes the
+        # body's output for the model's: the loss-scale checks say so, as documented)
+        warnings.simplefilter("ignore" if case.startswith("submodule") else "error")
+        a, g, counts, _ = _head_factors(case, x, y, steps=1)
+    a_ref, g_ref, _, _ = _head_factors(None, x, y, steps=1)
+    assert counts == [{"A": 1, "G": 1}], counts  # one forward and one backward: the user's
+    if case.startswith("vi"):  # (its closure runs at sampled weights: the head's inputs differ from the reference)
+        return
+    torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["fisher_mc", "adaptive_fisher_mc", "vi_kfac"])
+def test_every_step_is_the_users_batch(case: str) -> None:
+    """Over several steps (the body moving between them) the head records one forward and one backward
+    per step."""
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    _, _, counts, _ = _head_factors(case, x, y, steps=4)
+    assert counts == [{"A": 1, "G": 1}] * 4, counts
+
+
+@pytest.mark.parametrize("curvature", ["fisher_mc", "empirical_fisher", "hessian"])
+def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str) -> None:
+    """Both would precondition the same gradients: named at the optimizer's first step, whatever its kind."""
+    torch.manual_seed(0)
+    net = Net()
+    pre = KFACPreconditioner(net)
+    opt = SecondOrderOptimizer(net, curvature=curvature, approx="diag", damping=1.0)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+    with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 1 other KFACPreconditioner\(s\) attached to layers "
+                                         r"\['body.0', 'body.2', 'head'\].*preconditions their gradients more than"):
+        opt.step(closure, targets=y)
+    pre.remove_hooks()
