@@ -391,8 +391,9 @@ def test_the_softmax_warning_says_what_uses_the_likelihood() -> None:
 
 def test_an_optimizer_on_a_backbone_under_a_head_is_told_to_take_the_whole_model() -> None:
     """Built on a submodule whose output the head turns into the logits, the Fisher kinds would take the
-    backbone's features as logits: the softmax warning names params=backbone.parameters() (and, for a loss
-    that is no likelihood, the empirical Fisher) before loss='mse' could silence it."""
+    backbone's features as logits: the warning names the head's weight, params=backbone.parameters() (and,
+    for a loss that is no likelihood, the empirical Fisher), in place of the softmax warning
+    (tests/test_output_consumers.py: the other losses)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Sequential(nn.Linear(6, 12), nn.Tanh()), nn.Linear(12, 3))
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
@@ -403,8 +404,10 @@ def test_an_optimizer_on_a_backbone_under_a_head_is_told_to_take_the_whole_model
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         return loss
-    with pytest.warns(UserWarning, match="not a function of softmax") as rec:
+    with pytest.warns(UserWarning, match=r"reaches the closure's loss through weights that are not that model's "
+                                         r"\(parameters of shape \[3, 12\]\)") as rec:
         opt.step(closure)
+    assert len(rec) == 1, [str(r.message) for r in rec]
     text = str(rec[0].message)
     assert "params=backbone.parameters()" in text and "curvature='empirical_fisher'" in text, text
 

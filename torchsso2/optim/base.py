@@ -44,6 +44,7 @@ from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, Mi
                            is_second_forward_reuse)
 from .precision import without_autocast
 from .misuse import ClosureWatch, check_model_argument
+from .output_consumers import warn_if_output_meets_foreign_weights
 from .used_forwards import UsedForwards
 from .checkpoint import check_blocks
 from .checkpointing import CheckpointState
@@ -331,7 +332,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 watch.observe_output(out)
             # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
             hooks = NestedCalls().register(self.model, observer_hook(show)) \
-                if watch.check_output or watch.check_scale or (watch.active and targets is not None) else []
+                if watch.check_output or watch.check_scale or (watch.active and targets is not None) \
+                or (watch.active and not misuse.get("consumers_checked", False)) else []
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)
@@ -339,6 +341,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 for hook in hooks:
                     hook.remove()
             self._check_nonempty(output)
+            self._check_output_consumers(watch, loss, targets)
             watch.after()
             return loss, output, None
         engine = self.engine
@@ -407,6 +410,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 raise
             finally:
                 used.finish()
+        self._check_output_consumers(watch, loss, targets)
         watch.after()
         micro.finish()
         if from_backward:
@@ -421,6 +425,30 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                                "calls a torch.compile'd copy of the model, its graph was traced before the optimizer's "
                                "hooks existed: " + compile_advice("the optimizer"))
         return loss, output, acc.result()  # (frozen modules were left out of the capture: _run_closure)
+
+    def _output_use(self, targets: Optional[Tensor]) -> Tuple[bool, bool]:
+        """``(curvature from the user's backward alone, predicts from the output)``: what a model output that
+        is not the likelihood's would spoil (:mod:`.output_consumers`). Here: the empirical Fisher from the
+        user's backward (no targets, no adaptive quadratic model, which takes the output's NLL); no prediction."""
+        adaptive = self.__dict__.get("adaptive")
+        from_backward = self.engine.kind is Kind.EMPIRICAL_FISHER and targets is None \
+            and (adaptive is None or not (adaptive.learning_rate or adaptive.momentum))
+        return from_backward, False
+
+    def _check_output_consumers(self, watch: ClosureWatch, loss: Any, targets: Optional[Tensor]) -> None:
+        """Once per optimizer, at the first watched call that saw the model's output: a warning when it reaches
+        the loss through weights outside the model (:mod:`.output_consumers`); the softmax check, which would
+        say the same less precisely, is then not made."""
+        misuse = self.__dict__.setdefault("_misuse", {})
+        if watch.first_output is None or misuse.get("consumers_checked", False):
+            return
+        misuse["consumers_checked"] = True
+        from_backward, predicts = self._output_use(targets)
+        if (predicts or not from_backward) and warn_if_output_meets_foreign_weights(
+                self, loss, watch.first_output, from_backward):
+            watch.check_output = False
+            misuse["output_checks_left"] = 0
+        watch.first_output = None
 
     def _follow_param_dtypes(self) -> None:
         """Momentum buffers follow their parameter's dtype and device, and the running curvature and its

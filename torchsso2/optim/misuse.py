@@ -116,6 +116,8 @@ class ClosureWatch:
         self.keep_output_grads = False
         self.output_grads: List[Tuple[Tensor, Tensor]] = []  # (output, ∂L/∂output) per observed output
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
+        #: the first observed output (in its graph), for :mod:`.output_consumers`
+        self.first_output: Optional[Tensor] = None
         if not self.active:  # checked enough closure calls: no cost from here on
             return
         owner["closure_checks_left"] = left - 1
@@ -144,6 +146,8 @@ class ClosureWatch:
         """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
         if not isinstance(out, Tensor) or not out.requires_grad or in_func_transform():
             return
+        if self.active and self.first_output is None:
+            self.first_output = out
         if self.keep_output_grads:
             seen = out.detach()
             out.register_hook(lambda g: self.output_grads.append((seen, g.detach())))

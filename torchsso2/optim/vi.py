@@ -502,6 +502,9 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         """The first step's watch keeps the output's gradient for the loss-scale check (:mod:`.vi_checks`)."""
         return targets is not None and self.num_mc_samples == 1 and not self.__dict__.get("_batch_checked", False)
 
+    def _output_use(self, targets: Optional[Tensor]) -> Tuple[bool, bool]:
+        return bool(self.reparam) or super()._output_use(targets)[0], True  # predict() averages the output
+
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
         if self.engine.loss is not LossType.CROSS_ENTROPY:
             return None

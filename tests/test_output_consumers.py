@@ -1,0 +1,116 @@
+"""An optimizer built on a submodule whose output the rest of the model turns into the loss's output
+(:mod:`torchsso2.optim.output_consumers`): a warning naming the weights and the fix under every loss,
+none where the optimizer takes the whole model (``params=``), where only parameters of one dimension
+follow the output, or where the curvature comes from the user's backward alone and nothing predicts."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchsso2 import SecondOrderOptimizer, VIOptimizer
+from torchsso2.optim.output_consumers import foreign_weights
+
+PATTERN = r"output of the model it was built on \(Sequential, shape \[16, 3\]\) reaches the closure's loss"
+
+
+class Net(nn.Module):
+    def __init__(self, out: int = 3) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        self.head = nn.Linear(3, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def _data(loss: str):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, generator=gen)
+    if loss == "cross_entropy":
+        return x, torch.randint(0, 3, (16,), generator=gen), F.cross_entropy
+    if loss == "mse":
+        return x, torch.randn(16, 3, generator=gen), lambda o, y: 0.5 * (o - y).pow(2).sum(1).mean()
+    return x, torch.randint(0, 2, (16, 3), generator=gen).float(), \
+        lambda o, y: F.binary_cross_entropy_with_logits(o, y, reduction="sum") / o.shape[0]
+
+
+def _steps(opt: Any, net: nn.Module, x: torch.Tensor, y: torch.Tensor, fn: Callable, **kw: Any) -> None:
+    def closure():
+        opt.zero_grad()
+        loss = fn(net(x), y)
+        loss.backward()
+        return loss
+    for _ in range(2):
+        opt.step(closure, **kw)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse", "binary_cross_entropy"])
+@pytest.mark.parametrize("face", ["fisher_mc", "fisher", "hessian", "vi_kfac"])
+def test_a_submodule_under_a_head_is_named_under_every_loss(loss: str, face: str) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    x, y, fn = _data(loss)
+    if face == "vi_kfac":
+        opt = VIOptimizer(net.body, dataset_size=64, approx="kfac", loss=loss)
+    else:
+        opt = SecondOrderOptimizer(net.body, curvature=face, approx="diag", loss=loss, damping=1.0)
+    kw = {"targets": y} if face == "hessian" else {}
+    with pytest.warns(UserWarning) as rec:
+        _steps(opt, net, x, y, fn, **kw)
+    named = [str(r.message) for r in rec if "reaches the closure's loss" in str(r.message)]
+    assert len(named) == 1, [str(r.message) for r in rec]  # once, and in place of the softmax check's
+    assert not any("softmax(output)" in str(r.message) for r in rec), [str(r.message) for r in rec]
+    assert "parameters of shape [3, 3]" in named[0] and "params=backbone.parameters()" in named[0], named[0]
+    assert "the curvature is taken as if this output were the one the likelihood" in named[0], named[0]
+
+
+def test_vi_default_diagonal_is_told_only_about_predict() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    x, y, fn = _data("mse")
+    opt = VIOptimizer(net.body, dataset_size=64, loss="mse")
+    with pytest.warns(UserWarning, match="its curvature is right .* but predict\\(\\) averages this output") as rec:
+        _steps(opt, net, x, y, fn)
+    assert "If you do not call predict(), ignore this" in str(rec[0].message)
+
+
+@pytest.mark.parametrize("case", ["whole_model_params", "empirical_fisher_from_backward", "one_dim_parameters",
+                                  "frozen_head"])
+def test_no_warning(case: str) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    x, y, fn = _data("mse")
+    if case == "whole_model_params":
+        opt = SecondOrderOptimizer(net, params=net.body.parameters(), loss="mse")
+    elif case == "empirical_fisher_from_backward":  # the curvature of the loss as written (a GAN generator's)
+        opt = SecondOrderOptimizer(net.body, curvature="empirical_fisher", loss="mse")
+    elif case == "frozen_head":  # (not seen: a frozen weight leaves no trace in the loss's graph)
+        net.head.requires_grad_(False)
+        opt = SecondOrderOptimizer(net.body, loss="mse")
+    else:  # a learned per-output scale and temperature after the model: not a layer
+        scale, temp = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(()))
+        body = net.body
+        net = nn.Module()
+        net.forward = lambda inp: body(inp) * scale / temp  # type: ignore[method-assign]
+        opt = SecondOrderOptimizer(body, loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _steps(opt, net, x, y, fn)
+
+
+def test_foreign_weights_walks_only_the_path_from_the_output() -> None:
+    """A weight on another branch into the loss (an auxiliary term on the model's own features) is not
+    on the path from the output: not named; a weight applied after the output is, once."""
+    torch.manual_seed(0)
+    body, head, aux = nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+    out = body(x)
+    loss = head(out).pow(2).mean() + aux(x).pow(2).mean()
+    found = foreign_weights(loss, out, {id(p) for p in body.parameters()})
+    assert [tuple(w.shape) for w in found] == [(2, 3)]
+    assert foreign_weights(out.sum(), out, set()) == []  # nothing after the output
