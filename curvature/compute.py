@@ -54,7 +54,8 @@ def compute(model: nn.Module, inputs: Union[Tensor, Tuple[Tensor, ...]], targets
         kind: ``"fisher" | "fisher_mc" | "empirical_fisher" | "hessian"``.
         approx: ``"full" | "diag" | "kfac"`` or a dict (see :mod:`curvature.selection`).
         mc_samples: sampled labels per example for ``fisher_mc``.
-        generator: ``torch.Generator`` for the label sampling.
+        generator: ``torch.Generator`` for the label sampling (None: torch's global generator). The model's
+            forward runs as it is (in training mode its dropout draws from the global generator).
         skip_modules: module names (regex), class names or types to leave uncovered, each with
             its submodules.
         output_selector: maps the model's output to the tensor the loss is computed from, for

@@ -202,3 +202,20 @@ def test_autocast_bfloat16_gradients_keep_the_low_rank_path() -> None:
             return loss, out
         opt.step(closure)
     assert opt.low_rank.num_low_rank == 2 * 4 and opt.low_rank.num_rejected == 0
+
+
+def test_probe_stream_is_its_own_and_is_saved() -> None:
+    """The probe's generator is seeded apart from the label stream, saved in the checkpoint and restored
+    (a checkpoint without it, or another seed, derives it from the loaded seed)."""
+    opt, model = train(wide_model(), steps=3)
+    assert opt.low_rank is not None and opt.low_rank.num_low_rank > 0
+    assert not torch.equal(torch.Generator().manual_seed(opt.seed).get_state(), opt.low_rank.generator.get_state())
+    state = opt.state_dict()
+    fresh = SecondOrderOptimizer(model, lr=0.1, momentum=0.9, damping=0.1, curv_update_interval=2,
+                                 inv_update_interval=2, seed=5)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.low_rank.generator.get_state(), opt.low_rank.generator.get_state())
+    state["torchsso2"]["extra"].pop("low_rank_generator")  # an older checkpoint: derived from its seed (0)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.low_rank.generator.get_state(),
+                       torch.Generator().manual_seed(lowrank.low_rank_seed(0)).get_state())

@@ -3,7 +3,8 @@
 ``python resume_worker.py OUT_DIR`` under ``mpiexec -n 2``: for each configuration, 3 steps, rank 0's
 state_dict (model and optimizer), fresh objects on every rank that load it, 3 more steps; and the
 same 6 steps without the interruption. Each rank writes ``{config: (resumed, uninterrupted,
-label generator state after the load)}`` to ``OUT_DIR/rank<r>.pt``.
+label generator state after the load)}`` to ``OUT_DIR/rank<r>.pt``; ``config + "-own"``: the same with
+each rank loading its own state_dict (one file per rank).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ CONFIGS = {
     "vi-kfac-mem": ("vi", dict(dataset_size=100, seed=0, approx="kfac", curvature="fisher",
                                grad_worker_fraction="mem_opt", curv_update_interval=1, inv_update_interval=1)),
     "sso-mc": ("sso", dict(lr=0.1, seed=0)),
+    "vi-kfac-mc": ("vi", dict(dataset_size=100, seed=0, approx="kfac", curv_update_interval=1, inv_update_interval=1)),
 }
 
 
@@ -54,22 +56,27 @@ def main() -> None:
         model, opt = make()
         run(model, opt, 0, 6)
         straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        model, opt = make()
-        run(model, opt, 0, 3)
-        buf = io.BytesIO()
-        torch.save((model.state_dict(), opt.state_dict()), buf)  # every rank saves; rank 0's is loaded
-        blob = torch.tensor(list(buf.getvalue()), dtype=torch.uint8) if rank == 0 else None
-        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.float64)
-        comm.allreduce([size], op="sum")
-        data = blob.double() if blob is not None else torch.zeros(int(size.item()), dtype=torch.float64)
-        comm.broadcast([data], src=0)
-        msd, osd = torch.load(io.BytesIO(bytes(data.to(torch.uint8).tolist())), weights_only=True)
-        model, opt = make()
-        model.load_state_dict(msd)
-        opt.load_state_dict(osd)
-        labels = opt.generator.get_state().clone()
-        run(model, opt, 3, 6)
-        results[name] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), straight, labels)
+        for own in (False, True):
+            model, opt = make()
+            run(model, opt, 0, 3)
+            buf = io.BytesIO()
+            torch.save((model.state_dict(), opt.state_dict()), buf)  # every rank saves; rank 0's is loaded
+            if own:  # each rank its own file
+                msd, osd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+            else:
+                blob = torch.tensor(list(buf.getvalue()), dtype=torch.uint8) if rank == 0 else None
+                size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.float64)
+                comm.allreduce([size], op="sum")
+                data = blob.double() if blob is not None else torch.zeros(int(size.item()), dtype=torch.float64)
+                comm.broadcast([data], src=0)
+                msd, osd = torch.load(io.BytesIO(bytes(data.to(torch.uint8).tolist())), weights_only=True)
+            model, opt = make()
+            model.load_state_dict(msd)
+            opt.load_state_dict(osd)
+            labels = opt.generator.get_state().clone()
+            run(model, opt, 3, 6)
+            results[name + ("-own" if own else "")] = (
+                torch.cat([p.detach().reshape(-1) for p in model.parameters()]), straight, labels)
     torch.save(results, os.path.join(sys.argv[1], f"rank{rank}.pt"))
 
 

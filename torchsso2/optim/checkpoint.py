@@ -55,6 +55,7 @@ class CheckedCheckpoint:
     decomposed: bool
     seed: Optional[int]
     extra: Dict[str, Any]
+    saved_on_rank: int = 0  # the rank whose label stream ``generator`` is (0 in older checkpoints)
 
 
 def face_of(extra: Dict[str, Any]) -> Optional[str]:
@@ -307,4 +308,5 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
         num_skipped=_count("['torchsso2']['num_skipped']", extra.get("num_skipped", 0)),
         consecutive_skips=_count("['torchsso2']['consecutive_skips']", extra.get("consecutive_skips", 0)),
         num_amp_skipped=_count("['torchsso2']['num_amp_skipped']", extra.get("num_amp_skipped", 0)),
-        decomposed=bool(extra.get("decomposed", False)), seed=seed, extra=own)
+        decomposed=bool(extra.get("decomposed", False)), seed=seed, extra=own,
+        saved_on_rank=_count("['torchsso2']['saved_on_rank']", extra.get("saved_on_rank", 0)))

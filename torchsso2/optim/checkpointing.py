@@ -50,6 +50,7 @@ class CheckpointState:
             "num_amp_skipped": self.num_amp_skipped,
             "decomposed": self._decomposed,
             "seed": self.seed,
+            "saved_on_rank": self.comm.rank,  # whose label stream "generator" is
             "optimizer": self.face_name,
             "loss": self.engine.loss.value,
             "curvature_kind": self._curvature_name(),
@@ -112,7 +113,8 @@ class CheckpointState:
             if self.placement.active and grad_worker_count(self.comm.world_size, self.placement.grad_worker_fraction) \
                     < self.comm.world_size:  # [issue #7] the saving rank lacks some decompositions: redo them
                 self._decomposed = False  # (with every rank a grad worker, the saved ones are every rank's)
-            if self.comm.rank != 0:  # the saved label stream is the saving rank's: draw independently of it
+            if self.comm.rank != checked.saved_on_rank:  # another rank's label stream (rank 0's, loaded on every
+                # rank): draw independently of it; a rank's own checkpoint continues its stream exactly
                 self.generator.manual_seed(rank_seed(zlib.crc32(checked.generator.numpy().tobytes()), self.comm.rank))
             if any(isinstance(b, KFACBlock) and b.decomposition is not None
                    and b.decomposition.get("method") != self.kfac_method for b in self.running.blocks.values()):

@@ -30,6 +30,8 @@ from curvature.blocks import KFACBlock
 from curvature.capture import Capture
 from curvature.modules.linear import LinearFamily
 
+from .grid import mix_seed
+
 logger = logging.getLogger(__name__)
 
 #: the probe's least tolerance, in units of the gradient dtype's rounding relative to ``‖∇ r‖`` (half precision)
@@ -86,6 +88,11 @@ def recorded_factors(capture: Capture, name: str) -> Optional[Tuple[Tensor, Tens
     if not isinstance(a, Tensor) or a.shape[:-1] != g.shape[:-1]:
         return None
     return g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
+
+
+def low_rank_seed(seed: int) -> int:
+    """The seed of the solver's probe stream, derived from the optimizer's ``seed`` (not the label stream's)."""
+    return mix_seed(seed, 0x10A7)
 
 
 class LowRankSolver:

@@ -42,7 +42,7 @@ from .redamp import redamp
 from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
-from .lowrank import LowRankSolver
+from .lowrank import LowRankSolver, low_rank_seed
 from .misuse import NO_BACKWARD, warn_unreached_blocks
 from .plan import PartialBlock, UpdatePlan
 from .changed_model import explains_changed_model
@@ -343,7 +343,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self.low_rank: Optional[LowRankSolver] = None
         if low_rank_solve and self.comm.world_size == 1 and grad_scaler is None:
             kfac = {n: lay.module for n, lay in self.engine.layouts.items() if self.engine.approx[n].value == "kfac"}
-            solver = LowRankSolver(kfac, seed=self.seed)
+            solver = LowRankSolver(kfac, seed=low_rank_seed(self.seed))
             if solver.modules:  # some Linear layer is wide enough for the low-rank path to pay
                 self.low_rank = solver
 
@@ -366,8 +366,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         estimate = warmup or self.num_steps % self.curv_update_interval == 0
         self._follow_param_dtypes()
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
-        # the LM rule's loss after the update draws the random numbers (dropout masks) this closure call draws
-        rng = rng_states(self.model) if self._adapt_now() else None
+        # the LM rule's loss after the update draws the random numbers (dropout masks) this closure call draws;
+        # without targets it calls the closure again, which may draw from Python's and NumPy's generators too
+        rng = rng_states(self.model, host=targets is None) if self._adapt_now() else None
         try:
             with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                     self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
@@ -585,7 +586,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         ``closure`` runs a backward (the user's closure; adaptive mode's forward-only one does not).
         ``rng``: the RNG states (:func:`~torchsso2.optim.adaptive.rng_states`) the call replays, so that its
         dropout masks are the step's own (kfac-jax evaluates both losses with the step's one key): ρ then
-        measures the update, not a new mask; the user's streams are left as the step's call left them.
+        measures the update, not a new mask; the user's streams are left as the step's call left them
+        (torch's; without targets Python's ``random`` and NumPy's global generators too).
         ``update_damping=False``: the loss is evaluated (a non-finite one still undoes the update) but the
         damping stays. False (the damping unchanged) when the loss after the update is not finite."""
         assert self.lm is not None
@@ -699,7 +701,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _extra_state(self) -> Dict[str, Any]:
         return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy(),
                 "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
-                "redamp_pending": self._redamp_pending}
+                "redamp_pending": self._redamp_pending,
+                "low_rank_generator": None if self.low_rank is None else self.low_rank.generator.get_state()}
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         damping = state.get("damping")
@@ -710,6 +713,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if state.get("lm") is not None and not isinstance(state["lm"], dict):
             raise ValueError("checkpoint entry ['torchsso2']['extra']['lm'] must be a dict or None; "
                              "the optimizer is unchanged")
+        low_rank = state.get("low_rank_generator")
+        if low_rank is not None:
+            try:
+                torch.Generator().set_state(low_rank)
+            except (TypeError, RuntimeError, ValueError) as err:
+                raise ValueError("checkpoint entry ['torchsso2']['extra']['low_rank_generator'] is not a "
+                                 f"torch.Generator state ({err}); the optimizer is unchanged") from err
         lm = state.get("lm") or {}
         for key, positive in (("damping", True), ("last_rho", False)):  # the rule's state, restored on load
             if key in lm:
@@ -732,6 +742,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self._damping = float(state["damping"])
         self._redamp_pending = bool(state.get("redamp_pending", False))  # (absent from older checkpoints)
+        if self.low_rank is not None:  # the probe's stream: the saved one, else derived from the loaded seed
+            saved = state.get("low_rank_generator")
+            if saved is not None:
+                self.low_rank.generator.set_state(saved.clone())
+            else:
+                self.low_rank.generator.manual_seed(low_rank_seed(self.seed))
         if self.lm is not None:
             # the rule's state (its damping, the last ρ; a checkpoint saved without the rule: its damping); its
             # settings (decay, bounds) stay this optimizer's own, as built: a checkpoint's min_damping of 1e-8 kept
