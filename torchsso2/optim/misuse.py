@@ -55,7 +55,8 @@ NO_BACKWARD = ("the closure did not call backward() (no parameter's .grad was cr
                "move. The closure must call opt.zero_grad(), compute the loss, call "
                "loss.backward() and return the loss (or (loss, output)), with the model the optimizer was built "
                "with (opt.model: copy.deepcopy(opt) alone copies the model too; copy both together, "
-               "copy.deepcopy((model, opt)))")
+               "copy.deepcopy((model, opt))). Two optimizers cannot share one backward: each step's closure runs "
+               "its own forward and backward (the curvature is captured in that forward)")
 #: how many curvature-estimating closure calls (among those) check the loss against ``loss=``
 OUTPUT_CHECKS = 3
 #: relative row-sum of the output gradient above which the loss is not a function of softmax(output)
