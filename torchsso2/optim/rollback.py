@@ -6,7 +6,7 @@ Held for one step: the statistics of the blocks the step's EMA writes in place (
 block's decomposition (the dicts: a decomposition is replaced, never written in place), the block
 set, the update count, whether a decomposition exists (or is pending after a damping change), the damping
 and the LM rule's state with the skip counts (a failed decomposition raises the damping and counts a skip
-inside the step). The blocks' derived caches follow their
+inside the step), and with several processes the work assignment the decompositions were placed by. The blocks' derived caches follow their
 sources' versions (:class:`curvature.blocks.base.DerivedCache`), so they rebuild after the restore.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ class CurvatureRollback:
         self.damping = opt.__dict__.get("_damping")
         self.extra = opt._extra_snapshot()
         self.skips = (opt.num_skipped, opt._streak.count, opt.__dict__.get("_skip_counted", False))
+        # with several processes, where the decompositions put back sit (a new block placed all of them anew)
+        self.assignment = opt.placement.assignment
 
     def restore(self, opt: Any, error: Optional[BaseException] = None) -> None:
         """Put the curvature back; ``error``: what interrupted the step. The skip policy's own
@@ -53,6 +55,7 @@ class CurvatureRollback:
         opt.running.num_updates = self.num_updates
         opt._decomposed = self.decomposed
         opt._redamp_pending = self.redamp_pending
+        opt.placement.assignment = self.assignment
         if isinstance(error, NonFiniteError):
             return
         if self.damping is not None:
