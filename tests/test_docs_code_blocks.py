@@ -56,7 +56,9 @@ def test_code_blocks_run(name: str, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
     torch.manual_seed(0)
     namespace: dict = {"__name__": f"docs_{Path(name).stem}"}
-    kfac_modules = _kfac_modules()  # docs/kfac.md calls install_as_kfac(): undone after the page
+    kfac_modules = _kfac_modules()  # docs/kfac.md calls install_as_kfac(): undone after the page (and a
+    for key in kfac_modules:        # kfac_pytorch another test imported is out of the way meanwhile)
+        del sys.modules[key]
     try:
         for line, code, why in python_blocks(ROOT / name):
             if why:
