@@ -232,7 +232,7 @@ class CurvatureEngine:
         ``targets``: needed for ``empirical_fisher`` and ``hessian``. The backward passes it runs are
         hidden from a ``KFACPreconditioner`` on the model (:func:`curvature.hook_marks.hidden_from_attached`).
         """
-        with hidden_from_attached(self.model):
+        with hidden_from_attached():
             return self._estimate(capture, outputs, targets, generator)
 
     def _estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,

@@ -3,13 +3,14 @@
 :meth:`curvature.capture.Capture.foreign_hooks` tells a user's hooks from the captures' own by the
 capture mark (several captures may be active at once: the optimizer's and the low-rank solver's
 recorder); a lasting hook (a ``KFACPreconditioner``'s) carries a weak reference to its owner, so a
-new optimizer sees one still attached (:func:`warn_if_attached`), and the curvature's own passes over the
-model are hidden from it (:func:`hidden_from_attached`). :class:`LocalHook` gives a copy or a pickle of a
+new optimizer sees one still attached (:func:`warn_if_attached`), and the curvature's own passes are hidden
+from it (:func:`register_owner`, :func:`hidden_from_attached`). :class:`LocalHook` gives a copy or a pickle of a
 module a hook that does nothing in place of ours.
 """
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar
 
@@ -24,6 +25,10 @@ CAPTURE_HOOK = "_curvature_capture_hook"
 OWNER_MARK = "_curvature_hook_owner"
 #: the owner's count of the :func:`hidden_from_attached` contexts open on it: its hooks ignore what runs then
 HIDDEN_PASSES = "_hidden_passes"
+#: the live owners of lasting hooks (:func:`register_owner`), held weakly: the one registry of this package,
+#: so that the curvature's own passes are hidden from them at no cost where there are none (a walk over the
+#: model's modules at every curvature step cost ~1% of a step: docs/architecture.md)
+_LIVE_OWNERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -102,21 +107,27 @@ def attached_owners(module: nn.Module) -> List[Any]:
     return [o for o in owners if o is not None]
 
 
+def register_owner(owner: Any) -> None:
+    """Count ``owner`` (a ``KFACPreconditioner`` attaching its hooks) among the live owners of lasting hooks,
+    weakly: :func:`hidden_from_attached` reaches it without walking a model."""
+    _LIVE_OWNERS.add(owner)
+
+
 @contextmanager
-def hidden_from_attached(model: nn.Module) -> Iterator[None]:
-    """Hide the forwards and backwards run inside from the live owners of lasting hooks on ``model``'s
-    modules (a ``KFACPreconditioner`` on other layers of the model, or on the same ones): the curvature's
-    own passes (Monte-Carlo or exact Fisher backward passes, the Hessian's, adaptive mode's products and
-    its loss evaluation) are not the user's training batch, and its factors take the user's forward and
-    backward only. The owners count the open contexts (:data:`HIDDEN_PASSES`) rather than a global flag:
+def hidden_from_attached() -> Iterator[None]:
+    """Hide the forwards and backwards run inside from every live owner of lasting hooks (a
+    ``KFACPreconditioner``, on any layers of any model): the curvature's own passes (Monte-Carlo or exact
+    Fisher backward passes, the Hessian's, adaptive mode's products and the LM rule's loss evaluation) are
+    not a training batch, and a preconditioner's factors take the user's forwards and backwards only. The
+    owners count the open contexts (:data:`HIDDEN_PASSES`) rather than reading a flag of the running code:
     the gradient hooks of a CUDA backward run in autograd's own threads."""
-    owners = {id(o): o for m in model.modules() if m._forward_hooks for o in attached_owners(m)}
-    for owner in owners.values():
+    owners = list(_LIVE_OWNERS)
+    for owner in owners:
         setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
     try:
         yield
     finally:
-        for owner in owners.values():
+        for owner in owners:
             setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES) - 1)
 
 

@@ -116,3 +116,56 @@ def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str
                                          r"\['body.0', 'body.2', 'head'\].*preconditions their gradients more than"):
         opt.step(closure, targets=y)
     pre.remove_hooks()
+
+
+def test_an_optimizer_on_a_submodule_hides_its_lm_call_from_a_preconditioner_outside_it() -> None:
+    """The LM rule's second closure call runs the whole model: a preconditioner on the head (outside the
+    optimizer's model) does not take it."""
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    torch.manual_seed(0)
+    net = Net()
+    pre = KFACPreconditioner(net.head, factor_update_steps=1, inv_update_steps=1)
+    opt = SecondOrderOptimizer(net.body, curvature="empirical_fisher", adaptive_damping=True,
+                               damping_adaptation_interval=1)
+
+    def closure():
+        net.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (built on the body: the output-consumers warning)
+        for _ in range(3):
+            opt.step(closure)
+            assert dict(pre.layers[""].fold_counts) == {"A": 1, "G": 1}
+            pre.step()
+
+
+def test_a_copy_taken_inside_a_hidden_pass_records_its_own_steps() -> None:
+    """``copy.deepcopy((net, pre))`` inside the closure (a "best model" snapshot) during the LM rule's call:
+    the copy is not left hidden."""
+    import copy
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    torch.manual_seed(0)
+    net = Net()
+    pre = KFACPreconditioner(net, skip_layers=["body"], factor_update_steps=1, inv_update_steps=1)
+    opt = SecondOrderOptimizer(net, params=net.body.parameters(), adaptive_damping=True,
+                               damping_adaptation_interval=1)
+    snapshots = []
+
+    def closure():
+        net.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        snapshots.append(copy.deepcopy((net, pre)))
+        return loss
+    opt.step(closure)
+    pre.step()
+    assert len(snapshots) == 2  # the step's call and the LM rule's (hidden) call
+    net2, pre2 = snapshots[1]
+    assert dict(pre2.layers["head"].fold_counts) == {"A": 1, "G": 1}  # the step's own call, copied
+    net2.zero_grad()
+    F.cross_entropy(net2(x), y).backward()
+    assert dict(pre2.layers["head"].fold_counts) == {"A": 2, "G": 2}  # and the copy's own batch

@@ -16,8 +16,12 @@ from torch import nn
 from torchsso2 import SecondOrderOptimizer
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_second_call_sees_the_steps_own_augmentation(adaptive: bool) -> None:
+@pytest.mark.parametrize("adaptive, targets, smoothing", [
+    (False, False, 0.0), (True, False, 0.0),
+    (False, True, 0.0),  # adaptive_damping alone calls the closure again, targets or not
+    (True, True, 0.1),   # a loss that is not the mean NLL of the output: the closure again, not one forward
+], ids=["lm", "adaptive", "lm-targets", "adaptive-targets-smoothing"])
+def test_second_call_sees_the_steps_own_augmentation(adaptive: bool, targets: bool, smoothing: float) -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 8, generator=gen), torch.randint(0, 3, (32,), generator=gen)
     torch.manual_seed(0)
@@ -33,13 +37,13 @@ def test_second_call_sees_the_steps_own_augmentation(adaptive: bool) -> None:
         s = np.random.randn() * 0.1 + random.random() * 0.01
         seen.append(s)
         out = model(x * (1 + s))
-        loss = F.cross_entropy(out, y)
+        loss = F.cross_entropy(out, y, label_smoothing=smoothing)
         loss.backward()
         return loss, out
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(5):
-            opt.step(closure)
+            opt.step(closure, targets=y if targets else None)
     after_steps = (np.random.randn(), random.random())  # the streams' next draws after the training
     np.random.seed(0)
     random.seed(0)

@@ -404,7 +404,7 @@ def test_an_optimizer_on_a_backbone_under_a_head_is_told_to_take_the_whole_model
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         return loss
-    with pytest.warns(UserWarning, match=r"reaches the closure's loss through weights that are not that model's "
+    with pytest.warns(UserWarning, match=r"reaches the closure's loss through weights applied after it "
                                          r"\(parameters of shape \[3, 12\]\)") as rec:
         opt.step(closure)
     assert len(rec) == 1, [str(r.message) for r in rec]

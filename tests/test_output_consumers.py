@@ -1,7 +1,9 @@
 """An optimizer built on a submodule whose output the rest of the model turns into the loss's output
 (:mod:`torchsso2.optim.output_consumers`): a warning naming the weights and the fix under every loss,
 none where the optimizer takes the whole model (``params=``), where only parameters of one dimension
-follow the output, or where the curvature comes from the user's backward alone and nothing predicts."""
+follow the output, where other terms are added to or subtracted from the output's path (regularisers,
+distillation targets, a PINN's residual), or where the curvature comes from the user's backward alone
+and nothing predicts."""
 from __future__ import annotations
 
 import warnings
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
-from torchsso2.optim.output_consumers import foreign_weights
+from torchsso2.optim.output_consumers import weights_after
 
 PATTERN = r"output of the model it was built on \(Sequential, shape \[16, 3\]\) reaches the closure's loss"
 
@@ -80,11 +82,12 @@ def test_vi_default_diagonal_is_told_only_about_predict() -> None:
 
 
 @pytest.mark.parametrize("case", ["whole_model_params", "empirical_fisher_from_backward", "one_dim_parameters",
-                                  "frozen_head"])
+                                  "frozen_head", "regulariser_on_other_weights", "distillation_target", "pinn"])
 def test_no_warning(case: str) -> None:
     torch.manual_seed(0)
     net = Net()
     x, y, fn = _data("mse")
+    other, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
     if case == "whole_model_params":
         opt = SecondOrderOptimizer(net, params=net.body.parameters(), loss="mse")
     elif case == "empirical_fisher_from_backward":  # the curvature of the loss as written (a GAN generator's)
@@ -92,6 +95,22 @@ def test_no_warning(case: str) -> None:
     elif case == "frozen_head":  # (not seen: a frozen weight leaves no trace in the loss's graph)
         net.head.requires_grad_(False)
         opt = SecondOrderOptimizer(net.body, loss="mse")
+    elif case == "regulariser_on_other_weights":  # an added term: the likelihood of the output is the same
+        body = net.body
+        fn = lambda o, t: 0.5 * (o - t).pow(2).sum(1).mean() + 1e-3 * other.weight.norm()  # noqa: E731
+        net = body
+        opt = SecondOrderOptimizer(body, loss="mse")
+    elif case == "distillation_target":  # a Gaussian likelihood around a trained teacher's output
+        body = net.body
+        fn = lambda o, t: 0.5 * (o - teacher(x)).pow(2).sum(1).mean()  # noqa: E731
+        net = body
+        opt = SecondOrderOptimizer(body, loss="mse")
+    elif case == "pinn":  # an input that requires grad, subtracted from the output
+        body = net.body
+        x = x.clone().requires_grad_(True)
+        fn = lambda o, t: 0.5 * (o - torch.sin(x[:, :3])).pow(2).sum(1).mean()  # noqa: E731
+        net = body
+        opt = SecondOrderOptimizer(body, loss="mse")
     else:  # a learned per-output scale and temperature after the model: not a layer
         scale, temp = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(()))
         body = net.body
@@ -103,14 +122,29 @@ def test_no_warning(case: str) -> None:
         _steps(opt, net, x, y, fn)
 
 
-def test_foreign_weights_walks_only_the_path_from_the_output() -> None:
-    """A weight on another branch into the loss (an auxiliary term on the model's own features) is not
-    on the path from the output: not named; a weight applied after the output is, once."""
+def test_a_tied_head_applied_outside_the_model_is_named() -> None:
+    """``F.linear(h, trunk.weight)`` after the model's forward (a tied LM head written outside it): the
+    weight is the model's own, and still transforms the output on its way to the loss."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    x, y = torch.randn(16, 3), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(trunk, loss="mse")
+    targets = F.one_hot(y, 3).float()
+    with pytest.warns(UserWarning, match=r"weights applied after it \(parameters of shape \[3, 3\]\)"):
+        _steps(opt, lambda inp: F.linear(trunk(inp), trunk[0].weight), x, targets,
+               lambda o, t: 0.5 * (o - t).pow(2).sum(1).mean())
+
+
+def test_weights_after_walks_only_what_transforms_the_output() -> None:
+    """A weight on another branch into the loss (an auxiliary term on the inputs) is not on the path from
+    the output: not named; a weight applied after the output is, once."""
     torch.manual_seed(0)
     body, head, aux = nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(4, 1)
     x = torch.randn(8, 4)
     out = body(x)
     loss = head(out).pow(2).mean() + aux(x).pow(2).mean()
-    found = foreign_weights(loss, out, {id(p) for p in body.parameters()})
-    assert [tuple(w.shape) for w in found] == [(2, 3)]
-    assert foreign_weights(out.sum(), out, set()) == []  # nothing after the output
+    assert [tuple(w.shape) for w in weights_after(loss, out)] == [(2, 3)]
+    assert weights_after(out.sum(), out) == []  # nothing after the output
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (a cast between the weight and the product)
+        assert [tuple(w.shape) for w in weights_after(head(out).float().pow(2).mean(), out)] == [(2, 3)]
+    assert [tuple(w.shape) for w in weights_after(torch.einsum("nc,kc->nk", out, head.weight).sum(), out)] == [(2, 3)]

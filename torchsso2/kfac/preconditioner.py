@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from curvature.capture import on_gradient
 from curvature.cost import warn_kfac_factors
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
-from curvature.hook_marks import warn_if_attached
+from curvature.hook_marks import register_owner, warn_if_attached
 from torchsso2.optim.accelerate_checks import warn_if_not_sync_step
 from torchsso2.optim.changed_model import sharded_failure
 from curvature.linalg import Backend, get_backend
@@ -405,6 +405,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     def _attach_hooks(self) -> None:
         self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
         self._handles += attach_forward_hooks(self, [self._model], "_model_forward_hook")
+        register_owner(self)  # a native optimizer's own passes are hidden from it (curvature.hook_marks)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "KFACPreconditioner":
         """``copy.deepcopy((model, precond))``: an independent preconditioner whose hooks are on the
@@ -420,6 +421,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 for key in stale.intersection(hooks):
                     del hooks[key]
         new._handles = []
+        new._hidden_passes = 0  # (copied inside a native optimizer's hidden pass: the copy records from its next step)
         new._remember_parameters()
         new._modules_at_start = {id(m) for m in new._model.modules()}
         if self._handles:  # (a preconditioner detached with remove_hooks() is copied detached)
@@ -435,6 +437,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._hidden_passes = 0
         self._remember_parameters()
 
     def remove_hooks(self) -> None:

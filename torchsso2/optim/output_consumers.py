@@ -1,28 +1,41 @@
-"""The model's output turned into the loss by weights outside the model the optimizer was built on.
+"""The model's output transformed by weights on its way to the loss (a head outside the model).
 
 ``SecondOrderOptimizer(model.backbone)`` with a closure running ``head(backbone(x))``: the curvature
 is taken as if the backbone's output were the one the likelihood (``loss=``) is of, which it is not
 (the blocks are off by 30–100% on a tiny MLP), and ``VIOptimizer.predict`` would average the
 backbone's outputs. Under ``loss="cross_entropy"`` the softmax check of :mod:`.misuse` usually sees
 it; under ``"mse"`` and ``"binary_cross_entropy"`` nothing else can. At the first watched closure call
-the loss's autograd graph is walked back to the model's output (:func:`foreign_weights`): a parameter
-of two or more dimensions that is not the model's, hanging off that path (a layer's weight applied
-to the output), is the sign. Parameters of one dimension (a learned temperature, a per-output noise
-scale) and frozen weights (no ``AccumulateGrad`` node) are not flagged.
+the loss's autograd graph is walked back to the model's output (:func:`weights_after`): an
+``nn.Parameter`` of two or more dimensions that multiplies the output on that path (a matmul, a
+convolution, a product: :data:`TRANSFORMS`; reached through views and casts) is the sign, whoever
+owns it (a tied head ``F.linear(h, model.wte.weight)`` applied outside the model's forward too).
+Not flagged: what is added to or subtracted from the path (a regulariser on other weights, a
+distillation target ``out - teacher(x)``, a PINN's ``u - f(x)``), parameters of one dimension (a
+learned temperature, a per-output noise scale), inputs that require grad, and frozen weights (no
+``AccumulateGrad`` node: a frozen head goes unseen).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from curvature.stacklevel import caller_stacklevel
 
 #: graph nodes walked at most; a larger graph between the loss and the output is not checked
 MAX_NODES = 20000
-#: how far off the path a weight may hang (``Linear``: ``addmm`` -> ``TBackward`` -> ``AccumulateGrad``)
-MAX_DEPTH = 3
+#: the nodes through which a weight operand transforms the path (their other operands are examined)
+TRANSFORMS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "BaddbmmBackward0", "MvBackward0",
+                        "DotBackward0", "LinearBackward0", "ConvolutionBackward0", "MulBackward0", "DivBackward0",
+                        "TrilinearBackward0"})
+#: the nodes between such an operand and its parameter (``Linear``: ``addmm`` -> ``TBackward0`` -> the weight;
+#: under autocast a ``ToCopyBackward0`` too)
+PASS_THROUGH = frozenset({"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                          "PermuteBackward0", "TransposeBackward0", "ExpandBackward0", "UnsqueezeBackward0",
+                          "SqueezeBackward0", "SqueezeBackward1", "ToCopyBackward0", "CloneBackward0"})
+#: pass-through nodes followed at most
+MAX_DEPTH = 4
 
 
 def _children(node: Any) -> List[Any]:
@@ -53,21 +66,20 @@ def _reaching(start: Any, root: Any) -> Optional[Dict[Any, bool]]:
     return memo
 
 
-def _weights_below(node: Any, own: Set[int], depth: int, found: Dict[int, Tensor]) -> None:
+def _weight_of(node: Any, depth: int = MAX_DEPTH) -> Optional[Tensor]:
+    """The ``nn.Parameter`` (2+ dims) an operand node stands for: its ``AccumulateGrad`` node, reached through
+    at most ``depth`` views and casts."""
     variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
-    if isinstance(variable, Tensor):
-        if variable.dim() >= 2 and id(variable) not in own:
-            found[id(variable)] = variable
-        return
-    if depth > 0:
-        for child in _children(node):
-            _weights_below(child, own, depth - 1, found)
+    if variable is not None:
+        return variable if isinstance(variable, nn.Parameter) and variable.dim() >= 2 else None
+    if depth == 0 or type(node).__name__ not in PASS_THROUGH:
+        return None
+    kids = _children(node)
+    return _weight_of(kids[0], depth - 1) if len(kids) == 1 else None
 
 
-def foreign_weights(loss: Tensor, output: Tensor, own: Set[int]) -> List[Tensor]:
-    """The parameters (2+ dims, ``id`` not in ``own``) that the path from ``output`` to ``loss`` applies:
-    each hangs at most :data:`MAX_DEPTH` nodes off a node of that path, on a branch that does not lead
-    back to ``output``."""
+def weights_after(loss: Tensor, output: Tensor) -> List[Tensor]:
+    """The parameters (2+ dims) that transform ``output`` on its way to ``loss`` (module docstring)."""
     root, start = output.grad_fn, loss.grad_fn
     if root is None or start is None or start is root:
         return []
@@ -76,21 +88,22 @@ def foreign_weights(loss: Tensor, output: Tensor, own: Set[int]) -> List[Tensor]
         return []
     found: Dict[int, Tensor] = {}
     for node, reaches in memo.items():
-        if reaches and node is not root:
+        if reaches and node is not root and type(node).__name__ in TRANSFORMS:
             for child in _children(node):
                 if not memo.get(child, False):
-                    _weights_below(child, own, MAX_DEPTH - 1, found)
+                    weight = _weight_of(child)
+                    if weight is not None:
+                        found[id(weight)] = weight
     return list(found.values())
 
 
 def warn_if_output_meets_foreign_weights(opt: Any, loss: Any, output: Optional[Tensor], from_backward: bool) -> bool:
-    """UserWarning (True when it warned) when the output of ``opt.model`` reaches ``loss`` through weights
-    outside it (module docstring). ``from_backward``: the curvature comes from the user's backward alone
+    """UserWarning (True when it warned) when weights transform the output of ``opt.model`` on its way to
+    ``loss`` (module docstring). ``from_backward``: the curvature comes from the user's backward alone
     (right whatever the output is): only ``predict`` is spoilt."""
     if not isinstance(loss, Tensor) or not isinstance(output, Tensor):
         return False
-    own = {id(p) for p in opt.model.parameters()}
-    weights = foreign_weights(loss, output, own)
+    weights = weights_after(loss, output)
     if not weights:
         return False
     name = type(opt).__name__
@@ -101,12 +114,13 @@ def warn_if_output_meets_foreign_weights(opt: Any, loss: Any, output: Optional[T
             "is of, which it is not")
     warnings.warn(
         f"{name}: the output of the model it was built on ({type(opt.model).__name__}, shape "
-        f"{list(output.shape)}) reaches the closure's loss through weights that are not that model's "
-        f"(parameters of shape {shapes}): {what}. Build the optimizer on the whole model and pass the parameters "
-        f"to train: {name}(model, params=backbone.parameters(), ...). " + (
+        f"{list(output.shape)}) reaches the closure's loss through weights applied after it (parameters of shape "
+        f"{shapes}): {what}. Build the optimizer on the model whose forward computes what the loss takes (the "
+        f"head a module of it), and pass the parameters to train: {name}(model, params=backbone.parameters(), "
+        "...). " + (
             "If you do not call predict(), ignore this" if from_backward else
             "If the weights belong to the loss on purpose (a contrastive loss's embeddings, a GAN's "
-            "discriminator), the loss is no likelihood of this output: use curvature='empirical_fisher' (the "
-            "loss as written, from your backward) or VIOptimizer's default diagonal"),
+            "discriminator), the loss is no likelihood of this output: use curvature='empirical_fisher' without "
+            "targets= (the loss as written, from your backward) or VIOptimizer's default diagonal"),
         UserWarning, stacklevel=caller_stacklevel())
     return True

@@ -367,8 +367,10 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self._follow_param_dtypes()
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         # the LM rule's loss after the update draws the random numbers (dropout masks) this closure call draws;
-        # without targets it calls the closure again, which may draw from Python's and NumPy's generators too
-        rng = rng_states(self.model, host=targets is None) if self._adapt_now() else None
+        # where it calls the closure again (no targets, no adaptive mode, or a closure whose loss is not the mean
+        # NLL of its output: as at the last LM step), Python's and NumPy's generators too (~60 µs)
+        rng = rng_states(self.model, host=targets is None or self.adaptive is None
+                         or self.__dict__.get("_lm_calls_closure", True)) if self._adapt_now() else None
         try:
             with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                     self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
@@ -435,7 +437,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 decay = (wds, decay_term(params, wds))
             warn_if_not_mean_nll(self, targets, loss, output)
             try:
-                with hidden_from_attached(self.model):  # its J·v / H·v passes: not a KFACPreconditioner's batch
+                with hidden_from_attached():  # its J·v / H·v passes: not a KFACPreconditioner's batch
                     predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             except BaseException:  # the step (its J·v pass) raised before any parameter moved: as if never called
                 rollback.restore(self)
@@ -456,12 +458,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             assert undo is not None
             try:
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
+                self._lm_calls_closure = lm_closure is None
                 if lm_closure is not None:  # one forward of the recorded call: the states that forward saw
                     rng = self.adaptive.recorder.calls[0][2]
                 # a failed decomposition raised the damping, and the step took the earlier decompositions at the
                 # old one (not re-damped in place: pending): the loss is still evaluated, but this step's ρ would
                 # judge the new damping by the old one's update
-                with hidden_from_attached(self.model):  # the loss after the update: an evaluation, not a batch
+                with hidden_from_attached():  # the loss after the update: an evaluation, not a batch
                     taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
                                                 backward=lm_closure is None, rng=rng,
                                                 update_damping=not self._redamp_pending)
@@ -742,12 +745,6 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self._damping = float(state["damping"])
         self._redamp_pending = bool(state.get("redamp_pending", False))  # (absent from older checkpoints)
-        if self.low_rank is not None:  # the probe's stream: the saved one, else derived from the loaded seed
-            saved = state.get("low_rank_generator")
-            if saved is not None:
-                self.low_rank.generator.set_state(saved.clone())
-            else:
-                self.low_rank.generator.manual_seed(low_rank_seed(self.seed))
         if self.lm is not None:
             # the rule's state (its damping, the last ρ; a checkpoint saved without the rule: its damping); its
             # settings (decay, bounds) stay this optimizer's own, as built: a checkpoint's min_damping of 1e-8 kept
@@ -766,6 +763,13 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             self.lm.last_rho = float(saved.get("last_rho", self.lm.last_rho))
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.adaptive.load_state_dict(state["adaptive"])
+        if self.low_rank is not None:  # the probe's stream (last: what may raise comes first): the saved one, else
+            # derived from the loaded seed
+            saved = state.get("low_rank_generator")
+            if saved is not None:
+                self.low_rank.generator.set_state(saved.clone())
+            else:
+                self.low_rank.generator.manual_seed(low_rank_seed(self.seed))
 
     def _make_adaptive(self, learning_rate: Any, momentum: Any, interval: int = 1) -> Optional[AdaptiveCoefficients]:
         """Validate the adaptive-mode flags; the :class:`AdaptiveCoefficients` or None."""
