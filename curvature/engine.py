@@ -22,7 +22,7 @@ from .blocks.layout import held_parameters, kfac_dense_sides
 from .capture import Capture, ModuleRecord, batch_norm_modules
 from .cost import warn_full_blocks, warn_kfac_factors
 from .hessian import hessian_blocks
-from .hook_marks import hidden_from_attached
+from .hook_marks import HiddenPasses
 from .modules import SUPPORTED_LAYERS, family_of
 from .modules.parameters import ParameterFamily
 from .modules.base import flat_per_example
@@ -137,6 +137,8 @@ class CurvatureEngine:
         self.loss = parse(LossType, loss, "loss")
         self.mc_samples = check_mc_samples(mc_samples, self.kind.value)
         self.model = model
+        #: ``with engine.hidden_passes():`` hides the passes run inside from preconditioners on the model
+        self.hidden_passes = HiddenPasses(model)
         #: modules no layer family covers get diagonal blocks for gradient-only estimators (select_layouts)
         self.any_module = any_module
         self.layouts, self.approx = select_layouts(model, approx, skip_modules, include, any_module)
@@ -230,9 +232,9 @@ class CurvatureEngine:
         ``outputs``: the model output recorded by ``capture`` (still in the graph; cross-entropy
         logits ``[N, T, C]`` count as ``N·T`` rows, :func:`curvature.likelihoods.as_rows`);
         ``targets``: needed for ``empirical_fisher`` and ``hessian``. The backward passes it runs are
-        hidden from a ``KFACPreconditioner`` on the model (:func:`curvature.hook_marks.hidden_from_attached`).
+        hidden from a ``KFACPreconditioner`` on the model (:attr:`hidden_passes`).
         """
-        with hidden_from_attached():
+        with self.hidden_passes():
             return self._estimate(capture, outputs, targets, generator)
 
     def _estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,

@@ -4,7 +4,7 @@
 capture mark (several captures may be active at once: the optimizer's and the low-rank solver's
 recorder); a lasting hook (a ``KFACPreconditioner``'s) carries a weak reference to its owner, so a
 new optimizer sees one still attached (:func:`warn_if_attached`), and the curvature's own passes are hidden
-from it (:func:`register_owner`, :func:`hidden_from_attached`). :class:`LocalHook` gives a copy or a pickle of a
+from it (:func:`register_owner`, :class:`HiddenPasses`). :class:`LocalHook` gives a copy or a pickle of a
 module a hook that does nothing in place of ours.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar
+from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -23,11 +23,12 @@ from .stacklevel import caller_stacklevel
 CAPTURE_HOOK = "_curvature_capture_hook"
 #: the attribute holding a weak reference to the owner of a lasting hook (a KFACPreconditioner's)
 OWNER_MARK = "_curvature_hook_owner"
-#: the owner's count of the :func:`hidden_from_attached` contexts open on it: its hooks ignore what runs then
+#: the owner's count of the :class:`HiddenPasses` contexts open on it: its hooks ignore what runs then
 HIDDEN_PASSES = "_hidden_passes"
 #: the live owners of lasting hooks (:func:`register_owner`), held weakly: the one registry of this package,
-#: so that the curvature's own passes are hidden from them at no cost where there are none (a walk over the
-#: model's modules at every curvature step cost ~1% of a step: docs/architecture.md)
+#: so that the curvature's own passes are hidden from them (:class:`HiddenPasses`) at no cost where there
+#: are none, and without a walk over the model's modules at every curvature step (~1% of a step on small
+#: models: docs/architecture.md)
 _LIVE_OWNERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -108,27 +109,62 @@ def attached_owners(module: nn.Module) -> List[Any]:
 
 
 def register_owner(owner: Any) -> None:
-    """Count ``owner`` (a ``KFACPreconditioner`` attaching its hooks) among the live owners of lasting hooks,
-    weakly: :func:`hidden_from_attached` reaches it without walking a model."""
+    """Count ``owner`` (a ``KFACPreconditioner`` attaching its hooks; it has ``hooked_modules()``) among the
+    live owners of lasting hooks, weakly: :class:`HiddenPasses` reaches it without walking a model."""
     _LIVE_OWNERS.add(owner)
 
 
-@contextmanager
-def hidden_from_attached() -> Iterator[None]:
-    """Hide the forwards and backwards run inside from every live owner of lasting hooks (a
-    ``KFACPreconditioner``, on any layers of any model): the curvature's own passes (Monte-Carlo or exact
-    Fisher backward passes, the Hessian's, adaptive mode's products and the LM rule's loss evaluation) are
-    not a training batch, and a preconditioner's factors take the user's forwards and backwards only. The
-    owners count the open contexts (:data:`HIDDEN_PASSES`) rather than reading a flag of the running code:
-    the gradient hooks of a CUDA backward run in autograd's own threads."""
-    owners = list(_LIVE_OWNERS)
-    for owner in owners:
-        setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
-    try:
-        yield
-    finally:
-        for owner in owners:
-            setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES) - 1)
+def _concerns(owner: Any, model: nn.Module, inside: AbstractSet[int]) -> bool:
+    """Whether ``owner``'s hooks are on ``model``'s modules (``inside``: their ids) or on a module holding
+    ``model`` (a preconditioner built on the whole network, an optimizer on its backbone)."""
+    hooked = owner.hooked_modules()
+    return any(id(m) in inside for m in hooked) or any(x is model for m in hooked for x in m.modules())
+
+
+class HiddenPasses:
+    """``with hidden():`` hides the forwards and backwards run inside from the live owners of lasting hooks
+    that concern ``model`` (a ``KFACPreconditioner`` on its layers, or on a network holding it): the
+    curvature's own passes (Monte-Carlo or exact Fisher backward passes, the Hessian's, adaptive mode's
+    products and the LM rule's loss evaluation) are not a training batch, and a preconditioner's factors
+    take the user's forwards and backwards only. Another model's preconditioner (another thread's training)
+    is left alone. Which owners concern the model is worked out when the set of live owners changes (a walk
+    over the model's modules), not at every step. The owners count the open contexts (:data:`HIDDEN_PASSES`)
+    rather than reading a flag of the running code: the gradient hooks of a CUDA backward run in autograd's
+    own threads."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._live: Optional[Set[Any]] = None  # weak references to the live owners when _owners was worked out
+        self._owners: List[Any] = []  # weak references to those that concern the model
+
+    def __getstate__(self) -> Dict[str, Any]:  # (weak references neither copy nor pickle: worked out again)
+        return {"model": self.model}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["model"])  # type: ignore[misc]
+
+    def owners(self) -> List[Any]:
+        """The live owners concerning the model."""
+        if not _LIVE_OWNERS:
+            return []
+        live = {weakref.ref(o) for o in _LIVE_OWNERS}
+        if live != self._live:
+            inside = {id(m) for m in self.model.modules()}
+            self._owners = [ref for ref in live if (o := ref()) is not None and _concerns(o, self.model, inside)]
+            self._live = live
+        return [o for o in (ref() for ref in self._owners) if o is not None]
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        hidden: List[Any] = []
+        try:
+            for owner in self.owners():
+                setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
+                hidden.append(owner)
+            yield
+        finally:
+            for owner in hidden:
+                setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES) - 1)
 
 
 def warn_if_attached(layers: Iterable[Any], stepping: Any) -> None:

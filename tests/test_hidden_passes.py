@@ -2,7 +2,7 @@
 others: the native optimizer's own passes over the model (the Monte-Carlo and exact Fisher's backward
 passes, the Hessian's, adaptive mode's products and its loss evaluation) are hidden from the
 preconditioner, whose factors take the user's forward and backward only
-(``curvature.hook_marks.hidden_from_attached``)."""
+(``curvature.hook_marks.HiddenPasses``)."""
 from __future__ import annotations
 
 import warnings
@@ -118,14 +118,14 @@ def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str
     pre.remove_hooks()
 
 
-def test_an_optimizer_on_a_submodule_hides_its_lm_call_from_a_preconditioner_outside_it() -> None:
-    """The LM rule's second closure call runs the whole model: a preconditioner on the head (outside the
-    optimizer's model) does not take it."""
+def test_an_optimizer_on_a_submodule_hides_its_lm_call_from_a_preconditioner_on_the_network() -> None:
+    """The LM rule's second closure call runs the whole network: a preconditioner built on the network
+    (holding the optimizer's model) does not take it."""
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
     torch.manual_seed(0)
     net = Net()
-    pre = KFACPreconditioner(net.head, factor_update_steps=1, inv_update_steps=1)
+    pre = KFACPreconditioner(net, skip_layers=["body"], factor_update_steps=1, inv_update_steps=1)
     opt = SecondOrderOptimizer(net.body, curvature="empirical_fisher", adaptive_damping=True,
                                damping_adaptation_interval=1)
 
@@ -138,7 +138,7 @@ def test_an_optimizer_on_a_submodule_hides_its_lm_call_from_a_preconditioner_out
         warnings.simplefilter("ignore")  # (built on the body: the output-consumers warning)
         for _ in range(3):
             opt.step(closure)
-            assert dict(pre.layers[""].fold_counts) == {"A": 1, "G": 1}
+            assert dict(pre.layers["head"].fold_counts) == {"A": 1, "G": 1}
             pre.step()
 
 
@@ -169,3 +169,39 @@ def test_a_copy_taken_inside_a_hidden_pass_records_its_own_steps() -> None:
     net2.zero_grad()
     F.cross_entropy(net2(x), y).backward()
     assert dict(pre2.layers["head"].fold_counts) == {"A": 2, "G": 2}  # and the copy's own batch
+
+
+def test_another_models_preconditioner_is_not_hidden() -> None:
+    """(Another thread's training, say): the passes are hidden from the preconditioners that concern the
+    optimizer's model only."""
+    torch.manual_seed(0)
+    net, other = Net(), Net()
+    pre = KFACPreconditioner(other, factor_update_steps=1, inv_update_steps=1)
+    opt = SecondOrderOptimizer(net)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with opt.engine.hidden_passes():
+        other.zero_grad()
+        F.cross_entropy(other(x), y).backward()
+    assert dict(pre.layers["head"].fold_counts) == {"A": 1, "G": 1}
+    own = KFACPreconditioner(net, skip_layers=["body"])
+    with opt.engine.hidden_passes():  # a new live preconditioner is found (the live set changed)
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+    assert dict(own.layers["head"].fold_counts) == {"A": 0, "G": 0}
+
+
+def test_a_pickled_preconditioner_records_again() -> None:
+    """``torch.save((model, pre))`` and back: the loaded preconditioner is attached to the loaded model."""
+    import io
+    torch.manual_seed(0)
+    net = Net()
+    pre = KFACPreconditioner(net, factor_update_steps=1, inv_update_steps=1)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    buf = io.BytesIO()
+    torch.save((net, pre), buf)
+    net2, pre2 = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    net2.zero_grad()
+    F.cross_entropy(net2(x), y).backward()
+    assert dict(pre2.layers["head"].fold_counts) == {"A": 1, "G": 1}
+    assert dict(pre.layers["head"].fold_counts) == {"A": 0, "G": 0}
+    pre2.step()

@@ -82,7 +82,8 @@ def test_vi_default_diagonal_is_told_only_about_predict() -> None:
 
 
 @pytest.mark.parametrize("case", ["whole_model_params", "empirical_fisher_from_backward", "one_dim_parameters",
-                                  "frozen_head", "regulariser_on_other_weights", "distillation_target", "pinn"])
+                                  "frozen_head", "regulariser_on_other_weights", "distillation_target", "pinn",
+                                  "gradient_penalty", "temperature_1x1"])
 def test_no_warning(case: str) -> None:
     torch.manual_seed(0)
     net = Net()
@@ -110,6 +111,22 @@ def test_no_warning(case: str) -> None:
         x = x.clone().requires_grad_(True)
         fn = lambda o, t: 0.5 * (o - torch.sin(x[:, :3])).pow(2).sum(1).mean()  # noqa: E731
         net = body
+        opt = SecondOrderOptimizer(body, loss="mse")
+    elif case == "gradient_penalty":  # the loss takes a derivative of the output: no likelihood of it alone
+        x = x.clone().requires_grad_(True)
+        body = net = net.body
+
+        def fn(o, t):
+            nll = 0.5 * (o - t).pow(2).sum(1).mean()
+            (gx,) = torch.autograd.grad(o.sum(), x, create_graph=True)
+            return nll + 1e-3 * gx.pow(2).sum()
+        opt = SecondOrderOptimizer(body, loss="mse", curvature="empirical_fisher", approx="diag",
+                                   use_adaptive_learning_rate=True)
+    elif case == "temperature_1x1":  # a scale, whatever its shape
+        temp = nn.Parameter(torch.ones(1, 1))
+        body = net.body
+        net = nn.Module()
+        net.forward = lambda inp: body(inp) / temp  # type: ignore[method-assign]
         opt = SecondOrderOptimizer(body, loss="mse")
     else:  # a learned per-output scale and temperature after the model: not a layer
         scale, temp = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(()))
@@ -148,3 +165,15 @@ def test_weights_after_walks_only_what_transforms_the_output() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):  # (a cast between the weight and the product)
         assert [tuple(w.shape) for w in weights_after(head(out).float().pow(2).mean(), out)] == [(2, 3)]
     assert [tuple(w.shape) for w in weights_after(torch.einsum("nc,kc->nk", out, head.weight).sum(), out)] == [(2, 3)]
+
+
+def test_reparametrised_heads_are_seen() -> None:
+    """A cosine, weight-normalised or LoRA-adapted head: the weight reaches the product through its own
+    reparametrisation."""
+    torch.manual_seed(0)
+    body = nn.Linear(3, 5)
+    out = body(torch.randn(4, 3))
+    w, a, b = nn.Parameter(torch.randn(7, 5)), nn.Parameter(torch.randn(7, 2)), nn.Parameter(torch.randn(2, 5))
+    wn = nn.utils.parametrizations.weight_norm(nn.Linear(5, 7))
+    for loss in (F.linear(F.normalize(out), F.normalize(w)).sum(), F.linear(out, w + a @ b).sum(), wn(out).sum()):
+        assert [tuple(t.shape) for t in weights_after(loss, out)] == [(7, 5)]

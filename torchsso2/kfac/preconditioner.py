@@ -298,7 +298,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._backward_seen = False
         #: registered-layer calls with and without rows in the current forward of the model (an empty batch: none with)
         self._calls_with_rows = self._calls_without_rows = 0
-        #: open curvature.hook_marks.hidden_from_attached contexts: a native optimizer's own passes, not recorded
+        #: open curvature.hook_marks.HiddenPasses contexts: a native optimizer's own passes, not recorded
         self._hidden_passes = 0
 
     def _defaults_for_repr(self) -> Dict[str, Any]:
@@ -315,7 +315,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> Optional[Tensor]:
         if not module.training or not torch.is_grad_enabled() or self._hidden_passes:
-            # (_hidden_passes: a SecondOrderOptimizer's / VIOptimizer's own passes, hook_marks.hidden_from_attached)
+            # (_hidden_passes: a SecondOrderOptimizer's / VIOptimizer's own passes, hook_marks.HiddenPasses)
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
@@ -402,6 +402,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 if layer.update_factors(decay):
                     self._updated.add(layer.name)
 
+    def hooked_modules(self) -> List[nn.Module]:
+        """The modules this preconditioner's forward hooks are on: its layers and the model."""
+        return [layer.module for layer in self.layers.values()] + [self._model]
+
     def _attach_hooks(self) -> None:
         self._handles = attach_forward_hooks(self, [layer.module for layer in self.layers.values()], "_forward_hook")
         self._handles += attach_forward_hooks(self, [self._model], "_model_forward_hook")
@@ -439,6 +443,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.__dict__.update(state)
         self._hidden_passes = 0
         self._remember_parameters()
+        if self._handles:  # attached when pickled: the unpickled model's hooks are inert copies, attach again
+            self._attach_hooks()
 
     def remove_hooks(self) -> None:
         """Detach the preconditioner from the model (the hooks are removed; dropping the

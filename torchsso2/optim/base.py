@@ -298,7 +298,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if estimate and "_attached_checked" not in self.__dict__:
             self._attached_checked = True
             # a KFACPreconditioner on the same layers: stepping both preconditions them twice (the curvature's own
-            # passes are hidden from it, curvature.hook_marks.hidden_from_attached; docs/kfac.md)
+            # passes are hidden from it, curvature.hook_marks.HiddenPasses; docs/kfac.md)
             warn_if_attached(self.engine.layouts.values(), self)
         trainable = self._trainable_modules() if estimate else None
         if trainable == []:  # every covered module frozen (a plain group trains alone): no estimate, the

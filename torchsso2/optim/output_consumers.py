@@ -6,13 +6,15 @@ is taken as if the backbone's output were the one the likelihood (``loss=``) is 
 backbone's outputs. Under ``loss="cross_entropy"`` the softmax check of :mod:`.misuse` usually sees
 it; under ``"mse"`` and ``"binary_cross_entropy"`` nothing else can. At the first watched closure call
 the loss's autograd graph is walked back to the model's output (:func:`weights_after`): an
-``nn.Parameter`` of two or more dimensions that multiplies the output on that path (a matmul, a
-convolution, a product: :data:`TRANSFORMS`; reached through views and casts) is the sign, whoever
-owns it (a tied head ``F.linear(h, model.wte.weight)`` applied outside the model's forward too).
-Not flagged: what is added to or subtracted from the path (a regulariser on other weights, a
-distillation target ``out - teacher(x)``, a PINN's ``u - f(x)``), parameters of one dimension (a
-learned temperature, a per-output noise scale), inputs that require grad, and frozen weights (no
-``AccumulateGrad`` node: a frozen head goes unseen).
+``nn.Parameter`` of two or more dimensions that multiplies the output on that path (a matmul or a
+convolution, :data:`MATMULS`; an elementwise product by a weight with two dimensions of more than one
+entry, :data:`PRODUCTS`; reached through views, casts and the weight's own reparametrisation) is the
+sign, whoever owns it (a tied head ``F.linear(h, model.wte.weight)`` applied outside the model's
+forward too). Not flagged: what is added to or subtracted from the path (a regulariser on other
+weights, a distillation target ``out - teacher(x)``, a PINN's ``u - f(x)``), scales (a learned
+temperature, a per-output noise scale), inputs that require grad, losses that take derivatives of
+the output (a gradient penalty, a PINN's ``du/dx``), and frozen weights (no ``AccumulateGrad`` node: a
+frozen head goes unseen).
 """
 from __future__ import annotations
 
@@ -26,16 +28,22 @@ from curvature.stacklevel import caller_stacklevel
 #: graph nodes walked at most; a larger graph between the loss and the output is not checked
 MAX_NODES = 20000
 #: the nodes through which a weight operand transforms the path (their other operands are examined)
-TRANSFORMS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "BaddbmmBackward0", "MvBackward0",
-                        "DotBackward0", "LinearBackward0", "ConvolutionBackward0", "MulBackward0", "DivBackward0",
-                        "TrilinearBackward0"})
+MATMULS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "BaddbmmBackward0", "MvBackward0",
+                     "DotBackward0", "LinearBackward0", "ConvolutionBackward0", "TrilinearBackward0"})
+#: elementwise products: a weight operand counts where it has two dimensions of more than one entry (a
+#: [1, 1] temperature or a [1, C] per-class scale is a scale, not a layer)
+PRODUCTS = frozenset({"MulBackward0", "DivBackward0"})
 #: the nodes between such an operand and its parameter (``Linear``: ``addmm`` -> ``TBackward0`` -> the weight;
-#: under autocast a ``ToCopyBackward0`` too)
+#: under autocast a ``ToCopyBackward0``; an einsum's permutes and reshapes; a weight-normalised, cosine,
+#: scaled or low-rank-adapted weight: ``W / ‖W‖``, ``W·α``, ``W + A B``)
 PASS_THROUGH = frozenset({"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
                           "PermuteBackward0", "TransposeBackward0", "ExpandBackward0", "UnsqueezeBackward0",
-                          "SqueezeBackward0", "SqueezeBackward1", "ToCopyBackward0", "CloneBackward0"})
-#: pass-through nodes followed at most
-MAX_DEPTH = 4
+                          "SqueezeBackward0", "SqueezeBackward1", "ToCopyBackward0", "CloneBackward0",
+                          "MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0", "MmBackward0",
+                          "NormBackward1", "LinalgVectorNormBackward0", "ClampMinBackward0",
+                          "WeightNormInterfaceBackward0", "SumBackward1", "PowBackward0", "SqrtBackward0"})
+#: nodes followed at most from an operand to its parameter
+MAX_DEPTH = 8
 
 
 def _children(node: Any) -> List[Any]:
@@ -67,33 +75,47 @@ def _reaching(start: Any, root: Any) -> Optional[Dict[Any, bool]]:
 
 
 def _weight_of(node: Any, depth: int = MAX_DEPTH) -> Optional[Tensor]:
-    """The ``nn.Parameter`` (2+ dims) an operand node stands for: its ``AccumulateGrad`` node, reached through
-    at most ``depth`` views and casts."""
+    """The ``nn.Parameter`` (2+ dims) an operand node is made of: an ``AccumulateGrad`` node reached through at
+    most ``depth`` of :data:`PASS_THROUGH` (the first found, depth first)."""
     variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
     if variable is not None:
         return variable if isinstance(variable, nn.Parameter) and variable.dim() >= 2 else None
     if depth == 0 or type(node).__name__ not in PASS_THROUGH:
         return None
-    kids = _children(node)
-    return _weight_of(kids[0], depth - 1) if len(kids) == 1 else None
+    for child in _children(node):
+        found = _weight_of(child, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _layer_like(weight: Tensor) -> bool:
+    return sum(d > 1 for d in weight.shape) >= 2
 
 
 def weights_after(loss: Tensor, output: Tensor) -> List[Tensor]:
-    """The parameters (2+ dims) that transform ``output`` on its way to ``loss`` (module docstring)."""
+    """The parameters (2+ dims) that transform ``output`` on its way to ``loss`` (module docstring); none
+    where the loss takes derivatives of the output (a gradient penalty, a PINN's ``du/dx``: its double-backward
+    nodes multiply by the model's own weights, and the loss is no likelihood of the output alone)."""
     root, start = output.grad_fn, loss.grad_fn
     if root is None or start is None or start is root:
         return []
     memo = _reaching(start, root)
     if memo is None:
         return []
+    on_path = [node for node, reaches in memo.items() if reaches and node is not root]
+    if any("BackwardBackward" in type(node).__name__ for node in on_path):
+        return []
     found: Dict[int, Tensor] = {}
-    for node, reaches in memo.items():
-        if reaches and node is not root and type(node).__name__ in TRANSFORMS:
-            for child in _children(node):
-                if not memo.get(child, False):
-                    weight = _weight_of(child)
-                    if weight is not None:
-                        found[id(weight)] = weight
+    for node in on_path:
+        name = type(node).__name__
+        if name not in MATMULS and name not in PRODUCTS:
+            continue
+        for child in _children(node):
+            if not memo.get(child, False):
+                weight = _weight_of(child)
+                if weight is not None and (name in MATMULS or _layer_like(weight)):
+                    found[id(weight)] = weight
     return list(found.values())
 
 
@@ -121,6 +143,7 @@ def warn_if_output_meets_foreign_weights(opt: Any, loss: Any, output: Optional[T
             "If you do not call predict(), ignore this" if from_backward else
             "If the weights belong to the loss on purpose (a contrastive loss's embeddings, a GAN's "
             "discriminator), the loss is no likelihood of this output: use curvature='empirical_fisher' without "
-            "targets= (the loss as written, from your backward) or VIOptimizer's default diagonal"),
+            "targets= and without an adaptive learning rate or momentum (the loss as written, from your backward) "
+            "or VIOptimizer's default diagonal"),
         UserWarning, stacklevel=caller_stacklevel())
     return True

@@ -26,7 +26,6 @@ from torch import Tensor, nn
 
 from curvature.blocks import DiagBlock, FullBlock
 from curvature.blocks.base import owned_all_finite
-from curvature.hook_marks import hidden_from_attached
 from curvature.likelihoods import check_targets
 from curvature.options import Kind, LossType
 from curvature.stacklevel import caller_stacklevel
@@ -368,9 +367,8 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         snapshot = self._snapshot()  # given back if the step is skipped (torchsso2/optim/skips.py)
         # the LM rule's loss after the update draws the random numbers (dropout masks) this closure call draws;
         # where it calls the closure again (no targets, no adaptive mode, or a closure whose loss is not the mean
-        # NLL of its output: as at the last LM step), Python's and NumPy's generators too (~60 µs)
-        rng = rng_states(self.model, host=targets is None or self.adaptive is None
-                         or self.__dict__.get("_lm_calls_closure", True)) if self._adapt_now() else None
+        # NLL of its output: known only after this call), Python's and NumPy's generators too (~60 µs per LM step)
+        rng = rng_states(self.model, host=True) if self._adapt_now() else None
         try:
             with self.low_rank.record() if self.low_rank is not None else contextlib.nullcontext(), \
                     self.adaptive.record(self.model) if self.adaptive is not None else contextlib.nullcontext():
@@ -437,7 +435,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 decay = (wds, decay_term(params, wds))
             warn_if_not_mean_nll(self, targets, loss, output)
             try:
-                with hidden_from_attached():  # its J·v / H·v passes: not a KFACPreconditioner's batch
+                with self.engine.hidden_passes():  # its J·v / H·v passes: not a KFACPreconditioner's batch
                     predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             except BaseException:  # the step (its J·v pass) raised before any parameter moved: as if never called
                 rollback.restore(self)
@@ -458,13 +456,12 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             assert undo is not None
             try:
                 lm_closure = forward_only_closure(self, targets, loss, output) if self.adaptive is not None else None
-                self._lm_calls_closure = lm_closure is None
                 if lm_closure is not None:  # one forward of the recorded call: the states that forward saw
                     rng = self.adaptive.recorder.calls[0][2]
                 # a failed decomposition raised the damping, and the step took the earlier decompositions at the
                 # old one (not re-damped in place: pending): the loss is still evaluated, but this step's ρ would
                 # judge the new damping by the old one's update
-                with hidden_from_attached():  # the loss after the update: an evaluation, not a batch
+                with self.engine.hidden_passes():  # the loss after the update: an evaluation, not a batch
                     taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
                                                 backward=lm_closure is None, rng=rng,
                                                 update_damping=not self._redamp_pending)
