@@ -66,6 +66,11 @@ def _inert() -> Callable[..., None]:
     return _inert_hook
 
 
+def is_inert(fn: Any) -> bool:
+    """Whether ``fn`` is the do-nothing hook a copied or unpickled :class:`LocalHook` became."""
+    return fn is _inert_hook
+
+
 class LocalHook:
     """A module hook that belongs to the module it was registered on: ``copy.deepcopy`` and pickling of
     the module (a "best model" snapshot taken inside the closure, ``torch.save(model)``) give the copy a
@@ -155,10 +160,12 @@ class HiddenPasses:
         return [o for o in (ref() for ref in self._owners) if o is not None]
 
     @contextmanager
-    def __call__(self) -> Iterator[None]:
+    def __call__(self, everywhere: bool = False) -> Iterator[None]:
+        """``everywhere``: from every live owner (a call of the user's closure, which may run any module: the
+        LM rule's evaluation; another thread's training meanwhile is not recorded either)."""
         hidden: List[Any] = []
         try:
-            for owner in self.owners():
+            for owner in (list(_LIVE_OWNERS) if everywhere else self.owners()):
                 setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
                 hidden.append(owner)
             yield

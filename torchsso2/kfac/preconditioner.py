@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from curvature.capture import on_gradient
 from curvature.cost import warn_kfac_factors
 from curvature.engine import compile_advice, compiled_before_hooks, contains_compiled
-from curvature.hook_marks import register_owner, warn_if_attached
+from curvature.hook_marks import is_inert, register_owner, warn_if_attached
 from torchsso2.optim.accelerate_checks import warn_if_not_sync_step
 from torchsso2.optim.changed_model import sharded_failure
 from curvature.linalg import Backend, get_backend
@@ -61,6 +61,15 @@ from .state import EXTENSION, HYPERPARAMS, decompositions_state, layers_state, v
 logger = logging.getLogger(__name__)
 
 __all__ = ["KFACPreconditioner"]
+
+
+def _live_hook(handle: Any) -> bool:
+    """Whether the hook ``handle`` registered is still in place as registered: not gone, not the inert copy
+    an unpickled model holds in its place (:class:`curvature.hook_marks.LocalHook`); a shallow copy of the
+    preconditioner shares the original's live hooks."""
+    hooks = handle.hooks_dict_ref()
+    fn = None if hooks is None else hooks.get(handle.id)
+    return fn is not None and not is_inert(fn)
 
 
 class KFACPreconditioner(BaseKFACPreconditioner):
@@ -418,19 +427,33 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         identically. Copying the preconditioner alone copies its model too (as the native optimizers
         do). Not supported with several processes (a communicator cannot be copied): ``TypeError``."""
         new = copy_fields(self, memo, "a KFACPreconditioner", "a new one", "precond", "_handles".__eq__)
-        stale = {h.id for h in self._handles}
-        for module in [layer.module for layer in new.layers.values()] + [new._model]:
+        new._handles = []
+        new._hidden_passes = 0  # (copied inside a native optimizer's hidden pass: the copy records from its next step)
+        settle = ({h.id for h in self._handles}, bool(self._handles))  # (detached with remove_hooks(): stays so)
+        try:
+            new._settle_copy(*settle)
+        except AttributeError:  # copied as an attribute of the model it preconditions, not built yet: at step()
+            new._detach_partial()
+            new._settle_pending = settle
+        return new
+
+    def _detach_partial(self) -> None:
+        """Remove the hooks an attach that failed half way registered (the layers built, the model not yet)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _settle_copy(self, stale: Set[int], attach: bool) -> None:
+        """A deep copy's hooks: the original's dropped from the copied modules, its own attached."""
+        for module in [layer.module for layer in self.layers.values()] + [self._model]:
             for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
                           module._forward_hooks_always_called):
                 for key in stale.intersection(hooks):
                     del hooks[key]
-        new._handles = []
-        new._hidden_passes = 0  # (copied inside a native optimizer's hidden pass: the copy records from its next step)
-        new._remember_parameters()
-        new._modules_at_start = {id(m) for m in new._model.modules()}
-        if self._handles:  # (a preconditioner detached with remove_hooks() is copied detached)
-            new._attach_hooks()
-        return new
+        self._remember_parameters()
+        self._modules_at_start = {id(m) for m in self._model.modules()}
+        if attach:
+            self._attach_hooks()
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling: the weak references to the construction-time parameters do not pickle; the unpickled
@@ -443,8 +466,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.__dict__.update(state)
         self._hidden_passes = 0
         self._remember_parameters()
-        if self._handles:  # attached when pickled: the unpickled model's hooks are inert copies, attach again
-            self._attach_hooks()
+        if self._handles and not any(_live_hook(h) for h in self._handles):
+            # unpickled while attached: the unpickled model's hooks are inert copies of ours (LocalHook). Attached
+            # again; a model that holds this preconditioner is not built yet here: then at the first step()
+            for h in self._handles:
+                h.remove()  # (the inert copies)
+            self._handles = []
+            try:
+                self._attach_hooks()
+            except AttributeError:
+                self._detach_partial()
+                self._attach_pending = True
 
     def remove_hooks(self) -> None:
         """Detach the preconditioner from the model (the hooks are removed; dropping the
@@ -573,6 +605,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         the step a no-op (``on_nonfinite``; then ``last_step_skipped`` is True: skip
         ``optimizer.step()``).
         """
+        settle = self.__dict__.pop("_settle_pending", None)
+        if settle is not None or self.__dict__.pop("_attach_pending", False):
+            if settle is not None:
+                self._settle_copy(*settle)
+            else:
+                self._attach_hooks()
+            warnings.warn("KFACPreconditioner: copied or unpickled as part of the model it preconditions (an attribute "
+                          "of it), its hooks are attached at this first step(): the forward and backward before it were "
+                          "not recorded, and this step leaves the gradients as they are (the next ones precondition as "
+                          "before)", UserWarning, stacklevel=caller_stacklevel())
+            return
         layers = list(self.layers.values())
         if not self._attached_checked:
             self._attached_checked = True

@@ -12,14 +12,15 @@ entry, :data:`PRODUCTS`; reached through views, casts and the weight's own repar
 sign, whoever owns it (a tied head ``F.linear(h, model.wte.weight)`` applied outside the model's
 forward too). Not flagged: what is added to or subtracted from the path (a regulariser on other
 weights, a distillation target ``out - teacher(x)``, a PINN's ``u - f(x)``), scales (a learned
-temperature, a per-output noise scale), inputs that require grad, losses that take derivatives of
+temperature, a per-output noise scale, ``W.norm(dim=1)``), operands computed from inputs or other
+layers (a gate ``out * gate(x)``, attention keys), inputs that require grad, losses that take derivatives of
 the output (a gradient penalty, a PINN's ``du/dx``), and frozen weights (no ``AccumulateGrad`` node: a
 frozen head goes unseen).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import AbstractSet, Any, Dict, List, Optional
 
 from torch import Tensor, nn
 
@@ -30,18 +31,21 @@ MAX_NODES = 20000
 #: the nodes through which a weight operand transforms the path (their other operands are examined)
 MATMULS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "BaddbmmBackward0", "MvBackward0",
                      "DotBackward0", "LinearBackward0", "ConvolutionBackward0", "TrilinearBackward0"})
-#: elementwise products: a weight operand counts where it has two dimensions of more than one entry (a
-#: [1, 1] temperature or a [1, C] per-class scale is a scale, not a layer)
+#: elementwise products: a weight operand counts where it is a parameter itself (through :data:`VIEWS`) with two
+#: dimensions of more than one entry (a [1, 1] temperature, a [1, C] per-class scale or a scale derived from a
+#: weight, ``W.norm(dim=1)``, is a scale, not a layer)
 PRODUCTS = frozenset({"MulBackward0", "DivBackward0"})
-#: the nodes between such an operand and its parameter (``Linear``: ``addmm`` -> ``TBackward0`` -> the weight;
-#: under autocast a ``ToCopyBackward0``; an einsum's permutes and reshapes; a weight-normalised, cosine,
-#: scaled or low-rank-adapted weight: ``W / ‖W‖``, ``W·α``, ``W + A B``)
-PASS_THROUGH = frozenset({"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-                          "PermuteBackward0", "TransposeBackward0", "ExpandBackward0", "UnsqueezeBackward0",
-                          "SqueezeBackward0", "SqueezeBackward1", "ToCopyBackward0", "CloneBackward0",
-                          "MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0", "MmBackward0",
-                          "NormBackward1", "LinalgVectorNormBackward0", "ClampMinBackward0",
-                          "WeightNormInterfaceBackward0", "SumBackward1", "PowBackward0", "SqrtBackward0"})
+#: views and casts between an operand and its parameter (``Linear``: ``addmm`` -> ``TBackward0`` -> the weight;
+#: under autocast a ``ToCopyBackward0``; an einsum's permutes and reshapes)
+VIEWS = frozenset({"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "PermuteBackward0",
+                   "TransposeBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+                   "SqueezeBackward1", "ToCopyBackward0", "CloneBackward0"})
+#: what a matmul's weight operand may be made of besides: a weight's own reparametrisation (cosine ``W / ‖W‖``,
+#: scaled ``W·α``, low-rank-adapted ``W + A B``: the ``W`` branch, weight norm), not another layer's output
+REPARAMETRISATIONS = VIEWS | frozenset({"MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0",
+                                        "NormBackward1", "LinalgVectorNormBackward0", "ClampMinBackward0",
+                                        "WeightNormInterfaceBackward0", "SumBackward1", "PowBackward0",
+                                        "SqrtBackward0"})
 #: nodes followed at most from an operand to its parameter
 MAX_DEPTH = 8
 
@@ -74,16 +78,16 @@ def _reaching(start: Any, root: Any) -> Optional[Dict[Any, bool]]:
     return memo
 
 
-def _weight_of(node: Any, depth: int = MAX_DEPTH) -> Optional[Tensor]:
+def _weight_of(node: Any, through: AbstractSet[str], depth: int = MAX_DEPTH) -> Optional[Tensor]:
     """The ``nn.Parameter`` (2+ dims) an operand node is made of: an ``AccumulateGrad`` node reached through at
-    most ``depth`` of :data:`PASS_THROUGH` (the first found, depth first)."""
+    most ``depth`` nodes of ``through`` (the first found, depth first)."""
     variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
     if variable is not None:
         return variable if isinstance(variable, nn.Parameter) and variable.dim() >= 2 else None
-    if depth == 0 or type(node).__name__ not in PASS_THROUGH:
+    if depth == 0 or type(node).__name__ not in through:
         return None
     for child in _children(node):
-        found = _weight_of(child, depth - 1)
+        found = _weight_of(child, through, depth - 1)
         if found is not None:
             return found
     return None
@@ -113,7 +117,7 @@ def weights_after(loss: Tensor, output: Tensor) -> List[Tensor]:
             continue
         for child in _children(node):
             if not memo.get(child, False):
-                weight = _weight_of(child)
+                weight = _weight_of(child, REPARAMETRISATIONS) if name in MATMULS else _weight_of(child, VIEWS)
                 if weight is not None and (name in MATMULS or _layer_like(weight)):
                     found[id(weight)] = weight
     return list(found.values())

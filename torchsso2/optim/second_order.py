@@ -461,7 +461,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 # a failed decomposition raised the damping, and the step took the earlier decompositions at the
                 # old one (not re-damped in place: pending): the loss is still evaluated, but this step's ρ would
                 # judge the new damping by the old one's update
-                with self.engine.hidden_passes():  # the loss after the update: an evaluation, not a batch
+                # the loss after the update: an evaluation, not a batch (the user's closure may run modules
+                # outside the optimizer's model: a head, a GAN's discriminator)
+                with self.engine.hidden_passes(everywhere=lm_closure is None):
                     taken = self._adapt_damping(lm_closure or closure, loss, params, grads, old, predicted, decay,
                                                 backward=lm_closure is None, rng=rng,
                                                 update_damping=not self._redamp_pending)
