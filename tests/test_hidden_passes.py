@@ -118,14 +118,19 @@ def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str
     pre.remove_hooks()
 
 
-def test_an_optimizer_on_a_submodule_hides_its_lm_call_from_a_preconditioner_on_the_network() -> None:
-    """The LM rule's second closure call runs the whole network: a preconditioner built on the network
-    (holding the optimizer's model) does not take it."""
+@pytest.mark.parametrize("built_on", ["network", "sibling"])
+def test_an_optimizer_on_a_submodule_hides_its_lm_call(built_on: str) -> None:
+    """The LM rule's second call of the user's closure runs the whole network: hidden from a preconditioner
+    built on the network (holding the optimizer's model) and from one on a sibling module (a head beside the
+    optimizer's backbone, a GAN's discriminator): every live preconditioner."""
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
     torch.manual_seed(0)
     net = Net()
-    pre = KFACPreconditioner(net, skip_layers=["body"], factor_update_steps=1, inv_update_steps=1)
+    if built_on == "network":
+        pre, head = KFACPreconditioner(net, skip_layers=["body"], factor_update_steps=1, inv_update_steps=1), "head"
+    else:
+        pre, head = KFACPreconditioner(net.head, factor_update_steps=1, inv_update_steps=1), ""
     opt = SecondOrderOptimizer(net.body, curvature="empirical_fisher", adaptive_damping=True,
                                damping_adaptation_interval=1)
 
@@ -138,7 +143,7 @@ def test_an_optimizer_on_a_submodule_hides_its_lm_call_from_a_preconditioner_on_
         warnings.simplefilter("ignore")  # (built on the body: the output-consumers warning)
         for _ in range(3):
             opt.step(closure)
-            assert dict(pre.layers["head"].fold_counts) == {"A": 1, "G": 1}
+            assert dict(pre.layers[head].fold_counts) == {"A": 1, "G": 1}
             pre.step()
 
 
@@ -205,27 +210,3 @@ def test_a_pickled_preconditioner_records_again() -> None:
     assert dict(pre2.layers["head"].fold_counts) == {"A": 1, "G": 1}
     assert dict(pre.layers["head"].fold_counts) == {"A": 0, "G": 0}
     pre2.step()
-
-
-def test_the_lm_call_is_hidden_from_a_preconditioner_on_a_sibling_module() -> None:
-    """The LM rule's second call of the user's closure may run any module (a head beside the optimizer's
-    backbone, a GAN's discriminator): it is hidden from every live preconditioner."""
-    gen = torch.Generator().manual_seed(5)
-    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
-    torch.manual_seed(0)
-    net = Net()
-    pre = KFACPreconditioner(net.head, factor_update_steps=1, inv_update_steps=1)
-    opt = SecondOrderOptimizer(net.body, curvature="empirical_fisher", adaptive_damping=True,
-                               damping_adaptation_interval=1)
-
-    def closure():
-        net.zero_grad()
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        return loss
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (built on the body: the output-consumers warning)
-        for _ in range(3):
-            opt.step(closure)
-            assert dict(pre.layers[""].fold_counts) == {"A": 1, "G": 1}
-            pre.step()
