@@ -131,9 +131,11 @@ class HiddenPasses:
     that concern ``model`` (a ``KFACPreconditioner`` on its layers, or on a network holding it): the
     curvature's own passes (Monte-Carlo or exact Fisher backward passes, the Hessian's, adaptive mode's
     products and the LM rule's loss evaluation) are not a training batch, and a preconditioner's factors
-    take the user's forwards and backwards only. Another model's preconditioner (another thread's training)
-    is left alone. Which owners concern the model is worked out when the set of live owners changes (a walk
-    over the model's modules), not at every step. The owners count the open contexts (:data:`HIDDEN_PASSES`)
+    take the user's forwards and backwards only. The passes over the model are hidden from the owners that
+    concern it (another model's preconditioner, another thread's training, is left alone); a call of the
+    user's closure (``everywhere=True``: the LM rule's evaluation), which may run any module, from every live
+    owner. Which owners concern the model is worked out when the set of live owners changes (a walk over the
+    model's modules), not at every step. The owners count the open contexts (:data:`HIDDEN_PASSES`)
     rather than reading a flag of the running code: the gradient hooks of a CUDA backward run in autograd's
     own threads."""
 

@@ -327,39 +327,43 @@ def test_kfac_a_preconditioner_pickles_with_its_factors() -> None:
         assert loaded._born[name][0]() is loaded.layers[name].module.weight
 
 
-def test_a_preconditioner_held_by_its_model_survives_a_copy_and_a_pickle() -> None:
-    """``model.precond = pre``, then ``copy.deepcopy(model)`` or a pickle round trip: the copy's
-    preconditioner is built while its model is not yet; it attaches then, or at its first ``step()``
-    (a warning; that step leaves the gradients as they are), and records from there on."""
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "deepcopy_of_a_copy"])
+def test_a_preconditioner_held_by_its_model_survives_a_copy_and_a_pickle(how: str) -> None:
+    """``model.precond = pre``, then ``copy.deepcopy(model)`` (also of such a copy: a "best model" restored)
+    or a pickle round trip: the copy's preconditioner is made while its model is not built yet; it attaches
+    then, or at its first ``step()`` (a warning: that step preconditions with the copied factors without
+    updating them), and records from there on."""
     import copy
     import io
     x, y = _data()
-    for how in ("deepcopy", "pickle"):
-        model = _model()
-        pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
-        model.precond = pre
-        _kfac_step(model, pre, x, y)
-        if how == "deepcopy":
-            twin = copy.deepcopy(model)
-        else:
-            buf = io.BytesIO()
-            torch.save(model, buf)
-            twin = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-        assert twin.precond is not pre and twin.precond._model is twin
-        twin.zero_grad()
-        F.cross_entropy(twin(x), y).backward()
-        if twin.precond.__dict__.get("_handles"):  # attached at once
+    model = _model()
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    model.precond = pre
+    _kfac_step(model, pre, x, y)
+    if how == "pickle":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        twin = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    else:
+        twin = copy.deepcopy(model)
+        if how == "deepcopy_of_a_copy":
+            twin = copy.deepcopy(twin)
+    assert twin.precond is not pre and twin.precond._model is twin
+    twin.zero_grad()
+    F.cross_entropy(twin(x), y).backward()
+    if twin.precond._handles:  # attached at once: this batch was recorded
+        twin.precond.step()
+    else:
+        raw = [p.grad.clone() for p in twin.parameters()]
+        with pytest.warns(UserWarning, match="attached at this first step.*preconditions with the copied factors"):
             twin.precond.step()
-        else:
-            grads = [p.grad.clone() for p in twin.parameters()]
-            with pytest.warns(UserWarning, match="its hooks are attached at this first step"):
-                twin.precond.step()
-            assert all(torch.equal(g, p.grad) for g, p in zip(grads, twin.parameters()))
-        twin.zero_grad()
-        F.cross_entropy(twin(x), y).backward()
-        assert all(dict(layer.fold_counts) == {"A": 1, "G": 1} for layer in twin.precond.layers.values())
-        twin.precond.step()  # records and preconditions
-        assert all(dict(layer.fold_counts) == {"A": 0, "G": 0} for layer in pre.layers.values())  # (the original: none)
+        assert not all(torch.equal(g, p.grad) for g, p in zip(raw, twin.parameters()))  # preconditioned
+        assert all(torch.isfinite(p.grad).all() for p in twin.parameters())
+    twin.zero_grad()
+    F.cross_entropy(twin(x), y).backward()
+    assert all(dict(layer.fold_counts) == {"A": 1, "G": 1} for layer in twin.precond.layers.values())
+    twin.precond.step()  # records and preconditions
+    assert all(dict(layer.fold_counts) == {"A": 0, "G": 0} for layer in pre.layers.values())  # (the original: none)
 
 
 def test_a_shallow_copy_adds_no_second_set_of_hooks() -> None:

@@ -429,7 +429,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         new = copy_fields(self, memo, "a KFACPreconditioner", "a new one", "precond", "_handles".__eq__)
         new._handles = []
         new._hidden_passes = 0  # (copied inside a native optimizer's hidden pass: the copy records from its next step)
-        settle = ({h.id for h in self._handles}, bool(self._handles))  # (detached with remove_hooks(): stays so)
+        # a copy of a copy still waiting to attach (its model not built when it was made) attaches as the original
+        # would; one detached with remove_hooks() stays detached
+        pending = new.__dict__.pop("_settle_pending", None)
+        attach_pending = new.__dict__.pop("_attach_pending", False)
+        stale = {h.id for h in self._handles} | (pending[0] if pending is not None else set())
+        settle = (stale, bool(self._handles) or (pending is not None and pending[1]) or attach_pending)
         try:
             new._settle_copy(*settle)
         except AttributeError:  # copied as an attribute of the model it preconditions, not built yet: at step()
@@ -605,18 +610,24 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         the step a no-op (``on_nonfinite``; then ``last_step_skipped`` is True: skip
         ``optimizer.step()``).
         """
+        layers = list(self.layers.values())
         settle = self.__dict__.pop("_settle_pending", None)
-        if settle is not None or self.__dict__.pop("_attach_pending", False):
+        attach = self.__dict__.pop("_attach_pending", False)
+        unrecorded = settle is not None or attach
+        if unrecorded:  # copied or unpickled as an attribute of its own model, not built then: attached now
             if settle is not None:
                 self._settle_copy(*settle)
             else:
                 self._attach_hooks()
+            self._forget_step(layers)  # (a step half recorded when the copy was taken: not this model's)
+            factors = any(layer.has_factors() for layer in layers)
             warnings.warn("KFACPreconditioner: copied or unpickled as part of the model it preconditions (an attribute "
                           "of it), its hooks are attached at this first step(): the forward and backward before it were "
-                          "not recorded, and this step leaves the gradients as they are (the next ones precondition as "
-                          "before)", UserWarning, stacklevel=caller_stacklevel())
-            return
-        layers = list(self.layers.values())
+                          "not recorded, so this step " + ("preconditions with the copied factors without updating "
+                                                           "them" if factors else "leaves the gradients as they are"),
+                          UserWarning, stacklevel=caller_stacklevel())
+            if not factors:
+                return
         if not self._attached_checked:
             self._attached_checked = True
             warn_if_attached(layers, self)
@@ -626,7 +637,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # returning NaN raises with the gradients untouched and the factors as at the last step (the
         # batches the backward hooks folded are taken out again)
         try:
-            factor_step = self._steps % self.factor_update_steps == 0
+            factor_step = self._steps % self.factor_update_steps == 0 and not unrecorded
             inverse_step = self._steps % self.inv_update_steps == 0
             decay = self.factor_decay if factor_step else None
             damping = self.damping
