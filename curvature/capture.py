@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from .eager import eager
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
-from .hook_marks import LocalHook, capture_hook, in_func_transform, is_marked
+from .hook_marks import LocalHook, capture_hook, in_func_transform, is_marked, is_owned
 from .modules.attention import attention_hook
 from .stacklevel import caller_stacklevel
 from .uses import UseWindows
@@ -170,10 +170,12 @@ class Capture:
 
     @staticmethod
     def foreign_hooks(module: nn.Module) -> bool:
-        """Whether ``module`` has forward or backward hooks other than a capture's (this one's, or
-        another capture's active at the same time, e.g. the low-rank solver's recorder)."""
-        return any(not is_capture_hook(fn) for hooks in (module._forward_hooks, module._forward_pre_hooks,
-                                                         module._backward_hooks, module._backward_pre_hooks)
+        """Whether ``module`` has forward or backward hooks of the user's: other than a capture's (this one's, or
+        another capture's active at the same time, e.g. the low-rank solver's recorder) and a
+        ``KFACPreconditioner``'s (marked; :func:`curvature.hook_marks.hidden_from` hides a call from it)."""
+        return any(not is_capture_hook(fn) and not is_owned(fn)
+                   for hooks in (module._forward_hooks, module._forward_pre_hooks,
+                                 module._backward_hooks, module._backward_pre_hooks)
                    for fn in hooks.values())
 
     def recomputing(self, name: str) -> bool:

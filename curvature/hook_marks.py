@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, TypeVar
+from typing import AbstractSet, Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Set, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -46,6 +46,11 @@ def in_func_transform() -> bool:
     the batch's forward, and its tensors live only inside the transform, so the hooks leave it alone.
     False while torch.compile traces (its tracing runs under an interpreter of its own)."""
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def is_owned(fn: Any) -> bool:
+    """Whether ``fn`` is a lasting hook of an owner (a ``KFACPreconditioner``'s, marked with :data:`OWNER_MARK`)."""
+    return getattr(fn, OWNER_MARK, None) is not None
 
 
 def is_marked(fn: Any) -> bool:
@@ -161,19 +166,24 @@ class HiddenPasses:
             self._live = live
         return [o for o in (ref() for ref in self._owners) if o is not None]
 
-    @contextmanager
-    def __call__(self, everywhere: bool = False) -> Iterator[None]:
+    def __call__(self, everywhere: bool = False) -> ContextManager[None]:
         """``everywhere``: from every live owner (a call of the user's closure, which may run any module: the
         LM rule's evaluation; another thread's training meanwhile is not recorded either)."""
-        hidden: List[Any] = []
-        try:
-            for owner in (list(_LIVE_OWNERS) if everywhere else self.owners()):
-                setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
-                hidden.append(owner)
-            yield
-        finally:
-            for owner in hidden:
-                setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES) - 1)
+        return hidden_from(list(_LIVE_OWNERS) if everywhere else self.owners())
+
+
+@contextmanager
+def hidden_from(owners: Iterable[Any]) -> Iterator[None]:
+    """Hide what runs inside from ``owners`` (their :data:`HIDDEN_PASSES` counters, closed on the way out)."""
+    hidden: List[Any] = []
+    try:
+        for owner in owners:
+            setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES, 0) + 1)
+            hidden.append(owner)
+        yield
+    finally:
+        for owner in hidden:
+            setattr(owner, HIDDEN_PASSES, getattr(owner, HIDDEN_PASSES) - 1)
 
 
 def warn_if_attached(layers: Iterable[Any], stepping: Any) -> None:

@@ -82,6 +82,9 @@ class UseWindows:
         self.windows: Dict[str, List[Tuple[int, int]]] = {}
         self._open: Dict[str, List[int]] = {}
         self._probe = torch.zeros((), requires_grad=True)
+        #: the number of the first node after the forwards checked so far: a later forward's walk stops at their
+        #: nodes (a rollout closure feeds an output back into the model: the earlier forward's windows are dropped)
+        self._checked_below = -1
 
     def _seq(self, opening: bool) -> int:
         """A window bound: a number below every autograd sequence number of a node created after
@@ -149,11 +152,13 @@ class UseWindows:
     def check(self, output: Tensor) -> None:
         """ValueError naming the covered parameters that ``output``'s graph uses outside a call
         of a module holding them. The windows recorded so far are dropped (the next forward
-        of a gradient-accumulating closure starts afresh)."""
+        of a gradient-accumulating closure starts afresh), and a later check does not walk into the
+        nodes of the forwards checked so far (a rollout feeding this output back into the model)."""
         try:
             self._check(output)
         finally:
             self.windows.clear()
+            self._checked_below = self._seq(False)
 
     def _check(self, output: Tensor) -> None:
         root = output.grad_fn
@@ -185,7 +190,8 @@ class UseWindows:
                             self._use(node, leaf.variable, outside)
                 if nxt not in seen:
                     seen.add(nxt)
-                    stack.append(nxt)
+                    if int(nxt._sequence_nr()) >= self._checked_below:  # (not an earlier forward's: checked then)
+                        stack.append(nxt)
         if outside:
             names = sorted(outside)
             holders = {n: sorted(e[1]) for e in self.params.values() for n in [e[0]] if n in outside}

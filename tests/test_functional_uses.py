@@ -212,3 +212,55 @@ def test_functional_call_with_the_models_own_parameters_is_the_plain_call() -> N
                 return loss, out
             opt.step(closure)
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+@pytest.mark.parametrize("hook", ["none", "logging", "preconditioner"])
+def test_a_rollout_closure_feeding_outputs_back_is_no_use_outside(hook: str) -> None:
+    """``h = model(h)`` several times in one closure: each forward's check walks its own nodes only (the
+    earlier forward's were checked when it ended), so a forward hook on the model (a user's logging hook, a
+    KFACPreconditioner's), which turns the runtime check on, does not make the rollout an error."""
+    from torchsso2 import KFACPreconditioner
+    torch.manual_seed(0)
+    x0, ys = torch.randn(16, 4), [torch.randn(16, 4) for _ in range(3)]
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4))
+    seen = []
+    if hook == "logging":
+        model[0].register_forward_hook(lambda mod, i, o: seen.append(float(o.detach().abs().mean())))
+    pre = KFACPreconditioner(model) if hook == "preconditioner" else None
+    opt = SecondOrderOptimizer(model, lr=0.05, loss="mse")
+
+    def closure():
+        opt.zero_grad()
+        h, loss = x0, 0.0
+        for y in ys:
+            h = model(h)
+            loss = loss + 0.5 * (h - y).pow(2).sum(1).mean()
+        (loss / 3).backward()
+        return loss / 3
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the rollout's output warning; the same-layers warning)
+        for _ in range(2):
+            opt.step(closure)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert hook != "logging" or len(seen) >= 6
+    del pre
+
+
+def test_a_functional_use_between_two_forwards_is_still_found() -> None:
+    """A covered weight used functionally on the way from one forward's output into the next is a use outside."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[0].register_forward_hook(lambda mod, i, o: None)  # (the runtime check on)
+    opt = SecondOrderOptimizer(model, lr=0.05, loss="mse")
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        h = model(x)
+        out = model(F.linear(h, model[2].weight))
+        loss = 0.5 * (out - y).pow(2).sum(1).mean()
+        loss.backward()
+        return loss
+    with pytest.raises(ValueError, match=r"covered parameter\(s\) \['2.weight'\] are used in the forward outside"):
+        opt.step(closure)

@@ -15,6 +15,7 @@ from torch import nn
 
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
+from torchsso2.optim import sequential_jvp
 
 
 class Net(nn.Module):
@@ -98,13 +99,15 @@ def test_every_step_is_the_users_batch(case: str) -> None:
     assert counts == [{"A": 1, "G": 1}] * 4, counts
 
 
-@pytest.mark.parametrize("curvature", ["fisher_mc", "empirical_fisher", "hessian"])
+@pytest.mark.parametrize("curvature", ["fisher_mc", "empirical_fisher", "hessian", "vi_diag"])
 def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str) -> None:
-    """Both would precondition the same gradients: named at the optimizer's first step, whatever its kind."""
+    """Both would precondition the same gradients: named at the optimizer's first step, whatever its kind
+    (VIOptimizer's default diagonal estimates nothing with a capture: its first closure call)."""
     torch.manual_seed(0)
     net = Net()
     pre = KFACPreconditioner(net)
-    opt = SecondOrderOptimizer(net, curvature=curvature, approx="diag", damping=1.0)
+    opt = VIOptimizer(net, dataset_size=100) if curvature == "vi_diag" else \
+        SecondOrderOptimizer(net, curvature=curvature, approx="diag", damping=1.0)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
 
     def closure():
@@ -112,7 +115,7 @@ def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         return loss
-    with pytest.warns(UserWarning, match=r"SecondOrderOptimizer: 1 other KFACPreconditioner\(s\) attached to layers "
+    with pytest.warns(UserWarning, match=r"(SecondOrderOptimizer|VIOptimizer): 1 other KFACPreconditioner\(s\) attached to layers "
                                          r"\['body.0', 'body.2', 'head'\].*preconditions their gradients more than"):
         opt.step(closure, targets=y)
     pre.remove_hooks()
@@ -210,3 +213,63 @@ def test_a_pickled_preconditioner_records_again() -> None:
     assert dict(pre2.layers["head"].fold_counts) == {"A": 1, "G": 1}
     assert dict(pre.layers["head"].fold_counts) == {"A": 0, "G": 0}
     pre2.step()
+
+
+@pytest.mark.parametrize("face", ["sso", "vi_kfac"])
+def test_a_preconditioner_on_an_attentions_out_proj_is_not_taken_for_a_users_hook(face: str) -> None:
+    """kfac_pytorch's registration puts a hook on nn.MultiheadAttention's out_proj, which the attention's
+    forward never calls; the capture's recorded forward calls it, hidden from the preconditioner."""
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(4, 8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+    net = Attn()
+    x, y = torch.randn(8, 5, 4), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (out_proj never called: the preconditioner's own warning; same layers)
+        pre = KFACPreconditioner(net)
+    opt = SecondOrderOptimizer(net) if face == "sso" else VIOptimizer(net, dataset_size=100, approx="kfac")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step(closure)
+    assert "attn.out_proj" not in pre._mini_steps or pre._mini_steps["attn.out_proj"] == 0
+
+
+def test_adaptive_mode_on_a_sequential_is_the_same_beside_a_preconditioner() -> None:
+    """The preconditioner's hooks only record: adaptive mode keeps its hand-written J·v pass over a plain
+    nn.Sequential, and its steps are bit-identical with and without a live preconditioner on other layers."""
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    finals = []
+    for with_pre in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        pre = KFACPreconditioner(net, skip_layers=["0"]) if with_pre else None
+        opt = SecondOrderOptimizer(net, params=net[0].parameters(), seed=0, **ADAPTIVE)
+        assert sequential_jvp.supports_model(net)  # (the hand-written pass)
+
+        def closure():
+            opt.zero_grad()
+            out = net(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            return loss, out
+        for _ in range(3):
+            opt.step(closure, targets=y)
+        finals.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        del pre
+    torch.testing.assert_close(finals[0], finals[1], rtol=0, atol=0)

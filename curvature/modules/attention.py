@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..hook_marks import capture_hook, in_func_transform
+from ..hook_marks import attached_owners, capture_hook, hidden_from, in_func_transform
 from .linear import LinearFamily
 
 _NAMES = {"in_proj_weight": "weight", "in_proj_bias": "bias"}
@@ -205,7 +205,8 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
         call = dict(zip(_ARG_NAMES, args))
         call.update(kwargs)
         if capture.recomputing(name):  # the same ops as the recorded call (the saved tensors must match)
-            return recorded_forward(module, **call)[0]
+            with hidden_from(attached_owners(module.out_proj)):
+                return recorded_forward(module, **call)[0]
         capture.calls[name] = capture.calls.get(name, 0) + 1
         if name in capture.records:
             if capture.on_reuse == "count":
@@ -217,7 +218,10 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
                 "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
                 "step does, so those hooks would run at curvature steps only. Register them on the attention "
                 f"module, or leave the attention to the plain update with {skip_hint(name)}")
-        result, x, z = recorded_forward(module, **call)
+        # a KFACPreconditioner on out_proj (kfac_pytorch's registration; never called by the attention's own
+        # forward) does not see this call, which only curvature steps make
+        with hidden_from(attached_owners(module.out_proj)):
+            result, x, z = recorded_forward(module, **call)
         rec = ModuleRecord(inputs=(x.detach(),), output=z)
         capture.records[name] = rec
         if capture.record_backward and z.requires_grad:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from curvature.hook_marks import OWNER_MARK, LocalHook
+from curvature.uses_static import observer_hook
 
 __all__ = ["attach_forward_hooks", "weak_grad_hook"]
 
@@ -46,6 +47,10 @@ def attach_forward_hooks(owner: Any, modules: Sequence[nn.Module], method: str) 
         return None
 
     setattr(hook, OWNER_MARK, ref)  # (curvature.hook_marks.attached_owners)
+    # it records, and computes nothing from the parameters (a view output comes back as a clone of the same
+    # values): an observer to plain_module, so a native optimizer's hand-written J·v pass and its static check
+    # of where parameters are used stay as without it (its passes are hidden from the preconditioner anyway)
+    observer_hook(hook)
     # first among the module's forward hooks: G is the gradient of the layer's own output, not of what a
     # user's hook registered earlier (in the model's __init__) makes of it (kfac_pytorch's hook runs last)
     handles = [m.register_forward_hook(LocalHook(hook), with_kwargs=True, prepend=True) for m in modules]

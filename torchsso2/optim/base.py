@@ -295,7 +295,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         the call first (:meth:`_check_step_call`)."""
         if self._frozen_in_groups or self._frozen_outside:
             self._warn_unfrozen()
-        if estimate and "_attached_checked" not in self.__dict__:
+        if "_attached_checked" not in self.__dict__:  # (at the first closure call, estimating or not: VI's diagonal)
             self._attached_checked = True
             # a KFACPreconditioner on the same layers: stepping both preconditions them twice (the curvature's own
             # passes are hidden from it, curvature.hook_marks.HiddenPasses; docs/kfac.md)

@@ -134,20 +134,30 @@ def warn_if_output_meets_foreign_weights(opt: Any, loss: Any, output: Optional[T
         return False
     name = type(opt).__name__
     shapes = ", ".join(str(list(w.shape)) for w in weights[:3]) + (" ..." if len(weights) > 3 else "")
+    own = {id(p) for p in opt.model.parameters()}
+    fed_back = all(id(w) in own for w in weights)  # the model run again on its own output: a rollout
     what = ("its curvature is right (it comes from your backward), but predict() averages this output, not the "
             "whole network's" if from_backward else
             f"the curvature is taken as if this output were the one the likelihood (loss={opt.engine.loss.value!r}) "
             "is of, which it is not")
-    warnings.warn(
-        f"{name}: the output of the model it was built on ({type(opt.model).__name__}, shape "
-        f"{list(output.shape)}) reaches the closure's loss through weights applied after it (parameters of shape "
-        f"{shapes}): {what}. Build the optimizer on the model whose forward computes what the loss takes (the "
-        f"head a module of it), and pass the parameters to train: {name}(model, params=backbone.parameters(), "
-        "...). " + (
-            "If you do not call predict(), ignore this" if from_backward else
-            "If the weights belong to the loss on purpose (a contrastive loss's embeddings, a GAN's "
-            "discriminator), the loss is no likelihood of this output: use curvature='empirical_fisher' without "
-            "targets= and without an adaptive learning rate or momentum (the loss as written, from your backward) "
-            "or VIOptimizer's default diagonal"),
-        UserWarning, stacklevel=caller_stacklevel())
+    if fed_back:
+        how = (f"the model's own weights (parameters of shape {shapes}) transform it again: the model is run on its "
+               "own output (an unrolled or rollout closure, a tied head applied outside its forward)")
+        fix = ("Make what the loss takes the output of one forward of the model (a tied head a module of it), or, "
+               "for a rollout, " + ("ignore this if you do not call predict()" if from_backward else
+                                    "use curvature='empirical_fisher' without targets= and without an adaptive "
+                                    "learning rate or momentum (the loss as written, from your backward) or "
+                                    "VIOptimizer's default diagonal"))
+    else:
+        how = f"weights applied after it (parameters of shape {shapes})"
+        fix = (f"Build the optimizer on the model whose forward computes what the loss takes (the head a module of "
+               f"it), and pass the parameters to train: {name}(model, params=backbone.parameters(), ...). " + (
+                   "If you do not call predict(), ignore this" if from_backward else
+                   "If the weights belong to the loss on purpose (a contrastive loss's embeddings, a GAN's "
+                   "discriminator), the loss is no likelihood of this output: use curvature='empirical_fisher' "
+                   "without targets= and without an adaptive learning rate or momentum (the loss as written, from "
+                   "your backward) or VIOptimizer's default diagonal"))
+    warnings.warn(f"{name}: the output of the model it was built on ({type(opt.model).__name__}, shape "
+                  f"{list(output.shape)}) reaches the closure's loss through {how}: {what}. {fix}",
+                  UserWarning, stacklevel=caller_stacklevel())
     return True
