@@ -82,9 +82,11 @@ class UseWindows:
         self.windows: Dict[str, List[Tuple[int, int]]] = {}
         self._open: Dict[str, List[int]] = {}
         self._probe = torch.zeros((), requires_grad=True)
-        #: the number of the first node after the forwards checked so far: a later forward's walk stops at their
-        #: nodes (a rollout closure feeds an output back into the model: the earlier forward's windows are dropped)
-        self._checked_below = -1
+        #: the nodes the checks so far walked: a later forward's walk does not walk them again (a rollout closure
+        #: feeds an output back into the model); the windows are kept for the capture's life (one closure call),
+        #: so what a walk reaches that no earlier one did is judged by every window (a parameter used before the
+        #: first forward for the second, state one forward leaves to the next)
+        self._walked: Set[Any] = set()
 
     def _seq(self, opening: bool) -> int:
         """A window bound: a number below every autograd sequence number of a node created after
@@ -151,14 +153,10 @@ class UseWindows:
 
     def check(self, output: Tensor) -> None:
         """ValueError naming the covered parameters that ``output``'s graph uses outside a call
-        of a module holding them. The windows recorded so far are dropped (the next forward
-        of a gradient-accumulating closure starts afresh), and a later check does not walk into the
-        nodes of the forwards checked so far (a rollout feeding this output back into the model)."""
-        try:
-            self._check(output)
-        finally:
-            self.windows.clear()
-            self._checked_below = self._seq(False)
+        of a module holding them. A later check (the next forward of the closure: gradient accumulation,
+        a rollout feeding this output back into the model) walks only the nodes no check walked; the
+        windows are disjoint spans of time, so those of earlier forwards never cover a later node."""
+        self._check(output)
 
     def _check(self, output: Tensor) -> None:
         root = output.grad_fn
@@ -168,7 +166,10 @@ class UseWindows:
         # the nodes themselves, not their ids: holding a node's Python object keeps it (torch returns the same one
         # while it lives); the id of a freed temporary one can be reused by another node, which was then skipped
         # (seen on torch 2.3 and 2.5)
-        seen: Set[Any] = set()
+        seen = self._walked
+        if root in seen:
+            return
+        seen.add(root)
         stack = [root]
         while stack:
             node = stack.pop()
@@ -190,8 +191,7 @@ class UseWindows:
                             self._use(node, leaf.variable, outside)
                 if nxt not in seen:
                     seen.add(nxt)
-                    if int(nxt._sequence_nr()) >= self._checked_below:  # (not an earlier forward's: checked then)
-                        stack.append(nxt)
+                    stack.append(nxt)
         if outside:
             names = sorted(outside)
             holders = {n: sorted(e[1]) for e in self.params.values() for n in [e[0]] if n in outside}

@@ -264,3 +264,27 @@ def test_a_functional_use_between_two_forwards_is_still_found() -> None:
         return loss
     with pytest.raises(ValueError, match=r"covered parameter\(s\) \['2.weight'\] are used in the forward outside"):
         opt.step(closure)
+
+
+@pytest.mark.parametrize("where", ["before_the_first_forward", "carried_to_the_next_forward"])
+def test_a_use_only_a_later_forward_reaches_is_found(where: str) -> None:
+    """A functional use made before the closure's first forward but consumed by its second (gradient
+    accumulation), or state one forward leaves for the next (a memory): no check before the second walked it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[0].register_forward_hook(lambda mod, i, o: None)  # (the runtime check on)
+    opt = SecondOrderOptimizer(model, lr=0.05, loss="mse")
+    x, x2, y = torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        if where == "before_the_first_forward":
+            z = F.linear(x2, model[2].weight)
+            loss = 0.5 * ((model(x) - y).pow(2).sum(1).mean() + (model(z) - y).pow(2).sum(1).mean()) / 2
+        else:
+            memory = F.linear(model(x), model[2].weight)  # what the first forward leaves for the second
+            loss = 0.5 * (model(x + memory) - y).pow(2).sum(1).mean()
+        loss.backward()
+        return loss
+    with pytest.raises(ValueError, match=r"covered parameter\(s\) \['2.weight'\] are used in the forward outside"):
+        opt.step(closure)

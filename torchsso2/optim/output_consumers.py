@@ -141,9 +141,10 @@ def warn_if_output_meets_foreign_weights(opt: Any, loss: Any, output: Optional[T
             f"the curvature is taken as if this output were the one the likelihood (loss={opt.engine.loss.value!r}) "
             "is of, which it is not")
     if fed_back:
-        how = (f"the model's own weights (parameters of shape {shapes}) transform it again: the model is run on its "
-               "own output (an unrolled or rollout closure, a tied head applied outside its forward)")
-        fix = ("Make what the loss takes the output of one forward of the model (a tied head a module of it), or, "
+        how = f"the model's own weights (parameters of shape {shapes})"
+        fix = ("The model is run on its own output (an unrolled or rollout closure, a tied head applied outside its "
+               "forward). Make what the loss takes the output of one forward of the model (a tied head a module of "
+               "it), or, "
                "for a rollout, " + ("ignore this if you do not call predict()" if from_backward else
                                     "use curvature='empirical_fisher' without targets= and without an adaptive "
                                     "learning rate or momentum (the loss as written, from your backward) or "
