@@ -161,7 +161,7 @@ def rng_states(module: nn.Module, host: bool = False) -> Tuple[Any, ...]:
     """The CPU RNG state and that of each CUDA device holding ``module``'s parameters (dropout on a GPU
     draws from the device's generator): what a recorded forward saw. ``host``: also Python's ``random``
     and NumPy's global generators (a closure's own augmentation, mixup: what a second call of the user's
-    closure replays; ~60 µs, taken only where that call is made)."""
+    closure replays; ~60 µs, taken at the LM rule's steps)."""
     cpu = torch.get_rng_state()
     if not torch.cuda.is_initialized():  # no CUDA tensor can exist: no walk over the parameters at every step
         cuda: Dict[int, Tensor] = {}

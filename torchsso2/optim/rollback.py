@@ -6,8 +6,9 @@ Held for one step: the statistics of the blocks the step's EMA writes in place (
 block's decomposition (the dicts: a decomposition is replaced, never written in place), the block
 set, the update count, whether a decomposition exists (or is pending after a damping change), the damping
 and the LM rule's state with the skip counts (a failed decomposition raises the damping and counts a skip
-inside the step), and with several processes the work assignment the decompositions were placed by. The blocks' derived caches follow their
-sources' versions (:class:`curvature.blocks.base.DerivedCache`), so they rebuild after the restore.
+inside the step), and with several processes the work assignment the decompositions were placed by. The
+blocks' derived caches follow their sources' versions (:class:`curvature.blocks.base.DerivedCache`), so they
+rebuild after the restore.
 """
 from __future__ import annotations
 

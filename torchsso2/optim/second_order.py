@@ -589,7 +589,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         ``rng``: the RNG states (:func:`~torchsso2.optim.adaptive.rng_states`) the call replays, so that its
         dropout masks are the step's own (kfac-jax evaluates both losses with the step's one key): ρ then
         measures the update, not a new mask; the user's streams are left as the step's call left them
-        (torch's; without targets Python's ``random`` and NumPy's global generators too).
+        (torch's, and for a call of the user's closure Python's ``random`` and NumPy's global generators too).
         ``update_damping=False``: the loss is evaluated (a non-finite one still undoes the update) but the
         damping stays. False (the damping unchanged) when the loss after the update is not finite."""
         assert self.lm is not None
