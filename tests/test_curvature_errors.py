@@ -440,3 +440,35 @@ def test_a_module_used_without_a_call_is_named_with_the_skip_and_the_call(how) -
     assert "skip_modules=['^b$']" in text and "F.linear(x, lin.weight)" in text and "torch.vmap" in text
     c = curvature.compute(model, x, y, kind="fisher", skip_modules=["^b$"])  # the pattern given works
     assert list(c.blocks) == ["a"]
+
+
+@pytest.mark.parametrize("curvature", ["empirical_fisher", "hessian"])
+def test_nonfinite_targets_a_masked_loss_skips_are_named_at_the_first_step(curvature: str) -> None:
+    """Missing regression labels as NaN, masked out of the loss: the curvature that takes the targets is
+    undefined there. A ValueError naming the targets at the first step, not step after step skipped as if the
+    model produced non-finite values; a Fisher kind, which does not read them, trains."""
+    import torch.nn.functional as F
+    from torchsso2 import SecondOrderOptimizer
+    torch.manual_seed(0)
+    x, z = torch.randn(16, 4), torch.randn(16, 2)
+    z[::3, 1] = float("nan")
+    for kind in (curvature, "fisher_mc"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = SecondOrderOptimizer(model, loss="mse", curvature=kind, approx="diag", damping=1.0)
+
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            seen = torch.isfinite(z)
+            loss = 0.5 * ((out - torch.nan_to_num(z)) ** 2 * seen).sum() / x.shape[0]
+            loss.backward()
+            return loss
+        before = [p.detach().clone() for p in model.parameters()]
+        if kind == curvature:
+            with pytest.raises(ValueError, match=r"targets has 6 non-finite \(NaN/inf\) entries of 32"):
+                opt.step(closure, targets=z)
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            assert opt.num_skipped == 0
+        else:
+            opt.step(closure, targets=z)
+            assert opt.num_skipped == 0 and not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

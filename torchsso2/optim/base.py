@@ -636,6 +636,23 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         return found
 
     @staticmethod
+    def _refuse_nonfinite_targets(targets: Optional[Tensor], snapshot: Optional[StepUndo]) -> None:
+        """On a step found non-finite: ValueError when ``targets`` hold NaN/inf (missing labels a masked loss
+        skips: the curvature that takes the targets, the empirical Fisher's and the Hessian's, is undefined
+        there), instead of skipping step after step as if the model produced them. Checked on this failure
+        path only (no cost on a finite step)."""
+        if targets is None or not targets.is_floating_point() or bool(torch.isfinite(targets).all()):
+            return
+        if snapshot is not None:
+            snapshot.restore()
+        bad = int((~torch.isfinite(targets)).sum())
+        raise ValueError(f"targets has {bad} non-finite (NaN/inf) entries of {targets.numel()} (shape "
+                         f"{list(targets.shape)}): the curvature there is undefined (the empirical Fisher and the "
+                         "Hessian take the targets); a loss that masks missing labels needs the same mask on the "
+                         "output and the targets (output_selector=lambda out: out[mask], targets=y[mask]), or "
+                         "no targets= with a Fisher kind (which does not read them); the optimizer state is unchanged")
+
+    @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:
         """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output).
         The loss through :func:`all_finite` (it is in the user's graph), the gradients and fresh

@@ -225,6 +225,8 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
             opt, targets, loss, output, "adaptive learning rate",
             "The quadratic model takes the curvature of the mean NLL and the gradient of the closure's loss, so a "
             "scaled loss (F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step "
-            "by the same factor; return the mean NLL from the closure (plus any terms you mean to add)",
+            "by the same factor, and a term the loss adds (another head's or an auxiliary loss) has a gradient but "
+            "no curvature in the model, whose solved step may overshoot it; return the mean NLL of the output from "
+            "the closure (a small weight decay or regulariser is fine), or take a fixed lr for a multi-task loss",
             LOSS_SCALE_WARN_RTOL, recorder=opt.adaptive.recorder):
         opt._loss_scale_checked = True

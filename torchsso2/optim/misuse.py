@@ -278,13 +278,24 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
             unreached.append(name)
     if unreached:
         opt._reach_warned = True
+        adaptive = getattr(opt, "adaptive", None)
+        plain = f"Leave them to the plain update (skip_modules={unreached!r}), or take the curvature of the whole loss " \
+            "from your own backward (curvature='empirical_fisher'"
+        if adaptive is not None and (adaptive.learning_rate or adaptive.momentum):
+            fix = ("In adaptive mode the quadratic model has no curvature for their loss either, so the solved step "
+                   "overshoots it: take the curvature of the whole loss from your own backward "
+                   "(curvature='empirical_fisher' without targets=, and no adaptive learning rate or momentum), or "
+                   "a fixed lr")
+        elif getattr(opt, "dataset_size", None) is not None:  # VIOptimizer
+            fix = f"Their posterior precision is the prior's alone (the data adds none). {plain})"
+        else:
+            fix = f"Their preconditioned step is the gradient over the damping (bounded by kl_clip). {plain} without " \
+                "targets=)"
         warnings.warn(
             f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
             "parameters: the likelihood the curvature is taken from (the model output, or output_selector's pick) "
-            "does not depend on them, e.g. a second head whose loss the closure adds. Their preconditioned step is "
-            "the gradient over the damping (bounded by kl_clip). Leave them to the plain update "
-            f"(skip_modules={unreached!r}), or take the curvature of the whole loss from your own backward "
-            "(curvature='empirical_fisher')", UserWarning, stacklevel=caller_stacklevel())
+            f"does not depend on them, e.g. a second head whose loss the closure adds. {fix}",
+            UserWarning, stacklevel=caller_stacklevel())
 
 
 @contextlib.contextmanager

@@ -399,6 +399,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         # below catches them (a non-finite gradient makes its preconditioned update non-finite)
         checked = grads if fresh is not None or decompose else []
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
+            self._refuse_nonfinite_targets(targets, snapshot)
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
             return loss, output
         adapt = self._adapt_now()  # the LM rule after the update; an update it finds non-finite is undone

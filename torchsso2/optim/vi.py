@@ -496,7 +496,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         if self.num_mc_samples > 1:
             for p in trainable:  # the averaged gradient goes through p.grad (and the grad scaler, if any)
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
-        return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals), targets)
+        return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals, targets),
+                                    targets)
 
     def _keeps_output_grads(self, targets: Optional[Tensor]) -> bool:
         """The first step's watch keeps the output's gradient for the loss-scale check (:mod:`.vi_checks`)."""
@@ -588,10 +589,12 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         return self._step_result(*result)
 
     def _finish_step(self, snapshot: Any, losses: List[Tensor], output: Any, hats: Dict[str, Tensor],
-                     curvature: Optional[BlockAverage], residuals: Sequence[float] = ()) -> Tuple[Tensor, Tensor]:
+                     curvature: Optional[BlockAverage], residuals: Sequence[float] = (),
+                     targets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """The step after its closure calls (``p.grad`` holds the mean gradient over the samples):
         the non-finite policy, the curvature EMA, the decomposition and the mean's update
-        (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``)."""
+        (``residuals``: the samples' mean squared residuals, for ``noise_variance="learned"``; ``targets``: the
+        step's, named where they are not finite)."""
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not self._unscale_grads():  # an AMP overflow skips the step, reparam's estimate with it, as if the
             snapshot.restore()          # batch was never seen: num_steps, the schedules and the streams stay
@@ -606,6 +609,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         agreed, params, groups = self._average_over_ranks(fresh, mean_loss)
         grads = [p.grad for p in params]
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
+            self._refuse_nonfinite_targets(targets, snapshot)
             self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
             return mean_loss, output
         if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
