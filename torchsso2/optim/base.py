@@ -635,13 +635,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return text
         return found
 
-    @staticmethod
-    def _refuse_nonfinite_targets(targets: Optional[Tensor], snapshot: Optional[StepUndo]) -> None:
-        """On a step found non-finite: ValueError when ``targets`` hold NaN/inf (missing labels a masked loss
-        skips: the curvature that takes the targets, the empirical Fisher's and the Hessian's, is undefined
-        there), instead of skipping step after step as if the model produced them. Checked on this failure
-        path only (no cost on a finite step)."""
-        if targets is None or not targets.is_floating_point() or bool(torch.isfinite(targets).all()):
+    def _refuse_nonfinite_targets(self, targets: Optional[Tensor], snapshot: Optional[StepUndo]) -> None:
+        """On a step found non-finite: ValueError when ``targets`` hold NaN/inf where the curvature reads them
+        (the empirical Fisher's and the Hessian's: missing labels a masked loss skips make it undefined there),
+        instead of skipping step after step as if the model produced them. Checked on this failure path only
+        (no cost on a finite step); the Fisher kinds do not read the targets (their failure is another)."""
+        if targets is None or self.engine.kind not in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) \
+                or not targets.is_floating_point() or bool(torch.isfinite(targets).all()):
             return
         if snapshot is not None:
             snapshot.restore()
