@@ -1,6 +1,7 @@
 """Errors name the bad value and what was expected; unsupported configurations are refused."""
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -465,10 +466,49 @@ def test_nonfinite_targets_a_masked_loss_skips_are_named_at_the_first_step(curva
             return loss
         before = [p.detach().clone() for p in model.parameters()]
         if kind == curvature:
-            with pytest.raises(ValueError, match=r"targets has 6 non-finite \(NaN/inf\) entries of 32"):
+            with pytest.raises(ValueError, match=r"targets has 6 non-finite \(NaN/inf\) entries of 32") as info:
                 opt.step(closure, targets=z)
             assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
             assert opt.num_skipped == 0
+            if kind == "empirical_fisher":  # the fix the message names: the masked loss from your backward
+                assert "leave targets= out" in str(info.value)
+                opt.step(closure)
+                assert opt.num_skipped == 0 and not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
         else:
             opt.step(closure, targets=z)
             assert opt.num_skipped == 0 and not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_learned_noise_takes_sigma_from_the_observed_labels() -> None:
+    """VIOptimizer(noise_variance="learned") with missing labels (NaN) a masked loss skips: σ² from the observed
+    entries (before: the residual was NaN and σ² never learned, silently)."""
+    import torch.nn.functional as F  # noqa: F401
+    from torchsso2 import VIOptimizer
+    torch.manual_seed(0)
+    x = torch.randn(32, 3)
+    z = x @ torch.randn(3, 2) + 0.3 * torch.randn(32, 2)
+    z[::4, 0] = float("nan")
+    model = nn.Linear(3, 2)
+    opt = VIOptimizer(model, dataset_size=320, loss="mse", noise_variance="learned", seed=0)
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        seen = torch.isfinite(z)
+        loss = 0.5 * ((out - torch.nan_to_num(z)) ** 2 * seen).sum() / x.shape[0]
+        loss.backward()
+        return loss, out
+    for _ in range(5):
+        opt.step(closure, targets=z)
+    assert opt.noise.count == 5 and math.isfinite(opt.noise.variance) and opt.noise.variance > 0
+
+
+def test_nonfinite_targets_on_one_rank_raise_on_every_rank(tmp_path) -> None:
+    """``mpiexec -n 2``, NaN targets on rank 0 only: both ranks raise the ValueError (one all-reduce on the
+    failure path), none skips and waits for the other in the next step's collectives."""
+    from pathlib import Path
+    from dist_utils import mpi_rank_results
+    ranks = mpi_rank_results(Path(__file__).parent / "dist_scripts" / "nan_targets_worker.py", tmp_path)
+    assert [r["raised"] for r in ranks] == [True, True], ranks
+    assert "entries of 16" in ranks[0]["message"] and "on another rank" in ranks[1]["message"], ranks
+    assert [r["skipped"] for r in ranks] == [0, 0]

@@ -639,18 +639,27 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         """On a step found non-finite: ValueError when ``targets`` hold NaN/inf where the curvature reads them
         (the empirical Fisher's and the Hessian's: missing labels a masked loss skips make it undefined there),
         instead of skipping step after step as if the model produced them. Checked on this failure path only
-        (no cost on a finite step); the Fisher kinds do not read the targets (their failure is another)."""
-        if targets is None or self.engine.kind not in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN) \
-                or not targets.is_floating_point() or bool(torch.isfinite(targets).all()):
+        (no cost on a finite step; every rank is on it together: one all-reduce, and every rank raises); the
+        Fisher kinds do not read the targets (their failure is another)."""
+        if self.engine.kind not in (Kind.EMPIRICAL_FISHER, Kind.HESSIAN):
+            return
+        mine = targets is not None and targets.is_floating_point() and not bool(torch.isfinite(targets).all())
+        anywhere = mine if self.comm.world_size == 1 else not self._every_rank(not mine)
+        if not anywhere:
             return
         if snapshot is not None:
             snapshot.restore()
-        bad = int((~torch.isfinite(targets)).sum())
-        raise ValueError(f"targets has {bad} non-finite (NaN/inf) entries of {targets.numel()} (shape "
-                         f"{list(targets.shape)}): the curvature there is undefined (the empirical Fisher and the "
-                         "Hessian take the targets); a loss that masks missing labels needs the same mask on the "
-                         "output and the targets (output_selector=lambda out: out[mask], targets=y[mask]), or "
-                         "no targets= with a Fisher kind (which does not read them); the optimizer state is unchanged")
+        self.__dict__.pop("_loss_checked", None)  # (the first step's checks run again at the next step)
+        where = f"{int((~torch.isfinite(targets)).sum())} non-finite (NaN/inf) entries of {targets.numel()} (shape " \
+            f"{list(targets.shape)})" if mine else "non-finite (NaN/inf) entries on another rank"
+        fix = ("leave targets= out: the empirical Fisher is then taken from your own backward of the masked loss"
+               if self.engine.kind is Kind.EMPIRICAL_FISHER else
+               "mask the output and the targets alike (output_selector=lambda out: out[mask], targets=y[mask]), with "
+               "the closure's loss the mean over the kept entries")
+        raise ValueError(f"targets has {where}: the curvature there is undefined "
+                         f"(curvature={self.engine.kind.value!r} reads the targets). For missing labels a masked loss "
+                         f"skips, {fix}; or use a Fisher kind, which does not read them. The optimizer state is "
+                         "unchanged")
 
     @staticmethod
     def _batch_is_finite(loss: Tensor, grads: List[Tensor], fresh: Optional[Dict[str, Block]]) -> bool:

@@ -227,6 +227,7 @@ def warn_if_not_mean_nll(opt: Any, targets: Optional[Tensor], loss: Any, output:
             "scaled loss (F.mse_loss: 2/D for D outputs per example; reduction='sum': N) scales the adaptive step "
             "by the same factor, and a term the loss adds (another head's or an auxiliary loss) has a gradient but "
             "no curvature in the model, whose solved step may overshoot it; return the mean NLL of the output from "
-            "the closure (a small weight decay or regulariser is fine), or take a fixed lr for a multi-task loss",
+            "the closure (weight decay as the param group's weight_decay, which the model includes), or leave "
+            "adaptive mode (a fixed lr and momentum) for a multi-task loss",
             LOSS_SCALE_WARN_RTOL, recorder=opt.adaptive.recorder):
         opt._loss_scale_checked = True

@@ -283,14 +283,14 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
             "from your own backward (curvature='empirical_fisher'"
         if adaptive is not None and (adaptive.learning_rate or adaptive.momentum):
             fix = ("In adaptive mode the quadratic model has no curvature for their loss either, so the solved step "
-                   "overshoots it: take the curvature of the whole loss from your own backward "
-                   "(curvature='empirical_fisher' without targets=, and no adaptive learning rate or momentum), or "
-                   "a fixed lr")
+                   "overshoots it: leave adaptive mode (a fixed lr and momentum), and take the curvature of the whole "
+                   "loss from your own backward (curvature='empirical_fisher' without targets=)")
         elif getattr(opt, "dataset_size", None) is not None:  # VIOptimizer
-            fix = f"Their posterior precision is the prior's alone (the data adds none). {plain})"
+            fix = ("The data adds no curvature there: their precision stays at its start (dataset_size·"
+                   f"curvature_init, fading with the EMA) plus the prior's. {plain})")
         else:
-            fix = f"Their preconditioned step is the gradient over the damping (bounded by kl_clip). {plain} without " \
-                "targets=)"
+            fix = ("Their preconditioned step is about the gradient over the damping (bounded by kl_clip where set). "
+                   f"{plain} without targets=)")
         warnings.warn(
             f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
             "parameters: the likelihood the curvature is taken from (the model output, or output_selector's pick) "

@@ -73,7 +73,8 @@ class ObservationNoise:
 
     @staticmethod
     def mean_squared_residual(output: Tensor, targets: Tensor) -> float:
-        """``mean((targets − output)²)`` over all entries (``output`` and ``targets`` of one shape, e.g. ``[B, K]``)."""
+        """``mean((targets − output)²)`` over the entries with a finite target (``output`` and ``targets`` of one
+        shape, e.g. ``[B, K]``; NaN marks a missing label)."""
         if not isinstance(targets, Tensor):
             raise TypeError(f"noise_variance='learned' needs step(closure, targets=y) with a tensor y, got "
                             f"{type(targets).__name__}")
@@ -89,7 +90,11 @@ class ObservationNoise:
                              + ("; with gradient accumulation, return (loss, torch.cat(outs)) from the closure: all "
                                 "micro-batches' outputs concatenated in the targets' order"
                                 if isinstance(output, Tensor) and output.shape[1:] == targets.shape[1:] else ""))
-        return float((targets.detach().to(output.dtype) - output.detach()).pow(2).mean())
+        squared = (targets.detach().to(output.dtype) - output.detach()).pow(2)
+        observed = torch.isfinite(targets)  # missing labels (NaN) a masked loss skips: left out of σ²
+        if not bool(observed.all()):
+            return float(squared[observed].mean()) if bool(observed.any()) else math.nan
+        return float(squared.mean())
 
     def update(self, mean_squared_residual: float) -> None:
         """Fold one batch's mean squared residual (averaged over its weight samples, and over the
