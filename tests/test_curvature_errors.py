@@ -448,7 +448,6 @@ def test_nonfinite_targets_a_masked_loss_skips_are_named_at_the_first_step(curva
     """Missing regression labels as NaN, masked out of the loss: the curvature that takes the targets is
     undefined there. A ValueError naming the targets at the first step, not step after step skipped as if the
     model produced non-finite values; a Fisher kind, which does not read them, trains."""
-    import torch.nn.functional as F
     from torchsso2 import SecondOrderOptimizer
     torch.manual_seed(0)
     x, z = torch.randn(16, 4), torch.randn(16, 2)
@@ -482,7 +481,6 @@ def test_nonfinite_targets_a_masked_loss_skips_are_named_at_the_first_step(curva
 def test_learned_noise_takes_sigma_from_the_observed_labels() -> None:
     """VIOptimizer(noise_variance="learned") with missing labels (NaN) a masked loss skips: σ² from the observed
     entries (before: the residual was NaN and σ² never learned, silently)."""
-    import torch.nn.functional as F  # noqa: F401
     from torchsso2 import VIOptimizer
     torch.manual_seed(0)
     x = torch.randn(32, 3)
