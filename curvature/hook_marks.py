@@ -132,8 +132,8 @@ def _concerns(owner: Any, model: nn.Module, inside: AbstractSet[int]) -> bool:
 
 
 class HiddenPasses:
-    """``with hidden():`` hides the forwards and backwards run inside from the live owners of lasting hooks
-    that concern ``model`` (a ``KFACPreconditioner`` on its layers, or on a network holding it): the
+    """``with passes():`` (an instance called) hides the forwards and backwards run inside from the live owners
+    of lasting hooks that concern ``model`` (a ``KFACPreconditioner`` on its layers, or on a network holding it): the
     curvature's own passes (Monte-Carlo or exact Fisher backward passes, the Hessian's, adaptive mode's
     products and the LM rule's loss evaluation) are not a training batch, and a preconditioner's factors
     take the user's forwards and backwards only. The passes over the model are hidden from the owners that

@@ -25,6 +25,13 @@ def nll(loss: str, out: Tensor, y: Tensor) -> Tensor:
     return 0.5 * (out - y).pow(2).reshape(out.shape[0], -1).sum(1).mean()
 
 
+def masked_mse(out: Tensor, y: Tensor) -> Tensor:
+    """½ Σ (out − y)² over the entries with a finite target (NaN marks a missing label), mean over the examples:
+    the masked Gaussian NLL a user writes for missing regression labels."""
+    seen = torch.isfinite(y)
+    return 0.5 * ((out - torch.nan_to_num(y)) ** 2 * seen).sum() / out.shape[0]
+
+
 def make_closure(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor, loss: str = "cross_entropy",
                  record: Optional[List] = None, after_backward: Optional[Callable[[], None]] = None
                  ) -> Callable[[], Tuple[Tensor, Tensor]]:

@@ -11,6 +11,7 @@ from torch import nn
 
 import curvature
 from models import MODELS
+from optim_helpers import masked_mse
 from reference import Reference
 
 
@@ -458,9 +459,7 @@ def test_nonfinite_targets_a_masked_loss_skips_are_named_at_the_first_step(curva
 
         def closure():
             opt.zero_grad()
-            out = model(x)
-            seen = torch.isfinite(z)
-            loss = 0.5 * ((out - torch.nan_to_num(z)) ** 2 * seen).sum() / x.shape[0]
+            loss = masked_mse(model(x), z)
             loss.backward()
             return loss
         before = [p.detach().clone() for p in model.parameters()]
@@ -492,8 +491,7 @@ def test_learned_noise_takes_sigma_from_the_observed_labels() -> None:
     def closure():
         opt.zero_grad()
         out = model(x)
-        seen = torch.isfinite(z)
-        loss = 0.5 * ((out - torch.nan_to_num(z)) ** 2 * seen).sum() / x.shape[0]
+        loss = masked_mse(out, z)
         loss.backward()
         return loss, out
     for _ in range(5):

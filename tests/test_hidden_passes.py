@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_helpers import make_closure
 from torchsso2 import SecondOrderOptimizer, VIOptimizer
 from torchsso2.kfac import KFACPreconditioner
 from torchsso2.optim import sequential_jvp
@@ -110,11 +111,7 @@ def test_same_layers_as_a_live_preconditioner_warn_for_every_kind(curvature: str
         SecondOrderOptimizer(net, curvature=curvature, approx="diag", damping=1.0)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
 
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        return loss
+    closure = make_closure(opt, net, x, y)
     with pytest.warns(UserWarning, match=r"(SecondOrderOptimizer|VIOptimizer): 1 other KFACPreconditioner\(s\) attached to layers "
                                          r"\['body.0', 'body.2', 'head'\].*preconditions their gradients more than"):
         opt.step(closure, targets=y)
@@ -238,11 +235,7 @@ def test_a_preconditioner_on_an_attentions_out_proj_is_not_taken_for_a_users_hoo
         pre = KFACPreconditioner(net)
     opt = SecondOrderOptimizer(net) if face == "sso" else VIOptimizer(net, dataset_size=100, approx="kfac")
 
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        return loss
+    closure = make_closure(opt, net, x, y)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt.step(closure)
@@ -262,12 +255,7 @@ def test_adaptive_mode_on_a_sequential_is_the_same_beside_a_preconditioner() -> 
         opt = SecondOrderOptimizer(net, params=net[0].parameters(), seed=0, **ADAPTIVE)
         assert sequential_jvp.supports_model(net)  # (the hand-written pass)
 
-        def closure():
-            opt.zero_grad()
-            out = net(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            return loss, out
+        closure = make_closure(opt, net, x, y)
         for _ in range(3):
             opt.step(closure, targets=y)
         finals.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))

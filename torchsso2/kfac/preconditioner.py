@@ -450,7 +450,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def _settle_copy(self, stale: Set[int], attach: bool) -> None:
         """A deep copy's hooks: the original's dropped from the copied modules, its own attached."""
-        for module in [layer.module for layer in self.layers.values()] + [self._model]:
+        for module in self.hooked_modules():
             for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
                           module._forward_hooks_always_called):
                 for key in stale.intersection(hooks):

@@ -48,6 +48,9 @@ REPARAMETRISATIONS = VIEWS | frozenset({"MulBackward0", "DivBackward0", "AddBack
                                         "SqrtBackward0"})
 #: nodes followed at most from an operand to its parameter
 MAX_DEPTH = 8
+#: the way out where the loss is no likelihood of the model's output (a rollout, a contrastive loss)
+FROM_YOUR_BACKWARD = ("use curvature='empirical_fisher' without targets= and without an adaptive learning rate or "
+                      "momentum (the loss as written, from your backward) or VIOptimizer's default diagonal")
 
 
 def _children(node: Any) -> List[Any]:
@@ -144,20 +147,15 @@ def warn_if_output_meets_foreign_weights(opt: Any, loss: Any, output: Optional[T
         how = f"the model's own weights (parameters of shape {shapes})"
         fix = ("The model is run on its own output (an unrolled or rollout closure, a tied head applied outside its "
                "forward). Make what the loss takes the output of one forward of the model (a tied head a module of "
-               "it), or, "
-               "for a rollout, " + ("ignore this if you do not call predict()" if from_backward else
-                                    "use curvature='empirical_fisher' without targets= and without an adaptive "
-                                    "learning rate or momentum (the loss as written, from your backward) or "
-                                    "VIOptimizer's default diagonal"))
+               "it), or, for a rollout, " + ("ignore this if you do not call predict()" if from_backward
+                                             else FROM_YOUR_BACKWARD))
     else:
         how = f"weights applied after it (parameters of shape {shapes})"
         fix = (f"Build the optimizer on the model whose forward computes what the loss takes (the head a module of "
                f"it), and pass the parameters to train: {name}(model, params=backbone.parameters(), ...). " + (
                    "If you do not call predict(), ignore this" if from_backward else
                    "If the weights belong to the loss on purpose (a contrastive loss's embeddings, a GAN's "
-                   "discriminator), the loss is no likelihood of this output: use curvature='empirical_fisher' "
-                   "without targets= and without an adaptive learning rate or momentum (the loss as written, from "
-                   "your backward) or VIOptimizer's default diagonal"))
+                   "discriminator), the loss is no likelihood of this output: " + FROM_YOUR_BACKWARD))
     warnings.warn(f"{name}: the output of the model it was built on ({type(opt.model).__name__}, shape "
                   f"{list(output.shape)}) reaches the closure's loss through {how}: {what}. {fix}",
                   UserWarning, stacklevel=caller_stacklevel())
