@@ -156,11 +156,14 @@ class HiddenPasses:
         self.__init__(state["model"])  # type: ignore[misc]
 
     def owners(self) -> List[Any]:
-        """The live owners concerning the model."""
+        """The live owners concerning the model. Worked out again when the live set changed, and while some
+        live owner does not concern the model (another model's preconditioner, or one built on a standalone
+        module that may be assigned into the model later, ``model.head = head``): the walk over the model's
+        modules then runs at every hidden pass, where it is needed."""
         if not _LIVE_OWNERS:
             return []
         live = {weakref.ref(o) for o in _LIVE_OWNERS}
-        if live != self._live:
+        if live != self._live or len(self._owners) != len(live):
             inside = {id(m) for m in self.model.modules()}
             self._owners = [ref for ref in live if (o := ref()) is not None and _concerns(o, self.model, inside)]
             self._live = live
