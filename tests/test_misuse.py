@@ -456,6 +456,67 @@ def test_a_head_the_selected_output_does_not_reach_is_named() -> None:
     assert run(lambda m: VIOptimizer(m, 50, **pick)) == []
 
 
+HETERO = {
+    "sso_kfac": (lambda m, **kw: SecondOrderOptimizer(m, loss="mse", **kw), "kl_clip"),
+    "sso_diag": (lambda m, **kw: SecondOrderOptimizer(m, loss="mse", approx="diag", **kw), "kl_clip"),
+    "adaptive": (lambda m, **kw: SecondOrderOptimizer(m, loss="mse", use_adaptive_learning_rate=True,
+                                                      use_adaptive_momentum=True, **kw), "overshoots"),
+    "vi_kfac": (lambda m, **kw: VIOptimizer(m, 50, loss="mse", approx="kfac", curv_update_interval=1, **kw),
+                "precision stays at its start"),
+}
+
+
+@pytest.mark.parametrize("face", sorted(HETERO))
+def test_a_selector_leaving_out_part_of_a_layers_output_warns(face: str) -> None:
+    """A heteroscedastic head ``[mean, log-variance]`` from one Linear, the curvature of the mean's Gaussian
+    (``output_selector=lambda o: o[:, :2]``) and a Gaussian NLL with the learned variance in the closure: the
+    log-variance rows of the head have zero curvature and a gradient (the block as a whole is not zero, so
+    the whole-module check did not see it). Named with the share of the gradient there; not for the mean alone."""
+    make, fix = HETERO[face]
+    gen = torch.Generator().manual_seed(0)
+    x, t = torch.randn(32, 4, generator=gen), torch.randn(32, 2, generator=gen)
+
+    def run(nll) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        opt = make(model, output_selector=lambda o: o[:, :2])
+
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            loss = nll(out[:, :2], out[:, 2:])
+            loss.backward()
+            return loss
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                opt.step(closure)
+        return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+    found = run(lambda mean, logvar: F.gaussian_nll_loss(mean, t, logvar.exp()))
+    assert len(found) == 1 and "modules ['2'] has been zero on entries that carry part of the gradient" in found[0], \
+        found
+    assert "log-variance" in found[0] and fix in found[0] and "skip_modules" not in found[0]
+    assert run(lambda mean, logvar: 0.5 * (mean - t).pow(2).sum(1).mean()) == []
+
+
+def test_dead_units_under_a_small_l2_term_do_not_warn() -> None:
+    """Units no example activates (ReLUs biased below every input) have zero curvature; an L2 term of the
+    loss gives their weights a gradient, a small share of the block's: no warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[0].bias[:3] = -5.0  # three dead units (|w·x| < 5 on the batch)
+    opt = SecondOrderOptimizer(model, lr=0.05)
+
+    def l2(out):
+        return F.cross_entropy(out, Y) + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.step(_closure(opt, model, l2))
+    assert not [w for w in rec if "curvature of modules" in str(w.message)]
+
+
 def _fixed_closure(opt, model, loss_fn):
     """As :func:`_closure` on a batch of its own (seeded here: the module's X, Y depend on the RNG state at
     collection), whose logits are far enough from uniform that label smoothing changes the loss by ~1%."""

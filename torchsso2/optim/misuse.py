@@ -255,47 +255,87 @@ SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the
 #: warning names it: a zero-initialised head makes the layers below it look unreached at the first
 UNREACHED_LOOKS = 2
+#: share of a block's squared gradient norm on entries of zero curvature beyond which the entries count as
+#: unreached (below it: a class whose probability's square underflows, an L2 term on a few dead units)
+PARTLY_UNREACHED_SHARE = 0.01
+#: (:func:`_unreached`'s answer for a block that is zero in a factor or everywhere)
+WHOLLY = float("inf")
+
+
+def _unreached(blk: Any) -> Optional[float]:
+    """How ``blk`` (a fresh block) is unreached: :data:`WHOLLY` when a factor, or all of it, is zero while a parameter
+    has a nonzero gradient; else the share of the squared gradient norm on entries whose curvature diagonal
+    is zero, when at least :data:`PARTLY_UNREACHED_SHARE` (the likelihood does not depend on them: a
+    selector picking part of a layer's output, ``o[:, :D]`` of ``[mean, log-variance]``); else None."""
+    grads = [p.grad for p in blk.layout.params]
+    if not any(g is not None and bool(g.any()) for g in grads):
+        return None
+    if any(not bool(t.any()) for t in blk.tensors()):
+        return WHOLLY
+    total = zero = 0.0
+    for d, g in zip(blk.param_diagonal(), grads):
+        if g is None or g.shape != d.shape:
+            continue
+        g2 = g.detach().to(d.dtype).pow(2)
+        total += float(g2.sum())
+        zero += float(g2[d == 0].sum())
+    share = zero / total if total > 0 else 0.0
+    return share if share >= PARTLY_UNREACHED_SHARE else None
 
 
 def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
-    """Warn about covered modules whose fresh block is zero (in a factor, or everywhere) while their
-    parameters have a nonzero gradient, at each of their first :data:`UNREACHED_LOOKS` curvature
-    estimates: the likelihood the curvature is taken from (the model output, or ``output_selector``'s
-    pick) does not depend on them, the loss does (a second head whose loss the closure adds). Each
-    module is looked at in its first estimates (also one first called later); once per optimizer."""
+    """Warn about covered modules whose fresh block is zero (in a factor, everywhere, or on the entries
+    that carry a share of the gradient: :func:`_unreached`) while their parameters have a nonzero gradient,
+    at each of their first :data:`UNREACHED_LOOKS` curvature estimates: the likelihood the curvature is
+    taken from (the model output, or ``output_selector``'s pick) does not depend on them, the loss does (a
+    second head whose loss the closure adds, a log-variance the selector leaves out). Each module is looked
+    at in its first estimates (also one first called later); once per optimizer."""
     if opt.__dict__.get("_reach_warned"):
         return
     looks: Dict[str, int] = opt.__dict__.setdefault("_reach_looks", {})
-    unreached = []
+    unreached: List[str] = []
+    partly: Dict[str, float] = {}
     for name, blk in fresh.items():
         seen = looks.get(name, 0)
         if seen < 0 or seen >= UNREACHED_LOOKS:
             continue
-        zero = any(not bool(t.any()) for t in blk.tensors()) \
-            and any(p.grad is not None and bool(p.grad.any()) for p in blk.layout.params)
-        looks[name] = seen + 1 if zero else -1  # -1: reached, not looked at again
-        if zero and seen + 1 == UNREACHED_LOOKS:
-            unreached.append(name)
+        share = _unreached(blk)
+        looks[name] = seen + 1 if share is not None else -1  # -1: reached, not looked at again
+        if share is not None and seen + 1 == UNREACHED_LOOKS:
+            if share == WHOLLY:
+                unreached.append(name)
+            else:
+                partly[name] = share
+    if not unreached and not partly:
+        return
+    opt._reach_warned = True
+    adaptive = getattr(opt, "adaptive", None)
+    whole = "curvature='empirical_fisher'"
+    plain = (f"Leave them to the plain update (skip_modules={unreached!r}), or take" if unreached else "Take") + \
+        f" the curvature of the whole loss from your own backward ({whole}"
+    if adaptive is not None and (adaptive.learning_rate or adaptive.momentum):
+        fix = ("In adaptive mode the quadratic model has no curvature for their loss either, so the solved step "
+               "overshoots it: leave adaptive mode (a fixed lr and momentum), and take the curvature of the whole "
+               f"loss from your own backward ({whole} without targets=)")
+    elif getattr(opt, "dataset_size", None) is not None:  # VIOptimizer
+        fix = ("The data adds no curvature there: their precision stays at its start (dataset_size·"
+               f"curvature_init, fading with the EMA) plus the prior's. {plain})")
+    else:
+        fix = ("Their preconditioned step is about the gradient over the damping (bounded by kl_clip where set). "
+               f"{plain} without targets=)")
+    what = []
     if unreached:
-        opt._reach_warned = True
-        adaptive = getattr(opt, "adaptive", None)
-        plain = f"Leave them to the plain update (skip_modules={unreached!r}), or take the curvature of the whole loss " \
-            "from your own backward (curvature='empirical_fisher'"
-        if adaptive is not None and (adaptive.learning_rate or adaptive.momentum):
-            fix = ("In adaptive mode the quadratic model has no curvature for their loss either, so the solved step "
-                   "overshoots it: leave adaptive mode (a fixed lr and momentum), and take the curvature of the whole "
-                   "loss from your own backward (curvature='empirical_fisher' without targets=)")
-        elif getattr(opt, "dataset_size", None) is not None:  # VIOptimizer
-            fix = ("The data adds no curvature there: their precision stays at its start (dataset_size·"
-                   f"curvature_init, fading with the EMA) plus the prior's. {plain})")
-        else:
-            fix = ("Their preconditioned step is about the gradient over the damping (bounded by kl_clip where set). "
-                   f"{plain} without targets=)")
-        warnings.warn(
-            f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
-            "parameters: the likelihood the curvature is taken from (the model output, or output_selector's pick) "
-            f"does not depend on them, e.g. a second head whose loss the closure adds. {fix}",
-            UserWarning, stacklevel=caller_stacklevel())
+        what.append(f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
+                    "parameters")
+    if partly:
+        shares = ", ".join(f"{n!r}: {100 * v:.0f}%" for n, v in partly.items())
+        what.append(f"the curvature of modules {list(partly)} has been zero on entries that carry part of the "
+                    f"gradient (its squared norm there: {shares}), e.g. the rows of a layer's output that an "
+                    "output_selector leaves out (the log-variance of [mean, log-variance])")
+    warnings.warn(
+        f"{'; '.join(what)}: the likelihood the curvature is taken from (the model output, or output_selector's "
+        f"pick) does not depend on them while the loss does{', e.g. a second head whose loss the closure adds' if unreached else ''}. "
+        f"{fix}", UserWarning, stacklevel=caller_stacklevel())
 
 
 @contextlib.contextmanager
