@@ -122,6 +122,16 @@ def _check_job(results: List[Dict[str, Any]], world: int) -> None:
         assert err < RTOL, (name, err)
 
 
+def test_pickling_or_copying_a_preconditioner_on_several_processes_says_what_to_save(mpi2, torch2):
+    """torch's "cannot pickle ProcessGroup" before: now a TypeError naming state_dict()."""
+    for results in (mpi2, torch2):
+        for res in results:
+            pickled, copied = res["refusals"]
+            assert "pickling a KFACPreconditioner that communicates over several processes" in pickled
+            assert "precond.state_dict()" in pickled
+            assert "copy.deepcopy of a KFACPreconditioner that communicates over several processes" in copied
+
+
 def test_two_gloo_ranks_ddp(torch2):
     _check_job(torch2, 2)
     assert torch2[0]["mem_opt-eigen"]["grad_workers"] == 1

@@ -125,7 +125,22 @@ def run_rank(comm: Any, wrap: Callable[[nn.Module], nn.Module],
         results[name] = dict(grads=grads, bytes=comm.bytes_sent - grad_bytes[0],
                              grad_workers=pre.assignment.grad_workers_per_layer,
                              sizes={n.replace("module.", "", 1): dict(l.sizes) for n, l in pre.layers.items()})
+    results["refusals"] = refusals(pre)
     return results
+
+
+def refusals(pre: KFACPreconditioner) -> List[str]:
+    """The errors of pickling and deep-copying a preconditioner that spans several processes."""
+    import copy
+    import io
+    said = []
+    for attempt in (lambda: torch.save(pre, io.BytesIO()), lambda: copy.deepcopy(pre)):
+        try:
+            attempt()
+            said.append("")
+        except TypeError as err:
+            said.append(str(err))
+    return said
 
 
 def single_process(world_size: int, name: str) -> Tensor:

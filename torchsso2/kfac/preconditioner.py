@@ -463,6 +463,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling: the weak references to the construction-time parameters do not pickle; the unpickled
         preconditioner takes its (unpickled) model's parameters as the baseline."""
+        if self.comm.world_size > 1:
+            raise TypeError("pickling a KFACPreconditioner that communicates over several processes is not supported "
+                            "(its communicator, a process group, cannot be pickled; torch.save of a model holding it "
+                            "pickles it too): torch.save(precond.state_dict(), path) and load_state_dict it into "
+                            "the preconditioner the next run builds")
         state = dict(self.__dict__)
         state.pop("_born", None)
         return state
