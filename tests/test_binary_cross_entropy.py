@@ -267,3 +267,26 @@ def test_a_batch_split_into_micro_batches_draws_the_same_labels(samples):
     whole, split = run([12]), run([5, 7])
     for k in whole:
         torch.testing.assert_close(split[k], whole[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_vi_default_diagonal_refuses_one_logit_under_cross_entropy_at_the_first_step(targets):
+    """VIOptimizer's default diagonal estimates nothing from the output, so a one-logit model left at
+    ``loss='cross_entropy'`` trained without a word and failed at ``predict()``: now the first step says it
+    (the state unchanged), as the other kinds do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    opt = VIOptimizer(model, dataset_size=100)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = F.binary_cross_entropy_with_logits(out.squeeze(-1), y.float())
+        loss.backward()
+        return loss, out
+    with pytest.raises(ValueError, match="one class.*loss='binary_cross_entropy'"):
+        opt.step(closure, targets=y.unsqueeze(-1) if targets else None)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not opt.state

@@ -322,18 +322,21 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
 
             def show(_m: nn.Module, _i: Any, out: Any) -> None:
                 out = out if self.engine.output_selector is None else self.engine.output_selector(out)
-                if targets is not None and isinstance(out, Tensor) and out.dim() > 0:
-                    try:
-                        rows = micro.next(out.shape[0])
-                    except ValueError:  # rows this plain step cannot attribute: an estimating step says so
-                        rows = None
-                    # checked as an estimating call checks them, before the step has changed anything
+                if watch.active and isinstance(out, Tensor):
+                    rows = None
+                    if targets is not None and out.dim() > 0:
+                        try:
+                            rows = micro.next(out.shape[0])
+                        except ValueError:  # rows this plain step cannot attribute: an estimating step says so
+                            rows = None
+                    # checked as an estimating call checks them, before the step has changed anything (without
+                    # targets, the output alone: VIOptimizer's default diagonal estimates nothing from it, and
+                    # one logit under loss='cross_entropy' would fail only at predict())
                     likelihoods.check_outputs_targets(self.engine.loss, out, rows)
                 watch.observe_output(out)
             # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
             hooks = NestedCalls().register(self.model, observer_hook(show)) \
-                if watch.check_output or watch.check_scale or (watch.active and targets is not None) \
-                or (watch.active and not misuse.get("consumers_checked", False)) else []
+                if watch.check_output or watch.check_scale or watch.active else []
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)
