@@ -634,3 +634,86 @@ def test_the_loss_checks_read_the_whole_batch_and_cover_adaptive_momentum_alone(
                                use_adaptive_momentum=True, adaptive_damping=True, damping=1.0)
     with pytest.warns(UserWarning, match="quadratic model takes the categorical"):
         opt.step(_closure(opt, model, lambda out: F.mse_loss(out, F.one_hot(Y, 3).float())))
+
+
+class _Alternating(nn.Module):
+    """A trunk and two heads; ``task`` picks the head the forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 5), nn.Tanh())
+        self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+        self.task = "a"
+
+    def forward(self, x):
+        return getattr(self, self.task)(self.trunk(x))
+
+
+def _alternate(step, model, steps: int = 12, both: bool = False) -> list:
+    """``steps`` steps, task a at even and b at odd ones (``both``: the two tasks at every step); the warnings
+    that name modules without curvature."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            tasks = ["a", "b"] if both else ["ab"[i % 2]]
+            step(model, tasks)
+    return [str(w.message) for w in rec if "still have no" in str(w.message)]
+
+
+@pytest.mark.parametrize("face", ["sso", "vi_kfac"])
+def test_a_head_called_only_between_curvature_steps_is_named(face: str) -> None:
+    """Tasks alternating between batches with curvature at every second step: head b never gets a block
+    (plain update; for VI no weight noise), which was silent."""
+    def run(interval: int, both: bool = False) -> list:
+        torch.manual_seed(0)
+        model = _Alternating()
+        opt = (SecondOrderOptimizer(model, lr=0.05, curv_update_interval=interval) if face == "sso" else
+               VIOptimizer(model, dataset_size=50, approx="kfac", curv_update_interval=interval,
+                           inv_update_interval=interval))
+
+        def step(m, tasks):
+            def closure():
+                opt.zero_grad()
+                loss = 0.0
+                for t in tasks:
+                    m.task = t
+                    loss = loss + F.cross_entropy(m(X), Y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+        found = _alternate(step, model, both=both)
+        if found:
+            assert "b" not in opt.running.blocks
+        return found
+    found = run(2)
+    assert len(found) == 1 and "modules ['b'] have had a gradient but still have no curvature" in found[0], found
+    assert ("no weight noise" if face == "vi_kfac" else "plain update") in found[0]
+    assert "curv_update_interval=1" in found[0]
+    assert run(1) == []
+    assert run(2, both=True) == []
+
+
+def test_a_layer_recorded_only_between_factor_steps_is_named() -> None:
+    """KFACPreconditioner with factor_update_steps=2 and tasks alternating: head b never gets factors and its
+    gradient stays as it is (kfac_pytorch raises); named once."""
+    from torchsso2.kfac import KFACPreconditioner
+
+    def run(factor_steps: int) -> list:
+        torch.manual_seed(0)
+        model = _Alternating()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        pre = KFACPreconditioner(model, factor_update_steps=factor_steps, inv_update_steps=factor_steps)
+
+        def step(m, tasks):
+            sgd.zero_grad()
+            m.task = tasks[0]
+            F.cross_entropy(m(X), Y).backward()
+            pre.step()
+            sgd.step()
+        found = _alternate(step, model)
+        assert pre.layers["b"].has_factors() == (factor_steps == 1)
+        return found
+    found = run(2)
+    assert len(found) == 1 and "layer(s) ['b'] have had gradients but still have no factors" in found[0], found
+    assert "factor_update_steps=1" in found[0]
+    assert run(1) == []

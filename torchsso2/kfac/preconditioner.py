@@ -584,6 +584,34 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return [name for name, module, _ in found
                 if id(module) not in registered and id(module) not in self._modules_at_start]
 
+    def _warn_factorless(self, layers: List[KFACLayer], factor_step: bool) -> None:
+        """Once: registered layers that have had a gradient at steps after two factor updates since their first
+        one and still have no factors (the forward calls them between factor steps only, e.g. two tasks
+        alternating between batches with ``factor_update_steps=2``): their gradients stay unpreconditioned
+        (kfac_pytorch raises "Cannot eigendecompose A before A has been computed"). The layers without factors
+        are listed again at factor steps only, so a step of a model whose layers all have factors pays nothing."""
+        state = self.__dict__
+        if state.get("_factorless_warned"):
+            return
+        if factor_step or state.get("_factorless") is None:
+            state["_factor_updates"] = state.get("_factor_updates", 0) + int(factor_step)
+            state["_factorless"] = [layer for layer in layers if not layer.has_factors()]
+        bare = [layer.name for layer in state["_factorless"] if layer.has_grad()]
+        if not bare:
+            return
+        since: Dict[str, int] = state.setdefault("_factorless_since", {})
+        now = state["_factor_updates"]
+        late = [name for name in bare if now - since.setdefault(name, now) >= 2]
+        if late:
+            self._factorless_warned = True
+            warnings.warn(f"KFACPreconditioner: registered layer(s) {late} have had gradients but still have no factors "
+                          f"after {now} factor updates: no factor step has recorded their forward and backward (the "
+                          "factors update at every factor_update_steps-th step, and the forward calls them at the "
+                          "other steps only, e.g. tasks alternating between batches), so their gradients stay "
+                          "unpreconditioned (kfac_pytorch raises here). Call them at the factor steps too (every "
+                          "task's loss in each step's backward), or update the factors at every step "
+                          "(factor_update_steps=1)", UserWarning, stacklevel=caller_stacklevel())
+
     def _warn_unrecorded(self, layers: List[KFACLayer], exempt: Set[str]) -> None:
         """Once per layer: a registered layer with a nonzero gradient and no forward recorded in a factor step in
         which other layers' forwards were (its weight used without calling it, e.g. ``F.linear(x, layer.weight)``,
@@ -706,6 +734,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         updated = self._kaisa.allreduce_factors(layers, self._updated) if factor_step else set(self._updated)
         if factor_step:
             self._warn_unrecorded(layers, updated | removed)
+        self._warn_factorless(layers, factor_step)
         if self._skip_nonfinite(layers, nonfinite_entries(layers, updated, self.grad_scaler is None)):
             return
         self._updated.clear()

@@ -627,7 +627,7 @@ def adaptive_step(opt: Any, params: List[nn.Parameter], groups: List[Dict[str, A
     (nothing changed) when the step is not finite or the quadratic model has no minimum."""
     ada: AdaptiveCoefficients = opt.adaptive
     ada.no_minimum = ada.model_finite = False
-    plan = opt._plans.get(params, groups, opt.running.blocks)
+    plan = opt._plan(params, groups)
     wds = plan.values("weight_decay")
     vecs = [p.grad.detach() if not wd else p.grad.detach() + wd * p.detach() for p, wd in zip(params, wds)]
     if opt.placement.active:

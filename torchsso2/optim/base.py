@@ -38,12 +38,12 @@ from ..distributed.consistency import check_optimizer_settings, groups_digest, s
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .messages import decomposition_failed
-from .plan import PlanCache, ScalarCache, params_with_grad
+from .plan import PlanCache, ScalarCache, UpdatePlan, params_with_grad
 from .accelerate_checks import warn_if_accelerate_accumulates
 from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
                            is_second_forward_reuse)
 from .precision import without_autocast
-from .misuse import ClosureWatch, check_model_argument
+from .misuse import ClosureWatch, check_model_argument, warn_blockless_modules
 from .output_consumers import warn_if_output_meets_foreign_weights
 from .used_forwards import UsedForwards
 from .checkpoint import check_blocks
@@ -702,6 +702,14 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if self.engine.kind is Kind.EMPIRICAL_FISHER and targets is None:
             return None
         return "The curvature is that of a categorical likelihood."
+
+    def _plan(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> UpdatePlan:
+        """The update's :class:`~torchsso2.optim.plan.UpdatePlan` (cached while nothing changes); a covered
+        module with a gradient but no curvature block yet is looked at (:func:`.misuse.warn_blockless_modules`)."""
+        plan = self._plans.get(params, groups, self.running.blocks)
+        if plan.others:
+            warn_blockless_modules(self, plan)
+        return plan
 
     def _forget_blocks(self, names: Sequence[str]) -> None:
         """After a failed decomposition, with earlier ones in use for the step: the blocks first seen in this

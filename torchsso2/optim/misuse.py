@@ -338,6 +338,39 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
         f"{fix}", UserWarning, stacklevel=caller_stacklevel())
 
 
+def warn_blockless_modules(opt: Any, plan: Any) -> None:
+    """Warn (once per optimizer) about covered modules that have had a gradient at steps after
+    :data:`UNREACHED_LOOKS` curvature estimates since their first one and still have no curvature block: no
+    estimating step has called them (``curv_update_interval > 1`` and a module the forward calls at the
+    other steps only, e.g. two tasks alternating between batches). Looked at when the update's
+    :class:`~torchsso2.optim.plan.UpdatePlan` is new (its parameters without a block, cached on it)."""
+    if opt.__dict__.get("_blockless_warned") or not plan.others or opt.curv_update_interval <= 1:
+        return
+    names = plan.__dict__.get("blockless")
+    if names is None:  # once per plan: the covered modules among the parameters without a block
+        owner = {id(q): name for name, layout in opt.engine.layouts.items() for q in layout.params}
+        names = plan.blockless = sorted({owner[id(plan.params[i])] for i in plan.others
+                                         if id(plan.params[i]) in owner})
+    if not names:
+        return
+    since: Dict[str, int] = opt.__dict__.setdefault("_blockless_since", {})
+    now = opt.running.num_updates
+    late = [n for n in names if now - since.setdefault(n, now) >= UNREACHED_LOOKS]
+    if not late:
+        return
+    opt._blockless_warned = True
+    vi = getattr(opt, "dataset_size", None) is not None
+    what = ("get no weight noise (point estimates: predict() has no uncertainty from them) and the plain update of the "
+            "mean" if vi else "take the plain update (the learning rate and momentum on their gradient, scaled by the "
+            "KL clip where set)")
+    warnings.warn(
+        f"modules {late} have had a gradient but still have no curvature after {now} curvature estimates: the "
+        f"estimates are taken at every {opt.curv_update_interval}th step (curv_update_interval="
+        f"{opt.curv_update_interval}) and no such step has called them (e.g. tasks alternating between batches), so "
+        f"they {what}. Call them at the estimating steps too (every task's loss in each step's closure), or estimate "
+        "at every step (curv_update_interval=1)", UserWarning, stacklevel=caller_stacklevel())
+
+
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model.eval()`` for the duration; every submodule's ``training`` flag restored on exit."""

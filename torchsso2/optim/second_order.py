@@ -432,7 +432,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         decay: Optional[Tuple[List[float], float]] = None
         if self.adaptive is not None:  # adaptive lr/momentum (torchsso2/optim/adaptive.py)
             if adapt:  # the model predicts the change of loss + weight decay: ρ compares the same
-                wds = self._plans.get(params, groups, self.running.blocks).values("weight_decay")
+                wds = self._plan(params, groups).values("weight_decay")
                 decay = (wds, decay_term(params, wds))
             warn_if_not_mean_nll(self, targets, loss, output)
             try:
@@ -540,7 +540,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     def _apply_update(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> bool:
         """Apply the update to ``params`` (``groups``: the param group of each); False (nothing
         changed) when the preconditioned update is not finite."""
-        plan = self._plans.get(params, groups, self.running.blocks)
+        plan = self._plan(params, groups)
         wds = plan.values("weight_decay")
         vecs = [p.grad for p in params]
         if any(wds):

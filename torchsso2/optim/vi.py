@@ -674,7 +674,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         ``m`` of the summed loss); ``μ ← μ − ν·lr·Λ⁻¹ N·m/σ²`` (covered), ``μ ← μ − ν·lr·m`` (others), ``ν`` the KL
         clip's factor over all of them (1 with ``kl_clip=None``, which takes the fused path)."""
         n, tau_delta = self.likelihood_size, self.kl_weighting * self.prior_precision
-        plan = self._plans.get(params, groups, self.running.blocks)
+        plan = self._plan(params, groups)
         with torch.no_grad():
             bufs = natural_momentum_([self.state[p] for p in params], grads, params, tau_delta / n,
                                      plan.values("momentum"))

@@ -193,8 +193,8 @@ class PosteriorUse:
         blocks the diagonal of their inverse), in float32 at least. For uncertainty per weight
         (signal-to-noise pruning, plots), from the running curvature as :meth:`posterior_precision`;
         before the first step the isotropic start's variance; 0 for a weight the samples leave alone: frozen
-        after the optimizer was built, or covered but in no block yet (frozen before the first step; it gets
-        one at the first step it trains), and an Embedding's ``padding_idx`` row (one frozen when the
+        after the optimizer was built, or covered but in no block yet (frozen before the first step, or
+        not called at any curvature step so far; it gets one at the first curvature step that calls it), and an Embedding's ``padding_idx`` row (one frozen when the
         optimizer was built is not covered: no entry). RuntimeError without a posterior or for a block
         whose precision is not positive definite."""
         self._check_posterior("posterior_variance()")
