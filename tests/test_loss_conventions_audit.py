@@ -60,12 +60,22 @@ def test_one_logit_empirical_fisher_from_the_backward_still_trains() -> None:
 
 
 def test_vi_predict_refuses_a_one_logit_softmax() -> None:
+    """(The first step refuses it already: tests/test_binary_cross_entropy.py.)"""
     model, x, y = _binary()
     opt = VIOptimizer(model, dataset_size=16)
-    closure = _bce_closure(opt, model, x, y)
-    opt.step(closure)
     with pytest.raises(ValueError, match=r"one logit is 1 everywhere.*use loss='binary_cross_entropy'"):
         opt.predict(x)
+
+
+def test_one_logit_empirical_fisher_from_the_backward_trains_between_curvature_steps() -> None:
+    """The output's shape is checked at the steps between curvature estimates only where its likelihood is read."""
+    model, x, y = _binary()
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher", curv_update_interval=3)
+    closure = _bce_closure(opt, model, x, y)
+    first = float(closure()[0].detach())
+    for _ in range(6):
+        opt.step(closure)
+    assert float(closure()[0].detach()) < first
 
 
 def _regression() -> tuple:

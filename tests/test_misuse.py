@@ -717,3 +717,41 @@ def test_a_layer_recorded_only_between_factor_steps_is_named() -> None:
     assert len(found) == 1 and "layer(s) ['b'] have had gradients but still have no factors" in found[0], found
     assert "factor_update_steps=1" in found[0]
     assert run(1) == []
+
+
+@pytest.mark.parametrize("estimating", [True, False])
+def test_the_output_checks_see_through_a_selector_that_reshapes_the_output(estimating: bool) -> None:
+    """``output_selector=lambda o: o.reshape(-1, C)`` (docs/guide.md's sequence recipe) builds a tensor the
+    closure's loss does not go through (it reshapes the output itself): the softmax and the loss-scale checks
+    got no gradient and said nothing. Now they read the selector applied to the output's gradient (a view of
+    the output only: a selector computing a new tensor stays unchecked)."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 5, 4, generator=gen), torch.randint(0, 3, (8, 5), generator=gen)
+
+    def warned(loss_fn, selector=lambda o: o.reshape(-1, 3)) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        opt = SecondOrderOptimizer(model, lr=0.01, output_selector=selector,
+                                   curv_update_interval=1 if estimating else 100)
+
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            loss = loss_fn(out)
+            loss.backward()
+            return loss
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                opt.step(closure)
+        return [str(w.message) for w in rec if "loss='cross_entropy' but" in str(w.message)]
+    assert warned(lambda o: F.cross_entropy(o.reshape(-1, 3), y.reshape(-1))) == []
+    mse = warned(lambda o: F.mse_loss(o, F.one_hot(y, 3).float()))
+    assert len(mse) == 1 and "not a function of softmax(output)" in mse[0], mse
+    scaled = warned(lambda o: 1000 * F.cross_entropy(o.reshape(-1, 3), y.reshape(-1)))  # (an unscaled AMP loss)
+    assert len(scaled) == 1 and "is the loss scaled?" in scaled[0], scaled
+    # the same with the classes moved last from F.cross_entropy's layout [N, C, T]
+    assert warned(lambda o: F.cross_entropy(o.movedim(-1, 1), y), selector=lambda o: o.movedim(1, -1).movedim(1, -1)) \
+        == []
+    # not a view of the output: no gradient to read, no check (as before)
+    assert warned(lambda o: F.mse_loss(o, F.one_hot(y, 3).float()), selector=lambda o: o.reshape(-1, 3) * 1.0) == []

@@ -319,10 +319,14 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                              keep_output_grads=self._keeps_output_grads(targets))
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             micro = MicroBatchTargets(targets)  # each forward's rows (gradient accumulation)
+            # the output is checked as an estimating call checks it, except where nothing reads its likelihood (the
+            # empirical Fisher from the user's backward, no prediction: a one-logit model's own loss is fine there)
+            from_backward, predicts = self._output_use(targets) if watch.active else (True, False)
+            shapes = watch.active and (targets is not None or predicts or not from_backward)
 
-            def show(_m: nn.Module, _i: Any, out: Any) -> None:
-                out = out if self.engine.output_selector is None else self.engine.output_selector(out)
-                if watch.active and isinstance(out, Tensor):
+            def show(_m: nn.Module, _i: Any, raw: Any) -> None:
+                out = raw if self.engine.output_selector is None else self.engine.output_selector(raw)
+                if shapes and isinstance(out, Tensor):
                     rows = None
                     if targets is not None and out.dim() > 0:
                         try:
@@ -333,10 +337,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                     # targets, the output alone: VIOptimizer's default diagonal estimates nothing from it, and
                     # one logit under loss='cross_entropy' would fail only at predict())
                     likelihoods.check_outputs_targets(self.engine.loss, out, rows)
-                watch.observe_output(out)
+                watch.observe_output(out, raw, self.engine.output_selector)
             # the model's calls only, not a wrapper's around them (curvature/root_calls.py)
             hooks = NestedCalls().register(self.model, observer_hook(show)) \
-                if watch.check_output or watch.check_scale or watch.active else []
+                if watch.check_output or watch.check_scale or shapes \
+                or (watch.active and not misuse.get("consumers_checked", False)) else []
             try:
                 with torch.enable_grad(), watch:
                     loss, output = self._call_closure(closure)
@@ -392,7 +397,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             # so K micro-batches of B equal one batch of K·B.
             check_nonempty_batch(out)
             if from_backward:
-                watch.observe_output(out)
+                watch.observe_output(out, cap.raw_outputs[-1], engine.output_selector)
                 return
             rows = micro.next(out.shape[0])
             blocks = None
@@ -401,7 +406,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                     blocks = engine.estimate(cap, out, rows, self.generator)
             # after the engine's own backward passes: the hooks see the user's only
             used.add(blocks, likelihoods.loss_rows(engine.loss, out), (cap.raw_outputs[-1], out))
-            watch.observe_output(out)
+            watch.observe_output(out, cap.raw_outputs[-1], engine.output_selector)
             cap.records.clear()
 
         with torch.enable_grad(), watch, engine.capture(on_output=on_output, record_backward=from_backward) as cap:

@@ -36,10 +36,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 from enum import Enum
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from curvature.hook_marks import in_func_transform
 from curvature.options import parse
@@ -119,6 +120,9 @@ class ClosureWatch:
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
         #: the first observed output (in its graph), for :mod:`.output_consumers`
         self.first_output: Optional[Tensor] = None
+        #: selected outputs the loss may not go through, with the model's output they were made of
+        #: (:meth:`observe_output`)
+        self.through_raw: List[Tuple[Any, ...]] = []
         if not self.active:  # checked enough closure calls: no cost from here on
             return
         owner["closure_checks_left"] = left - 1
@@ -143,25 +147,71 @@ class ClosureWatch:
         would be active); after :data:`CLOSURE_CHECKS` calls a step can skip building one."""
         return owner.get("closure_checks_left", CLOSURE_CHECKS) > 0
 
-    def observe_output(self, out: Tensor) -> None:
-        """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``)."""
+    def observe_output(self, out: Tensor, raw: Any = None, selector: Optional[Callable[[Any], Any]] = None) -> None:
+        """Hook the gradient of one forward's (selected) output ``out`` (``[N, C]`` or ``[N, ..., C]``).
+
+        ``raw``, ``selector``: the model's own output and the ``output_selector`` that made ``out`` of it. A
+        selector that builds a new tensor (``o.reshape(-1, C)``, ``o["logits"].movedim(1, -1)``) gives one the
+        closure's loss does not go through (it reshapes the output itself): the gradient then reaches the
+        model's output tensors only, and the checks take ``selector`` of those gradients (the gradient with
+        respect to ``out`` for a selection or a view of the output) at :meth:`after`; only where ``out`` is a
+        view of one of the model's output tensors."""
         if not isinstance(out, Tensor) or not out.requires_grad or in_func_transform():
             return
         if self.active and self.first_output is None:
             self.first_output = out
+        uses: List[Callable[[Tensor], None]] = []
         if self.keep_output_grads:
             seen = out.detach()
-            out.register_hook(lambda g: self.output_grads.append((seen, g.detach())))
-        if not (self.check_output or self.check_scale) or out.dim() < 2 or out.shape[-1] < 2 \
-                or not out.is_floating_point() or out.numel() == 0:
+            uses.append(lambda g: self.output_grads.append((seen, g.detach())))
+        if (self.check_output or self.check_scale) and out.dim() >= 2 and out.shape[-1] >= 2 \
+                and out.is_floating_point() and out.numel() > 0:
+            with torch.no_grad():
+                # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
+                logprobs = bool(torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3)
+            if not logprobs:
+                if self.check_scale:  # Σ over the rows of each row's largest |∂L/∂z| (classes last)
+                    uses.append(lambda g: self.sizes.append(g.detach().abs().amax(-1).sum()))
+                if self.check_output:
+                    uses.append(self._record)
+        if not uses:
             return
-        with torch.no_grad():
-            if torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3:
-                return  # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
-        if self.check_scale:  # Σ over the rows of each row's largest |∂L/∂z| (classes last)
-            out.register_hook(lambda g: self.sizes.append(g.detach().abs().amax(-1).sum()))
-        if self.check_output:
-            out.register_hook(self._record)
+        seen_grad: List[bool] = []
+
+        def take(g: Tensor) -> None:
+            seen_grad.append(True)
+            for use in uses:
+                use(g)
+        out.register_hook(take)
+        if raw is None or selector is None or raw is out:
+            return
+        leaves, spec = tree_flatten(raw)
+        storage = out.untyped_storage().data_ptr()
+        if not any(isinstance(leaf, Tensor) and leaf is not out and leaf.untyped_storage().data_ptr() == storage
+                   for leaf in leaves):
+            return  # not a view of the model's output (o.log_softmax(-1), o * 3): its gradient is no selection
+        grads: Dict[int, Tensor] = {}
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad and leaf is not out:
+                leaf.register_hook(lambda g, i=i: grads.__setitem__(i, g.detach()))
+        self.through_raw.append((out, leaves, spec, grads, seen_grad, take, selector))
+
+    def _take_through_raw(self) -> None:
+        """The selected outputs no gradient reached: ``selector`` of the gradients of the model's output
+        tensors, where that gives one of ``out``'s shape (:meth:`observe_output`)."""
+        for out, leaves, spec, grads, seen_grad, take, selector in self.through_raw:
+            if seen_grad or not grads:
+                continue
+            filled = [grads.get(i, torch.zeros_like(leaf)) if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
+                      for i, leaf in enumerate(leaves)]
+            try:
+                with torch.no_grad():
+                    g = selector(tree_unflatten(filled, spec))
+            except Exception:  # a selector that is not a selection (it reads the model, a method of its output)
+                continue
+            if isinstance(g, Tensor) and g.shape == out.shape:
+                take(g)
+        self.through_raw = []
 
     def _record(self, g: Tensor) -> None:
         g = g.detach().float()
@@ -200,6 +250,7 @@ class ClosureWatch:
         backward = self.accumulated or replaced if self.handles else changed
         if self.params and (not backward or all(g is None for g in now)):  # (None: zero_grad() after backward)
             raise RuntimeError(NO_BACKWARD)
+        self._take_through_raw()
         if self.keep_output_grads:
             self.owner["output_grads"] = self.output_grads
         self._check_scale()
