@@ -338,9 +338,9 @@ class CurvatureEngine:
         blocks sum per-row products and take any layout): both sum per-example products taken there,
         and a sequence-first ``[T, N, d]`` activation with ``T == N``, or a module broadcast over the
         examples whose first dimension is ``N`` (a position embedding on ``arange(T)``, ``T == N``),
-        passes the size check of :meth:`check_examples_align`. One backward pass of the first example's
-        loss rows (:func:`curvature.sequence.check_example_major_rows`) per shape signature tells them
-        apart."""
+        passes the size check of :meth:`check_examples_align`, and so does a model mixing its examples
+        (``z - z.mean(0)``). ``2·⌈log₂ N⌉`` backward passes (every example's loss rows,
+        :func:`curvature.sequence.check_example_major_rows`) per shape signature tell them apart."""
         n = outputs.shape[0]
         approx = self._module_approx()
         # every module whose first dimension has the examples' size: a sequence-first [T, N, d] activation
@@ -355,8 +355,8 @@ class CurvatureEngine:
         signature = (tuple(outputs.shape), tuple((name, tuple(o.shape)) for name, o in outs.items()))
         if signature in self._examples_checked:
             return
-        with capture.frozen.on():
-            sequence.check_example_major_rows(outputs, outs, 1)
+        with capture.frozen.on():  # every example (the first one's path may stop short of the mixing: a dead ReLU)
+            sequence.check_example_major_rows(outputs, outs, 1, every_example=True)
         self._examples_checked.add(signature)
 
     def _full_or_diag_sees(self, capture: Capture, rows: int) -> bool:

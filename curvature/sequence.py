@@ -71,9 +71,10 @@ def rows_per_example(kind: Kind, rows: int, batches: Mapping[str, int], approx: 
 def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor], per_example: int,
                              every_example: bool = False) -> None:
     """ValueError unless the first ``per_example`` loss rows reach only the first example of every
-    module in ``module_outputs`` (their batch is ``rows // per_example``): one backward pass of the
-    ones vector on those rows. Catches rows that are not example-major (a seq-first ``[T, N, C]``
-    output reshaped to rows, or a model mixing its examples).
+    module in ``module_outputs`` (their batch is ``rows // per_example``): one backward pass of random
+    weights on those rows. Catches rows that are not example-major (a seq-first ``[T, N, C]``
+    output reshaped to rows, or a model mixing its examples, where the first example's path reaches the
+    mixing: ``every_example`` for the rest).
 
     ``every_example``: check every example's rows, ``r // T`` for row ``r`` (what the exact Fisher's
     per-position vectors assume), in ``2·⌈log₂ N⌉`` backward passes: for each bit ``b`` of the example
@@ -87,7 +88,7 @@ def check_example_major_rows(outputs: Tensor, module_outputs: Dict[str, Tensor],
     examples = outputs.shape[0] // per_example
     if per_example == 1:
         raise ValueError(
-            f"the loss of the first example reaches other entries of the first dimension of modules {leaked}: "
+            f"the loss of an example reaches other examples' entries of the first dimension of modules {leaked}: "
             "the exact Fisher (every shape) and the empirical Fisher (full and diagonal blocks) take that "
             "dimension as the examples, so it must hold them (e.g. not a sequence-first [T, N, d] activation "
             "of a batch-first model, nor a module broadcast over the examples such as a position embedding on "
@@ -116,9 +117,14 @@ def leaking_modules(outputs: Tensor, module_outputs: Dict[str, Tensor], per_exam
         masks = [(index >> b) & 1 == bit for b in range(max(1, (examples - 1).bit_length())) for bit in (1, 0)]
     else:
         masks = [index == 0]
+    # random weights on the rows (seeded: the same test every call), not ones: a model whose Jacobian maps the
+    # ones vector to zero (an output centred over the classes) would pass a mixing layout unseen
+    gen = torch.Generator(device=outputs.device).manual_seed(0)
+    weights = torch.randn(outputs.shape, generator=gen, device=outputs.device).to(outputs.dtype)
     for on in masks:
         v = torch.zeros_like(outputs)
-        v[on.repeat_interleave(per_example)] = 1
+        rows = on.repeat_interleave(per_example)
+        v[rows] = weights[rows]
         grads = torch.autograd.grad(outputs, [module_outputs[n] for n in names], grad_outputs=v,
                                     retain_graph=True, allow_unused=True)
         leaked = [n for n, g in zip(names, grads) if g is not None and bool(g[~on].ne(0).any())]

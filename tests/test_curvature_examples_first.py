@@ -30,7 +30,7 @@ def test_a_sequence_first_activation_with_t_equal_n_is_refused(kind: str, approx
     torch.manual_seed(0)
     model = SeqFirst().double()
     x, y = torch.randn(3, 3, 3, dtype=torch.float64), torch.randint(0, 3, (3,))
-    with pytest.raises(ValueError, match=r"first example reaches other entries of the first dimension of modules "
+    with pytest.raises(ValueError, match=r"an example reaches other examples' entries of the first dimension of modules "
                                          r"\['fc1'\].*approx='kfac'"):
         curvature.compute(model, x, y, kind=kind, approx=approx)
     mixed = {"fc1": "kfac", "fc2": approx}
@@ -47,13 +47,45 @@ def test_batch_first_models_pass_and_are_checked_once_per_shape(monkeypatch: pyt
     BatchNorm (frozen statistics) passes."""
     calls = []
     real = sequence.check_example_major_rows
-    monkeypatch.setattr(sequence, "check_example_major_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(sequence, "check_example_major_rows", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))  # train-mode BN
     opt = SecondOrderOptimizer(model, curvature="fisher", approx="diag")
     for n in (8, 8, 16, 8, 3):
         opt.step(make_closure(opt, model, torch.randn(n, 4), torch.randint(0, 3, (n,))))
     assert calls == [8, 16, 3]  # once per batch size
+
+
+class Mixing(nn.Module):
+    """A Linear whose outputs are mixed over the batch where the first example's loss does not see it: a running
+    sum over the examples (example 0 sums itself alone), or a centring followed by a ReLU dead for example 0."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc1(x)
+        if self.how == "cumsum":
+            z = z.cumsum(0)
+        else:
+            z = z - z.mean(0)
+            z = torch.relu(z - 100.0 * (torch.arange(len(x)) == 0).to(z.dtype)[:, None])  # example 0: dead
+        return self.fc2(z)
+
+
+@pytest.mark.parametrize("how", ["cumsum", "dead_first"])
+@pytest.mark.parametrize("kind", ["fisher", "empirical_fisher"])
+def test_a_model_mixing_its_examples_past_the_first_is_refused(how: str, kind: str) -> None:
+    """The check backpropagated the first example's loss only: a mixing that example does not reach passed, and
+    the blocks came out wrong (up to 5× on a fuzzed model). Every example is checked (2·⌈log₂ N⌉ passes, once
+    per shape)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match=r"reaches other examples' entries of the first dimension of modules "
+                                         r"\['fc1'\]"):
+        curvature.compute(Mixing(how).double(), x, y, kind=kind, approx="full")
 
 
 class PooledPositions(nn.Module):
