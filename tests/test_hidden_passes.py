@@ -195,30 +195,6 @@ def test_another_models_preconditioner_is_not_hidden() -> None:
     assert dict(own.layers["head"].fold_counts) == {"A": 0, "G": 0}
 
 
-def test_a_preconditioner_on_a_module_assigned_into_the_model_later_is_hidden() -> None:
-    """A preconditioner built on a standalone head, the head then assigned into the model (after the
-    optimizer's passes had already been hidden once, while the head was not in it): the passes are hidden from
-    it from then on (owners that do not concern the model are looked at again at every hidden pass)."""
-    torch.manual_seed(0)
-    net, head = Net(), nn.Linear(3, 3)
-    pre = KFACPreconditioner(head, factor_update_steps=1, inv_update_steps=1)
-    opt = SecondOrderOptimizer(net, params=net.body.parameters())
-    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    with opt.engine.hidden_passes():  # the head is not the model's yet: its preconditioner is not hidden
-        head.zero_grad()
-        F.cross_entropy(head(x[:, :3]), y).backward()
-    layer = pre.layers[""]  # (the model is the Linear itself)
-    assert dict(layer.fold_counts) == {"A": 1, "G": 1}
-    pre.step()
-    net.head = head
-    with opt.engine.hidden_passes():
-        net.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-    assert dict(layer.fold_counts) == {"A": 0, "G": 0}
-    opt.step(make_closure(opt, net, x, y), targets=y)  # the optimizer's own step: the user's pass only
-    assert dict(layer.fold_counts) == {"A": 1, "G": 1}
-
-
 def test_a_pickled_preconditioner_records_again() -> None:
     """``torch.save((model, pre))`` and back: the loaded preconditioner is attached to the loaded model."""
     import io

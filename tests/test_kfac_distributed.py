@@ -122,9 +122,10 @@ def _check_job(results: List[Dict[str, Any]], world: int) -> None:
         assert err < RTOL, (name, err)
 
 
-def test_pickling_or_copying_a_preconditioner_on_several_processes_says_what_to_save(mpi2, torch2):
+@pytest.mark.parametrize("job", ["mpi2", "torch2"])
+def test_pickling_or_copying_a_preconditioner_on_several_processes_says_what_to_save(job, request):
     """torch's "cannot pickle ProcessGroup" before: now a TypeError naming state_dict()."""
-    for results in (mpi2, torch2):
+    for results in (request.getfixturevalue(job),):
         for res in results:
             pickled, copied = res["refusals"]
             assert "pickling a KFACPreconditioner that communicates over several processes" in pickled

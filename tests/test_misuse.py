@@ -458,7 +458,6 @@ def test_a_head_the_selected_output_does_not_reach_is_named() -> None:
 
 HETERO = {
     "sso_kfac": (lambda m, **kw: SecondOrderOptimizer(m, loss="mse", **kw), "kl_clip"),
-    "sso_diag": (lambda m, **kw: SecondOrderOptimizer(m, loss="mse", approx="diag", **kw), "kl_clip"),
     "adaptive": (lambda m, **kw: SecondOrderOptimizer(m, loss="mse", use_adaptive_learning_rate=True,
                                                       use_adaptive_momentum=True, **kw), "overshoots"),
     "vi_kfac": (lambda m, **kw: VIOptimizer(m, 50, loss="mse", approx="kfac", curv_update_interval=1, **kw),
@@ -493,10 +492,53 @@ def test_a_selector_leaving_out_part_of_a_layers_output_warns(face: str) -> None
                 opt.step(closure)
         return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
     found = run(lambda mean, logvar: F.gaussian_nll_loss(mean, t, logvar.exp()))
-    assert len(found) == 1 and "modules ['2'] has been zero on entries that carry part of the gradient" in found[0], \
-        found
+    assert len(found) == 1 and "modules ['2'] has been zero on output units that carry part of the gradient" \
+        in found[0], found
     assert "log-variance" in found[0] and fix in found[0] and "skip_modules" not in found[0]
     assert run(lambda mean, logvar: 0.5 * (mean - t).pow(2).sum(1).mean()) == []
+
+
+def test_an_embedding_under_an_l2_term_or_accumulated_batches_does_not_warn() -> None:
+    """Tokens absent from the batch have zero curvature (the input side) and a gradient from an L2 term of the
+    loss, or from batches accumulated outside step() (Lightning's accumulate_grad_batches): no warning, only
+    output units the likelihood does not reach count. A wholly unreached head still warns beside it."""
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head, self.aux = nn.Embedding(2000, 16), nn.Linear(16, 3), nn.Linear(16, 2)
+
+        def forward(self, ids):
+            h = self.emb(ids).mean(1)
+            return self.head(h), self.aux(h)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 2000, (16, 8), generator=gen), torch.randint(0, 3, (16,), generator=gen))
+               for _ in range(4)]
+    for accumulate in (False, True):
+        torch.manual_seed(0)
+        model = Tagger()
+        opt = SecondOrderOptimizer(model, lr=0.05, output_selector=lambda o: o[0])
+
+        def loss_of(ids, y):
+            main, aux = model(ids)
+            return F.cross_entropy(main, y) + F.cross_entropy(aux, y.clamp(max=1)) + (
+                0 if accumulate else 1e-4 * sum(p.pow(2).sum() for p in model.parameters()))
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for i in range(6):
+                ids, y = batches[i % 4]
+                if accumulate:  # an earlier micro-batch's backward outside step()
+                    opt.zero_grad()
+                    loss_of(*batches[(i + 1) % 4]).backward()
+
+                def closure():
+                    if not accumulate:
+                        opt.zero_grad()
+                    loss = loss_of(ids, y)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+        found = [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+        assert len(found) == 1 and "modules ['aux'] has been zero although" in found[0], (accumulate, found)
 
 
 def test_dead_units_under_a_small_l2_term_do_not_warn() -> None:
@@ -719,6 +761,34 @@ def test_a_layer_recorded_only_between_factor_steps_is_named() -> None:
     assert run(1) == []
 
 
+@pytest.mark.parametrize("factor_steps", [1, 2])
+def test_a_layer_used_functionally_gets_one_warning_of_what_it_is(factor_steps: int) -> None:
+    """A layer whose weight the forward uses without calling it is named by the no-forward-recorded warning, not
+    also as a layer called between factor steps."""
+    from torchsso2.kfac import KFACPreconditioner
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return F.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
+    torch.manual_seed(0)
+    model = Functional()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model, factor_update_steps=factor_steps, inv_update_steps=factor_steps)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            sgd.zero_grad()
+            F.cross_entropy(model(X), Y).backward()
+            pre.step()
+            sgd.step()
+    said = [str(w.message) for w in rec if "KFACPreconditioner" in str(w.message)]
+    assert len(said) == 1 and "no forward of them was recorded" in said[0], said
+
+
 @pytest.mark.parametrize("estimating", [True, False])
 def test_the_output_checks_see_through_a_selector_that_reshapes_the_output(estimating: bool) -> None:
     """``output_selector=lambda o: o.reshape(-1, C)`` (docs/guide.md's sequence recipe) builds a tensor the
@@ -750,8 +820,30 @@ def test_the_output_checks_see_through_a_selector_that_reshapes_the_output(estim
     assert len(mse) == 1 and "not a function of softmax(output)" in mse[0], mse
     scaled = warned(lambda o: 1000 * F.cross_entropy(o.reshape(-1, 3), y.reshape(-1)))  # (an unscaled AMP loss)
     assert len(scaled) == 1 and "is the loss scaled?" in scaled[0], scaled
-    # the same with the classes moved last from F.cross_entropy's layout [N, C, T]
-    assert warned(lambda o: F.cross_entropy(o.movedim(-1, 1), y), selector=lambda o: o.movedim(1, -1).movedim(1, -1)) \
-        == []
+    # a view of a view (positions first, the first dropped): read too
+    mse = warned(lambda o: F.mse_loss(o, F.one_hot(y, 3).float()), selector=lambda o: o.transpose(0, 1)[1:])
+    assert len(mse) == 1 and "not a function of softmax(output)" in mse[0], mse
     # not a view of the output: no gradient to read, no check (as before)
     assert warned(lambda o: F.mse_loss(o, F.one_hot(y, 3).float()), selector=lambda o: o.reshape(-1, 3) * 1.0) == []
+
+
+@pytest.mark.parametrize("face", ["sso_between_estimates", "vi_diag"])
+def test_a_metric_forward_under_no_grad_in_the_closure_is_not_checked(face: str) -> None:
+    """The output check between curvature steps (and VIOptimizer's default diagonal at every step) reads the
+    forwards that take a gradient, as the estimating steps do: an unbatched forward under no_grad (a metric on
+    one example, output [C]) is not the loss's batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = (SecondOrderOptimizer(model, lr=0.01, curv_update_interval=3) if face == "sso_between_estimates"
+           else VIOptimizer(model, dataset_size=100))
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(X), Y)
+        loss.backward()
+        with torch.no_grad():
+            model(X[0])
+        return loss
+    for _ in range(4):
+        opt.step(closure)
+    assert opt.num_steps == 4

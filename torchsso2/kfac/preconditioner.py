@@ -596,7 +596,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if factor_step or state.get("_factorless") is None:
             state["_factor_updates"] = state.get("_factor_updates", 0) + int(factor_step)
             state["_factorless"] = [layer for layer in layers if not layer.has_factors()]
-        bare = [layer.name for layer in state["_factorless"] if layer.has_grad()]
+        if factor_step:  # a layer with a gradient and no recorded forward at a factor step: _warn_unrecorded's case
+            return
+        bare = [layer.name for layer in state["_factorless"]
+                if layer.has_grad() and layer.name not in self._unrecorded_warned]
         if not bare:
             return
         since: Dict[str, int] = state.setdefault("_factorless_since", {})

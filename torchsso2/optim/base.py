@@ -326,7 +326,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
 
             def show(_m: nn.Module, _i: Any, raw: Any) -> None:
                 out = raw if self.engine.output_selector is None else self.engine.output_selector(raw)
-                if shapes and isinstance(out, Tensor):
+                # (a forward whose output takes no gradient, a metric under no_grad, is no batch of the loss)
+                if shapes and isinstance(out, Tensor) and out.requires_grad:
                     rows = None
                     if targets is not None and out.dim() > 0:
                         try:

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from curvature.blocks.kfac import KFACBlock
 from curvature.hook_marks import in_func_transform
 from curvature.options import parse
 from curvature.stacklevel import caller_stacklevel
@@ -120,9 +121,6 @@ class ClosureWatch:
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
         #: the first observed output (in its graph), for :mod:`.output_consumers`
         self.first_output: Optional[Tensor] = None
-        #: selected outputs the loss may not go through, with the model's output they were made of
-        #: (:meth:`observe_output`)
-        self.through_raw: List[Tuple[Any, ...]] = []
         if not self.active:  # checked enough closure calls: no cost from here on
             return
         owner["closure_checks_left"] = left - 1
@@ -153,9 +151,10 @@ class ClosureWatch:
         ``raw``, ``selector``: the model's own output and the ``output_selector`` that made ``out`` of it. A
         selector that builds a new tensor (``o.reshape(-1, C)``, ``o["logits"].movedim(1, -1)``) gives one the
         closure's loss does not go through (it reshapes the output itself): the gradient then reaches the
-        model's output tensors only, and the checks take ``selector`` of those gradients (the gradient with
-        respect to ``out`` for a selection or a view of the output) at :meth:`after`; only where ``out`` is a
-        view of one of the model's output tensors."""
+        model's output tensors only, and the checks take ``selector`` of that gradient (the gradient with
+        respect to ``out`` for a selection or a view of the output) as it arrives; only where ``out`` is a view
+        of one of the model's output tensors (the selector is called on a structure holding the gradient in that
+        tensor's place, the other tensors as shape-only placeholders)."""
         if not isinstance(out, Tensor) or not out.requires_grad or in_func_transform():
             return
         if self.active and self.first_output is None:
@@ -187,31 +186,28 @@ class ClosureWatch:
             return
         leaves, spec = tree_flatten(raw)
         storage = out.untyped_storage().data_ptr()
-        if not any(isinstance(leaf, Tensor) and leaf is not out and leaf.untyped_storage().data_ptr() == storage
-                   for leaf in leaves):
+        # the output tensor ``out`` is a view of (computed by the model: a Parameter it returns keeps its hooks)
+        base = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf is not out
+                and leaf.grad_fn is not None and leaf.untyped_storage().data_ptr() == storage]
+        if not base:
             return  # not a view of the model's output (o.log_softmax(-1), o * 3): its gradient is no selection
-        grads: Dict[int, Tensor] = {}
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor) and leaf.requires_grad and leaf is not out:
-                leaf.register_hook(lambda g, i=i: grads.__setitem__(i, g.detach()))
-        self.through_raw.append((out, leaves, spec, grads, seen_grad, take, selector))
+        k = base[0]
+        # the other entries of the output as placeholders of their shapes (on the meta device: no memory kept, no
+        # reference back to the hooked tensor)
+        rest = [torch.empty_like(leaf, device="meta") if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        shape = out.shape
 
-    def _take_through_raw(self) -> None:
-        """The selected outputs no gradient reached: ``selector`` of the gradients of the model's output
-        tensors, where that gives one of ``out``'s shape (:meth:`observe_output`)."""
-        for out, leaves, spec, grads, seen_grad, take, selector in self.through_raw:
-            if seen_grad or not grads:
-                continue
-            filled = [grads.get(i, torch.zeros_like(leaf)) if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
-                      for i, leaf in enumerate(leaves)]
+        def through(g: Tensor) -> None:
+            if seen_grad:  # the loss went through ``out`` (its gradient comes first): taken there
+                return
             try:
                 with torch.no_grad():
-                    g = selector(tree_unflatten(filled, spec))
+                    picked = selector(tree_unflatten(rest[:k] + [g] + rest[k + 1:], spec))
             except Exception:  # a selector that is not a selection (it reads the model, a method of its output)
-                continue
-            if isinstance(g, Tensor) and g.shape == out.shape:
-                take(g)
-        self.through_raw = []
+                return
+            if isinstance(picked, Tensor) and picked.shape == shape:
+                take(picked)
+        leaves[k].register_hook(through)
 
     def _record(self, g: Tensor) -> None:
         g = g.detach().float()
@@ -250,7 +246,6 @@ class ClosureWatch:
         backward = self.accumulated or replaced if self.handles else changed
         if self.params and (not backward or all(g is None for g in now)):  # (None: zero_grad() after backward)
             raise RuntimeError(NO_BACKWARD)
-        self._take_through_raw()
         if self.keep_output_grads:
             self.owner["output_grads"] = self.output_grads
         self._check_scale()
@@ -306,87 +301,102 @@ SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the
 #: warning names it: a zero-initialised head makes the layers below it look unreached at the first
 UNREACHED_LOOKS = 2
-#: share of a block's squared gradient norm on entries of zero curvature beyond which the entries count as
+#: share of a K-FAC block's squared gradient norm on output units of zero curvature beyond which they count as
 #: unreached (below it: a class whose probability's square underflows, an L2 term on a few dead units)
 PARTLY_UNREACHED_SHARE = 0.01
-#: (:func:`_unreached`'s answer for a block that is zero in a factor or everywhere)
-WHOLLY = float("inf")
 
 
-def _unreached(blk: Any) -> Optional[float]:
-    """How ``blk`` (a fresh block) is unreached: :data:`WHOLLY` when a factor, or all of it, is zero while a parameter
-    has a nonzero gradient; else the share of the squared gradient norm on entries whose curvature diagonal
-    is zero, when at least :data:`PARTLY_UNREACHED_SHARE` (the likelihood does not depend on them: a
-    selector picking part of a layer's output, ``o[:, :D]`` of ``[mean, log-variance]``); else None."""
-    grads = [p.grad for p in blk.layout.params]
-    if not any(g is not None and bool(g.any()) for g in grads):
+def _wholly_unreached(blk: Any) -> bool:
+    """Whether a factor of ``blk`` (a fresh block), or all of it, is zero while a parameter has a nonzero gradient."""
+    return any(not bool(t.any()) for t in blk.tensors()) \
+        and any(p.grad is not None and bool(p.grad.any()) for p in blk.layout.params)
+
+
+def _partly_unreached(blk: Any) -> Optional[float]:
+    """For a K-FAC block: the share of its squared gradient norm on the output units whose output-side factor
+    ``G`` has a zero diagonal (the likelihood does not depend on them: a selector picking part of a layer's output,
+    ``o[:, :D]`` of ``[mean, log-variance]``), when at least :data:`PARTLY_UNREACHED_SHARE`; else None. Zeros of the
+    input side (tokens or features absent from the batch, where an L2 term or gradients accumulated over other
+    batches have a gradient) do not count; nor do other shapes, whose diagonal cannot tell the two apart."""
+    if not isinstance(blk, KFACBlock) or _wholly_unreached(blk):  # (that one has its own warning)
         return None
-    if any(not bool(t.any()) for t in blk.tensors()):
-        return WHOLLY
-    total = zero = 0.0
-    for d, g in zip(blk.param_diagonal(), grads):
-        if g is None or g.shape != d.shape:
-            continue
-        g2 = g.detach().to(d.dtype).pow(2)
-        total += float(g2.sum())
-        zero += float(g2[d == 0].sum())
-    share = zero / total if total > 0 else 0.0
+    grads = [p.grad for p in blk.layout.params]
+    if any(g is None for g in grads):
+        return None
+    g_left = blk.layout.family.kfac_names()[0] == "G"
+    dg = blk.left if g_left else blk.right
+    zero = (dg if dg.dim() == 1 else dg.diagonal()) == 0
+    if not bool(zero.any()):
+        return None
+    m = blk.layout.family.to_matrix(blk.layout.module, [g.detach() for g in grads], blk.layout.param_names).pow(2)
+    total = float(m.sum())
+    share = float((m[zero] if g_left else m[:, zero]).sum()) / total if total > 0 else 0.0
     return share if share >= PARTLY_UNREACHED_SHARE else None
 
 
-def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
-    """Warn about covered modules whose fresh block is zero (in a factor, everywhere, or on the entries
-    that carry a share of the gradient: :func:`_unreached`) while their parameters have a nonzero gradient,
-    at each of their first :data:`UNREACHED_LOOKS` curvature estimates: the likelihood the curvature is
-    taken from (the model output, or ``output_selector``'s pick) does not depend on them, the loss does (a
-    second head whose loss the closure adds, a log-variance the selector leaves out). Each module is looked
-    at in its first estimates (also one first called later); once per optimizer."""
-    if opt.__dict__.get("_reach_warned"):
-        return
-    looks: Dict[str, int] = opt.__dict__.setdefault("_reach_looks", {})
-    unreached: List[str] = []
-    partly: Dict[str, float] = {}
+def _looked_at(opt: Any, key: str, fresh: Dict[str, Any], test: Callable[[Any], Any]) -> Dict[str, Any]:
+    """The modules of ``fresh`` that ``test`` has found (a value not None or False) at each of their first
+    :data:`UNREACHED_LOOKS` estimates, with the last value (each module looked at in its first estimates, also
+    one first called later; ``key``: where the counts are kept)."""
+    looks: Dict[str, int] = opt.__dict__.setdefault(key, {})
+    found: Dict[str, Any] = {}
     for name, blk in fresh.items():
         seen = looks.get(name, 0)
         if seen < 0 or seen >= UNREACHED_LOOKS:
             continue
-        share = _unreached(blk)
-        looks[name] = seen + 1 if share is not None else -1  # -1: reached, not looked at again
-        if share is not None and seen + 1 == UNREACHED_LOOKS:
-            if share == WHOLLY:
-                unreached.append(name)
-            else:
-                partly[name] = share
-    if not unreached and not partly:
-        return
-    opt._reach_warned = True
+        value = test(blk)
+        hit = value is not None and value is not False
+        looks[name] = seen + 1 if hit else -1  # -1: reached, not looked at again
+        if hit and seen + 1 == UNREACHED_LOOKS:
+            found[name] = value
+    return found
+
+
+def _unreached_fix(opt: Any, skip: List[str]) -> str:
+    """What to do about unreached curvature, for ``opt``'s face (``skip``: modules ``skip_modules`` may take)."""
     adaptive = getattr(opt, "adaptive", None)
     whole = "curvature='empirical_fisher'"
-    plain = (f"Leave them to the plain update (skip_modules={unreached!r}), or take" if unreached else "Take") + \
+    plain = (f"Leave them to the plain update (skip_modules={skip!r}), or take" if skip else "Take") + \
         f" the curvature of the whole loss from your own backward ({whole}"
     if adaptive is not None and (adaptive.learning_rate or adaptive.momentum):
-        fix = ("In adaptive mode the quadratic model has no curvature for their loss either, so the solved step "
-               "overshoots it: leave adaptive mode (a fixed lr and momentum), and take the curvature of the whole "
-               f"loss from your own backward ({whole} without targets=)")
-    elif getattr(opt, "dataset_size", None) is not None:  # VIOptimizer
-        fix = ("The data adds no curvature there: their precision stays at its start (dataset_size·"
-               f"curvature_init, fading with the EMA) plus the prior's. {plain})")
-    else:
-        fix = ("Their preconditioned step is about the gradient over the damping (bounded by kl_clip where set). "
-               f"{plain} without targets=)")
-    what = []
-    if unreached:
-        what.append(f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
-                    "parameters")
-    if partly:
-        shares = ", ".join(f"{n!r}: {100 * v:.0f}%" for n, v in partly.items())
-        what.append(f"the curvature of modules {list(partly)} has been zero on entries that carry part of the "
-                    f"gradient (its squared norm there: {shares}), e.g. the rows of a layer's output that an "
-                    "output_selector leaves out (the log-variance of [mean, log-variance])")
-    warnings.warn(
-        f"{'; '.join(what)}: the likelihood the curvature is taken from (the model output, or output_selector's "
-        f"pick) does not depend on them while the loss does{', e.g. a second head whose loss the closure adds' if unreached else ''}. "
-        f"{fix}", UserWarning, stacklevel=caller_stacklevel())
+        return ("In adaptive mode the quadratic model has no curvature for their loss either, so the solved step "
+                "overshoots it: leave adaptive mode (a fixed lr and momentum), and take the curvature of the whole "
+                f"loss from your own backward ({whole} without targets=)")
+    if getattr(opt, "dataset_size", None) is not None:  # VIOptimizer
+        return ("The data adds no curvature there: their precision stays at its start (dataset_size·"
+                f"curvature_init, fading with the EMA) plus the prior's. {plain})")
+    return ("Their preconditioned step is about the gradient over the damping (bounded by kl_clip where set). "
+            f"{plain} without targets=)")
+
+
+def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
+    """Warn about covered modules whose fresh block is zero (in a factor, or everywhere) while their
+    parameters have a nonzero gradient, at each of their first :data:`UNREACHED_LOOKS` curvature estimates:
+    the likelihood the curvature is taken from (the model output, or ``output_selector``'s pick) does not
+    depend on them, the loss does (a second head whose loss the closure adds); and, apart, about K-FAC
+    blocks whose output units carry a share of the gradient with zero curvature (:func:`_partly_unreached`: a
+    log-variance the selector leaves out). Each warning once per optimizer."""
+    if not opt.__dict__.get("_reach_warned"):
+        unreached = list(_looked_at(opt, "_reach_looks", fresh, _wholly_unreached))
+        if unreached:
+            opt._reach_warned = True
+            warnings.warn(
+                f"the curvature of modules {unreached} has been zero although the loss has a gradient for their "
+                "parameters: the likelihood the curvature is taken from (the model output, or output_selector's "
+                "pick) does not depend on them while the loss does, e.g. a second head whose loss the closure adds. "
+                f"{_unreached_fix(opt, unreached)}", UserWarning, stacklevel=caller_stacklevel())
+    if not opt.__dict__.get("_partly_warned"):
+        partly = _looked_at(opt, "_partly_looks", fresh, _partly_unreached)
+        if partly:
+            opt._partly_warned = True
+            shares = ", ".join(f"{n!r}: {100 * v:.0f}%" for n, v in partly.items())
+            warnings.warn(
+                f"the curvature of modules {list(partly)} has been zero on output units that carry part of the "
+                f"gradient (its squared norm there: {shares}): the likelihood the curvature is taken from (the "
+                "model output, or output_selector's pick) does not depend on those units while the loss does, e.g. "
+                "the rows of a layer's output that an output_selector leaves out (the log-variance of [mean, "
+                "log-variance]); units no example activates (dead ReLUs) under an L2 term of the loss show so "
+                f"too, harmlessly. {_unreached_fix(opt, [])}", UserWarning, stacklevel=caller_stacklevel())
 
 
 def warn_blockless_modules(opt: Any, plan: Any) -> None:
