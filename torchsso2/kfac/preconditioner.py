@@ -607,8 +607,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         late = [name for name in bare if now - since.setdefault(name, now) >= 2]
         if late:
             self._factorless_warned = True
-            warnings.warn(f"KFACPreconditioner: registered layer(s) {late} have had gradients but still have no factors "
-                          f"after {now} factor updates: no factor step has recorded their forward and backward (the "
+            warnings.warn(f"KFACPreconditioner: registered layer(s) {late} have had gradients but still have no factors: "
+                          "no factor step has recorded their forward and backward (the "
                           "factors update at every factor_update_steps-th step, and the forward calls them at the "
                           "other steps only, e.g. tasks alternating between batches), so their gradients stay "
                           "unpreconditioned (kfac_pytorch raises here). Call them at the factor steps too (every "

@@ -425,9 +425,9 @@ def warn_blockless_modules(opt: Any, plan: Any) -> None:
             "mean" if vi else "take the plain update (the learning rate and momentum on their gradient, scaled by the "
             "KL clip where set)")
     warnings.warn(
-        f"modules {late} have had a gradient but still have no curvature after {now} curvature estimates: the "
-        f"estimates are taken at every {opt.curv_update_interval}th step (curv_update_interval="
-        f"{opt.curv_update_interval}) and no such step has called them (e.g. tasks alternating between batches), so "
+        f"modules {late} have had a gradient but still have no curvature: the curvature is estimated once every "
+        f"{opt.curv_update_interval} steps (curv_update_interval={opt.curv_update_interval}) and no estimating step "
+        "has called them (e.g. tasks alternating between batches), so "
         f"they {what}. Call them at the estimating steps too (every task's loss in each step's closure), or estimate "
         "at every step (curv_update_interval=1)", UserWarning, stacklevel=caller_stacklevel())
 
