@@ -88,6 +88,49 @@ def test_a_model_mixing_its_examples_past_the_first_is_refused(how: str, kind: s
         curvature.compute(Mixing(how).double(), x, y, kind=kind, approx="full")
 
 
+class ClassCentred(nn.Module):
+    """Mixes its examples (a centring over the batch) and centres its output over the classes (which the softmax
+    does not see): the Jacobian maps the ones vector to zero, so a backward of ones on the loss rows finds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        o = self.fc2(h - h.mean(0))
+        return o - o.mean(1, keepdim=True)
+
+
+def test_a_mixing_model_whose_output_is_centred_over_the_classes_is_refused() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"reaches other examples' entries of the first dimension of modules"):
+        curvature.compute(ClassCentred(), torch.randn(4, 3), torch.randint(0, 3, (4,)), kind="fisher", approx="diag")
+
+
+def test_the_examples_first_check_runs_once_for_every_sequence_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its result depends on the examples and on which modules have them first, not on a sequence length that
+    varies with dynamic padding: checked once, not at every new length."""
+    calls = []
+    real = sequence.check_example_major_rows
+    monkeypatch.setattr(sequence, "check_example_major_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(20, 4), nn.Linear(4, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids).mean(1))
+    torch.manual_seed(0)
+    model = Pooled()
+    opt = SecondOrderOptimizer(model, curvature="empirical_fisher", approx="diag")
+    for t in (5, 7, 9, 5):
+        ids, y = torch.randint(0, 20, (6, t)), torch.randint(0, 3, (6,))
+        opt.step(make_closure(opt, model, ids, y), targets=y)
+    assert len(calls) == 1
+
+
 class PooledPositions(nn.Module):
     """A position embedding on arange(T) added to every example's tokens, pooled to one label each."""
 

@@ -847,3 +847,105 @@ def test_a_metric_forward_under_no_grad_in_the_closure_is_not_checked(face: str)
     for _ in range(4):
         opt.step(closure)
     assert opt.num_steps == 4
+
+
+class _SplitHead(nn.Module):
+    """One Linear whose output is returned as two views, ``(logits, aux)``; optionally a zero-initialised
+    classifier on part of a trunk whose other units feed the auxiliary term only."""
+
+    def __init__(self, zero_head: bool = False) -> None:
+        super().__init__()
+        self.trunk, self.head = nn.Linear(4, 8), nn.Linear(4, 3)
+        if zero_head:
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.head(torch.tanh(h[:, :4])), h[:, 4:]
+
+
+@pytest.mark.parametrize("zero_head", [False, True])
+@pytest.mark.parametrize("face", ["sso", "vi_kfac"])
+def test_views_of_one_output_and_a_zero_initialised_head(face: str, zero_head: bool) -> None:
+    """Output entries that are views of one tensor (the selector picking one) ran the selector-view path on
+    the other view and fed a placeholder to the checks (a RuntimeError at the first step); the trunk units
+    that feed only the auxiliary term are named, also below a zero-initialised head (whose first estimate
+    zeroes the trunk's block wholly: that estimate is not counted)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    model = _SplitHead(zero_head)
+    opt = (SecondOrderOptimizer(model, lr=0.05, output_selector=lambda o: o[0]) if face == "sso" else
+           VIOptimizer(model, dataset_size=100, approx="kfac", curv_update_interval=1, output_selector=lambda o: o[0]))
+
+    def closure():
+        opt.zero_grad()
+        logits, aux = model(x)
+        loss = F.cross_entropy(logits, y) + aux.pow(2).mean()
+        loss.backward()
+        return loss
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            opt.step(closure)
+    found = [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+    assert len(found) == 1 and "modules ['trunk'] has been zero on output units" in found[0], found
+
+
+def test_a_wholly_and_a_partly_unreached_module_are_each_named() -> None:
+    """The two warnings have their own once-flags: one does not hide the other."""
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk, self.head, self.aux = nn.Linear(4, 8), nn.Linear(4, 3), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = self.trunk(x)
+            return self.head(torch.tanh(h[:, :4])), h[:, 4:], self.aux(torch.tanh(h))
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    model = Both()
+    opt = SecondOrderOptimizer(model, lr=0.05, output_selector=lambda o: o[0])
+
+    def closure():
+        opt.zero_grad()
+        logits, extra, aux = model(x)
+        loss = F.cross_entropy(logits, y) + extra.pow(2).mean() + F.cross_entropy(aux, y.clamp(max=1))
+        loss.backward()
+        return loss
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.step(closure)
+    found = sorted(str(w.message) for w in rec if "curvature of modules" in str(w.message))
+    assert len(found) == 2, found
+    assert found[0].startswith("the curvature of modules ['aux'] has been zero although the loss"), found
+    assert found[1].startswith("the curvature of modules ['trunk'] has been zero on output units"), found
+
+
+def test_a_parameter_returned_in_the_output_gets_no_hooks_from_the_checks() -> None:
+    """The selector-view path hooks the model's computed output tensors only: hooks on a returned Parameter (a
+    leaf) would stay, one more per watched step, each holding that step's gradients."""
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.log_t = nn.Linear(4, 3), nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            return {"logits": self.fc(x), "log_t": self.log_t}
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5, 4), torch.randint(0, 3, (8, 5))
+    model = Tempered()
+    opt = SecondOrderOptimizer(model, lr=0.01, params=[model.fc.weight, model.fc.bias],
+                               output_selector=lambda o: o["logits"].reshape(-1, 3))
+    opt.add_param_group({"params": [model.log_t]})
+
+    def closure():
+        opt.zero_grad()
+        o = model(x)
+        loss = F.cross_entropy(o["logits"].reshape(-1, 3) / o["log_t"].exp(), y.reshape(-1))
+        loss.backward()
+        return loss
+    for _ in range(6):
+        opt.step(closure)
+        assert not model.log_t._backward_hooks

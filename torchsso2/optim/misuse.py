@@ -185,15 +185,18 @@ class ClosureWatch:
         if raw is None or selector is None or raw is out:
             return
         leaves, spec = tree_flatten(raw)
+        if any(leaf is out for leaf in leaves):  # the selector picked one of the output tensors: hooked above
+            return
         storage = out.untyped_storage().data_ptr()
         # the output tensor ``out`` is a view of (computed by the model: a Parameter it returns keeps its hooks)
         base = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf is not out
                 and leaf.grad_fn is not None and leaf.untyped_storage().data_ptr() == storage]
         if not base:
             return  # not a view of the model's output (o.log_softmax(-1), o * 3): its gradient is no selection
-        k = base[0]
-        # the other entries of the output as placeholders of their shapes (on the meta device: no memory kept, no
-        # reference back to the hooked tensor)
+        hooked = leaves[base[0]]
+        # every place of the output holding that tensor takes its gradient; the other entries are placeholders of
+        # their shapes (on the meta device: no memory kept, no reference back to the hooked tensor)
+        same = [leaf is hooked for leaf in leaves]
         rest = [torch.empty_like(leaf, device="meta") if isinstance(leaf, Tensor) else leaf for leaf in leaves]
         shape = out.shape
 
@@ -202,12 +205,13 @@ class ClosureWatch:
                 return
             try:
                 with torch.no_grad():
-                    picked = selector(tree_unflatten(rest[:k] + [g] + rest[k + 1:], spec))
+                    picked = selector(tree_unflatten([g if here else r for r, here in zip(rest, same)], spec))
             except Exception:  # a selector that is not a selection (it reads the model, a method of its output)
                 return
-            if isinstance(picked, Tensor) and picked.shape == shape:
+            # (a placeholder picked: the selector reads another output tensor than the one ``out`` is a view of)
+            if isinstance(picked, Tensor) and picked.shape == shape and not picked.is_meta:
                 take(picked)
-        leaves[k].register_hook(through)
+        hooked.register_hook(through)
 
     def _record(self, g: Tensor) -> None:
         g = g.detach().float()
@@ -328,7 +332,8 @@ def _partly_unreached(blk: Any) -> Optional[float]:
     zero = (dg if dg.dim() == 1 else dg.diagonal()) == 0
     if not bool(zero.any()):
         return None
-    m = blk.layout.family.to_matrix(blk.layout.module, [g.detach() for g in grads], blk.layout.param_names).pow(2)
+    m = blk.layout.family.to_matrix(blk.layout.module, [g.detach().float() for g in grads],
+                                    blk.layout.param_names).pow(2)
     total = float(m.sum())
     share = float((m[zero] if g_left else m[:, zero]).sum()) / total if total > 0 else 0.0
     return share if share >= PARTLY_UNREACHED_SHARE else None
@@ -386,7 +391,9 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
                 "pick) does not depend on them while the loss does, e.g. a second head whose loss the closure adds. "
                 f"{_unreached_fix(opt, unreached)}", UserWarning, stacklevel=caller_stacklevel())
     if not opt.__dict__.get("_partly_warned"):
-        partly = _looked_at(opt, "_partly_looks", fresh, _partly_unreached)
+        # (a block wholly zero at an estimate, below a zero-initialised head at the first, is not looked at yet)
+        partly = _looked_at(opt, "_partly_looks", {n: b for n, b in fresh.items() if not _wholly_unreached(b)},
+                            _partly_unreached)
         if partly:
             opt._partly_warned = True
             shares = ", ".join(f"{n!r}: {100 * v:.0f}%" for n, v in partly.items())
