@@ -340,7 +340,8 @@ class CurvatureEngine:
         examples whose first dimension is ``N`` (a position embedding on ``arange(T)``, ``T == N``),
         passes the size check of :meth:`check_examples_align`, and so does a model mixing its examples
         (``z - z.mean(0)``). ``2·⌈log₂ N⌉`` backward passes (every example's loss rows,
-        :func:`curvature.sequence.check_example_major_rows`) per shape signature tell them apart."""
+        :func:`curvature.sequence.check_example_major_rows`) per batch size (and set of modules holding it
+        first) tell them apart."""
         n = outputs.shape[0]
         approx = self._module_approx()
         # every module whose first dimension has the examples' size: a sequence-first [T, N, d] activation
