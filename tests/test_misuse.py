@@ -439,11 +439,7 @@ def test_a_head_the_selected_output_does_not_reach_is_named() -> None:
             loss = F.cross_entropy(a, Y) + F.cross_entropy(b, yb)
             loss.backward()
             return loss
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                opt.step(closure)
-        return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+        return _reach_warnings(opt, closure, steps=3)
     pick = dict(output_selector=lambda out: out[0])
     for make in (lambda m: SecondOrderOptimizer(m, **pick),
                  lambda m: VIOptimizer(m, 50, approx="kfac", curv_update_interval=1, **pick)):
@@ -486,11 +482,7 @@ def test_a_selector_leaving_out_part_of_a_layers_output_warns(face: str) -> None
             loss = nll(out[:, :2], out[:, 2:])
             loss.backward()
             return loss
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                opt.step(closure)
-        return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+        return _reach_warnings(opt, closure, steps=3)
     found = run(lambda mean, logvar: F.gaussian_nll_loss(mean, t, logvar.exp()))
     assert len(found) == 1 and "modules ['2'] has been zero on output units that carry part of the gradient" \
         in found[0], found
@@ -548,15 +540,25 @@ def test_dead_units_under_a_small_l2_term_do_not_warn() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with torch.no_grad():
         model[0].bias[:3] = -5.0  # three dead units (|w·x| < 5 on the batch)
+    assert _unreached_under_l2(model, steps=3) == []
+
+
+def _reach_warnings(opt, closure, steps: int) -> list:
+    """The unreached-curvature warnings of ``steps`` steps of ``opt`` with ``closure``."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.step(closure)
+    return [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+
+
+def _unreached_under_l2(model: nn.Module, steps: int) -> list:
+    """The unreached-curvature warnings of ``steps`` K-FAC steps on ``model`` under a closure adding an L2 term."""
     opt = SecondOrderOptimizer(model, lr=0.05)
 
     def l2(out):
         return F.cross_entropy(out, Y) + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            opt.step(_closure(opt, model, l2))
-    assert not [w for w in rec if "curvature of modules" in str(w.message)]
+    return _reach_warnings(opt, _closure(opt, model, l2), steps)
 
 
 def _fixed_closure(opt, model, loss_fn):
@@ -605,15 +607,7 @@ def test_the_unreached_warning_waits_for_a_second_estimate_and_looks_at_late_hea
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
     nn.init.zeros_(model[4].weight)
     nn.init.zeros_(model[4].bias)
-    opt = SecondOrderOptimizer(model, lr=0.05)
-
-    def l2(out):
-        return F.cross_entropy(out, Y) + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            opt.step(_closure(opt, model, l2))
-    assert not [w for w in rec if "curvature of modules" in str(w.message)]
+    assert _unreached_under_l2(model, steps=4) == []
 
     class LateAux(nn.Module):
         def __init__(self) -> None:
@@ -884,11 +878,7 @@ def test_views_of_one_output_and_a_zero_initialised_head(face: str, zero_head: b
         loss = F.cross_entropy(logits, y) + aux.pow(2).mean()
         loss.backward()
         return loss
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        for _ in range(6):
-            opt.step(closure)
-    found = [str(w.message) for w in rec if "curvature of modules" in str(w.message)]
+    found = _reach_warnings(opt, closure, steps=6)
     assert len(found) == 1 and "modules ['trunk'] has been zero on output units" in found[0], found
 
 
@@ -913,11 +903,7 @@ def test_a_wholly_and_a_partly_unreached_module_are_each_named() -> None:
         loss = F.cross_entropy(logits, y) + extra.pow(2).mean() + F.cross_entropy(aux, y.clamp(max=1))
         loss.backward()
         return loss
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            opt.step(closure)
-    found = sorted(str(w.message) for w in rec if "curvature of modules" in str(w.message))
+    found = sorted(_reach_warnings(opt, closure, steps=4))
     assert len(found) == 2, found
     assert found[0].startswith("the curvature of modules ['aux'] has been zero although the loss"), found
     assert found[1].startswith("the curvature of modules ['trunk'] has been zero on output units"), found
