@@ -4,6 +4,7 @@ second closure call; the same values as the closure; the closure is called again
 is not the model's mean NLL of its own output and the targets."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, List, Tuple
 
 import pytest
@@ -213,3 +214,50 @@ def test_the_lm_loss_of_few_classes_is_the_cross_entropy(classes) -> None:
     for logits in (out, out.t().contiguous().t()):
         torch.testing.assert_close(_mean_nll(LossType.CROSS_ENTROPY, logits, y), expected, rtol=1e-14, atol=0)
     torch.testing.assert_close(_mean_nll(LossType.CROSS_ENTROPY, out.float(), y), expected.float(), rtol=1e-6, atol=0)
+
+
+class _DictOut(nn.Module):
+    """The problem's model returning ``{"logits": ...}`` (an output object), for an ``output_selector``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> dict:
+        return {"logits": self.inner(x)}
+
+
+@pytest.mark.parametrize("returned", ["pick", "pick_view"])
+def test_a_closure_returning_the_selectors_pick_takes_one_forward_too(returned: str) -> None:
+    """``return loss, out["logits"]`` (the selector's pick, or the same view taken again) is the model's output as
+    the LM rule's one forward and the adaptive loss check need it: no second closure call and the same steps as a
+    closure returning the output object; with another loss it is called again and the check warns."""
+    def train(returned: str, extra: float = 0.0):
+        inner, x, y = _problem()
+        model = _DictOut(inner)
+        opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, adaptive_damping=True,
+                                   damping_adaptation_interval=2, curv_update_interval=2, inv_update_interval=4,
+                                   use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=0,
+                                   output_selector=lambda o: o["logits"])
+        calls: List[int] = []
+
+        def closure():
+            calls.append(1)
+            opt.zero_grad()
+            out = model(x)
+            loss = F.cross_entropy(out["logits"], y) + extra * out["logits"].pow(2).mean()
+            loss.backward()
+            return loss, {"output": out, "pick": out["logits"], "pick_view": out["logits"].reshape(-1, 4)}[returned]
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(8):
+                opt.step(closure, targets=y)
+        return model, len(calls), [str(w.message) for w in rec]
+    ref, ref_calls, _ = train("output")
+    model, calls, _ = train(returned)
+    assert calls == ref_calls == 8
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _, calls, said = train(returned, extra=1e-2)
+    assert calls == 8 + 4
+    assert sum("adaptive learning rate: the closure's loss" in s for s in said) == 1, said

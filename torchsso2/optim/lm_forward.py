@@ -88,11 +88,32 @@ def _mean_nll(loss: LossType, outputs: Tensor, targets: Tensor) -> Tensor:
 def closure_loss_and_nll(opt: Any, recorder: Any, targets: Optional[Tensor], loss: Any, output: Any
                          ) -> Optional[Tuple[float, float]]:
     """``(closure's loss, mean NLL of its output and targets)`` when the closure ran the model once and
-    returned that forward's output (in the parameters' dtype); None where that cannot be told (no
+    returned that forward's output, or the ``output_selector``'s pick of it (``return loss, out["logits"]``: the
+    same tensor, or the same view of it), in the parameters' dtype; None where that cannot be told (no
     targets, several forwards, targets that do not fit the output)."""
-    if len(recorder.calls) != 1 or len(recorder.outputs) != 1 or recorder.outputs[0] is not output:
+    if len(recorder.calls) != 1 or len(recorder.outputs) != 1:
         return None
-    return loss_and_nll(opt, targets, loss, output, model_output=True)
+    model_output = recorder.outputs[0]
+    if model_output is not output and not _is_pick(opt.engine, model_output, output):
+        return None
+    return loss_and_nll(opt, targets, loss, model_output, model_output=True)
+
+
+def _is_pick(engine: Any, model_output: Any, output: Any) -> bool:
+    """Whether ``output`` (what a closure returned) is ``engine``'s ``output_selector`` pick of ``model_output``:
+    that tensor, or a view of the same memory with the same shape, strides and dtype (``out.reshape(-1, C)``
+    taken again in the closure)."""
+    if engine.output_selector is None or not isinstance(output, Tensor):
+        return False
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            pick = engine.select_output(model_output)
+        except Exception:  # a selector that does not fit the model's output here: not its pick
+            return False
+    return isinstance(pick, Tensor) and (pick is output or (
+        pick.data_ptr() == output.data_ptr() and pick.shape == output.shape and pick.stride() == output.stride()
+        and pick.dtype == output.dtype and pick.device == output.device))
 
 
 def returned_pick(engine: Any, output: Any, targets: Tensor) -> Tensor:
