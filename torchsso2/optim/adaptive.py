@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from curvature.blocks.base import owned_all_finite
 from curvature.hook_marks import LocalHook, in_func_transform
@@ -63,6 +64,7 @@ from curvature.uses_static import observer_hook
 from . import sequential_jvp
 from .sequential_record import ActivationRecorder
 from .clipped_update import clip_scale
+from .precision import autocast_state
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,11 @@ class InputRecorder:
     def __init__(self) -> None:
         self.calls: List[Call] = []
         self.outputs: List[Any] = []
+        #: the version counters of each output's tensors when its forward returned: an in-place change since
+        #: (``logits.div_(T)`` in the closure) is not what a forward of the recorded input gives
+        self.versions: List[List[int]] = []
+        #: whether each forward ran under autocast (a forward of the recorded input outside it differs)
+        self.autocast: List[bool] = []
         #: for a model the hand-written J·v pass supports, its children's outputs in each forward
         self.activations: Optional[ActivationRecorder] = None
         #: record them (off where the pass is not used: the Hessian, an ``output_selector``)
@@ -97,6 +104,8 @@ class InputRecorder:
     def record(self, model: nn.Module) -> Iterator["InputRecorder"]:
         self.calls = []
         self.outputs = []
+        self.versions = []
+        self.autocast = []
         self.activations = ActivationRecorder() if self.keep_activations and sequential_jvp.supports_model(model) \
             else None
         child_handles = self.activations.attach(model) if self.activations is not None else []  # type: ignore[arg-type]
@@ -126,6 +135,8 @@ class InputRecorder:
             call, started = opened
             self.calls.append(call)
             self.outputs.append(output)
+            self.versions.append(output_versions(output))
+            self.autocast.append(bool(autocast_state()))
             if self.activations is not None:
                 self.activations.records.append(started)
 
@@ -136,6 +147,12 @@ class InputRecorder:
         finally:
             for handle in handles + child_handles:
                 handle.remove()
+
+
+def output_versions(output: Any) -> List[int]:
+    """The version counters of the tensors in ``output`` (a tensor, or a dict, tuple, list or registered output
+    object of them): a view shares its base's, so an in-place change of a pick shows too."""
+    return [leaf._version for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)]
 
 
 def output_hessian_inner(loss: LossType, outputs: Tensor, u: Tensor, w: Tensor) -> Tensor:

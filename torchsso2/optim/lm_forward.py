@@ -36,6 +36,7 @@ from curvature.options import LossType
 from curvature.stacklevel import caller_stacklevel
 
 from . import sequential_jvp
+from .adaptive import output_versions
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +90,17 @@ def closure_loss_and_nll(opt: Any, recorder: Any, targets: Optional[Tensor], los
                          ) -> Optional[Tuple[float, float]]:
     """``(closure's loss, mean NLL of its output and targets)`` when the closure ran the model once and
     returned that forward's output, or the ``output_selector``'s pick of it (``return loss, out["logits"]``: the
-    same tensor, or the same view of it), in the parameters' dtype; None where that cannot be told (no
-    targets, several forwards, targets that do not fit the output)."""
-    if len(recorder.calls) != 1 or len(recorder.outputs) != 1:
+    same tensor, or the same view of it), in the parameters' dtype and not changed in place since the forward;
+    None where that cannot be told (no targets, several forwards, targets that do not fit the output)."""
+    if not isinstance(targets, Tensor) or len(recorder.calls) != 1 or len(recorder.outputs) != 1:
         return None
     model_output = recorder.outputs[0]
     if model_output is not output and not _is_pick(opt.engine, model_output, output):
         return None
+    if recorder.versions and output_versions(model_output) != recorder.versions[0]:
+        return None  # changed in place in the closure (a temperature, a mask): not what a forward of the input gives
+    if recorder.autocast and recorder.autocast[0]:
+        return None  # run under autocast (a model upcasting its logits passes the dtype test), the forward outside it
     return loss_and_nll(opt, targets, loss, model_output, model_output=True)
 
 
