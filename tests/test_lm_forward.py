@@ -27,10 +27,19 @@ def _problem(seed: int = 0, dropout: bool = False):
     return nn.Sequential(*layers).double(), x, y
 
 
-def _optimizer(model: nn.Module) -> SecondOrderOptimizer:
+def _optimizer(model: nn.Module, **kw) -> SecondOrderOptimizer:
     return SecondOrderOptimizer(model, approx="kfac", damping=0.1, adaptive_damping=True, damping_adaptation_interval=2,
                                 curv_update_interval=2, inv_update_interval=4, use_adaptive_learning_rate=True,
-                                use_adaptive_momentum=True, seed=0)
+                                use_adaptive_momentum=True, seed=0, **kw)
+
+
+def _dampings(opt: SecondOrderOptimizer, closure, y: Tensor, targets: bool, steps: int = 8) -> List[float]:
+    """The damping after each of ``steps`` steps, given ``targets=y`` or not."""
+    dampings = []
+    for _ in range(steps):
+        opt.step(closure, targets=y) if targets else opt.step(closure)
+        dampings.append(opt.damping)
+    return dampings
 
 
 def _closure(opt, model, x, y, calls: List[int], loss_of: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
@@ -235,10 +244,7 @@ def test_a_closure_returning_the_selectors_pick_takes_one_forward_too(returned: 
     def train(returned: str, extra: float = 0.0):
         inner, x, y = _problem()
         model = _DictOut(inner)
-        opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, adaptive_damping=True,
-                                   damping_adaptation_interval=2, curv_update_interval=2, inv_update_interval=4,
-                                   use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=0,
-                                   output_selector=lambda o: o["logits"])
+        opt = _optimizer(model, output_selector=lambda o: o["logits"])
         calls: List[int] = []
 
         def closure():
@@ -272,10 +278,7 @@ def test_an_output_changed_in_place_in_the_closure_is_called_again(returned: str
     def train(targets: bool):
         inner, x, y = _problem()
         model = _DictOut(inner)
-        opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, adaptive_damping=True,
-                                   damping_adaptation_interval=2, curv_update_interval=2, inv_update_interval=4,
-                                   use_adaptive_learning_rate=True, use_adaptive_momentum=True, seed=0,
-                                   output_selector=lambda o: o["logits"])
+        opt = _optimizer(model, output_selector=lambda o: o["logits"])
         calls: List[int] = []
 
         def closure():
@@ -286,10 +289,7 @@ def test_an_output_changed_in_place_in_the_closure_is_called_again(returned: str
             loss = F.cross_entropy(logits, y)
             loss.backward()
             return loss, (out if returned == "output" else logits)
-        dampings = []
-        for _ in range(8):
-            opt.step(closure, targets=y) if targets else opt.step(closure)
-            dampings.append(opt.damping)
+        dampings = _dampings(opt, closure, y, targets)
         return len(calls), dampings
     calls, dampings = train(targets=True)
     ref_calls, ref_dampings = train(targets=False)
@@ -325,10 +325,7 @@ def test_a_forward_under_autocast_whose_logits_are_upcast_is_called_again() -> N
             loss = F.cross_entropy(out, y)
             loss.backward()
             return loss, out
-        dampings = []
-        for _ in range(8):
-            opt.step(closure, targets=y) if targets else opt.step(closure)
-            dampings.append(opt.damping)
+        dampings = _dampings(opt, closure, y, targets)
         return len(calls), dampings
     calls, dampings = train(targets=True)
     ref_calls, ref_dampings = train(targets=False)
