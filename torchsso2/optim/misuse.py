@@ -321,8 +321,9 @@ def _partly_unreached(blk: Any) -> Optional[float]:
     ``G`` has a zero diagonal (the likelihood does not depend on them: a selector picking part of a layer's output,
     ``o[:, :D]`` of ``[mean, log-variance]``), when at least :data:`PARTLY_UNREACHED_SHARE`; else None. Zeros of the
     input side (tokens or features absent from the batch, where an L2 term or gradients accumulated over other
-    batches have a gradient) do not count; nor do other shapes, whose diagonal cannot tell the two apart."""
-    if not isinstance(blk, KFACBlock) or _wholly_unreached(blk):  # (that one has its own warning)
+    batches have a gradient) do not count; nor do other shapes, whose diagonal cannot tell the two apart. Not
+    called on a block :func:`_wholly_unreached` is true of (that one has its own warning)."""
+    if not isinstance(blk, KFACBlock):
         return None
     grads = [p.grad for p in blk.layout.params]
     if any(g is None for g in grads):
@@ -339,15 +340,17 @@ def _partly_unreached(blk: Any) -> Optional[float]:
     return share if share >= PARTLY_UNREACHED_SHARE else None
 
 
-def _looked_at(opt: Any, key: str, fresh: Dict[str, Any], test: Callable[[Any], Any]) -> Dict[str, Any]:
+def _looked_at(opt: Any, key: str, fresh: Dict[str, Any], test: Callable[[Any], Any],
+               wait: Optional[Callable[[Any], bool]] = None) -> Dict[str, Any]:
     """The modules of ``fresh`` that ``test`` has found (a value not None or False) at each of their first
     :data:`UNREACHED_LOOKS` estimates, with the last value (each module looked at in its first estimates, also
-    one first called later; ``key``: where the counts are kept)."""
+    one first called later; ``key``: where the counts are kept). An estimate where ``wait`` is true of a module's
+    block is not counted for it (the module is looked at again at the next)."""
     looks: Dict[str, int] = opt.__dict__.setdefault(key, {})
     found: Dict[str, Any] = {}
     for name, blk in fresh.items():
         seen = looks.get(name, 0)
-        if seen < 0 or seen >= UNREACHED_LOOKS:
+        if seen < 0 or seen >= UNREACHED_LOOKS or (wait is not None and wait(blk)):
             continue
         value = test(blk)
         hit = value is not None and value is not False
@@ -392,8 +395,7 @@ def warn_unreached_blocks(opt: Any, fresh: Dict[str, Any]) -> None:
                 f"{_unreached_fix(opt, unreached)}", UserWarning, stacklevel=caller_stacklevel())
     if not opt.__dict__.get("_partly_warned"):
         # (a block wholly zero at an estimate, below a zero-initialised head at the first, is not looked at yet)
-        partly = _looked_at(opt, "_partly_looks", {n: b for n, b in fresh.items() if not _wholly_unreached(b)},
-                            _partly_unreached)
+        partly = _looked_at(opt, "_partly_looks", fresh, _partly_unreached, wait=_wholly_unreached)
         if partly:
             opt._partly_warned = True
             shares = ", ".join(f"{n!r}: {100 * v:.0f}%" for n, v in partly.items())
