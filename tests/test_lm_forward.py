@@ -236,16 +236,31 @@ class _DictOut(nn.Module):
         return {"logits": self.inner(x)}
 
 
+def _assert_called_again(train: Callable[[bool], Tuple[int, List[float]]]) -> None:
+    """``train(targets)`` gives (closure calls, dampings) over 8 steps: given targets, the closure is called again
+    at every LM step (as without them) and the damping follows a run without targets."""
+    calls, dampings = train(True)
+    ref_calls, ref_dampings = train(False)
+    assert calls == ref_calls == 8 + 4
+    assert dampings == pytest.approx(ref_dampings, rel=1e-12)
+
+
+def _dict_problem():
+    """The problem's model as :class:`_DictOut`, its optimizer with ``output_selector=lambda o: o["logits"]``, the
+    data and a list to count closure calls in."""
+    inner, x, y = _problem()
+    model = _DictOut(inner)
+    calls: List[int] = []
+    return model, _optimizer(model, output_selector=lambda o: o["logits"]), x, y, calls
+
+
 @pytest.mark.parametrize("returned", ["pick", "pick_view"])
 def test_a_closure_returning_the_selectors_pick_takes_one_forward_too(returned: str) -> None:
     """``return loss, out["logits"]`` (the selector's pick, or the same view taken again) is the model's output as
     the LM rule's one forward and the adaptive loss check need it: no second closure call and the same steps as a
     closure returning the output object; with another loss it is called again and the check warns."""
     def train(returned: str, extra: float = 0.0):
-        inner, x, y = _problem()
-        model = _DictOut(inner)
-        opt = _optimizer(model, output_selector=lambda o: o["logits"])
-        calls: List[int] = []
+        model, opt, x, y, calls = _dict_problem()
 
         def closure():
             calls.append(1)
@@ -276,10 +291,7 @@ def test_an_output_changed_in_place_in_the_closure_is_called_again(returned: str
     would give the LM rule a rho of another function (measured: 8.5 against 2.2). The output's version counters
     tell: the closure is called again, and the damping follows a run without targets."""
     def train(targets: bool):
-        inner, x, y = _problem()
-        model = _DictOut(inner)
-        opt = _optimizer(model, output_selector=lambda o: o["logits"])
-        calls: List[int] = []
+        model, opt, x, y, calls = _dict_problem()
 
         def closure():
             calls.append(1)
@@ -291,10 +303,7 @@ def test_an_output_changed_in_place_in_the_closure_is_called_again(returned: str
             return loss, (out if returned == "output" else logits)
         dampings = _dampings(opt, closure, y, targets)
         return len(calls), dampings
-    calls, dampings = train(targets=True)
-    ref_calls, ref_dampings = train(targets=False)
-    assert calls == ref_calls == 8 + 4
-    assert dampings == pytest.approx(ref_dampings, rel=1e-12)
+    _assert_called_again(train)
 
 
 def test_a_forward_under_autocast_whose_logits_are_upcast_is_called_again() -> None:
@@ -327,7 +336,4 @@ def test_a_forward_under_autocast_whose_logits_are_upcast_is_called_again() -> N
             return loss, out
         dampings = _dampings(opt, closure, y, targets)
         return len(calls), dampings
-    calls, dampings = train(targets=True)
-    ref_calls, ref_dampings = train(targets=False)
-    assert calls == ref_calls == 8 + 4
-    assert dampings == pytest.approx(ref_dampings, rel=1e-12)
+    _assert_called_again(train)
