@@ -271,9 +271,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.epochs is not None:
         epochs = {t: args.epochs for t in vq.TASKS}
     args.epochs = epochs
-    if q and args.json is None:  # a smoke run writes into results/ only when told to
-        args.json = Path(tempfile.mkdtemp(prefix="vi_bench_")) / "vi.json"
-    args.json = args.json or DEFAULT_JSON
+    if not q:  # a smoke run writes into results/ only when told to: main() makes its temp dir when it writes
+        args.json = args.json or DEFAULT_JSON
     args.grids = {m: tuple(args.grid) if args.grid else vq.LR_GRIDS[m] for m in vq.ALL_METHODS}
     if args.seeds < 1 or args.select_seeds < 1 or args.mc_samples < 2 or min(epochs.values()) < 1 or args.long_epochs < 0 \
             or args.paired_seeds < 0 or args.repeats < 1 or args.window < 1:
@@ -357,8 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "skipped": skipped}
     print()
     print(format_tables(report))
-    write_json(args.json, report)
-    print(f"\nwrote {args.json}")
+    json_path = args.json or Path(tempfile.mkdtemp(prefix="vi_bench_")) / "vi.json"
+    write_json(json_path, report)
+    print(f"\nwrote {json_path}")
     return 0
 
 

@@ -199,10 +199,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             raise SystemExit("under mpiexec/torchrun only the vi-* methods run data-parallel")
         if dropped and process_rank() == 0:
             print(f"data-parallel run: skipping the single-process baselines {dropped}", flush=True)
+    scratch = None  # the other ranks' files go to a directory removed when run() returns (or the process ends)
     if process_rank() != 0:  # only rank 0 reports and writes files
         args.no_progress = True
         sys.stdout = open(os.devnull, "w")
-        args.out_dir = Path(tempfile.mkdtemp(prefix=f"bayesian_digits_rank{process_rank()}_"))  # (not /dev/tmp)
+        scratch = tempfile.TemporaryDirectory(prefix=f"bayesian_digits_rank{process_rank()}_")
+        args.out_dir, args.entropy_plot = Path(scratch.name), None
     data = load_digits_data()
     if world_size() > 1:
         print(f"data-parallel run{launch_note()}: methods {', '.join(args.methods)}", flush=True)
@@ -256,6 +258,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
               "results": results, "figures": figures}
     write_json(args.out_dir / "results.json", report)
     print(f"\nwrote {', '.join(figures)} and {args.out_dir / 'results.json'}")
+    if scratch is not None:
+        scratch.cleanup()
     return report
 
 

@@ -9,7 +9,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -103,13 +103,13 @@ def torchrun_script(tmp_path: Path, name: str, text: str, *args: str, ranks: int
 
 
 def launch_example(prefix: Sequence[str], script: str, *args: str, timeout: float = 180.0,
-                   finished_marker: str = "final test accuracy") -> str:
+                   finished_marker: str = "final test accuracy", env: Optional[Dict[str, str]] = None) -> str:
     """Run ``[*prefix, REPO/script, *args]`` with 1 OpenMP thread and return its stdout; assert exit 0.
 
     A run that printed ``finished_marker`` and then died of :data:`GLOO_TEARDOWN_ABORT` (upstream,
     after the training finished) is run once more, with a warning; any other failure, or that
-    abort twice in a row, fails the test."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    abort twice in a row, fails the test. ``env``: more environment variables for the run."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     cmd = [*prefix, str(REPO / script), *args]
     for attempt in (1, 2):
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

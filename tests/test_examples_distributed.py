@@ -16,8 +16,8 @@ pytest.importorskip("sklearn", reason="the examples need scikit-learn")
 
 
 
-def _launch(prefix, script, *args, timeout=180.0) -> str:
-    return launch_example(prefix, script, *args, timeout=timeout)
+def _launch(prefix, script, *args, timeout=180.0, env=None) -> str:
+    return launch_example(prefix, script, *args, timeout=timeout, env=env)
 
 
 def _final_accuracy(out: str) -> float:
@@ -47,7 +47,9 @@ def test_train_digits_data_parallel(launcher, tmp_path):
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_bayesian_digits_data_parallel(launcher, tmp_path):
     out = _launch(LAUNCHERS[launcher](), "examples/bayesian_digits.py", "--epochs", "1", "--no-progress",
-                  "--methods", "vi-kfac", "--mc-samples", "4", "--out-dir", str(tmp_path))
+                  "--methods", "vi-kfac", "--mc-samples", "4", "--out-dir", str(tmp_path / "out"),
+                  env={"TMPDIR": str(tmp_path)})
     assert "vi-kfac" in out
-    result = json.loads((tmp_path / "results.json").read_text())
+    assert not list(tmp_path.glob("bayesian_digits_rank*")), "rank 1's scratch directory is removed"
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert result["results"]["vi-kfac"]["accuracy"] > 0.8

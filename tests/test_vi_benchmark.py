@@ -322,8 +322,9 @@ def test_diabetes_split_seeds_give_different_test_examples() -> None:
     assert a.x_test.shape == b.x_test.shape and not torch.equal(a.x_test, b.x_test)
 
 
-def test_quick_without_json_writes_into_a_temp_dir() -> None:
-    assert vi.parse_args(["--quick"]).json.parent != vi.RESULTS_DIR
+def test_quick_without_json_writes_into_a_temp_dir_made_when_it_writes(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(vi.tempfile, "tempdir", str(tmp_path))  # parse_args alone (tests, --help) leaves no dir
+    assert vi.parse_args(["--quick"]).json is None and not list(tmp_path.iterdir())
     assert vi.parse_args([]).json == vi.DEFAULT_JSON
     assert vi.parse_args([]).long_epochs == 200 and vi.parse_args([]).seeds == 5
     assert vi.parse_args([]).regression_splits == 20 and vi.parse_args(["--quick"]).regression_splits == 2
