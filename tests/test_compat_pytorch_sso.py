@@ -620,6 +620,42 @@ def test_a_checkpoint_from_when_the_groups_held_the_native_lr_resumes_at_the_sam
         assert [g["lr"] for g in fresh.param_groups] == pytest.approx([0.05])
 
 
+@pytest.mark.parametrize("face", ["so", "vi"])
+def test_a_compat_checkpoint_with_a_gradient_ema_is_refused_by_the_native_class(face: str) -> None:
+    """Both faces tag their checkpoints with the native name; under a gradient EMA the compat groups' lr is
+    applied times d, so the native class would step 1/d times as far (17x in the probe): a ValueError.
+    Without the EMA (d = 1) the groups' lr is the native one and the checkpoint loads."""
+    def compat(d: float):
+        if face == "so":
+            return SecondOrderOptimizer(_mlp(), "Cov", {"Linear": "Kron"}, {"damping": 0.1}, lr=0.05,
+                                        grad_ema_decay=d)
+        return VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {"damping": 1e-2}, lr=0.05, grad_ema_decay=d,
+                           num_mc_samples=1, init_precision=1e-2)
+
+    def native():
+        if face == "so":
+            return torchsso2.SecondOrderOptimizer(_mlp(), lr=0.05, approx={nn.Linear: "kfac"},
+                                                  curvature="empirical_fisher")
+        return torchsso2.VIOptimizer(_mlp(), dataset_size=50, lr=0.05, curvature="empirical_fisher")
+    sd = compat(0.2).state_dict()
+    assert sd["torchsso2"]["extra"]["lr_scale"] == 0.2
+    opt = native()
+    groups = [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+    with pytest.raises(ValueError, match=r"saved by torchsso2\.compat\.pytorch_sso\.\w+Optimizer, whose updates apply "
+                                         r"the groups' lr times 0\.2 .*load it into the compat class"):
+        opt.load_state_dict(sd)
+    assert [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups] == groups
+    unrecorded = {**sd, "torchsso2": {**sd["torchsso2"], "extra": {k: v for k, v in sd["torchsso2"]["extra"].items()
+                                                                   if k != "lr_scale"}}}
+    with pytest.raises(ValueError, match=r"an unrecorded scale"):
+        native().load_state_dict(unrecorded)
+    compat(0.2).load_state_dict(sd)  # the compat class takes it
+    plain = compat(1.0).state_dict()
+    fresh = native()
+    fresh.load_state_dict(plain)
+    assert [g["lr"] for g in fresh.param_groups] == pytest.approx([0.05])
+
+
 def test_val_num_mc_samples_is_checked_at_construction() -> None:
     with pytest.raises(ValueError, match=r"val_num_mc_samples=-1 must be an int >= 0"):
         VIOptimizer(_mlp(), 50, "Cov", {"Linear": "Diag"}, {}, val_num_mc_samples=-1)

@@ -341,6 +341,32 @@ def test_state_dict_format_and_round_trip():
         KFACPreconditioner(tiny()).load_state_dict(pre.state_dict(include_factors=False))
 
 
+def test_a_checkpoint_without_factors_leaves_a_trained_preconditioners_factors_as_they_are():
+    """docs/kfac.md: a preconditioner that already has factors keeps them and its decompositions on such a
+    load (kfac_pytorch's load_state_dict touches the layers only when the dict has 'layers'); the counters
+    are the checkpoint's."""
+    import copy
+    model = tiny()
+    pre = KFACPreconditioner(model, damping=0.01, factor_update_steps=3, inv_update_steps=3)
+    _train(pre, model, 1)
+    light = pre.state_dict(include_factors=False)  # steps 1
+    _train(pre, model, 3, seed=1)  # factors and decompositions of step 3
+    factors = {n: (lay.a_factor.clone(), lay.g_factor.clone()) for n, lay in pre.layers.items()}
+    twin_model, twin = copy.deepcopy((model, pre))
+    with pytest.warns(UserWarning, match="inverses cannot be computed"):
+        pre.load_state_dict(light)
+    assert pre.steps == 1
+    for n, lay in pre.layers.items():
+        assert torch.equal(lay.a_factor, factors[n][0]) and torch.equal(lay.g_factor, factors[n][1])
+    x = torch.rand(4, 10)
+    for m, p in ((model, pre), (twin_model, twin)):  # steps 1 and 4: no factor or inverse update
+        m(x).square().sum().backward()
+        p.step()
+    raw = torch.autograd.grad(twin_model(x).square().sum(), list(twin_model.parameters()))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin_model.parameters()))
+    assert not all(torch.equal(r, b.grad) for r, b in zip(raw, twin_model.parameters()))  # preconditioned
+
+
 def test_memory_usage_counts_factors_and_total():
     model = tiny()
     pre = KFACPreconditioner(model)

@@ -180,9 +180,10 @@ class _SSOGroups:
 
     _lr_scale: float
     param_groups: List[Dict[str, Any]]
+    groups_lr = "pytorch-sso"
 
     def _extra_state(self) -> Dict[str, Any]:
-        return {**super()._extra_state(), "groups_lr": "pytorch-sso"}  # type: ignore[misc]
+        return {**super()._extra_state(), "groups_lr": "pytorch-sso", "lr_scale": self._lr_scale}  # type: ignore[misc]
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         super()._load_extra_state(state)  # type: ignore[misc]

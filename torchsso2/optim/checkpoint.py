@@ -252,6 +252,21 @@ def _check_likelihood(opt: Any, extra: Dict[str, Any]) -> None:
                          "is unchanged")
 
 
+def _check_groups_lr(opt: Any, own: Dict[str, Any]) -> None:
+    """A checkpoint of a PyTorch-SSO compat class whose updates scale the groups' lr (a gradient EMA,
+    ``grad_ema_decay``) loads only into such a class: the native classes would step with the groups' lr as
+    it is (``1/scale`` times the compat's step)."""
+    if own.get("groups_lr") != "pytorch-sso" or opt.groups_lr == "pytorch-sso":
+        return
+    scale = own.get("lr_scale")
+    if scale == 1.0:  # no gradient EMA: the groups' lr is the native one
+        return
+    told = "an unrecorded scale" if scale is None else f"times {scale!r}"
+    raise ValueError(f"this checkpoint was saved by torchsso2.compat.pytorch_sso.{opt.face_name}, whose updates apply "
+                     f"the groups' lr {told} (its gradient EMA, grad_ema_decay): the native {opt.face_name} would "
+                     "step with the groups' lr as it is; load it into the compat class (the optimizer is unchanged)")
+
+
 def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     """Check ``state_dict`` against ``opt`` (a :class:`CurvatureOptimizer`) and its model; see the module
     docstring. Raises ``ValueError`` naming the bad entry; changes nothing."""
@@ -296,6 +311,7 @@ def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:
     if not isinstance(own, dict):
         _fail("['torchsso2']['extra']", f"is a {type(own).__name__}, expected a dict")
     opt._check_extra_state(own)
+    _check_groups_lr(opt, own)
     saved_kind, kind = extra.get("curvature_kind"), opt._curvature_name()
     if isinstance(saved_kind, str) and saved_kind != kind:
         warnings.warn(f"load_state_dict: the checkpoint's curvature statistics were estimated with curvature="

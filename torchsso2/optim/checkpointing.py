@@ -138,6 +138,10 @@ class CheckpointState:
 
     #: the kind of optimizer a checkpoint is tagged with (a checkpoint loads only into the same kind)
     face_name = "CurvatureOptimizer"
+    #: what the groups' ``lr`` means: ``"native"``, or ``"pytorch-sso"`` for the compat classes, whose
+    #: updates apply it times a scale (:mod:`torchsso2.compat.pytorch_sso`); a checkpoint of theirs with a
+    #: scale other than 1 is refused by the native classes (:func:`torchsso2.optim.checkpoint.check_checkpoint`)
+    groups_lr = "native"
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
         """Check the face's own checkpoint entries (ValueError naming the entry)."""
