@@ -98,6 +98,26 @@ def test_second_order_frozen_bias_keeps_the_weight_preconditioned(approx):
     assert (update - g).abs().max() > 0.1 * g.abs().max()  # not the plain gradient
 
 
+def test_hessian_with_a_layer_frozen_in_part_names_the_parameters():
+    """The Hessian differentiates the loss with respect to every covered parameter of a module: a bias
+    frozen mid-run is a ValueError naming it (docs/validation.md), the parameters unchanged; the whole
+    module frozen steps on (it keeps its curvature)."""
+    model = _mlp()
+    opt = SecondOrderOptimizer(model, curvature="hessian", approx="diag", lr=0.1, damping=1.0)
+    opt.step(_closure(model, opt), targets=Y)
+    model[2].bias.requires_grad_(False)
+    model[2].bias.grad = None
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"curvature='hessian'.*\['2\.bias'\] do not require a gradient: freeze "
+                                         r"the whole module"):
+        opt.step(_closure(model, opt), targets=Y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model[2].weight.requires_grad_(False)
+    model[2].weight.grad = None
+    opt.step(_closure(model, opt), targets=Y)
+    assert torch.equal(model[2].weight, before[2]) and not torch.equal(model[0].weight, before[0])
+
+
 @pytest.mark.parametrize("approx", ["kfac", "diag"])
 def test_vi_frozen_bias_is_not_sampled(approx):
     model = _mlp()
