@@ -222,3 +222,55 @@ def test_an_optimizer_built_on_ddp_averages_what_ddp_does_not_sync(tmp_path) -> 
     assert len(lines) == 2, out[-3000:]
     for line in lines:
         assert line.count("ranks-equal True") == 2 and line.count("ddp=bare True") == 2, line
+
+
+SAMPLE_GROUPS = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torchsso2 import VIOptimizer
+    from torchsso2.distributed import get_communicator, shutdown
+
+    comm = get_communicator("torch")
+    x, y = torch.randn(12, 5, generator=torch.Generator().manual_seed(1)), torch.randn(12, 1)
+    for curvature in (None, "fisher"):  # None: the diagonal's default, "reparam"
+        for mode in ("bare", "built-on-ddp", "closure-in-ddp"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1))
+            net = DDP(model) if mode != "bare" else model
+            opt = VIOptimizer(net if mode == "built-on-ddp" else model, dataset_size=120, lr=0.1, loss="mse",
+                              seed=5, approx="diag", curvature=curvature, mc_parallel=2)
+            before = [p.detach().clone() for p in model.parameters()]
+
+            def closure():
+                opt.zero_grad()
+                out = net(x)
+                loss = 0.5 * (out - y).pow(2).mean()
+                loss.backward()
+                return loss, out
+            try:
+                opt.step(closure)
+                outcome = "stepped"
+            except ValueError as err:
+                same = all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.num_steps == 0
+                outcome = "refused-unchanged" if same else "refused-changed"
+                if "pair each group's gradient with its own weight sample" not in str(err):
+                    outcome = "other error: " + str(err)
+            print(f"rank {comm.rank} {curvature or 'reparam'} {mode}: {outcome}", flush=True)
+    shutdown()
+""")
+
+
+def test_reparam_sample_groups_refuse_gradients_ddp_averaged_across_the_groups(tmp_path) -> None:
+    """VIOptimizer's default diagonal with mc_parallel > 1: DDP averages the gradients over all ranks, across
+    the sample groups, so no group's ĥ = g ⊙ ε/s² can pair its gradient with its ε (the probe: 1.4e-3 off one
+    process with both samples at the first step, 7.7e-2 after 5). A ValueError on every rank, the optimizer
+    unchanged; without DDP, and with a kind that does not read the gradient, it steps."""
+    code, out = torchrun_script(tmp_path, "sample_groups.py", SAMPLE_GROUPS, timeout=300)
+    assert code == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} reparam bare: stepped" in out, out[-3000:]
+        assert f"rank {rank} reparam built-on-ddp: refused-unchanged" in out, out[-3000:]
+        assert f"rank {rank} reparam closure-in-ddp: refused-unchanged" in out, out[-3000:]
+        for mode in ("bare", "built-on-ddp", "closure-in-ddp"):
+            assert f"rank {rank} fisher {mode}: stepped" in out, out[-3000:]

@@ -476,6 +476,7 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                     residuals.append(ObservationNoise.mean_squared_residual(self._residual_output(output, targets),
                                                                             targets))
                 if self.reparam and estimate:
+                    self._refuse_ddp_averaged_samples()
                     for name, h in self._reparam_sample(noise).items():
                         hats[name] = hats[name] + h if name in hats else h
                 if curvature is not None:  # {} marks a sample whose output was not finite
@@ -498,6 +499,20 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                 p.grad = grad_sum[id(p)] / self.num_mc_samples if id(p) in grad_sum else None
         return self._output_checked(self._finish_step(snapshot, losses, output, hats, curvature, residuals, targets),
                                     targets)
+
+    def _refuse_ddp_averaged_samples(self) -> None:
+        """``curvature="reparam"`` with sample groups (``mc_parallel > 1``): a ``DistributedDataParallel``
+        wrapper that averaged the closure's gradients did so over every rank, across the groups, and each
+        group's ``ĥ = g ⊙ ε/s²`` needs its own gradient with its own ``ε`` (the step's state is given back)."""
+        sync = self.__dict__.get("_ddp_sync")
+        if self.grid.mc_parallel > 1 and sync is not None and sync.synced:
+            raise ValueError(
+                f"VIOptimizer(curvature='reparam', mc_parallel={self.grid.mc_parallel}): DistributedDataParallel "
+                "averaged this step's gradients over all ranks, across the sample groups, before the estimate "
+                "ĥ = g ⊙ ε/s² could pair each group's gradient with its own weight sample ε. Run the model without "
+                "the DDP wrapper (the optimizer averages the gradients itself, docs/scaling.md), or use "
+                "mc_parallel=1, or a curvature kind that does not read the gradient (curvature='fisher_mc' or "
+                "'fisher'); the optimizer is unchanged")
 
     def _keeps_output_grads(self, targets: Optional[Tensor]) -> bool:
         """The first step's watch keeps the output's gradient for the loss-scale check (:mod:`.vi_checks`)."""
