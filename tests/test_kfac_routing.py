@@ -146,3 +146,35 @@ def test_an_empty_batch_is_named_whatever_the_output_and_the_batch_axis():
     pre = KFACPreconditioner(masked)
     out = masked(torch.randn(6, 4), torch.zeros(6, dtype=torch.bool))  # every row ignored: empty output only
     assert out.shape == (0, 3) and pre._mini_steps["a"] == 1
+
+
+MISMATCH = """
+import torch
+from torch import nn
+from torchsso2.distributed import average_gradients, get_communicator
+
+comm = get_communicator("auto")
+model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+if comm.rank == 1:
+    model[0].requires_grad_(False)  # this rank only: its list of trainable parameters is shorter
+model(torch.randn(5, 4)).square().sum().backward()
+try:
+    average_gradients(model.parameters(), comm)
+    print(f"rank {comm.rank}: averaged", flush=True)
+except RuntimeError as err:
+    print(f"rank {comm.rank}: {err}", flush=True)
+"""
+
+
+def test_average_gradients_refuses_ranks_that_disagree_on_which_parameters_train(tmp_path):
+    """Under MPI, ranks reducing lists of other lengths paired one parameter's gradient with another's without an
+    error (the probe: the last layer's mean differed between the ranks by 0.2); the count and size of the
+    parameters ride first in the all-reduce, and every rank raises."""
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    proc = subprocess.run([require_mpiexec(), "-n", "2", sys.executable, str(script)], env=mpi_env(),
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "rank 0: average_gradients: rank 0 averages gradients of 4 parameters" in proc.stdout, proc.stdout
+    assert "rank 1: average_gradients: rank 1 averages gradients of 2 parameters" in proc.stdout, proc.stdout
+    assert proc.stdout.count("the ranks disagree on which parameters train") == 2, proc.stdout

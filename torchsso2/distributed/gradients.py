@@ -8,12 +8,14 @@ parameter's gradient with another's or leaves the buffers of different sizes.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
 from torch import nn
 
 from torchsso2.distributed.communicator import Communicator
+from torchsso2.distributed.consistency import sizes_digest
 
 __all__ = ["average_gradients"]
 
@@ -30,8 +32,14 @@ def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) ->
         parameters: the model's parameters (``model.parameters()``).
         comm: the communicator (``preconditioner.tdc``, or :func:`~torchsso2.distributed.get_communicator`).
 
+    The count and total size of the parameters ride first in the same all-reduce (as in the optimizers'
+    own averaging): ranks that disagree on which parameters train (``requires_grad_`` changed on some
+    ranks only) would pair one parameter's gradient with another's, which MPI reduces without an error.
+
     Raises:
         TypeError: a sparse gradient (an ``nn.Embedding(sparse=True)``): densify it or use DDP.
+        RuntimeError: the ranks hold other numbers or sizes of parameters that require grad (the
+            gradients are then not usable).
     """
     params = [p for p in parameters if p.requires_grad]
     if comm.world_size == 1 or not params:
@@ -43,8 +51,18 @@ def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) ->
     lacking = [p.grad is None for p in params]
     grads = [torch.zeros_like(p) if none else p.grad for p, none in zip(params, lacking)]
     real = grads[0].real.dtype if grads[0].is_complex() else grads[0].dtype
-    flag = torch.tensor([0.0 if none else 1.0 for none in lacking], dtype=real, device=grads[0].device)
-    comm.allreduce([flag] + grads, op="mean")
-    for p, g, none, share in zip(params, grads, lacking, flag.tolist()):
+    # the sizes modulo a number whose sum over the ranks the dtype holds exactly (the mean of equal values is exact)
+    exact = max(1, 2 ** min(1 - int(math.log2(torch.finfo(real).eps)), 30) // comm.world_size)
+    numel = sum(p.numel() for p in params)
+    size = [float(len(params) % exact), float(numel % exact), float(sizes_digest(len(params), numel, exact))]
+    flag = torch.tensor(size + [0.0 if none else 1.0 for none in lacking], dtype=real, device=grads[0].device)
+    comm.allreduce([flag] + grads, op="mean")  # the flag first: its sizes line up even where the buffers differ
+    if flag[:3].tolist() != size:
+        raise RuntimeError(
+            f"average_gradients: rank {comm.rank} averages gradients of {len(params)} parameters that require grad "
+            f"({numel} numbers), but the ranks hold other numbers or sizes: the ranks disagree on which parameters "
+            "train (requires_grad changed on some ranks only); change them on every rank alike. The gradients of "
+            "this step are not usable")
+    for p, g, none, share in zip(params, grads, lacking, flag[3:].tolist()):
         if none and share > 0:  # another rank's batch reached it: this rank's zeros, averaged
             p.grad = g
