@@ -108,15 +108,18 @@ def test_settings_check_compares_layer_shapes() -> None:
 
 
 def _construct_on_two_ranks(face: str, kwargs: List[Dict[str, Any]],
-                            dtypes: Sequence[torch.dtype] = (torch.float32, torch.float32)) -> List[Optional[BaseException]]:
-    """Build the face on 2 ranks played by 2 threads (rank r: ``kwargs[r]``, a model in ``dtypes[r]``);
-    the exception each rank's constructor raised."""
+                            dtypes: Sequence[torch.dtype] = (torch.float32, torch.float32),
+                            buffers: Sequence[Dict[str, torch.Tensor]] = ({}, {})) -> List[Optional[BaseException]]:
+    """Build the face on 2 ranks played by 2 threads (rank r: ``kwargs[r]``, a model in ``dtypes[r]`` with the
+    buffers ``buffers[r]`` registered on its first layer); the exception each rank's constructor raised."""
     from torchsso2 import SecondOrderOptimizer, VIOptimizer
 
     pair = ThreadPair()
 
     def build(rank: int) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).to(dtypes[rank])
+        for name, value in buffers[rank].items():
+            model[0].register_buffer(name, value.clone())
         if face == "sso":
             SecondOrderOptimizer(model, communicator=ThreadComm(pair, rank), **kwargs[rank])
         else:  # reparam=True/False: curvature="reparam" (the estimator) or the exact Fisher, same kind
@@ -166,6 +169,23 @@ def test_model_dtypes_compared_across_ranks(face: str) -> None:
     errors = _construct_on_two_ranks(face, [{}, {}], (torch.float32, torch.float64))
     assert all(isinstance(e, ValueError) for e in errors), errors
     assert "param_dtypes (rank 0: ['torch.float32'], rank 1: ['torch.float64'])" in str(errors[0]), errors[0]
+
+
+@pytest.mark.parametrize("face", ["sso", "vi"])
+@pytest.mark.parametrize("ranks,named", [
+    (({"stat": torch.zeros(4)}, {"stat": torch.zeros(7)}), "buffers (rank 0: ['0.stat: [4] torch.float32'], "
+                                                           "rank 1: ['0.stat: [7] torch.float32'])"),
+    (({"stat": torch.zeros(4)}, {"stat": torch.zeros(4, dtype=torch.float64)}), "0.stat: [4] torch.float64"),
+    (({"stat": torch.zeros(4)}, {}), "buffers.count (rank 0: 1, rank 1: 0)"),
+])
+def test_model_buffers_compared_across_ranks(face: str, ranks: Any, named: str) -> None:
+    """The start broadcasts rank 0's buffers into the others' by position: a buffer of another size filled
+    rank 1's with uninitialised memory under gloo, another dtype or number aborted the job (MPI: a bare
+    'Other MPI error'). A ValueError naming the buffers at construction on every rank."""
+    errors = _construct_on_two_ranks(face, [{}, {}], buffers=ranks)
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert named in str(errors[0]), errors[0]
+    assert str(errors[0]) == str(errors[1])
 
 
 def test_describe_is_stable_text() -> None:

@@ -158,8 +158,9 @@ def check_optimizer_settings(opt: Any) -> None:
     Compares the optimizer class, the curvature kind, loss, per-module approximation and ``kfac_approx``, the
     update intervals, ``ema_decay``, ``mc_samples``, the non-finite policy, the decomposition
     dtype, ``grad_worker_fraction`` / ``assignment_strategy`` (passed through ``opt``), the
-    defaults of the param groups (lr, momentum, ...), every group's parameter shapes and settings, and the
-    attributes of :data:`SUBCLASS_ATTRIBUTES` the optimizer has set (damping, ...).
+    defaults of the param groups (lr, momentum, ...), every group's parameter shapes and settings, the model's
+    buffers (names, shapes and dtypes: the start broadcasts them), and the attributes of
+    :data:`SUBCLASS_ATTRIBUTES` the optimizer has set (damping, ...).
     """
     if opt.comm.world_size <= 1:
         return
@@ -180,6 +181,10 @@ def check_optimizer_settings(opt: Any) -> None:
         # the start's broadcast and every all-reduce pair the ranks' tensors by position: a dtype that
         # differs (float32 here, float64 there) would corrupt them, not raise
         "param_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
+        # the start's broadcast sends rank 0's buffers too (torchsso2/optim/grid.py: agree_on_start), paired by
+        # position: another number, shape or dtype would corrupt them (gloo) or fail without naming them (MPI)
+        "buffers.count": len(list(opt.model.buffers())),
+        "buffers": [f"{name}: {list(b.shape)} {b.dtype}" for name, b in opt.model.named_buffers()],
     }
     placement = getattr(opt, "placement", None)
     if placement is not None:
