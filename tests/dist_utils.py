@@ -109,7 +109,7 @@ def launch_example(prefix: Sequence[str], script: str, *args: str, timeout: floa
     A run that printed ``finished_marker`` and then died of :data:`GLOO_TEARDOWN_ABORT` (upstream,
     after the training finished) is run once more, with a warning; any other failure, or that
     abort twice in a row, fails the test. ``env``: more environment variables for the run."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     cmd = [*prefix, str(REPO / script), *args]
     for attempt in (1, 2):
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

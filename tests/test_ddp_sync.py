@@ -234,18 +234,24 @@ SAMPLE_GROUPS = textwrap.dedent("""
     comm = get_communicator("torch")
     x, y = torch.randn(12, 5, generator=torch.Generator().manual_seed(1)), torch.randn(12, 1)
     for curvature in (None, "fisher"):  # None: the diagonal's default, "reparam"
-        for mode in ("bare", "built-on-ddp", "closure-in-ddp"):
+        for mode in ("bare", "built-on-ddp", "closure-in-ddp", "ddp-and-bare-pass", "second-sample-in-ddp"):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1))
             net = DDP(model) if mode != "bare" else model
             opt = VIOptimizer(net if mode == "built-on-ddp" else model, dataset_size=120, lr=0.1, loss="mse",
-                              seed=5, approx="diag", curvature=curvature, mc_parallel=2)
+                              seed=5, approx="diag", curvature=curvature, mc_parallel=2,
+                              num_mc_samples=4 if mode == "second-sample-in-ddp" else 2)
             before = [p.detach().clone() for p in model.parameters()]
+            calls = []
 
             def closure():
                 opt.zero_grad()
-                out = net(x)
+                calls.append(1)
+                # the first sample of this rank's two bare, the second through DDP
+                out = (model if mode == "second-sample-in-ddp" and len(calls) == 1 else net)(x)
                 loss = 0.5 * (out - y).pow(2).mean()
+                if mode == "ddp-and-bare-pass":  # an extra term from a pass DDP does not see
+                    loss = loss + 1e-3 * model(x + 1).pow(2).mean()
                 loss.backward()
                 return loss, out
             try:
@@ -265,12 +271,14 @@ def test_reparam_sample_groups_refuse_gradients_ddp_averaged_across_the_groups(t
     """VIOptimizer's default diagonal with mc_parallel > 1: DDP averages the gradients over all ranks, across
     the sample groups, so no group's ĥ = g ⊙ ε/s² can pair its gradient with its ε (the probe: 1.4e-3 off one
     process with both samples at the first step, 7.7e-2 after 5). A ValueError on every rank, the optimizer
-    unchanged; without DDP, and with a kind that does not read the gradient, it steps."""
+    unchanged, also where only some of the step's forwards (a bare second pass in the closure) or samples (the
+    second of a rank's two) ran inside DDP; without DDP, and with a kind that does not read the gradient, it
+    steps."""
     code, out = torchrun_script(tmp_path, "sample_groups.py", SAMPLE_GROUPS, timeout=300)
     assert code == 0, out[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} reparam bare: stepped" in out, out[-3000:]
-        assert f"rank {rank} reparam built-on-ddp: refused-unchanged" in out, out[-3000:]
-        assert f"rank {rank} reparam closure-in-ddp: refused-unchanged" in out, out[-3000:]
-        for mode in ("bare", "built-on-ddp", "closure-in-ddp"):
+        for mode in ("built-on-ddp", "closure-in-ddp", "ddp-and-bare-pass", "second-sample-in-ddp"):
+            assert f"rank {rank} reparam {mode}: refused-unchanged" in out, out[-3000:]
+        for mode in ("bare", "built-on-ddp", "closure-in-ddp", "ddp-and-bare-pass", "second-sample-in-ddp"):
             assert f"rank {rank} fisher {mode}: stepped" in out, out[-3000:]

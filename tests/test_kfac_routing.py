@@ -154,15 +154,19 @@ from torch import nn
 from torchsso2.distributed import average_gradients, get_communicator
 
 comm = get_communicator("auto")
-model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-if comm.rank == 1:
-    model[0].requires_grad_(False)  # this rank only: its list of trainable parameters is shorter
-model(torch.randn(5, 4)).square().sum().backward()
-try:
-    average_gradients(model.parameters(), comm)
-    print(f"rank {comm.rank}: averaged", flush=True)
-except RuntimeError as err:
-    print(f"rank {comm.rank}: {err}", flush=True)
+for frozen in ([0], [0, 2], []):  # on rank 1 only: a shorter list of trainable parameters, none, the same
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    if comm.rank == 1:
+        for i in frozen:
+            model[i].requires_grad_(False)
+    out = model(torch.randn(5, 4)).square().sum()
+    if out.requires_grad:
+        out.backward()
+    try:
+        average_gradients(model.parameters(), comm)
+        print(f"{frozen} rank {comm.rank}: averaged", flush=True)
+    except RuntimeError as err:
+        print(f"{frozen} rank {comm.rank}: {err}", flush=True)
 """
 
 
@@ -175,6 +179,10 @@ def test_average_gradients_refuses_ranks_that_disagree_on_which_parameters_train
     proc = subprocess.run([require_mpiexec(), "-n", "2", sys.executable, str(script)], env=mpi_env(),
                           capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 0, f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "rank 0: average_gradients: rank 0 averages gradients of 4 parameters" in proc.stdout, proc.stdout
-    assert "rank 1: average_gradients: rank 1 averages gradients of 2 parameters" in proc.stdout, proc.stdout
-    assert proc.stdout.count("the ranks disagree on which parameters train") == 2, proc.stdout
+    assert "[0] rank 0: average_gradients: rank 0 averages gradients of 4 parameters" in proc.stdout, proc.stdout
+    assert "[0] rank 1: average_gradients: rank 1 averages gradients of 2 parameters" in proc.stdout, proc.stdout
+    # every parameter frozen on one rank: it takes part too (it returned at once, and the other rank waited)
+    assert "[0, 2] rank 1: average_gradients: rank 1 averages gradients of 0 parameters" in proc.stdout, proc.stdout
+    assert "[0, 2] rank 0: average_gradients: rank 0 averages" in proc.stdout, proc.stdout
+    assert proc.stdout.count("the ranks disagree on which parameters train") == 4, proc.stdout
+    assert "[] rank 0: averaged" in proc.stdout and "[] rank 1: averaged" in proc.stdout, proc.stdout

@@ -23,6 +23,8 @@ from torchsso2.distributed.communicator import BucketedCommunicator
 
 #: characters of each differing value's text that travel in the error message
 VALUE_CHARS = 160
+#: the most of a differing setting's text gathered to find where the ranks' values first differ (error path only)
+MAX_SHOWN_TEXT = 1 << 16
 
 
 def describe(value: Any) -> str:
@@ -96,17 +98,23 @@ def check_same_settings(comm: Any, settings: Mapping[str, Any], owner: str,
         raise ValueError(f"{owner}: the ranks compare different sets of settings (torchsso2 versions differ "
                          f"between ranks?); this rank's: {keys}")
     differing = [i for i in range(len(keys)) if not bool((table[:, 1 + i] == table[0, 1 + i]).all())]
-    codes = torch.zeros(len(differing), VALUE_CHARS, dtype=torch.int64)
-    for j, i in enumerate(differing):
-        raw = texts[i].encode("utf-8")[:VALUE_CHARS]
+    # the whole texts (the error path only): each shown from a little before where the ranks' first differ, so that
+    # a long value (a model's buffer list) names the entry that differs, not a prefix every rank shares
+    raws = [texts[i].encode("utf-8")[:MAX_SHOWN_TEXT] for i in differing]
+    lengths = _gather(comm, torch.tensor([len(r) for r in raws], dtype=torch.int64, device=device)).cpu()
+    codes = torch.zeros(len(differing), max(1, int(lengths.max())), dtype=torch.int64)
+    for j, raw in enumerate(raws):
         codes[j, :len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
     values = _gather(comm, codes.to(device)).cpu()
     lines: List[str] = []
     for j, i in enumerate(differing):
+        per = [bytes(values[r, j, :int(lengths[r, j])].tolist()) for r in range(comm.world_size)]
+        first = next((k for k in range(min(map(len, per))) if len({t[k] for t in per}) > 1), min(map(len, per)))
+        lo = max(0, first - VALUE_CHARS // 4)
         per_rank = []
-        for r in range(comm.world_size):
-            raw = bytes(int(c) for c in values[r, j] if int(c) != 0).decode("utf-8", errors="replace")
-            per_rank.append(f"rank {r}: {raw}")
+        for r, raw in enumerate(per):
+            shown = raw[lo:lo + VALUE_CHARS].decode("utf-8", errors="replace")
+            per_rank.append(f"rank {r}: {'…' if lo else ''}{shown}{'…' if len(raw) > lo + VALUE_CHARS else ''}")
         lines.append(f"{keys[i]} ({', '.join(per_rank)})")
     raise ValueError(f"{owner} was built with different settings on different ranks, which would make their "
                      f"collectives mismatch (a hang or wrong results): " + "; ".join(lines)
@@ -181,8 +189,11 @@ def check_optimizer_settings(opt: Any) -> None:
         # the start's broadcast and every all-reduce pair the ranks' tensors by position: a dtype that
         # differs (float32 here, float64 there) would corrupt them, not raise
         "param_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
-        # the start's broadcast sends rank 0's buffers too (torchsso2/optim/grid.py: agree_on_start), paired by
-        # position: another number, shape or dtype would corrupt them (gloo) or fail without naming them (MPI)
+        # the start's broadcast sends rank 0's parameters (those outside the groups too: a frozen embedding) and
+        # buffers (torchsso2/optim/grid.py: agree_on_start), paired by position: another number, shape or dtype
+        # would corrupt them (gloo) or fail without naming them (MPI)
+        "model.parameters.count": len(list(opt.model.parameters())),
+        "model.parameters": [f"{name}: {list(p.shape)} {p.dtype}" for name, p in opt.model.named_parameters()],
         "buffers.count": len(list(opt.model.buffers())),
         "buffers": [f"{name}: {list(b.shape)} {b.dtype}" for name, b in opt.model.named_buffers()],
     }

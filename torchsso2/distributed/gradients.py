@@ -8,7 +8,6 @@ parameter's gradient with another's or leaves the buffers of different sizes.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -28,13 +27,14 @@ def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) ->
     one flag per parameter rides first in the same all-reduce, so a parameter no rank has a gradient for
     keeps ``grad=None``. One process: nothing to do.
 
+    The count and total size of the parameters are compared first, in an all-reduce of three numbers:
+    ranks that disagree on which parameters train (``requires_grad_`` changed on some ranks only, all of
+    them frozen on one) would pair one parameter's gradient with another's (MPI reduces that without an
+    error) or wait in different collectives.
+
     Args:
         parameters: the model's parameters (``model.parameters()``).
         comm: the communicator (``preconditioner.tdc``, or :func:`~torchsso2.distributed.get_communicator`).
-
-    The count and total size of the parameters ride first in the same all-reduce (as in the optimizers'
-    own averaging): ranks that disagree on which parameters train (``requires_grad_`` changed on some
-    ranks only) would pair one parameter's gradient with another's, which MPI reduces without an error.
 
     Raises:
         TypeError: a sparse gradient (an ``nn.Embedding(sparse=True)``): densify it or use DDP.
@@ -42,27 +42,35 @@ def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) ->
             gradients are then not usable).
     """
     params = [p for p in parameters if p.requires_grad]
-    if comm.world_size == 1 or not params:
+    if comm.world_size == 1:
         return
     sparse = [tuple(p.shape) for p in params if p.grad is not None and p.grad.is_sparse]
     if sparse:
         raise TypeError(f"average_gradients: sparse gradients (parameters of shapes {sparse}) cannot be averaged "
                         "in the flat buckets; use nn.Embedding(sparse=False) or DistributedDataParallel")
-    lacking = [p.grad is None for p in params]
-    grads = [torch.zeros_like(p) if none else p.grad for p, none in zip(params, lacking)]
-    real = grads[0].real.dtype if grads[0].is_complex() else grads[0].dtype
-    # the sizes modulo a number whose sum over the ranks the dtype holds exactly (the mean of equal values is exact)
-    exact = max(1, 2 ** min(1 - int(math.log2(torch.finfo(real).eps)), 30) // comm.world_size)
+    # the count and size first, in a collective of their own (three float64 numbers, exact modulo 2^30 / W): ranks
+    # with other lists would reduce buffers of other sizes, or other numbers of buckets, in the gradients' one
+    exact = max(1, 2 ** 30 // comm.world_size)
     numel = sum(p.numel() for p in params)
-    size = [float(len(params) % exact), float(numel % exact), float(sizes_digest(len(params), numel, exact))]
-    flag = torch.tensor(size + [0.0 if none else 1.0 for none in lacking], dtype=real, device=grads[0].device)
-    comm.allreduce([flag] + grads, op="mean")  # the flag first: its sizes line up even where the buffers differ
-    if flag[:3].tolist() != size:
+    mine = [float(len(params) % exact), float(numel % exact), float(sizes_digest(len(params), numel, exact))]
+    device = params[0].device if params else \
+        (torch.device("cuda", torch.cuda.current_device()) if getattr(comm, "backend_name", "") == "nccl"
+         else torch.device("cpu"))
+    sizes = torch.tensor(mine, dtype=torch.float64, device=device)
+    comm.allreduce([sizes], op="mean")
+    if sizes.tolist() != mine:
         raise RuntimeError(
             f"average_gradients: rank {comm.rank} averages gradients of {len(params)} parameters that require grad "
             f"({numel} numbers), but the ranks hold other numbers or sizes: the ranks disagree on which parameters "
             "train (requires_grad changed on some ranks only); change them on every rank alike. The gradients of "
             "this step are not usable")
-    for p, g, none, share in zip(params, grads, lacking, flag[3:].tolist()):
+    if not params:
+        return
+    lacking = [p.grad is None for p in params]
+    grads = [torch.zeros_like(p) if none else p.grad for p, none in zip(params, lacking)]
+    real = grads[0].real.dtype if grads[0].is_complex() else grads[0].dtype
+    flag = torch.tensor([0.0 if none else 1.0 for none in lacking], dtype=real, device=grads[0].device)
+    comm.allreduce([flag] + grads, op="mean")
+    for p, g, none, share in zip(params, grads, lacking, flag.tolist()):
         if none and share > 0:  # another rank's batch reached it: this rank's zeros, averaged
             p.grad = g

@@ -261,10 +261,17 @@ def _check_groups_lr(opt: Any, own: Dict[str, Any]) -> None:
     scale = own.get("lr_scale")
     if scale == 1.0:  # no gradient EMA: the groups' lr is the native one
         return
-    told = "an unrecorded scale" if scale is None else f"times {scale!r}"
-    raise ValueError(f"this checkpoint was saved by torchsso2.compat.pytorch_sso.{opt.face_name}, whose updates apply "
-                     f"the groups' lr {told} (its gradient EMA, grad_ema_decay): the native {opt.face_name} would "
-                     "step with the groups' lr as it is; load it into the compat class (the optimizer is unchanged)")
+    where = f"torchsso2.compat.pytorch_sso.{opt.face_name}"
+    if scale is None:  # saved before the scale was recorded: the default grad_ema_decay=1 is the common case
+        warnings.warn(f"load_state_dict: this checkpoint was saved by {where}, which did not record its gradient EMA "
+                      f"(grad_ema_decay = d): the native {opt.face_name} steps with the groups' lr as saved, which is "
+                      "right for d = 1 (the default) and d times too large otherwise (multiply the groups' lr by d "
+                      "after loading, or load it into the compat class)", UserWarning, stacklevel=caller_stacklevel())
+        return
+    raise ValueError(f"this checkpoint was saved by {where}, whose updates apply the groups' lr times {scale!r} (its "
+                     f"gradient EMA, grad_ema_decay): the native {opt.face_name} would step with the groups' lr as it "
+                     "is; load it into the compat class, or set its param_groups' lr (and initial_lr) to lr × "
+                     f"{scale!r} and its ['torchsso2']['extra']['lr_scale'] to 1.0 (the optimizer is unchanged)")
 
 
 def check_checkpoint(opt: Any, state_dict: Any) -> CheckedCheckpoint:

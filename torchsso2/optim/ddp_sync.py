@@ -52,6 +52,11 @@ class DDPSync:
         #: this step's verdict over its closure calls (read and reset by :meth:`take`)
         self.synced: Optional[bool] = None
         self._call: Optional[bool] = None
+        #: the process groups (their global ranks; None where torch cannot say) of the DDP wrappers that hold the
+        #: model and synced a forward with gradients of the current closure call, over more than one process
+        #: (reset by :meth:`watch`): some of the call's gradients were averaged over those ranks (VIOptimizer's
+        #: sample groups refuse an average across groups)
+        self.call_averaged: List[Optional[Tuple[int, ...]]] = []
         self._owners: Dict[int, bool] = {}  # id(DDP wrapper) -> whether it averages our model's gradients
         #: the fixed random vectors of :func:`fingerprint`, by length and device
         self.projection = _Projection()
@@ -78,6 +83,7 @@ class DDPSync:
     def watch(self) -> RemovableHandle:
         """Register the pre-hook for one closure call (the caller removes it, then calls :meth:`end_call`)."""
         self._call = None
+        self.call_averaged = []
         return self.model.register_forward_pre_hook(LocalHook(self._pre))
 
     def end_call(self, completed: bool = True) -> None:
@@ -92,18 +98,27 @@ class DDPSync:
         if not torch.is_grad_enabled():
             return
         ddp = _active_ddp()
-        synced = ddp is not None and bool(getattr(ddp, "require_backward_grad_sync", False)) and self._owns(ddp)
+        holds, size, ranks = self._owns(ddp) if ddp is not None and getattr(ddp, "require_backward_grad_sync", False) \
+            else (False, None, None)
+        synced = holds and size == self.world_size
         self._call = synced if self._call is None else (self._call and synced)
+        if holds and size != 1:
+            self.call_averaged.append(ranks)
 
-    def _owns(self, ddp: nn.Module) -> bool:
-        """Whether ``ddp`` wraps the model (it or a module containing it) over ``world_size`` processes."""
+    def _owns(self, ddp: nn.Module) -> Tuple[bool, Optional[int], Optional[Tuple[int, ...]]]:
+        """Whether ``ddp`` wraps the model (it or a module containing it), over how many processes, and which
+        (global ranks; None where torch cannot say)."""
         key = id(ddp)
         if key not in self._owners:
             inner = getattr(ddp, "module", None)
             group = getattr(ddp, "process_group", None)
             size = group.size() if group is not None and hasattr(group, "size") else None
-            self._owners[key] = isinstance(inner, nn.Module) and size == self.world_size \
-                and any(m is self.model for m in inner.modules())
+            try:
+                ranks: Optional[Tuple[int, ...]] = tuple(torch.distributed.get_process_group_ranks(group))
+            except Exception:  # (no such API, or not a torch.distributed group)
+                ranks = None
+            holds = isinstance(inner, nn.Module) and any(m is self.model for m in inner.modules())
+            self._owners[key] = (holds, size, ranks)
         return self._owners[key]
 
 

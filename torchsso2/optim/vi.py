@@ -502,13 +502,17 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
 
     def _refuse_ddp_averaged_samples(self) -> None:
         """``curvature="reparam"`` with sample groups (``mc_parallel > 1``): a ``DistributedDataParallel``
-        wrapper that averaged the closure's gradients did so over every rank, across the groups, and each
-        group's ``ĥ = g ⊙ ε/s²`` needs its own gradient with its own ``ε`` (the step's state is given back)."""
+        wrapper that averaged any of this closure call's gradients (one forward of several, one sample of
+        several) did so over ranks, across the groups, and each group's ``ĥ = g ⊙ ε/s²`` needs its own gradient
+        with its own ``ε`` (the step's state is given back)."""
         sync = self.__dict__.get("_ddp_sync")
-        if self.grid.mc_parallel > 1 and sync is not None and sync.synced:
+        if self.grid.mc_parallel <= 1 or sync is None:
+            return
+        # a DDP over ranks of one sample group (its data shards, one ε) is fine: ĥ is linear in g
+        if any(ranks is None or len({self.grid.sample_group(r) for r in ranks}) > 1 for ranks in sync.call_averaged):
             raise ValueError(
                 f"VIOptimizer(curvature='reparam', mc_parallel={self.grid.mc_parallel}): DistributedDataParallel "
-                "averaged this step's gradients over all ranks, across the sample groups, before the estimate "
+                "averaged this step's gradients over ranks of different sample groups before the estimate "
                 "ĥ = g ⊙ ε/s² could pair each group's gradient with its own weight sample ε. Run the model without "
                 "the DDP wrapper (the optimizer averages the gradients itself, docs/scaling.md), or use "
                 "mc_parallel=1, or a curvature kind that does not read the gradient (curvature='fisher_mc' or "
