@@ -129,7 +129,7 @@ def test_learned_noise_is_the_running_mean_of_the_squared_residuals_at_the_sampl
     x, y = regression_batch()
     opt = VIOptimizer(model, dataset_size=N_DATA, lr=0.05, curvature="fisher", approx="full", loss="mse",
                       seed=0, noise_variance="learned", ema_decay=0.0, prior_precision=2.0)
-    assert opt.noise.variance == 1.0
+    assert opt.noise.variance == 1.0 and opt.observation_variance == 1.0 and opt.noise_variance == "learned"
     residuals: List[float] = []
 
     def closure():
@@ -145,6 +145,7 @@ def test_learned_noise_is_the_running_mean_of_the_squared_residuals_at_the_sampl
         ema = sum((1 - NOISE_EMA_DECAY) * NOISE_EMA_DECAY ** (t - k) * r for k, r in enumerate(residuals, 1))
         expected = ema / (1 - NOISE_EMA_DECAY ** t)
         assert opt.noise.variance == pytest.approx(expected, rel=1e-12)
+        assert opt.observation_variance == opt.noise.variance  # the σ² in use, readable as a float
         c = opt.running.blocks
         dense = torch.block_diag(*[b.dense() for b in c.values()])
         eye = torch.eye(dense.shape[0], dtype=dense.dtype)
@@ -197,6 +198,7 @@ def test_unit_noise_variance_is_the_default():
         model = tiny_mlp()
         x, y = regression_batch()
         opt = VIOptimizer(model, dataset_size=N_DATA, loss="mse", seed=0, **kw)
+        assert opt.observation_variance == 1.0
         closure = make_closure(opt, model, x, y, loss="mse")
         for _ in range(3):
             opt.step(closure)

@@ -192,6 +192,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             gradients are averaged: W ranks on W equal shards learn the ``σ²`` of one process on
             the whole batch (with ``mc_parallel = R``: of one process with ``R·m`` samples), and
             every rank holds the same ``σ²``. Unequal shards count equally, as in the gradient.
+            The ``σ²`` in use is :attr:`observation_variance` (the attribute ``noise_variance`` keeps
+            the argument: ``"learned"``).
         seed: seed of the sampling generator (saved in state_dict). None (default): drawn from torch's
             global generator at construction (one draw, as a DataLoader's base seed): ``torch.manual_seed``
             makes a run repeatable, and optimizers built one after another get different streams.
@@ -372,6 +374,13 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         """``N/σ²``: the weight of the unit-variance loss's gradient and curvature in the posterior
         (``N`` = dataset_size; ``σ² = 1`` unless ``noise_variance`` is given or learned)."""
         return self.dataset_size / self.noise.variance
+
+    @property
+    def observation_variance(self) -> float:
+        """``σ²`` of the Gaussian likelihood in use now (``loss="mse"``): ``noise_variance`` as given, or under
+        ``noise_variance="learned"`` the current estimate (it moves with the steps; 1 before the first); 1 without
+        ``noise_variance`` and for the other losses."""
+        return float(self.noise.variance)
 
     @property
     def precision_shift(self) -> float:
