@@ -93,7 +93,9 @@ def check_outputs_targets(loss: LossType, outputs: Tensor, targets: Optional[Ten
             raise ValueError("loss='mse' expects outputs of shape [N, ...], got a scalar")
         if targets is not None and targets.shape != outputs.shape:
             raise ValueError(
-                f"loss='mse' expects targets of the output's shape {tuple(outputs.shape)}, got {tuple(targets.shape)}")
+                f"loss='mse' expects targets of the output's shape {tuple(outputs.shape)}, got {tuple(targets.shape)} "
+                "(the model's output, or output_selector's pick of it: where the loss reads a reshaped output, "
+                "out.squeeze(-1), pass output_selector=lambda out: out.squeeze(-1) or targets of the output's shape)")
 
 
 def _check_binary(outputs: Tensor, targets: Optional[Tensor]) -> None:

@@ -199,10 +199,63 @@ def test_correct_losses_do_not_trip_the_scale_checks() -> None:
                 return loss, out
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
+                # (the rows the masked losses leave out have their own warning: the next test)
+                warnings.filterwarnings("ignore", message=".* rows of the output got no gradient")
                 for _ in range(2):
                     opt.step(closure, targets=y if scaled else None)
                     if scaler is not None:
                         scaler.update()
+
+
+def _ignored_rows_warnings(opt, model, x, loss_fn, steps: int = 3) -> list:
+    def closure():
+        opt.zero_grad()
+        out = model(x)
+        loss = loss_fn(out)
+        loss.backward()
+        return loss, out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.step(closure)
+    return [str(w.message) for w in caught if "rows of the output got no gradient" in str(w.message)]
+
+
+def test_rows_the_loss_leaves_out_are_named_where_the_curvature_counts_them() -> None:
+    """Padded positions (ignore_index) or masked rows get no gradient from the loss, but the Fisher kinds count
+    them as examples (fisher_mc draws their labels) and the empirical Fisher from the backward averages over them:
+    a warning, once, with the count, naming the selector that takes the valid rows. VIOptimizer's default
+    diagonal reads the loss's own gradient (no warning); unpadded, and with the rows selected, nothing."""
+    V, T, N = 11, 6, 8
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(1, V, (N, T), generator=g), torch.randint(0, V, (N, T), generator=g)
+    padded = y.clone()
+    padded[:, 4:] = -100
+    mask = padded != -100
+
+    def lm() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(V, 16), nn.Tanh(), nn.Linear(16, V))
+
+    def loss(targets):
+        return lambda out: F.cross_entropy(out.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+    for make, what in ((lambda m: SecondOrderOptimizer(m), "curvature='fisher_mc' counts every row as an example "
+                                                            "of the batch and draws labels for them"),
+                       (lambda m: SecondOrderOptimizer(m, curvature="fisher"), "curvature='fisher' counts every row"),
+                       (lambda m: SecondOrderOptimizer(m, curvature="empirical_fisher"),
+                        "the empirical Fisher from your backward averages its per-row terms over every row"),
+                       (lambda m: VIOptimizer(m, dataset_size=100, approx="kfac"), "curvature='fisher_mc'")):
+        model = lm()
+        found = _ignored_rows_warnings(make(model), model, x, loss(padded))
+        assert len(found) == 1 and found[0].startswith("16 of 48 rows of the output got no gradient") \
+            and what in found[0] and "output_selector=lambda out: out[mask]" in found[0], found
+        model = lm()
+        assert _ignored_rows_warnings(make(model), model, x, loss(y)) == []  # every position a token
+    model = lm()
+    assert _ignored_rows_warnings(VIOptimizer(model, dataset_size=100), model, x, loss(padded)) == []
+    model = lm()  # the fix it names: the valid rows selected
+    opt = SecondOrderOptimizer(model, output_selector=lambda out: out[mask])
+    assert _ignored_rows_warnings(opt, model, x, lambda out: F.cross_entropy(out[mask], padded[mask])) == []
 
 
 @pytest.mark.parametrize("kind", ["fisher", "fisher_mc"])

@@ -316,7 +316,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return loss, output, None
         watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate,
                              check_scale=self.engine.loss is LossType.CROSS_ENTROPY and self.grad_scaler is None,
-                             keep_output_grads=self._keeps_output_grads(targets))
+                             keep_output_grads=self._keeps_output_grads(targets),
+                             rows_counted=self._rows_counted(targets))
         if not estimate:  # no capture: while outputs are still checked, a forward hook shows them to the watch
             micro = MicroBatchTargets(targets)  # each forward's rows (gradient accumulation)
             # the output is checked as an estimating call checks it, except where nothing reads its likelihood (the
@@ -708,6 +709,19 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if self.engine.kind is Kind.EMPIRICAL_FISHER and targets is None:
             return None
         return "The curvature is that of a categorical likelihood."
+
+    def _rows_counted(self, targets: Optional[Tensor]) -> Optional[str]:
+        """How the curvature counts every row of a cross-entropy's output as an example (for the closure watch's
+        warning about rows the loss leaves out: ``ignore_index``, a mask); None for the other losses, whose
+        gradient rows may be exactly zero where an output equals its target."""
+        if self.engine.loss is not LossType.CROSS_ENTROPY:
+            return None
+        kind = self.engine.kind
+        if kind is Kind.EMPIRICAL_FISHER and targets is None:
+            return ("the empirical Fisher from your backward averages its per-row terms over every row, so it comes "
+                    "out scaled by rows / (rows with a gradient)")
+        drawn = " and draws labels for them" if kind is Kind.FISHER_MC else ""
+        return f"curvature={kind.value!r} counts every row as an example of the batch{drawn}"
 
     def _plan(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> UpdatePlan:
         """The update's :class:`~torchsso2.optim.plan.UpdatePlan` (cached while nothing changes); a covered

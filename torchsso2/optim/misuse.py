@@ -25,6 +25,11 @@
     masks and ``ignore_index`` included): ``UserWarning``, once (a
     GradScaler the optimizer was not given, a summed loss over many rows).
 
+  - ``loss="cross_entropy"`` and a curvature that counts every row of the output as an example (the Fisher
+    kinds, the empirical Fisher; not ``VIOptimizer``'s default diagonal, which reads the loss's gradient), but
+    some rows get no gradient from the closure's loss (``ignore_index`` padding, a mask): ``UserWarning``,
+    once, at a curvature-estimating call, naming the ``output_selector`` that takes the valid rows.
+
   They watch the first :data:`CLOSURE_CHECKS` closure calls of an optimizer (a misused closure
   is misused from its first call); later calls cost nothing (~13 µs per watched call for four
   parameters).
@@ -101,14 +106,17 @@ class ClosureWatch:
     through :attr:`owner` (a ``dict`` the optimizer keeps)."""
 
     def __init__(self, param_groups: List[dict], categorical: Optional[str], owner: dict,
-                 estimating: bool = True, check_scale: bool = False, keep_output_grads: bool = False) -> None:
+                 estimating: bool = True, check_scale: bool = False, keep_output_grads: bool = False,
+                 rows_counted: Optional[str] = None) -> None:
         """``categorical``: what uses the categorical likelihood of ``loss='cross_entropy'`` (a sentence for
         the warning), or None when nothing does (another loss, or a curvature from the user's own
         gradients alone): the output is then not checked for it. ``check_scale``: the loss is a cross-entropy
         whose gradient the optimizer takes unscaled (no ``grad_scaler``): the output gradient's size is
         checked against a mean's (:data:`SCALE_LIMIT`). ``keep_output_grads``: each observed output and the
         gradient the user's backward gave it are left in ``owner["output_grads"]`` (VIOptimizer's loss-scale
-        check, :mod:`torchsso2.optim.vi_checks`)."""
+        check, :mod:`torchsso2.optim.vi_checks`). ``rows_counted``: how this call's curvature counts every row
+        of the output (a clause for the warning about rows the closure's loss leaves out), or None when it
+        takes the rows from the loss's own gradient."""
         left = owner.get("closure_checks_left", CLOSURE_CHECKS)
         self.active = left > 0
         self.params: List[Tensor] = []
@@ -121,6 +129,8 @@ class ClosureWatch:
         self.stats: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
         #: the first observed output (in its graph), for :mod:`.output_consumers`
         self.first_output: Optional[Tensor] = None
+        self.rows_counted: Optional[str] = None
+        self.zero_rows: List[Tuple[Tensor, int]] = []  # (rows whose ∂L/∂output is all zero, rows) per output
         if not self.active:  # checked enough closure calls: no cost from here on
             return
         owner["closure_checks_left"] = left - 1
@@ -138,6 +148,7 @@ class ClosureWatch:
             and (estimating or not owner.get("estimating_output_checked", False))
         self.check_scale = check_scale and not owner.get("scale_warned", False)
         self.keep_output_grads = keep_output_grads
+        self.rows_counted = rows_counted if estimating and not owner.get("ignored_rows_warned", False) else None
 
     @staticmethod
     def watching(owner: dict) -> bool:
@@ -173,6 +184,9 @@ class ClosureWatch:
                     uses.append(lambda g: self.sizes.append(g.detach().abs().amax(-1).sum()))
                 if self.check_output:
                     uses.append(self._record)
+        if self.rows_counted is not None and out.dim() >= 2 and out.shape[-1] >= 2 and out.is_floating_point() \
+                and out.numel() > 0:  # rows the loss leaves out (ignore_index, a mask): an all-zero gradient row
+            uses.append(lambda g: self.zero_rows.append(((g.detach() == 0).all(-1).sum(), g[..., 0].numel())))
         if not uses:
             return
         seen_grad: List[bool] = []
@@ -228,6 +242,17 @@ class ClosureWatch:
             self.owner["scale_warned"] = True
             warnings.warn(SCALED_LOSS.format(ratio=ratio), UserWarning, stacklevel=caller_stacklevel())
 
+    def _check_ignored_rows(self) -> None:
+        """Warn (once per optimizer) when some, not all, rows of the output got no gradient from the loss while
+        the curvature counts every row (``rows_counted``)."""
+        if self.rows_counted is None or not self.zero_rows:
+            return
+        zero, total = int(sum(int(z) for z, _ in self.zero_rows)), sum(n for _, n in self.zero_rows)
+        if 0 < zero < total:  # (none: the loss does not read the output; that is another warning's)
+            self.owner["ignored_rows_warned"] = True
+            warnings.warn(IGNORED_ROWS.format(zero=zero, total=total, what=self.rows_counted), UserWarning,
+                          stacklevel=caller_stacklevel())
+
     def _accumulated(self, _: Tensor) -> None:
         self.accumulated = True
 
@@ -253,6 +278,7 @@ class ClosureWatch:
         if self.keep_output_grads:
             self.owner["output_grads"] = self.output_grads
         self._check_scale()
+        self._check_ignored_rows()
         if not self.check_output or not self.stats:
             return
         self.owner["output_checks_left"] = self.owner.get("output_checks_left", OUTPUT_CHECKS) - 1
@@ -301,6 +327,14 @@ SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with
                "or silence it with "
                "warnings.filterwarnings('ignore', message=\"loss='cross_entropy' but the gradient\")")
 
+
+#: (ClosureWatch._check_ignored_rows's text)
+IGNORED_ROWS = ("{zero} of {total} rows of the output got no gradient from the closure's loss (positions "
+                "F.cross_entropy(..., ignore_index=...) leaves out, padding, or a mask), but {what}: the curvature "
+                "is not that of the loss. Take the rows the loss uses: output_selector=lambda out: out[mask] and "
+                "step(closure, targets=y[mask]) with the batch's mask of valid rows (README, 'Padded targets'), or "
+                "silence this with warnings.filterwarnings('ignore', message='.* rows of the output got no "
+                "gradient')")
 
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the
 #: warning names it: a zero-initialised head makes the layers below it look unreached at the first

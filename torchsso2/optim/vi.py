@@ -534,6 +534,9 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
     def _output_use(self, targets: Optional[Tensor]) -> Tuple[bool, bool]:
         return bool(self.reparam) or super()._output_use(targets)[0], True  # predict() averages the output
 
+    def _rows_counted(self, targets: Optional[Tensor]) -> Optional[str]:
+        return None if self.reparam else super()._rows_counted(targets)  # ĥ = g ⊙ ε/s² reads the loss's gradient
+
     def _categorical_use(self, targets: Optional[Tensor]) -> Optional[str]:
         if self.engine.loss is not LossType.CROSS_ENTROPY:
             return None
