@@ -258,6 +258,44 @@ def test_rows_the_loss_leaves_out_are_named_where_the_curvature_counts_them() ->
     assert _ignored_rows_warnings(opt, model, x, lambda out: F.cross_entropy(out[mask], padded[mask])) == []
 
 
+def test_rows_every_loss_uses_do_not_warn_when_their_gradient_is_zero_for_other_reasons() -> None:
+    """No warning where every row is in the loss: two backward passes over disjoint halves of one output (each
+    leaves the other half's rows zero), or rows whose prediction is saturated (logits masked to the target
+    class: p − y = 0 exactly; a confident model's float16 gradient underflows the same way)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 5, generator=g), torch.randint(0, 6, (48,), generator=g)
+    for kind in ("fisher_mc", "empirical_fisher"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6))
+        opt = SecondOrderOptimizer(model, curvature=kind)
+
+        def closure():
+            opt.zero_grad()
+            out = model(x)
+            (0.5 * F.cross_entropy(out[:24], y[:24])).backward(retain_graph=True)
+            (0.5 * F.cross_entropy(out[24:], y[24:])).backward()
+            return F.cross_entropy(out, y).detach(), out
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step(closure)
+        assert not [w for w in caught if "rows of the output got no gradient" in str(w.message)], kind
+
+    only_target = torch.zeros(48, 6, dtype=torch.bool)
+    only_target[:16] = True  # rows 0..15: every class but the target masked out
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6))
+
+        def forward(self, inp: torch.Tensor) -> torch.Tensor:
+            z = self.net(inp)
+            illegal = only_target & (torch.arange(6) != y[:, None])
+            return z.masked_fill(illegal, float("-inf"))
+    model = Masked()
+    assert _ignored_rows_warnings(SecondOrderOptimizer(model), model, x, lambda out: F.cross_entropy(out, y)) == []
+
+
 @pytest.mark.parametrize("kind", ["fisher", "fisher_mc"])
 def test_a_summed_loss_given_targets_is_named_under_the_fisher_kinds(kind: str) -> None:
     """The step preconditions the closure's gradient with the mean likelihood's curvature: a summed loss gave

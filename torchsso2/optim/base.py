@@ -718,8 +718,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             return None
         kind = self.engine.kind
         if kind is Kind.EMPIRICAL_FISHER and targets is None:
-            return ("the empirical Fisher from your backward averages its per-row terms over every row, so it comes "
-                    "out scaled by rows / (rows with a gradient)")
+            return ("the empirical Fisher from your backward averages its per-row terms over every row (with a loss "
+                    "averaged over the valid rows only, it comes out scaled by rows / (valid rows))")
         drawn = " and draws labels for them" if kind is Kind.FISHER_MC else ""
         return f"curvature={kind.value!r} counts every row as an example of the batch{drawn}"
 

@@ -130,7 +130,9 @@ class ClosureWatch:
         #: the first observed output (in its graph), for :mod:`.output_consumers`
         self.first_output: Optional[Tensor] = None
         self.rows_counted: Optional[str] = None
-        self.zero_rows: List[Tuple[Tensor, int]] = []  # (rows whose ∂L/∂output is all zero, rows) per output
+        #: per observed output: [rows with a nonzero ∂L/∂output in some backward (None before the first), rows
+        #: whose prediction is not saturated (a saturated softmax has p − y = 0 in a row the loss does use)]
+        self.row_grads: List[List[Optional[Tensor]]] = []
         if not self.active:  # checked enough closure calls: no cost from here on
             return
         owner["closure_checks_left"] = left - 1
@@ -186,7 +188,16 @@ class ClosureWatch:
                     uses.append(self._record)
         if self.rows_counted is not None and out.dim() >= 2 and out.shape[-1] >= 2 and out.is_floating_point() \
                 and out.numel() > 0:  # rows the loss leaves out (ignore_index, a mask): an all-zero gradient row
-            uses.append(lambda g: self.zero_rows.append(((g.detach() == 0).all(-1).sum(), g[..., 0].numel())))
+            with torch.no_grad():
+                z = out.detach().float()
+                probs = z.exp() if bool(torch.logsumexp(z, -1).abs().max() < 1e-3) else z.softmax(-1)
+                entry: List[Optional[Tensor]] = [None, probs.amax(-1) < 1.0 - SATURATED]
+            self.row_grads.append(entry)
+
+            def reached(g: Tensor, entry: List[Optional[Tensor]] = entry) -> None:  # OR over the backward passes
+                hit = (g.detach() != 0).any(-1)
+                entry[0] = hit if entry[0] is None else entry[0] | hit
+            uses.append(reached)
         if not uses:
             return
         seen_grad: List[bool] = []
@@ -245,10 +256,13 @@ class ClosureWatch:
     def _check_ignored_rows(self) -> None:
         """Warn (once per optimizer) when some, not all, rows of the output got no gradient from the loss while
         the curvature counts every row (``rows_counted``)."""
-        if self.rows_counted is None or not self.zero_rows:
+        # the outputs the loss reads (one it does not, or only times 0, is not a padded batch: other checks' business)
+        reached = [(hit, live) for hit, live in self.row_grads if hit is not None and bool(hit.any())]
+        if self.rows_counted is None or not reached:
             return
-        zero, total = int(sum(int(z) for z, _ in self.zero_rows)), sum(n for _, n in self.zero_rows)
-        if 0 < zero < total:  # (none: the loss does not read the output; that is another warning's)
+        zero = int(sum(int((~hit & live).sum()) for hit, live in reached))  # type: ignore[operator]
+        total = sum(hit.numel() for hit, _ in reached)
+        if zero:
             self.owner["ignored_rows_warned"] = True
             warnings.warn(IGNORED_ROWS.format(zero=zero, total=total, what=self.rows_counted), UserWarning,
                           stacklevel=caller_stacklevel())
@@ -330,11 +344,14 @@ SCALED_LOSS = ("loss='cross_entropy' but the gradient of the closure's loss with
 
 #: (ClosureWatch._check_ignored_rows's text)
 IGNORED_ROWS = ("{zero} of {total} rows of the output got no gradient from the closure's loss (positions "
-                "F.cross_entropy(..., ignore_index=...) leaves out, padding, or a mask), but {what}: the curvature "
-                "is not that of the loss. Take the rows the loss uses: output_selector=lambda out: out[mask] and "
-                "step(closure, targets=y[mask]) with the batch's mask of valid rows (README, 'Padded targets'), or "
-                "silence this with warnings.filterwarnings('ignore', message='.* rows of the output got no "
-                "gradient')")
+                "F.cross_entropy(..., ignore_index=...) leaves out, padding, a mask, a zero class weight, or a loss "
+                "on part of the rows), but {what}: the curvature is not that of the loss. Take the rows the loss "
+                "uses: output_selector=lambda out: out[mask] (or out[:, -1], ...) and step(closure, "
+                "targets=y[mask]) with the batch's mask of valid rows (README, 'Padded targets'), or silence this "
+                "with warnings.filterwarnings('ignore', message='.* rows of the output got no gradient')")
+#: a row whose largest predicted probability is within this of 1 may have p − y = 0 in the loss (a confident
+#: prediction in float16, logits masked to the target class): not counted as left out
+SATURATED = 1e-3
 
 #: curvature estimates in which a module's block must be zero (with a nonzero gradient) before the
 #: warning names it: a zero-initialised head makes the layers below it look unreached at the first
