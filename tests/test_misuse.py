@@ -60,10 +60,10 @@ def test_closure_without_backward_raises(face: str, zero: str) -> None:
         assert torch.equal(_vec(model), before)
 
 
-def _closure(opt, model, loss_fn):
+def _closure(opt, model, loss_fn, x=None):
     def closure():
         opt.zero_grad()
-        out = model(X)
+        out = model(X if x is None else x)
         loss = loss_fn(out)
         loss.backward()
         return loss, out
@@ -208,12 +208,7 @@ def test_correct_losses_do_not_trip_the_scale_checks() -> None:
 
 
 def _ignored_rows_warnings(opt, model, x, loss_fn, steps: int = 3) -> list:
-    def closure():
-        opt.zero_grad()
-        out = model(x)
-        loss = loss_fn(out)
-        loss.backward()
-        return loss, out
+    closure = _closure(opt, model, loss_fn, x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(steps):
