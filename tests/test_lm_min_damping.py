@@ -36,6 +36,17 @@ def test_an_initial_damping_below_the_bound_is_refused():
     SecondOrderOptimizer(model, damping=1e-5)  # no rule, no bound
 
 
+def test_an_initial_damping_above_the_rules_cap_is_refused():
+    """The rule keeps the damping within [min_damping, 1e4]: from 1e6 it could only fall by the decay per
+    adjustment, the damping setter refused the value the optimizer held, and a checkpoint of it loaded clamped
+    to 1e4 (a resume 5.5e-5 off the run). The cap itself is accepted; without the rule any damping is."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"damping=1000000\.0 is above 10000, the adaptive damping rule's upper bound"):
+        SecondOrderOptimizer(model, damping=1e6, adaptive_damping=True)
+    SecondOrderOptimizer(model, damping=1e4, adaptive_damping=True)
+    SecondOrderOptimizer(model, damping=1e6)
+
+
 def test_adaptive_kfac_stays_trained_after_its_loss_reaches_zero():
     """Digits MLP at batch 128, adaptive lr, momentum and damping from 0.01: 97% test accuracy
     after 2 epochs, training loss ~1e-5 after 25. With a bound of 1e-8 the damping reached it

@@ -325,6 +325,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             if self.damping < min_damping:  # the rule floors every decrease there: it could only climb to it
                 raise ValueError(f"damping={self.damping!r} is below min_damping={min_damping!r}, the adaptive damping "
                                  "rule's lower bound: start at or above it (or lower min_damping)")
+            if self.damping > LMDamping.max_damping:  # the rule could only fall from there, and a checkpoint of it
+                raise ValueError(f"damping={self.damping!r} is above {LMDamping.max_damping:g}, the adaptive damping "
+                                 "rule's upper bound: start at or below it")  # would be loaded clamped
             # kfac-jax's convention: the decay is per step, so one adjustment every `interval` steps
             # moves the damping by decay ** interval (torchsso2/optim/damping.py)
             self.lm = LMDamping(self.damping, per_adjustment_decay(decay, self.damping_adaptation_interval),
