@@ -167,8 +167,8 @@ def check_optimizer_settings(opt: Any) -> None:
     update intervals, ``ema_decay``, ``mc_samples``, the non-finite policy, the decomposition
     dtype, ``grad_worker_fraction`` / ``assignment_strategy`` (passed through ``opt``), the
     defaults of the param groups (lr, momentum, ...), every group's parameter shapes and settings, the model's
-    buffers (names, shapes and dtypes: the start broadcasts them), and the attributes of
-    :data:`SUBCLASS_ATTRIBUTES` the optimizer has set (damping, ...).
+    parameters and buffers (counts, names, shapes and dtypes: the start broadcasts them, frozen ones too), and
+    the attributes of :data:`SUBCLASS_ATTRIBUTES` the optimizer has set (damping, ...).
     """
     if opt.comm.world_size <= 1:
         return

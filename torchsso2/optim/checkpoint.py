@@ -266,7 +266,8 @@ def _check_groups_lr(opt: Any, own: Dict[str, Any]) -> None:
         warnings.warn(f"load_state_dict: this checkpoint was saved by {where}, which did not record its gradient EMA "
                       f"(grad_ema_decay = d): the native {opt.face_name} steps with the groups' lr as saved, which is "
                       "right for d = 1 (the default) and 1/d times too large otherwise (multiply the groups' lr and "
-                      "initial_lr by d after loading, or load it into the compat class)", UserWarning, stacklevel=caller_stacklevel())
+                      "initial_lr by d after loading, or load it into the compat class)", UserWarning,
+                      stacklevel=caller_stacklevel())
         return
     raise ValueError(f"this checkpoint was saved by {where}, whose updates apply the groups' lr times {scale!r} (its "
                      f"gradient EMA, grad_ema_decay): the native {opt.face_name} would step with the groups' lr as it "

@@ -57,7 +57,8 @@ class DDPSync:
         #: (reset by :meth:`watch`): some of the call's gradients were averaged over those ranks (VIOptimizer's
         #: sample groups refuse an average across groups)
         self.call_averaged: List[Optional[Tuple[int, ...]]] = []
-        self._owners: Dict[int, bool] = {}  # id(DDP wrapper) -> whether it averages our model's gradients
+        #: id(DDP wrapper) -> (whether it holds our model, its process group's size, and global ranks)
+        self._owners: Dict[int, Tuple[bool, Optional[int], Optional[Tuple[int, ...]]]] = {}
         #: the fixed random vectors of :func:`fingerprint`, by length and device
         self.projection = _Projection()
 
