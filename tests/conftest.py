@@ -7,8 +7,14 @@ double-backward/vmap calls 10-100x slower. One thread keeps the suite fast and i
 Benchmarks' ``main()`` run in-process by their tests quiet the library's loggers (skipped steps
 are counted in their tables instead); the level is put back after every test, so that a later
 test's ``caplog`` sees the library's warnings whatever ran before it.
+
+The processes the tests launch (torchrun, mpiexec, the examples) get a ``TMPDIR`` under pytest's own
+temporary directory, which pytest prunes: torchrun leaves a ``torchelastic_*`` log directory behind
+at every launch (about 27 per run of the suite had gathered in /tmp).
 """
 import logging
+import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -26,3 +32,15 @@ def _library_log_levels_restored() -> Iterator[None]:
     yield
     for lg, level in zip(loggers, levels):
         lg.setLevel(level)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _launched_processes_use_a_pruned_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("launched-tmp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)  # (this process's tempfile.tempdir is not changed once it was read)
+    yield path
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before

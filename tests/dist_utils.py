@@ -98,6 +98,7 @@ def torchrun_script(tmp_path: Path, name: str, text: str, *args: str, ranks: int
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                            str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                               "TMPDIR": str(tmp_path),  # torchrun's torchelastic_* log dir goes there
                                "TORCHSSO2_DIST_TIMEOUT": "60"})
     return proc.returncode, proc.stdout + proc.stderr
 
