@@ -133,6 +133,13 @@ def groups_digest(groups: Any, modulus: int) -> List[int]:
     return [_digest(text) % m, _digest("salt:" + text) % m]
 
 
+def sizes_row(count: int, numel: int, modulus: int) -> List[float]:
+    """``[count, numel, digest]`` modulo ``modulus``, as floats: what a gradient all-reduce carries so that every
+    rank can tell whether all ranks hold the same count and total size of trainable parameters (their mean
+    equals this rank's row only then; ``modulus`` keeps the sum over the ranks exact in the reduce's dtype)."""
+    return [float(count % modulus), float(numel % modulus), float(sizes_digest(count, numel, modulus))]
+
+
 def sizes_digest(count: int, numel: int, modulus: int) -> int:
     """A number in ``[0, modulus)`` for a rank's count and total size of trainable parameters, sent beside
     the two sizes themselves: their average over three or more ranks can equal this rank's own sizes
@@ -250,4 +257,4 @@ def check_kfac_settings(comm: Any, arguments: Mapping[str, Any]) -> None:
 
 
 __all__ = ["check_kfac_settings", "check_optimizer_settings", "check_same_settings", "describe", "groups_digest",
-           "sizes_digest"]
+           "sizes_digest", "sizes_row"]

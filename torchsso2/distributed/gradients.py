@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torchsso2.distributed.communicator import Communicator
-from torchsso2.distributed.consistency import sizes_digest
+from torchsso2.distributed.consistency import sizes_row
 
 __all__ = ["average_gradients"]
 
@@ -52,7 +52,7 @@ def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) ->
     # with other lists would reduce buffers of other sizes, or other numbers of buckets, in the gradients' one
     exact = max(1, 2 ** 30 // comm.world_size)
     numel = sum(p.numel() for p in params)
-    mine = [float(len(params) % exact), float(numel % exact), float(sizes_digest(len(params), numel, exact))]
+    mine = sizes_row(len(params), numel, exact)
     device = params[0].device if params else \
         (torch.device("cuda", torch.cuda.current_device()) if getattr(comm, "backend_name", "") == "nccl"
          else torch.device("cpu"))

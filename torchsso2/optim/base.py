@@ -34,7 +34,7 @@ from curvature.root_calls import NestedCalls
 from curvature.uses_static import observer_hook
 
 from ..distributed import Communicator, get_communicator
-from ..distributed.consistency import check_optimizer_settings, groups_digest, sizes_digest
+from ..distributed.consistency import check_optimizer_settings, groups_digest, sizes_row
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .messages import decomposition_failed
@@ -538,7 +538,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             lacking = [p.grad is None for p in every]
             mine = [torch.zeros_like(p) if none else p.grad for p, none in zip(every, lacking)]
             numel = sum(p.numel() for p in every)
-            size = [float(len(every) % exact), float(numel % exact), float(sizes_digest(len(every), numel, exact))]
+            size = sizes_row(len(every), numel, exact)
             flag = torch.tensor([1.0 if bad else 0.0] + size + riding + [0.0 if none else 1.0 for none in lacking],
                                 dtype=dtype, device=dev)
             # the flag rides first in the gradients' bucket: its sizes line up on every rank even where the

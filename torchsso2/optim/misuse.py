@@ -176,21 +176,22 @@ class ClosureWatch:
         if self.keep_output_grads:
             seen = out.detach()
             uses.append(lambda g: self.output_grads.append((seen, g.detach())))
-        if (self.check_output or self.check_scale) and out.dim() >= 2 and out.shape[-1] >= 2 \
-                and out.is_floating_point() and out.numel() > 0:
-            with torch.no_grad():
-                # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
-                logprobs = bool(torch.logsumexp(out.detach().float(), -1).abs().max() < 1e-3)
-            if not logprobs:
+        classes = out.dim() >= 2 and out.shape[-1] >= 2 and out.is_floating_point() and out.numel() > 0
+        lse = z = None
+        if classes and (self.check_output or self.check_scale or self.rows_counted is not None):
+            with torch.no_grad():  # one logsumexp over the classes serves both checks below
+                z = out.detach().float()
+                lse = torch.logsumexp(z, -1)
+        if lse is not None and (self.check_output or self.check_scale):
+            # log-probabilities: nll_loss(log_softmax(z)) is the categorical likelihood too
+            if not bool(lse.abs().max() < 1e-3):
                 if self.check_scale:  # Σ over the rows of each row's largest |∂L/∂z| (classes last)
                     uses.append(lambda g: self.sizes.append(g.detach().abs().amax(-1).sum()))
                 if self.check_output:
                     uses.append(self._record)
-        if self.rows_counted is not None and out.dim() >= 2 and out.shape[-1] >= 2 and out.is_floating_point() \
-                and out.numel() > 0:  # rows the loss leaves out (ignore_index, a mask): an all-zero gradient row
-            with torch.no_grad():  # each row's largest probability, exp(max z − logsumexp z): no [.., C] softmax kept
-                z = out.detach().float()
-                top = (z.amax(-1) - torch.logsumexp(z, -1)).exp()
+        if lse is not None and self.rows_counted is not None:  # rows the loss leaves out (ignore_index, a mask): an
+            with torch.no_grad():  # all-zero gradient row; each row's largest probability, exp(max z − logsumexp z)
+                top = (z.amax(-1) - lse).exp()  # type: ignore[union-attr]
                 entry: List[Optional[Tensor]] = [None, top < 1.0 - SATURATED]
             self.row_grads.append(entry)
 
