@@ -181,3 +181,61 @@ def test_kfac_preconditioner_inverse_method_stays_finite_on_huge_factors():
         assert all(torch.isfinite(p).all() for p in model.parameters())
     finally:
         pre.remove_hooks()
+
+
+@pytest.mark.parametrize("method", ["native", "tracenorm"])
+def test_inverse_method_in_float64_judges_float32_factors_by_float32_round_off(method):
+    """``decomposition_dtype=torch.float64`` (the remedy the warnings name) cast a float32 factor before
+    ``damped_inv``, which then took its float32 rounding for float64's: factors ~1e12 at damping 1e-3
+    failed Cholesky with no eigh fallback (every step skipped) where the float32 decomposition worked."""
+    from torchsso2.compat.pytorch_sso import tracenorm_damped_inverse
+    a = _rank_deficient_gram(1e6)  # [40, 40] float32, eigenvalues ~1e12 and float32 round-off of either sign
+    # G ~ A in scale: the trace-norm shift on A stays ~√damping (a small G would raise it far above round-off)
+    blk = KFACBlock(_layout(39, 4), torch.eye(4) * 1e12, a)
+    for dtype in (None, torch.float64):
+        if method == "native":
+            blk.decompose(1e-3, method="inverse", dtype=dtype)
+            inv = blk.decomposition["rinv"]
+        else:
+            inv = tracenorm_damped_inverse(blk, 1e-3, dtype=dtype)["rinv"]
+        assert inv.dtype == (dtype or torch.float32)
+        spectrum = torch.linalg.eigvalsh(inv.double())  # (a⁺ + s·I)⁻¹: eigenvalues in (0, 1/s]
+        assert bool(torch.isfinite(spectrum).all()) and float(spectrum.min()) > -1e-6 * float(spectrum.max())
+
+
+def test_second_order_inverse_method_with_float64_decompositions_takes_every_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-6)  # logits O(1) on inputs ~1e6
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 48, generator=g) * 1e6, torch.randint(0, 4, (4,), generator=g)
+    opt = SecondOrderOptimizer(model, lr=1e-3, curvature="fisher", kfac_method="inverse", damping=1e-3,
+                               decomposition_dtype=torch.float64, max_consecutive_skips=None)
+    _train(opt, model, x, y, steps=5)
+    assert opt.num_skipped == 0
+
+
+def test_batched_damped_inv_floors_the_damping_per_matrix():
+    """The round-off floor ``eps·max a_ii`` was the batch's largest diagonal entry for every member."""
+    for name in ("torch", "numpy"):
+        b = get_backend(name)
+        batch = torch.stack([torch.diag(torch.tensor([1e10, 1.0])), torch.diag(torch.tensor([1.0, 1e-6]))])
+        out = b.damped_inv(batch, 1e-6)
+        for i in range(2):
+            torch.testing.assert_close(out[i], b.damped_inv(batch[i], 1e-6))
+        torch.testing.assert_close(out[1].diagonal(), torch.tensor([1 / (1 + 1e-6), 1 / 2e-6]))
+
+
+def test_kfac_preconditioner_reads_the_linalg_environment_variable(monkeypatch):
+    monkeypatch.setenv("TORCHSSO2_LINALG", "numpy")
+    pre = KFACPreconditioner(_mlp())
+    try:
+        assert pre.backend.name == "numpy"
+    finally:
+        pre.remove_hooks()
+    pre = KFACPreconditioner(_mlp(), linalg="torch")  # an explicit name wins
+    try:
+        assert pre.backend.name == "torch"
+    finally:
+        pre.remove_hooks()

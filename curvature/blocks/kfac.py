@@ -140,9 +140,9 @@ class KFACBlock(Block):
         elif method == "inverse":
             lb = get_backend(backend)
             inv = []
-            for f in (self.left, self.right):
-                stored = f.dtype
-                f = f.to(dtype) if dtype is not None else f
+            for raw in (self.left, self.right):
+                stored = raw.dtype
+                f = raw.to(dtype) if dtype is not None else raw
                 if f.dim() == 1:
                     d = scale * f + damping
                     check_positive(d, f"K-FAC factor of {self.layout.name!r}")
@@ -151,7 +151,9 @@ class KFACBlock(Block):
                     if damping == 0:  # a Cholesky of a singular factor can succeed on round-off: look at its spectrum
                         check_positive(torch.linalg.eigvalsh(scale * f.double()).to(f.dtype),  # f's rounding
                                        f"K-FAC factor of {self.layout.name!r}", size=f.shape[0], stored=stored)
-                    inv.append(lb.damped_inv(scale * f, damping, dtype=dtype))
+                    # the factor in its stored dtype: damped_inv casts it and keeps the stored dtype's round-off
+                    # (a float32 factor cast first would have its float32 rounding judged by float64's eps)
+                    inv.append(lb.damped_inv(raw if scale == 1.0 else scale * raw, damping, dtype=dtype))
                 scale = 1.0  # the scale multiplies the Kronecker product once
             self.decomposition = {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
         else:

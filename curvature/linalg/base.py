@@ -143,7 +143,7 @@ class Backend(abc.ABC):
 
         ``a`` is positive semi-definite by contract, so what its rounding hides is taken as such: a
         ``damping > 0`` below the round-off of ``a``'s largest diagonal entry (``eps·max a_ii``, ``eps`` of
-        the coarser of ``a``'s dtype and the compute dtype) is raised to it, and where Cholesky still fails
+        the coarser of ``a``'s dtype and the compute dtype; per matrix of a batch) is raised to it, and where Cholesky still fails
         (round-off made ``a + damping·I`` indefinite: factors ~1e12 at damping 1e-3 in float32 did) the
         inverse comes from ``eigh`` with the eigenvalues clamped at 0, where every negative one is within the
         round-off ``√n·eps·max|λ|`` (a truly indefinite ``a`` is a :class:`LinalgError`). ``damping = 0`` is
@@ -160,13 +160,14 @@ class Backend(abc.ABC):
         n = a.shape[-1]
         eps = coarsest_eps(a.dtype, stored)
         asked = damping
-        if damping > 0 and a.numel():
-            damping = max(damping, eps * float(a.diagonal(dim1=-2, dim2=-1).abs().max()))
-        damped = a + damping * torch.eye(n, dtype=a.dtype, device=a.device)
+        eye = torch.eye(n, dtype=a.dtype, device=a.device)
+        if damping > 0 and a.numel():  # per matrix of a batch: [..., 1, 1]
+            damping = (a.diagonal(dim1=-2, dim2=-1).abs().amax(dim=-1) * eps).clamp_min_(damping)[..., None, None]
+        damped = a + damping * eye
         try:
             return self._inv(damped)
         except LinalgError as exc:
-            if damping > 0:
+            if asked > 0:
                 try:
                     evals, evecs = self._eigh(a)
                 except LinalgError:
@@ -175,7 +176,8 @@ class Backend(abc.ABC):
                     # ``a`` is refused as before
                     top = evals.abs().amax(dim=-1, keepdim=True)
                     if bool((evals >= -math.sqrt(n) * eps * top).all()):
-                        out = (evecs / (evals.clamp_min(0.0) + damping).unsqueeze(-2)) @ evecs.transpose(-1, -2)
+                        shift = damping[..., 0] if isinstance(damping, Tensor) else damping  # [..., 1]
+                        out = (evecs / (evals.clamp_min(0.0) + shift).unsqueeze(-2)) @ evecs.transpose(-1, -2)
                         if bool(torch.isfinite(out).all()):
                             return out
             raise LinalgError(f"damped_inv(damping={asked:g}): {exc}") from exc

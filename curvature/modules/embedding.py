@@ -4,8 +4,10 @@ Normal form: ``a = indices [N, T]`` (long), ``g [K, N, T, D]``. Per-example grad
 weight ``[V, D]``: ``Σ_t e_{i_t} g_tᵀ`` (rows at ``padding_idx`` stay zero).
 
 K-FAC (Kronecker order ``A ⊗ G`` over row-major ``vec(W)``, W of shape ``[V, D]``):
-``A = diag((1/(N·T)) Σ_{n,t} e_{i_nt})`` — a *diagonal* factor stored as a 1-D ``[V]`` tensor
-(one-hot inputs are orthogonal) — and ``G = (1/N) Σ_{k,n,t} g gᵀ`` ``[D, D]``.
+``A = diag((1/M) Σ_{n,t} e_{i_nt})`` — a *diagonal* factor stored as a 1-D ``[V]`` tensor
+(one-hot inputs are orthogonal) — and ``G = (1/N) Σ_{k,n,t} g gᵀ`` ``[D, D]``, both over the
+``M`` positions whose index is not ``padding_idx`` (``M = N·T`` without one): a padding position
+reaches no row of the weight, so it is left out of both (K-FAC = the full block for one example).
 """
 from __future__ import annotations
 

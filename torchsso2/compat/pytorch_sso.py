@@ -78,13 +78,13 @@ def tracenorm_damped_inverse(blk: KFACBlock, damping: float, backend: Optional[s
     """``(A + √λ·π·I)⁻¹`` and ``(G + √λ/π·I)⁻¹`` (:func:`tracenorm_shifts`) as a
     ``method="inverse"`` decomposition of ``blk`` (its solve is ``L'⁻¹ M R'⁻¹``)."""
     inv = []
-    for f, shift in tracenorm_shifts(blk, damping, dtype):
+    for raw, (f, shift) in zip((blk.left, blk.right), tracenorm_shifts(blk, damping, dtype)):
         if f.dim() == 1:
             d = f + shift
             check_positive(d, f"K-FAC factor of {blk.layout.name!r}")
             inv.append(1.0 / d)
-        else:
-            inv.append(get_backend(backend).damped_inv(f, shift))
+        else:  # the stored factor, cast by damped_inv: its round-off is judged by the stored dtype's eps
+            inv.append(get_backend(backend).damped_inv(raw, shift, dtype=dtype))
     return {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
 
 

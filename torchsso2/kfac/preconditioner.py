@@ -114,7 +114,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         update_factors_in_hook: fold factor batches into the running averages in the backward
             hook of the last micro-batch (``True``) or at the start of :meth:`step`.
         linalg: linear-algebra backend of the decompositions (``"torch"``, ``"cupy"``,
-            ``"numpy"`` or a :class:`curvature.linalg.Backend`).
+            ``"numpy"`` or a :class:`curvature.linalg.Backend`); ``None``: ``$TORCHSSO2_LINALG``, else
+            ``"torch"`` (resolved once, here).
         communicator: ``"auto"``, ``"none"``, ``"torch"``, ``"mpi"`` or a ``Communicator``.
             Selecting MPI installs the process-wide fault handlers (an uncaught exception calls
             ``MPI_Abort``, a rank that exits tells the others; opt out with
@@ -184,7 +185,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_dtype: torch.dtype = torch.float32,
         skip_layers: Optional[Sequence[str]] = None,
         update_factors_in_hook: bool = True,
-        linalg: Union[str, Backend] = "torch",
+        linalg: Union[str, Backend, None] = None,
         communicator: Union[str, Communicator] = "auto",
         loglevel: int = logging.DEBUG,
         on_nonfinite: str = "skip",
