@@ -130,5 +130,10 @@ def _estimate(engine: CurvatureEngine, model: nn.Module, args: Tuple[Tensor, ...
         if engine.output_selector is None:  # (a selector's pick is the layout its author meant)
             warn_if_class_layout_is_ambiguous(engine.loss, outputs, targets)
         blocks = engine.estimate(cap, outputs, targets, generator)
+    bad = [name for name, blk in blocks.items() if not blk.is_finite()]
+    if bad:  # an inf input a ReLU zeroes leaves the output finite, not the layer's statistics
+        raise ValueError(f"the curvature of {', '.join(map(repr, bad))} is not finite (NaN/inf) although the output "
+                         "is: a layer's input or output gradient is (an inf input that a later layer maps to a finite "
+                         "output, or an overflow); check the inputs and the parameters for NaN/inf")
     return Curvature(blocks=blocks, layouts=engine.layouts, kind=engine.kind.value,
                      approx={n: a.value for n, a in engine.approx.items()})

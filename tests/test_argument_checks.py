@@ -112,3 +112,42 @@ def test_numpy_interval_takes_its_default_kl_clip_and_kfac_on_nonfinite_takes_an
     with pytest.raises(ValueError, match="did you mean 'skip'"):
         KFACPreconditioner(torch.nn.Linear(3, 2), on_nonfinite="skp")
 
+
+
+@pytest.mark.parametrize("face,attr,value,error", [
+    ("sso", "kl_clip", float("nan"), ValueError),  # min(1, nan) = 1: the clip was silently off
+    ("sso", "kl_clip", -1.0, ValueError),  # a math domain error after the curvature was folded in
+    ("sso", "ema_decay", 2.0, ValueError),
+    ("vi", "kl_clip", float("nan"), ValueError),
+    ("vi", "damping", "0.1", TypeError),  # a raw TypeError at the step, and state_dict() broke
+    ("vi", "damping", float("nan"), ValueError),  # every step skipped as "non-finite curvature"
+    ("vi", "ema_decay", -1.0, ValueError),
+    ("vi", "kl_weighting", 0.0, ValueError),
+    ("vi", "prior_precision", 1e39, ValueError),
+])
+def test_attributes_set_between_steps_are_checked_at_the_next_step(face, attr, value, error) -> None:
+    import torch.nn.functional as F
+    from torchsso2 import SecondOrderOptimizer, VIOptimizer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = (SecondOrderOptimizer(model, kl_clip=1e-3) if face == "sso"
+           else VIOptimizer(model, dataset_size=100, kl_clip=1e-3, curvature="fisher_mc"))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    params = [p.detach().clone() for p in model.parameters()]
+    steps = opt.num_steps
+    good = getattr(opt, attr)
+    setattr(opt, attr, value)
+    with pytest.raises(error, match=f"{type(opt).__name__}.{attr}"):
+        opt.step(closure)
+    assert opt.num_steps == steps and all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    setattr(opt, attr, good)
+    opt.step(closure)
+    assert opt.num_steps == steps + 1

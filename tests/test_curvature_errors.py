@@ -508,3 +508,21 @@ def test_nonfinite_targets_on_one_rank_raise_on_every_rank(tmp_path) -> None:
     assert [r["raised"] for r in ranks] == [True, True], ranks
     assert "entries of 16" in ranks[0]["message"] and "on another rank" in ranks[1]["message"], ranks
     assert [r["skipped"] for r in ranks] == [0, 0]
+
+
+@pytest.mark.parametrize("kind,approx", [(k, a) for k in ("fisher", "fisher_mc", "empirical_fisher", "hessian")
+                                          for a in ("kfac", "diag", "full") if (k, a) != ("hessian", "kfac")])
+def test_an_inf_input_that_the_model_maps_to_a_finite_output_is_refused(kind, approx) -> None:
+    """ReLU zeroes the -inf pre-activation of an inf input: the output was finite, the first layer's
+    statistics were not, and compute returned them without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        model[0].weight.copy_(-model[0].weight.abs())
+    x, y = torch.randn(6, 4).abs(), torch.randint(0, 2, (6,))
+    x[0, 0] = math.inf
+    assert bool(torch.isfinite(model(x)).all())
+    with pytest.raises(ValueError, match=r"curvature of '0' is not finite"):
+        curvature.compute(model, x, y, kind=kind, approx=approx)
+    x[0, 0] = 1.0  # the same batch with a finite input: accepted
+    assert curvature.compute(model, x, y, kind=kind, approx=approx).blocks["0"].is_finite()

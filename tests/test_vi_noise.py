@@ -167,7 +167,9 @@ def test_learned_noise_has_a_floor_and_survives_a_checkpoint():
 
 @pytest.mark.parametrize("bad, error", [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
                                         (float("inf"), ValueError), ("fixed", ValueError), (True, TypeError),
-                                        ([1.0], TypeError)])
+                                        ([1.0], TypeError),
+                                        # beyond float32 (a raw RuntimeError halfway through the first step)
+                                        (1e300, ValueError), (1e-300, ValueError)])
 def test_bad_noise_variance_is_refused(bad, error):
     with pytest.raises(error, match="noise_variance"):
         VIOptimizer(tiny_mlp(), dataset_size=10, loss="mse", noise_variance=bad)

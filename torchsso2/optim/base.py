@@ -164,7 +164,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             raise TypeError(f"communicator must be a backend name ('auto', 'none', 'torch', 'mpi') or a Communicator, "
                             f"got {type(communicator).__name__} {communicator!r}")
         self.comm = communicator if not isinstance(communicator, (str, type(None))) else \
-            get_communicator(communicator or "auto")
+            get_communicator("auto" if communicator is None else communicator)  # "" is refused there
         # [issue #7: distributed] KAISA placement of the decompositions (torchsso2/optim/placement.py);
         # all ranks start from rank 0's weights and seed; label sampling is decorrelated per rank
         # (rank 0 keeps `seed`, so one process is unchanged).

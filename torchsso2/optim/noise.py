@@ -26,6 +26,8 @@ from torch import Tensor
 
 from curvature.options import did_you_mean, float_or_inf
 
+from .validation import MAX_VI_SCALE
+
 __all__ = ["ObservationNoise", "NOISE_EMA_DECAY", "MIN_NOISE_VARIANCE"]
 
 #: decay of the running mean of the squared residuals (``noise_variance="learned"``): ~100 steps,
@@ -57,6 +59,9 @@ class ObservationNoise:
             as_float = float_or_inf(value)
             if not math.isfinite(as_float) or as_float <= 0:
                 raise ValueError(f"noise_variance must be a finite float > 0 or 'learned', got {value!r}")
+            if not 1.0 / MAX_VI_SCALE <= as_float <= MAX_VI_SCALE:  # σ² and 1/σ² are float32 scalars of the step
+                raise ValueError(f"noise_variance={value!r} is out of range; expected a value in "
+                                 f"[{1.0 / MAX_VI_SCALE:g}, {MAX_VI_SCALE:g}] (σ² and 1/σ² within float32) or 'learned'")
             self.learned = False
             self._given = as_float
         self.ema = 0.0  #: running mean of the squared residuals (not bias-corrected)

@@ -4,7 +4,7 @@ checkpoint — so that a value the optimizer would ignore or could not use is re
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -100,6 +100,10 @@ class GroupChecks:
     _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", math.inf, False))
     #: param group keys refused (at construction, at each step, in a checkpoint) rather than ignored
     _REFUSED_GROUP_KEYS = _TORCH_ONLY_GROUP_KEYS
+    #: optimizer attributes a user may set between steps (``opt.kl_clip = 1e-4``), checked at every step as
+    #: the constructor checks them: (name, low, low excluded, high, high excluded, None allowed)
+    _STEP_ATTRS: Tuple[Tuple[str, float, bool, float, bool, bool], ...] = (
+        ("kl_clip", 0.0, True, math.inf, False, True), ("ema_decay", 0.0, False, 1.0, True, False))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group`` with the group's ``lr``, ``momentum`` and
@@ -160,6 +164,13 @@ class GroupChecks:
                         group[key] = checked
             if not self._REFUSED_GROUP_KEYS.isdisjoint(group):  # set on a live group: refused as add_param_group does
                 raise ValueError(self._refused_keys_message(f"param_groups[{i}]", group))
+        for name, low, low_open, high, high_open, optional in self._STEP_ATTRS:
+            v = getattr(self, name)
+            if (v is None and optional) or (type(v) is float and (low < v if low_open else low <= v)
+                                            and (v < high if high_open else v <= high)):
+                continue  # the common case (a NaN fails both comparisons)
+            setattr(self, name, check_number(f"{type(self).__name__}.{name}", v, low=low, low_open=low_open,
+                                             high=high, high_open=high_open))
 
     def _refused_keys_message(self, where: str, group: Dict[str, Any]) -> str:
         keys = sorted(k for k in group if k in self._REFUSED_GROUP_KEYS)

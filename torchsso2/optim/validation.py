@@ -17,6 +17,10 @@ MAX_LR = 1e6
 #: largest accepted ``dataset_size``: VIOptimizer scales the curvature by N as a float; 2**53 is the
 #: largest integer a float64 holds exactly (10**40 would overflow float32 statistics)
 MAX_DATASET_SIZE = 2 ** 53
+#: largest accepted VIOptimizer precision, damping, KL weighting or noise variance (and the inverse of the
+#: smallest prior or noise variance): the largest float32. The posterior's arithmetic takes them as float32
+#: scalars (beyond it every step overflowed, or a raw RuntimeError came halfway through a step)
+MAX_VI_SCALE = float(torch.finfo(torch.float32).max)
 
 
 def check_number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,

@@ -62,7 +62,7 @@ from .settings import CurvatureSettings
 from .changed_model import explains_changed_model
 from .precision import full_precision_step
 from .steps import add_scaled_, kl_clip_factor, natural_momentum_, preconditioned_descent_
-from .validation import MAX_DATASET_SIZE, MAX_LR, as_loss_tensor, check_int, check_number
+from .validation import MAX_DATASET_SIZE, MAX_LR, MAX_VI_SCALE, as_loss_tensor, check_int, check_number
 from .reparam import reparam_ema_, reparam_sample
 from .rollback import CurvatureRollback
 from .noise import ObservationNoise
@@ -183,7 +183,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             curvature too: a tempered posterior; :mod:`torchsso2.optim.vi_checks`).
         noise_variance: observation noise ``σ²`` of the Gaussian likelihood (``loss="mse"`` only;
             :mod:`torchsso2.optim.noise`): a float > 0, or ``"learned"`` (the running mean of the
-            squared residuals at the weight samples, the ELBO's maximiser over ``σ²``; needs
+            squared residuals at the weight samples, the ELBO's maximiser over ``σ²`` at a still mean (a moving
+            mean's jitter adds a few per cent at large steps); needs
             ``step(closure, targets=y)``). The gradient and the curvature are scaled by ``1/σ²``
             (``N/σ²`` replaces ``N`` everywhere), and ``predict(x, return_variance=True)`` adds
             ``σ²`` to the spread of the samples. Default ``None``: ``σ² = 1``. With several
@@ -249,21 +250,21 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
             raise ValueError("give prior_precision or prior_variance, not both "
                              f"(got prior_precision={prior_precision!r}, prior_variance={prior_variance!r})")
         if prior_variance is not None:
-            self.prior_precision = 1.0 / check_number("prior_variance", prior_variance, low=0.0, low_open=True)
+            self.prior_precision = 1.0 / check_number("prior_variance", prior_variance, low=1.0 / MAX_VI_SCALE)
         else:
             self.prior_precision = check_number("prior_precision", 1.0 if prior_precision is None else prior_precision,
-                                                low=0.0)
+                                                low=0.0, high=MAX_VI_SCALE)
         self.init_precision = None if init_precision is None else \
-            check_number("init_precision", init_precision, low=0.0, low_open=True)
+            check_number("init_precision", init_precision, low=0.0, low_open=True, high=MAX_VI_SCALE)
         self.curvature_init = None if curvature_init is None else \
-            check_number("curvature_init", curvature_init, low=0.0, low_open=True)
+            check_number("curvature_init", curvature_init, low=0.0, low_open=True, high=MAX_VI_SCALE)
         self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
         if not isinstance(momentum_debias, bool):
             raise TypeError(f"momentum_debias must be a bool, got {type(momentum_debias).__name__} {momentum_debias!r}")
         self.momentum_debias = momentum_debias
         self.num_mc_samples = check_int("num_mc_samples", num_mc_samples)
-        self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0, low_open=True)
-        self.damping = check_number("damping", damping, low=0.0)
+        self.kl_weighting = check_number("kl_weighting", kl_weighting, low=0.0, low_open=True, high=MAX_VI_SCALE)
+        self.damping = check_number("damping", damping, low=0.0, high=MAX_VI_SCALE)
         check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         defaults = dict(lr=lr, momentum=momentum)
         if noise_variance is not None and parse(LossType, loss, "loss") is not LossType.MSE:
@@ -734,6 +735,9 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
     #: may only be 0 (a recipe's "no decay" group); anything else would be ignored
     _GROUP_RANGES = (("lr", MAX_LR, False), ("momentum", 1.0, True), ("weight_decay", 0.0, False))
     _REFUSED_GROUP_KEYS = CurvatureOptimizer._REFUSED_GROUP_KEYS | {"prior_precision", "prior_variance"}
+    _STEP_ATTRS = CurvatureOptimizer._STEP_ATTRS + (
+        ("damping", 0.0, False, MAX_VI_SCALE, False, False), ("kl_weighting", 0.0, True, MAX_VI_SCALE, False, False),
+        ("prior_precision", 0.0, False, MAX_VI_SCALE, False, False))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As :meth:`CurvatureOptimizer.add_param_group`; a non-zero ``weight_decay`` is a ValueError
