@@ -114,23 +114,28 @@ def test_numpy_interval_takes_its_default_kl_clip_and_kfac_on_nonfinite_takes_an
 
 
 
-@pytest.mark.parametrize("face,attr,value,error", [
-    ("sso", "kl_clip", float("nan"), ValueError),  # min(1, nan) = 1: the clip was silently off
-    ("sso", "kl_clip", -1.0, ValueError),  # a math domain error after the curvature was folded in
-    ("sso", "ema_decay", 2.0, ValueError),
-    ("vi", "kl_clip", float("nan"), ValueError),
-    ("vi", "damping", "0.1", TypeError),  # a raw TypeError at the step, and state_dict() broke
-    ("vi", "damping", float("nan"), ValueError),  # every step skipped as "non-finite curvature"
-    ("vi", "ema_decay", -1.0, ValueError),
-    ("vi", "kl_weighting", 0.0, ValueError),
-    ("vi", "prior_precision", 1e39, ValueError),
+@pytest.mark.parametrize("face,attr,value,error,match", [
+    ("sso", "kl_clip", float("nan"), ValueError, None),  # min(1, nan) = 1: the clip was silently off
+    ("sso", "kl_clip", -1.0, ValueError, None),  # a math domain error after the curvature was folded in
+    ("sso", "kl_clip", float("inf"), ValueError, None),  # the constructor refuses it; the clip was silently off
+    ("sso", "ema_decay", 2.0, ValueError, None),
+    ("sso-adaptive", "kl_clip", 1e-3, ValueError, "kl_clip=0.001 cannot be combined"),  # an adaptive lr ignored it
+    ("vi", "kl_clip", float("nan"), ValueError, None),
+    ("vi", "kl_clip", float("inf"), ValueError, None),
+    ("vi", "damping", "0.1", TypeError, None),  # a raw TypeError at the step, and state_dict() broke
+    ("vi", "damping", float("nan"), ValueError, None),  # every step skipped as "non-finite curvature"
+    ("vi", "ema_decay", -1.0, ValueError, None),
+    ("vi", "kl_weighting", 0.0, ValueError, None),
+    ("vi", "prior_precision", 1e39, ValueError, None),
+    ("vi", "prior_precision", 0.0, ValueError, "must be > 0"),  # with damping 0: a singular precision
 ])
-def test_attributes_set_between_steps_are_checked_at_the_next_step(face, attr, value, error) -> None:
+def test_attributes_set_between_steps_are_checked_at_the_next_step(face, attr, value, error, match) -> None:
     import torch.nn.functional as F
     from torchsso2 import SecondOrderOptimizer, VIOptimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     opt = (SecondOrderOptimizer(model, kl_clip=1e-3) if face == "sso"
+           else SecondOrderOptimizer(model, use_adaptive_learning_rate=True) if face == "sso-adaptive"
            else VIOptimizer(model, dataset_size=100, kl_clip=1e-3, curvature="fisher_mc"))
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
 
@@ -145,9 +150,21 @@ def test_attributes_set_between_steps_are_checked_at_the_next_step(face, attr, v
     steps = opt.num_steps
     good = getattr(opt, attr)
     setattr(opt, attr, value)
-    with pytest.raises(error, match=f"{type(opt).__name__}.{attr}"):
+    with pytest.raises(error, match=match or f"{type(opt).__name__}.{attr}"):
         opt.step(closure)
+    with pytest.raises(error, match=match or f"{type(opt).__name__}.{attr}"):  # a raw TypeError there before
+        opt.state_dict()
     assert opt.num_steps == steps and all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     setattr(opt, attr, good)
     opt.step(closure)
     assert opt.num_steps == steps + 1
+
+
+def test_vi_posterior_scales_beyond_float32_are_refused_at_construction() -> None:
+    """Each argument within float32, their products not: every step had been skipped, blaming the data."""
+    from torchsso2 import VIOptimizer
+    with pytest.raises(ValueError, match=r"prior_precision·kl_weighting \+ damping = 1e\+40 is beyond"):
+        VIOptimizer(torch.nn.Linear(3, 2), dataset_size=10, prior_precision=1e20, kl_weighting=1e20)
+    with pytest.raises(ValueError, match=r"dataset_size / noise_variance = 1e\+40 is beyond"):
+        VIOptimizer(torch.nn.Linear(3, 2), dataset_size=10 ** 4, loss="mse", noise_variance=1e-36)
+    VIOptimizer(torch.nn.Linear(3, 2), dataset_size=10 ** 4, loss="mse", noise_variance=1e-30)  # 1e34: held

@@ -239,3 +239,17 @@ def test_kfac_preconditioner_reads_the_linalg_environment_variable(monkeypatch):
         assert pre.backend.name == "torch"
     finally:
         pre.remove_hooks()
+
+
+def test_inverse_method_scale_is_folded_into_the_damping():
+    """``scale·F`` of a float32 factor ~1e30 at scale 1e10 overflowed float32 before the float64 cast."""
+    blk = KFACBlock(_layout(1, 2), torch.eye(2) * 1e30, torch.eye(2))
+    blk.decompose(1e-3, scale=1e10, method="inverse", dtype=torch.float64)
+    linv, rinv = blk.decomposition["linv"], blk.decomposition["rinv"]
+    eye = torch.eye(2, dtype=torch.float64)  # each factor damped: (s·L + λI)⁻¹ and (R + λI)⁻¹
+    torch.testing.assert_close(linv, eye / (1e40 + 1e-3), rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(rinv, eye / (1 + 1e-3), rtol=1e-6, atol=0.0)
+    # the same numbers as scaling first where that fits
+    small = KFACBlock(_layout(1, 2), torch.eye(2) * 3.0, torch.eye(2) * 2.0)
+    small.decompose(1e-2, scale=4.0, method="inverse")
+    torch.testing.assert_close(small.decomposition["linv"], torch.linalg.inv(12.0 * torch.eye(2) + 1e-2 * torch.eye(2)))

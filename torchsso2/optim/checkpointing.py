@@ -39,6 +39,7 @@ class CheckpointState:
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim``'s ``{"state", "param_groups"}`` plus ``"torchsso2"`` (curvature, streams,
         counters); the state-dict post-hooks see (and may replace) the whole dict."""
+        self._check_attrs()  # a value set since the last step (opt.damping = "0.1") is named, not a raw TypeError
         with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
             sd = super().state_dict()
         sd["torchsso2"] = {

@@ -164,11 +164,16 @@ class GroupChecks:
                         group[key] = checked
             if not self._REFUSED_GROUP_KEYS.isdisjoint(group):  # set on a live group: refused as add_param_group does
                 raise ValueError(self._refused_keys_message(f"param_groups[{i}]", group))
+        self._check_attrs()
+
+    def _check_attrs(self) -> None:
+        """The :attr:`_STEP_ATTRS` a user may have set since the last step (``opt.kl_clip = nan``), as the
+        constructor checks them (ValueError/TypeError naming the attribute); at every step and ``state_dict``."""
         for name, low, low_open, high, high_open, optional in self._STEP_ATTRS:
             v = getattr(self, name)
             if (v is None and optional) or (type(v) is float and (low < v if low_open else low <= v)
-                                            and (v < high if high_open else v <= high)):
-                continue  # the common case (a NaN fails both comparisons)
+                                            and (v < high if high_open else v <= high) and v != math.inf):
+                continue  # the common case (a NaN fails the comparisons)
             setattr(self, name, check_number(f"{type(self).__name__}.{name}", v, low=low, low_open=low_open,
                                              high=high, high_open=high_open))
 

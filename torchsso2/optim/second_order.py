@@ -120,6 +120,12 @@ def _as_float(value: Any) -> float:
     return float(value.detach()) if isinstance(value, Tensor) else float(value)
 
 
+def _adaptive_kl_clip(kl_clip: Any) -> str:
+    """The ValueError's message for a KL clip with an adaptive learning rate."""
+    return (f"kl_clip={kl_clip!r} cannot be combined with use_adaptive_learning_rate: the step length comes from "
+            "the quadratic model; leave kl_clip at its default (off with an adaptive learning rate) or pass kl_clip=None")
+
+
 def _adaptive_damping(adaptive_damping: Any, use_adaptive_damping: Any) -> bool:
     """``adaptive_damping``, or kfac-jax's ``use_adaptive_damping`` when that is given (not None);
     ``TypeError`` for a non-bool, ``ValueError`` when both are given and differ."""
@@ -302,9 +308,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         if isinstance(kl_clip, _DefaultKLClip):  # not passed: off with an adaptive lr
             kl_clip = None if adaptive_lr else default_kl_clip(inv_update_interval)
         elif adaptive_lr and kl_clip is not None:
-            raise ValueError(f"kl_clip={kl_clip!r} cannot be combined with use_adaptive_learning_rate: the step "
-                             "length comes from the quadratic model; leave kl_clip at its default (off with an "
-                             "adaptive learning rate) or pass kl_clip=None")
+            raise ValueError(_adaptive_kl_clip(kl_clip))
         self.kl_clip = None if kl_clip is None else check_number("kl_clip", kl_clip, low=0.0, low_open=True)
         # compared across ranks (distributed/consistency.py): adaptive mode all-reduces its 2×2 model
         self.use_adaptive_learning_rate = use_adaptive_learning_rate
@@ -646,6 +650,11 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         self._set_damping(self.lm.update(actual, predicted))
         logger.debug("LM damping: rho=%.3f damping=%.3e", self.lm.last_rho, self.damping)
         return True
+
+    def _check_attrs(self) -> None:
+        super()._check_attrs()
+        if self.kl_clip is not None and self.use_adaptive_learning_rate is True:  # set since: it would be ignored
+            raise ValueError(_adaptive_kl_clip(self.kl_clip))
 
     @property
     def damping(self) -> float:

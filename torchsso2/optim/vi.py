@@ -334,11 +334,28 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
                     for t in lay.tied)}
         if self.reparam:
             self._check_reparam()
-        if self.prior_precision * self.kl_weighting + self.damping <= 0:
+        self._check_posterior_scales()
+
+    def _check_posterior_scales(self) -> None:
+        """``τ·δ + λ > 0`` (a positive definite precision), and ``N/σ²`` and ``τ·δ + λ`` within float32 (each
+        argument within it can still overflow in the product: every step skipped)."""
+        given = (f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
+                 f"damping={self.damping!r}")
+        if self.precision_shift <= 0:
             raise ValueError(f"prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              f"is positive definite (for every curvature kind; the Hessian's may be indefinite), got "
-                             f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
-                             f"damping={self.damping!r}")
+                             f"{given}")
+        if self.precision_shift > MAX_VI_SCALE:
+            raise ValueError(f"prior_precision·kl_weighting + damping = {self.precision_shift:g} is beyond the largest "
+                             f"float32 ({MAX_VI_SCALE:g}), which the posterior's update cannot hold; got {given}")
+        if not self.noise.learned and self.likelihood_size > MAX_VI_SCALE:
+            raise ValueError(f"dataset_size / noise_variance = {self.likelihood_size:g} is beyond the largest float32 "
+                             f"({MAX_VI_SCALE:g}), which the posterior's update cannot hold; got "
+                             f"dataset_size={self.dataset_size!r}, noise_variance={self.noise_variance!r}")
+
+    def _check_attrs(self) -> None:
+        super()._check_attrs()
+        self._check_posterior_scales()
 
     def _call_closure(self, closure: Closure) -> Tuple[Any, Any]:
         """The closure at a weight sample: ``predict()``, ``sampled_params()`` and ``step()`` inside it are
