@@ -23,12 +23,13 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.utils.hooks import RemovableHandle
 from .eager import eager
 
 from .frozen_norm import FrozenMode, route_output, uses_batch_statistics
 from .hook_marks import LocalHook, capture_hook, in_func_transform, is_marked, is_owned
-from .modules.attention import attention_hook
+from .modules.attention import attention_hook, passthrough_hook, recomputes_out_proj
 from .stacklevel import caller_stacklevel
 from .uses import UseWindows
 from .root_calls import NestedCalls
@@ -147,6 +148,9 @@ class Capture:
                 continue
             self._handles.append(module.register_forward_hook(LocalHook(self._make_hook(name)), with_kwargs=True,
                                                               prepend=True))
+        for name, module in self._attentions_calling_out_proj():
+            self._handles.append(module.register_forward_hook(LocalHook(passthrough_hook(self, name)), with_kwargs=True,
+                                                              prepend=True))
         if self.freeze_batch_stats and self.root is not None:
             # prepended after the recording hooks, so they run before them: a covered BatchNorm records the
             # routed output
@@ -167,6 +171,15 @@ class Capture:
         # it so the capture, its records and the batch's activations are freed by reference counting
         # at the end of the step, not later by the cyclic garbage collector
         self.on_output = None
+
+    def _attentions_calling_out_proj(self) -> List[Tuple[str, nn.Module]]:
+        """The ``nn.MultiheadAttention`` modules not covered whose ``out_proj`` is (a frozen in-projection):
+        their forward never calls ``out_proj``, so it is recomputed to (:func:`passthrough_hook`)."""
+        if self.root is None or not any(type(m) is NonDynamicallyQuantizableLinear for m in self.modules.values()):
+            return []
+        covered = {id(m) for m in self.modules.values()}
+        return [(name, m) for name, m in self.root.named_modules()
+                if recomputes_out_proj(m) and id(m) not in covered and id(m.out_proj) in covered]
 
     @staticmethod
     def foreign_hooks(module: nn.Module) -> bool:

@@ -61,7 +61,27 @@ class ProductRunner:
                 self.choice = "loop"
         return self._loop(vectors)
 
+    def _agrees(self, batched: List[Tensor], vectors: Tensor) -> bool:
+        """Whether the batched products of ``vectors`` are right: their combination with fixed weights
+        ``c_i`` equals the loop's product of ``Σ c_i v_i`` (linearity; one product checks every row) to ``√eps``
+        of the terms' size. torch 2.13's batched double backward through ``native_group_norm`` is silently
+        wrong for a batch of one example (it raises for more, and the loop takes over)."""
+        n = vectors.shape[0]
+        c = 1.0 + torch.arange(n, dtype=vectors.dtype, device=vectors.device) / n
+        want = self._loop(torch.tensordot(c, vectors, dims=1).unsqueeze(0))
+        for rows, w in zip(batched, want):
+            if not rows.is_floating_point():
+                continue
+            terms = (c.to(rows.dtype).abs().unsqueeze(1) * rows.flatten(1).abs()).sum(0)  # Σ|c_i·row_i| per entry
+            got = torch.tensordot(c.to(rows.dtype), rows, dims=1)
+            if not bool(((got - w[0]).abs().flatten() <= torch.finfo(rows.dtype).eps ** 0.5 * terms.max()).all()):
+                return False
+        return True
+
     def run(self, vectors: Tensor) -> List[Tensor]:
+        # contiguous: torch 2.13's instance_norm and eval batch_norm backward take a strided grad_output of a
+        # one-example batch wrongly (hessian_diag's unit vectors are channels-last views)
+        vectors = vectors.contiguous()
         if self.choice is not None:
             return self._do(self.choice, vectors)
         parts, i, b = [], 0, vectors.shape[0]
@@ -75,10 +95,15 @@ class ProductRunner:
             i = seg.shape[0]
         if i < b and self.choice is None:  # the batched path on the rest of the chunk (chunk-sized batches)
             t0 = time.perf_counter()
-            parts.append(self._do("batched", vectors[i:]))
+            batched = self._do("batched", vectors[i:])
             if self.choice is None:
                 self.per_vector["batched"].append((time.perf_counter() - t0) / (b - i))
-                self._method()
+                if not self.per_vector["batched"][1:] and not self._agrees(batched, vectors[i:]):  # checked once
+                    self.choice = "loop"
+                    batched = self._loop(vectors[i:])
+                else:
+                    self._method()
+            parts.append(batched)
         elif i < b:
             parts.append(self._do(self.choice, vectors[i:]))
         return [torch.cat([part[k] for part in parts]) for k in range(len(self.inputs))]

@@ -388,3 +388,25 @@ def test_self_attention_on_the_same_view_taken_twice_is_self_attention(kind: str
     c = curvature.compute(detached, x, y, kind=kind, approx="full")
     expected = Reference(detached, x, y, "cross_entropy").shaped(kind, "full", None)
     assert float((c.dense() - expected).abs().max()) <= 1e-8 * max(1.0, float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("kind,approx", [(k, a) for k in KINDS for a in ("full", "diag", "kfac")
+                                          if (k, a) != ("hessian", "kfac")])  # (not implemented)
+def test_attention_with_a_frozen_in_projection_covers_out_proj(kind: str, approx: str) -> None:
+    """Fine-tuning out_proj and the head only: nn.MultiheadAttention's forward never calls out_proj, and with no
+    trainable in-projection nothing recomputed it, so every kind raised "covered modules were not called"."""
+    torch.manual_seed(0)
+    model = MHANet(batch_first=True, padding=False).double()
+    model.attn.in_proj_weight.requires_grad_(False)
+    model.attn.in_proj_bias.requires_grad_(False)
+    x, y = _batch("cross_entropy")
+    ref = Reference(model, x, y, "cross_entropy")
+    c = curvature.compute(model, x, y, loss="cross_entropy", kind=kind, approx=approx, **_kw(kind))
+    assert list(c.blocks) == ["inp", "attn.out_proj", "fc"]
+    labels = sample_labels("cross_entropy", ref.outputs, 2, 3) if kind == "fisher_mc" else None
+    if approx != "kfac":
+        _close(c.dense(), ref.shaped(kind, approx, labels))
+    # out_proj's block is the one it has with the in-projection trainable
+    model.attn.in_proj_bias.requires_grad_(True)
+    again = curvature.compute(model, x, y, loss="cross_entropy", kind=kind, approx=approx, **_kw(kind))
+    _close(c.blocks["attn.out_proj"].dense(), again.blocks["attn.out_proj"].dense())

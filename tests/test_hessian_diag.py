@@ -367,3 +367,35 @@ def test_grouped_diagonal_in_slabs_of_one_group(monkeypatch: pytest.MonkeyPatch,
     c = curvature.compute(model, x, y, kind="hessian", approx="diag")
     torch.testing.assert_close(c.dense().diagonal(), brute_diag(model, x, y), rtol=1e-9, atol=1e-12)
     assert fast_calls.count("Conv2d") == 2
+
+
+def _instance_norm_eval(c: int) -> nn.Module:
+    norm = nn.InstanceNorm2d(c, track_running_stats=True)
+    with torch.no_grad():
+        norm.running_mean.normal_(generator=torch.Generator().manual_seed(3))
+        norm.running_var.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(4))
+    return norm.eval()
+
+
+@pytest.mark.parametrize("norm", ["group_norm", "instance_norm_eval", "batch_norm_eval"])
+@pytest.mark.parametrize("approx", ["full", "diag"])
+def test_hessian_of_a_layer_before_a_norm_layer_for_one_example(norm: str, approx: str) -> None:
+    """torch 2.13 bugs the products walked into, for a batch of ONE example: the batched double backward
+    through GroupNorm (silently wrong; it raises for more examples), and instance_norm / eval batch_norm
+    backward of a channels-last-strided grad_output (the diagonal's unit vectors). 0.3-0.99 relative off."""
+    torch.manual_seed(0)
+    c = 6
+    layer = {"group_norm": lambda: nn.GroupNorm(6, 6, affine=False), "instance_norm_eval": lambda: _instance_norm_eval(c),
+             "batch_norm_eval": lambda: nn.BatchNorm2d(c).eval()}[norm]()
+    model = nn.Sequential(nn.Conv2d(c, c, 1), layer, nn.Tanh(), nn.Flatten(), nn.Linear(c * 6, 2)).double()
+    x, y = torch.randn(1, c, 2, 3, dtype=torch.float64), torch.randn(1, 2, dtype=torch.float64)
+    conv = model[0]
+    theta = torch.cat([conv.weight.detach().reshape(-1), conv.bias.detach()])
+
+    def loss(t: Tensor) -> Tensor:
+        params = {"0.weight": t[:c * c].reshape(c, c, 1, 1), "0.bias": t[c * c:]}
+        return 0.5 * (functional_call(model, params, (x,)) - y).pow(2).sum()
+
+    want = torch.autograd.functional.hessian(loss, theta)  # reverse over reverse, one vector at a time
+    got = curvature.compute(model, x, y, loss="mse", kind="hessian", approx=approx).blocks["0"].dense()
+    torch.testing.assert_close(got, want if approx == "full" else torch.diag(want.diagonal()), rtol=1e-9, atol=1e-12)

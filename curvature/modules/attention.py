@@ -188,6 +188,37 @@ _ARG_NAMES = ("query", "key", "value", "key_padding_mask", "need_weights", "attn
               "average_attn_weights", "is_causal")
 
 
+def passthrough_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], Any]:
+    """A ``with_kwargs`` forward hook on an attention ``name`` the capture does not cover (its in-projection
+    frozen) whose ``out_proj`` it does: the output recomputed by :func:`recorded_forward`, which calls
+    ``out_proj`` (recorded there as a Linear); the attention's own forward only reads its weight."""
+    from ..selection import skip_hint
+
+    def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        if in_func_transform():
+            return None
+        if not torch.is_grad_enabled():
+            capture.called_without_grad.add(f"{name}.out_proj")
+            return None
+        if capture.foreign_hooks(module.out_proj):
+            raise ValueError(
+                f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "
+                "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
+                "step does, so those hooks would run at curvature steps only. Register them on the attention "
+                f"module, or leave out_proj to the plain update with {skip_hint(name + '.out_proj')}")
+        call = dict(zip(_ARG_NAMES, args))
+        call.update(kwargs)
+        with hidden_from(attached_owners(module.out_proj)):
+            return recorded_forward(module, **call)[0]
+    return capture_hook(hook)
+
+
+def recomputes_out_proj(module: nn.Module) -> bool:
+    """Whether :func:`recorded_forward` computes this attention (the options the family supports)."""
+    return isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim and module.bias_k is None \
+        and not module.add_zero_attn
+
+
 def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], Any]:
     """A ``with_kwargs`` forward hook for :class:`~curvature.capture.Capture`: records ``x``/``z`` of
     the in-projection as the module's :class:`~curvature.capture.ModuleRecord` and returns the
