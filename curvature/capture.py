@@ -23,7 +23,6 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tu
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.utils.hooks import RemovableHandle
 from .eager import eager
 
@@ -175,8 +174,8 @@ class Capture:
     def _attentions_calling_out_proj(self) -> List[Tuple[str, nn.Module]]:
         """The ``nn.MultiheadAttention`` modules not covered whose ``out_proj`` is (a frozen in-projection):
         their forward never calls ``out_proj``, so it is recomputed to (:func:`passthrough_hook`)."""
-        if self.root is None or not any(type(m) is NonDynamicallyQuantizableLinear for m in self.modules.values()):
-            return []
+        if self.root is None or not any(name == "out_proj" or name.endswith(".out_proj") for name in self.modules):
+            return []  # (the walk below runs only for a model with a covered out_proj)
         covered = {id(m) for m in self.modules.values()}
         return [(name, m) for name, m in self.root.named_modules()
                 if recomputes_out_proj(m) and id(m) not in covered and id(m.out_proj) in covered]

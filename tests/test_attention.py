@@ -410,3 +410,8 @@ def test_attention_with_a_frozen_in_projection_covers_out_proj(kind: str, approx
     model.attn.in_proj_bias.requires_grad_(True)
     again = curvature.compute(model, x, y, loss="cross_entropy", kind=kind, approx=approx, **_kw(kind))
     _close(c.blocks["attn.out_proj"].dense(), again.blocks["attn.out_proj"].dense())
+    # an out_proj replaced by a plain nn.Linear (the attention reads its weight and bias all the same)
+    model.attn.in_proj_bias.requires_grad_(False)
+    model.attn.out_proj = nn.Linear(model.attn.embed_dim, model.attn.embed_dim).double()
+    replaced = curvature.compute(model, x, y, loss="cross_entropy", kind=kind, approx=approx, **_kw(kind))
+    assert list(replaced.blocks) == ["inp", "attn.out_proj", "fc"]

@@ -399,3 +399,29 @@ def test_hessian_of_a_layer_before_a_norm_layer_for_one_example(norm: str, appro
     want = torch.autograd.functional.hessian(loss, theta)  # reverse over reverse, one vector at a time
     got = curvature.compute(model, x, y, loss="mse", kind="hessian", approx=approx).blocks["0"].dense()
     torch.testing.assert_close(got, want if approx == "full" else torch.diag(want.diagonal()), rtol=1e-9, atol=1e-12)
+
+
+def test_hessian_with_an_empty_layer_past_the_probe_vectors() -> None:
+    """A covered Linear(0, 20): its 20 bias entries reach the batched products, whose check took the max of an
+    empty weight row (a RuntimeError)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.empty, self.a, self.out = nn.Linear(0, 20), nn.Linear(6, 20), nn.Linear(20, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.out(torch.tanh(self.a(x) + self.empty(x[:, :0])))
+
+    model = Net().double()
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    for approx in ("full", "diag"):
+        c = curvature.compute(model, x, y, kind="hessian", approx=approx)
+        assert c.blocks["empty"].dense().shape == (20, 20)
+
+        def loss(b: Tensor) -> Tensor:
+            return F.cross_entropy(functional_call(model, {"empty.bias": b}, (x,)), y)
+
+        want = hessian(loss)(model.empty.bias.detach())
+        torch.testing.assert_close(c.blocks["empty"].dense(), want if approx == "full" else torch.diag(want.diagonal()))

@@ -253,3 +253,7 @@ def test_inverse_method_scale_is_folded_into_the_damping():
     small = KFACBlock(_layout(1, 2), torch.eye(2) * 3.0, torch.eye(2) * 2.0)
     small.decompose(1e-2, scale=4.0, method="inverse")
     torch.testing.assert_close(small.decomposition["linv"], torch.linalg.inv(12.0 * torch.eye(2) + 1e-2 * torch.eye(2)))
+    # a tiny scale is not folded (λ/s would overflow float32): (s·L + λI)⁻¹ as before
+    tiny = KFACBlock(_layout(1, 2), torch.eye(2) * 3.0, torch.eye(2) * 2.0)
+    tiny.decompose(1e3, scale=1e-38, method="inverse")
+    torch.testing.assert_close(tiny.decomposition["linv"], torch.eye(2) / 1e3)

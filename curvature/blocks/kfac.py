@@ -153,12 +153,12 @@ class KFACBlock(Block):
                                        f"K-FAC factor of {self.layout.name!r}", size=f.shape[0], stored=stored)
                     # the factor in its stored dtype: damped_inv casts it and keeps the stored dtype's round-off
                     # (a float32 factor cast first would have its float32 rounding judged by float64's eps); a scale
-                    # s > 0 is folded into the damping, (s·F + λI)⁻¹ = (F + λ/s·I)⁻¹/s: s·F may not fit the stored dtype
-                    if scale > 0:
-                        inv.append(lb.damped_inv(raw, damping / scale, dtype=dtype).div_(scale) if scale != 1.0
-                                   else lb.damped_inv(raw, damping, dtype=dtype))
+                    # s > 1 is folded into the damping, (s·F + λI)⁻¹ = (F + λ/s·I)⁻¹/s: s·F may not fit the stored
+                    # dtype (for s < 1, λ/s may not)
+                    if scale > 1.0:
+                        inv.append(lb.damped_inv(raw, damping / scale, dtype=dtype).div_(scale))
                     else:
-                        inv.append(lb.damped_inv(scale * f, damping, dtype=dtype))
+                        inv.append(lb.damped_inv(raw if scale == 1.0 else scale * raw, damping, dtype=dtype))
                 scale = 1.0  # the scale multiplies the Kronecker product once
             self.decomposition = {"method": "inverse", "linv": inv[0], "rinv": inv[1]}
         else:

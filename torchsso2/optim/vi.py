@@ -338,7 +338,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
 
     def _check_posterior_scales(self) -> None:
         """``τ·δ + λ > 0`` (a positive definite precision), and ``N/σ²`` and ``τ·δ + λ`` within float32 (each
-        argument within it can still overflow in the product: every step skipped)."""
+        argument within it, their product was not). Near the bound the products with the curvature can still
+        overflow (those steps are skipped)."""
         given = (f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
                  f"damping={self.damping!r}")
         if self.precision_shift <= 0:
