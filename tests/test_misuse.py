@@ -1021,3 +1021,29 @@ def test_a_parameter_returned_in_the_output_gets_no_hooks_from_the_checks() -> N
     for _ in range(6):
         opt.step(closure)
         assert not model.log_t._backward_hooks
+
+
+def test_steps_whose_closure_raises_do_not_use_up_the_first_calls_checks():
+    """A step that does not finish leaves the optimizer as it was: ten raising closures had used up the checks
+    of the first five calls, and a closure that forgot backward() then stepped silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    opt = SecondOrderOptimizer(model)
+
+    def raising():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raise KeyError("bad batch")
+
+    for _ in range(10):
+        with pytest.raises(KeyError):
+            opt.step(raising)
+
+    def no_backward():
+        opt.zero_grad()
+        out = model(x)
+        return F.cross_entropy(out, y), out
+
+    with pytest.raises(RuntimeError, match="did not call backward"):
+        opt.step(no_backward)

@@ -350,8 +350,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             finally:
                 for hook in hooks:
                     hook.remove()
-            self._check_nonempty(output)
-            self._check_output_consumers(watch, loss, targets)
+            try:
+                self._check_nonempty(output)
+                self._check_output_consumers(watch, loss, targets)
+            finally:
+                watch.release()
             watch.after()
             return loss, output, None
         engine = self.engine
@@ -420,7 +423,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 raise
             finally:
                 used.finish()
-        self._check_output_consumers(watch, loss, targets)
+        try:
+            self._check_output_consumers(watch, loss, targets)
+        finally:
+            watch.release()
         watch.after()
         micro.finish()
         if from_backward:
@@ -458,7 +464,6 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 self, loss, watch.first_output, from_backward):
             watch.check_output = False
             misuse["output_checks_left"] = 0
-        watch.first_output = None
 
     def _follow_param_dtypes(self) -> None:
         """Momentum buffers follow their parameter's dtype and device, and the running curvature and its

@@ -277,6 +277,17 @@ class ClosureWatch:
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
+        if exc[0] is not None:  # the closure raised: nothing reads the output now, and the call is not counted
+            self.release()  # as a watched one (a step that does not finish leaves the optimizer as it was)
+            if self.active:
+                self.owner["closure_checks_left"] = self.owner.get("closure_checks_left", 0) + 1
+
+    def release(self) -> None:
+        """Drop the observed output. Its gradient hook holds this watch (through the checks it runs), and a
+        reference cycle through autograd's hook storage is one the garbage collector cannot see: kept, it held
+        the output's graph, the parameters and the earlier gradients for as long as the process lived (each
+        optimizer built and dropped in a sweep leaked ~6× the model)."""
+        self.first_output = None
 
     def after(self) -> None:
         """Raise if no backward reached the parameters; warn (once) if the loss is not a function of
