@@ -55,7 +55,7 @@ def test_closure_without_backward_raises(face: str, zero: str) -> None:
         opt.step(good)  # gradients exist from an earlier step: stale ones (or .grad set to None) must not pass
     before = _vec(model)
     with pytest.raises(RuntimeError, match="did not call backward"):
-        opt.step(no_backward)
+        opt.step(no_backward, **({"targets": y} if failure == "hessian_without_targets" else {}))
     if zero != "zeros":
         assert torch.equal(_vec(model), before)
 
@@ -1023,22 +1023,32 @@ def test_a_parameter_returned_in_the_output_gets_no_hooks_from_the_checks() -> N
         assert not model.log_t._backward_hooks
 
 
-def test_steps_whose_closure_raises_do_not_use_up_the_first_calls_checks():
-    """A step that does not finish leaves the optimizer as it was: ten raising closures had used up the checks
-    of the first five calls, and a closure that forgot backward() then stepped silently."""
+@pytest.mark.parametrize("failure", ["closure_raises", "hessian_without_targets", "empty_batch_at_a_plain_step"])
+def test_steps_that_do_not_finish_do_not_use_up_the_first_calls_checks(failure):
+    """A step that does not finish leaves the optimizer as it was: ten failed steps had used up the checks of the
+    first five calls, and a closure that forgot backward() then stepped silently."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-    opt = SecondOrderOptimizer(model)
+    opt = (SecondOrderOptimizer(model, curvature="hessian", approx="diag") if failure == "hessian_without_targets"
+           else SecondOrderOptimizer(model, curv_update_interval=3) if failure == "empty_batch_at_a_plain_step"
+           else SecondOrderOptimizer(model))
+    if failure == "empty_batch_at_a_plain_step":
+        opt.step(make_closure(opt, model, x, y))  # the estimating step; the next ones are plain
 
-    def raising():
+    def failing():
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        raise KeyError("bad batch")
+        rows = x[:0] if failure == "empty_batch_at_a_plain_step" else x
+        out = model(rows)
+        loss = F.cross_entropy(out, y[:out.shape[0]]) if out.shape[0] else out.sum()
+        loss.backward()
+        if failure == "closure_raises":
+            raise KeyError("bad batch")
+        return loss, out
 
     for _ in range(10):
-        with pytest.raises(KeyError):
-            opt.step(raising)
+        with pytest.raises((KeyError, ValueError)):
+            opt.step(failing)
 
     def no_backward():
         opt.zero_grad()
@@ -1046,4 +1056,4 @@ def test_steps_whose_closure_raises_do_not_use_up_the_first_calls_checks():
         return F.cross_entropy(out, y), out
 
     with pytest.raises(RuntimeError, match="did not call backward"):
-        opt.step(no_backward)
+        opt.step(no_backward, **({"targets": y} if failure == "hessian_without_targets" else {}))

@@ -314,6 +314,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 loss, output = self._call_closure(closure)
             self._check_nonempty(output)
             return loss, output, None
+        if estimate and self.engine.kind is Kind.HESSIAN and targets is None:  # (before the watch takes a check)
+            raise ValueError(HESSIAN_NEEDS_TARGETS)
         watch = ClosureWatch(self.param_groups, self._categorical_use(targets), misuse, estimate,
                              check_scale=self.engine.loss is LossType.CROSS_ENTROPY and self.grad_scaler is None,
                              keep_output_grads=self._keeps_output_grads(targets),
@@ -353,13 +355,13 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             try:
                 self._check_nonempty(output)
                 self._check_output_consumers(watch, loss, targets)
-            finally:
-                watch.release()
+            except BaseException:
+                watch.give_back()
+                raise
+            watch.release()
             watch.after()
             return loss, output, None
         engine = self.engine
-        if engine.kind is Kind.HESSIAN and targets is None:
-            raise ValueError(HESSIAN_NEEDS_TARGETS)
         if trainable is None:
             return self._estimating_call(closure, targets, watch)
         # modules frozen since construction are left out of the capture and the estimate (their running
@@ -425,8 +427,10 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 used.finish()
         try:
             self._check_output_consumers(watch, loss, targets)
-        finally:
-            watch.release()
+        except BaseException:
+            watch.give_back()
+            raise
+        watch.release()
         watch.after()
         micro.finish()
         if from_backward:

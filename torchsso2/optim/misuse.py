@@ -277,10 +277,16 @@ class ClosureWatch:
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
-        if exc[0] is not None:  # the closure raised: nothing reads the output now, and the call is not counted
-            self.release()  # as a watched one (a step that does not finish leaves the optimizer as it was)
-            if self.active:
-                self.owner["closure_checks_left"] = self.owner.get("closure_checks_left", 0) + 1
+        if exc[0] is not None:  # the closure raised: nothing reads the output now
+            self.give_back()
+
+    def give_back(self) -> None:
+        """A call that did not finish (the closure, or a check after it, raised): the output is released and
+        the call is not counted as a watched one (a step that does not finish leaves the optimizer as it was)."""
+        self.release()
+        if self.active:
+            self.active = False  # given back once
+            self.owner["closure_checks_left"] = self.owner.get("closure_checks_left", 0) + 1
 
     def release(self) -> None:
         """Drop the observed output. Its gradient hook holds this watch (through the checks it runs), and a
