@@ -55,7 +55,7 @@ def test_closure_without_backward_raises(face: str, zero: str) -> None:
         opt.step(good)  # gradients exist from an earlier step: stale ones (or .grad set to None) must not pass
     before = _vec(model)
     with pytest.raises(RuntimeError, match="did not call backward"):
-        opt.step(no_backward, **({"targets": y} if failure == "hessian_without_targets" else {}))
+        opt.step(no_backward)
     if zero != "zeros":
         assert torch.equal(_vec(model), before)
 
