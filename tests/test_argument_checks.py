@@ -130,21 +130,14 @@ def test_numpy_interval_takes_its_default_kl_clip_and_kfac_on_nonfinite_takes_an
     ("vi", "prior_precision", 0.0, ValueError, "must be > 0"),  # with damping 0: a singular precision
 ])
 def test_attributes_set_between_steps_are_checked_at_the_next_step(face, attr, value, error, match) -> None:
-    import torch.nn.functional as F
+    from optim_helpers import make_closure
     from torchsso2 import SecondOrderOptimizer, VIOptimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     opt = (SecondOrderOptimizer(model, kl_clip=1e-3) if face == "sso"
            else SecondOrderOptimizer(model, use_adaptive_learning_rate=True) if face == "sso-adaptive"
            else VIOptimizer(model, dataset_size=100, kl_clip=1e-3, curvature="fisher_mc"))
-    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
-
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
+    closure = make_closure(opt, model, torch.randn(8, 3), torch.randint(0, 2, (8,)))
     opt.step(closure)
     params = [p.detach().clone() for p in model.parameters()]
     steps = opt.num_steps
