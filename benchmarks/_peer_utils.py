@@ -28,7 +28,8 @@ PEERS: Dict[str, tuple] = {
     "curvlinops": ("curvlinops", "curvlinops-for-pytorch"),
     "laplace": ("laplace", "laplace-torch"),
     "ivon": ("ivon", "ivon-opt"),
-    "kfac_pytorch": ("kfac.preconditioner", "git+https://github.com/gpauloski/kfac-pytorch"),
+    # (the version the comparisons were made against; its dependencies are torch's)
+    "kfac_pytorch": ("kfac.preconditioner", "--no-deps kfac-pytorch==0.4.2"),
     # ASDL's distribution is `asdfghjkl` (the PyPI package `asdl` is an unrelated grammar parser)
     "asdl": ("asdl", "asdfghjkl"),
 }

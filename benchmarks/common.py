@@ -132,10 +132,9 @@ def write_json(path: Path, report: Dict[str, Any]) -> None:
     """Write ``report`` as indented JSON (creating the parent directory), stamped with the time
     it was written (``measured_at_unix``, unless the report has one): the README's dates come
     from it, not from file times or commits."""
+    from examples.common import write_results  # (a bad path keeps the results in a temporary file)
     report = {"measured_at_unix": time.time(), **report}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=_json_default) + "\n", encoding="utf-8")
+    write_results(Path(path), json.dumps(report, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(obj: Any) -> Any:

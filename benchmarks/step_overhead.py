@@ -565,7 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     kfac_mod, kfac_why = try_import("kfac")
     if kfac_mod is None:
-        print(f"kfac_pytorch comparison skipped: `import kfac` failed ({kfac_why}); pip install kfac-pytorch")
+        print(f"kfac_pytorch comparison skipped: `import kfac` failed ({kfac_why}); pip install --no-deps kfac-pytorch==0.4.2")
     load_before = load_average()
     start = time.perf_counter()
     timing, skipped = ([], {}) if args.skip_timing else run_timing(args, kfac_mod, kfac_why)

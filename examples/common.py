@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -416,8 +417,22 @@ def json_ready(value: Any) -> Any:
 
 def write_json(path: Path, value: Any) -> None:
     """Write ``value`` as strict JSON (non-finite floats as ``null``) to ``path``, creating its folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_ready(value), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    write_results(path, json.dumps(json_ready(value), indent=2, allow_nan=False) + "\n")
+
+
+def write_results(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, creating its folder. Where that fails (a parent that is a file, no permission)
+    the text goes to a temporary file instead and the program exits with an error naming both: the results of a
+    long run are not lost to a mistyped path."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        with tempfile.NamedTemporaryFile("w", suffix=path.suffix or ".txt", prefix=f"{path.stem}-", delete=False,
+                                         encoding="utf-8") as kept:
+            kept.write(text)
+        raise SystemExit(f"error: could not write {path} ({exc}); the results are kept in {kept.name}") from None
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

@@ -279,3 +279,18 @@ def test_kfac_adaptive_quick_fills_only_what_was_not_given() -> None:
     full = kfac_adaptive.parse_args([])
     assert (full.dampings, full.seeds, full.batch_sizes, full.repeats, full.max_epochs) == (
         [1e-3, 1e-2, 1e-1], [0, 1, 2], [512, 128], 15, 30)
+
+
+def test_results_for_a_path_that_cannot_be_written_are_kept_in_a_temporary_file(tmp_path, monkeypatch):
+    """A --json under a regular file crashed with a raw FileExistsError after the whole run: the results were lost."""
+    import re
+    import tempfile
+
+    from benchmarks.common import write_json
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=r"could not write .*afile/out\.json .*the results are kept in") as err:
+        write_json(blocker / "out.json", {"value": 1})
+    kept = re.search(r"kept in (\S+)$", str(err.value)).group(1)
+    assert '"value": 1' in open(kept, encoding="utf-8").read()
