@@ -137,6 +137,22 @@ def write_json(path: Path, report: Dict[str, Any]) -> None:
     write_results(Path(path), json.dumps(report, indent=2, default=_json_default) + "\n")
 
 
+def read_report(path: Path, keys: Sequence[str], writer: str) -> Dict[str, Any]:
+    """The JSON report at ``path`` written by ``writer`` (a benchmark's name), with its top-level ``keys``; a
+    missing file, one that is not JSON or another benchmark's report exits with an error naming the path."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read {path} ({exc}); run {writer} without it first to measure") from None
+    except ValueError as exc:
+        raise SystemExit(f"error: {path} is not JSON ({exc})") from None
+    missing = [k for k in keys if not isinstance(report, dict) or k not in report]
+    if missing:
+        raise SystemExit(f"error: {path} is not a report of {writer} (no {', '.join(map(repr, missing))} entry)")
+    return report
+
+
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, (torch.Tensor, numpy.ndarray)):
         return obj.tolist()

@@ -72,7 +72,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks.common import load_average, machine_info, markdown_table, progress, write_json  # noqa: E402
+from benchmarks.common import load_average, machine_info, markdown_table, progress, read_report, write_json  # noqa: E402
 from benchmarks.kfac_robustness import load_data  # noqa: E402
 from examples.common import fraction_in, nonnegative_int, positive_float, positive_int  # noqa: E402
 from torchsso2 import SecondOrderOptimizer  # noqa: E402
@@ -750,7 +750,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     json_path = args.json if args.json is not None else (None if q else DEFAULT_JSON)
     plot_path = args.plot if args.plot is not None else (None if q else DEFAULT_PLOT)
     if args.report_only:
-        report = json.loads((args.json or DEFAULT_JSON).read_text())
+        report = read_report(args.json or DEFAULT_JSON, ["settings"], "benchmarks.kfac_time_to_accuracy")
         _print_report(report)
         if args.readme:
             update_readme(README, report)

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import _peer_utils as pu  # noqa: E402
-from benchmarks.common import progress  # noqa: E402
+from benchmarks.common import progress, read_report  # noqa: E402
 
 logger = logging.getLogger("benchmarks.width_scaling")
 
@@ -230,9 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.replot is not None:
-        import json
-
-        rep = json.loads(args.replot.read_text(encoding="utf-8"))
+        rep = read_report(args.replot, ["results"], "benchmarks.width_scaling")
         fit_model(rep["results"])
         pu.save(args.replot, rep)
     else:

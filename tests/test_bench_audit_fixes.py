@@ -276,3 +276,17 @@ def test_quick_keeps_the_options_given():
     assert (args.steps, args.warmup) == (7, 2)
     report = sequence_curvature.main(["--quick", "--repeats", "1", "--models", "lm-mlp"])
     assert report["results"][0]["batch"] == 2 and "skipped" in report
+
+
+def test_a_missing_or_foreign_report_is_an_error_naming_it(tmp_path):
+    """--replot / --report-only on a missing file or another benchmark's JSON raised FileNotFoundError/KeyError."""
+    from benchmarks.common import read_report
+    with pytest.raises(SystemExit, match=r"cannot read .*nosuch\.json"):
+        read_report(tmp_path / "nosuch.json", ["results"], "benchmarks.width_scaling")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"bad\.json is not JSON"):
+        read_report(tmp_path / "bad.json", ["results"], "benchmarks.width_scaling")
+    (tmp_path / "other.json").write_text('{"settings": {}}')
+    with pytest.raises(SystemExit, match=r"not a report of benchmarks.width_scaling \(no 'results' entry\)"):
+        read_report(tmp_path / "other.json", ["results"], "benchmarks.width_scaling")
+    assert read_report(tmp_path / "other.json", ["settings"], "x") == {"settings": {}}

@@ -345,16 +345,18 @@ def _attention_case():
 def test_unsupported_parent_named_and_out_proj_hint() -> None:
     """A MultiheadAttention configuration without curvature support (add_zero_attn) is named in the
     error (the supported ones: tests/test_attention.py). With its own parameters frozen, out_proj is
-    covered but never called (the parent uses its weight directly): that error says to skip the parent."""
+    covered but the parent uses its weight without calling it: a supported configuration is recomputed so
+    that out_proj is called (tests/test_attention.py); an unsupported one is an error saying to skip the parent."""
     model, x, y = _attention_case()
     model.attn.add_zero_attn = True
     with pytest.raises(ValueError, match=r"MultiheadAttention.*add_zero_attn.*skip_modules"):
         _compute(model, x, y)
-    model.attn.add_zero_attn = False
     for p in model.attn.parameters(recurse=False):
         p.requires_grad_(False)
     with pytest.raises(ValueError, match=r"attn\.out_proj.*not called.*skip the parent"):
         _compute(model, x, y)
+    model.attn.add_zero_attn = False
+    assert "attn.out_proj" in _compute(model, x, y).blocks
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap fallback for attention's backward

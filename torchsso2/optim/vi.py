@@ -342,12 +342,13 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         overflow (those steps are skipped)."""
         given = (f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
                  f"damping={self.damping!r}")
-        if self.precision_shift <= 0:
+        shift = self.kl_weighting * self.prior_precision + self.damping  # (not precision_shift: the PyTorch-SSO
+        if shift <= 0:  # face ramps its prior in from 0 at the first steps)
             raise ValueError(f"prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
                              f"is positive definite (for every curvature kind; the Hessian's may be indefinite), got "
                              f"{given}")
-        if self.precision_shift > MAX_VI_SCALE:
-            raise ValueError(f"prior_precision·kl_weighting + damping = {self.precision_shift:g} is beyond the largest "
+        if shift > MAX_VI_SCALE:
+            raise ValueError(f"prior_precision·kl_weighting + damping = {shift:g} is beyond the largest "
                              f"float32 ({MAX_VI_SCALE:g}), which the posterior's update cannot hold; got {given}")
         if not self.noise.learned and self.likelihood_size > MAX_VI_SCALE:
             raise ValueError(f"dataset_size / noise_variance = {self.likelihood_size:g} is beyond the largest float32 "
