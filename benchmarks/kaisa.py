@@ -29,6 +29,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -63,11 +64,14 @@ def _worker(rank: int, world: int, port: int, cfg: Dict[str, Any], out_path: str
 
     from examples.resnet import ResNet
     from torchsso2.distributed import get_communicator
+    from torchsso2.distributed.faults import resolve_timeout
     from torchsso2.kfac import DistributedStrategy, KFACPreconditioner
 
     torch.set_num_threads(cfg["threads"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # the communicator's timeout for the group's too (a longer one is warned about: a lost rank would hang that long)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=resolve_timeout()))
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of a global batch
     size, classes = cfg["image_size"], cfg["num_classes"]
     x = torch.randn(cfg["batch_size"], 3, size, size, generator=g)

@@ -159,7 +159,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="README whose results block (between the results:begin/end markers) is regenerated "
                         "(default: README.md at the repository root, and only when --results-dir is the default)")
     readme.add_argument("--no-readme", action="store_true", help="do not touch any README")
-    return resolve_dirs(p.parse_args(argv))
+    args = p.parse_args(argv)
+    names = discover()
+    unknown = [n for n in (args.only or []) + args.skip if n not in names]
+    if unknown:  # before resolve_dirs makes a scratch directory for a run that will not happen
+        p.error(f"unknown benchmark(s): {', '.join(unknown)}; available: {', '.join(names)}")
+    return resolve_dirs(args)
 
 
 DEFAULT_DOCS = ROOT / "docs"
@@ -349,10 +354,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quick:
         print(f"quick run: results in {args.results_dir}, docs in {args.docs_dir}", flush=True)
     names = discover()
-    unknown = [n for n in (args.only or []) + args.skip if n not in names]
-    if unknown:
-        print(f"unknown benchmark(s): {', '.join(unknown)}; available: {', '.join(names)}", file=sys.stderr)
-        return 2
     selected = [n for n in names if (args.only is None or n in args.only) and n not in args.skip]
     readme = readme_target(args)
     if readme is not None:

@@ -53,7 +53,9 @@ def test_quick_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_report_only_and_bad_module(tmp_path: Path) -> None:
-    assert bench_run.main(["--only", "no_such_benchmark", "--results-dir", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as err:  # an argparse error, before any scratch directory is made
+        bench_run.main(["--only", "no_such_benchmark", "--results-dir", str(tmp_path)])
+    assert err.value.code == 2
     assert bench_run.main(["--report-only", "--results-dir", str(tmp_path), "--docs-dir", str(tmp_path)]) == 0
     assert (tmp_path / "results.md").exists()
 

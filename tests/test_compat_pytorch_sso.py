@@ -682,3 +682,9 @@ def test_vi_init_precision_starts_an_embeddings_kfac_input_factor_as_a_diagonal(
     opt.step(make_closure(opt, model, tokens, y))
     counts = torch.bincount(tokens.reshape(-1), minlength=6).float() / tokens.numel()
     torch.testing.assert_close(opt.running.blocks["emb"].A, (1 - beta) * start + beta * counts)
+
+
+def test_compat_vi_init_precision_beyond_float32_is_refused():
+    """As the native VIOptimizer's: every decomposition failed and every step was skipped."""
+    with pytest.raises(ValueError, match=r"init_precision=1e\+300 is out of range"):
+        VIOptimizer(_mlp(), 100, "Cov", {"Linear": "Diag"}, {"damping": 1e-3}, init_precision=1e300)

@@ -44,7 +44,7 @@ from ..optim import NonFiniteError
 from ..optim import SecondOrderOptimizer as _NativeSO
 from ..optim import VIOptimizer as _NativeVI
 from ..optim.routing import zero_block
-from ..optim.validation import check_number
+from ..optim.validation import MAX_VI_SCALE, check_number
 from ..optim.vi_start import isotropic_blocks
 from . import sso_conventions as conv
 
@@ -282,7 +282,7 @@ class VIOptimizer(_SSOGroups, _NativeVI):
             prior_variance = check_number("prior_variance", prior_variance)
         kl_weighting = check_number("kl_weighting", kl_weighting)
         if init_precision is not None:
-            init_precision = check_number("init_precision", init_precision)
+            init_precision = check_number("init_precision", init_precision, high=MAX_VI_SCALE)  # as the native
         if not prior_variance or prior_variance < 0:
             raise NotImplementedError(f"prior_variance={prior_variance!r}: PyTorch-SSO then samples no noise "
                                       "(a point estimate); use the compat SecondOrderOptimizer instead")
