@@ -188,28 +188,39 @@ _ARG_NAMES = ("query", "key", "value", "key_padding_mask", "need_weights", "attn
               "average_attn_weights", "is_causal")
 
 
+def _recorded_call(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, Tensor, Tensor]:
+    """:func:`recorded_forward` of one call of ``module`` (its hook's ``args``/``kwargs``), hidden from a
+    KFACPreconditioner on ``out_proj`` (kfac_pytorch's registration; never called by the attention's own forward,
+    it does not see this call, which only curvature steps make)."""
+    call = dict(zip(_ARG_NAMES, args))
+    call.update(kwargs)
+    with hidden_from(attached_owners(module.out_proj)):
+        return recorded_forward(module, **call)
+
+
+def _refuse_out_proj_hooks(capture: Any, module: nn.Module, name: str, leave: str, skipped: str) -> None:
+    """ValueError when ``module.out_proj`` has hooks of the user's: only a recorded forward calls it."""
+    if capture.foreign_hooks(module.out_proj):
+        from ..selection import skip_hint
+        raise ValueError(
+            f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "
+            "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
+            "step does, so those hooks would run at curvature steps only. Register them on the attention "
+            f"module, or leave {leave} to the plain update with {skip_hint(skipped)}")
+
+
 def passthrough_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], Any]:
     """A ``with_kwargs`` forward hook on an attention ``name`` the capture does not cover (its in-projection
     frozen) whose ``out_proj`` it does: the output recomputed by :func:`recorded_forward`, which calls
     ``out_proj`` (recorded there as a Linear); the attention's own forward only reads its weight."""
-    from ..selection import skip_hint
-
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         if in_func_transform():
             return None
         if not torch.is_grad_enabled():
             capture.called_without_grad.add(f"{name}.out_proj")
             return None
-        if capture.foreign_hooks(module.out_proj):
-            raise ValueError(
-                f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "
-                "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
-                "step does, so those hooks would run at curvature steps only. Register them on the attention "
-                f"module, or leave out_proj to the plain update with {skip_hint(name + '.out_proj')}")
-        call = dict(zip(_ARG_NAMES, args))
-        call.update(kwargs)
-        with hidden_from(attached_owners(module.out_proj)):
-            return recorded_forward(module, **call)[0]
+        _refuse_out_proj_hooks(capture, module, name, "out_proj", f"{name}.out_proj")
+        return _recorded_call(module, args, kwargs)[0]
     return capture_hook(hook)
 
 
@@ -225,7 +236,6 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
     recomputed output (see the module docstring)."""
     # the capture and the selection import the families, not the other way round
     from ..capture import ModuleRecord, grad_appender, reused_module
-    from ..selection import skip_hint
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
         if in_func_transform():
@@ -233,26 +243,15 @@ def attention_hook(capture: Any, name: str) -> Callable[[nn.Module, Tuple[Any, .
         if not torch.is_grad_enabled():
             capture.called_without_grad.add(name)
             return None
-        call = dict(zip(_ARG_NAMES, args))
-        call.update(kwargs)
         if capture.recomputing(name):  # the same ops as the recorded call (the saved tensors must match)
-            with hidden_from(attached_owners(module.out_proj)):
-                return recorded_forward(module, **call)[0]
+            return _recorded_call(module, args, kwargs)[0]
         capture.calls[name] = capture.calls.get(name, 0) + 1
         if name in capture.records:
             if capture.on_reuse == "count":
                 return None
             raise ValueError(reused_module(name, module))
-        if capture.foreign_hooks(module.out_proj):
-            raise ValueError(
-                f"module {name!r} (MultiheadAttention): its out_proj has hooks of yours; nn.MultiheadAttention's "
-                "forward never calls out_proj (it uses its weight directly), but the recorded forward of a curvature "
-                "step does, so those hooks would run at curvature steps only. Register them on the attention "
-                f"module, or leave the attention to the plain update with {skip_hint(name)}")
-        # a KFACPreconditioner on out_proj (kfac_pytorch's registration; never called by the attention's own
-        # forward) does not see this call, which only curvature steps make
-        with hidden_from(attached_owners(module.out_proj)):
-            result, x, z = recorded_forward(module, **call)
+        _refuse_out_proj_hooks(capture, module, name, "the attention", name)
+        result, x, z = _recorded_call(module, args, kwargs)
         rec = ModuleRecord(inputs=(x.detach(),), output=z)
         capture.records[name] = rec
         if capture.record_backward and z.requires_grad:

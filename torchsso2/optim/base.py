@@ -352,13 +352,9 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             finally:
                 for hook in hooks:
                     hook.remove()
-            try:
+            with watch.finishing():
                 self._check_nonempty(output)
                 self._check_output_consumers(watch, loss, targets)
-            except BaseException:
-                watch.give_back()
-                raise
-            watch.release()
             watch.after()
             return loss, output, None
         engine = self.engine
@@ -425,12 +421,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
                 raise
             finally:
                 used.finish()
-        try:
+        with watch.finishing():
             self._check_output_consumers(watch, loss, targets)
-        except BaseException:
-            watch.give_back()
-            raise
-        watch.release()
         watch.after()
         micro.finish()
         if from_backward:

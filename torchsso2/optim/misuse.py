@@ -280,6 +280,17 @@ class ClosureWatch:
         if exc[0] is not None:  # the closure raised: nothing reads the output now
             self.give_back()
 
+    @contextlib.contextmanager
+    def finishing(self) -> Iterator[None]:
+        """The checks after the closure: where one raises, the call is given back (:meth:`give_back`); else
+        the output is released (:meth:`release`)."""
+        try:
+            yield
+        except BaseException:
+            self.give_back()
+            raise
+        self.release()
+
     def give_back(self) -> None:
         """A call that did not finish (the closure, or a check after it, raised): the output is released and
         the call is not counted as a watched one (a step that does not finish leaves the optimizer as it was)."""

@@ -340,14 +340,14 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         """``τ·δ + λ > 0`` (a positive definite precision), and ``N/σ²`` and ``τ·δ + λ`` within float32 (each
         argument within it, their product was not). Near the bound the products with the curvature can still
         overflow (those steps are skipped)."""
-        given = (f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
-                 f"damping={self.damping!r}")
         shift = self.kl_weighting * self.prior_precision + self.damping  # (not precision_shift: the PyTorch-SSO
-        if shift <= 0:  # face ramps its prior in from 0 at the first steps)
-            raise ValueError(f"prior_precision·kl_weighting + damping must be > 0 so that the posterior precision "
-                             f"is positive definite (for every curvature kind; the Hessian's may be indefinite), got "
-                             f"{given}")
-        if shift > MAX_VI_SCALE:
+        if not 0 < shift <= MAX_VI_SCALE:  # face ramps its prior in from 0 at the first steps)
+            given = (f"prior_precision={self.prior_precision!r}, kl_weighting={self.kl_weighting!r}, "
+                     f"damping={self.damping!r}")
+            if shift <= 0:
+                raise ValueError(f"prior_precision·kl_weighting + damping must be > 0 so that the posterior "
+                                 f"precision is positive definite (for every curvature kind; the Hessian's may be "
+                                 f"indefinite), got {given}")
             raise ValueError(f"prior_precision·kl_weighting + damping = {shift:g} is beyond the largest "
                              f"float32 ({MAX_VI_SCALE:g}), which the posterior's update cannot hold; got {given}")
         if not self.noise.learned and self.likelihood_size > MAX_VI_SCALE:
