@@ -23,6 +23,7 @@ from .capture import Capture, ModuleRecord, batch_norm_modules
 from .cost import warn_full_blocks, warn_kfac_factors
 from .hessian import hessian_blocks
 from .hook_marks import HiddenPasses
+from .frozen_norm import KeptStatistics, statistics_norms
 from .modules import SUPPORTED_LAYERS, family_of
 from .modules.parameters import ParameterFamily
 from .modules.base import flat_per_example
@@ -148,6 +149,9 @@ class CurvatureEngine:
         self.batched_backward = prefers_batched_backward(model)
         #: the BatchNorms a capture may route (found once, like the covered modules)
         self.batch_norms = batch_norm_modules(model)
+        #: the norm layers' running statistics, put back after the estimate's own backward passes (which re-run
+        #: an activation-checkpointed forward, and a training-mode BatchNorm there would count the batch again)
+        self.kept_statistics = KeptStatistics(statistics_norms(model))
         self._modules = {n: lay.module for n, lay in self.layouts.items()}
         #: a covered module the forward did not call, and on whose parameters the output does not depend
         #: (a multi-task head other batches use), is left out of the estimate instead of a ValueError;
@@ -232,9 +236,11 @@ class CurvatureEngine:
         ``outputs``: the model output recorded by ``capture`` (still in the graph; cross-entropy
         logits ``[N, T, C]`` count as ``N·T`` rows, :func:`curvature.likelihoods.as_rows`);
         ``targets``: needed for ``empirical_fisher`` and ``hessian``. The backward passes it runs are
-        hidden from a ``KFACPreconditioner`` on the model (:attr:`hidden_passes`).
+        hidden from a ``KFACPreconditioner`` on the model (:attr:`hidden_passes`), and leave the norm layers'
+        running statistics as they were (:attr:`kept_statistics`: an activation-checkpointed forward re-run by
+        them would update a training-mode BatchNorm's again).
         """
-        with self.hidden_passes():
+        with self.hidden_passes(), self.kept_statistics:
             return self._estimate(capture, outputs, targets, generator)
 
     def _estimate(self, capture: Capture, outputs: Tensor, targets: Optional[Tensor] = None,

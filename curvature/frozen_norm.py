@@ -96,3 +96,34 @@ class _Route(torch.autograd.Function):
 def route_output(module: nn.Module, x: Tensor, out: Tensor, mode: FrozenMode) -> Tensor:
     """``out`` behind a routing node (a fresh tensor equal to ``out``), see the module docstring."""
     return _Route.apply(x, out, frozen_input_scale(module, x), mode)
+
+
+class KeptStatistics:
+    """``with kept:`` leaves the running statistics of the norm layers in training mode as they were on
+    entry: the curvature's own backward passes re-run the forward of an activation-checkpointed segment
+    (``torch.utils.checkpoint``, ``use_reentrant=False``), and a BatchNorm there would count the batch
+    again at every pass (the exact Fisher's first estimate ran it 9 times). The buffers are copied back
+    whether or not a pass changed them (the BatchNorm kernel updates them in place without bumping their
+    version counters): three small vectors per layer in training mode, twice per estimate."""
+
+    def __init__(self, norms: List[nn.Module]) -> None:
+        #: every BatchNorm / InstanceNorm under the model that tracks running statistics
+        self.norms = norms
+        self._saved: List[List[Tuple[Tensor, Tensor]]] = []  # one entry per open ``with`` (nestable)
+
+    def __enter__(self) -> "KeptStatistics":
+        self._saved.append([(b, b.clone()) for m in self.norms if m.training
+                            for b in m._buffers.values() if b is not None])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # through ``.data``: the tensor's version counter stays as it is, for the BatchNorm's backward saved
+        # the buffers (the user's backward after an estimate run during the forward checks their versions)
+        for b, value in self._saved.pop():
+            b.data.copy_(value)
+
+
+def statistics_norms(model: nn.Module) -> List[nn.Module]:
+    """The norm layers under ``model`` whose training-mode forward updates running statistics."""
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]

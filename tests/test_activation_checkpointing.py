@@ -198,3 +198,31 @@ def test_reentrant_checkpointing_with_empirical_fisher_from_backward(approx):
 def test_kfac_preconditioner_with_checkpointing(mode):
     result = [kfac_sgd_train(_net(m), X, Y, factor_update_steps=1, inv_update_steps=2) for m in (None, mode)]
     assert torch.equal(result[0], result[1])
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda m: SecondOrderOptimizer(m, approx="kfac", curvature="fisher", lr=0.1, damping=1.0, seed=0),
+    lambda m: SecondOrderOptimizer(m, approx="diag", curvature="fisher_mc", lr=0.1, damping=1.0, seed=0),
+    lambda m: SecondOrderOptimizer(m, approx="full", curvature="hessian", lr=0.1, damping=10.0),
+    lambda m: VIOptimizer(m, approx="kfac", dataset_size=100, seed=0),
+    lambda m: SecondOrderOptimizer(m, approx="diag", curvature="hessian", damping=10.0, use_adaptive_learning_rate=True)],
+    ids=["fisher-kfac", "fisher_mc-diag", "hessian-full", "vi-kfac", "hessian-diag-adaptive"])
+def test_running_statistics_count_the_batch_as_torch_does(make_opt):
+    """The curvature's own backward passes re-run the checkpointed block's forward; its training-mode
+    BatchNorm must not count the batch again there (the exact Fisher's first step had counted it 9 times,
+    the Monte-Carlo Fisher's 3; the adaptive learning rate's Hessian products more): torch's own recomputation in
+    the user's backward counts it twice per step, and with a cumulative average (momentum=None) the statistics are
+    then the plain model's."""
+    stats = {}
+    for mode in (None, "nonreentrant"):
+        model = _net(mode)
+        model.block.norm.momentum = None
+        opt = make_opt(model)
+        closure = make_closure(opt, model, X, Y)
+        for _ in range(3):
+            opt.step(closure, targets=Y) if isinstance(opt, SecondOrderOptimizer) else opt.step(closure)
+        stats[mode] = {k: v.clone() for k, v in model.block.norm.state_dict().items()}
+    assert int(stats[None]["num_batches_tracked"]) == 3
+    assert int(stats["nonreentrant"]["num_batches_tracked"]) == 6
+    for key in ("running_mean", "running_var"):
+        torch.testing.assert_close(stats["nonreentrant"][key], stats[None][key], rtol=1e-12, atol=1e-14)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -766,3 +767,28 @@ def test_the_lm_rules_evaluation_leaves_the_running_statistics_as_one_forward(wi
         ref(x)  # one training forward of the batch
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(model[1], name), getattr(ref[1], name), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags, changes, named", [
+    (dict(use_adaptive_learning_rate=True), dict(lr=0.05), "'lr'"),
+    (dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True), dict(momentum=0.5), "'momentum'"),
+    (dict(use_adaptive_momentum=True), dict(lr=0.05), None),  # the lr is used (α = −lr): no warning
+])
+def test_a_schedule_on_an_adapted_coefficient_warns_once(flags, changes, named) -> None:
+    """A scheduler (or a hand-set value) on a coefficient the optimizer solves has no effect: the first step
+    after the change says so, once; a change of a coefficient it uses does not warn."""
+    model = _mlp()
+    x, y = _data()
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, lr=0.1, momentum=0.9, **flags)
+    closure = make_closure(opt, model, x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step(closure, targets=y)
+        opt.param_groups[0].update(changes)
+        for _ in range(3):
+            opt.step(closure, targets=y)
+    said = [str(w.message) for w in caught if "changed since the first step" in str(w.message)]
+    if named is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and f"param groups' {named} changed" in said[0] and "no effect" in said[0]

@@ -376,3 +376,40 @@ def test_ranks_taking_different_branches_equal_one_process(launcher: str, face: 
     code, out, _ = launch(cmd, 120.0)
     assert code == 0, out
     assert_replicas_equal_one_process(out)
+
+
+NAN_LOSS_ON_ONE_RANK = '''
+import torch, torch.nn.functional as F
+from torch import nn
+from torchsso2 import NonFiniteError, SecondOrderOptimizer
+from torchsso2.distributed import get_communicator, shutdown
+comm = get_communicator("torch")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+opt = SecondOrderOptimizer(model, lr=0.1, on_nonfinite="raise", seed=0)
+x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+def closure():  # rank 1 returns a NaN loss (its gradients are finite)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss * (float("nan") if comm.rank == 1 else 1.0)
+
+try:
+    opt.step(closure)
+    print(f"rank {comm.rank} stepped", flush=True)
+except NonFiniteError as err:
+    print(f"rank {comm.rank} raised: {err}", flush=True)
+shutdown()
+'''
+
+
+def test_a_nonfinite_loss_on_one_rank_is_named_on_the_others(tmp_path) -> None:
+    """``on_nonfinite="raise"``, a NaN loss on rank 1 only: both ranks raise, and rank 0's message says the
+    value came from another rank (its own were finite; it had said only "non-finite loss ... at step 0")."""
+    from dist_utils import torchrun_script
+    code, out = torchrun_script(tmp_path, "nan_loss.py", NAN_LOSS_ON_ONE_RANK)
+    assert code == 0, out[-3000:]
+    assert "rank 1 raised: non-finite loss, gradient or curvature at step 0 (the loss (nan));" in out, out[-3000:]
+    assert "rank 0 raised: non-finite loss, gradient or curvature at step 0 (another rank's loss or batch" in out, \
+        out[-3000:]

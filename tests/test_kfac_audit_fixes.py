@@ -173,3 +173,49 @@ def test_numpy_bool_flags_and_skip_layer_sets_are_accepted():
         assert list(KFACPreconditioner(model, skip_layers=skip).layers) == ["0"]
     with pytest.raises(TypeError, match="skip_layers"):
         KFACPreconditioner(model, skip_layers="fc")
+
+
+@pytest.mark.parametrize("attr, value, error", [("_damping", float("nan"), ValueError),
+                                                ("_damping", -1.0, ValueError),
+                                                ("_lr", float("nan"), ValueError),
+                                                ("_kl_clip", float("inf"), ValueError),
+                                                ("_factor_decay", 1.5, ValueError),
+                                                ("_factor_update_steps", float("nan"), TypeError),
+                                                ("_inv_update_steps", 0, ValueError)])
+def test_values_set_on_the_attributes_between_steps_are_checked(attr: str, value: float, error) -> None:
+    """kfac_pytorch's scheduler and users set ``pre._damping`` etc. between steps: a bad number is refused
+    at the step that reads it (it had given wrong steps, or a ZeroDivisionError, silently)."""
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    model(x).pow(2).mean().backward()
+    pre.step()
+    setattr(pre, attr, value)
+    with pytest.raises(error, match=f"{attr[1:]} must be .*got {value!r} \\(its value at step 1, set after"):
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        pre.step()
+
+
+def test_values_a_scheduler_may_set_between_steps_are_taken() -> None:
+    """What a callable may return, a value set between steps may be, and it gives the callable's steps:
+    ``factor_decay = 0`` (replace the factors), ``kl_clip = None`` (no clipping), a one-element tensor."""
+    def run(switch) -> torch.Tensor:
+        model = _mlp()
+        pre = KFACPreconditioner(model, **switch(None))
+        gen = torch.Generator().manual_seed(0)
+        for step in range(4):
+            for name, value in switch(step).items():
+                setattr(pre, f"_{name}", value)
+            model.zero_grad()
+            model(torch.randn(6, 4, dtype=torch.float64, generator=gen)).pow(2).mean().backward()
+            pre.step()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    set_later = run(lambda step: {"damping": 0.3, "factor_decay": 0.95, "kl_clip": 1e-3} if step is None else {} if step != 1 else
+                    {"damping": torch.tensor(0.02, dtype=torch.float64), "factor_decay": 0.0, "kl_clip": None})
+    scheduled = run(lambda step: {} if step is not None else
+                    {"damping": lambda s: 0.3 if s < 1 else 0.02, "factor_decay": lambda s: 0.95 if s < 1 else 0.0,
+                     "kl_clip": lambda s: 1e-3 if s < 1 else None})
+    torch.testing.assert_close(set_later, scheduled, rtol=0, atol=0)
+    assert not torch.equal(set_later, run(lambda step: {}))

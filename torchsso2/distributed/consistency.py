@@ -121,14 +121,17 @@ def check_same_settings(comm: Any, settings: Mapping[str, Any], owner: str,
                      + ". Pass the same values on every rank.")
 
 
-def groups_digest(groups: Any, modulus: int) -> List[int]:
+def groups_digest(groups: Any, modulus: int, attrs: Optional[Dict[str, Any]] = None) -> List[int]:
     """Two independent numbers in ``[0, modulus)``, equal on two ranks when their param groups' settings
-    (every key but ``params``: lr, momentum, weight decay, ...) are equal: the step's gradient
-    all-reduce carries them, so a group added on every rank with other values, or a schedule that
-    differs between ranks, is found at the next step rather than drifting the replicas apart. Two,
-    because the all-reduce averages them: with three or more ranks other ranks' different values can
-    average to this rank's own one (chance about ``1/modulus`` per value)."""
+    (every key but ``params``: lr, momentum, weight decay, ...) and the optimizer attributes ``attrs``
+    (those a user may set between steps: ``kl_clip``, ``damping``, ...) are equal: the step's gradient
+    all-reduce carries them, so a group added on every rank with other values, or a schedule or an
+    attribute set that differs between ranks, is found at the next step rather than drifting the replicas
+    apart. Two, because the all-reduce averages them: with three or more ranks other ranks' different
+    values can average to this rank's own one (chance about ``1/modulus`` per value)."""
     text = describe([{k: v for k, v in sorted(g.items()) if k != "params"} for g in groups])
+    if attrs:
+        text += "|" + describe(sorted(attrs.items()))
     m = max(1, int(modulus))
     return [_digest(text) % m, _digest("salt:" + text) % m]
 

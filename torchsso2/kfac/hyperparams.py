@@ -83,8 +83,22 @@ def check_schedule(name: str, value: object) -> None:
 
 def evaluate(name: str, value: Schedule, step: int) -> float:
     """The value of ``value`` at ``step`` (calls it if callable), checked; a one-element tensor as its
-    Python number."""
+    Python number.
+
+    A number is checked too, by the rules for a callable's value: the constructor checked the one it was
+    given, but kfac_pytorch's :class:`LambdaParamScheduler` and users set the attributes (``_damping``,
+    ``_lr``, ...) between steps, and a NaN or negative one would otherwise give wrong steps silently."""
     if not callable(value):
+        pred, _, integer = CALLABLE_RULES.get(name, RULES[name])
+        if (type(value) is int and integer and value > 0) or \
+                (type(value) is float and not integer and math.isfinite(value) and pred(value)):
+            return value  # the common cases, checked without the general path
+        if name == "kl_clip" and value is None:
+            return value  # type: ignore[return-value]  # set to None between steps: no clipping
+        try:
+            _check_number(name, as_number(value), from_callable=True)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc} (its value at step {step}, set after construction)") from None
         # an int given for a float setting (damping=10**30) as a float: torch ops take no int beyond int64
         return float(value) if isinstance(value, int) and not RULES[name][2] else value  # type: ignore[return-value]
     out = as_number(value(step))

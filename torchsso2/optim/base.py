@@ -38,7 +38,7 @@ from ..distributed.consistency import check_optimizer_settings, groups_digest, s
 from .grid import agree_on_start, rank_seed  # [issue #7: distributed]
 from .placement import Placement  # [issue #7: distributed]
 from .messages import decomposition_failed
-from .plan import PlanCache, ScalarCache, UpdatePlan, params_with_grad
+from .plan import PlanCache, ScalarCache, UpdatePlan, params_with_grad, warn_partly_frozen
 from .accelerate_checks import warn_if_accelerate_accumulates
 from .accumulation import (ACCUMULATION_NEEDS_TARGETS, HESSIAN_NEEDS_TARGETS, MicroBatchTargets,
                            is_second_forward_reuse)
@@ -523,7 +523,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         # (the mean of equal values is then exact): 2^24 / W in float32, 2^8 / W in bfloat16; W above it: no check
         digits = 1 - int(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 in float32, 8 in bfloat16
         exact = max(1, 2 ** min(digits, 30) // self.comm.world_size)
-        settings = [float(d) for d in groups_digest(self.param_groups, exact)]
+        settings = [float(d) for d in groups_digest(self.param_groups, exact, self._step_settings())]
         # at a curvature step, which covered modules this rank called (modules some ranks did not call: routing.py)
         order = list(self.engine.layouts) if blocks is not None else []
         riding = settings + (presence(order, blocks) if blocks is not None else [])
@@ -559,10 +559,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             at = 4
         if flag[at:at + 2].tolist() != settings:
             raise ValueError(
-                f"{type(self).__name__}: the param groups' settings (lr, momentum, weight_decay, ...) differ between "
-                "the ranks at this step (a group added with other values on some ranks, or a learning-rate "
-                "schedule or hand-set value that differs): the replicas would drift apart. Set them alike on "
-                "every rank. The gradients of this step are not usable")
+                f"{type(self).__name__}: the param groups' settings (lr, momentum, weight_decay, ...) or the "
+                f"attributes set between steps ({', '.join(sorted(self._step_settings()))}) differ between the ranks "
+                "at this step (a group added with other values on some ranks, or a learning-rate schedule or "
+                "hand-set value that differs): the replicas would drift apart. Set them alike on every rank. The "
+                "gradients of this step are not usable")
         if float(flag[0].item()) > 0:
             return False, params, groups
         if blocks:
@@ -643,6 +644,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             text = diagnose(loss, by_param, stats)
             if fresh is not None and not fresh:
                 text = "; ".join(t for t in (text, "the model output") if t)
+            if not text and self.comm.world_size > 1:  # this rank's were finite: another rank flagged its batch
+                text = "another rank's loss or batch (this rank's loss, gradients and statistics were finite)"
             return text
         return found
 
@@ -726,10 +729,12 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
 
     def _plan(self, params: List[nn.Parameter], groups: List[Dict[str, Any]]) -> UpdatePlan:
         """The update's :class:`~torchsso2.optim.plan.UpdatePlan` (cached while nothing changes); a covered
-        module with a gradient but no curvature block yet is looked at (:func:`.misuse.warn_blockless_modules`)."""
+        module with a gradient but no curvature block yet is looked at (:func:`.misuse.warn_blockless_modules`),
+        and so is a block with parameters frozen since the optimizer was built (:func:`.plan.warn_partly_frozen`)."""
         plan = self._plans.get(params, groups, self.running.blocks)
         if plan.others:
             warn_blockless_modules(self, plan)
+        warn_partly_frozen(self, plan)
         return plan
 
     def _forget_blocks(self, names: Sequence[str]) -> None:

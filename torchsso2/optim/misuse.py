@@ -531,3 +531,29 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, training in flags:
             m.training = training
+
+
+def warn_ignored_schedule(opt: Any) -> None:
+    """Warn once when a param group's ``lr`` (with ``use_adaptive_learning_rate``) or ``momentum`` (with
+    ``use_adaptive_momentum``) changed since the first adaptive step: the adapted coefficient ignores it, so
+    a scheduler or a hand-set value has no effect (docs/adaptive.md). Compared with the values the first
+    step saw (a few floats per step); a group added later is compared from the step after it."""
+    adaptive = opt.adaptive
+    if opt.__dict__.get("_schedule_warned") or not (adaptive.learning_rate or adaptive.momentum):
+        return
+    keys = [k for k, on in (("lr", adaptive.learning_rate), ("momentum", adaptive.momentum)) if on]
+    now = [tuple(g[k] for k in keys) for g in opt.param_groups]
+    seen = opt.__dict__.setdefault("_schedule_seen", now)
+    if now == seen:
+        return
+    if len(now) != len(seen) and now[:len(seen)] == seen:  # a group added since: compared from now on
+        opt._schedule_seen = now
+        return
+    opt._schedule_warned = True
+    changed = [k for i, k in enumerate(keys) if any(a[i] != b[i] for a, b in zip(now, seen))] or keys
+    flags = {"lr": "use_adaptive_learning_rate=True", "momentum": "use_adaptive_momentum=True"}
+    warnings.warn(
+        f"the param groups' {' and '.join(repr(k) for k in changed)} changed since the first step (a scheduler or "
+        f"a hand-set value), but with {' and '.join(flags[k] for k in changed)} the optimizer solves "
+        f"{'them' if len(changed) == 2 else 'it'} from the quadratic model at every step and ignores the groups' "
+        "value: the change has no effect (docs/adaptive.md)", UserWarning, stacklevel=caller_stacklevel())

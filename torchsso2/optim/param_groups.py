@@ -166,6 +166,11 @@ class GroupChecks:
                 raise ValueError(self._refused_keys_message(f"param_groups[{i}]", group))
         self._check_attrs()
 
+    def _step_settings(self) -> Dict[str, Any]:
+        """The :attr:`_STEP_ATTRS`' current values: compared between the ranks at every step (a value set on
+        one rank only would drift the replicas apart silently)."""
+        return {name: getattr(self, name) for name, *_ in self._STEP_ATTRS}
+
     def _check_attrs(self) -> None:
         """The :attr:`_STEP_ATTRS` a user may have set since the last step (``opt.kl_clip = nan``), as the
         constructor checks them (ValueError/TypeError naming the attribute); at every step and ``state_dict``."""

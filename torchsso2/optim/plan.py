@@ -10,13 +10,15 @@ or the blocks change (compared by identity, so a swapped ``Parameter`` or a new 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from curvature.blocks import Block
+from curvature.blocks import Block, DiagBlock
+from curvature.stacklevel import caller_stacklevel
 
 Group = Dict[str, Any]
 
@@ -88,6 +90,35 @@ class PartialBlock:
         return getattr(self.__dict__["block"], name)
 
 
+def warn_partly_frozen(opt: Any, plan: UpdatePlan) -> None:
+    """Warn (once per block and optimizer) about a block of which some parameters were frozen
+    (``requires_grad_(False)``) after the optimizer was built while others still train: the others get
+    ``((C + λI)⁻¹)_PP g_P`` (:class:`PartialBlock`), not ``(C_PP + λI)⁻¹ g_P``, the natural gradient of
+    the parameters that train with the frozen ones fixed, which an optimizer built after the freezing
+    uses (2–20% apart on the K-FAC blocks measured, up to several-fold on full ones). A diagonal block gives
+    the same either way.
+    Looked at once per :class:`UpdatePlan` (a new one is built when the parameters with a gradient change)."""
+    if plan.__dict__.get("partly_frozen_seen"):
+        return
+    plan.partly_frozen_seen = True  # type: ignore[attr-defined]
+    warned = opt.__dict__.setdefault("_partly_frozen_warned", set())
+    names = []
+    for blk, _ in plan.blocks:
+        if not isinstance(blk, PartialBlock) or isinstance(blk.block, DiagBlock) or blk.layout.name in warned:
+            continue
+        present = {id(q) for q in blk.layout.params}
+        if any(not q.requires_grad for q in blk.block.layout.params if id(q) not in present):
+            names.append(blk.layout.name)
+    if names:
+        warned.update(names)
+        warnings.warn(
+            f"blocks {names}: some of their parameters were frozen (requires_grad=False) after the optimizer was "
+            "built and the others still train; those are preconditioned with the whole block's inverse, the frozen "
+            "parameters' entries zero (((C + λI)⁻¹)_PP g_P), not with the inverse of their own part of it "
+            "((C_PP + λI)⁻¹ g_P, the natural gradient with the frozen parameters fixed). An optimizer built after "
+            "the freezing uses the latter: build a new one to get it", UserWarning, stacklevel=caller_stacklevel())
+
+
 def build_plan(params: Sequence[nn.Parameter], groups: Sequence[Group], blocks: Dict[str, Block]) -> UpdatePlan:
     pos = {id(p): i for i, p in enumerate(params)}
     taken: List[Tuple[Any, List[int]]] = []
@@ -123,12 +154,14 @@ class PlanCache:
 
 
 def params_with_grad(param_groups: Sequence[Group]) -> Tuple[List[nn.Parameter], List[Group]]:
-    """The parameters that have a gradient, in param-group order, and the group of each."""
+    """The parameters that have a gradient and train (``requires_grad``), in param-group order, and the group of
+    each. A frozen parameter's zero gradient, left by ``zero_grad(set_to_none=False)``, does not count: solved
+    with its block, a zero there still moved it (through the block's coupling), as a frozen one must not."""
     params: List[nn.Parameter] = []
     groups: List[Group] = []
     for g in param_groups:
         for p in g["params"]:
-            if p.grad is not None:
+            if p.grad is not None and p.requires_grad:
                 params.append(p)
                 groups.append(g)
     return params, groups

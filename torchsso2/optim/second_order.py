@@ -42,7 +42,7 @@ from .base import Closure, CurvatureOptimizer
 from .damping import DEFAULT_MIN_DAMPING, LMDamping, per_adjustment_decay
 from .legacy import check_not_pytorch_sso_call
 from .lowrank import LowRankSolver, low_rank_seed
-from .misuse import NO_BACKWARD, warn_unreached_blocks
+from .misuse import NO_BACKWARD, warn_ignored_schedule, warn_unreached_blocks
 from .plan import PartialBlock, UpdatePlan
 from .changed_model import explains_changed_model
 from .precision import full_precision_step
@@ -395,6 +395,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             snapshot.restore()
             return loss, output
         agreed, params, groups = self._average_over_ranks(fresh, loss)
+        self._take_damping_request()
+        if self.adaptive is not None:
+            warn_ignored_schedule(self)
         if not params and self.adaptive is not None:  # no gradient at all: nothing to solve a step for (the first
             snapshot.restore()  # closure calls are checked for it, later ones here), and no state changed
             raise RuntimeError(NO_BACKWARD)
@@ -443,7 +446,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 decay = (wds, decay_term(params, wds))
             warn_if_not_mean_nll(self, targets, loss, output)
             try:
-                with self.engine.hidden_passes():  # its J·v / H·v passes: not a KFACPreconditioner's batch
+                # its J·v / H·v passes: not a KFACPreconditioner's batch, and the Hessian's double backward re-runs a
+                # checkpointed forward, whose BatchNorm must not count the batch again (engine.kept_statistics)
+                with self.engine.hidden_passes(), self.engine.kept_statistics:
                     predicted = adaptive_step(self, params, groups, targets, self._mean_over_ranks(_as_float(loss)))
             except BaseException:  # the step (its J·v pass) raised before any parameter moved: as if never called
                 rollback.restore(self)
@@ -664,8 +669,9 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         intervals: K-FAC eigen decompositions take it in place, other decompositions are redone from the
         running curvature then; with ``adaptive_damping`` the rule continues from it (within
         ``[min_damping, 1e4]``, else a ``ValueError``). The damping is one number for all param groups; with
-        several processes set the same value on every rank (a K-FAC re-damp agrees over the ranks)."""
-        return self._damping
+        several processes set the same value on every rank: the next step compares it between the ranks (a
+        ``ValueError`` where it differs) before it takes it."""
+        return self.__dict__.get("_damping_request", self._damping)
 
     @damping.setter
     def damping(self, value: float) -> None:
@@ -675,7 +681,21 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                              f"[{self.lm.min_damping!r}, {self.lm.max_damping!r}]")
         if self.lm is not None:
             self.lm.damping = value
+        if self.placement.active:  # several processes: taken at the next step, once the ranks agree on it (the
+            # K-FAC re-damp runs a collective, which a value set on one rank only would leave unmatched)
+            self._damping_request = float(value)
+            return
         self._set_damping(value)
+
+    def _take_damping_request(self) -> None:
+        """The damping set between steps with several processes (:attr:`damping`), after the step's check that
+        the ranks agree on it."""
+        request = self.__dict__.pop("_damping_request", None)
+        if request is not None:
+            self._set_damping(request)
+
+    def _step_settings(self) -> Dict[str, Any]:
+        return {**super()._step_settings(), "damping": self.damping}
 
     def _set_damping(self, damping: float) -> None:
         """A new damping (the LM rule's, or the user's): K-FAC eigen decompositions take it in place
@@ -714,17 +734,23 @@ class SecondOrderOptimizer(CurvatureOptimizer):
     face_name = "SecondOrderOptimizer"
 
     def _extra_state(self) -> Dict[str, Any]:
-        return {"damping": self.damping, "lm": None if self.lm is None else vars(self.lm).copy(),
+        return {"damping": self._damping, "lm": None if self.lm is None else vars(self.lm).copy(),
                 "adaptive": None if self.adaptive is None else self.adaptive.state_dict(),
                 "redamp_pending": self._redamp_pending,
+                # a damping set since the last step with several processes (taken at the next step: damping)
+                "damping_request": self.__dict__.get("_damping_request"),
                 "low_rank_generator": None if self.low_rank is None else self.low_rank.generator.get_state()}
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
-        damping = state.get("damping")
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) \
-                or not 0.0 <= float(damping) < float("inf"):
-            raise ValueError(f"checkpoint entry ['torchsso2']['extra']['damping'] is {damping!r}, expected a finite "
-                             "number >= 0; the optimizer is unchanged")
+        for key in ("damping", "damping_request"):
+            damping = state.get(key)
+            if key == "damping_request" and damping is None:
+                continue
+            if isinstance(damping, bool) or not isinstance(damping, (int, float)) \
+                    or not 0.0 <= float(damping) < float("inf"):
+                raise ValueError(f"checkpoint entry ['torchsso2']['extra'][{key!r}] is {damping!r}, expected a finite "
+                                 "number >= 0" + (" or None" if key == "damping_request" else "")
+                                 + "; the optimizer is unchanged")
         if state.get("lm") is not None and not isinstance(state["lm"], dict):
             raise ValueError("checkpoint entry ['torchsso2']['extra']['lm'] must be a dict or None; "
                              "the optimizer is unchanged")
@@ -755,21 +781,25 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             vars(self.lm).update(snapshot)
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
+        self.__dict__.pop("_damping_request", None)
         self._damping = float(state["damping"])
+        if state.get("damping_request") is not None:  # taken at the next step, as it would have been
+            self._damping_request = float(state["damping_request"])
         self._redamp_pending = bool(state.get("redamp_pending", False))  # (absent from older checkpoints)
         if self.lm is not None:
             # the rule's state (its damping, the last ρ; a checkpoint saved without the rule: its damping); its
             # settings (decay, bounds) stay this optimizer's own, as built: a checkpoint's min_damping of 1e-8 kept
             # the damping falling below the 1e-4 it reported
             saved = state.get("lm") or {}
-            damping = float(saved.get("damping", self._damping))
+            damping = float(saved.get("damping", self.damping))
             bounded = min(max(damping, self.lm.min_damping), self.lm.max_damping)
             if bounded != damping:
                 warnings.warn(f"load_state_dict: the checkpoint's damping {damping!r} is outside this optimizer's "
                               f"adaptive damping range [min_damping, 1e4] = [{self.lm.min_damping!r}, "
                               f"{self.lm.max_damping!r}]; it continues from {bounded!r} (build it with the "
                               "checkpoint's min_damping to keep it)", UserWarning, stacklevel=caller_stacklevel())
-            if bounded != self._damping:  # the loaded decompositions are of the checkpoint's damping: redone
+            if bounded != self.damping:  # the loaded decompositions are of the checkpoint's damping: redone
+                self.__dict__.pop("_damping_request", None)
                 self._damping, self._redamp_pending = bounded, True
             self.lm.damping = bounded
             self.lm.last_rho = float(saved.get("last_rho", self.lm.last_rho))
