@@ -792,3 +792,20 @@ def test_a_schedule_on_an_adapted_coefficient_warns_once(flags, changes, named) 
         assert said == []
     else:
         assert len(said) == 1 and f"param groups' {named} changed" in said[0] and "no effect" in said[0]
+
+
+def test_loading_a_checkpoint_is_not_a_schedule() -> None:
+    """A checkpoint loaded after the first step brings its groups' values: not a change to warn about."""
+    model = _mlp()
+    x, y = _data()
+    opt = SecondOrderOptimizer(model, approx="kfac", damping=0.1, lr=0.1, use_adaptive_learning_rate=True)
+    closure = make_closure(opt, model, x, y)
+    opt.step(closure, targets=y)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.05
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(saved)
+        opt.step(closure, targets=y)
+        opt.step(closure, targets=y)
+    assert not [w for w in caught if "changed since the first step" in str(w.message)]

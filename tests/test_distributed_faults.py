@@ -379,6 +379,7 @@ def test_ranks_taking_different_branches_equal_one_process(launcher: str, face: 
 
 
 NAN_LOSS_ON_ONE_RANK = '''
+import sys
 import torch, torch.nn.functional as F
 from torch import nn
 from torchsso2 import NonFiniteError, SecondOrderOptimizer
@@ -386,18 +387,22 @@ from torchsso2.distributed import get_communicator, shutdown
 comm = get_communicator("torch")
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-opt = SecondOrderOptimizer(model, lr=0.1, on_nonfinite="raise", seed=0)
+as_float = sys.argv[1] == "float"  # the closure returns loss.item(); the non-finite policy skips
+opt = SecondOrderOptimizer(model, lr=0.1, on_nonfinite="skip" if as_float else "raise", seed=0)
 x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
 
 def closure():  # rank 1 returns a NaN loss (its gradients are finite)
     opt.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    return loss * (float("nan") if comm.rank == 1 else 1.0)
+    loss = loss * (float("nan") if comm.rank == 1 else 1.0)
+    return loss.item() if as_float else loss
 
 try:
-    opt.step(closure)
-    print(f"rank {comm.rank} stepped", flush=True)
+    for _ in range(2):
+        opt.step(closure)
+    print(f"rank {comm.rank} stepped, skipped {opt.num_skipped}, first weight {model[0].weight[0, 0].item()!r}",
+          flush=True)
 except NonFiniteError as err:
     print(f"rank {comm.rank} raised: {err}", flush=True)
 shutdown()
@@ -408,8 +413,20 @@ def test_a_nonfinite_loss_on_one_rank_is_named_on_the_others(tmp_path) -> None:
     """``on_nonfinite="raise"``, a NaN loss on rank 1 only: both ranks raise, and rank 0's message says the
     value came from another rank (its own were finite; it had said only "non-finite loss ... at step 0")."""
     from dist_utils import torchrun_script
-    code, out = torchrun_script(tmp_path, "nan_loss.py", NAN_LOSS_ON_ONE_RANK)
+    code, out = torchrun_script(tmp_path, "nan_loss.py", NAN_LOSS_ON_ONE_RANK, "tensor")
     assert code == 0, out[-3000:]
     assert "rank 1 raised: non-finite loss, gradient or curvature at step 0 (the loss (nan));" in out, out[-3000:]
     assert "rank 0 raised: non-finite loss, gradient or curvature at step 0 (another rank's loss or batch" in out, \
         out[-3000:]
+
+
+def test_a_nonfinite_float_loss_on_one_rank_is_skipped_on_every_rank(tmp_path) -> None:
+    """A closure returning ``loss.item()``, NaN on rank 1 only: both ranks skip both steps and keep equal
+    weights (the float was not flagged in the step's all-reduce: rank 1 skipped alone, and gloo aborted on the
+    next collective)."""
+    from dist_utils import torchrun_script
+    code, out = torchrun_script(tmp_path, "nan_float_loss.py", NAN_LOSS_ON_ONE_RANK, "float")
+    assert code == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "stepped, skipped" in line]
+    assert len(lines) == 2 and all("skipped 2," in line for line in lines), out[-3000:]
+    assert lines[0].split("first weight")[1] == lines[1].split("first weight")[1], lines

@@ -212,10 +212,30 @@ def test_values_a_scheduler_may_set_between_steps_are_taken() -> None:
             pre.step()
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
-    set_later = run(lambda step: {"damping": 0.3, "factor_decay": 0.95, "kl_clip": 1e-3} if step is None else {} if step != 1 else
-                    {"damping": torch.tensor(0.02, dtype=torch.float64), "factor_decay": 0.0, "kl_clip": None})
+    initial = {"damping": 0.3, "factor_decay": 0.95, "kl_clip": 1e-3}
+    later = {"damping": torch.tensor(0.02, dtype=torch.float64), "factor_decay": 0.0, "kl_clip": None}
+    set_later = run(lambda step: initial if step is None else later if step == 1 else {})
     scheduled = run(lambda step: {} if step is not None else
                     {"damping": lambda s: 0.3 if s < 1 else 0.02, "factor_decay": lambda s: 0.95 if s < 1 else 0.0,
                      "kl_clip": lambda s: 1e-3 if s < 1 else None})
     torch.testing.assert_close(set_later, scheduled, rtol=0, atol=0)
     assert not torch.equal(set_later, run(lambda step: {}))
+
+
+def test_a_bias_frozen_after_registration_does_not_move() -> None:
+    """``zero_grad(set_to_none=False)`` leaves a frozen bias a zero gradient; the preconditioned gradient of its
+    layer (one Kronecker block with the weight) had written a non-zero one there, and SGD moved it."""
+    model = _mlp()
+    pre = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for step in range(3):
+        if step == 1:
+            model[0].bias.requires_grad_(False)
+            bias, weight = model[0].bias.detach().clone(), model[0].weight.detach().clone()
+        sgd.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        pre.step()
+        sgd.step()
+    assert torch.equal(model[0].bias.grad, torch.zeros_like(bias)) and torch.equal(model[0].bias.detach(), bias)
+    assert not torch.equal(model[0].weight.detach(), weight)

@@ -313,14 +313,13 @@ def test_min_median_of_hand_made_timings():
 
 
 def test_step_costs_derived_numbers_from_hand_chosen_times(monkeypatch):
-    """A real step_costs run (MLP, batch 4, 2 repeats) under a fake perf_counter: each timed piece takes a
-    hand-chosen time in the first repeat and twice that in the second (min = that time, median = 1.5x).
+    """A real step_costs run (MLP, batch 4, 2 repeats) under a fake clock (in place of its thread CPU time):
+    each timed piece takes a hand-chosen time in the first repeat and twice that in the second (min = that
+    time, median = 1.5x).
     By hand (ms): floor = SGD 1 + eigen matmuls 0.5 = 1.5; plain 3 / 1.5 = 2; inverse plain 2.5 / (1 +
     inverse matmuls 0.25) = 2; decomposition 3.5 - bare eigh 2 = 1.5; curvature 5 - plain 3 = 2;
     empirical 4 - 3 = 1; first step 20 - (curvature-only 5 + decomposition 3.5) = 11.5. The eigen
     preconditioning FLOPs are 2ab(2a + 2b) per (G: a x a, A: b x b) pair of the 64-128-10 MLP."""
-    import types
-
     import torch
 
     steps = {"sgd": 1, "kfac_curvature_and_eigh": 9, "kfac_curvature_and_cholesky": 8, "kfac_curvature_only": 5,
@@ -330,7 +329,7 @@ def test_step_costs_derived_numbers_from_hand_chosen_times(monkeypatch):
                "precondition_matmuls_inverse": 0.25, "decompose_new_factors": 3.5, "decompose_new_damping": 1.25}
     ms = [v * r for r in (1, 2) for v in steps.values()] + [v * r for r in (1, 2) for v in algebra.values()]
     clock = FakeClock([1e-3 * v for v in ms])
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(bench, "_cpu_clock", clock)
     torch.manual_seed(0)
     data = {"x_train": torch.randn(4, 64), "y_train": torch.randint(0, 10, (4,))}
     c = bench.step_costs(data, batch=4, repeats=2, model_kind="mlp")

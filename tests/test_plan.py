@@ -267,3 +267,47 @@ def test_a_frozen_parameter_with_a_zero_gradient_does_not_move() -> None:
         opt.step(closure)
     assert model[0].bias.grad is not None and torch.equal(model[0].bias.detach(), bias)
     assert not torch.equal(model[0].weight.detach(), weight)
+
+
+def test_a_damping_set_in_one_process_overrides_a_request_from_a_checkpoint() -> None:
+    """A checkpoint saved by several processes between ``opt.damping = x`` and the next step holds the request;
+    loaded in one process it is taken at the next step, unless the user sets the damping first (it had stayed
+    0.5 over the user's 0.01)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    opt = SecondOrderOptimizer(model, approx="kfac", lr=0.1, damping=0.1, seed=0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    saved = opt.state_dict()
+    saved["torchsso2"]["extra"]["damping_request"] = 0.5
+    opt.load_state_dict(saved)
+    assert opt.damping == 0.5
+    opt.step(closure)
+    assert opt.damping == 0.5 and opt._damping == 0.5  # taken at the step
+    opt.load_state_dict(saved)
+    opt.damping = 0.01
+    assert opt.damping == 0.01
+    opt.step(closure)
+    assert opt.damping == 0.01 and opt._damping == 0.01
+    saved["torchsso2"]["extra"]["damping_request"] = float("nan")
+    with pytest.raises(ValueError, match="damping_request"):
+        opt.load_state_dict(saved)
+
+
+def test_only_a_rank_that_disagreed_blames_another_rank() -> None:
+    """The non-finite message names another rank's batch only where the ranks did not agree the batch was finite
+    (a non-finite update of finite values, the same on every rank, is not another rank's)."""
+    model = nn.Linear(3, 2)
+    opt = SecondOrderOptimizer(model, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    loss = torch.tensor(1.0)
+    assert opt._what_is_nonfinite(loss, None)() == ""
+    assert opt._what_is_nonfinite(loss, None, other_rank=True)().startswith("another rank's loss or batch")
+    assert opt._what_is_nonfinite(torch.tensor(float("nan")), None, other_rank=True)() == "the loss (nan)"

@@ -95,12 +95,14 @@ def evaluate(name: str, value: Schedule, step: int) -> float:
             return value  # the common cases, checked without the general path
         if name == "kl_clip" and value is None:
             return value  # type: ignore[return-value]  # set to None between steps: no clipping
+        value = as_number(value)
         try:
-            _check_number(name, as_number(value), from_callable=True)
+            _check_number(name, value, from_callable=True)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc} (its value at step {step}, set after construction)") from None
-        # an int given for a float setting (damping=10**30) as a float: torch ops take no int beyond int64
-        return float(value) if isinstance(value, int) and not RULES[name][2] else value  # type: ignore[return-value]
+        # an int given for a float setting (damping=10**30) as a float: torch ops take no int beyond int64 (a step
+        # count of 2.0 is kept as given, as kfac_pytorch keeps it)
+        return float(value) if isinstance(value, int) and not integer else value  # type: ignore[return-value]
     out = as_number(value(step))
     if name == "kl_clip" and out is None:
         return out  # type: ignore[return-value]

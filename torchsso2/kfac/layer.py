@@ -107,11 +107,15 @@ class KFACLayer:
         return self.family.to_matrix(self.module, [p.grad for p in self.params], self.param_names)
 
     def set_grad(self, matrix: Tensor, scale: Optional[float] = None) -> None:
-        """Write ``scale · matrix`` into the parameters' ``.grad`` (in place)."""
+        """Write ``scale · matrix`` into the parameters' ``.grad`` (in place); a parameter frozen since
+        (``requires_grad_(False)``) keeps its gradient: written, the Kronecker coupling put a non-zero one on a
+        frozen bias whose zero gradient ``zero_grad(set_to_none=False)`` had left, and the optimizer moved it."""
         if scale is not None:
             matrix = matrix * scale
         parts = self.family.from_matrix(self.module, matrix, self.param_names)
         for p, part in zip(self.params, parts):
+            if not p.requires_grad:
+                continue
             assert p.grad is not None
             p.grad.copy_(part.reshape(p.grad.shape))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 import logging
 import math
+import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -515,7 +516,8 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         if self.comm.world_size <= 1:
             return True, params, groups
         bad = (blocks is not None and not blocks) or \
-            (isinstance(loss, Tensor) and not all_finite([loss]))
+            (isinstance(loss, Tensor) and not all_finite([loss])) or \
+            (isinstance(loss, numbers.Real) and not math.isfinite(float(loss)))  # a closure returning loss.item()
         dev = params[0].grad.device if params else \
             next((p.device for p in self.model.parameters()), torch.device("cpu"))
         dtype = params[0].grad.dtype if params else torch.float64
@@ -635,8 +637,11 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         logger.debug("step %d skipped by the grad scaler (inf/NaN gradients)", self.num_steps)
         return False
 
-    def _what_is_nonfinite(self, loss: Any, fresh: Optional[Dict[str, Block]]) -> Callable[[], str]:
-        """A function naming the non-finite loss, gradients (by parameter) and statistics (by module)."""
+    def _what_is_nonfinite(self, loss: Any, fresh: Optional[Dict[str, Block]],
+                           other_rank: bool = False) -> Callable[[], str]:
+        """A function naming the non-finite loss, gradients (by parameter) and statistics (by module);
+        ``other_rank``: the ranks did not agree the batch was finite (:meth:`_average_over_ranks`), so where this
+        rank's are finite another rank's loss or batch was not."""
         def found() -> str:
             names = {id(p): n for n, p in self.model.named_parameters()}
             by_param = {names.get(id(p), "?"): p.grad for p in params_with_grad(self.param_groups)[0]}
@@ -644,7 +649,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
             text = diagnose(loss, by_param, stats)
             if fresh is not None and not fresh:
                 text = "; ".join(t for t in (text, "the model output") if t)
-            if not text and self.comm.world_size > 1:  # this rank's were finite: another rank flagged its batch
+            if not text and other_rank:  # this rank's were finite: another rank flagged its batch
                 text = "another rank's loss or batch (this rank's loss, gradients and statistics were finite)"
             return text
         return found

@@ -410,7 +410,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
         checked = grads if fresh is not None or decompose else []
         if not agreed or not self._batch_is_finite(loss, checked, fresh):
             self._refuse_nonfinite_targets(targets, snapshot)
-            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh))
+            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(loss, fresh, not agreed))
             return loss, output
         adapt = self._adapt_now()  # the LM rule after the update; an update it finds non-finite is undone
         # what a step that raises after the curvature took the batch gives back (rollback.py): adaptive mode's
@@ -685,6 +685,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
             # K-FAC re-damp runs a collective, which a value set on one rank only would leave unmatched)
             self._damping_request = float(value)
             return
+        self.__dict__.pop("_damping_request", None)  # (one loaded from a checkpoint of several processes)
         self._set_damping(value)
 
     def _take_damping_request(self) -> None:
@@ -782,6 +783,7 @@ class SecondOrderOptimizer(CurvatureOptimizer):
 
     def _load_extra_state(self, state: Dict[str, Any]) -> None:
         self.__dict__.pop("_damping_request", None)
+        self.__dict__.pop("_schedule_seen", None)  # (misuse.warn_ignored_schedule: the loaded groups' values anew)
         self._damping = float(state["damping"])
         if state.get("damping_request") is not None:  # taken at the next step, as it would have been
             self._damping_request = float(state["damping_request"])

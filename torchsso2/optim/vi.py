@@ -661,7 +661,8 @@ class VIOptimizer(PosteriorUse, WeightNoise, CurvatureOptimizer):
         grads = [p.grad for p in params]
         if not agreed or not self._batch_is_finite(mean_loss, grads, fresh):
             self._refuse_nonfinite_targets(targets, snapshot)
-            self._nonfinite("loss, gradient or curvature", snapshot, self._what_is_nonfinite(mean_loss, fresh))
+            self._nonfinite("loss, gradient or curvature", snapshot,
+                            self._what_is_nonfinite(mean_loss, fresh, not agreed))
             return mean_loss, output
         if residual is not None:  # σ² of this step includes this batch (its 1/σ² scales the update below)
             self.noise.update(residual)
