@@ -88,29 +88,25 @@ def evaluate(name: str, value: Schedule, step: int) -> float:
     A number is checked too, by the rules for a callable's value: the constructor checked the one it was
     given, but kfac_pytorch's :class:`LambdaParamScheduler` and users set the attributes (``_damping``,
     ``_lr``, ...) between steps, and a NaN or negative one would otherwise give wrong steps silently."""
-    if not callable(value):
-        pred, _, integer = CALLABLE_RULES.get(name, RULES[name])
+    pred, _, integer = CALLABLE_RULES.get(name, RULES[name])
+    given = not callable(value)
+    if given:
         if (type(value) is int and integer and value > 0) or \
                 (type(value) is float and not integer and math.isfinite(value) and pred(value)):
             return value  # the common cases, checked without the general path
-        if name == "kl_clip" and value is None:
-            return value  # type: ignore[return-value]  # set to None between steps: no clipping
-        value = as_number(value)
-        try:
-            _check_number(name, value, from_callable=True)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{exc} (its value at step {step}, set after construction)") from None
-        # an int given for a float setting (damping=10**30) as a float: torch ops take no int beyond int64 (a step
-        # count of 2.0 is kept as given, as kfac_pytorch keeps it)
-        return float(value) if isinstance(value, int) and not integer else value  # type: ignore[return-value]
-    out = as_number(value(step))
+        out, origin = as_number(value), f"its value at step {step}, set after construction"
+    else:
+        out, origin = as_number(value(step)), f"returned by the callable at step {step}"
     if name == "kl_clip" and out is None:
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # no clipping (a callable's None, or set so between steps)
     try:
         _check_number(name, out, from_callable=True)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} (returned by the callable at step {step})") from None
-    return int(out) if RULES[name][2] else out  # type: ignore[return-value]
+        raise type(exc)(f"{exc} ({origin})") from None
+    if given:  # an int given for a float setting (damping=10**30) as a float: torch ops take no int beyond int64
+        # (a step count of 2.0 is kept as given, as kfac_pytorch keeps it)
+        return float(out) if isinstance(out, int) and not integer else out  # type: ignore[return-value]
+    return int(out) if integer else out  # type: ignore[return-value]
 
 
 def exp_decay_factor_averaging(min_value: float = 0.95) -> Callable[[int], float]:

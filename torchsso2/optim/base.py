@@ -111,6 +111,14 @@ _NOT_COPIED = frozenset({"step", "_opt_called", "_optimizer_step_pre_hooks", "_o
                          "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"})
 
 
+def loss_is_finite(loss: Any) -> bool:
+    """Whether a closure's loss is finite: a tensor through :func:`all_finite` (it is in the user's graph), a
+    number (a closure may return ``loss.item()``) by :func:`math.isfinite`; anything else counts as finite."""
+    if isinstance(loss, Tensor):
+        return all_finite([loss])
+    return not isinstance(loss, numbers.Real) or math.isfinite(float(loss))
+
+
 class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
     """Base class; see :class:`SecondOrderOptimizer` and :class:`VIOptimizer`."""
 
@@ -515,9 +523,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         warn_params_gone(self, params)
         if self.comm.world_size <= 1:
             return True, params, groups
-        bad = (blocks is not None and not blocks) or \
-            (isinstance(loss, Tensor) and not all_finite([loss])) or \
-            (isinstance(loss, numbers.Real) and not math.isfinite(float(loss)))  # a closure returning loss.item()
+        bad = (blocks is not None and not blocks) or not loss_is_finite(loss)
         dev = params[0].grad.device if params else \
             next((p.device for p in self.model.parameters()), torch.device("cpu"))
         dtype = params[0].grad.dtype if params else torch.float64
@@ -685,11 +691,7 @@ class CurvatureOptimizer(GroupChecks, CheckpointState, torch.optim.Optimizer):
         """Loss, gradients and this batch's curvature are all finite ({} marks a non-finite output).
         The loss through :func:`all_finite` (it is in the user's graph), the gradients and fresh
         statistics — the optimizer's own — in one :func:`owned_all_finite`."""
-        if fresh is not None and not fresh:
-            return False
-        if isinstance(loss, Tensor) and not all_finite([loss]):
-            return False
-        if isinstance(loss, float) and not math.isfinite(loss):  # a closure may return loss.item()
+        if (fresh is not None and not fresh) or not loss_is_finite(loss):
             return False
         owned = list(grads)
         if fresh:

@@ -743,15 +743,14 @@ class SecondOrderOptimizer(CurvatureOptimizer):
                 "low_rank_generator": None if self.low_rank is None else self.low_rank.generator.get_state()}
 
     def _check_extra_state(self, state: Dict[str, Any]) -> None:
-        for key in ("damping", "damping_request"):
+        for key, optional in (("damping", False), ("damping_request", True)):
             damping = state.get(key)
-            if key == "damping_request" and damping is None:
+            if optional and damping is None:
                 continue
             if isinstance(damping, bool) or not isinstance(damping, (int, float)) \
                     or not 0.0 <= float(damping) < float("inf"):
                 raise ValueError(f"checkpoint entry ['torchsso2']['extra'][{key!r}] is {damping!r}, expected a finite "
-                                 "number >= 0" + (" or None" if key == "damping_request" else "")
-                                 + "; the optimizer is unchanged")
+                                 f"number >= 0{' or None' if optional else ''}; the optimizer is unchanged")
         if state.get("lm") is not None and not isinstance(state["lm"], dict):
             raise ValueError("checkpoint entry ['torchsso2']['extra']['lm'] must be a dict or None; "
                              "the optimizer is unchanged")
