@@ -118,6 +118,8 @@ def test_fixed_grid_has_empirical_fisher_points_and_the_optimizer_uses_them():
     fixed = bench.grids(False)["kfac-fixed"]
     assert any(p.get("curvature") == "empirical_fisher" for p in fixed)
     assert any("curvature" not in p for p in fixed)  # the default (Monte-Carlo Fisher) stays in
+    # two empirical-Fisher estimates per decomposition (only the estimates before one reach the preconditioner)
+    assert {(p["curv"], p["inv"]) for p in fixed if p.get("curvature") == "empirical_fisher"} >= {(25, 50), (50, 100)}
     assert len(fixed) <= 16  # the full run stays short
     point = {"lr": 0.3, "damping": 0.01, "curv": 10, "inv": 100, "curvature": "empirical_fisher", "kl_clip": 5e-5}
     opt = bench.make_optimizer("kfac-fixed", point, bench.make_model("mlp", 0), 0)
