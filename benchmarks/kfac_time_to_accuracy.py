@@ -126,11 +126,11 @@ def grids(quick: bool) -> Dict[str, List[Dict[str, Any]]]:
         # and were dropped. Each at the default Monte-Carlo Fisher and at the empirical Fisher from the
         # user's own backward (no second backward; at batch 128 it reaches 97% in fewer epochs); the
         # empirical Fisher also at 25/50 and 50/100 (two estimates per decomposition: only the estimates
-        # before a decomposition reach the preconditioner, through the EMA, and the digits runs end within
-        # 2-6 decompositions); three points with an explicit KL clip below the default 1.4e-4, for the CNN
-        # at batch 128. kfac_method="inverse" (factored damping) was tried at damping 1e-3..0.3 (lr 0.3)
-        # and 0.03..0.3 (lr 0.1): it reached 97% on fewer seeds and in more epochs (MLP at batch 128: 7 epochs at best
-        # against 3) and is not in the grid
+        # before a decomposition reach the preconditioner, through the EMA, and the fastest digits runs
+        # decompose once or twice); three points with an explicit KL clip below the default 1.4e-4, for
+        # the CNN at batch 128. kfac_method="inverse" (factored damping) was tried at damping 1e-3..0.3
+        # (lr 0.3) and 0.03..0.3 (lr 0.1): it reached 97% on fewer seeds and in more epochs (MLP at batch
+        # 128: 7 epochs at best against 3) and is not in the grid
         "kfac-fixed": [{"lr": 0.3, "damping": d, "curv": c, "inv": i, **curv}
                        for curv, d, (c, i) in itertools.product(({}, {"curvature": "empirical_fisher"}), (1e-2, 3e-2),
                                                                 ((5, 50), (10, 100)))]
